@@ -1,0 +1,44 @@
+// The byte layout of one KV block: `block_tokens` consecutive entries of one
+// (session, layer, kv-head) shard, head-contiguous as in HeadInfer.
+//
+//   [ K: block_tokens x head_dim elements of dtype ]   keys after RoPE
+//   [ V: block_tokens x head_dim elements of dtype ]
+//   [ MAW: block_tokens floats ]                         moving-average attention weight
+//
+// Entry t of the block has its key at K + t * head_dim. Entries past the shard's held count
+// in its last block are unused (not zeroed).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace tandem::kv_store {
+
+enum class KvDType : uint8_t { kF32, kBf16 };
+
+inline size_t DTypeBytes(KvDType t) { return t == KvDType::kF32 ? 4 : 2; }
+
+struct BlockFormat {
+  uint32_t block_tokens = 64;  // 16..256
+  uint32_t head_dim = 128;     // 16..256, multiple of 8
+  KvDType dtype = KvDType::kBf16;
+
+  size_t row_bytes() const { return size_t{head_dim} * DTypeBytes(dtype); }
+  size_t k_bytes() const { return size_t{block_tokens} * row_bytes(); }
+  size_t k_offset() const { return 0; }
+  size_t v_offset() const { return k_bytes(); }
+  size_t maw_offset() const { return 2 * k_bytes(); }
+  // Bytes of one entry: its K row, V row and MAW.
+  size_t entry_bytes() const { return 2 * row_bytes() + sizeof(float); }
+  // Bytes of one block, rounded up to 64 so every block starts cache-line aligned.
+  size_t block_bytes() const { return (block_tokens * entry_bytes() + 63) / 64 * 64; }
+
+  bool operator==(const BlockFormat&) const = default;
+
+  // INVALID_ARGUMENT naming the field when a value is outside the ranges above.
+  absl::Status Validate() const;
+};
+
+}  // namespace tandem::kv_store

@@ -1,0 +1,81 @@
+// A paged pool of fixed-size KV blocks of one BlockFormat (the FMS paper's page pool).
+//
+// Memory is one anonymous mapping reserved for `max_blocks` blocks with MAP_NORESERVE: address
+// space only, physical pages arrive when a block is first written. Allocate and Unref are O(1)
+// (a free list of block ids plus a bump index). Each allocated block is charged to the shared
+// MemoryBudget and released when its reference count drops to zero. Reference counts implement
+// prefix sharing: a block shared by k shards has count k, and a shard that wants to write into
+// a block with count > 1 copies it first (copy-on-write, see Shard).
+//
+// Thread-safe: allocation, reference counting and the counters take an internal mutex. Block
+// *contents* are not synchronised here; the owner (a session) serialises writers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/kv_store/block_format.h"
+#include "tandem/kv_store/memory_budget.h"
+
+namespace tandem::kv_store {
+
+using BlockId = uint32_t;
+
+class BlockPool {
+ public:
+  // INVALID_ARGUMENT for a bad format or max_blocks == 0; INTERNAL if the mapping fails.
+  // `budget` must outlive the pool.
+  static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockFormat& format,
+                                                            uint64_t max_blocks,
+                                                            MemoryBudget* budget);
+  ~BlockPool();
+  BlockPool(const BlockPool&) = delete;
+  BlockPool& operator=(const BlockPool&) = delete;
+
+  // A block with reference count 1 and unspecified contents. RESOURCE_EXHAUSTED when the
+  // budget or max_blocks is exhausted.
+  absl::StatusOr<BlockId> Allocate();
+  void Ref(BlockId id);
+  // Drops one reference; the block returns to the free list (and its bytes to the budget) at 0.
+  void Unref(BlockId id);
+  uint32_t refcount(BlockId id) const;
+
+  std::byte* data(BlockId id) { return base_ + size_t{id} * format_.block_bytes(); }
+  const std::byte* data(BlockId id) const { return base_ + size_t{id} * format_.block_bytes(); }
+  std::byte* k(BlockId id) { return data(id) + format_.k_offset(); }
+  std::byte* v(BlockId id) { return data(id) + format_.v_offset(); }
+  float* maw(BlockId id) { return reinterpret_cast<float*>(data(id) + format_.maw_offset()); }
+  const std::byte* k(BlockId id) const { return data(id) + format_.k_offset(); }
+  const std::byte* v(BlockId id) const { return data(id) + format_.v_offset(); }
+  const float* maw(BlockId id) const {
+    return reinterpret_cast<const float*>(data(id) + format_.maw_offset());
+  }
+
+  const BlockFormat& format() const { return format_; }
+  uint64_t max_blocks() const { return max_blocks_; }
+  uint64_t blocks_in_use() const;
+  // Blocks ever touched (bump index): the pool's high-water mark of physical memory.
+  uint64_t blocks_touched() const;
+
+ private:
+  BlockPool(const BlockFormat& format, uint64_t max_blocks, MemoryBudget* budget,
+            std::byte* base, size_t mapped_bytes);
+
+  const BlockFormat format_;
+  const uint64_t max_blocks_;
+  MemoryBudget* const budget_;
+  std::byte* const base_;
+  const size_t mapped_bytes_;
+
+  mutable std::mutex mu_;
+  std::vector<uint32_t> refcounts_;  // [max_blocks], grown with the bump index
+  std::vector<BlockId> free_list_;   // ids below next_unused_ with refcount 0
+  BlockId next_unused_ = 0;          // bump index: ids >= this were never handed out
+  uint64_t in_use_ = 0;
+};
+
+}  // namespace tandem::kv_store

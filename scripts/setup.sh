@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs tandem's build and test dependencies from Debian 12 packages.
+# Idempotent: packages already present are skipped, so re-running it costs only a dpkg query.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config ninja-build git
+  libgrpc++-dev libgrpc-dev protobuf-compiler-grpc
+  libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  libdnnl-dev ocl-icd-opencl-dev opencl-headers   # Debian's oneDNN cmake config needs OpenCL
+  libgtest-dev libgmock-dev googletest
+  libbenchmark-dev
+  nlohmann-json3-dev
+  libspdlog-dev libfmt-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "setup: installing ${missing[*]}"
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -q
+"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
