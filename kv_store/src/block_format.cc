@@ -1,1 +1,24 @@
-// placeholder until its owner writes it
+#include "tandem/kv_store/block_format.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::kv_store {
+
+absl::Status BlockFormat::Validate() const {
+  if (block_tokens < 16 || block_tokens > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_tokens must be in 16..256, got ", block_tokens));
+  }
+  if (head_dim < 16 || head_dim > 256 || head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim must be in 16..256 and a multiple of 8, got ", head_dim));
+  }
+  // The enum may hold any byte when it arrives from a wire format cast.
+  if (dtype != KvDType::kF32 && dtype != KvDType::kBf16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype must be kF32 or kBf16, got ", static_cast<int>(dtype)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::kv_store

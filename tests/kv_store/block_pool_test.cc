@@ -1,1 +1,309 @@
-// placeholder until its owner writes it
+// BlockPool, MemoryBudget, BudgetedBuffer and BlockFormat.
+#include "tandem/kv_store/block_pool.h"
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tandem/kv_store/block_format.h"
+#include "tandem/kv_store/memory_budget.h"
+#include "tandem/kv_store/shard.h"
+
+namespace tandem::kv_store {
+namespace {
+
+BlockFormat Format(uint32_t block_tokens = 16, uint32_t head_dim = 64,
+                   KvDType dtype = KvDType::kF32) {
+  return BlockFormat{block_tokens, head_dim, dtype};
+}
+
+TEST(BlockFormatTest, LayoutAndSizes) {
+  // bf16, head_dim 128: rows of 256 bytes, entries of 2 * 256 + 4 = 516 bytes.
+  const BlockFormat f = Format(64, 128, KvDType::kBf16);
+  EXPECT_EQ(f.row_bytes(), 256u);
+  EXPECT_EQ(f.entry_bytes(), 516u);
+  EXPECT_EQ(f.k_offset(), 0u);
+  EXPECT_EQ(f.v_offset(), 64u * 256u);
+  EXPECT_EQ(f.maw_offset(), 2u * 64u * 256u);
+  EXPECT_EQ(f.block_bytes(), 64u * 516u);  // 33024 is already a multiple of 64
+  for (uint32_t bt : {16u, 17u, 31u, 64u, 100u, 256u}) {
+    for (uint32_t hd : {16u, 24u, 64u, 128u, 256u}) {
+      for (KvDType dt : {KvDType::kF32, KvDType::kBf16}) {
+        const BlockFormat g = Format(bt, hd, dt);
+        EXPECT_EQ(g.block_bytes() % 64, 0u);
+        EXPECT_GE(g.block_bytes(), bt * g.entry_bytes());
+        EXPECT_LT(g.block_bytes(), bt * g.entry_bytes() + 64);
+      }
+    }
+  }
+}
+
+TEST(BlockFormatTest, ValidateNamesTheField) {
+  EXPECT_TRUE(Format(16, 16).Validate().ok());
+  EXPECT_TRUE(Format(256, 256, KvDType::kBf16).Validate().ok());
+  absl::Status s = Format(15, 64).Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("block_tokens"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("15"), std::string::npos) << s;
+  EXPECT_EQ(Format(257, 64).Validate().code(), absl::StatusCode::kInvalidArgument);
+  s = Format(64, 100).Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("head_dim"), std::string::npos) << s;
+  EXPECT_EQ(Format(64, 8).Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Format(64, 264).Validate().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Format(64, 64, static_cast<KvDType>(7)).Validate().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(MemoryBudgetTest, ChargeNeverExceedsCapacity) {
+  MemoryBudget budget(100);
+  EXPECT_TRUE(budget.Charge(60).ok());
+  EXPECT_TRUE(budget.Charge(40).ok());
+  EXPECT_EQ(budget.used(), 100u);
+  EXPECT_EQ(budget.free(), 0u);
+  absl::Status s = budget.Charge(1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("100 of 100"), std::string::npos) << s;
+  EXPECT_EQ(budget.used(), 100u);
+  budget.Release(30);
+  EXPECT_EQ(budget.used(), 70u);
+  EXPECT_EQ(budget.Charge(31).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(budget.Charge(30).ok());
+  // A huge charge must not wrap around.
+  budget.Release(100);
+  EXPECT_EQ(budget.Charge(~uint64_t{0}).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(MemoryBudgetTest, ConcurrentChargesStopExactlyAtCapacity) {
+  constexpr uint64_t kCapacity = 25000;
+  MemoryBudget budget(kCapacity);
+  std::atomic<uint64_t> granted{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 10000; ++i) {
+        if (budget.Charge(1).ok()) granted.fetch_add(1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(granted.load(), kCapacity);
+  EXPECT_EQ(budget.used(), kCapacity);
+}
+
+TEST(BudgetedBufferTest, GrowsGeometricallyKeepsContentsAndCharges) {
+  MemoryBudget budget(1 << 20);
+  {
+    BudgetedBuffer buf(&budget);
+    EXPECT_EQ(buf.capacity(), 0u);
+    ASSERT_TRUE(buf.Reserve(100).ok());
+    EXPECT_EQ(buf.capacity(), 128u);  // rounded up to 64
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buf.data()) % 64, 0u);
+    EXPECT_EQ(budget.used(), 128u);
+    for (int i = 0; i < 128; ++i) buf.data()[i] = static_cast<std::byte>(i);
+    ASSERT_TRUE(buf.Reserve(129).ok());
+    EXPECT_EQ(buf.capacity(), 256u);  // doubled
+    EXPECT_EQ(budget.used(), 256u);
+    for (int i = 0; i < 128; ++i) ASSERT_EQ(buf.data()[i], static_cast<std::byte>(i));
+    ASSERT_TRUE(buf.Reserve(200).ok());  // fits: no change
+    EXPECT_EQ(buf.capacity(), 256u);
+    ASSERT_TRUE(buf.Reserve(1000).ok());  // more than double: exactly the request
+    EXPECT_EQ(buf.capacity(), 1024u);
+    EXPECT_EQ(budget.used(), 1024u);
+    buf.Clear();
+    EXPECT_EQ(buf.capacity(), 0u);
+    EXPECT_EQ(buf.data(), nullptr);
+    EXPECT_EQ(budget.used(), 0u);
+    ASSERT_TRUE(buf.Reserve(64).ok());
+  }
+  EXPECT_EQ(budget.used(), 0u);  // the destructor releases
+}
+
+TEST(BudgetedBufferTest, FallsBackToExactGrowthThenFailsUnchanged) {
+  MemoryBudget budget(1500);
+  BudgetedBuffer buf(&budget);
+  ASSERT_TRUE(buf.Reserve(1024).ok());
+  buf.data()[0] = std::byte{42};
+  // Doubling to 2048 does not fit in 1500; exactly 1088 does.
+  ASSERT_TRUE(buf.Reserve(1025).ok());
+  EXPECT_EQ(buf.capacity(), 1088u);
+  EXPECT_EQ(buf.data()[0], std::byte{42});
+  const std::byte* data = buf.data();
+  EXPECT_EQ(buf.Reserve(1600).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(buf.capacity(), 1088u);
+  EXPECT_EQ(buf.data(), data);
+  EXPECT_EQ(budget.used(), 1088u);
+}
+
+TEST(BlockPoolTest, CreateRejectsBadArguments) {
+  MemoryBudget budget(1 << 20);
+  EXPECT_EQ(BlockPool::Create(Format(), 0, &budget).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(Format(8), 4, &budget).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(Format(16, 100), 4, &budget).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(Format(), uint64_t{1} << 33, &budget).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(BlockPool::Create(Format(), 4, nullptr).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(BlockPoolTest, AllocateUnrefReusesBlocksAndChargesBudget) {
+  const BlockFormat f = Format();
+  const uint64_t bb = f.block_bytes();
+  MemoryBudget budget(1 << 20);
+  auto pool = BlockPool::Create(f, 8, &budget);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  BlockPool& p = **pool;
+  EXPECT_EQ(p.max_blocks(), 8u);
+  EXPECT_EQ(p.blocks_in_use(), 0u);
+  EXPECT_EQ(p.blocks_touched(), 0u);
+
+  std::vector<BlockId> ids;
+  for (int i = 0; i < 3; ++i) {
+    auto id = p.Allocate();
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  EXPECT_EQ(ids, (std::vector<BlockId>{0, 1, 2}));  // bump index
+  for (BlockId id : ids) EXPECT_EQ(p.refcount(id), 1u);
+  EXPECT_EQ(p.blocks_in_use(), 3u);
+  EXPECT_EQ(p.blocks_touched(), 3u);
+  EXPECT_EQ(budget.used(), 3 * bb);
+  // Blocks are bb bytes apart and 64-byte aligned.
+  EXPECT_EQ(p.data(1) - p.data(0), static_cast<ptrdiff_t>(bb));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p.data(2)) % 64, 0u);
+  EXPECT_EQ(reinterpret_cast<std::byte*>(p.maw(1)), p.data(1) + f.maw_offset());
+
+  p.Unref(1);
+  EXPECT_EQ(p.refcount(1), 0u);
+  EXPECT_EQ(p.blocks_in_use(), 2u);
+  EXPECT_EQ(budget.used(), 2 * bb);
+  auto reused = p.Allocate();
+  ASSERT_TRUE(reused.ok());
+  EXPECT_EQ(*reused, 1u);  // the free list comes before the bump index
+  EXPECT_EQ(p.blocks_touched(), 3u);
+  auto fresh = p.Allocate();
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(*fresh, 3u);
+  EXPECT_EQ(p.blocks_touched(), 4u);
+
+  for (BlockId id : {0u, 1u, 2u, 3u}) p.Unref(id);
+  EXPECT_EQ(p.blocks_in_use(), 0u);
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_EQ(p.blocks_touched(), 4u);  // the high-water mark stays
+}
+
+TEST(BlockPoolTest, ReferencesKeepABlockAlive) {
+  MemoryBudget budget(1 << 20);
+  auto pool = BlockPool::Create(Format(), 4, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  auto id = p.Allocate();
+  ASSERT_TRUE(id.ok());
+  std::memset(p.k(*id), 0x5a, p.format().k_bytes());
+  p.Ref(*id);
+  p.Ref(*id);
+  EXPECT_EQ(p.refcount(*id), 3u);
+  p.Unref(*id);
+  p.Unref(*id);
+  EXPECT_EQ(p.refcount(*id), 1u);
+  EXPECT_EQ(p.blocks_in_use(), 1u);
+  EXPECT_EQ(static_cast<unsigned>(p.k(*id)[17]), 0x5au);
+  p.Unref(*id);
+  EXPECT_EQ(p.refcount(*id), 0u);
+  EXPECT_EQ(p.blocks_in_use(), 0u);
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+TEST(BlockPoolTest, MaxBlocksExhaustedChangesNothing) {
+  MemoryBudget budget(1 << 20);
+  auto pool = BlockPool::Create(Format(), 4, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(p.Allocate().ok());
+  const uint64_t used = budget.used();
+  auto full = p.Allocate();
+  EXPECT_EQ(full.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("4 blocks"), std::string::npos) << full.status();
+  EXPECT_EQ(p.blocks_in_use(), 4u);
+  EXPECT_EQ(p.blocks_touched(), 4u);
+  EXPECT_EQ(budget.used(), used);
+  p.Unref(2);
+  auto again = p.Allocate();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, 2u);
+}
+
+TEST(BlockPoolTest, BudgetExhaustedChangesNothing) {
+  const BlockFormat f = Format();
+  MemoryBudget budget(2 * f.block_bytes() + f.block_bytes() / 2);
+  auto pool = BlockPool::Create(f, 100, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  ASSERT_TRUE(p.Allocate().ok());
+  ASSERT_TRUE(p.Allocate().ok());
+  auto over = p.Allocate();
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("budget"), std::string::npos) << over.status();
+  EXPECT_EQ(p.blocks_in_use(), 2u);
+  EXPECT_EQ(p.blocks_touched(), 2u);
+  EXPECT_EQ(budget.used(), 2 * f.block_bytes());
+  p.Unref(0);
+  auto again = p.Allocate();
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, 0u);
+}
+
+TEST(BlockPoolTest, LargeReservationCostsNothingUntilUsed) {
+  // 2^24 blocks of 8 KiB reserve 128 GiB of address space; only touched blocks cost memory
+  // and the bookkeeping grows with the bump index.
+  const BlockFormat f = Format();
+  MemoryBudget budget(uint64_t{1} << 40);
+  auto pool = BlockPool::Create(f, uint64_t{1} << 24, &budget);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  auto id = (*pool)->Allocate();
+  ASSERT_TRUE(id.ok());
+  std::memset((*pool)->data(*id), 1, f.block_bytes());
+  EXPECT_EQ((*pool)->blocks_touched(), 1u);
+  EXPECT_EQ(budget.used(), f.block_bytes());
+  (*pool)->Unref(*id);
+}
+
+TEST(BlockPoolTest, ConcurrentAllocateAndUnrefBalance) {
+  const BlockFormat f = Format();
+  MemoryBudget budget(64 * f.block_bytes());
+  auto pool = BlockPool::Create(f, 64, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  std::vector<std::thread> threads;
+  std::atomic<uint64_t> ok{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      std::vector<BlockId> mine;
+      for (int i = 0; i < 2000; ++i) {
+        if (auto id = p.Allocate(); id.ok()) {
+          mine.push_back(*id);
+          ok.fetch_add(1);
+        }
+        if (mine.size() > 8 || (i % 3 == 0 && !mine.empty())) {
+          p.Unref(mine.back());
+          mine.pop_back();
+        }
+      }
+      for (BlockId id : mine) p.Unref(id);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(ok.load(), 0u);
+  EXPECT_EQ(p.blocks_in_use(), 0u);
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_LE(p.blocks_touched(), 64u);
+}
+
+}  // namespace
+}  // namespace tandem::kv_store

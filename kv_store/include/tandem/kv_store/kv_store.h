@@ -55,6 +55,7 @@ struct SessionOptions {
 
 class Session {
  public:
+  // Made by KvStore with validated options (shards sorted, unique, in range).
   Session(std::string id, SessionOptions options, BlockPool* pool, MemoryBudget* budget);
   Session(const Session&) = delete;
   Session& operator=(const Session&) = delete;
@@ -70,7 +71,7 @@ class Session {
 
   // Owned kv heads of `layer`, ascending (empty for a layer out of range).
   std::span<const uint32_t> owned_kv_heads(uint32_t layer) const;
-  // The shard, or nullptr if (layer, kv_head) is not owned.
+  // The shard, or nullptr if (layer, kv_head) is not owned or the session was closed.
   Shard* shard(uint32_t layer, uint32_t kv_head);
   const Shard* shard(uint32_t layer, uint32_t kv_head) const;
   size_t num_shards() const { return shards_.size(); }
@@ -79,13 +80,19 @@ class Session {
 
  private:
   friend class KvStore;
+  // Destroys every shard (dropping its block references) and marks the session closed, so a
+  // caller still holding the shared_ptr finds no shards. Needs the exclusive lock. Returns the
+  // number of block references dropped.
+  uint64_t DropShardsLocked();
+
   const std::string id_;
   const SessionOptions options_;
   BlockPool* const pool_;
   float beta_;
   std::vector<std::vector<uint32_t>> owned_;           // [num_layers] -> kv heads ascending
   std::vector<int32_t> shard_index_;                   // [layer * H_kv + kv_head] -> index or -1
-  std::vector<std::unique_ptr<Shard>> shards_;
+  std::vector<std::unique_ptr<Shard>> shards_;         // in options_.shards order
+  bool closed_ = false;
   mutable std::shared_mutex mu_;
 };
 
@@ -99,8 +106,8 @@ struct StoreStats {
   uint64_t used_bytes = 0;          // charged to the budget: blocks + selected copies
   uint64_t blocks_in_use = 0;       // over all pools
   uint64_t block_bytes_in_use = 0;
-  uint64_t stored_bytes = 0;        // sum over shards of held * entry_bytes (shared prefixes
-                                    // counted once per block owner, see kv_store.cc)
+  uint64_t stored_bytes = 0;        // sum over shards of held * entry_bytes (a prefix shared
+                                    // by k shards is counted k times, see kv_store.cc)
   uint64_t selected_bytes = 0;      // capacity of the selected copies
   uint32_t sessions = 0;
 };
@@ -116,7 +123,9 @@ class KvStore {
   ~KvStore();
 
   // INVALID_ARGUMENT for a bad id (1..128 chars of [A-Za-z0-9._:-]) or options,
-  // ALREADY_EXISTS for a duplicate id, RESOURCE_EXHAUSTED past max_sessions.
+  // ALREADY_EXISTS for a duplicate id, RESOURCE_EXHAUSTED past max_sessions. Options are
+  // normalised: block_tokens 0 becomes the default, shards sorted (empty: every shard, at most
+  // 65536 per session).
   absl::StatusOr<std::shared_ptr<Session>> OpenSession(const std::string& id,
                                                        SessionOptions options);
   // As OpenSession, then every shard shares the first prefix_tokens entries of the parent's
@@ -134,7 +143,7 @@ class KvStore {
   // Appends n entries to each listed kv head of `layer`: k, v are [kv_heads.size(), n, D] of
   // the session dtype, maw [kv_heads.size(), n]. Selection threshold beta / window_entries.
   // Validates layer, heads (owned, no duplicates), n > 0, window_entries > 0 and every MAW
-  // (finite, >= 0). All-or-nothing across heads.
+  // (finite, >= 0). All-or-nothing across heads. NOT_FOUND if the session was closed.
   absl::StatusOr<AppendStats> Append(Session& session, uint32_t layer,
                                      std::span<const uint32_t> kv_heads, const std::byte* k,
                                      const std::byte* v, const float* maw, uint32_t n,

@@ -53,6 +53,10 @@ class BudgetedBuffer {
   size_t capacity() const { return capacity_; }
 
  private:
+  friend class Shard;  // grows its K and V copies together, see Shard::ReserveSelected
+  // Grows to exactly `new_capacity` (a multiple of 64, > capacity()), charging the difference.
+  absl::Status GrowTo(size_t new_capacity);
+
   MemoryBudget* budget_;
   std::byte* data_ = nullptr;
   size_t capacity_ = 0;
@@ -90,6 +94,8 @@ class Shard {
   std::span<const uint8_t> selected_flags() const { return selected_flags_; }
   const std::byte* selected_k() const { return sel_k_.data(); }
   const std::byte* selected_v() const { return sel_v_.data(); }
+  // Bytes charged for the selected copy (capacity of its K and V buffers).
+  size_t selected_capacity_bytes() const { return sel_k_.capacity() + sel_v_.capacity(); }
 
   // Block views for scans over every held entry (Reselect).
   const std::vector<BlockId>& blocks() const { return blocks_; }
@@ -102,8 +108,13 @@ class Shard {
   const BlockPool* pool() const { return pool_; }
 
  private:
-  // Makes the last block writable (copy-on-write if shared). Returns its id.
-  absl::StatusOr<BlockId> WritableLastBlock();
+  // Copies the held rows of the shared partial last block into `fresh` (already allocated)
+  // and swaps it into the table, dropping this shard's reference to the shared block.
+  void CopyOnWriteLastBlock(BlockId fresh);
+  // Ensures the selected copy has room for `rows` rows in both K and V; on
+  // RESOURCE_EXHAUSTED neither buffer has grown (single-threaded budget use; a concurrent
+  // charger can make K grow and V fail, which changes capacity only, never contents).
+  absl::Status ReserveSelected(uint64_t rows);
 
   BlockPool* pool_;
   MemoryBudget* budget_;
