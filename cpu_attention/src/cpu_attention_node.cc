@@ -1,1 +1,382 @@
-// placeholder until its owner writes it
+#include "tandem/cpu_attention/cpu_attention_node.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+#include <shared_mutex>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/cpu_attention/salience.h"
+#include "tandem/cpu_attention/sparse_attention.h"
+#include "tandem/cpu_attention/tensor_codec.h"
+
+namespace tandem::cpu_attention {
+namespace {
+
+using kv_store::KvDType;
+using kv_store::Session;
+using kv_store::Shard;
+
+absl::StatusOr<KvDType> KvDTypeFromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::DTYPE_BF16:
+      return KvDType::kBf16;
+    case v1::DTYPE_F32:
+      return KvDType::kF32;
+    case v1::DTYPE_F16:
+      return absl::InvalidArgumentError(
+          "kv_dtype DTYPE_F16 is not supported (oneDNN 2.6 has no fast f16 matmul); use BF16");
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_dtype ", v1::DType_Name(dtype), " is not a KV storage type"));
+  }
+}
+
+v1::DType ProtoDType(KvDType dtype) {
+  return dtype == KvDType::kBf16 ? v1::DTYPE_BF16 : v1::DTYPE_F32;
+}
+
+absl::Status CheckLayer(const Session& session, uint32_t layer) {
+  if (layer >= session.geometry().num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " out of range: session '",
+                                                   session.id(), "' has ",
+                                                   session.geometry().num_layers, " layers"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBeta(float beta) {
+  if (!std::isfinite(beta) || beta < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("beta must be finite and >= 0, got ", beta));
+  }
+  return absl::OkStatus();
+}
+
+// Decodes q of shape [T, H_q, D] after checking T against the node's limit.
+absl::Status DecodeQueries(const v1::Tensor& q, absl::string_view what, const Session& session,
+                           uint32_t max_tokens, std::vector<float>* dst, uint32_t* num_tokens) {
+  const auto& g = session.geometry();
+  if (q.shape_size() != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": expected rank 3 [num_tokens, ", g.num_q_heads, ", ", g.head_dim,
+                     "], got rank ", q.shape_size()));
+  }
+  const int64_t t = q.shape(0);
+  if (t < 1 || t > max_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": num_tokens ", t, " outside 1..", max_tokens));
+  }
+  const int64_t shape[] = {t, g.num_q_heads, g.head_dim};
+  TANDEM_RETURN_IF_ERROR(DecodeFloats(q, what, shape, /*require_finite=*/true, dst));
+  *num_tokens = static_cast<uint32_t>(t);
+  return absl::OkStatus();
+}
+
+AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, uint32_t chunk_keys) {
+  AttentionParams p;
+  p.dtype = session.format().dtype;
+  p.head_dim = session.geometry().head_dim;
+  p.group = session.geometry().group();
+  p.num_tokens = num_tokens;
+  p.q_token_stride = size_t{session.geometry().num_q_heads} * p.head_dim;
+  p.chunk_keys = chunk_keys;
+  return p;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
+    const NodeOptions& options) {
+  if (options.pool_bytes == 0) return absl::InvalidArgumentError("pool_bytes must be > 0");
+  if (options.block_tokens < 16 || options.block_tokens > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_tokens must be in 16..256, got ", options.block_tokens));
+  }
+  if (options.threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("threads ", options.threads, " > 4096"));
+  }
+  if (options.max_query_tokens == 0 || options.max_batch == 0 || options.max_sessions == 0) {
+    return absl::InvalidArgumentError("max_query_tokens, max_batch, max_sessions must be > 0");
+  }
+  if (options.chunk_keys < 16 || options.chunk_keys > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk_keys must be in 16..65536, got ", options.chunk_keys));
+  }
+  return std::unique_ptr<CpuAttentionNode>(new CpuAttentionNode(options));
+}
+
+CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
+    : options_(options),
+      store_(kv_store::KvStore::Options{options.pool_bytes, options.block_tokens,
+                                        options.max_sessions}),
+      pool_(options.threads) {}
+
+absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request,
+                                           v1::OpenSessionResponse* response) {
+  if (!request.has_geometry()) return absl::InvalidArgumentError("geometry is required");
+  kv_store::SessionOptions options;
+  const v1::ModelGeometry& g = request.geometry();
+  options.geometry = {g.num_layers(), g.num_q_heads(), g.num_kv_heads(), g.head_dim()};
+  options.block_tokens = request.block_size();
+  TANDEM_ASSIGN_OR_RETURN(options.dtype, KvDTypeFromProto(request.kv_dtype()));
+  TANDEM_RETURN_IF_ERROR(CheckBeta(request.beta()));
+  options.beta = request.beta();
+  // Bound the shard list by the geometry before copying it (the store checks each entry).
+  const uint64_t max_shards = uint64_t{g.num_layers()} * g.num_kv_heads();
+  if (static_cast<uint64_t>(request.shards_size()) > max_shards) {
+    return absl::InvalidArgumentError(absl::StrCat(request.shards_size(),
+                                                   " shards listed, the geometry has ",
+                                                   max_shards));
+  }
+  for (const v1::ShardId& s : request.shards()) options.shards.push_back({s.layer(), s.kv_head()});
+
+  std::shared_ptr<Session> session;
+  if (request.has_fork_from()) {
+    TANDEM_ASSIGN_OR_RETURN(
+        session, store_.ForkSession(request.session_id(), std::move(options),
+                                    request.fork_from().parent_session_id(),
+                                    request.fork_from().prefix_tokens()));
+    response->set_shared_entries(request.fork_from().prefix_tokens());
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(session, store_.OpenSession(request.session_id(), std::move(options)));
+  }
+  response->set_block_size(session->format().block_tokens);
+  response->set_bytes_per_block(session->format().block_bytes());
+  response->set_free_bytes(store_.budget().free());
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
+                                        v1::AppendKvResponse* totals) {
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
+  TANDEM_RETURN_IF_ERROR(CheckLayer(*session, request.layer()));
+  std::vector<uint32_t> heads(request.kv_heads().begin(), request.kv_heads().end());
+  if (heads.empty()) {
+    auto owned = session->owned_kv_heads(request.layer());
+    heads.assign(owned.begin(), owned.end());
+  }
+  if (heads.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("session '", session->id(),
+                                                   "' owns no kv head of layer ",
+                                                   request.layer()));
+  }
+  if (heads.size() > session->geometry().num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(heads.size(), " kv_heads listed, layer has ",
+                                                   session->geometry().num_kv_heads));
+  }
+  const v1::Tensor& k = request.k();
+  if (k.shape_size() != 3 || k.shape(1) < 1 || k.shape(1) > 65536) {
+    return absl::InvalidArgumentError(
+        "k: expected shape [num_heads, num_tokens, head_dim] with num_tokens in 1..65536");
+  }
+  const int64_t n = k.shape(1);
+  const int64_t kv_shape[] = {static_cast<int64_t>(heads.size()), n,
+                              session->geometry().head_dim};
+  const int64_t maw_shape[] = {static_cast<int64_t>(heads.size()), n};
+  const v1::DType dtype = ProtoDType(session->format().dtype);
+  TANDEM_RETURN_IF_ERROR(CheckTensor(k, "k", dtype, kv_shape));
+  TANDEM_RETURN_IF_ERROR(CheckTensor(request.v(), "v", dtype, kv_shape));
+  TANDEM_RETURN_IF_ERROR(CheckTensor(request.maw(), "maw", v1::DTYPE_F32, maw_shape));
+  // Copy MAW out of the proto's byte string so the floats are aligned.
+  std::vector<float> maw(heads.size() * static_cast<size_t>(n));
+  std::memcpy(maw.data(), request.maw().data().data(), maw.size() * sizeof(float));
+
+  TANDEM_ASSIGN_OR_RETURN(
+      kv_store::AppendStats stats,
+      store_.Append(*session, request.layer(), heads,
+                    reinterpret_cast<const std::byte*>(k.data().data()),
+                    reinterpret_cast<const std::byte*>(request.v().data().data()), maw.data(),
+                    static_cast<uint32_t>(n), request.window_entries()));
+  totals->set_messages(totals->messages() + 1);
+  totals->set_entries_appended(totals->entries_appended() + stats.entries_appended);
+  totals->set_entries_selected(totals->entries_selected() + stats.entries_selected);
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
+                                      v1::AttendResponse* response) {
+  const int batch = request.queries_size();
+  if (batch < 1 || static_cast<uint32_t>(batch) > options_.max_batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries: ", batch, " items, expected 1..", options_.max_batch));
+  }
+  // Resolve and validate every query before computing anything.
+  struct Item {
+    std::shared_ptr<Session> session;
+    std::vector<float> q;  // [T, H_q, D]
+    uint32_t num_tokens = 0;
+  };
+  std::vector<Item> items(batch);
+  std::set<std::string> seen;
+  for (int i = 0; i < batch; ++i) {
+    const v1::AttendQuery& query = request.queries(i);
+    if (!seen.insert(query.session_id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat("queries[", i, "]: session '",
+                                                     query.session_id(),
+                                                     "' appears more than once"));
+    }
+    TANDEM_ASSIGN_OR_RETURN(items[i].session, store_.Find(query.session_id()));
+    TANDEM_RETURN_IF_ERROR(CheckLayer(*items[i].session, request.layer()));
+    TANDEM_RETURN_IF_ERROR(DecodeQueries(query.q(), absl::StrCat("queries[", i, "].q"),
+                                         *items[i].session, options_.max_query_tokens,
+                                         &items[i].q, &items[i].num_tokens));
+  }
+
+  attend_calls_.fetch_add(1, std::memory_order_relaxed);
+  attend_in_flight_.fetch_add(1, std::memory_order_relaxed);
+  struct InFlight {
+    std::atomic<uint32_t>* n;
+    ~InFlight() { n->fetch_sub(1, std::memory_order_relaxed); }
+  } in_flight{&attend_in_flight_};
+
+  // Readers hold each session's lock shared for the whole computation; sorted order (the set
+  // above) keeps lock acquisition consistent across concurrent calls.
+  std::vector<std::shared_lock<std::shared_mutex>> locks;
+  {
+    std::vector<Session*> order;
+    for (Item& item : items) order.push_back(item.session.get());
+    std::sort(order.begin(), order.end(),
+              [](const Session* a, const Session* b) { return a->id() < b->id(); });
+    for (Session* s : order) locks.emplace_back(s->mutex());
+  }
+
+  // Problems grouped by the parameters SparseAttention takes for a whole call.
+  using ParamKey = std::tuple<KvDType, uint32_t, uint32_t, uint32_t>;  // dtype, D, G, T
+  std::map<ParamKey, std::pair<AttentionParams, std::vector<HeadProblem>>> groups;
+  uint64_t bytes_scanned = 0;
+  const uint32_t layer = request.layer();
+  for (int i = 0; i < batch; ++i) {
+    Item& item = items[i];
+    const Session& session = *item.session;
+    const auto& g = session.geometry();
+    const uint32_t G = g.group();
+    const auto owned = session.owned_kv_heads(layer);
+    const int64_t rows_per_token = static_cast<int64_t>(owned.size()) * G;
+
+    v1::AttendResult* result = response->add_results();
+    result->set_session_id(session.id());
+    const int64_t o_shape[] = {item.num_tokens, rows_per_token, g.head_dim};
+    const int64_t lse_shape[] = {item.num_tokens, rows_per_token};
+    float* o = InitF32(result->mutable_o(), o_shape);
+    float* lse = InitF32(result->mutable_lse(), lse_shape);
+
+    AttentionParams params = ParamsFor(session, item.num_tokens, options_.chunk_keys);
+    params.o_token_stride = static_cast<size_t>(rows_per_token) * g.head_dim;
+    params.lse_token_stride = static_cast<size_t>(rows_per_token);
+    auto& group = groups[{params.dtype, params.head_dim, params.group, params.num_tokens}];
+    group.first = params;
+    for (size_t h = 0; h < owned.size(); ++h) {
+      const Shard* shard = session.shard(layer, owned[h]);
+      HeadProblem p;
+      p.k = shard->selected_k();
+      p.v = shard->selected_v();
+      p.n = shard->selected_count();
+      p.q = item.q.data() + size_t{owned[h]} * G * g.head_dim;
+      p.o = o + h * G * g.head_dim;
+      p.lse = lse + h * G;
+      group.second.push_back(p);
+      result->add_kv_heads(owned[h]);
+      result->add_selected(shard->selected_count());
+      result->add_held(shard->held());
+      bytes_scanned += 2 * shard->selected_count() * shard->format().row_bytes();
+    }
+  }
+
+  const auto start = std::chrono::steady_clock::now();
+  for (auto& [key, group] : groups) {
+    TANDEM_RETURN_IF_ERROR(SparseAttention(group.first, group.second, pool_));
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  response->set_compute_micros(static_cast<uint64_t>(seconds * 1e6));
+  response->set_bytes_scanned(bytes_scanned);
+  RecordScan(bytes_scanned, seconds);
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
+                                        v1::ReselectResponse* response) {
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
+  TANDEM_RETURN_IF_ERROR(CheckLayer(*session, request.layer()));
+  if (request.has_beta()) TANDEM_RETURN_IF_ERROR(CheckBeta(request.beta()));
+  std::vector<float> q;
+  uint32_t num_tokens = 0;
+  TANDEM_RETURN_IF_ERROR(DecodeQueries(request.q(), "q", *session, options_.max_query_tokens, &q,
+                                       &num_tokens));
+
+  std::unique_lock lock(session->mutex());
+  const float beta = request.has_beta() ? request.beta() : session->beta();
+  const auto owned = session->owned_kv_heads(request.layer());
+  const auto& g = session->geometry();
+  const AttentionParams params = ParamsFor(*session, num_tokens, options_.chunk_keys);
+
+  // Score every head in parallel, then apply the selections; nothing changes on failure.
+  std::vector<std::vector<uint8_t>> flags(owned.size());
+  std::vector<absl::Status> statuses(owned.size());
+  pool_.ParallelFor(owned.size(), [&](size_t h) {
+    const Shard& shard = *session->shard(request.layer(), owned[h]);
+    const uint64_t held = shard.held();
+    flags[h].assign(held, 1);
+    if (beta == 0 || held == 0) return;  // dense mode selects everything
+    std::vector<float> a(held);
+    statuses[h] = ComputeSalience(params, shard, q.data() + size_t{owned[h]} * g.group() *
+                                                                g.head_dim,
+                                  a);
+    const float threshold = beta / static_cast<float>(held);
+    for (uint64_t i = 0; i < held; ++i) flags[h][i] = a[i] > threshold;
+  });
+  for (const absl::Status& s : statuses) TANDEM_RETURN_IF_ERROR(s);
+  for (size_t h = 0; h < owned.size(); ++h) {
+    TANDEM_RETURN_IF_ERROR(session->shard(request.layer(), owned[h])->SetSelection(flags[h]));
+  }
+  if (request.has_beta()) session->set_beta(beta);
+  for (size_t h = 0; h < owned.size(); ++h) {
+    const Shard& shard = *session->shard(request.layer(), owned[h]);
+    response->add_kv_heads(owned[h]);
+    response->add_selected(shard.selected_count());
+    response->add_held(shard.held());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionNode::CloseSession(const v1::CloseSessionRequest& request,
+                                            v1::CloseSessionResponse* response) {
+  TANDEM_ASSIGN_OR_RETURN(uint64_t released, store_.CloseSession(request.session_id()));
+  response->set_blocks_released(released);
+  return absl::OkStatus();
+}
+
+v1::StatsResponse CpuAttentionNode::Stats() const {
+  const kv_store::StoreStats s = store_.Stats();
+  v1::StatsResponse r;
+  r.set_capacity_bytes(s.capacity_bytes);
+  r.set_used_bytes(s.used_bytes);
+  r.set_block_bytes_in_use(s.block_bytes_in_use);
+  r.set_stored_bytes(s.stored_bytes);
+  r.set_selected_bytes(s.selected_bytes);
+  r.set_blocks_in_use(s.blocks_in_use);
+  r.set_sessions(s.sessions);
+  r.set_threads(pool_.num_threads());
+  r.set_attend_calls(attend_calls_.load(std::memory_order_relaxed));
+  r.set_attend_in_flight(attend_in_flight_.load(std::memory_order_relaxed));
+  std::lock_guard lock(scan_mu_);
+  r.set_scan_bytes_per_second(scan_bytes_per_second_);
+  return r;
+}
+
+void CpuAttentionNode::RecordScan(uint64_t bytes, double seconds) {
+  // Only calls that scanned enough to time meaningfully update the rate the planner reads.
+  if (bytes < (1u << 20) || seconds <= 0) return;
+  const double rate = static_cast<double>(bytes) / seconds;
+  std::lock_guard lock(scan_mu_);
+  scan_bytes_per_second_ =
+      scan_bytes_per_second_ == 0 ? rate : 0.8 * scan_bytes_per_second_ + 0.2 * rate;
+}
+
+}  // namespace tandem::cpu_attention

@@ -22,15 +22,16 @@ unsigned AvailableCores();
 
 class ThreadPool {
  public:
-  // num_threads == 0: AvailableCores(). The calling thread of ParallelFor counts as one extra
-  // runner, so num_threads - 1 workers are started (at least 1).
+  // num_threads == 0: AvailableCores(). The calling thread of ParallelFor counts as one of the
+  // runners, so num_threads - 1 workers are started (none for 1: the caller runs every task).
   explicit ThreadPool(unsigned num_threads = 0);
   ~ThreadPool();  // joins the workers; ParallelFor calls must have returned
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   // Runs fn(i) for i in [0, n) across the pool and the caller; returns when all are done.
-  // fn must not throw.
+  // fn must not throw. The caller's OpenMP thread count is set to 1 for the duration of the
+  // call (oneDNN runs single-threaded in fn on every runner) and restored on return.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 
   unsigned num_threads() const { return num_threads_; }

@@ -1,0 +1,59 @@
+// A running tandem-cpu-attention gRPC server: the node, its service, health (grpc.health.v1,
+// SERVING for "" and "tandem.v1.CpuAttention"), reflection and channelz. The same object serves
+// in-process callers through InProcessChannel() (what the GPU worker embeds by default) or
+// node() directly.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "tandem/cpu_attention/cpu_attention_node.h"
+#include "tandem/cpu_attention/grpc_service.h"
+
+namespace tandem::cpu_attention {
+
+struct ServerOptions {
+  std::string address = "0.0.0.0:50061";  // host:port; port 0 picks a free one; "" = no port
+  NodeOptions node;
+  unsigned executor_threads = 4;
+  // Largest message accepted or sent. Bulk KV must come as many AppendKv messages, never one
+  // giant one; 64 MiB holds e.g. 1 layer x 8 kv heads x 4096 tokens x 128 dims of bf16 K+V.
+  int max_message_bytes = 64 << 20;
+};
+
+class CpuAttentionServer {
+ public:
+  // Builds the node and starts serving. INVALID_ARGUMENT for bad options, UNAVAILABLE if the
+  // address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<CpuAttentionServer>> Start(const ServerOptions& options);
+  ~CpuAttentionServer();  // Shutdown()
+
+  // Stops accepting calls, lets calls in flight finish for up to `grace_ms`, then cancels them.
+  void Shutdown(int grace_ms = 2000);
+  void Wait();
+
+  int port() const { return port_; }  // the bound port (0 without an address)
+  CpuAttentionNode& node() { return *node_; }
+  // A channel to this server that bypasses the network.
+  std::shared_ptr<grpc::Channel> InProcessChannel();
+
+ private:
+  CpuAttentionServer() = default;
+
+  std::unique_ptr<CpuAttentionNode> node_;
+  std::unique_ptr<CpuAttentionGrpcService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  int max_message_bytes_ = 0;
+  bool shut_down_ = false;
+};
+
+// Channel arguments every tandem client of a CPU node should use: message limits matching the
+// server's, keepalive.
+grpc::ChannelArguments CpuAttentionChannelArguments(int max_message_bytes = 64 << 20);
+
+}  // namespace tandem::cpu_attention
