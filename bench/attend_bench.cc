@@ -1,1 +1,500 @@
-int main() { return 0; }
+// tandem-attend-bench: the CPU attention kernel against the memory system and raw oneDNN.
+//
+// Prints one JSON object per line, then a table:
+//   (a) memory bandwidth of this run: multi-threaded memcpy of --mem_mib MiB (read + write bytes
+//       per second) and a read-only streaming sum, best of --reps, all pool threads;
+//   (b) raw oneDNN scan: per kv head one bf16 matmul q·Kᵀ [G, D] x [D, N] and one p·V
+//       [G, N] x [N, D], no softmax, heads spread over the pool (the reference the issue cites:
+//       32 heads x N = 32768 x D = 128, ~71 GB/s on the 16-core host);
+//   (c) SparseAttention (dense: every entry selected) over the same configuration, for each N in
+//       --n (per kv head).
+// Rates are KV GB/s = K + V bytes of the scanned entries / median time. Data lives in plain
+// aligned buffers (no kv_store), and several copies are rotated so the working set exceeds the
+// last-level cache (--footprint_mib).
+//
+// Flags: --heads H (kv heads, 32) --group G (1) --head_dim D (128) --tokens T (1)
+//        --n N1,N2,... (per-head entries; default 1024,4096,32768: 32 heads x 32768 = 1M)
+//        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
+//        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <dnnl.hpp>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "tandem/common/bf16.h"
+#include "tandem/cpu_attention/sparse_attention.h"
+#include "tandem/cpu_attention/thread_pool.h"
+
+namespace tandem::cpu_attention {
+namespace {
+
+struct Flags {
+  uint32_t heads = 32;
+  uint32_t group = 1;
+  uint32_t head_dim = 128;
+  uint32_t tokens = 1;
+  std::vector<uint64_t> n = {1024, 4096, 32768};
+  uint32_t reps = 7;
+  uint32_t threads = 0;
+  uint64_t mem_mib = 2048;
+  uint32_t chunk = 2048;
+  uint32_t tasks_per_thread = 2;
+  uint64_t footprint_mib = 1024;
+};
+
+bool ParseFlags(int argc, char** argv, Flags& f) {
+  bool quick = false;
+  std::map<std::string, std::string> values;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--quick") {
+      quick = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0) {
+      std::fprintf(stderr, "unexpected argument %s\n", arg.c_str());
+      return false;
+    }
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) {
+      values[arg.substr(2, eq - 2)] = arg.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      values[arg.substr(2)] = argv[++i];
+    } else {
+      std::fprintf(stderr, "flag %s needs a value\n", arg.c_str());
+      return false;
+    }
+  }
+  if (quick) {
+    f.heads = 8;
+    f.n = {1024, 16384};
+    f.reps = 5;
+    f.mem_mib = 512;
+    f.footprint_mib = 512;
+  }
+  for (const auto& [name, value] : values) {
+    auto num = [&](auto& out) {
+      char* end = nullptr;
+      const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
+      if (end == value.c_str() || *end != '\0') return false;
+      out = static_cast<std::remove_reference_t<decltype(out)>>(v);
+      return true;
+    };
+    bool ok = true;
+    if (name == "heads")
+      ok = num(f.heads);
+    else if (name == "group")
+      ok = num(f.group);
+    else if (name == "head_dim")
+      ok = num(f.head_dim);
+    else if (name == "tokens")
+      ok = num(f.tokens);
+    else if (name == "reps")
+      ok = num(f.reps);
+    else if (name == "threads")
+      ok = num(f.threads);
+    else if (name == "mem_mib")
+      ok = num(f.mem_mib);
+    else if (name == "chunk")
+      ok = num(f.chunk);
+    else if (name == "tasks_per_thread")
+      ok = num(f.tasks_per_thread);
+    else if (name == "footprint_mib")
+      ok = num(f.footprint_mib);
+    else if (name == "n") {
+      f.n.clear();
+      size_t pos = 0;
+      while (pos <= value.size()) {
+        const size_t comma = std::min(value.find(',', pos), value.size());
+        const std::string item = value.substr(pos, comma - pos);
+        char* end = nullptr;
+        const unsigned long long v = std::strtoull(item.c_str(), &end, 10);
+        if (item.empty() || *end != '\0' || v == 0) {
+          ok = false;
+          break;
+        }
+        f.n.push_back(v);
+        pos = comma + 1;
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag --%s\n", name.c_str());
+      return false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "flag --%s: bad value '%s'\n", name.c_str(), value.c_str());
+      return false;
+    }
+  }
+  return f.heads > 0 && f.group > 0 && f.tokens > 0 && f.reps > 0 && !f.n.empty();
+}
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+struct Freer {
+  void operator()(void* p) const { std::free(p); }
+};
+using Buffer = std::unique_ptr<std::byte, Freer>;
+
+Buffer Allocate(size_t bytes) {
+  void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (p == nullptr) {
+    std::fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
+    std::exit(1);
+  }
+  return Buffer(static_cast<std::byte*>(p));
+}
+
+// Splits [0, bytes) into `parts` 4 KiB-aligned slices; calls fn(offset, length) for slice i.
+template <typename Fn>
+void Slice(size_t bytes, size_t parts, size_t i, Fn fn) {
+  const size_t pages = bytes / 4096;
+  const size_t begin = pages * i / parts * 4096;
+  const size_t end = i + 1 == parts ? bytes : pages * (i + 1) / parts * 4096;
+  fn(begin, end - begin);
+}
+
+void Emit(const nlohmann::json& j) { std::printf("%s\n", j.dump().c_str()); }
+
+// ---- (a) memory bandwidth
+
+// Sum of n words: a streaming read with wide loads (built for AVX-512 / AVX2 / baseline and
+// picked at load time, so the loop is not the bottleneck).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+uint64_t
+SumWords(const uint64_t* p, size_t n) {
+  uint64_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+  for (size_t k = 0; k < n; ++k) acc += p[k];
+  return acc;
+}
+
+struct MemResult {
+  double copy_gbs = 0, read_gbs = 0;
+};
+
+MemResult MeasureMemory(ThreadPool& pool, size_t bytes, uint32_t reps) {
+  Buffer src = Allocate(bytes), dst = Allocate(bytes);
+  const size_t parts = pool.num_threads();
+  // First touch by the threads that will use each slice.
+  pool.ParallelFor(parts, [&](size_t i) {
+    Slice(bytes, parts, i, [&](size_t off, size_t len) {
+      std::memset(src.get() + off, 1, len);
+      std::memset(dst.get() + off, 0, len);
+    });
+  });
+  MemResult r;
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    const double t0 = Now();
+    pool.ParallelFor(parts, [&](size_t i) {
+      Slice(bytes, parts, i,
+            [&](size_t off, size_t len) { std::memcpy(dst.get() + off, src.get() + off, len); });
+    });
+    r.copy_gbs = std::max(r.copy_gbs, 2.0 * bytes / (Now() - t0) / 1e9);
+  }
+  std::vector<uint64_t> sums(parts);
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    const double t0 = Now();
+    pool.ParallelFor(parts, [&](size_t i) {
+      Slice(bytes, parts, i, [&](size_t off, size_t len) {
+        sums[i] = SumWords(reinterpret_cast<const uint64_t*>(src.get() + off), len / 8);
+      });
+    });
+    r.read_gbs = std::max(r.read_gbs, 1.0 * bytes / (Now() - t0) / 1e9);
+  }
+  if (sums[0] == 42) std::printf(" ");  // keep the sums alive
+  return r;
+}
+
+// ---- KV data: `copies` sets of [heads, n, D] bf16 K and V, rotated across reps.
+
+struct KvSet {
+  uint32_t heads, D;
+  uint64_t n;
+  size_t copies;
+  Buffer k, v;
+  const std::byte* K(size_t copy, uint32_t h) const {
+    return k.get() + ((copy * heads + h) * n) * D * 2;
+  }
+  const std::byte* V(size_t copy, uint32_t h) const {
+    return v.get() + ((copy * heads + h) * n) * D * 2;
+  }
+  size_t bytes_per_copy() const { return size_t{heads} * n * D * 2 * 2; }  // K + V
+};
+
+KvSet MakeKv(ThreadPool& pool, uint32_t heads, uint64_t n, uint32_t D, uint64_t footprint) {
+  KvSet s{heads, D, n, 1, nullptr, nullptr};
+  s.copies = std::max<size_t>(1, (footprint + s.bytes_per_copy() - 1) / s.bytes_per_copy());
+  const size_t half = s.copies * s.bytes_per_copy() / 2;
+  s.k = Allocate(half);
+  s.v = Allocate(half);
+  const size_t parts = pool.num_threads();
+  // Values ~ uniform in [-2, 2) (xorshift; the kernel's speed does not depend on them).
+  pool.ParallelFor(parts, [&](size_t i) {
+    uint64_t x = 0x9E3779B97F4A7C15ull * (i + 1);
+    for (Buffer* b : {&s.k, &s.v}) {
+      Slice(half, parts, i, [&](size_t off, size_t len) {
+        bf16_t* p = reinterpret_cast<bf16_t*>(b->get() + off);
+        for (size_t e = 0; e < len / 2; ++e) {
+          x ^= x << 13;
+          x ^= x >> 7;
+          x ^= x << 17;
+          p[e] = FloatToBf16(static_cast<float>(x >> 40) * (4.0f / 16777216.0f) - 2.0f);
+        }
+      });
+    }
+  });
+  return s;
+}
+
+// ---- (b) raw oneDNN scan
+
+#define BENCH_DNNL(stmt)                                                                  \
+  do {                                                                                    \
+    try {                                                                                 \
+      stmt;                                                                               \
+    } catch (const dnnl::error& e) {                                                      \
+      std::fprintf(stderr, "oneDNN failed at %s:%d: %s\n", __FILE__, __LINE__, e.what()); \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+// One thread's primitives for one (G, N, D): S = q·Kᵀ, O = p·V, bf16 in, f32 out.
+struct RawScan {
+  dnnl::engine eng{dnnl::engine::kind::cpu, 0};
+  dnnl::stream strm{eng};
+  dnnl::matmul qk, pv;
+  dnnl::memory q_m, k_m, s_m, p_m, v_m, o_m, scratch_m;
+  std::vector<std::byte> q, p, scratch;
+  std::vector<float> s, o;
+
+  RawScan(int64_t G, int64_t N, int64_t D) {
+    using dt = dnnl::memory::data_type;
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    const dnnl::memory::desc q_md({G, D}, dt::bf16, {D, 1}), k_md({D, N}, dt::bf16, {1, D}),
+        s_md({G, N}, dt::f32, {N, 1}), p_md({G, N}, dt::bf16, {N, 1}),
+        v_md({N, D}, dt::bf16, {D, 1}), o_md({G, D}, dt::f32, {D, 1});
+    dnnl::matmul::primitive_desc qk_pd(dnnl::matmul::desc(q_md, k_md, s_md), attr, eng);
+    dnnl::matmul::primitive_desc pv_pd(dnnl::matmul::desc(p_md, v_md, o_md), attr, eng);
+    qk = dnnl::matmul(qk_pd);
+    pv = dnnl::matmul(pv_pd);
+    q.assign(G * D * 2, std::byte{0x3f});
+    p.assign(G * N * 2, std::byte{0});
+    s.resize(G * N);
+    o.resize(G * D);
+    scratch.resize(
+        std::max(qk_pd.scratchpad_desc().get_size(), pv_pd.scratchpad_desc().get_size()) + 64);
+    q_m = dnnl::memory(q_md, eng, q.data());
+    s_m = dnnl::memory(s_md, eng, s.data());
+    p_m = dnnl::memory(p_md, eng, p.data());
+    o_m = dnnl::memory(o_md, eng, o.data());
+    k_m = dnnl::memory(k_md, eng, DNNL_MEMORY_NONE);
+    v_m = dnnl::memory(v_md, eng, DNNL_MEMORY_NONE);
+    scratch_m =
+        dnnl::memory(qk_pd.scratchpad_desc().get_size() >= pv_pd.scratchpad_desc().get_size()
+                         ? qk_pd.scratchpad_desc()
+                         : pv_pd.scratchpad_desc(),
+                     eng, scratch.data());
+  }
+
+  void Run(const std::byte* k, const std::byte* v) {
+    k_m.set_data_handle(const_cast<std::byte*>(k));
+    v_m.set_data_handle(const_cast<std::byte*>(v));
+    qk.execute(strm, {{DNNL_ARG_SRC, q_m},
+                      {DNNL_ARG_WEIGHTS, k_m},
+                      {DNNL_ARG_DST, s_m},
+                      {DNNL_ARG_SCRATCHPAD, scratch_m}});
+    pv.execute(strm, {{DNNL_ARG_SRC, p_m},
+                      {DNNL_ARG_WEIGHTS, v_m},
+                      {DNNL_ARG_DST, o_m},
+                      {DNNL_ARG_SCRATCHPAD, scratch_m}});
+    strm.wait();
+  }
+};
+
+RawScan& ThreadRawScan(int64_t G, int64_t N, int64_t D) {
+  thread_local std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<RawScan>> cache;
+  auto& slot = cache[{G, N, D}];
+  if (!slot) BENCH_DNNL(slot = std::make_unique<RawScan>(G, N, D));
+  return *slot;
+}
+
+// Median seconds per scan of all heads (one rep = one copy of the data).
+double TimeRaw(ThreadPool& pool, const KvSet& kv, uint32_t rows, uint32_t reps) {
+  auto scan = [&](size_t copy) {
+    pool.ParallelFor(kv.heads, [&](size_t h) {
+      RawScan& rs = ThreadRawScan(rows, static_cast<int64_t>(kv.n), kv.D);
+      BENCH_DNNL(rs.Run(kv.K(copy, h), kv.V(copy, h)));
+    });
+  };
+  for (size_t c = 0; c < std::min<size_t>(kv.copies, 2); ++c) scan(c);  // warm-up, JIT
+  std::vector<double> times;
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    const double t0 = Now();
+    scan((rep + 2) % kv.copies);
+    times.push_back(Now() - t0);
+  }
+  return Median(times);
+}
+
+// ---- (c) SparseAttention over every entry
+
+double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t reps) {
+  const uint32_t D = kv.D, G = f.group, T = f.tokens, H = kv.heads;
+  std::vector<float> q(size_t{T} * H * G * D), o(q.size()), lse(size_t{T} * H * G);
+  for (size_t i = 0; i < q.size(); ++i)
+    q[i] = static_cast<float>((i * 7919) % 1000) / 500.0f - 1.0f;
+  AttentionParams p;
+  p.dtype = kv_store::KvDType::kBf16;
+  p.head_dim = D;
+  p.group = G;
+  p.num_tokens = T;
+  p.q_token_stride = p.o_token_stride = size_t{H} * G * D;
+  p.lse_token_stride = size_t{H} * G;
+  p.chunk_keys = f.chunk;
+  p.tasks_per_thread = f.tasks_per_thread;
+  std::vector<HeadProblem> heads(H);
+  auto run = [&](size_t copy) {
+    for (uint32_t h = 0; h < H; ++h) {
+      heads[h] = HeadProblem{kv.K(copy, h),
+                             kv.V(copy, h),
+                             kv.n,
+                             q.data() + size_t{h} * G * D,
+                             o.data() + size_t{h} * G * D,
+                             lse.data() + size_t{h} * G};
+    }
+    const absl::Status s = SparseAttention(p, heads, pool);
+    if (!s.ok()) {
+      std::fprintf(stderr, "SparseAttention: %s\n", std::string(s.message()).c_str());
+      std::exit(1);
+    }
+  };
+  for (size_t c = 0; c < std::min<size_t>(kv.copies, 2); ++c) run(c);
+  std::vector<double> times;
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    const double t0 = Now();
+    run((rep + 2) % kv.copies);
+    times.push_back(Now() - t0);
+  }
+  return Median(times);
+}
+
+const char* IsaName(dnnl::cpu_isa isa) {
+  switch (isa) {
+    case dnnl::cpu_isa::avx2:
+      return "avx2";
+    case dnnl::cpu_isa::avx2_vnni:
+      return "avx2_vnni";
+    case dnnl::cpu_isa::avx512_core:
+      return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
+  }
+}
+
+int Main(int argc, char** argv) {
+  Flags f;
+  if (!ParseFlags(argc, argv, f)) {
+    std::fprintf(stderr,
+                 "usage: tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] "
+                 "[--tokens T] [--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] "
+                 "[--tasks_per_thread K] [--footprint_mib F]\n");
+    return 2;
+  }
+  ThreadPool pool(f.threads);
+  const unsigned threads = pool.num_threads();
+  const uint32_t rows = f.group * f.tokens;
+  Emit({{"bench", "config"},
+        {"threads", threads},
+        {"available_cores", AvailableCores()},
+        {"heads", f.heads},
+        {"group", f.group},
+        {"tokens", f.tokens},
+        {"head_dim", f.head_dim},
+        {"n", f.n},
+        {"reps", f.reps},
+        {"chunk", f.chunk},
+        {"tasks_per_thread", f.tasks_per_thread},
+        {"dnnl_isa", IsaName(dnnl::get_effective_cpu_isa())}});
+
+  const MemResult mem = MeasureMemory(pool, f.mem_mib << 20, f.reps);
+  Emit({{"bench", "memory"},
+        {"bytes", f.mem_mib << 20},
+        {"memcpy_rw_gbs", mem.copy_gbs},
+        {"read_gbs", mem.read_gbs}});
+
+  struct Row {
+    uint64_t n;
+    double raw_gbs, sparse_gbs, sparse_us;
+  };
+  std::vector<Row> table;
+  for (uint64_t n : f.n) {
+    const KvSet kv = MakeKv(pool, f.heads, n, f.head_dim, f.footprint_mib << 20);
+    const double bytes = static_cast<double>(kv.bytes_per_copy());
+    const double raw_s = TimeRaw(pool, kv, rows, f.reps);
+    Emit({{"bench", "raw_onednn_scan"},
+          {"n_per_head", n},
+          {"total_entries", n * f.heads},
+          {"kv_bytes", bytes},
+          {"median_s", raw_s},
+          {"kv_gbs", bytes / raw_s / 1e9}});
+    const double sparse_s = TimeSparse(pool, kv, f, f.reps);
+    const double sparse_gbs = bytes / sparse_s / 1e9;
+    Emit({{"bench", "sparse_attention"},
+          {"n_per_head", n},
+          {"total_entries", n * f.heads},
+          {"kv_bytes", bytes},
+          {"median_s", sparse_s},
+          {"kv_gbs", sparse_gbs},
+          {"ratio_to_raw_onednn", raw_s / sparse_s},
+          {"ratio_to_memcpy_rw", sparse_gbs / mem.copy_gbs},
+          {"ratio_to_read", sparse_gbs / mem.read_gbs}});
+    table.push_back({n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6});
+  }
+
+  std::printf("\nthreads %u, %u kv heads x group %u x %u tokens, head_dim %u, bf16 KV\n", threads,
+              f.heads, f.group, f.tokens, f.head_dim);
+  std::printf("memory: memcpy %.1f GB/s (read+write), streaming read %.1f GB/s\n", mem.copy_gbs,
+              mem.read_gbs);
+  std::printf("%10s %12s %12s %12s %10s %10s %10s\n", "n/head", "entries", "raw GB/s", "attn GB/s",
+              "attn us", "vs raw", "vs read");
+  for (const Row& r : table) {
+    std::printf("%10llu %12llu %10.2f %10.2f %10.0f %7.0f%% %7.0f%% %9.0f%%\n",
+                static_cast<unsigned long long>(r.n),
+                static_cast<unsigned long long>(r.n * f.heads), r.raw_gbs, r.sparse_gbs,
+                r.sparse_us, 100.0 * r.sparse_gbs / r.raw_gbs, 100.0 * r.sparse_gbs / mem.read_gbs,
+                100.0 * r.sparse_gbs / mem.copy_gbs);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace tandem::cpu_attention
+
+int main(int argc, char** argv) { return tandem::cpu_attention::Main(argc, argv); }

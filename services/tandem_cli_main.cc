@@ -251,7 +251,7 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
                                                   v_sel.data(), k_sel.size() / dim, 1, G, dim,
                                                   1.0 / std::sqrt(double(dim)), &ref_o, &ref_lse);
         max_rel_error = std::max(max_rel_error, tandem::cpu_attention::RelativeError(
-                                                    o + size_t{h} * G * dim, ref_o));
+                                                    o + size_t{h} * G * dim, ref_o.data(), ref_o.size()));
         for (unsigned j = 0; j < G; ++j) {
           if (std::isinf(ref_lse[j])) continue;
           max_lse_error = std::max(max_lse_error, std::abs(lse[h * G + j] - ref_lse[j]));

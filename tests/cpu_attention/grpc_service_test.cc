@@ -11,6 +11,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "service_test_util.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 
@@ -250,7 +251,10 @@ TEST_F(GrpcServiceTest, ExpiredDeadlineDoesNotBreakTheServer) {
   std::vector<HeadEntries> entries(8);
   AddRandomEntries(entries, 1024, 128, true, 1e-3f, rng);
   v1::AppendKvResponse totals;
-  ASSERT_TRUE(Stream({AppendRequest("s", 0, entries, 0, 1024, 128, true, 64)}, &totals).ok());
+  ASSERT_TRUE(Stream({AppendRequest("s", 0, entries, 0, 512, 128, true, 64),
+                      AppendRequest("s", 0, entries, 512, 512, 128, true, 64)},
+                     &totals)
+                  .ok());
   v1::AttendRequest req;
   req.set_layer(0);
   v1::AttendQuery* query = req.add_queries();
@@ -268,7 +272,7 @@ TEST_F(GrpcServiceTest, ConcurrentSessionsGetTheirOwnResults) {
   constexpr int kClients = 4;
   std::vector<std::vector<HeadEntries>> data(kClients, std::vector<HeadEntries>(2));
   for (int c = 0; c < kClients; ++c) {
-    const std::string id = "c" + std::to_string(c);
+    const std::string id = absl::StrCat("c", c);
     ASSERT_TRUE(Open(OpenRequest(id, g, 32, true, 0)).ok());
     std::mt19937 rng(100 + c);
     AddRandomEntries(data[c], 500 + 100 * c, 64, true, 1e-3f, rng);
@@ -280,7 +284,7 @@ TEST_F(GrpcServiceTest, ConcurrentSessionsGetTheirOwnResults) {
   for (int c = 0; c < kClients; ++c) {
     threads.emplace_back([&, c] {
       for (int rep = 0; rep < 5; ++rep) {
-        ExpectAttendMatches(*stub_, "c" + std::to_string(c), g, data[c], 1000 * c + rep);
+        ExpectAttendMatches(*stub_, absl::StrCat("c", c), g, data[c], 1000 * c + rep);
       }
     });
   }

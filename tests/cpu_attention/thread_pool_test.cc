@@ -1,1 +1,118 @@
-// placeholder until its owner writes it
+// ThreadPool: every index runs exactly once, concurrent callers share the workers, n = 0 and
+// n = 1 work, and tasks see single-threaded OpenMP (so oneDNN does not oversubscribe).
+#include "tandem/cpu_attention/thread_pool.h"
+
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
+#include <set>
+#include <thread>
+#include <vector>
+
+namespace tandem::cpu_attention {
+namespace {
+
+TEST(ThreadPool, AvailableCoresIsPositive) {
+  EXPECT_GE(AvailableCores(), 1u);
+  EXPECT_LE(AvailableCores(), std::max(1u, std::thread::hardware_concurrency()));
+}
+
+TEST(ThreadPool, DefaultSizeIsAvailableCores) {
+  ThreadPool pool;
+  EXPECT_EQ(pool.num_threads(), AvailableCores());
+}
+
+TEST(ThreadPool, RunsEveryIndexOnce) {
+  for (unsigned threads : {1u, 2u, 4u, 7u}) {
+    ThreadPool pool(threads);
+    for (size_t n : {1u, 2u, 3u, 10u, 1000u}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.ParallelFor(n, [&](size_t i) { hits[i].fetch_add(1); });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "i=" << i << " n=" << n;
+    }
+  }
+}
+
+TEST(ThreadPool, ZeroTasksCallsNothing) {
+  ThreadPool pool(3);
+  bool called = false;
+  pool.ParallelFor(0, [&](size_t) { called = true; });
+  EXPECT_FALSE(called);
+}
+
+TEST(ThreadPool, UsesSeveralThreads) {
+  ThreadPool pool(4);
+  std::mutex mu;
+  std::set<std::thread::id> ids;
+  pool.ParallelFor(64, [&](size_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    std::lock_guard<std::mutex> lock(mu);
+    ids.insert(std::this_thread::get_id());
+  });
+  EXPECT_GT(ids.size(), 1u);
+  EXPECT_LE(ids.size(), 4u);
+}
+
+TEST(ThreadPool, OneThreadRunsEverythingOnTheCaller) {
+  ThreadPool pool(1);
+  const auto caller = std::this_thread::get_id();
+  std::atomic<int> elsewhere{0};
+  pool.ParallelFor(50, [&](size_t) {
+    if (std::this_thread::get_id() != caller) elsewhere.fetch_add(1);
+  });
+  EXPECT_EQ(elsewhere.load(), 0);
+}
+
+TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
+  ThreadPool pool(3);
+  constexpr int kCallers = 4, kRounds = 50;
+  std::vector<std::thread> callers;
+  std::vector<std::atomic<long>> sums(kCallers);
+  for (int c = 0; c < kCallers; ++c) {
+    callers.emplace_back([&, c] {
+      for (int round = 0; round < kRounds; ++round) {
+        const size_t n = 1 + (round * 7 + c) % 40;
+        std::vector<std::atomic<int>> hits(n);
+        pool.ParallelFor(n, [&](size_t i) {
+          hits[i].fetch_add(1);
+          sums[c].fetch_add(static_cast<long>(i));
+        });
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1);
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  for (int c = 0; c < kCallers; ++c) {
+    long expect = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      const long n = 1 + (round * 7 + c) % 40;
+      expect += n * (n - 1) / 2;
+    }
+    EXPECT_EQ(sums[c].load(), expect);
+  }
+}
+
+TEST(ThreadPool, NestedCallsDoNotDeadlock) {
+  ThreadPool pool(2);
+  std::atomic<int> count{0};
+  pool.ParallelFor(4, [&](size_t) { pool.ParallelFor(4, [&](size_t) { count.fetch_add(1); }); });
+  EXPECT_EQ(count.load(), 16);
+}
+
+TEST(ThreadPool, TasksRunWithSingleThreadedOpenMp) {
+  const int before = omp_get_max_threads();
+  omp_set_num_threads(2);
+  ThreadPool pool(3);
+  std::atomic<int> not_one{0};
+  pool.ParallelFor(32, [&](size_t) {
+    if (omp_get_max_threads() != 1) not_one.fetch_add(1);
+  });
+  EXPECT_EQ(not_one.load(), 0);
+  EXPECT_EQ(omp_get_max_threads(), 2);  // the caller's setting is restored
+  omp_set_num_threads(before);
+}
+
+}  // namespace
+}  // namespace tandem::cpu_attention
