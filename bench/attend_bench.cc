@@ -33,7 +33,9 @@
 
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
+#include "tandem/cpu_attention/cpu_attention_node.h"
 #include "tandem/cpu_attention/sparse_attention.h"
+#include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/cpu_attention/thread_pool.h"
 
 namespace tandem::cpu_attention {
@@ -399,6 +401,91 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
   return Median(times);
 }
 
+// ---- (d) the node's Attend: the same entries appended to sessions of a CpuAttentionNode
+// (kv_store blocks, selected copies), queried with AttendRequest protos, timed per call.
+
+double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* bytes_scanned) {
+  const uint32_t D = kv.D, G = f.group, H = kv.heads;
+  NodeOptions options;
+  // Blocks plus the selected copy (beta = 0 selects everything) of every session, with slack.
+  options.pool_bytes = 3 * kv.copies * kv.bytes_per_copy() + (256ull << 20);
+  options.threads = f.threads;
+  options.chunk_keys = f.chunk;
+  options.block_tokens = 256;
+  auto node = CpuAttentionNode::Create(options);
+  if (!node.ok()) {
+    std::fprintf(stderr, "node: %s\n", node.status().ToString().c_str());
+    std::exit(1);
+  }
+  auto check = [](const absl::Status& s, const char* what) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+      std::exit(1);
+    }
+  };
+  const size_t sessions = kv.copies;
+  for (size_t c = 0; c < sessions; ++c) {
+    v1::OpenSessionRequest open;
+    open.set_session_id("bench-" + std::to_string(c));
+    open.mutable_geometry()->set_num_layers(1);
+    open.mutable_geometry()->set_num_q_heads(H * G);
+    open.mutable_geometry()->set_num_kv_heads(H);
+    open.mutable_geometry()->set_head_dim(D);
+    open.set_kv_dtype(v1::DTYPE_BF16);
+    open.set_beta(0);
+    v1::OpenSessionResponse opened;
+    check((*node)->OpenSession(open, &opened), "OpenSession");
+    constexpr uint64_t kChunk = 4096;
+    for (uint64_t first = 0; first < kv.n; first += kChunk) {
+      const uint64_t count = std::min(kChunk, kv.n - first);
+      v1::AppendKvRequest msg;
+      msg.set_session_id(open.session_id());
+      msg.set_window_entries(1);
+      for (v1::Tensor* t : {msg.mutable_k(), msg.mutable_v()}) {
+        t->set_dtype(v1::DTYPE_BF16);
+        t->add_shape(H);
+        t->add_shape(static_cast<int64_t>(count));
+        t->add_shape(D);
+        std::string* data = t->mutable_data();
+        data->resize(size_t{H} * count * D * 2);
+        for (uint32_t h = 0; h < H; ++h) {
+          const std::byte* src = (t == msg.mutable_k() ? kv.K(c, h) : kv.V(c, h)) + first * D * 2;
+          std::memcpy(data->data() + size_t{h} * count * D * 2, src, count * D * 2);
+        }
+      }
+      msg.mutable_maw()->set_dtype(v1::DTYPE_F32);
+      msg.mutable_maw()->add_shape(H);
+      msg.mutable_maw()->add_shape(static_cast<int64_t>(count));
+      msg.mutable_maw()->mutable_data()->assign(size_t{H} * count * 4, '\0');
+      v1::AppendKvResponse totals;
+      check((*node)->AppendKv(msg, &totals), "AppendKv");
+    }
+  }
+  std::vector<float> q(size_t{f.tokens} * H * G * D);
+  for (size_t i = 0; i < q.size(); ++i)
+    q[i] = static_cast<float>((i * 7919) % 1000) / 500.0f - 1.0f;
+  std::vector<v1::AttendRequest> requests(sessions);
+  for (size_t c = 0; c < sessions; ++c) {
+    v1::AttendQuery* query = requests[c].add_queries();
+    query->set_session_id("bench-" + std::to_string(c));
+    const int64_t shape[] = {f.tokens, H * G, D};
+    EncodeF32(q, shape, query->mutable_q());
+  }
+  auto run = [&](size_t c) {
+    v1::AttendResponse resp;
+    check((*node)->Attend(requests[c], &resp), "Attend");
+    *bytes_scanned = resp.bytes_scanned();
+  };
+  for (size_t c = 0; c < std::min<size_t>(sessions, 2); ++c) run(c);
+  std::vector<double> times;
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    const double t0 = Now();
+    run((rep + 2) % sessions);
+    times.push_back(Now() - t0);
+  }
+  return Median(times);
+}
+
 const char* IsaName(dnnl::cpu_isa isa) {
   switch (isa) {
     case dnnl::cpu_isa::avx2:
@@ -451,7 +538,7 @@ int Main(int argc, char** argv) {
 
   struct Row {
     uint64_t n;
-    double raw_gbs, sparse_gbs, sparse_us;
+    double raw_gbs, sparse_gbs, sparse_us, node_gbs, node_us;
   };
   std::vector<Row> table;
   for (uint64_t n : f.n) {
@@ -475,21 +562,35 @@ int Main(int argc, char** argv) {
           {"ratio_to_raw_onednn", raw_s / sparse_s},
           {"ratio_to_memcpy_rw", sparse_gbs / mem.copy_gbs},
           {"ratio_to_read", sparse_gbs / mem.read_gbs}});
-    table.push_back({n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6});
+    uint64_t node_bytes = 0;
+    const double node_s = TimeNodeAttend(kv, f, f.reps, &node_bytes);
+    const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
+    Emit({{"bench", "node_attend"},
+          {"n_per_head", n},
+          {"total_entries", n * f.heads},
+          {"kv_bytes_scanned", node_bytes},
+          {"median_s", node_s},
+          {"kv_gbs", node_gbs},
+          {"ratio_to_raw_onednn", node_gbs / (bytes / raw_s / 1e9)},
+          {"ratio_to_memcpy_rw", node_gbs / mem.copy_gbs},
+          {"ratio_to_read", node_gbs / mem.read_gbs}});
+    table.push_back({n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, node_gbs, node_s * 1e6});
   }
 
   std::printf("\nthreads %u, %u kv heads x group %u x %u tokens, head_dim %u, bf16 KV\n", threads,
               f.heads, f.group, f.tokens, f.head_dim);
   std::printf("memory: memcpy %.1f GB/s (read+write), streaming read %.1f GB/s\n", mem.copy_gbs,
               mem.read_gbs);
-  std::printf("%10s %12s %12s %12s %10s %10s %10s\n", "n/head", "entries", "raw GB/s", "attn GB/s",
-              "attn us", "vs raw", "vs read");
+  std::printf("%10s %12s %10s %10s %10s %8s %8s %9s %10s %10s %8s\n", "n/head", "entries",
+              "raw GB/s", "attn GB/s", "attn us", "vs raw", "vs read", "vs memcpy", "Attend GB/s",
+              "Attend us", "vs raw");
   for (const Row& r : table) {
-    std::printf("%10llu %12llu %10.2f %10.2f %10.0f %7.0f%% %7.0f%% %9.0f%%\n",
+    std::printf("%10llu %12llu %10.2f %10.2f %10.0f %7.0f%% %7.0f%% %8.0f%% %11.2f %10.0f %7.0f%%\n",
                 static_cast<unsigned long long>(r.n),
                 static_cast<unsigned long long>(r.n * f.heads), r.raw_gbs, r.sparse_gbs,
                 r.sparse_us, 100.0 * r.sparse_gbs / r.raw_gbs, 100.0 * r.sparse_gbs / mem.read_gbs,
-                100.0 * r.sparse_gbs / mem.copy_gbs);
+                100.0 * r.sparse_gbs / mem.copy_gbs, r.node_gbs, r.node_us,
+                100.0 * r.node_gbs / r.raw_gbs);
   }
   return 0;
 }
