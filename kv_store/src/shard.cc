@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/mman.h>
+
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
 
@@ -12,6 +14,10 @@ namespace tandem::kv_store {
 namespace {
 
 constexpr size_t kAlignment = 64;  // cache line; also what AVX-512 loads like
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t RoundUp(size_t bytes, size_t unit) { return (bytes + unit - 1) / unit * unit; }
 
 size_t RoundUpToAlignment(size_t bytes) {
   return (bytes + kAlignment - 1) / kAlignment * kAlignment;
@@ -40,7 +46,12 @@ absl::Status BudgetedBuffer::GrowTo(size_t new_capacity) {
   // buffers exist, so physical memory briefly exceeds the charge by the old capacity.
   const size_t growth = new_capacity - capacity_;
   TANDEM_RETURN_IF_ERROR(budget_->Charge(growth));
-  auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, new_capacity));
+  // Large copies are what Attend streams through: align them to 2 MiB and ask for transparent
+  // huge pages, so a scan of a long head does not walk a 4 KiB page table entry per page.
+  const bool huge = new_capacity >= kHugePage;
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(
+      huge ? kHugePage : kAlignment, huge ? RoundUp(new_capacity, kHugePage) : new_capacity));
+  if (huge && data != nullptr) madvise(data, RoundUp(new_capacity, kHugePage), MADV_HUGEPAGE);
   if (data == nullptr) {
     budget_->Release(growth);
     return absl::ResourceExhaustedError(
