@@ -202,8 +202,8 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
     writer->WritesDone();
     TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(writer->Finish()));
   }
-  std::printf("AppendKv         %8.3f s   %llu entries (%llu selected), %.1f MiB K+V, "
-              "%.2f GB/s\n",
+  std::printf("AppendKv         %8.3f s   %llu entries (%llu selected), %.1f MiB K+V, %.2f GB/s "
+              "(client encode + stream)\n",
               append_seconds, static_cast<unsigned long long>(appended.entries_appended()),
               static_cast<unsigned long long>(appended.entries_selected()),
               append_bytes / 1048576.0, append_bytes / append_seconds / 1e9);
