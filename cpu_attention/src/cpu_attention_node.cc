@@ -51,6 +51,16 @@ absl::Status CheckLayer(const Session& session, uint32_t layer) {
   return absl::OkStatus();
 }
 
+// Call with the session's lock held: NOT_FOUND if it was closed after the caller found it.
+absl::Status CheckOpen(const Session& session, uint32_t layer) {
+  for (uint32_t kv_head : session.owned_kv_heads(layer)) {
+    if (session.shard(layer, kv_head) == nullptr) {
+      return absl::NotFoundError(absl::StrCat("session '", session.id(), "' was closed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckBeta(float beta) {
   if (!std::isfinite(beta) || beta < 0) {
     return absl::InvalidArgumentError(absl::StrCat("beta must be finite and >= 0, got ", beta));
@@ -246,6 +256,11 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
     for (Session* s : order) locks.emplace_back(s->mutex());
   }
 
+  // A session closed between Find and the lock has no shards left.
+  for (const Item& item : items) {
+    TANDEM_RETURN_IF_ERROR(CheckOpen(*item.session, request.layer()));
+  }
+
   // Problems grouped by the parameters SparseAttention takes for a whole call.
   using ParamKey = std::tuple<KvDType, uint32_t, uint32_t, uint32_t>;  // dtype, D, G, T
   std::map<ParamKey, std::pair<AttentionParams, std::vector<HeadProblem>>> groups;
@@ -311,6 +326,7 @@ absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
                                        &num_tokens));
 
   std::unique_lock lock(session->mutex());
+  TANDEM_RETURN_IF_ERROR(CheckOpen(*session, request.layer()));
   const float beta = request.has_beta() ? request.beta() : session->beta();
   const auto owned = session->owned_kv_heads(request.layer());
   const auto& g = session->geometry();

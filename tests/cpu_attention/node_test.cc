@@ -2,9 +2,12 @@
 // re-selection semantics, shards, forks, pool accounting, and bad requests.
 #include "tandem/cpu_attention/cpu_attention_node.h"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <random>
+#include <thread>
 #include <tuple>
 
 #include <gtest/gtest.h>
@@ -613,6 +616,54 @@ TEST_F(NodeBadInput, Reselect) {
   r.set_beta(0);
   ASSERT_TRUE(node_->Reselect(r, &resp).ok());
   EXPECT_EQ(resp.selected(0), 40u);
+}
+
+}  // namespace
+}  // namespace tandem::cpu_attention
+
+namespace tandem::cpu_attention {
+namespace {
+
+// Closing a session while other threads attend and append to it: every call answers OK or
+// NOT_FOUND (never a crash), and the node ends with no block held.
+TEST(NodeConcurrency, CloseDuringAttendAndAppend) {
+  Geometry g{1, 8, 2, 64};
+  auto node = MakeNode(256ull << 20, 2);
+  std::mt19937 rng(13);
+  std::vector<HeadEntries> entries(2);
+  AddRandomEntries(entries, 4096, 64, true, 1e-3f, rng);
+  const std::vector<float> q = RandomQueries(1, g, rng);
+  for (int round = 0; round < 20; ++round) {
+    v1::OpenSessionResponse opened;
+    ASSERT_TRUE(node->OpenSession(OpenRequest("s", g, 64, true, 0), &opened).ok());
+    v1::AppendKvResponse t;
+    ASSERT_TRUE(node->AppendKv(AppendRequest("s", 0, entries, 0, 2048, 64, true, 64), &t).ok());
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> threads;
+    for (int i = 0; i < 2; ++i) {
+      threads.emplace_back([&, i] {
+        while (!stop.load()) {
+          absl::Status s;
+          if (i == 0) {
+            v1::AttendResponse resp;
+            s = node->Attend(AttendOne("s", 0, q, 1, g), &resp);
+          } else {
+            v1::AppendKvResponse totals;
+            s = node->AppendKv(AppendRequest("s", 0, entries, 2048, 64, 64, true, 64), &totals);
+          }
+          ASSERT_TRUE(s.ok() || s.code() == absl::StatusCode::kNotFound) << s;
+          if (s.code() == absl::StatusCode::kNotFound) return;
+        }
+      });
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE(node->CloseSession(MakeClose("s"), &closed).ok());
+    stop.store(true);
+    for (auto& t : threads) t.join();
+  }
+  EXPECT_EQ(node->Stats().blocks_in_use(), 0u);
+  EXPECT_EQ(node->Stats().used_bytes(), 0u);
 }
 
 }  // namespace
