@@ -20,11 +20,11 @@ namespace {
 
 using testing::AddRandomEntries;
 using testing::AppendRequest;
+using testing::ExpectHeadMatches;
 using testing::Geometry;
 using testing::HeadEntries;
 using testing::OpenRequest;
 using testing::RandomQueries;
-using testing::ReferenceForHead;
 
 constexpr double kBf16Tolerance = 1e-3;  // relative, max |err| / max |ref| per head
 
@@ -79,7 +79,7 @@ class GrpcServiceTest : public ::testing::Test {
     return s;
   }
 
-  // Attends layer 0 of `session` and checks kv head `h` against the reference.
+  // Attends layer 0 of `session` and checks every kv head against the reference.
   void ExpectAttendMatches(v1::CpuAttention::Stub& stub, const std::string& session,
                            const Geometry& g, const std::vector<HeadEntries>& entries,
                            uint64_t seed) {
@@ -95,21 +95,8 @@ class GrpcServiceTest : public ::testing::Test {
     const grpc::Status s = stub.Attend(ctx.get(), req, &resp);
     ASSERT_TRUE(s.ok()) << s.error_message();
     const v1::AttendResult& r = resp.results(0);
-    const float* o = reinterpret_cast<const float*>(r.o().data().data());
-    const float* lse = reinterpret_cast<const float*>(r.lse().data().data());
-    const uint32_t G = g.group(), D = g.head_dim;
     for (uint32_t h = 0; h < g.kv_heads; ++h) {
-      std::vector<double> ref_o, ref_lse;
-      ReferenceForHead(q, 1, g, h, entries[h], {}, &ref_o, &ref_lse);
-      double max_ref = 1e-30, max_err = 0;
-      for (uint32_t j = 0; j < G; ++j) {
-        for (uint32_t d = 0; d < D; ++d) {
-          max_ref = std::max(max_ref, std::abs(ref_o[j * D + d]));
-          max_err = std::max(max_err, std::abs(o[(h * G + j) * D + d] - ref_o[j * D + d]));
-        }
-        EXPECT_NEAR(lse[h * G + j], ref_lse[j], 1e-4);
-      }
-      EXPECT_LE(max_err / max_ref, kBf16Tolerance) << "head " << h;
+      ExpectHeadMatches(r, h, g.kv_heads, h, q, 1, g, entries[h], {}, kBf16Tolerance);
       EXPECT_EQ(r.held(h), entries[h].n());
     }
   }

@@ -20,6 +20,7 @@ namespace {
 
 using testing::AddRandomEntries;
 using testing::AppendRequest;
+using testing::ExpectHeadMatches;
 using testing::Geometry;
 using testing::HeadEntries;
 using testing::OpenRequest;
@@ -31,7 +32,6 @@ using testing::ReferenceForHead;
 // below the 1e-3 the issue allows.
 constexpr double kBf16Tolerance = 1e-3;
 constexpr double kF32Tolerance = 1e-5;
-constexpr double kLseTolerance = 1e-4;  // absolute, natural log
 
 std::unique_ptr<CpuAttentionNode> MakeNode(uint64_t pool_bytes = 256ull << 20,
                                            unsigned threads = 2) {
@@ -52,40 +52,6 @@ v1::AttendRequest AttendOne(const std::string& session, uint32_t layer,
   const int64_t shape[] = {static_cast<int64_t>(tokens), g.q_heads, g.head_dim};
   EncodeF32(q, shape, query->mutable_q());
   return r;
-}
-
-// Checks an AttendResult's head `hi` (owned index) against the reference over `keep`.
-void ExpectHeadMatches(const v1::AttendResult& r, size_t hi, size_t num_owned, uint32_t h,
-                       const std::vector<float>& q, size_t tokens, const Geometry& g,
-                       const HeadEntries& e, const std::vector<uint8_t>& keep, double tol) {
-  std::vector<double> ref_o, ref_lse;
-  ReferenceForHead(q, tokens, g, h, e, keep, &ref_o, &ref_lse);
-  const float* o = reinterpret_cast<const float*>(r.o().data().data());
-  const float* lse = reinterpret_cast<const float*>(r.lse().data().data());
-  const uint32_t G = g.group(), D = g.head_dim;
-  double max_ref = 1e-30, max_err = 0;
-  for (size_t t = 0; t < tokens; ++t) {
-    for (uint32_t j = 0; j < G; ++j) {
-      const size_t row = t * num_owned * G + hi * G + j;
-      const size_t ref_row = t * G + j;
-      for (uint32_t d = 0; d < D; ++d) {
-        max_ref = std::max(max_ref, std::abs(ref_o[ref_row * D + d]));
-        max_err = std::max(max_err, std::abs(o[row * D + d] - ref_o[ref_row * D + d]));
-      }
-      if (std::isinf(ref_lse[ref_row])) {
-        EXPECT_TRUE(std::isinf(lse[row]) && lse[row] < 0) << "row " << row << ": " << lse[row];
-      } else {
-        EXPECT_NEAR(lse[row], ref_lse[ref_row], kLseTolerance) << "head " << h << " row " << row;
-      }
-    }
-  }
-  bool empty = true;
-  for (size_t i = 0; i < e.n(); ++i) empty &= !(keep.empty() || keep[i]);
-  if (empty) {
-    EXPECT_EQ(max_err, 0.0) << "empty selection must give O = 0";
-  } else {
-    EXPECT_LE(max_err / max_ref, tol) << "head " << h;
-  }
 }
 
 v1::CloseSessionRequest MakeClose(const std::string& id) {

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "tandem/common/bf16.h"
 #include "tandem/cpu_attention/reference_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
@@ -112,6 +114,42 @@ inline void ReferenceForHead(const std::vector<float>& q, size_t tokens, const G
   }
   ReferenceAttention(qh.data(), k.data(), v.data(), k.size() / D, tokens, G, D,
                      1.0 / std::sqrt(static_cast<double>(D)), o, lse);
+}
+
+constexpr double kLseTolerance = 1e-4;  // absolute, natural log
+
+// Checks an AttendResult's head `hi` (owned index) against the reference over `keep`.
+inline void ExpectHeadMatches(const v1::AttendResult& r, size_t hi, size_t num_owned, uint32_t h,
+                       const std::vector<float>& q, size_t tokens, const Geometry& g,
+                       const HeadEntries& e, const std::vector<uint8_t>& keep, double tol) {
+  std::vector<double> ref_o, ref_lse;
+  ReferenceForHead(q, tokens, g, h, e, keep, &ref_o, &ref_lse);
+  const float* o = reinterpret_cast<const float*>(r.o().data().data());
+  const float* lse = reinterpret_cast<const float*>(r.lse().data().data());
+  const uint32_t G = g.group(), D = g.head_dim;
+  double max_ref = 1e-30, max_err = 0;
+  for (size_t t = 0; t < tokens; ++t) {
+    for (uint32_t j = 0; j < G; ++j) {
+      const size_t row = t * num_owned * G + hi * G + j;
+      const size_t ref_row = t * G + j;
+      for (uint32_t d = 0; d < D; ++d) {
+        max_ref = std::max(max_ref, std::abs(ref_o[ref_row * D + d]));
+        max_err = std::max(max_err, std::abs(o[row * D + d] - ref_o[ref_row * D + d]));
+      }
+      if (std::isinf(ref_lse[ref_row])) {
+        EXPECT_TRUE(std::isinf(lse[row]) && lse[row] < 0) << "row " << row << ": " << lse[row];
+      } else {
+        EXPECT_NEAR(lse[row], ref_lse[ref_row], kLseTolerance) << "head " << h << " row " << row;
+      }
+    }
+  }
+  bool empty = true;
+  for (size_t i = 0; i < e.n(); ++i) empty &= !(keep.empty() || keep[i]);
+  if (empty) {
+    EXPECT_EQ(max_err, 0.0) << "empty selection must give O = 0";
+  } else {
+    EXPECT_LE(max_err / max_ref, tol) << "head " << h;
+  }
 }
 
 }  // namespace tandem::cpu_attention::testing
