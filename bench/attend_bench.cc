@@ -27,16 +27,37 @@
 #include <cstring>
 #include <dnnl.hpp>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
 #include "tandem/cpu_attention/cpu_attention_node.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/cpu_attention/thread_pool.h"
+
+// Unset optional flags keep the defaults of Flags below (or of --quick).
+ABSL_FLAG(bool, quick, false, "small configuration for a 2-core machine");
+ABSL_FLAG(std::optional<uint32_t>, heads, std::nullopt, "kv heads (default 32)");
+ABSL_FLAG(std::optional<uint32_t>, group, std::nullopt, "query heads per kv head (default 1)");
+ABSL_FLAG(std::optional<uint32_t>, head_dim, std::nullopt, "head dimension (default 128)");
+ABSL_FLAG(std::optional<uint32_t>, tokens, std::nullopt, "query tokens per call (default 1)");
+ABSL_FLAG(std::optional<std::vector<std::string>>, n, std::nullopt,
+          "entries per head, comma-separated (default 1024,4096,32768)");
+ABSL_FLAG(std::optional<uint32_t>, reps, std::nullopt, "timed repetitions (default 7)");
+ABSL_FLAG(std::optional<uint32_t>, threads, std::nullopt, "threads; 0 = available cores");
+ABSL_FLAG(std::optional<uint64_t>, mem_mib, std::nullopt, "memcpy buffer MiB (default 2048)");
+ABSL_FLAG(std::optional<uint32_t>, chunk, std::nullopt, "keys per matmul chunk (default 2048)");
+ABSL_FLAG(std::optional<uint32_t>, tasks_per_thread, std::nullopt, "tasks per thread (default 2)");
+ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
+          "minimum MiB rotated through so data is not cached (default 1024)");
 
 namespace tandem::cpu_attention {
 namespace {
@@ -55,87 +76,38 @@ struct Flags {
   uint64_t footprint_mib = 1024;
 };
 
-bool ParseFlags(int argc, char** argv, Flags& f) {
-  bool quick = false;
-  std::map<std::string, std::string> values;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--quick") {
-      quick = true;
-      continue;
-    }
-    if (arg.rfind("--", 0) != 0) {
-      std::fprintf(stderr, "unexpected argument %s\n", arg.c_str());
-      return false;
-    }
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos) {
-      values[arg.substr(2, eq - 2)] = arg.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      values[arg.substr(2)] = argv[++i];
-    } else {
-      std::fprintf(stderr, "flag %s needs a value\n", arg.c_str());
-      return false;
-    }
-  }
-  if (quick) {
+// Reads the command-line flags into f (--quick first sets small defaults that explicit flags
+// still override); false with a message for a bad value.
+bool ReadFlags(Flags& f) {
+  if (absl::GetFlag(FLAGS_quick)) {
     f.heads = 8;
     f.n = {1024, 16384};
     f.reps = 5;
     f.mem_mib = 512;
     f.footprint_mib = 512;
   }
-  for (const auto& [name, value] : values) {
-    auto num = [&](auto& out) {
-      char* end = nullptr;
-      const unsigned long long v = std::strtoull(value.c_str(), &end, 10);
-      if (end == value.c_str() || *end != '\0') return false;
-      out = static_cast<std::remove_reference_t<decltype(out)>>(v);
-      return true;
-    };
-    bool ok = true;
-    if (name == "heads")
-      ok = num(f.heads);
-    else if (name == "group")
-      ok = num(f.group);
-    else if (name == "head_dim")
-      ok = num(f.head_dim);
-    else if (name == "tokens")
-      ok = num(f.tokens);
-    else if (name == "reps")
-      ok = num(f.reps);
-    else if (name == "threads")
-      ok = num(f.threads);
-    else if (name == "mem_mib")
-      ok = num(f.mem_mib);
-    else if (name == "chunk")
-      ok = num(f.chunk);
-    else if (name == "tasks_per_thread")
-      ok = num(f.tasks_per_thread);
-    else if (name == "footprint_mib")
-      ok = num(f.footprint_mib);
-    else if (name == "n") {
-      f.n.clear();
-      size_t pos = 0;
-      while (pos <= value.size()) {
-        const size_t comma = std::min(value.find(',', pos), value.size());
-        const std::string item = value.substr(pos, comma - pos);
-        char* end = nullptr;
-        const unsigned long long v = std::strtoull(item.c_str(), &end, 10);
-        if (item.empty() || *end != '\0' || v == 0) {
-          ok = false;
-          break;
-        }
-        f.n.push_back(v);
-        pos = comma + 1;
+  auto set = [](const auto& flag, auto& out) {
+    if (auto v = absl::GetFlag(flag)) out = *v;
+  };
+  set(FLAGS_heads, f.heads);
+  set(FLAGS_group, f.group);
+  set(FLAGS_head_dim, f.head_dim);
+  set(FLAGS_tokens, f.tokens);
+  set(FLAGS_reps, f.reps);
+  set(FLAGS_threads, f.threads);
+  set(FLAGS_mem_mib, f.mem_mib);
+  set(FLAGS_chunk, f.chunk);
+  set(FLAGS_tasks_per_thread, f.tasks_per_thread);
+  set(FLAGS_footprint_mib, f.footprint_mib);
+  if (auto list = absl::GetFlag(FLAGS_n)) {
+    f.n.clear();
+    for (const std::string& item : *list) {
+      uint64_t v = 0;
+      if (!absl::SimpleAtoi(item, &v) || v == 0) {
+        std::fprintf(stderr, "--n: bad entry count '%s'\n", item.c_str());
+        return false;
       }
-    } else {
-      std::fprintf(stderr, "unknown flag --%s\n", name.c_str());
-      return false;
-    }
-    if (!ok) {
-      std::fprintf(stderr, "flag --%s: bad value '%s'\n", name.c_str(), value.c_str());
-      return false;
+      f.n.push_back(v);
     }
   }
   return f.heads > 0 && f.group > 0 && f.tokens > 0 && f.reps > 0 && !f.n.empty();
@@ -506,12 +478,14 @@ const char* IsaName(dnnl::cpu_isa isa) {
 }
 
 int Main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
+      "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] "
+      "[--footprint_mib F]");
+  absl::ParseCommandLine(argc, argv);
   Flags f;
-  if (!ParseFlags(argc, argv, f)) {
-    std::fprintf(stderr,
-                 "usage: tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] "
-                 "[--tokens T] [--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] "
-                 "[--tasks_per_thread K] [--footprint_mib F]\n");
+  if (!ReadFlags(f)) {
+    std::fprintf(stderr, "bad flags (tandem-attend-bench --help lists them)\n");
     return 2;
   }
   ThreadPool pool(f.threads);

@@ -34,10 +34,21 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
 #include "tandem/kv_store/kv_store.h"
+
+ABSL_FLAG(uint32_t, sessions, 200, "live sessions");
+ABSL_FLAG(uint64_t, seed, 1, "random seed (the same workload is replayed per block size)");
+ABSL_FLAG(uint32_t, min_tokens, 1024, "shortest session, tokens per shard");
+ABSL_FLAG(uint32_t, max_tokens, 128 * 1024, "longest session, tokens per shard");
+ABSL_FLAG(uint32_t, shards_per_session, 2, "(layer, kv-head) shards each session holds here");
+ABSL_FLAG(uint32_t, evict_tokens, 64, "tokens per eviction chunk");
+ABSL_FLAG(float, beta, 1.0f, "selection threshold");
+ABSL_FLAG(uint32_t, window, 1024, "GPU window the MAW values refer to");
 
 namespace tandem::kv_store {
 namespace {
@@ -58,52 +69,20 @@ struct Flags {
   uint32_t head_dim = 128;
 };
 
-bool ParseFlags(int argc, char** argv, Flags& flags) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const size_t eq = arg.find('=');
-    std::string name = arg.substr(0, eq);
-    std::string value;
-    if (eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      std::fprintf(stderr, "flag %s needs a value\n", arg.c_str());
-      return false;
-    }
-    char* end = nullptr;
-    const double number = std::strtod(value.c_str(), &end);
-    if (end == value.c_str() || *end != '\0' || !(number >= 0)) {
-      std::fprintf(stderr, "flag %s: bad value '%s'\n", name.c_str(), value.c_str());
-      return false;
-    }
-    // Values past uint32_t saturate; the consistency checks below catch the silly ones.
-    const auto u32 = static_cast<uint32_t>(std::min(number, 4294967295.0));
-    if (name == "--sessions") {
-      flags.sessions = u32;
-    } else if (name == "--seed") {
-      flags.seed = static_cast<uint64_t>(number);
-    } else if (name == "--min_tokens") {
-      flags.min_tokens = u32;
-    } else if (name == "--max_tokens") {
-      flags.max_tokens = u32;
-    } else if (name == "--shards_per_session") {
-      flags.shards_per_session = u32;
-    } else if (name == "--evict_tokens") {
-      flags.evict_tokens = u32;
-    } else if (name == "--beta") {
-      flags.beta = static_cast<float>(number);
-    } else if (name == "--window") {
-      flags.window = u32;
-    } else {
-      std::fprintf(stderr, "unknown flag %s\n", name.c_str());
-      return false;
-    }
-  }
+// Reads the command-line flags; false (with a message) for an inconsistent set.
+bool ReadFlags(Flags& flags) {
+  flags.sessions = absl::GetFlag(FLAGS_sessions);
+  flags.seed = absl::GetFlag(FLAGS_seed);
+  flags.min_tokens = absl::GetFlag(FLAGS_min_tokens);
+  flags.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  flags.shards_per_session = absl::GetFlag(FLAGS_shards_per_session);
+  flags.evict_tokens = absl::GetFlag(FLAGS_evict_tokens);
+  flags.beta = absl::GetFlag(FLAGS_beta);
+  flags.window = absl::GetFlag(FLAGS_window);
   if (flags.sessions == 0 || flags.min_tokens == 0 || flags.max_tokens < flags.min_tokens ||
       flags.evict_tokens == 0 || flags.evict_tokens > 65536 || flags.window == 0 ||
-      flags.shards_per_session == 0 || flags.shards_per_session > flags.layers * flags.kv_heads) {
+      !(flags.beta >= 0) || flags.shards_per_session == 0 ||
+      flags.shards_per_session > flags.layers * flags.kv_heads) {
     std::fprintf(stderr, "inconsistent flags\n");
     return false;
   }
@@ -384,7 +363,8 @@ double MiB(uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.
 int main(int argc, char** argv) {
   using namespace tandem::kv_store;
   Flags flags;
-  if (!ParseFlags(argc, argv, flags)) return 2;
+  absl::ParseCommandLine(argc, argv);
+  if (!ReadFlags(flags)) return 2;
   const Workload workload = MakeWorkload(flags);
   uint32_t max_chunk = flags.evict_tokens;
   for (const auto* plans : {&workload.initial, &workload.replacements}) {
