@@ -128,9 +128,9 @@ absl::Status Validate(const AttentionParams& p, std::span<const HeadProblem> hea
   if (p.dtype != KvDType::kBf16 && p.dtype != KvDType::kF32) {
     return absl::InvalidArgumentError("attention: dtype must be bf16 or f32");
   }
-  if (p.head_dim < 16 || p.head_dim > 256 || p.head_dim % 8 != 0) {
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "attention: head_dim %d must be in [16, 256], a multiple of 8", p.head_dim));
+        "attention: head_dim %d must be in [8, 256], a multiple of 8", p.head_dim));
   }
   if (p.group < 1 || p.num_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrFormat(

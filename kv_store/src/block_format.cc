@@ -9,9 +9,9 @@ absl::Status BlockFormat::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("block_tokens must be in 16..256, got ", block_tokens));
   }
-  if (head_dim < 16 || head_dim > 256 || head_dim % 8 != 0) {
+  if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("head_dim must be in 16..256 and a multiple of 8, got ", head_dim));
+        absl::StrCat("head_dim must be in 8..256 and a multiple of 8, got ", head_dim));
   }
   // The enum may hold any byte when it arrives from a wire format cast.
   if (dtype != KvDType::kF32 && dtype != KvDType::kBf16) {

@@ -58,9 +58,9 @@ absl::Status Geometry::Validate() const {
         absl::StrCat("num_q_heads must be in 1..8192 and a multiple of num_kv_heads (",
                      num_kv_heads, "), got ", num_q_heads));
   }
-  if (head_dim < 16 || head_dim > 256 || head_dim % 8 != 0) {
+  if (head_dim < 8 || head_dim > 256 || head_dim % 8 != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("head_dim must be in 16..256 and a multiple of 8, got ", head_dim));
+        absl::StrCat("head_dim must be in 8..256 and a multiple of 8, got ", head_dim));
   }
   return absl::OkStatus();
 }

@@ -114,7 +114,7 @@ TEST_P(DenseRoundTrip, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, DenseRoundTrip,
-                         ::testing::Combine(::testing::Values(64u, 128u),
+                         ::testing::Combine(::testing::Values(8u, 64u, 128u),
                                             ::testing::Values(1u, 4u, 8u),
                                             ::testing::Values(16u, 64u, 256u),
                                             ::testing::Bool()));

@@ -199,7 +199,7 @@ std::string ConfigName(const ::testing::TestParamInfo<Config>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, SparseAttentionTest,
-                         ::testing::Combine(::testing::Values(64u, 128u),
+                         ::testing::Combine(::testing::Values(8u, 64u, 128u),
                                             ::testing::Values(1u, 4u, 8u),
                                             ::testing::Values(1u, 3u), ::testing::Bool(),
                                             ::testing::Values(1u, 2u, 4u)),

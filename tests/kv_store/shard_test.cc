@@ -82,7 +82,7 @@ TEST_P(ShardRoundTripTest, AppendReadsBackThroughBlocksAndSelectedCopy) {
 INSTANTIATE_TEST_SUITE_P(DTypeBlockHeadDim, ShardRoundTripTest,
                          ::testing::Combine(::testing::Values(KvDType::kF32, KvDType::kBf16),
                                             ::testing::Values(16u, 64u, 256u),
-                                            ::testing::Values(64u, 128u)),
+                                            ::testing::Values(8u, 64u, 128u)),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param) == KvDType::kF32 ? "f32"
                                                                                        : "bf16") +

@@ -22,7 +22,7 @@ inline size_t DTypeBytes(KvDType t) { return t == KvDType::kF32 ? 4 : 2; }
 
 struct BlockFormat {
   uint32_t block_tokens = 64;  // 16..256
-  uint32_t head_dim = 128;     // 16..256, multiple of 8
+  uint32_t head_dim = 128;     // 8..256, multiple of 8
   KvDType dtype = KvDType::kBf16;
 
   size_t row_bytes() const { return size_t{head_dim} * DTypeBytes(dtype); }

@@ -35,7 +35,7 @@ struct Geometry {
   uint32_t group() const { return num_q_heads / num_kv_heads; }  // GQA ratio G
   bool operator==(const Geometry&) const = default;
   // INVALID_ARGUMENT naming the field: layers 1..1024, kv heads 1..1024, q heads a multiple of
-  // kv heads (<= 8192), head_dim 16..256 and a multiple of 8.
+  // kv heads (<= 8192), head_dim 8..256 and a multiple of 8.
   absl::Status Validate() const;
 };
 
