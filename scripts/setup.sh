@@ -13,6 +13,7 @@ packages=(
   libbenchmark-dev
   nlohmann-json3-dev
   libspdlog-dev libfmt-dev
+  libsentencepiece-dev libpcre2-dev   # tokenizer.model; the byte-level BPE pre-tokenizer regex
 )
 
 missing=()

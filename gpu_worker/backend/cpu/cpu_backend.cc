@@ -1,0 +1,201 @@
+// The `cpu` backend: "device memory" is 64-byte aligned host memory and every operation runs
+// synchronously on the calling thread (oneDNN and the attention kernels use an OpenMP team of
+// `threads`). See backend.h for the contract of each operation.
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "cpu_attention_kernels.h"
+#include "cpu_elementwise.h"
+#include "cpu_matmul.h"
+#include "cpu_sampling.h"
+#include "cpu_scratch.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/cpu_attention/merge_state.h"
+#include "tandem/gpu_worker/backend.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+// Larger requests are refused without trying (a corrupt size must not reach the allocator).
+constexpr size_t kMaxAllocationBytes = size_t{1} << 40;
+
+// Allocation counters, shared with the deleters of live buffers so that a buffer may outlive the
+// backend that made it.
+struct MemoryCounters {
+  std::atomic<size_t> in_use{0};
+  std::atomic<size_t> peak{0};
+};
+
+// The cores this process may run on (its affinity mask), at least 1.
+unsigned UsableCores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int count = CPU_COUNT(&set);
+    if (count > 0) return static_cast<unsigned>(count);
+  }
+  return 1;
+}
+
+// "model name" of /proc/cpuinfo, or "unknown CPU".
+std::string CpuModelName() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) break;
+    size_t begin = line.find_first_not_of(" \t", colon + 1);
+    return begin == std::string::npos ? std::string("unknown CPU") : line.substr(begin);
+  }
+  return "unknown CPU";
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(unsigned threads, std::unique_ptr<cpu::CpuMatmul> matmul)
+      : description_(absl::StrCat("cpu: ", threads, " threads, ", CpuModelName())),
+        counters_(std::make_shared<MemoryCounters>()),
+        matmul_(std::move(matmul)),
+        attention_(static_cast<int>(threads)) {}
+
+  std::string_view name() const override { return "cpu"; }
+  std::string device_description() const override { return description_; }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (bytes > kMaxAllocationBytes) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cpu backend: %d bytes requested, more than the %d-byte limit", bytes,
+                          kMaxAllocationBytes));
+    }
+    // aligned_alloc wants a multiple of the alignment; a 0-byte buffer still gets a real block.
+    const size_t rounded = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
+    void* data = std::aligned_alloc(64, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cpu backend: allocation of %d bytes failed", bytes));
+    }
+    const size_t now = counters_->in_use.fetch_add(bytes) + bytes;
+    size_t peak = counters_->peak.load();
+    while (now > peak && !counters_->peak.compare_exchange_weak(peak, now)) {
+    }
+    std::shared_ptr<MemoryCounters> counters = counters_;
+    return DeviceBuffer(data, bytes, [counters, bytes](void* p) {
+      std::free(p);
+      counters->in_use.fetch_sub(bytes);
+    });
+  }
+
+  absl::Status CopyToDevice(void* dst, const void* src_host, size_t bytes) override {
+    return Copy("CopyToDevice", dst, src_host, bytes);
+  }
+  absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes) override {
+    return Copy("CopyToHost", dst_host, src, bytes);
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy("CopyOnDevice", dst, src, bytes);
+  }
+
+  absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
+                            size_t row_bytes, size_t rows) override {
+    if (rows == 0 || row_bytes == 0) return absl::OkStatus();
+    if (dst_host == nullptr || src == nullptr) {
+      return absl::InvalidArgumentError("CopyToHost2D: null pointer");
+    }
+    if (dst_pitch < row_bytes || src_pitch < row_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("CopyToHost2D: pitches (dst %d, src %d) must be >= row_bytes %d",
+                          dst_pitch, src_pitch, row_bytes));
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<std::byte*>(dst_host) + r * dst_pitch,
+                  static_cast<const std::byte*>(src) + r * src_pitch, row_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Fill(float* dst, float value, size_t count) override {
+    if (count == 0) return absl::OkStatus();
+    if (dst == nullptr) return absl::InvalidArgumentError("Fill: null pointer");
+    std::fill_n(dst, count, value);
+    return absl::OkStatus();
+  }
+
+  absl::Status Synchronize() override { return absl::OkStatus(); }  // every op is synchronous
+
+  size_t bytes_in_use() const override { return counters_->in_use.load(); }
+  size_t peak_bytes_in_use() const override { return counters_->peak.load(); }
+
+  absl::Status Embed(const EmbedParams& p) override { return cpu::RunEmbed(p); }
+  absl::Status RmsNorm(const RmsNormParams& p) override { return cpu::RunRmsNorm(p, scratch_); }
+  absl::Status Rope(const RopeParams& p) override { return cpu::RunRope(p, scratch_); }
+  absl::Status SwiGlu(const SwiGluParams& p) override { return cpu::RunSwiGlu(p); }
+  absl::Status WriteKv(const WriteKvParams& p) override { return cpu::RunWriteKv(p); }
+
+  absl::Status MatMul(const MatMulParams& p) override {
+    TANDEM_RETURN_IF_ERROR(cpu::ValidateMatMul(p));
+    return matmul_->Run(p);
+  }
+
+  absl::Status WindowAttention(const WindowAttentionParams& p) override {
+    TANDEM_RETURN_IF_ERROR(cpu::ValidateWindowAttention(p));
+    return attention_.Run(p);
+  }
+
+  absl::Status MergeStates(const MergeParams& p) override {
+    if (p.o_dst == nullptr || p.lse_dst == nullptr || p.o_src == nullptr || p.lse_src == nullptr) {
+      return absl::InvalidArgumentError("MergeStates: null pointer");
+    }
+    if (p.rows <= 0 || p.head_dim <= 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "MergeStates: rows (%d) and head_dim (%d) must be positive", p.rows, p.head_dim));
+    }
+    cpu_attention::MergeStates(p.o_dst, p.lse_dst, p.o_src, p.lse_src, p.o_dst, p.lse_dst,
+                               static_cast<size_t>(p.rows), static_cast<size_t>(p.head_dim));
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<int32_t> Sample(const SampleParams& p) override { return cpu::RunSample(p); }
+  absl::Status TokenLogProbs(const TokenLogProbParams& p) override {
+    return cpu::RunTokenLogProbs(p);
+  }
+
+ private:
+  // bytes == 0 is a no-op; otherwise both pointers must be set. Overlap is allowed (memmove).
+  static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes) {
+    if (bytes == 0) return absl::OkStatus();
+    if (dst == nullptr || src == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": null pointer"));
+    }
+    std::memmove(dst, src, bytes);
+    return absl::OkStatus();
+  }
+
+  const std::string description_;
+  std::shared_ptr<MemoryCounters> counters_;
+  std::unique_ptr<cpu::CpuMatmul> matmul_;
+  cpu::WindowAttentionRunner attention_;
+  cpu::ScratchBuffer scratch_;  // small per-op tables (RmsNorm weights, RoPE cos/sin)
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads) {
+  if (threads == 0) threads = UsableCores();
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<cpu::CpuMatmul> matmul,
+                          cpu::CpuMatmul::Create(static_cast<int>(threads)));
+  return std::unique_ptr<Backend>(new CpuBackend(threads, std::move(matmul)));
+}
+
+}  // namespace tandem::gpu_worker

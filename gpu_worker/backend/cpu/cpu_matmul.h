@@ -1,0 +1,81 @@
+// MatMul of the cpu backend (private to backend/cpu): y = x · wᵀ (+ bias) (+ y) with oneDNN
+// matmul primitives cached by shape.
+//
+// Numerics (backend.h): bf16 weights: x is rounded to bf16 and oneDNN multiplies bf16 · bf16
+// into f32 sums (AMX / AVX512_BF16 where present); f32 weights: f32 · f32; f16 weights: oneDNN
+// 2.6 has no f16 matmul on CPUs, so x is rounded to f16 and both operands run as f32 (products of
+// two f16 values are exact in f32, so only the summation order differs from an f16 GEMM).
+//
+// The weights stay in place: w [n, k] row-major is given to oneDNN as the [k, n] matrix with
+// strides {1, k} (its transposed view), so no call repacks them in tandem code.
+//
+// Not thread-safe: one owner (the backend) calls it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <dnnl.hpp>
+#include <list>
+#include <memory>
+#include <optional>
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "cpu_scratch.h"
+#include "tandem/gpu_worker/backend.h"
+
+namespace tandem::gpu_worker::cpu {
+
+class CpuMatmul {
+ public:
+  // Primitives kept; the least recently used one is dropped beyond this (prefill and decode use a
+  // handful of m values per weight shape).
+  static constexpr size_t kCapacity = 128;
+
+  // INTERNAL when oneDNN cannot create its CPU engine.
+  static absl::StatusOr<std::unique_ptr<CpuMatmul>> Create(int threads);
+
+  // Runs p (already validated by ValidateMatMul) and waits for it.
+  absl::Status Run(const MatMulParams& p);
+
+  size_t cached() const { return lru_.size(); }
+
+ private:
+  struct Key {
+    int64_t m = 0, n = 0, k = 0;
+    bool bf16 = false;  // bf16 src and weights; else f32
+    bool bias = false;
+    bool accumulate = false;
+    int threads = 1;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& key) const;
+  };
+  struct Entry {
+    Key key;
+    dnnl::matmul prim;
+    dnnl::memory src, wei, bias, dst, scratch;
+    size_t scratch_bytes = 0;
+  };
+  using Lru = std::list<Entry>;
+
+  CpuMatmul(dnnl::engine engine, dnnl::stream stream, int threads);
+  absl::Status Lookup(const Key& key, Entry** entry);
+
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  int threads_;
+  Lru lru_;  // most recently used first
+  std::unordered_map<Key, Lru::iterator, KeyHash> index_;
+  ScratchBuffer src_;      // x converted: bf16 [m, k], or f16-rounded f32 [m, k]
+  ScratchBuffer weights_;  // f16 weights as f32 [n, k]
+  ScratchBuffer scratchpad_;
+};
+
+// INVALID_ARGUMENT when p breaks the MatMulParams contract (null pointers, non-positive sizes,
+// an unsupported weight dtype, y overlapping x).
+absl::Status ValidateMatMul(const MatMulParams& p);
+
+}  // namespace tandem::gpu_worker::cpu

@@ -1,0 +1,113 @@
+#include "cpu_vector_kernels.h"
+
+#include <limits>
+#include <numbers>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TANDEM_CPU_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TANDEM_CPU_CLONES
+#endif
+
+namespace tandem::gpu_worker::cpu {
+
+TANDEM_CPU_CLONES
+void Bf16ToF32(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+}
+
+TANDEM_CPU_CLONES
+void F32ToBf16(const float* src, uint16_t* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    dst[i] = static_cast<uint16_t>(nan ? ((u >> 16) | 0x40u) : rounded);
+  }
+}
+
+TANDEM_CPU_CLONES
+float RowMax(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+TANDEM_CPU_CLONES
+float Exp2RowInPlace(float* x, int64_t n, float m) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = Exp2Approx(x[i] - m);
+    x[i] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+TANDEM_CPU_CLONES
+void Exp2AddToColumns(const float* x, int64_t n, float m, float* col) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) col[i] += Exp2Approx(x[i] - m);
+}
+
+TANDEM_CPU_CLONES
+float SumExp2Shifted(const float* x, int64_t n, float offset, float scale) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += Exp2Approx((x[i] - offset) * scale);
+  return sum;
+}
+
+TANDEM_CPU_CLONES
+void ScaleRow(float* x, int64_t n, float c) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] *= c;
+}
+
+TANDEM_CPU_CLONES
+void ScaleCopy(const float* src, int64_t n, float c, float* dst) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * c;
+}
+
+TANDEM_CPU_CLONES
+void MaskRow(float* x, int64_t n, const int32_t* slot_pos, int32_t q_pos) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const bool visible = slot_pos[i] >= 0 && slot_pos[i] <= q_pos;
+    x[i] = visible ? x[i] : kNegInf;
+  }
+}
+
+TANDEM_CPU_CLONES
+float SumSquares(const float* x, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return sum;
+}
+
+TANDEM_CPU_CLONES
+void ScaleByWeights(const float* x, const float* w, float inv_rms, int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv_rms * w[i];
+}
+
+TANDEM_CPU_CLONES
+void SiluMul(const float* gate, const float* up, int64_t n, float* out) {
+  constexpr float kLog2e = std::numbers::log2e_v<float>;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + Exp2Approx(-g * kLog2e)) * up[i];
+  }
+}
+
+}  // namespace tandem::gpu_worker::cpu

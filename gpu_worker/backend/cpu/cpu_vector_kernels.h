@@ -1,0 +1,89 @@
+// Element-wise loops of the cpu backend (private to backend/cpu): dtype conversions, the base-2
+// exponential and the row reductions of softmax. The library is built without -march and runs on
+// other x86 hosts than the build, so the loops in cpu_vector_kernels.cc are compiled for
+// AVX-512, AVX2 and baseline x86-64 (GCC target_clones, chosen at load time by CPU features).
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+
+namespace tandem::gpu_worker::cpu {
+
+// 2^x with ~2 ulp relative error (Cephes exp2f: x = n + f, |f| <= 1/2, degree-6 polynomial),
+// branch-free so that loops vectorise. x < -126 (including -inf) gives exactly 0, which masked
+// scores rely on; x > 127 saturates at 2^127.
+inline float Exp2Approx(float x) {
+  const float xc = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float t = xc + magic;
+  const float fn = t - magic;
+  const int32_t n = static_cast<int32_t>(std::bit_cast<uint32_t>(t) - 0x4B400000u);
+  const float f = xc - fn;
+  float y = 1.535336188319500e-4f;
+  y = y * f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  y = y * f + 1.0f;
+  const float r = y * std::bit_cast<float>(static_cast<uint32_t>(n + 127) << 23);
+  return x < -126.0f ? 0.0f : r;
+}
+
+// IEEE binary16 <-> binary32 (round to nearest even; overflow gives inf; NaN stays NaN).
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  if (e == 0) {  // zero or subnormal: m · 2^-24
+    const float v = static_cast<float>(m) * (1.0f / 16777216.0f);
+    return sign != 0 ? -v : v;
+  }
+  if (e == 31) return std::bit_cast<float>(sign | 0x7f800000u | (m << 13));
+  return std::bit_cast<float>(sign | ((e + 112) << 23) | (m << 13));
+}
+
+inline uint16_t FloatToF16(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u)
+    return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {  // below 2^-14: subnormal half; v · 2^24 is exact, rint rounds to even
+    const float v = std::bit_cast<float>(ax);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v * 16777216.0f)));
+  }
+  uint32_t r = ax - ((127u - 15u) << 23);  // rebias the exponent
+  r += 0xfffu + ((r >> 13) & 1u);          // round the 13 dropped mantissa bits to nearest even
+  return static_cast<uint16_t>(sign | (r >> 13));
+}
+
+// dst[i] = float(src[i]) for bf16 bits src.
+void Bf16ToF32(const uint16_t* src, float* dst, int64_t n);
+// dst[i] = bf16(src[i]), round to nearest even (NaN stays NaN), as tandem::FloatToBf16.
+void F32ToBf16(const float* src, uint16_t* dst, int64_t n);
+
+// max_i x[i] (-inf for n = 0).
+float RowMax(const float* x, int64_t n);
+// x[i] = 2^(x[i] - m) in place; returns the sum. m must be finite.
+float Exp2RowInPlace(float* x, int64_t n, float m);
+// col[i] += 2^(x[i] - m). m must be finite.
+void Exp2AddToColumns(const float* x, int64_t n, float m, float* col);
+// Σ_i 2^((x[i] - offset) · scale).
+float SumExp2Shifted(const float* x, int64_t n, float offset, float scale);
+// x[i] *= c.
+void ScaleRow(float* x, int64_t n, float c);
+// dst[i] = src[i] · c.
+void ScaleCopy(const float* src, int64_t n, float c, float* dst);
+// Causal mask of one score row: x[i] = -inf unless 0 <= slot_pos[i] <= q_pos.
+void MaskRow(float* x, int64_t n, const int32_t* slot_pos, int32_t q_pos);
+// Σ_i x[i]^2.
+float SumSquares(const float* x, int64_t n);
+// out[i] = x[i] · inv_rms · w[i].
+void ScaleByWeights(const float* x, const float* w, float inv_rms, int64_t n, float* out);
+// out[i] = silu(gate[i]) · up[i], silu(x) = x / (1 + e^-x).
+void SiluMul(const float* gate, const float* up, int64_t n, float* out);
+
+}  // namespace tandem::gpu_worker::cpu

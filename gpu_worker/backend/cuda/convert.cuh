@@ -1,0 +1,39 @@
+// Small elementwise kernels around the GEMMs and buffers: f32 -> bf16/f16 conversion of GEMM
+// inputs, Fill, and the bias add after a GEMM.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "tandem/gpu_worker/dtype.h"
+
+namespace tandem::gpu_worker::cuda_backend {
+
+// dst[i] = round_to_nearest_even(src[i]) in dst_dtype (kBF16 or kF16).
+struct ConvertArgs {
+  const float* src = nullptr;  // [count]
+  void* dst = nullptr;         // [count] of dst_dtype
+  DType dst_dtype = DType::kBF16;
+  int64_t count = 0;
+};
+cudaError_t LaunchConvertFromF32(const ConvertArgs& args, cudaStream_t stream);
+
+// dst[i] = value.
+struct FillArgs {
+  float* dst = nullptr;  // [count]
+  float value = 0.0f;
+  int64_t count = 0;
+};
+cudaError_t LaunchFill(const FillArgs& args, cudaStream_t stream);
+
+// y[r, c] += bias[c].
+struct AddBiasArgs {
+  float* y = nullptr;           // [rows, cols]
+  const float* bias = nullptr;  // [cols]
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+cudaError_t LaunchAddBias(const AddBiasArgs& args, cudaStream_t stream);
+
+}  // namespace tandem::gpu_worker::cuda_backend

@@ -1,0 +1,575 @@
+// The `cuda` Backend: one device, one non-blocking stream on which every operation and copy is
+// queued in issue order, a cuBLAS handle bound to that stream, a growable workspace, and pinned
+// staging memory for small host-to-device copies. Parameters are checked on the host (cheaply:
+// null pointers, sizes, dtypes, alignment) before anything is queued.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "convert.cuh"
+#include "cuda_check.h"
+#include "cuda_resources.h"
+#include "embed_norm.cuh"
+#include "kv_write.cuh"
+#include "merge_states.cuh"
+#include "rope.cuh"
+#include "sampling.cuh"
+#include "swiglu.cuh"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/backend.h"
+#include "window_attention.cuh"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using cuda_backend::CublasHandle;
+using cuda_backend::CudaStream;
+using cuda_backend::DeviceMemory;
+using cuda_backend::PinnedMemory;
+using cuda_backend::Workspace;
+
+// Host-to-device copies up to this size go through pinned staging memory and return without
+// waiting; larger ones copy from pageable memory and wait.
+constexpr size_t kStagingBytes = size_t{4} << 20;
+constexpr size_t kMaxStagedCopy = size_t{256} << 10;
+
+absl::Status Invalid(absl::string_view op, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(op, ": ", what));
+}
+
+// A dimension that must be positive and fit a grid dimension or a cuBLAS int.
+absl::Status CheckDim(absl::string_view op, absl::string_view name, int64_t value) {
+  if (value <= 0 || value > INT_MAX) {
+    return Invalid(op, absl::StrCat(name, " = ", value, " is not in [1, ", INT_MAX, "]"));
+  }
+  return absl::OkStatus();
+}
+
+// DTypeName as an absl::string_view (Debian's abseil does not take std::string_view).
+absl::string_view DTypeStr(DType dtype) {
+  const std::string_view name = DTypeName(dtype);
+  return absl::string_view(name.data(), name.size());
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Bytes of device memory held by a backend's allocations; shared with the buffers' deleters so a
+// buffer may outlive the backend.
+struct AllocationStats {
+  std::atomic<size_t> in_use{0};
+  size_t peak = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, cudaDeviceProp props, CudaStream stream, CublasHandle cublas,
+              PinnedMemory staging, PinnedMemory result_host, DeviceMemory result_device)
+      : device_(device),
+        props_(props),
+        stream_(std::move(stream)),
+        cublas_(std::move(cublas)),
+        staging_(std::move(staging)),
+        result_host_(std::move(result_host)),
+        result_device_(std::move(result_device)) {}
+
+  ~CudaBackend() override {
+    // Queued work may still use the workspace and staging memory the members free.
+    if (cudaSetDevice(device_) == cudaSuccess) cudaStreamSynchronize(stream_.get());
+  }
+
+  std::string_view name() const override { return "cuda"; }
+  std::string device_description() const override {
+    return absl::StrCat(props_.name, " (device ", device_, ", sm_", props_.major, props_.minor,
+                        ", ", props_.multiProcessorCount, " SMs, ", props_.totalGlobalMem >> 20,
+                        " MiB)");
+  }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(void* dst, const void* src_host, size_t bytes) override;
+  absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes) override;
+  absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
+                            size_t row_bytes, size_t rows) override;
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
+  absl::Status Fill(float* dst, float value, size_t count) override;
+  absl::Status Synchronize() override;
+  size_t bytes_in_use() const override { return stats_->in_use.load(); }
+  size_t peak_bytes_in_use() const override { return stats_->peak; }
+
+  absl::Status Embed(const EmbedParams& p) override;
+  absl::Status RmsNorm(const RmsNormParams& p) override;
+  absl::Status MatMul(const MatMulParams& p) override;
+  absl::Status Rope(const RopeParams& p) override;
+  absl::Status SwiGlu(const SwiGluParams& p) override;
+  absl::Status WriteKv(const WriteKvParams& p) override;
+  absl::Status WindowAttention(const WindowAttentionParams& p) override;
+  absl::Status MergeStates(const MergeParams& p) override;
+  absl::StatusOr<int32_t> Sample(const SampleParams& p) override;
+  absl::Status TokenLogProbs(const TokenLogProbParams& p) override;
+
+ private:
+  // Makes this backend's device current for the calling thread (cheap when it already is).
+  absl::Status Activate() {
+    TANDEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return absl::OkStatus();
+  }
+  // Waits for the stream; all staged copies are then done, so the staging memory is free again.
+  absl::Status SyncStream() {
+    TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_.get()));
+    staging_used_ = 0;
+    return absl::OkStatus();
+  }
+  cudaStream_t stream() const { return stream_.get(); }
+
+  // Declaration order is destruction order reversed: the stream outlives what uses it.
+  const int device_;
+  const cudaDeviceProp props_;
+  CudaStream stream_;
+  CublasHandle cublas_;
+  Workspace workspace_;
+  PinnedMemory staging_;
+  size_t staging_used_ = 0;
+  PinnedMemory result_host_;    // int32: Sample's result
+  DeviceMemory result_device_;  // int32: Sample's result
+  std::shared_ptr<AllocationStats> stats_ = std::make_shared<AllocationStats>();
+};
+
+absl::StatusOr<DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
+  TANDEM_RETURN_IF_ERROR(Activate());
+  // A 0-byte buffer still gets a real (tiny) block, as on the cpu backend.
+  TANDEM_ASSIGN_OR_RETURN(void* data, cuda_backend::MallocDevice(std::max<size_t>(bytes, 1)));
+  const size_t in_use = stats_->in_use.fetch_add(bytes) + bytes;
+  stats_->peak = std::max(stats_->peak, in_use);
+  return DeviceBuffer(data, bytes, [stats = stats_, device = device_, bytes](void* ptr) {
+    // cudaFree waits for queued work that may still use the memory.
+    int previous = -1;
+    const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device &&
+                          cudaSetDevice(device) == cudaSuccess;
+    cudaFree(ptr);
+    if (switched) cudaSetDevice(previous);
+    stats->in_use.fetch_sub(bytes);
+  });
+}
+
+absl::Status CudaBackend::CopyToDevice(void* dst, const void* src_host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src_host == nullptr) return Invalid("CopyToDevice", "null pointer");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  if (bytes <= kMaxStagedCopy) {
+    size_t offset = (staging_used_ + 63) / 64 * 64;
+    if (offset + bytes > staging_.bytes()) {
+      TANDEM_RETURN_IF_ERROR(SyncStream());
+      offset = 0;
+    }
+    char* staged = static_cast<char*>(staging_.get()) + offset;
+    std::memcpy(staged, src_host, bytes);
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, staged, bytes, cudaMemcpyHostToDevice, stream()));
+    staging_used_ = offset + bytes;
+    return absl::OkStatus();
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src_host, bytes, cudaMemcpyHostToDevice, stream()));
+  return SyncStream();  // src_host may be reused as soon as this returns
+}
+
+absl::Status CudaBackend::CopyToHost(void* dst_host, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst_host == nullptr || src == nullptr) return Invalid("CopyToHost", "null pointer");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst_host, src, bytes, cudaMemcpyDeviceToHost, stream()));
+  return SyncStream();
+}
+
+absl::Status CudaBackend::CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src,
+                                       size_t src_pitch, size_t row_bytes, size_t rows) {
+  if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  if (dst_host == nullptr || src == nullptr) return Invalid("CopyToHost2D", "null pointer");
+  if (dst_pitch < row_bytes || src_pitch < row_bytes) {
+    return Invalid("CopyToHost2D", absl::StrCat("pitches (dst ", dst_pitch, ", src ", src_pitch,
+                                                ") must be >= row_bytes ", row_bytes));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst_host, dst_pitch, src, src_pitch, row_bytes,
+                                                rows, cudaMemcpyDeviceToHost, stream()));
+  return SyncStream();
+}
+
+absl::Status CudaBackend::CopyOnDevice(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) return Invalid("CopyOnDevice", "null pointer");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Fill(float* dst, float value, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  if (dst == nullptr) return Invalid("Fill", "null pointer");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchFill(
+      {.dst = dst, .value = value, .count = static_cast<int64_t>(count)}, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Synchronize() {
+  TANDEM_RETURN_IF_ERROR(Activate());
+  return SyncStream();
+}
+
+absl::Status CudaBackend::Embed(const EmbedParams& p) {
+  if (p.ids == nullptr || p.table == nullptr || p.out == nullptr) {
+    return Invalid("Embed", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "hidden", p.hidden));
+  TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "vocab", p.vocab));
+  if (p.table_dtype == DType::kI32) return Invalid("Embed", "table dtype i32 is not supported");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchEmbed({.ids = p.ids,
+                                                         .table = p.table,
+                                                         .table_dtype = p.table_dtype,
+                                                         .out = p.out,
+                                                         .num_tokens = p.num_tokens,
+                                                         .hidden = p.hidden,
+                                                         .vocab = p.vocab},
+                                                        stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RmsNorm(const RmsNormParams& p) {
+  if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) {
+    return Invalid("RmsNorm", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "hidden", p.hidden));
+  if (p.weight_dtype == DType::kI32) return Invalid("RmsNorm", "weight dtype i32 is not supported");
+  if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) return Invalid("RmsNorm", "eps must be >= 0");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRmsNorm({.x = p.x,
+                                                           .weight = p.weight,
+                                                           .weight_dtype = p.weight_dtype,
+                                                           .out = p.out,
+                                                           .num_tokens = p.num_tokens,
+                                                           .hidden = p.hidden,
+                                                           .eps = p.eps},
+                                                          stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MatMul(const MatMulParams& p) {
+  if (p.x == nullptr || p.w == nullptr || p.y == nullptr) return Invalid("MatMul", "null pointer");
+  if (static_cast<const void*>(p.x) == static_cast<const void*>(p.y)) {
+    return Invalid("MatMul", "y must not alias x");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("MatMul", "m", p.m));
+  TANDEM_RETURN_IF_ERROR(CheckDim("MatMul", "n", p.n));
+  TANDEM_RETURN_IF_ERROR(CheckDim("MatMul", "k", p.k));
+  cudaDataType_t type;
+  switch (p.w_dtype) {
+    case DType::kF32:
+      type = CUDA_R_32F;
+      break;
+    case DType::kBF16:
+      type = CUDA_R_16BF;
+      break;
+    case DType::kF16:
+      type = CUDA_R_16F;
+      break;
+    default:
+      return Invalid("MatMul", absl::StrCat("weight dtype ", DTypeStr(p.w_dtype),
+                                            " is not supported (f32, bf16, f16)"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  // x is rounded to the weight's dtype (backend.h's numerics), into the workspace.
+  const void* x = p.x;
+  if (p.w_dtype != DType::kF32) {
+    const size_t count = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
+    TANDEM_ASSIGN_OR_RETURN(void* converted, workspace_.Reserve(count * 2, stream()));
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cuda_backend::LaunchConvertFromF32({.src = p.x,
+                                            .dst = converted,
+                                            .dst_dtype = p.w_dtype,
+                                            .count = static_cast<int64_t>(count)},
+                                           stream()));
+    x = converted;
+  }
+  // Row-major y[m, n] = x[m, k]·w[n, k]ᵀ is column-major yᵀ[n, m] = op(A)·B with A = w seen as
+  // column-major k×n (lda = k) transposed, B = x seen as column-major k×m (ldb = k), ldc = n.
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  const int m = static_cast<int>(p.m);
+  const int n = static_cast<int>(p.n);
+  const int k = static_cast<int>(p.k);
+  TANDEM_CUBLAS_RETURN_IF_ERROR(
+      cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, p.w, type, k, x, type,
+                   k, &beta, p.y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  if (p.bias != nullptr) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchAddBias(
+        {.y = p.y, .bias = p.bias, .rows = p.m, .cols = p.n}, stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Rope(const RopeParams& p) {
+  if (p.x == nullptr || p.positions == nullptr || p.inv_freq == nullptr) {
+    return Invalid("Rope", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("Rope", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("Rope", "num_heads", p.num_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim("Rope", "head_dim", p.head_dim));
+  if (p.head_dim % 2 != 0) return Invalid("Rope", "head_dim must be even");
+  if (p.row_stride < p.num_heads * p.head_dim) {
+    return Invalid("Rope", absl::StrCat("row_stride ", p.row_stride, " < num_heads·head_dim ",
+                                        p.num_heads * p.head_dim));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRope({.x = p.x,
+                                                        .row_stride = p.row_stride,
+                                                        .positions = p.positions,
+                                                        .inv_freq = p.inv_freq,
+                                                        .attention_scaling = p.attention_scaling,
+                                                        .num_tokens = p.num_tokens,
+                                                        .num_heads = p.num_heads,
+                                                        .head_dim = p.head_dim},
+                                                       stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SwiGlu(const SwiGluParams& p) {
+  if (p.gate_up == nullptr || p.out == nullptr) return Invalid("SwiGlu", "null pointer");
+  TANDEM_RETURN_IF_ERROR(CheckDim("SwiGlu", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("SwiGlu", "ffn", p.ffn));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSwiGlu(
+      {.gate_up = p.gate_up, .out = p.out, .num_tokens = p.num_tokens, .ffn = p.ffn}, stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WriteKv(const WriteKvParams& p) {
+  if (p.k == nullptr || p.v == nullptr || p.slots == nullptr || p.k_cache == nullptr ||
+      p.v_cache == nullptr) {
+    return Invalid("WriteKv", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "capacity", p.capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "head_dim", p.head_dim));
+  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
+    return Invalid("WriteKv", absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
+                                           " is not supported (f32, bf16)"));
+  }
+  if (p.row_stride < p.num_kv_heads * p.head_dim) {
+    return Invalid("WriteKv", absl::StrCat("row_stride ", p.row_stride, " < num_kv_heads·head_dim ",
+                                           p.num_kv_heads * p.head_dim));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWriteKv({.k = p.k,
+                                                           .v = p.v,
+                                                           .row_stride = p.row_stride,
+                                                           .slots = p.slots,
+                                                           .k_cache = p.k_cache,
+                                                           .v_cache = p.v_cache,
+                                                           .cache_dtype = p.cache_dtype,
+                                                           .num_tokens = p.num_tokens,
+                                                           .num_kv_heads = p.num_kv_heads,
+                                                           .capacity = p.capacity,
+                                                           .head_dim = p.head_dim},
+                                                          stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
+  constexpr absl::string_view kOp = "WindowAttention";
+  if (p.q == nullptr || p.q_pos == nullptr || p.k_cache == nullptr || p.v_cache == nullptr ||
+      p.slot_pos == nullptr || p.o == nullptr || p.lse == nullptr) {
+    return Invalid(kOp, "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "capacity", p.capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
+  if (p.num_kv_heads > 65535) return Invalid(kOp, "num_kv_heads must be <= 65535");
+  if (p.num_q_heads % p.num_kv_heads != 0) {
+    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
+                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
+  }
+  if (p.head_dim % cuda_backend::kAttentionHeadDimMultiple != 0 ||
+      p.head_dim > cuda_backend::kAttentionMaxHeadDim) {
+    return Invalid(kOp, absl::StrCat("head_dim ", p.head_dim, " must be a multiple of ",
+                                     cuda_backend::kAttentionHeadDimMultiple,
+                                     " and <= ", cuda_backend::kAttentionMaxHeadDim));
+  }
+  if (p.num_slots < 0 || p.num_slots > p.capacity) {
+    return Invalid(
+        kOp, absl::StrCat("num_slots ", p.num_slots, " not in [0, capacity ", p.capacity, "]"));
+  }
+  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
+    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
+                                     p.num_q_heads * p.head_dim));
+  }
+  if (p.num_tokens * (p.num_q_heads / p.num_kv_heads) > INT_MAX) {
+    return Invalid(kOp, "num_tokens·(num_q_heads / num_kv_heads) exceeds INT_MAX");
+  }
+  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
+    return Invalid(kOp, absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
+                                     " is not supported (f32, bf16)"));
+  }
+  if (!Aligned16(p.k_cache) || !Aligned16(p.v_cache)) {
+    return Invalid(kOp, "k_cache and v_cache must be 16-byte aligned");
+  }
+  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
+    return Invalid(kOp, absl::StrCat("scale ", p.scale, " must be finite and positive"));
+  }
+  if (p.maw != nullptr && !(p.alpha >= 0.0f && p.alpha <= 1.0f)) {
+    return Invalid(kOp, absl::StrCat("alpha ", p.alpha, " not in [0, 1]"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  if (p.num_slots == 0) {  // empty window: every row is the empty state; maw has no slot
+    TANDEM_RETURN_IF_ERROR(Fill(p.o, 0.0f, p.num_tokens * p.num_q_heads * p.head_dim));
+    return Fill(p.lse, -INFINITY, p.num_tokens * p.num_q_heads);
+  }
+  const cuda_backend::WindowAttentionArgs args{.q = p.q,
+                                               .q_row_stride = p.q_row_stride,
+                                               .q_pos = p.q_pos,
+                                               .k_cache = p.k_cache,
+                                               .v_cache = p.v_cache,
+                                               .cache_dtype = p.cache_dtype,
+                                               .slot_pos = p.slot_pos,
+                                               .num_slots = p.num_slots,
+                                               .capacity = p.capacity,
+                                               .num_tokens = p.num_tokens,
+                                               .num_q_heads = p.num_q_heads,
+                                               .num_kv_heads = p.num_kv_heads,
+                                               .head_dim = p.head_dim,
+                                               .scale = p.scale,
+                                               .o = p.o,
+                                               .lse = p.lse,
+                                               .maw = p.maw,
+                                               .alpha = p.alpha};
+  const cuda_backend::WindowAttentionPlan plan =
+      cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount);
+  void* workspace = nullptr;
+  if (plan.workspace_bytes > 0) {
+    TANDEM_ASSIGN_OR_RETURN(workspace, workspace_.Reserve(plan.workspace_bytes, stream()));
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWindowAttention(args, plan, workspace, stream()));
+  if (p.maw != nullptr) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchMawUpdate(args, stream()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MergeStates(const MergeParams& p) {
+  if (p.o_dst == nullptr || p.lse_dst == nullptr || p.o_src == nullptr || p.lse_src == nullptr) {
+    return Invalid("MergeStates", "null pointer");
+  }
+  if (p.rows <= 0 || p.head_dim <= 0 || p.rows > int64_t{INT_MAX} * 4) {
+    return Invalid("MergeStates", absl::StrCat("rows ", p.rows, " and head_dim ", p.head_dim,
+                                               " must be positive"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchMergeStates({.o_dst = p.o_dst,
+                                                               .lse_dst = p.lse_dst,
+                                                               .o_src = p.o_src,
+                                                               .lse_src = p.lse_src,
+                                                               .rows = p.rows,
+                                                               .head_dim = p.head_dim},
+                                                              stream()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> CudaBackend::Sample(const SampleParams& p) {
+  if (p.logits == nullptr) return Invalid("Sample", "null pointer");
+  TANDEM_RETURN_IF_ERROR(CheckDim("Sample", "vocab", p.vocab));
+  if (std::isnan(p.temperature) || std::isnan(p.top_p)) {
+    return Invalid("Sample", "temperature and top_p must not be NaN");
+  }
+  if (!(p.uniform >= 0.0f && p.uniform < 1.0f)) {
+    return Invalid("Sample", absl::StrCat("uniform ", p.uniform, " not in [0, 1)"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  const cuda_backend::SampleArgs args{.logits = p.logits,
+                                      .vocab = p.vocab,
+                                      .temperature = p.temperature,
+                                      .top_k = p.top_k,
+                                      .top_p = p.top_p,
+                                      .uniform = p.uniform,
+                                      .result = static_cast<int32_t*>(result_device_.get())};
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  if (p.temperature > 0.0f) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::SampleWorkspaceBytes(p.vocab, &workspace_bytes));
+    TANDEM_ASSIGN_OR_RETURN(workspace, workspace_.Reserve(workspace_bytes, stream()));
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cuda_backend::LaunchSample(args, workspace, workspace_bytes, stream()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(result_host_.get(), result_device_.get(),
+                                              sizeof(int32_t), cudaMemcpyDeviceToHost, stream()));
+  TANDEM_RETURN_IF_ERROR(SyncStream());
+  const int32_t id = *static_cast<const int32_t*>(result_host_.get());
+  if (id < 0 || id >= p.vocab) {
+    return absl::InternalError(
+        absl::StrCat("Sample: kernel returned id ", id, " outside [0, ", p.vocab, ")"));
+  }
+  return id;
+}
+
+absl::Status CudaBackend::TokenLogProbs(const TokenLogProbParams& p) {
+  if (p.logits == nullptr || p.targets == nullptr || p.out == nullptr) {
+    return Invalid("TokenLogProbs", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("TokenLogProbs", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("TokenLogProbs", "vocab", p.vocab));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchTokenLogProbs({.logits = p.logits,
+                                                                 .targets = p.targets,
+                                                                 .out = p.out,
+                                                                 .num_tokens = p.num_tokens,
+                                                                 .vocab = p.vocab},
+                                                                stream()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::UnavailableError(
+        absl::StrCat("no usable CUDA device: cudaGetDeviceCount failed: ", cudaGetErrorName(error),
+                     " (", cudaGetErrorString(error), ")"));
+  }
+  if (count == 0) return absl::UnavailableError("no CUDA device: cudaGetDeviceCount returned 0");
+  if (device_ordinal < 0 || device_ordinal >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ordinal ", device_ordinal,
+                                                   " out of range: ", count, " device(s)"));
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_ordinal));
+  cudaDeviceProp props;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&props, device_ordinal));
+  TANDEM_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  TANDEM_ASSIGN_OR_RETURN(CublasHandle cublas, CublasHandle::Create(stream.get()));
+  TANDEM_ASSIGN_OR_RETURN(PinnedMemory staging, PinnedMemory::Allocate(kStagingBytes));
+  TANDEM_ASSIGN_OR_RETURN(PinnedMemory result_host, PinnedMemory::Allocate(sizeof(int32_t)));
+  TANDEM_ASSIGN_OR_RETURN(DeviceMemory result_device, DeviceMemory::Allocate(sizeof(int32_t)));
+  return std::make_unique<CudaBackend>(device_ordinal, props, std::move(stream), std::move(cublas),
+                                       std::move(staging), std::move(result_host),
+                                       std::move(result_device));
+}
+
+}  // namespace tandem::gpu_worker

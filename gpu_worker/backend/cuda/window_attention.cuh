@@ -1,0 +1,71 @@
+// Attention of query tokens over the window KV cache, returning partial states (o, lse), and
+// the MAW (moving average of attention weights) update of HGCA Alg. 1 line 8.
+//
+// Rows: for kv head g the query rows are the pairs (t, h) with h in g's group, numbered
+// r = t·G + (h - g·G) (G = num_q_heads / num_kv_heads). Two kernels compute them, both with f32
+// accumulation and an online softmax, K/V read as f32 or bf16 and converted on load:
+//   - few rows (T·G <= kDecodeMaxRows, decoding): 4 rows per block, the block's warps stream
+//     disjoint slot tiles straight from global memory and merge their states at the end;
+//   - more rows (prefill chunks): 16 rows per block (4 per warp), K/V slot tiles of 32 slots
+//     staged in shared memory and shared by the block's warps.
+// Either way the slots may be split across `splits` blocks (flash-decoding) whose partial states
+// a combine kernel merges; the plan picks the split so the grid fills the GPU.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tandem/gpu_worker/dtype.h"
+
+namespace tandem::gpu_worker::cuda_backend {
+
+// head_dim must be a multiple of 8 and at most this (every tile row is whole 16-byte chunks).
+inline constexpr int64_t kAttentionMaxHeadDim = 256;
+inline constexpr int64_t kAttentionHeadDimMultiple = 8;
+
+// Visible entries for query token t: slots s < num_slots with 0 <= slot_pos[s] <= q_pos[t].
+struct WindowAttentionArgs {
+  const float* q = nullptr;           // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
+  int64_t q_row_stride = 0;           // floats between token t and t+1
+  const int32_t* q_pos = nullptr;     // [num_tokens]
+  const void* k_cache = nullptr;      // [num_kv_heads, capacity, head_dim], 16-byte aligned
+  const void* v_cache = nullptr;      // [num_kv_heads, capacity, head_dim], 16-byte aligned
+  DType cache_dtype = DType::kF32;    // kF32 or kBF16
+  const int32_t* slot_pos = nullptr;  // [capacity], -1 = empty slot
+  int64_t num_slots = 0;              // >= 1 (the backend handles an empty window itself)
+  int64_t capacity = 0;
+  int64_t num_tokens = 0;
+  int64_t num_q_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  float scale = 0.0f;
+  float* o = nullptr;    // [num_tokens, num_q_heads, head_dim]
+  float* lse = nullptr;  // [num_tokens, num_q_heads]; -inf = no visible slot
+  float* maw = nullptr;  // [num_kv_heads, capacity] (LaunchMawUpdate only)
+  float alpha = 0.0f;
+};
+
+struct WindowAttentionPlan {
+  bool decode = true;           // which of the two kernels
+  int64_t row_tiles = 0;        // blocks along the rows of one kv head
+  int64_t splits = 1;           // blocks along the slots
+  int64_t slots_per_split = 0;  // a multiple of 32
+  size_t workspace_bytes = 0;   // partial states, needed when splits > 1
+};
+
+// Picks the kernel and the slot split for `num_sms` multiprocessors.
+WindowAttentionPlan PlanWindowAttention(const WindowAttentionArgs& args, int num_sms);
+
+// Computes o and lse. `workspace` holds plan.workspace_bytes (unused when splits == 1).
+cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
+                                  void* workspace, cudaStream_t stream);
+
+// After LaunchWindowAttention: with w[t, h, s] = exp(score - lse[t, h]) (0 when s is not visible
+// to t), a[g, s] = mean over the T·G rows of group g, and for every slot s < num_slots with
+// slot_pos[s] >= 0: maw[g, s] = maw[g, s] < 0 ? a : (1 - alpha)·maw[g, s] + alpha·a.
+// Recomputes the scores with the same arithmetic as the attention kernels (grid over slot tiles).
+cudaError_t LaunchMawUpdate(const WindowAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace tandem::gpu_worker::cuda_backend

@@ -1,0 +1,273 @@
+// Backend: the device the model runs on. Two implementations exist: `cuda` (cuBLAS GEMMs and
+// CUDA kernels, gpu_worker/backend/cuda) and `cpu` (the same math on the host, for machines
+// without a GPU; gpu_worker/backend/cpu). The engine composes the Llama forward pass, the window
+// KV cache and the hybrid merge from these operations only, so both backends run the same model
+// code and can be compared op by op.
+//
+// Memory: every pointer passed to an operation is "device memory" of this backend: memory from
+// Allocate() (plus an offset). For `cpu` that is host memory; for `cuda` it is GPU memory. Host
+// pointers appear only in the Copy* functions, where the parameter name says which side is which.
+//
+// Ordering: operations run in issue order on one backend stream. They may be asynchronous:
+// CopyToHost/CopyToDevice/Synchronize are the points where the host waits (CopyToHost returns
+// only when the data is in host memory; CopyToDevice returns when `src_host` may be reused).
+//
+// Numerics (both backends): activations are f32. MatMul rounds its input `x` to the weight's
+// dtype (bf16/f16 weights: x is rounded to bf16/f16; f32 weights: x stays f32) and accumulates
+// in f32, so a bf16 model computes bf16 x bf16 products with f32 sums, like cuBLAS bf16 GEMMs.
+// Everything else (norms, RoPE, softmax, merge) is f32. KV caches are f32 or bf16.
+//
+// Errors: operations return INVALID_ARGUMENT for parameters that break the stated contract
+// (checked cheaply: null pointers, zero or negative sizes, unsupported dtypes), INTERNAL for a
+// failing CUDA/cuBLAS/oneDNN call (the message names the call, file and line). They never abort.
+//
+// Thread safety: none. One thread (the engine's executor) owns a backend and calls it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/dtype.h"
+
+namespace tandem::gpu_worker {
+
+// A block of backend memory; move-only; freed by the backend's deleter on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(void* data, size_t bytes, std::function<void(void*)> deleter)
+      : data_(data), bytes_(bytes), deleter_(std::move(deleter)) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      data_ = other.data_;
+      bytes_ = other.bytes_;
+      deleter_ = std::move(other.deleter_);
+      other.data_ = nullptr;
+      other.bytes_ = 0;
+      other.deleter_ = nullptr;
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(data_); }
+  explicit operator bool() const { return data_ != nullptr; }
+
+  void Reset() {
+    if (data_ != nullptr && deleter_) deleter_(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+    deleter_ = nullptr;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> deleter_;
+};
+
+// out[t, :] = table[ids[t], :] converted to f32.
+struct EmbedParams {
+  const int32_t* ids = nullptr;  // [num_tokens], each in [0, vocab) (the engine validates)
+  const void* table = nullptr;   // [vocab, hidden] of table_dtype
+  DType table_dtype = DType::kF32;
+  float* out = nullptr;          // [num_tokens, hidden]
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  int64_t vocab = 0;
+};
+
+// out[t, :] = x[t, :] * rsqrt(mean(x[t, :]^2) + eps) * weight[:]   (Llama RMSNorm, f32 math)
+struct RmsNormParams {
+  const float* x = nullptr;       // [num_tokens, hidden]
+  const void* weight = nullptr;   // [hidden] of weight_dtype
+  DType weight_dtype = DType::kF32;
+  float* out = nullptr;           // [num_tokens, hidden]; may alias x
+  int64_t num_tokens = 0;
+  int64_t hidden = 0;
+  float eps = 1e-5f;
+};
+
+// y = x · wᵀ (+ bias) (+ y when accumulate): the nn.Linear layout. accumulate fuses the
+// residual add; bias is for models with projection biases (Qwen2's q/k/v).
+struct MatMulParams {
+  const float* x = nullptr;   // [m, k], row stride k
+  const void* w = nullptr;    // [n, k] of w_dtype, row stride k
+  DType w_dtype = DType::kF32;   // kF32, kBF16 or kF16
+  const float* bias = nullptr;   // optional [n], added to every row
+  float* y = nullptr;         // [m, n], row stride n; must not alias x
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  bool accumulate = false;
+};
+
+// Rotary embedding, Hugging Face "rotate_half" (half-split) convention, in place:
+// for i < D/2 with c = cos(pos·inv_freq[i]) · attention_scaling, s = sin(...) · attention_scaling:
+//   x'[i] = x[i]·c - x[i + D/2]·s,   x'[i + D/2] = x[i + D/2]·c + x[i]·s
+// Angles are computed in f32 as float(pos) * inv_freq[i] (as transformers does).
+struct RopeParams {
+  float* x = nullptr;               // [num_tokens, num_heads, head_dim] rows of `row_stride`
+  int64_t row_stride = 0;           // floats between token t and t+1 (>= num_heads·head_dim)
+  const int32_t* positions = nullptr;   // [num_tokens]
+  const float* inv_freq = nullptr;      // [head_dim / 2] (device memory)
+  float attention_scaling = 1.0f;
+  int64_t num_tokens = 0;
+  int64_t num_heads = 0;
+  int64_t head_dim = 0;             // even
+};
+
+// out[t, i] = silu(gate_up[t, i]) · gate_up[t, ffn + i]  for i < ffn  (SwiGLU; silu(x)=x/(1+e^-x))
+struct SwiGluParams {
+  const float* gate_up = nullptr;   // [num_tokens, 2·ffn]: gate columns first, then up
+  float* out = nullptr;             // [num_tokens, ffn]
+  int64_t num_tokens = 0;
+  int64_t ffn = 0;
+};
+
+// Writes the K and V rows of new tokens into a KV cache at given slots, converting f32 to the
+// cache dtype: k_cache[h, slots[t], :] = k[t, h, :] (same for v).
+struct WriteKvParams {
+  const float* k = nullptr;     // [num_tokens, num_kv_heads, head_dim], rows of `row_stride`
+  const float* v = nullptr;     // same layout and stride as k
+  int64_t row_stride = 0;       // floats between token t and t+1
+  const int32_t* slots = nullptr;   // [num_tokens], distinct, in [0, capacity)
+  void* k_cache = nullptr;      // [num_kv_heads, capacity, head_dim] of cache_dtype
+  void* v_cache = nullptr;      // [num_kv_heads, capacity, head_dim] of cache_dtype
+  DType cache_dtype = DType::kF32;   // kF32 or kBF16
+  int64_t num_tokens = 0;
+  int64_t num_kv_heads = 0;
+  int64_t capacity = 0;
+  int64_t head_dim = 0;
+};
+
+// Attention of query tokens over the entries of a KV cache ("the window"): for query token t,
+// query head h (kv head g = h / G, G = num_q_heads / num_kv_heads) the visible entries are the
+// slots s < num_slots with 0 <= slot_pos[s] <= q_pos[t] (slot_pos -1 = empty slot). Scores are
+// q·k · scale with f32 accumulation. Returns the partial state over the visible entries:
+//   o[t, h, :] = Σ_s softmax(score)_s · v[g, s, :],  lse[t, h] = log Σ_s exp(score_s)
+// With no visible entry: o = 0, lse = -inf (the numerics contract of common.proto).
+//
+// MAW update (HGCA Alg. 1 line 8), when maw != nullptr: with w[t, h, s] = exp(score - lse[t, h])
+// (0 when s is not visible to t), a[g, s] = mean over t < num_tokens and the G heads of group g
+// of w[t, h, s], and for every slot s < num_slots with slot_pos[s] >= 0:
+//   maw[g, s] = maw[g, s] < 0 ? a[g, s] : (1 - alpha) · maw[g, s] + alpha · a[g, s]
+// (a negative maw marks an entry that has not been attended yet: it starts at its first weight).
+struct WindowAttentionParams {
+  const float* q = nullptr;       // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
+  int64_t q_row_stride = 0;       // floats between token t and t+1
+  const int32_t* q_pos = nullptr; // [num_tokens] absolute positions of the query tokens
+  const void* k_cache = nullptr;  // [num_kv_heads, capacity, head_dim] of cache_dtype
+  const void* v_cache = nullptr;  // [num_kv_heads, capacity, head_dim] of cache_dtype
+  DType cache_dtype = DType::kF32;
+  const int32_t* slot_pos = nullptr;  // [capacity] absolute position of each slot, -1 = empty
+  int64_t num_slots = 0;          // slots [0, num_slots) are scanned (<= capacity)
+  int64_t capacity = 0;
+  int64_t num_tokens = 0;
+  int64_t num_q_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  float scale = 0.0f;             // usually 1/sqrt(head_dim)
+  float* o = nullptr;             // [num_tokens, num_q_heads, head_dim], contiguous
+  float* lse = nullptr;           // [num_tokens, num_q_heads]
+  float* maw = nullptr;           // optional: [num_kv_heads, capacity], updated in place
+  float alpha = 0.0f;
+};
+
+// (o_dst, lse_dst) <- merge((o_dst, lse_dst), (o_src, lse_src)) for `rows` states, exactly the
+// merge of cpu_attention/merge_state.h: an empty side (lse = -inf) leaves the other unchanged,
+// two empty sides give o = 0, lse = -inf, never NaN.
+struct MergeParams {
+  float* o_dst = nullptr;          // [rows, head_dim]
+  float* lse_dst = nullptr;        // [rows]
+  const float* o_src = nullptr;    // [rows, head_dim]
+  const float* lse_src = nullptr;  // [rows]
+  int64_t rows = 0;
+  int64_t head_dim = 0;
+};
+
+// Picks one token from logits of one row. temperature <= 0: argmax (the lowest index among
+// equal maxima). Otherwise: p = softmax(logits / temperature); keep the top_k most probable
+// (top_k <= 0: all), then the smallest most-probable set whose mass reaches top_p (top_p >= 1:
+// all; the most probable token is always kept); renormalise; return the token at which the
+// cumulative mass in ascending token-id order first exceeds `uniform` · (kept mass).
+struct SampleParams {
+  const float* logits = nullptr;  // [vocab]
+  int64_t vocab = 0;
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float uniform = 0.0f;           // in [0, 1), drawn by the caller's seeded generator
+};
+
+// out[t] = log_softmax(logits[t, :])[targets[t]]: the log-probability of each target token.
+struct TokenLogProbParams {
+  const float* logits = nullptr;    // [num_tokens, vocab]
+  const int32_t* targets = nullptr; // [num_tokens], each in [0, vocab)
+  float* out = nullptr;             // [num_tokens]
+  int64_t num_tokens = 0;
+  int64_t vocab = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const = 0;    // "cpu" or "cuda"
+  virtual std::string device_description() const = 0;   // e.g. "NVIDIA H100 80GB HBM3"
+
+  // Memory. Allocate returns RESOURCE_EXHAUSTED when the device is out of memory. The contents
+  // of a new buffer are unspecified.
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  virtual absl::Status CopyToDevice(void* dst, const void* src_host, size_t bytes) = 0;
+  virtual absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes) = 0;
+  // Strided copy of `rows` rows of `row_bytes`: row r goes from src + r·src_pitch to
+  // dst_host + r·dst_pitch (used to gather one block of every kv head of a cache).
+  virtual absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src,
+                                    size_t src_pitch, size_t row_bytes, size_t rows) = 0;
+  virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
+  // Sets `count` floats at dst to `value`.
+  virtual absl::Status Fill(float* dst, float value, size_t count) = 0;
+  virtual absl::Status Synchronize() = 0;
+  // Bytes of device memory in use by this backend's allocations, and the largest it reached.
+  virtual size_t bytes_in_use() const = 0;
+  virtual size_t peak_bytes_in_use() const = 0;
+
+  // Model operations (parameter structs above).
+  virtual absl::Status Embed(const EmbedParams& p) = 0;
+  virtual absl::Status RmsNorm(const RmsNormParams& p) = 0;
+  virtual absl::Status MatMul(const MatMulParams& p) = 0;
+  virtual absl::Status Rope(const RopeParams& p) = 0;
+  virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
+  virtual absl::Status WriteKv(const WriteKvParams& p) = 0;
+  virtual absl::Status WindowAttention(const WindowAttentionParams& p) = 0;
+  virtual absl::Status MergeStates(const MergeParams& p) = 0;
+  // Returns the chosen token id (waits for the result).
+  virtual absl::StatusOr<int32_t> Sample(const SampleParams& p) = 0;
+  virtual absl::Status TokenLogProbs(const TokenLogProbParams& p) = 0;
+};
+
+// Creates the `cpu` backend. `threads` = 0: the cores this process may use.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads = 0);
+
+// Creates the `cuda` backend on `device_ordinal`. UNAVAILABLE when this build has no CUDA
+// support or no GPU is present (the message says which).
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal = 0);
+
+// True when this build includes the CUDA backend (it may still find no GPU at run time).
+bool CudaBackendCompiled();
+
+}  // namespace tandem::gpu_worker

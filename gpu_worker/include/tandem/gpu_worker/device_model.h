@@ -1,0 +1,67 @@
+// DeviceModel: a loaded Model's weights copied into backend memory in the layout the forward
+// pass wants. Matrices keep their dtype (f32/bf16/f16); the projections that read the same input
+// are stacked so one GEMM computes them:
+//   qkv     [(Q + 2K)·D, H]   rows of q_proj, then k_proj, then v_proj
+//   gate_up [2·I, H]          rows of gate_proj, then up_proj (SwiGluParams' layout)
+// Biases (Qwen2) are converted to f32 and stacked the same way. lm_head aliases embed when the
+// embeddings are tied (no second copy).
+//
+// Not thread-safe; owned by the engine's executor thread. The Model must outlive Upload() only.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/model_weights.h"
+
+namespace tandem::gpu_worker {
+
+// A weight tensor in backend memory.
+struct DeviceTensor {
+  DeviceBuffer buffer;
+  DType dtype = DType::kF32;
+  const void* data() const { return buffer.data(); }
+};
+
+struct DeviceLayer {
+  DeviceTensor attn_norm;   // [H]
+  DeviceTensor qkv;         // [(Q + 2K)·D, H]
+  DeviceTensor qkv_bias;    // [(Q + 2K)·D] f32, empty without biases
+  DeviceTensor o_proj;      // [H, Q·D]
+  DeviceTensor ffn_norm;    // [H]
+  DeviceTensor gate_up;     // [2·I, H]
+  DeviceTensor down_proj;   // [H, I]
+};
+
+class DeviceModel {
+ public:
+  // RESOURCE_EXHAUSTED when the device cannot hold the weights.
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(const Model& model,
+                                                             Backend& backend);
+
+  const ModelConfig& config() const { return config_; }
+  const DeviceTensor& embed() const { return embed_; }
+  const DeviceTensor& final_norm() const { return final_norm_; }
+  // The lm_head matrix [V, H] (embed's buffer when tied).
+  const void* lm_head() const { return tied_ ? embed_.data() : lm_head_.data(); }
+  DType lm_head_dtype() const { return tied_ ? embed_.dtype : lm_head_.dtype; }
+  const DeviceLayer& layer(int64_t i) const { return layers_[i]; }
+  const float* inv_freq() const { return inv_freq_.as<float>(); }   // [D/2]
+  size_t weight_bytes() const { return weight_bytes_; }
+
+ private:
+  DeviceModel() = default;
+
+  ModelConfig config_;
+  DeviceTensor embed_;
+  DeviceTensor final_norm_;
+  DeviceTensor lm_head_;
+  bool tied_ = false;
+  std::vector<DeviceLayer> layers_;
+  DeviceBuffer inv_freq_;
+  size_t weight_bytes_ = 0;
+};
+
+}  // namespace tandem::gpu_worker

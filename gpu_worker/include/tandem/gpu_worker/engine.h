@@ -1,0 +1,204 @@
+// Engine: the GPU worker's generation logic: the model on a backend, the CPU attention nodes,
+// sessions, sampling, detokenisation and stop conditions. The Generation service and the CLI
+// are thin layers over it.
+//
+// Not thread-safe: exactly one thread (the executor that owns the backend, STYLE.md "the GPU
+// worker has one executor thread that owns the CUDA context") calls an Engine. EngineExecutor
+// (engine_executor.h) provides that thread for concurrent callers.
+//
+// Errors: INVALID_ARGUMENT for a bad request (the message names the field), NOT_FOUND for an
+// unknown session, RESOURCE_EXHAUSTED when sessions or memory run out, UNAVAILABLE when CPU
+// nodes cannot be reached at session start. A failed request leaves the engine serving.
+#pragma once
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/model_weights.h"
+#include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/sequence.h"
+#include "tandem/gpu_worker/tokenizer.h"
+
+namespace tandem::gpu_worker {
+
+struct EngineOptions {
+  std::string model_dir;
+  std::string backend = "auto";    // "auto" (cuda when a GPU is usable, else cpu), "cpu", "cuda"
+  int cuda_device = 0;
+  unsigned cpu_threads = 0;        // cpu backend threads; 0 = all usable cores
+  int64_t prefill_chunk = 512;     // tokens per forward chunk
+  float maw_alpha = 0.1f;
+  // Most positions of a session (prompt + generated, all turns); 0 = the model's
+  // max_position_embeddings. Also sizes the device KV of `gpu` mode sessions.
+  int64_t max_context = 0;
+  // KV dtype on the device and the CPU nodes: "auto" (bf16 for bf16/f16 models, f32 for f32
+  // models), "bf16" or "f32".
+  std::string kv_dtype = "auto";
+  int64_t block_tokens = 16;       // tokens per evicted block (and per CPU node block when >= 16)
+  uint32_t max_sessions = 64;
+  // Defaults of requests that leave the tandem fields unset.
+  AttentionMode default_mode = AttentionMode::kHybrid;
+  float default_beta = 1.0f;
+  int64_t default_window = 1024;
+  int64_t default_sink = 4;
+  // CPU attention nodes (empty addresses and dns_name: one node in-process).
+  NodePoolOptions nodes;
+  int attend_deadline_ms = 2000;
+};
+
+struct SamplingOptions {
+  float temperature = 0.0f;        // 0 = greedy
+  float top_p = 1.0f;              // (0, 1]
+  int32_t top_k = 0;               // 0 = no limit
+  std::optional<uint64_t> seed;    // unset: a random seed
+};
+
+struct GenerateRequest {
+  // Empty: a one-shot request (its session is closed at the end). Otherwise the session to
+  // continue, or to create and keep when it does not exist (multi-turn; close with
+  // CloseSession). Same rules as CPU node session ids: 1..128 of [A-Za-z0-9._:-].
+  std::string session_id;
+  // The prompt: token ids when prompt_ids is non-empty, else prompt_text (tokenized with BOS
+  // on the first turn of a session when the tokenizer adds one).
+  std::string prompt_text;
+  std::vector<int32_t> prompt_ids;
+  int64_t max_tokens = 16;         // >= 1
+  SamplingOptions sampling;
+  std::vector<std::string> stop;   // stop strings (at most 16, each 1..256 bytes)
+  bool ignore_eos = false;
+  // tandem's fields; unset = the engine's defaults. A continued session keeps its mode, window
+  // and sink (a different value is INVALID_ARGUMENT); a new beta re-selects its CPU entries.
+  std::optional<AttentionMode> mode;
+  std::optional<float> beta;       // >= 0, finite
+  std::optional<int64_t> window;   // >= block_tokens
+  std::optional<int64_t> sink;     // >= 0
+};
+
+struct PrefillProgress {
+  int64_t total = 0;               // prompt tokens to process
+  int64_t processed = 0;
+  double elapsed_s = 0.0;
+};
+
+struct TokenEvent {
+  int32_t token_id = 0;
+  std::string text;                // UTF-8 text completed by this token (may be empty)
+  int64_t index = 0;               // 0 for the first generated token
+};
+
+enum class FinishReason { kLength, kStop, kEos, kContext, kCancelled };
+std::string_view FinishReasonName(FinishReason reason);
+
+struct GenerateSummary {
+  std::string session_id;          // the session used (generated for one-shot requests)
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  double time_to_first_token_s = 0.0;
+  double total_s = 0.0;
+  double mean_token_latency_s = 0.0;   // over generated tokens after the first
+  double p50_token_latency_s = 0.0;
+  double p99_token_latency_s = 0.0;
+  FinishReason finish_reason = FinishReason::kLength;
+  std::string text;                // the whole generated text (after stop-string truncation)
+  std::vector<int32_t> token_ids;  // generated ids
+  bool degraded = false;           // some step ran without a CPU node's answer
+  uint64_t degraded_steps = 0;
+  int64_t device_kv_entries = 0;   // per (layer, kv head), at the end
+  int64_t cpu_kv_entries = 0;      // per (layer, kv head), at the end
+  AttentionMode mode = AttentionMode::kHybrid;
+};
+
+struct GenerateCallbacks {
+  std::function<void(const PrefillProgress&)> on_prefill;   // after each prefill chunk
+  // Each generated token; return false to stop generating (finish reason kCancelled).
+  std::function<bool(const TokenEvent&)> on_token;
+};
+
+// Perplexity-style evaluation of a token sequence (teacher forcing).
+struct EvaluateRequest {
+  std::vector<int32_t> ids;
+  AttentionMode mode = AttentionMode::kGpu;
+  float beta = 0.0f;
+  int64_t window = 512;
+  int64_t sink = 4;
+};
+
+struct EvaluateResult {
+  double nll_sum = 0.0;            // Σ -log p(ids[i] | ids[<i]) over i >= 1
+  int64_t predictions = 0;         // ids.size() - 1
+  double perplexity() const { return predictions ? std::exp(nll_sum / predictions) : 0.0; }
+  std::vector<double> selected_share;   // hybrid: mean selected/held per layer over the run
+  int64_t cpu_kv_entries = 0;
+  uint64_t degraded_steps = 0;
+};
+
+struct ModelInfo {
+  std::string model_dir;
+  std::string model_type;
+  std::string backend;             // "cpu" or "cuda"
+  std::string device;              // backend device description
+  int64_t num_layers = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, hidden_size = 0;
+  int64_t vocab_size = 0;
+  int64_t max_context = 0;
+  std::string weight_dtype;
+  std::string kv_dtype;
+  size_t weight_bytes = 0;
+  size_t cpu_nodes = 0;
+  std::string tokenizer_kind;
+};
+
+class Engine {
+ public:
+  // Loads the model and tokenizer, creates the backend and the CPU node pool.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+  ~Engine();
+
+  absl::StatusOr<GenerateSummary> Generate(const GenerateRequest& request,
+                                           const GenerateCallbacks& callbacks = {});
+  absl::StatusOr<EvaluateResult> Evaluate(const EvaluateRequest& request);
+  absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_bos) const;
+  std::string Detokenize(const std::vector<int32_t>& ids) const;
+  // Frees a kept session's device window and CPU node shards. NOT_FOUND if unknown.
+  absl::Status CloseSession(const std::string& session_id);
+  size_t open_sessions() const { return sessions_.size(); }
+
+  ModelInfo info() const;
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const Model& model() const { return *model_; }
+  Backend& backend() { return *backend_; }
+  NodePool& nodes() { return *nodes_; }
+  const EngineOptions& options() const { return options_; }
+
+ private:
+  Engine() = default;
+  absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id, AttentionMode mode,
+                                                        float beta, int64_t window, int64_t sink);
+  absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
+
+  EngineOptions options_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<DeviceModel> device_model_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<NodePool> nodes_;
+  std::map<std::string, std::unique_ptr<Sequence>> sessions_;
+  DType kv_dtype_ = DType::kF32;
+  int64_t max_context_ = 0;
+  uint64_t next_anonymous_id_ = 0;
+  std::string id_prefix_;
+};
+
+}  // namespace tandem::gpu_worker

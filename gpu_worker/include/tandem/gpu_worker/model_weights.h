@@ -1,0 +1,71 @@
+// A Llama-family model on the host: its config and its mmap'ed safetensors weights, with every
+// tensor the forward pass needs looked up and shape-checked once at load time.
+//
+// Tensor names and shapes are Hugging Face's (nn.Linear weights are [out_features, in_features],
+// row-major): with H = hidden_size, I = intermediate_size, V = vocab_size, D = head_dim,
+// Q = num_q_heads, K = num_kv_heads. q_proj/k_proj rows are in Hugging Face's half-split RoPE
+// order (rotate_half pairs element j with j + D/2 within each head).
+//
+// Errors: LoadModel returns the config's and the archive's errors (NOT_FOUND for a missing
+// config.json or weights file, INVALID_ARGUMENT for malformed ones), and INVALID_ARGUMENT naming
+// the tensor, its expected and found shape when a tensor is missing or mis-shaped, when the
+// matrices do not share one dtype in {F32, BF16, F16}, or when a norm or bias is not a float.
+//
+// Lifetime: every TensorView* points into Model::archive and is valid while the Model lives.
+// Thread safety: a loaded Model is immutable and may be read from any thread.
+#pragma once
+
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/dtype.h"
+#include "tandem/gpu_worker/model_config.h"
+#include "tandem/gpu_worker/safetensors.h"
+
+namespace tandem::gpu_worker {
+
+// model.layers.{i}.*
+struct LayerWeights {
+  const TensorView* attn_norm = nullptr;  // input_layernorm.weight           [H]
+  const TensorView* q_proj = nullptr;     // self_attn.q_proj.weight          [Q*D, H]
+  const TensorView* k_proj = nullptr;     // self_attn.k_proj.weight          [K*D, H]
+  const TensorView* v_proj = nullptr;     // self_attn.v_proj.weight          [K*D, H]
+  const TensorView* o_proj = nullptr;     // self_attn.o_proj.weight          [H, Q*D]
+  const TensorView* q_bias = nullptr;     // self_attn.q_proj.bias [Q*D]; only if qkv_bias
+  const TensorView* k_bias = nullptr;     // self_attn.k_proj.bias [K*D]; only if qkv_bias
+  const TensorView* v_bias = nullptr;     // self_attn.v_proj.bias [K*D]; only if qkv_bias
+  const TensorView* ffn_norm = nullptr;   // post_attention_layernorm.weight  [H]
+  const TensorView* gate_proj = nullptr;  // mlp.gate_proj.weight             [I, H]
+  const TensorView* up_proj = nullptr;    // mlp.up_proj.weight               [I, H]
+  const TensorView* down_proj = nullptr;  // mlp.down_proj.weight             [H, I]
+};
+
+struct ModelWeights {
+  const TensorView* embed = nullptr;       // model.embed_tokens.weight [V, H]
+  const TensorView* final_norm = nullptr;  // model.norm.weight [H]
+  // lm_head.weight [V, H]; the same pointer as `embed` when tie_word_embeddings.
+  const TensorView* lm_head = nullptr;
+  std::vector<LayerWeights> layers;  // num_layers entries
+  // The dtype of every matrix (embed, lm_head, projections); norms and biases may differ.
+  DType dtype = DType::kF32;
+};
+
+// A loaded model: config + mmap'ed weights (the views stay valid while Model lives).
+struct Model {
+  std::filesystem::path dir;
+  ModelConfig config;
+  std::unique_ptr<SafetensorsArchive> archive;
+  ModelWeights weights;
+};
+
+// Resolves and checks every weight of `config` in `archive` (tensors the model does not use,
+// such as rotary_emb.inv_freq, are ignored).
+absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
+                                              const SafetensorsArchive& archive);
+
+// LoadModelConfig(model_dir) + SafetensorsArchive::Open(model_dir) + BindModelWeights.
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir);
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,49 @@
+// Sequence: the state of one token sequence (a session) on the GPU worker: its window of KV on
+// the device, its offloaded KV on the CPU nodes (hybrid mode), the tokens fed so far and the
+// counters a response reports. Owned by the engine; driven by ModelRunner.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/remote_kv.h"
+#include "tandem/gpu_worker/window_cache.h"
+
+namespace tandem::gpu_worker {
+
+enum class AttentionMode {
+  kGpu,     // all KV on the device (the exact baseline)
+  kHybrid,  // sink + recent window on the device, the rest on CPU nodes (HGCA)
+};
+
+// "gpu" / "hybrid" (case-insensitive) -> mode; INVALID_ARGUMENT otherwise.
+absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name);
+std::string_view AttentionModeName(AttentionMode mode);
+
+struct Sequence {
+  Sequence(std::string id, AttentionMode mode, WindowCache window)
+      : id(std::move(id)), mode(mode), window(std::move(window)) {}
+
+  std::string id;
+  AttentionMode mode;
+  WindowCache window;
+  std::unique_ptr<RemoteKv> remote;   // hybrid only
+  std::vector<int32_t> tokens;        // every token fed through the model, in position order
+  // A sampled token not fed yet (it is fed at the start of the next step or turn).
+  std::optional<int32_t> pending_token;
+  // Set when a new turn appends a prompt: its first forward pass re-selects the offloaded
+  // entries of every layer with the new queries (HGCA Alg. 1 line 21), with this beta if set.
+  bool reselect_pending = false;
+  std::optional<float> reselect_beta;
+  uint64_t degraded_steps = 0;        // forward passes in which some CPU node did not answer
+
+  int64_t device_entries() const { return window.entries(); }
+  int64_t offloaded_entries() const { return remote ? remote->offloaded_tokens() : 0; }
+};
+
+}  // namespace tandem::gpu_worker

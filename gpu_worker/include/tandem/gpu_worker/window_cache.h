@@ -1,0 +1,117 @@
+// WindowCache: the part of one sequence's KV cache that lives in device memory (HGCA §3.2.1).
+//
+// Per layer it holds K and V [num_kv_heads, capacity, head_dim] (cache dtype) and MAW
+// [num_kv_heads, capacity] (f32). Slots are shared by all layers: a token occupies the same slot
+// in every layer, so one slot -> position table serves them all.
+//
+//   slots [0, sink)                     sink tokens (positions 0..sink-1); they never leave
+//   slots [sink, sink + ring_blocks·B)  recent tokens in a ring of blocks of B slots; block j of
+//                                       the ring holds positions sink + (b·B .. b·B+B-1) for
+//                                       the b-th recent block with b ≡ j (mod ring_blocks)
+//
+// After a forward pass adds tokens, TakeEvictions() names the oldest recent blocks to move to
+// the CPU nodes so that at most `window` recent tokens stay; the caller reads them
+// (ReadBlocks) for every layer, hands them over, then calls Release(). With `window` =
+// kUnlimited nothing is ever evicted (the `gpu` mode: all KV on the device).
+//
+// Not thread-safe; used by the engine's executor thread only.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+
+namespace tandem::gpu_worker {
+
+struct WindowGeometry {
+  int64_t num_layers = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  DType dtype = DType::kF32;   // kF32 or kBF16
+};
+
+struct WindowOptions {
+  static constexpr int64_t kUnlimited = std::numeric_limits<int64_t>::max();
+  int64_t sink = 4;            // tokens that never leave (>= 0)
+  int64_t window = 512;        // most recent tokens kept on the device; kUnlimited = no eviction
+  int64_t block = 16;          // tokens per evicted block (>= 1)
+  int64_t max_chunk = 512;     // most tokens one forward pass adds
+  int64_t max_context = 8192;  // most positions a sequence may reach (sizes the kUnlimited case)
+};
+
+// A run of consecutive recent slots to evict: positions [first_pos, first_pos + count).
+struct EvictedBlock {
+  int64_t first_slot = 0;
+  int64_t first_pos = 0;
+  int64_t count = 0;
+};
+
+class WindowCache {
+ public:
+  // Allocates the device buffers. INVALID_ARGUMENT for bad options, RESOURCE_EXHAUSTED when
+  // the device memory does not suffice.
+  static absl::StatusOr<WindowCache> Create(Backend& backend, const WindowGeometry& geometry,
+                                            const WindowOptions& options);
+
+  WindowCache(WindowCache&&) = default;
+  WindowCache& operator=(WindowCache&&) = default;
+
+  // Assigns slots to the next `count` positions (next_position() onwards), uploads the slot and
+  // position tables, and returns the slots (host copy, valid until the next call).
+  // FAILED_PRECONDITION if evictions are pending or the context limit would be passed.
+  absl::StatusOr<const std::vector<int32_t>*> Append(int64_t count);
+
+  // The oldest recent blocks that must leave so that at most `window` recent tokens remain.
+  // They stay readable until Release().
+  std::vector<EvictedBlock> PendingEvictions() const;
+
+  // Copies K, V and MAW of `blocks` for `layer` to host memory, head-major:
+  //   k_host, v_host: [num_kv_heads, total, head_dim] of the cache dtype
+  //   maw_host: [num_kv_heads, total] f32 (negative values, i.e. never attended, become 0)
+  // where total = Σ count, blocks in the given order.
+  absl::Status ReadBlocks(int64_t layer, const std::vector<EvictedBlock>& blocks, void* k_host,
+                          void* v_host, float* maw_host);
+
+  // Frees the slots of the blocks returned by PendingEvictions() (empties them on the device).
+  absl::Status Release(const std::vector<EvictedBlock>& blocks);
+
+  // Device pointers for the attention of `layer`.
+  void* k(int64_t layer) const;
+  void* v(int64_t layer) const;
+  float* maw(int64_t layer) const;
+  const int32_t* slot_pos() const { return slot_pos_dev_.as<int32_t>(); }
+
+  int64_t capacity() const { return capacity_; }
+  int64_t scan_slots() const { return scan_slots_; }   // slots [0, scan_slots) ever used
+  int64_t next_position() const { return next_pos_; }
+  int64_t entries() const { return next_pos_ - evicted_tokens_; }   // tokens on the device
+  int64_t evicted_tokens() const { return evicted_tokens_; }
+  const WindowGeometry& geometry() const { return geometry_; }
+  const WindowOptions& options() const { return options_; }
+  size_t device_bytes() const;
+
+ private:
+  WindowCache() = default;
+  int64_t SlotOf(int64_t pos) const;
+  int64_t RecentTokens() const;
+
+  Backend* backend_ = nullptr;
+  WindowGeometry geometry_;
+  WindowOptions options_;
+  int64_t capacity_ = 0;
+  int64_t ring_blocks_ = 0;
+  int64_t scan_slots_ = 0;
+  int64_t next_pos_ = 0;          // positions [0, next_pos_) have been appended
+  int64_t evicted_tokens_ = 0;    // recent positions [sink, sink + evicted_tokens_) have left
+  DeviceBuffer kv_;               // per layer: K then V, [layers][2][num_kv_heads][capacity][D]
+  DeviceBuffer maw_;              // [layers][num_kv_heads][capacity] f32
+  DeviceBuffer slot_pos_dev_;     // [capacity] i32
+  std::vector<int32_t> slot_pos_; // host mirror of slot_pos_dev_
+  std::vector<int32_t> new_slots_;
+};
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,385 @@
+#include "tandem/gpu_worker/model_config.h"
+
+#include <array>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <numbers>
+#include <string>
+#include <system_error>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "json_fields.h"
+#include "nlohmann/json.hpp"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using internal::FindField;
+using internal::JsonToBool;
+using internal::JsonToDouble;
+using internal::JsonToInt64;
+using internal::JsonToString;
+using nlohmann::json;
+
+// The Llama family: same block (RMSNorm, GQA attention with half-split RoPE, SwiGLU MLP).
+struct FamilyMember {
+  absl::string_view model_type;
+  absl::string_view architecture;
+  int64_t default_max_position_embeddings;  // transformers' *Config default
+};
+constexpr std::array<FamilyMember, 3> kFamily = {{
+    {"llama", "LlamaForCausalLM", 2048},
+    {"mistral", "MistralForCausalLM", 131072},
+    {"qwen2", "Qwen2ForCausalLM", 32768},
+}};
+
+// Upper bounds: far above any real Llama-family model, low enough that products of them
+// (e.g. vocab * hidden) cannot overflow int64 and a corrupt config cannot ask for absurd memory.
+constexpr int64_t kMaxHidden = 65536;
+constexpr int64_t kMaxIntermediate = 1 << 20;
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxHeads = 1024;
+constexpr int64_t kMaxHeadDim = 1024;
+constexpr int64_t kMaxVocab = 4 << 20;
+constexpr int64_t kMaxPositions = int64_t{1} << 30;
+
+std::string Where(absl::string_view source, absl::string_view field) {
+  return absl::StrCat(source, ": ", field);
+}
+
+absl::Status Invalid(absl::string_view source, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(source, ": ", message));
+}
+
+// Reads integer field `key` into *out, which keeps its value when the field is absent/null and
+// `required` is false. Checks 1 <= value <= max.
+absl::Status ReadSize(const json& obj, absl::string_view key, bool required, int64_t max,
+                      absl::string_view source, int64_t* out) {
+  const json* field = FindField(obj, key);
+  if (field == nullptr) {
+    if (required) return Invalid(source, absl::StrCat("missing required field \"", key, "\""));
+    return absl::OkStatus();
+  }
+  TANDEM_ASSIGN_OR_RETURN(int64_t value, JsonToInt64(*field, Where(source, key)));
+  if (value < 1 || value > max) {
+    return Invalid(source, absl::StrCat(key, " = ", value, " is out of range [1, ", max, "]"));
+  }
+  *out = value;
+  return absl::OkStatus();
+}
+
+// Reads a positive finite number field; *out keeps its value when absent.
+absl::Status ReadPositive(const json& obj, absl::string_view key, absl::string_view source,
+                          double* out) {
+  const json* field = FindField(obj, key);
+  if (field == nullptr) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(double value, JsonToDouble(*field, Where(source, key)));
+  if (!(value > 0)) return Invalid(source, absl::StrCat(key, " = ", value, " must be > 0"));
+  *out = value;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t> ReadTokenId(const json& value, absl::string_view where) {
+  TANDEM_ASSIGN_OR_RETURN(int64_t id, JsonToInt64(value, where));
+  if (id < 0 || id > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": token id ", id, " is out of range"));
+  }
+  return static_cast<int32_t>(id);
+}
+
+// eos_token_id is an int or a list of ints.
+absl::StatusOr<std::vector<int32_t>> ReadTokenIds(const json& value, absl::string_view where) {
+  std::vector<int32_t> ids;
+  if (value.is_array()) {
+    for (const json& item : value) {
+      TANDEM_ASSIGN_OR_RETURN(int32_t id, ReadTokenId(item, where));
+      ids.push_back(id);
+    }
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(int32_t id, ReadTokenId(value, where));
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+// Overrides config->bos_token_id / eos_token_ids with the non-null ones in `obj`.
+absl::Status ReadSpecialTokens(const json& obj, absl::string_view source, ModelConfig* config) {
+  if (const json* bos = FindField(obj, "bos_token_id")) {
+    TANDEM_ASSIGN_OR_RETURN(config->bos_token_id, ReadTokenId(*bos, Where(source, "bos_token_id")));
+  }
+  if (const json* eos = FindField(obj, "eos_token_id")) {
+    TANDEM_ASSIGN_OR_RETURN(config->eos_token_ids,
+                            ReadTokenIds(*eos, Where(source, "eos_token_id")));
+  }
+  return absl::OkStatus();
+}
+
+// `params` is a rope_scaling or rope_parameters object: {rope_type|type, factor, ...}.
+absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl::string_view name,
+                             RopeScaling* scaling) {
+  if (!params.is_object()) {
+    return internal::TypeError(Where(source, name), "an object", params);
+  }
+  const json* type_field = FindField(params, "rope_type");
+  if (type_field == nullptr) type_field = FindField(params, "type");
+  std::string type = "default";
+  if (type_field != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(type, JsonToString(*type_field, Where(source, name)));
+  }
+  const std::string prefix = absl::StrCat(name, ".");
+  auto require_positive = [&](absl::string_view key, double* out) -> absl::Status {
+    if (FindField(params, key) == nullptr) {
+      return Invalid(source, absl::StrCat("rope type \"", type, "\" needs ", prefix, key));
+    }
+    return ReadPositive(params, key, Where(source, name), out);
+  };
+  *scaling = RopeScaling{};
+  if (type == "default") return absl::OkStatus();
+  if (type == "linear") {
+    scaling->type = RopeScaling::Type::kLinear;
+    return require_positive("factor", &scaling->factor);
+  }
+  if (type == "llama3") {
+    scaling->type = RopeScaling::Type::kLlama3;
+    TANDEM_RETURN_IF_ERROR(require_positive("factor", &scaling->factor));
+    TANDEM_RETURN_IF_ERROR(require_positive("low_freq_factor", &scaling->low_freq_factor));
+    TANDEM_RETURN_IF_ERROR(require_positive("high_freq_factor", &scaling->high_freq_factor));
+    if (FindField(params, "original_max_position_embeddings") == nullptr) {
+      return Invalid(source, absl::StrCat("rope type \"llama3\" needs ", prefix,
+                                          "original_max_position_embeddings"));
+    }
+    TANDEM_RETURN_IF_ERROR(ReadSize(params, "original_max_position_embeddings", true, kMaxPositions,
+                                    Where(source, name),
+                                    &scaling->original_max_position_embeddings));
+    // transformers rejects this too: the interpolation divides by (high - low).
+    if (!(scaling->high_freq_factor > scaling->low_freq_factor)) {
+      return Invalid(source, absl::StrCat(prefix, "high_freq_factor must exceed low_freq_factor"));
+    }
+    return absl::OkStatus();
+  }
+  return Invalid(source, absl::StrCat("unsupported rope type \"", type, "\" in ", name,
+                                      " (supported: default, linear, llama3)"));
+}
+
+absl::StatusOr<DType> ReadDType(const json& obj, absl::string_view source) {
+  // transformers 5 writes "dtype", older versions "torch_dtype".
+  absl::string_view key = "dtype";
+  const json* field = FindField(obj, key);
+  if (field == nullptr) {
+    key = "torch_dtype";
+    field = FindField(obj, key);
+  }
+  if (field == nullptr) return DType::kF32;
+  TANDEM_ASSIGN_OR_RETURN(std::string name, JsonToString(*field, Where(source, key)));
+  if (name == "float32" || name == "float") return DType::kF32;
+  if (name == "bfloat16") return DType::kBF16;
+  if (name == "float16" || name == "half") return DType::kF16;
+  return Invalid(
+      source, absl::StrCat(key, " \"", name, "\" is not supported (float32, bfloat16, float16)"));
+}
+
+// Sets config->model_type from model_type and/or architectures, rejecting non-Llama models.
+absl::Status ReadModelType(const json& obj, absl::string_view source, ModelConfig* config) {
+  const FamilyMember* member = nullptr;
+  if (const json* type_field = FindField(obj, "model_type")) {
+    TANDEM_ASSIGN_OR_RETURN(std::string type,
+                            JsonToString(*type_field, Where(source, "model_type")));
+    for (const FamilyMember& m : kFamily) {
+      if (m.model_type == type) member = &m;
+    }
+    if (member == nullptr) {
+      return Invalid(source, absl::StrCat("model_type \"", type,
+                                          "\" is not a Llama-family model (supported: llama, "
+                                          "mistral, qwen2)"));
+    }
+  }
+  if (const json* archs = FindField(obj, "architectures")) {
+    if (!archs->is_array()) {
+      return internal::TypeError(Where(source, "architectures"), "a list", *archs);
+    }
+    for (const json& arch_field : *archs) {
+      TANDEM_ASSIGN_OR_RETURN(std::string arch,
+                              JsonToString(arch_field, Where(source, "architectures")));
+      const FamilyMember* arch_member = nullptr;
+      for (const FamilyMember& m : kFamily) {
+        if (m.architecture == arch) arch_member = &m;
+      }
+      if (arch_member == nullptr) {
+        return Invalid(source, absl::StrCat("architecture \"", arch,
+                                            "\" is not a Llama-family causal LM (supported: "
+                                            "LlamaForCausalLM, MistralForCausalLM, "
+                                            "Qwen2ForCausalLM)"));
+      }
+      if (member == nullptr) member = arch_member;
+    }
+  }
+  if (member == nullptr) return Invalid(source, "neither model_type nor architectures is given");
+  config->model_type.assign(member->model_type.data(), member->model_type.size());
+  config->max_position_embeddings = member->default_max_position_embeddings;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_view source) {
+  TANDEM_ASSIGN_OR_RETURN(json obj, internal::ParseJsonObject(text, source));
+  ModelConfig config;
+  TANDEM_RETURN_IF_ERROR(ReadModelType(obj, source, &config));
+
+  if (const json* act = FindField(obj, "hidden_act")) {
+    TANDEM_ASSIGN_OR_RETURN(std::string name, JsonToString(*act, Where(source, "hidden_act")));
+    if (name != "silu") {
+      return Invalid(source, absl::StrCat("hidden_act \"", name, "\" is not supported (silu)"));
+    }
+  }
+
+  TANDEM_RETURN_IF_ERROR(
+      ReadSize(obj, "hidden_size", true, kMaxHidden, source, &config.hidden_size));
+  TANDEM_RETURN_IF_ERROR(ReadSize(obj, "intermediate_size", true, kMaxIntermediate, source,
+                                  &config.intermediate_size));
+  TANDEM_RETURN_IF_ERROR(
+      ReadSize(obj, "num_hidden_layers", true, kMaxLayers, source, &config.num_layers));
+  TANDEM_RETURN_IF_ERROR(
+      ReadSize(obj, "num_attention_heads", true, kMaxHeads, source, &config.num_q_heads));
+  config.num_kv_heads = config.num_q_heads;
+  TANDEM_RETURN_IF_ERROR(
+      ReadSize(obj, "num_key_value_heads", false, kMaxHeads, source, &config.num_kv_heads));
+  if (config.num_q_heads % config.num_kv_heads != 0) {
+    return Invalid(source, absl::StrCat("num_attention_heads (", config.num_q_heads,
+                                        ") is not a multiple of num_key_value_heads (",
+                                        config.num_kv_heads, ")"));
+  }
+  if (FindField(obj, "head_dim") != nullptr) {
+    TANDEM_RETURN_IF_ERROR(ReadSize(obj, "head_dim", true, kMaxHeadDim, source, &config.head_dim));
+  } else {
+    if (config.hidden_size % config.num_q_heads != 0) {
+      return Invalid(
+          source,
+          absl::StrCat("head_dim is absent and hidden_size (", config.hidden_size,
+                       ") is not a multiple of num_attention_heads (", config.num_q_heads, ")"));
+    }
+    config.head_dim = config.hidden_size / config.num_q_heads;
+    if (config.head_dim > kMaxHeadDim) {
+      return Invalid(source, absl::StrCat("head_dim ", config.head_dim, " exceeds ", kMaxHeadDim));
+    }
+  }
+  if (config.head_dim % 2 != 0) {
+    return Invalid(source,
+                   absl::StrCat("head_dim ", config.head_dim, " must be even (RoPE pairs)"));
+  }
+  TANDEM_RETURN_IF_ERROR(ReadSize(obj, "vocab_size", true, kMaxVocab, source, &config.vocab_size));
+  TANDEM_RETURN_IF_ERROR(ReadSize(obj, "max_position_embeddings", false, kMaxPositions, source,
+                                  &config.max_position_embeddings));
+
+  TANDEM_RETURN_IF_ERROR(ReadPositive(obj, "rms_norm_eps", source, &config.rms_norm_eps));
+
+  // RoPE: rope_parameters (transformers 5) or top-level rope_theta + rope_scaling (older).
+  config.rope_theta = 10000.0;
+  TANDEM_RETURN_IF_ERROR(ReadPositive(obj, "rope_theta", source, &config.rope_theta));
+  if (const json* params = FindField(obj, "rope_parameters")) {
+    TANDEM_RETURN_IF_ERROR(
+        ReadRopeScaling(*params, source, "rope_parameters", &config.rope_scaling));
+    TANDEM_RETURN_IF_ERROR(
+        ReadPositive(*params, "rope_theta", Where(source, "rope_parameters"), &config.rope_theta));
+  } else if (const json* scaling = FindField(obj, "rope_scaling")) {
+    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, source, "rope_scaling", &config.rope_scaling));
+  }
+
+  if (const json* tie = FindField(obj, "tie_word_embeddings")) {
+    TANDEM_ASSIGN_OR_RETURN(config.tie_word_embeddings,
+                            JsonToBool(*tie, Where(source, "tie_word_embeddings")));
+  }
+  if (config.model_type == "qwen2") {
+    config.qkv_bias = true;  // Qwen2Attention hard-codes bias=True for q/k/v
+  } else if (const json* bias = FindField(obj, "attention_bias")) {
+    TANDEM_ASSIGN_OR_RETURN(config.qkv_bias, JsonToBool(*bias, Where(source, "attention_bias")));
+  }
+  if (const json* mlp_bias = FindField(obj, "mlp_bias")) {
+    TANDEM_ASSIGN_OR_RETURN(bool has_mlp_bias, JsonToBool(*mlp_bias, Where(source, "mlp_bias")));
+    if (has_mlp_bias) return Invalid(source, "mlp_bias = true is not supported");
+  }
+  TANDEM_RETURN_IF_ERROR(ReadSpecialTokens(obj, source, &config));
+  TANDEM_ASSIGN_OR_RETURN(config.weight_dtype, ReadDType(obj, source));
+  return config;
+}
+
+// NOT_FOUND if absent; INVALID_ARGUMENT if unreadable or larger than `max_bytes`.
+absl::StatusOr<std::string> ReadSmallFile(const std::filesystem::path& path, uintmax_t max_bytes) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) {
+    return absl::NotFoundError(absl::StrCat(path.string(), ": no such file"));
+  }
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec || size > max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path.string(), ": cannot be read or is larger than ", max_bytes, " bytes"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::string text(static_cast<size_t>(size), '\0');
+  if (!in.read(text.data(), static_cast<std::streamsize>(size))) {
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": read failed"));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json) {
+  return ParseConfigText(config_json, "config.json");
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_dir) {
+  constexpr uintmax_t kMaxConfigBytes = 16 << 20;
+  const std::filesystem::path config_path = model_dir / "config.json";
+  TANDEM_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(config_path, kMaxConfigBytes));
+  TANDEM_ASSIGN_OR_RETURN(ModelConfig config, ParseConfigText(text, config_path.string()));
+
+  const std::filesystem::path gen_path = model_dir / "generation_config.json";
+  std::error_code ec;
+  if (std::filesystem::exists(gen_path, ec)) {
+    TANDEM_ASSIGN_OR_RETURN(std::string gen_text, ReadSmallFile(gen_path, kMaxConfigBytes));
+    TANDEM_ASSIGN_OR_RETURN(json gen, internal::ParseJsonObject(gen_text, gen_path.string()));
+    TANDEM_RETURN_IF_ERROR(ReadSpecialTokens(gen, gen_path.string(), &config));
+  }
+  return config;
+}
+
+std::vector<float> RopeInvFreq(const ModelConfig& config) {
+  // Mirrors transformers' float32 tensor math: Python scalars meet f32 tensors as f32.
+  const int64_t half = config.head_dim / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  const float base = static_cast<float>(config.rope_theta);
+  const float dim = static_cast<float>(config.head_dim);
+  for (int64_t i = 0; i < half; ++i) {
+    const float exponent = static_cast<float>(2 * i) / dim;
+    inv_freq[i] = 1.0f / std::pow(base, exponent);
+  }
+  const RopeScaling& s = config.rope_scaling;
+  if (s.type == RopeScaling::Type::kLinear) {
+    for (float& f : inv_freq) f /= static_cast<float>(s.factor);
+  } else if (s.type == RopeScaling::Type::kLlama3) {
+    // _compute_llama3_parameters; the wavelength thresholds are Python floats (f64).
+    const double old_context = static_cast<double>(s.original_max_position_embeddings);
+    const float low_freq_wavelen = static_cast<float>(old_context / s.low_freq_factor);
+    const float high_freq_wavelen = static_cast<float>(old_context / s.high_freq_factor);
+    const float factor = static_cast<float>(s.factor);
+    const float low = static_cast<float>(s.low_freq_factor);
+    const float span = static_cast<float>(s.high_freq_factor - s.low_freq_factor);
+    const float two_pi = static_cast<float>(2 * std::numbers::pi);
+    for (float& f : inv_freq) {
+      const float wavelen = two_pi / f;
+      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+      const bool is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+      if (is_medium) {
+        const float smooth = (static_cast<float>(old_context) / wavelen - low) / span;
+        scaled = (1 - smooth) * scaled / factor + smooth * scaled;
+      }
+      f = scaled;
+    }
+  }
+  return inv_freq;
+}
+
+}  // namespace tandem::gpu_worker

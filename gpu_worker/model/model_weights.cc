@@ -1,0 +1,147 @@
+#include "tandem/gpu_worker/model_weights.h"
+
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+bool IsFloat(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
+}
+
+// DTypeName as an absl::string_view (Debian's absl::StrCat does not take std::string_view).
+absl::string_view Name(DType dtype) {
+  const std::string_view name = DTypeName(dtype);
+  return absl::string_view(name.data(), name.size());
+}
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// Looks up tensors by name and checks shapes and dtypes; the first matrix fixes the dtype.
+class Binder {
+ public:
+  explicit Binder(const SafetensorsArchive& archive) : archive_(archive) {}
+
+  // A float tensor of exactly `shape`.
+  absl::StatusOr<const TensorView*> Vector(const std::string& name,
+                                           const std::vector<int64_t>& shape) {
+    const TensorView* view = archive_.Find(name);
+    if (view == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weights: tensor \"", name, "\" (expected shape ", ShapeString(shape), ") is missing"));
+    }
+    if (view->shape != shape) {
+      return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
+                                                     ShapeString(view->shape), ", expected ",
+                                                     ShapeString(shape)));
+    }
+    if (!IsFloat(view->dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has dtype ",
+                                                     Name(view->dtype),
+                                                     ", expected f32, bf16 or f16"));
+    }
+    return view;
+  }
+
+  // A matrix [rows, cols] whose dtype must match every other matrix.
+  absl::StatusOr<const TensorView*> Matrix(const std::string& name, int64_t rows, int64_t cols) {
+    TANDEM_ASSIGN_OR_RETURN(const TensorView* view, Vector(name, {rows, cols}));
+    if (first_matrix_ == nullptr) {
+      first_matrix_ = view;
+    } else if (view->dtype != first_matrix_->dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: tensor \"", name, "\" has dtype ", Name(view->dtype), " but \"",
+                       first_matrix_->name, "\" has ", Name(first_matrix_->dtype),
+                       ": all matrices must share one dtype"));
+    }
+    return view;
+  }
+
+  DType matrix_dtype() const { return first_matrix_->dtype; }
+
+ private:
+  const SafetensorsArchive& archive_;
+  const TensorView* first_matrix_ = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
+                                              const SafetensorsArchive& archive) {
+  const int64_t hidden = config.hidden_size;
+  const int64_t q_dim = config.num_q_heads * config.head_dim;
+  const int64_t kv_dim = config.num_kv_heads * config.head_dim;
+  const int64_t ffn = config.intermediate_size;
+  const int64_t vocab = config.vocab_size;
+
+  Binder bind(archive);
+  ModelWeights weights;
+  TANDEM_ASSIGN_OR_RETURN(weights.embed, bind.Matrix("model.embed_tokens.weight", vocab, hidden));
+  TANDEM_ASSIGN_OR_RETURN(weights.final_norm, bind.Vector("model.norm.weight", {hidden}));
+  if (config.tie_word_embeddings) {
+    // transformers ties lm_head to the embedding even if a checkpoint also stores lm_head.weight.
+    weights.lm_head = weights.embed;
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(weights.lm_head, bind.Matrix("lm_head.weight", vocab, hidden));
+  }
+
+  weights.layers.resize(static_cast<size_t>(config.num_layers));
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    LayerWeights& layer = weights.layers[static_cast<size_t>(i)];
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    TANDEM_ASSIGN_OR_RETURN(layer.attn_norm,
+                            bind.Vector(absl::StrCat(p, "input_layernorm.weight"), {hidden}));
+    TANDEM_ASSIGN_OR_RETURN(layer.q_proj,
+                            bind.Matrix(absl::StrCat(p, "self_attn.q_proj.weight"), q_dim, hidden));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.k_proj, bind.Matrix(absl::StrCat(p, "self_attn.k_proj.weight"), kv_dim, hidden));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.v_proj, bind.Matrix(absl::StrCat(p, "self_attn.v_proj.weight"), kv_dim, hidden));
+    TANDEM_ASSIGN_OR_RETURN(layer.o_proj,
+                            bind.Matrix(absl::StrCat(p, "self_attn.o_proj.weight"), hidden, q_dim));
+    if (config.qkv_bias) {
+      TANDEM_ASSIGN_OR_RETURN(layer.q_bias,
+                              bind.Vector(absl::StrCat(p, "self_attn.q_proj.bias"), {q_dim}));
+      TANDEM_ASSIGN_OR_RETURN(layer.k_bias,
+                              bind.Vector(absl::StrCat(p, "self_attn.k_proj.bias"), {kv_dim}));
+      TANDEM_ASSIGN_OR_RETURN(layer.v_bias,
+                              bind.Vector(absl::StrCat(p, "self_attn.v_proj.bias"), {kv_dim}));
+    }
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.ffn_norm, bind.Vector(absl::StrCat(p, "post_attention_layernorm.weight"), {hidden}));
+    TANDEM_ASSIGN_OR_RETURN(layer.gate_proj,
+                            bind.Matrix(absl::StrCat(p, "mlp.gate_proj.weight"), ffn, hidden));
+    TANDEM_ASSIGN_OR_RETURN(layer.up_proj,
+                            bind.Matrix(absl::StrCat(p, "mlp.up_proj.weight"), ffn, hidden));
+    TANDEM_ASSIGN_OR_RETURN(layer.down_proj,
+                            bind.Matrix(absl::StrCat(p, "mlp.down_proj.weight"), hidden, ffn));
+  }
+  weights.dtype = bind.matrix_dtype();
+  return weights;
+}
+
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir) {
+  auto model = std::make_unique<Model>();
+  model->dir = model_dir;
+  TANDEM_ASSIGN_OR_RETURN(model->config, LoadModelConfig(model_dir));
+  TANDEM_ASSIGN_OR_RETURN(model->archive, SafetensorsArchive::Open(model_dir));
+  absl::StatusOr<ModelWeights> weights = BindModelWeights(model->config, *model->archive);
+  if (!weights.ok()) {
+    return absl::Status(weights.status().code(),
+                        absl::StrCat(model_dir.string(), ": ", weights.status().message()));
+  }
+  model->weights = *std::move(weights);
+  return model;
+}
+
+}  // namespace tandem::gpu_worker

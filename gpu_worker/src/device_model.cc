@@ -1,0 +1,131 @@
+#include "tandem/gpu_worker/device_model.h"
+
+#include <cstring>
+#include <initializer_list>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/bf16.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+// Uploads the concatenation of `parts` (all of one dtype) into one device tensor.
+absl::StatusOr<DeviceTensor> UploadStacked(Backend& backend,
+                                           std::initializer_list<const TensorView*> parts,
+                                           size_t* total_bytes) {
+  size_t bytes = 0;
+  DType dtype = (*parts.begin())->dtype;
+  for (const TensorView* t : parts) {
+    if (t->dtype != dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", t->name, " has dtype ", std::string(DTypeName(t->dtype)),
+                       ", expected ", std::string(DTypeName(dtype)),
+                       " like the tensors it is stacked with"));
+    }
+    bytes += t->bytes;
+  }
+  DeviceTensor out;
+  out.dtype = dtype;
+  TANDEM_ASSIGN_OR_RETURN(out.buffer, backend.Allocate(bytes));
+  size_t offset = 0;
+  for (const TensorView* t : parts) {
+    TANDEM_RETURN_IF_ERROR(
+        backend.CopyToDevice(static_cast<char*>(out.buffer.data()) + offset, t->data, t->bytes));
+    offset += t->bytes;
+  }
+  *total_bytes += bytes;
+  return out;
+}
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+void AppendAsFloat(const TensorView& t, std::vector<float>& dst) {
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    switch (t.dtype) {
+      case DType::kF32:
+        dst.push_back(static_cast<const float*>(t.data)[i]);
+        break;
+      case DType::kBF16:
+        dst.push_back(Bf16ToFloat(static_cast<const uint16_t*>(t.data)[i]));
+        break;
+      case DType::kF16:
+        dst.push_back(HalfToFloat(static_cast<const uint16_t*>(t.data)[i]));
+        break;
+      case DType::kI32:
+        dst.push_back(0.0f);
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& model,
+                                                                 Backend& backend) {
+  auto dm = std::unique_ptr<DeviceModel>(new DeviceModel());
+  dm->config_ = model.config;
+  const ModelWeights& w = model.weights;
+  size_t* total = &dm->weight_bytes_;
+  TANDEM_ASSIGN_OR_RETURN(dm->embed_, UploadStacked(backend, {w.embed}, total));
+  TANDEM_ASSIGN_OR_RETURN(dm->final_norm_, UploadStacked(backend, {w.final_norm}, total));
+  dm->tied_ = w.lm_head == w.embed;
+  if (!dm->tied_) {
+    TANDEM_ASSIGN_OR_RETURN(dm->lm_head_, UploadStacked(backend, {w.lm_head}, total));
+  }
+  dm->layers_.reserve(w.layers.size());
+  for (const LayerWeights& lw : w.layers) {
+    DeviceLayer layer;
+    TANDEM_ASSIGN_OR_RETURN(layer.attn_norm, UploadStacked(backend, {lw.attn_norm}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.qkv,
+                            UploadStacked(backend, {lw.q_proj, lw.k_proj, lw.v_proj}, total));
+    if (lw.q_bias != nullptr) {
+      std::vector<float> bias;
+      for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) AppendAsFloat(*b, bias);
+      layer.qkv_bias.dtype = DType::kF32;
+      TANDEM_ASSIGN_OR_RETURN(layer.qkv_bias.buffer, backend.Allocate(bias.size() * 4));
+      TANDEM_RETURN_IF_ERROR(
+          backend.CopyToDevice(layer.qkv_bias.buffer.data(), bias.data(), bias.size() * 4));
+      *total += bias.size() * 4;
+    }
+    TANDEM_ASSIGN_OR_RETURN(layer.o_proj, UploadStacked(backend, {lw.o_proj}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.ffn_norm, UploadStacked(backend, {lw.ffn_norm}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.gate_up,
+                            UploadStacked(backend, {lw.gate_proj, lw.up_proj}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.down_proj, UploadStacked(backend, {lw.down_proj}, total));
+    dm->layers_.push_back(std::move(layer));
+  }
+  const std::vector<float> inv_freq = RopeInvFreq(model.config);
+  TANDEM_ASSIGN_OR_RETURN(dm->inv_freq_, backend.Allocate(inv_freq.size() * 4));
+  TANDEM_RETURN_IF_ERROR(
+      backend.CopyToDevice(dm->inv_freq_.data(), inv_freq.data(), inv_freq.size() * 4));
+  TANDEM_RETURN_IF_ERROR(backend.Synchronize());
+  return dm;
+}
+
+}  // namespace tandem::gpu_worker

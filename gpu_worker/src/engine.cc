@@ -1,0 +1,477 @@
+#include "tandem/gpu_worker/engine.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "spdlog/spdlog.h"
+#include "stop_matcher.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+constexpr size_t kMaxSessionIdLength = 96;   // leaves room for the worker prefix on CPU nodes
+constexpr size_t kMaxStops = 16;
+constexpr size_t kMaxStopBytes = 256;
+constexpr int64_t kMaxTokensLimit = int64_t{1} << 24;
+
+absl::Status ValidateSessionId(const std::string& id) {
+  if (id.size() > kMaxSessionIdLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_id is longer than ", kMaxSessionIdLength, " characters"));
+  }
+  for (char c : id) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == ':' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          "session_id may contain only letters, digits and . _ : -");
+    }
+  }
+  return absl::OkStatus();
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const EngineOptions& options) {
+  if (options.backend == "cpu") return CreateCpuBackend(options.cpu_threads);
+  if (options.backend == "cuda") return CreateCudaBackend(options.cuda_device);
+  if (options.backend != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown backend '", options.backend, "'; expected auto, cpu or cuda"));
+  }
+  if (CudaBackendCompiled()) {
+    auto cuda = CreateCudaBackend(options.cuda_device);
+    if (cuda.ok()) return cuda;
+    spdlog::info("cuda backend unavailable ({}); using the cpu backend", cuda.status().ToString());
+  }
+  return CreateCpuBackend(options.cpu_threads);
+}
+
+}  // namespace
+
+std::string_view FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kEos:
+      return "eos";
+    case FinishReason::kContext:
+      return "context";
+    case FinishReason::kCancelled:
+      return "cancelled";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  auto engine = std::unique_ptr<Engine>(new Engine());
+  engine->options_ = options;
+  if (options.prefill_chunk < 1 || options.prefill_chunk > 65536) {
+    return absl::InvalidArgumentError("prefill_chunk must be in 1..65536");
+  }
+  if (options.block_tokens < 1 || options.block_tokens > 4096) {
+    return absl::InvalidArgumentError("block_tokens must be in 1..4096");
+  }
+  if (options.max_sessions < 1) return absl::InvalidArgumentError("max_sessions must be >= 1");
+  TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
+  TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
+  const ModelConfig& c = engine->model_->config;
+  if (engine->tokenizer_->vocab_size() > c.vocab_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the tokenizer has ", engine->tokenizer_->vocab_size(),
+                     " tokens but the model's vocabulary is ", c.vocab_size));
+  }
+  engine->max_context_ = c.max_position_embeddings;
+  if (options.max_context > 0) engine->max_context_ = std::min(engine->max_context_, options.max_context);
+  if (options.kv_dtype == "auto") {
+    engine->kv_dtype_ = engine->model_->weights.dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+  } else if (options.kv_dtype == "bf16") {
+    engine->kv_dtype_ = DType::kBF16;
+  } else if (options.kv_dtype == "f32") {
+    engine->kv_dtype_ = DType::kF32;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_dtype must be auto, bf16 or f32, got '", options.kv_dtype, "'"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(engine->backend_, MakeBackend(options));
+  TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
+                          DeviceModel::Upload(*engine->model_, *engine->backend_));
+  RunnerOptions runner_options;
+  runner_options.max_chunk = options.prefill_chunk;
+  runner_options.maw_alpha = options.maw_alpha;
+  TANDEM_ASSIGN_OR_RETURN(engine->runner_, ModelRunner::Create(*engine->backend_,
+                                                               *engine->device_model_,
+                                                               runner_options));
+  TANDEM_ASSIGN_OR_RETURN(engine->nodes_, NodePool::Create(options.nodes));
+  // Session ids on CPU nodes are shared by every worker using them: prefix ours uniquely.
+  std::random_device rd;
+  engine->id_prefix_ = absl::StrFormat("w%d-%08x", static_cast<int>(getpid()), rd());
+  return engine;
+}
+
+Engine::~Engine() {
+  // Close sessions while the node pool (and an embedded node) still exist.
+  sessions_.clear();
+}
+
+absl::Status Engine::ValidateIds(const std::vector<int32_t>& ids) const {
+  const int64_t vocab = model_->config.vocab_size;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", ids[i], " at prompt position ",
+                                                     i, " is outside the vocabulary [0, ",
+                                                     vocab, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string& id,
+                                                              AttentionMode mode, float beta,
+                                                              int64_t window, int64_t sink) {
+  const ModelConfig& c = model_->config;
+  WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype_};
+  WindowOptions wo;
+  wo.block = options_.block_tokens;
+  wo.max_chunk = options_.prefill_chunk;
+  wo.max_context = max_context_;
+  if (mode == AttentionMode::kGpu) {
+    wo.window = WindowOptions::kUnlimited;
+    wo.sink = 0;
+  } else {
+    wo.window = window;
+    wo.sink = sink;
+  }
+  TANDEM_ASSIGN_OR_RETURN(WindowCache cache, WindowCache::Create(*backend_, geometry, wo));
+  auto seq = std::make_unique<Sequence>(id, mode, std::move(cache));
+  if (mode == AttentionMode::kHybrid) {
+    RemoteKvOptions ro;
+    ro.session_id = absl::StrCat(id_prefix_, ".", id);
+    ro.num_layers = c.num_layers;
+    ro.num_q_heads = c.num_q_heads;
+    ro.num_kv_heads = c.num_kv_heads;
+    ro.head_dim = c.head_dim;
+    ro.kv_dtype = kv_dtype_;
+    ro.beta = beta;
+    ro.block_tokens = options_.block_tokens >= 16 && options_.block_tokens <= 256
+                          ? static_cast<uint32_t>(options_.block_tokens)
+                          : 0;
+    ro.attend_deadline_ms = options_.attend_deadline_ms;
+    TANDEM_ASSIGN_OR_RETURN(seq->remote, RemoteKv::Open(*nodes_, ro));
+  }
+  return seq;
+}
+
+absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
+                                                 const GenerateCallbacks& callbacks) {
+  const Clock::time_point start = Clock::now();
+  // --- Validation: everything is checked before any state changes.
+  if (request.max_tokens < 1 || request.max_tokens > kMaxTokensLimit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must be in 1..", kMaxTokensLimit, ", got ", request.max_tokens));
+  }
+  if (request.prompt_ids.empty() && request.prompt_text.empty()) {
+    return absl::InvalidArgumentError("the prompt is empty");
+  }
+  const SamplingOptions& sampling = request.sampling;
+  if (!std::isfinite(sampling.temperature) || sampling.temperature < 0.0f) {
+    return absl::InvalidArgumentError("temperature must be finite and >= 0");
+  }
+  if (!(sampling.top_p > 0.0f && sampling.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError("top_p must be in (0, 1]");
+  }
+  if (sampling.top_k < 0) return absl::InvalidArgumentError("top_k must be >= 0");
+  if (request.stop.size() > kMaxStops) {
+    return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStops, " stop strings"));
+  }
+  for (const std::string& s : request.stop) {
+    if (s.empty() || s.size() > kMaxStopBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stop strings must be 1..", kMaxStopBytes, " bytes"));
+    }
+  }
+  if (request.beta.has_value() && !(std::isfinite(*request.beta) && *request.beta >= 0.0f)) {
+    return absl::InvalidArgumentError("beta must be finite and >= 0");
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateSessionId(request.session_id));
+  const AttentionMode mode = request.mode.value_or(options_.default_mode);
+  const float beta = request.beta.value_or(options_.default_beta);
+  const int64_t window = request.window.value_or(options_.default_window);
+  const int64_t sink = request.sink.value_or(options_.default_sink);
+  if (window < options_.block_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
+                                                   options_.block_tokens, " tokens), got ",
+                                                   window));
+  }
+  if (sink < 0 || sink > max_context_) {
+    return absl::InvalidArgumentError(absl::StrCat("sink must be in 0..", max_context_));
+  }
+
+  auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
+  const bool continuing = existing != sessions_.end();
+  if (continuing) {
+    const Sequence& s = *existing->second;
+    if (request.mode.has_value() && *request.mode != s.mode) {
+      return absl::InvalidArgumentError("a continued session keeps its attention mode");
+    }
+    if (s.mode == AttentionMode::kHybrid &&
+        ((request.window.has_value() && *request.window != s.window.options().window) ||
+         (request.sink.has_value() && *request.sink != s.window.options().sink))) {
+      return absl::InvalidArgumentError("a continued session keeps its window and sink");
+    }
+  }
+  std::vector<int32_t> prompt = request.prompt_ids;
+  if (prompt.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(prompt, tokenizer_->Encode(request.prompt_text, !continuing));
+    if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
+  const int64_t already = continuing ? static_cast<int64_t>(existing->second->tokens.size()) +
+                                           (existing->second->pending_token ? 1 : 0)
+                                     : 0;
+  if (already + static_cast<int64_t>(prompt.size()) >= max_context_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt (", prompt.size(), " tokens", continuing ? " after " : "",
+                     continuing ? absl::StrCat(already, " in the session") : "",
+                     ") leaves no room in the model's context of ", max_context_, " tokens"));
+  }
+  if (!continuing && sessions_.size() >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
+  }
+
+  // --- The session.
+  std::string id = request.session_id;
+  if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
+  Sequence* seq = nullptr;
+  if (continuing) {
+    seq = existing->second.get();
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
+                            NewSequence(id, mode, beta, window, sink));
+    seq = fresh.get();
+    sessions_[id] = std::move(fresh);
+  }
+  // One-shot sessions, and any session whose forward pass failed, are closed on every exit.
+  bool keep = !request.session_id.empty();
+  auto finish_session = [&]() {
+    if (!keep) sessions_.erase(id);
+  };
+
+  std::vector<int32_t> feed;
+  if (seq->pending_token.has_value()) feed.push_back(*seq->pending_token);
+  feed.insert(feed.end(), prompt.begin(), prompt.end());
+  seq->pending_token.reset();
+  if (continuing && seq->mode == AttentionMode::kHybrid) {
+    seq->reselect_pending = true;
+    seq->reselect_beta = request.beta;
+  }
+
+  // --- Prefill.
+  ForwardOptions fo;
+  const int64_t total = static_cast<int64_t>(feed.size());
+  fo.on_chunk = [&](int64_t processed, int64_t) {
+    if (callbacks.on_prefill) callbacks.on_prefill({total, processed, Seconds(start, Clock::now())});
+  };
+  if (absl::Status s = runner_->Forward(*seq, feed.data(), total, fo); !s.ok()) {
+    keep = false;
+    finish_session();
+    return s;
+  }
+
+  // --- Decode.
+  GenerateSummary summary;
+  summary.session_id = request.session_id.empty() ? "" : id;
+  summary.prompt_tokens = static_cast<int64_t>(prompt.size());
+  summary.mode = seq->mode;
+  std::mt19937_64 rng(sampling.seed.has_value() ? *sampling.seed : std::random_device{}());
+  StreamDecoder decoder(*tokenizer_, /*at_start=*/false);
+  StopMatcher stops(request.stop);
+  const std::vector<int32_t>& eos = tokenizer_->eos_ids();
+  std::vector<double> latencies;
+  Clock::time_point last = start;
+  FinishReason reason = FinishReason::kLength;
+  const uint64_t degraded_before = seq->degraded_steps;
+  for (int64_t i = 0; i < request.max_tokens; ++i) {
+    SampleParams sp;
+    sp.logits = runner_->last_logits();
+    sp.vocab = model_->config.vocab_size;
+    sp.temperature = sampling.temperature;
+    sp.top_k = sampling.top_k;
+    sp.top_p = sampling.top_p;
+    sp.uniform = static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-53);
+    if (sp.uniform >= 1.0f) sp.uniform = std::nextafter(1.0f, 0.0f);
+    absl::StatusOr<int32_t> token = backend_->Sample(sp);
+    if (!token.ok()) {
+      keep = false;
+      finish_session();
+      return token.status();
+    }
+    const Clock::time_point now = Clock::now();
+    if (i == 0) {
+      summary.time_to_first_token_s = Seconds(start, now);
+    } else {
+      latencies.push_back(Seconds(last, now));
+    }
+    last = now;
+    summary.token_ids.push_back(*token);
+    summary.completion_tokens = i + 1;
+    const bool is_eos = std::find(eos.begin(), eos.end(), *token) != eos.end();
+    TokenEvent event{*token, "", i};
+    if (is_eos && !request.ignore_eos) {
+      reason = FinishReason::kEos;
+    } else {
+      event.text = stops.Push(decoder.Push(*token));
+      if (stops.stopped()) reason = FinishReason::kStop;
+    }
+    summary.text += event.text;
+    const bool proceed = callbacks.on_token ? callbacks.on_token(event) : true;
+    if (reason != FinishReason::kLength) {
+      seq->pending_token = *token;
+      break;
+    }
+    if (!proceed) {
+      reason = FinishReason::kCancelled;
+      seq->pending_token = *token;
+      break;
+    }
+    if (i + 1 == request.max_tokens) {
+      seq->pending_token = *token;   // fed at the start of the next turn
+      break;
+    }
+    if (static_cast<int64_t>(seq->tokens.size()) + 1 >= max_context_) {
+      reason = FinishReason::kContext;
+      seq->pending_token = *token;
+      break;
+    }
+    const int32_t next = *token;
+    if (absl::Status s = runner_->Forward(*seq, &next, 1); !s.ok()) {
+      keep = false;
+      finish_session();
+      return s;
+    }
+  }
+  if (reason == FinishReason::kLength || reason == FinishReason::kContext ||
+      reason == FinishReason::kCancelled || reason == FinishReason::kEos) {
+    const std::string tail = stops.Push(decoder.Flush()) + stops.Flush();
+    if (!tail.empty()) {
+      summary.text += tail;
+      if (callbacks.on_token) callbacks.on_token({summary.token_ids.back(), tail,
+                                                  summary.completion_tokens - 1});
+    }
+  }
+  const Clock::time_point end = Clock::now();
+  summary.total_s = Seconds(start, end);
+  summary.finish_reason = reason;
+  if (!latencies.empty()) {
+    double sum = 0.0;
+    for (double l : latencies) sum += l;
+    summary.mean_token_latency_s = sum / latencies.size();
+    summary.p50_token_latency_s = Percentile(latencies, 0.5);
+    summary.p99_token_latency_s = Percentile(latencies, 0.99);
+  }
+  summary.degraded_steps = seq->degraded_steps - degraded_before;
+  summary.degraded = summary.degraded_steps > 0;
+  summary.device_kv_entries = seq->device_entries();
+  summary.cpu_kv_entries = seq->offloaded_entries();
+  finish_session();
+  return summary;
+}
+
+absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) {
+  const int64_t n = static_cast<int64_t>(request.ids.size());
+  if (n < 2) return absl::InvalidArgumentError("evaluation needs at least 2 tokens");
+  if (n > max_context_) {
+    return absl::InvalidArgumentError(absl::StrCat("evaluation of ", n,
+                                                   " tokens exceeds the context of ",
+                                                   max_context_));
+  }
+  if (!(std::isfinite(request.beta) && request.beta >= 0.0f)) {
+    return absl::InvalidArgumentError("beta must be finite and >= 0");
+  }
+  if (request.window < options_.block_tokens || request.sink < 0) {
+    return absl::InvalidArgumentError("window must be >= the block size and sink >= 0");
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateIds(request.ids));
+  const std::string id = absl::StrCat("eval-", next_anonymous_id_++);
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq,
+                          NewSequence(id, request.mode, request.beta, request.window,
+                                      request.sink));
+  std::vector<int32_t> targets(request.ids.begin() + 1, request.ids.end());
+  targets.push_back(-1);
+  std::vector<float> logprobs(n, 0.0f);
+  ForwardOptions fo;
+  fo.targets = targets.data();
+  fo.logprobs = logprobs.data();
+  TANDEM_RETURN_IF_ERROR(runner_->Forward(*seq, request.ids.data(), n, fo));
+  EvaluateResult result;
+  for (int64_t i = 0; i + 1 < n; ++i) result.nll_sum -= logprobs[i];
+  result.predictions = n - 1;
+  if (seq->remote) result.selected_share = seq->remote->MeanSelectedShare();
+  result.cpu_kv_entries = seq->offloaded_entries();
+  result.degraded_steps = seq->degraded_steps;
+  return result;
+}
+
+absl::StatusOr<std::vector<int32_t>> Engine::Tokenize(const std::string& text,
+                                                      bool add_bos) const {
+  return tokenizer_->Encode(text, add_bos);
+}
+
+std::string Engine::Detokenize(const std::vector<int32_t>& ids) const {
+  return tokenizer_->Decode(ids);
+}
+
+absl::Status Engine::CloseSession(const std::string& session_id) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
+  }
+  absl::Status closed = it->second->remote ? it->second->remote->Close() : absl::OkStatus();
+  sessions_.erase(it);
+  return closed;
+}
+
+ModelInfo Engine::info() const {
+  const ModelConfig& c = model_->config;
+  ModelInfo info;
+  info.model_dir = options_.model_dir;
+  info.model_type = c.model_type;
+  info.backend = std::string(backend_->name());
+  info.device = backend_->device_description();
+  info.num_layers = c.num_layers;
+  info.num_q_heads = c.num_q_heads;
+  info.num_kv_heads = c.num_kv_heads;
+  info.head_dim = c.head_dim;
+  info.hidden_size = c.hidden_size;
+  info.vocab_size = c.vocab_size;
+  info.max_context = max_context_;
+  info.weight_dtype = std::string(DTypeName(model_->weights.dtype));
+  info.kv_dtype = std::string(DTypeName(kv_dtype_));
+  info.weight_bytes = device_model_->weight_bytes();
+  info.cpu_nodes = nodes_->size();
+  info.tokenizer_kind = std::string(tokenizer_->kind());
+  return info;
+}
+
+}  // namespace tandem::gpu_worker

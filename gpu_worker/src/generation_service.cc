@@ -1,0 +1,377 @@
+#include "tandem/gpu_worker/generation_service.h"
+
+#include <atomic>
+#include <cmath>
+#include <deque>
+#include <mutex>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/grpc_status.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+// Runs `work` on the executor and finishes the unary reactor with its status. A call the
+// client already cancelled is finished as CANCELLED without running.
+template <typename Work>
+grpc::ServerUnaryReactor* RunUnary(EngineExecutor& executor,
+                                   grpc::CallbackServerContext* context, Work work) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const bool posted = executor.Post([reactor, context, work](Engine& engine) {
+    if (context->IsCancelled()) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
+      return;
+    }
+    reactor->Finish(ToGrpcStatus(work(engine)));
+  });
+  if (!posted) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down"));
+  }
+  return reactor;
+}
+
+}  // namespace
+
+absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
+                                                int64_t max_context) {
+  GenerateRequest dst;
+  dst.session_id = request.session_id();
+  switch (request.prompt_case()) {
+    case v1::GenerateRequest::kPromptText:
+      dst.prompt_text = request.prompt_text();
+      break;
+    case v1::GenerateRequest::kPromptIds:
+      dst.prompt_ids.assign(request.prompt_ids().ids().begin(), request.prompt_ids().ids().end());
+      break;
+    case v1::GenerateRequest::PROMPT_NOT_SET:
+      break;
+  }
+  if (dst.prompt_text.empty() && dst.prompt_ids.empty()) {
+    return absl::InvalidArgumentError("prompt: empty; set prompt_text or prompt_ids");
+  }
+
+  const int64_t max_tokens_limit =
+      max_context > 0 ? std::min(kMaxRequestTokens, max_context) : kMaxRequestTokens;
+  if (request.max_tokens() < 1 || request.max_tokens() > max_tokens_limit) {
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in 1..", max_tokens_limit,
+                                                   ", got ", request.max_tokens()));
+  }
+  dst.max_tokens = request.max_tokens();
+
+  const float temperature = request.temperature();
+  if (!std::isfinite(temperature) || temperature < 0 || temperature > kMaxRequestTemperature) {
+    return absl::InvalidArgumentError(absl::StrCat("temperature must be in 0..", kMaxRequestTemperature,
+                                                   ", got ", temperature));
+  }
+  dst.sampling.temperature = temperature;
+  const float top_p = request.top_p();
+  if (!(top_p >= 0 && top_p <= 1)) {  // also rejects NaN
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_p must be in (0, 1] (0 = unset = 1), got ", top_p));
+  }
+  dst.sampling.top_p = top_p == 0 ? 1.0f : top_p;
+  if (request.top_k() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k must be >= 0 (0 = no limit), got ", request.top_k()));
+  }
+  dst.sampling.top_k = request.top_k();
+  if (request.has_seed()) dst.sampling.seed = request.seed();
+
+  if (request.stop_size() > kMaxRequestStops) {
+    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", kMaxRequestStops,
+                                                   " strings, got ", request.stop_size()));
+  }
+  for (int i = 0; i < request.stop_size(); ++i) {
+    const std::string& stop = request.stop(i);
+    if (stop.empty() || stop.size() > kMaxRequestStopBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..", kMaxRequestStopBytes,
+                                                     " bytes, got ", stop.size()));
+    }
+    dst.stop.push_back(stop);
+  }
+  dst.ignore_eos = request.ignore_eos();
+
+  if (!request.mode().empty()) {
+    absl::StatusOr<AttentionMode> mode = ParseAttentionMode(request.mode());
+    if (!mode.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("mode: unknown '", request.mode(), "' (expected gpu or hybrid)"));
+    }
+    dst.mode = *mode;
+  }
+  if (request.has_beta()) {
+    if (!std::isfinite(request.beta()) || request.beta() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("beta must be finite and >= 0, got ", request.beta()));
+    }
+    dst.beta = request.beta();
+  }
+  if (request.has_window()) {
+    if (request.window() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("window must be >= 0, got ",
+                                                     request.window()));
+    }
+    dst.window = request.window();
+  }
+  if (request.has_sink()) {
+    if (request.sink() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("sink must be >= 0, got ", request.sink()));
+    }
+    dst.sink = request.sink();
+  }
+  return dst;
+}
+
+v1::FinishReason ToProto(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
+    case FinishReason::kEos: return v1::FINISH_REASON_EOS;
+    case FinishReason::kContext: return v1::FINISH_REASON_CONTEXT;
+    case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
+  }
+  return v1::FINISH_REASON_UNSPECIFIED;
+}
+
+std::string_view FinishReasonName(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH: return "length";
+    case v1::FINISH_REASON_STOP: return "stop";
+    case v1::FINISH_REASON_EOS: return "eos";
+    case v1::FINISH_REASON_CONTEXT: return "context";
+    case v1::FINISH_REASON_CANCELLED: return "cancelled";
+    default: return "unspecified";
+  }
+}
+
+void ToProto(const PrefillProgress& progress, v1::PrefillProgress* dst) {
+  dst->set_total(progress.total);
+  dst->set_processed(progress.processed);
+  dst->set_elapsed_seconds(progress.elapsed_s);
+}
+
+void ToProto(const TokenEvent& token, v1::TokenDelta* dst) {
+  dst->set_token_id(token.token_id);
+  dst->set_text(token.text);
+  dst->set_index(token.index);
+}
+
+void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst) {
+  v1::Usage* usage = dst->mutable_usage();
+  usage->set_prompt_tokens(summary.prompt_tokens);
+  usage->set_completion_tokens(summary.completion_tokens);
+  usage->set_total_tokens(summary.prompt_tokens + summary.completion_tokens);
+  dst->set_time_to_first_token_seconds(summary.time_to_first_token_s);
+  dst->set_mean_token_latency_seconds(summary.mean_token_latency_s);
+  dst->set_p50_token_latency_seconds(summary.p50_token_latency_s);
+  dst->set_p99_token_latency_seconds(summary.p99_token_latency_s);
+  dst->set_total_seconds(summary.total_s);
+  dst->set_finish_reason(ToProto(summary.finish_reason));
+  dst->set_degraded(summary.degraded);
+  dst->set_degraded_steps(summary.degraded_steps);
+  dst->set_device_kv_entries(summary.device_kv_entries);
+  dst->set_cpu_kv_entries(summary.cpu_kv_entries);
+  dst->set_session_id(summary.session_id);
+  dst->set_mode(std::string(AttentionModeName(summary.mode)));
+}
+
+void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
+  dst->set_model_dir(info.model_dir);
+  dst->set_model_type(info.model_type);
+  dst->set_backend(info.backend);
+  dst->set_device(info.device);
+  dst->set_num_layers(info.num_layers);
+  dst->set_num_q_heads(info.num_q_heads);
+  dst->set_num_kv_heads(info.num_kv_heads);
+  dst->set_head_dim(info.head_dim);
+  dst->set_hidden_size(info.hidden_size);
+  dst->set_vocab_size(info.vocab_size);
+  dst->set_max_context(info.max_context);
+  dst->set_weight_dtype(info.weight_dtype);
+  dst->set_kv_dtype(info.kv_dtype);
+  dst->set_weight_bytes(info.weight_bytes);
+  dst->set_cpu_nodes(info.cpu_nodes);
+  dst->set_tokenizer_kind(info.tokenizer_kind);
+}
+
+// One Generate call. The executor job produces messages (Enqueue) and ends with EndJob; gRPC
+// takes them one StartWrite at a time (OnWriteDone starts the next). Finish is called exactly
+// once, only after EndJob, so the job never touches a deleted reactor; after Finish nothing
+// touches `this` and OnDone deletes it. NOTE: the queue is not bounded by the client's pace: a
+// slow reader costs at most max_tokens small messages of memory, never a blocked executor.
+class GenerationService::GenerateReactor final
+    : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  // Posts the job; finishes with UNAVAILABLE if the executor no longer takes jobs.
+  void Start(EngineExecutor& executor, GenerateRequest request) {
+    const bool posted = executor.Post([this, request = std::move(request)](Engine& engine) {
+      Run(engine, request);
+    });
+    if (!posted) EndJob(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down"));
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    writing_ = false;
+    if (!ok) {  // the client is gone: stop generating, drop what is queued
+      write_failed_ = true;
+      cancelled_.store(true);
+      queue_.clear();
+    }
+    Pump(std::move(lock));
+  }
+
+  void OnCancel() override { cancelled_.store(true); }
+  void OnDone() override { delete this; }
+
+ private:
+  // On the executor thread.
+  void Run(Engine& engine, const GenerateRequest& request) {
+    if (cancelled_.load()) {
+      EndJob(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
+      return;
+    }
+    GenerateCallbacks callbacks;
+    callbacks.on_prefill = [this](const PrefillProgress& progress) {
+      v1::GenerateResponse message;
+      ToProto(progress, message.mutable_prefill());
+      Enqueue(std::move(message));
+    };
+    callbacks.on_token = [this](const TokenEvent& token) {
+      if (cancelled_.load()) return false;
+      v1::GenerateResponse message;
+      ToProto(token, message.mutable_token());
+      Enqueue(std::move(message));
+      return true;
+    };
+    absl::StatusOr<GenerateSummary> summary = engine.Generate(request, callbacks);
+    if (!summary.ok()) {
+      EndJob(ToGrpcStatus(summary.status()));
+      return;
+    }
+    v1::GenerateResponse message;
+    ToProto(*summary, message.mutable_final());
+    Enqueue(std::move(message));
+    EndJob(grpc::Status::OK);
+  }
+
+  void Enqueue(v1::GenerateResponse message) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (write_failed_) return;
+    queue_.push_back(std::move(message));
+    Pump(std::move(lock));
+  }
+
+  // The job's last call: the reactor may be deleted by the time it returns.
+  void EndJob(grpc::Status status) {
+    std::unique_lock<std::mutex> lock(mu_);
+    job_ended_ = true;
+    status_ = std::move(status);
+    Pump(std::move(lock));
+  }
+
+  // Starts the next write, or finishes once the job ended and the queue drained. Releases
+  // `lock` before calling into gRPC (its callbacks may run inline and take mu_).
+  void Pump(std::unique_lock<std::mutex> lock) {
+    if (writing_ || finished_) return;
+    if (!queue_.empty()) {
+      current_ = std::move(queue_.front());
+      queue_.pop_front();
+      writing_ = true;
+      lock.unlock();
+      StartWrite(&current_);
+      return;
+    }
+    if (!job_ended_) return;
+    finished_ = true;
+    const grpc::Status status =
+        write_failed_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
+                      : status_;
+    lock.unlock();
+    Finish(status);  // `this` may be gone from here on
+  }
+
+  std::mutex mu_;
+  std::deque<v1::GenerateResponse> queue_;  // guarded by mu_
+  bool writing_ = false;                    // a StartWrite of current_ is outstanding
+  bool job_ended_ = false;
+  bool write_failed_ = false;
+  bool finished_ = false;                   // Finish was called
+  grpc::Status status_;                     // the job's result, valid once job_ended_
+  v1::GenerateResponse current_;            // the message being written
+  std::atomic<bool> cancelled_{false};      // client cancelled or went away
+};
+
+GenerationService::GenerationService(EngineExecutor* executor, const ModelInfo& info)
+    : executor_(executor), max_context_(info.max_context), vocab_size_(info.vocab_size) {}
+
+GenerationService::~GenerationService() = default;
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  auto* reactor = new GenerateReactor();
+  absl::StatusOr<GenerateRequest> converted = ToEngineRequest(*request, max_context_);
+  if (!converted.ok()) {
+    reactor->Finish(ToGrpcStatus(converted.status()));
+  } else {
+    reactor->Start(*executor_, *std::move(converted));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
+                                                      const v1::TokenizeRequest* request,
+                                                      v1::TokenizeResponse* response) {
+  return RunUnary(*executor_, context, [request, response](Engine& engine) -> absl::Status {
+    absl::StatusOr<std::vector<int32_t>> ids = engine.Tokenize(request->text(), request->add_bos());
+    if (!ids.ok()) return ids.status();
+    response->mutable_token_ids()->Add(ids->begin(), ids->end());
+    response->set_count(static_cast<int64_t>(ids->size()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
+                                                        const v1::DetokenizeRequest* request,
+                                                        v1::DetokenizeResponse* response) {
+  for (int i = 0; i < request->token_ids_size(); ++i) {
+    const int32_t id = request->token_ids(i);
+    if (id < 0 || id >= vocab_size_) {
+      grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+      reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+          "token_ids[", i, "] = ", id, " is outside the vocabulary [0, ", vocab_size_, ")"))));
+      return reactor;
+    }
+  }
+  return RunUnary(*executor_, context, [request, response](Engine& engine) {
+    std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
+    response->set_text(engine.Detokenize(ids));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* GenerationService::CloseSession(
+    grpc::CallbackServerContext* context, const v1::CloseGenerationSessionRequest* request,
+    v1::CloseGenerationSessionResponse* response) {
+  if (request->session_id().empty()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("session_id: empty")));
+    return reactor;
+  }
+  return RunUnary(*executor_, context, [request](Engine& engine) {
+    return engine.CloseSession(request->session_id());
+  });
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
+                                                          const v1::GetModelInfoRequest* request,
+                                                          v1::ModelInfoResponse* response) {
+  return RunUnary(*executor_, context, [response](Engine& engine) {
+    ToProto(engine.info(), response);
+    response->set_open_sessions(engine.open_sessions());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace tandem::gpu_worker

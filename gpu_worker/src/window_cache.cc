@@ -1,0 +1,199 @@
+#include "tandem/gpu_worker/window_cache.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+absl::StatusOr<WindowCache> WindowCache::Create(Backend& backend, const WindowGeometry& geometry,
+                                                const WindowOptions& options) {
+  if (geometry.num_layers <= 0 || geometry.num_kv_heads <= 0 || geometry.head_dim <= 0) {
+    return absl::InvalidArgumentError("window cache: layers, kv heads and head_dim must be > 0");
+  }
+  if (geometry.dtype != DType::kF32 && geometry.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError("window cache: the KV dtype must be f32 or bf16");
+  }
+  const bool unlimited = options.window == WindowOptions::kUnlimited;
+  if (options.block < 1 || options.block > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window cache: block must be in 1..4096, got ", options.block));
+  }
+  if (options.max_chunk < 1 || options.max_context < 1 || options.sink < 0) {
+    return absl::InvalidArgumentError(
+        "window cache: max_chunk and max_context must be >= 1 and sink >= 0");
+  }
+  if (!unlimited && options.window < options.block) {
+    return absl::InvalidArgumentError(absl::StrCat("window cache: window (", options.window,
+                                                   ") must be at least one block (",
+                                                   options.block, ")"));
+  }
+  WindowCache cache;
+  cache.backend_ = &backend;
+  cache.geometry_ = geometry;
+  cache.options_ = options;
+  cache.options_.sink = std::min(options.sink, options.max_context);
+  const int64_t sink = cache.options_.sink;
+  // The ring must hold everything that is recent between two eviction points: the window plus
+  // one forward pass worth of new tokens (evicted blocks always start at a block boundary).
+  const int64_t recent_span =
+      unlimited ? std::max<int64_t>(options.max_context - sink, 0)
+                : std::min(options.window + options.max_chunk, options.max_context);
+  cache.ring_blocks_ = std::max<int64_t>(CeilDiv(recent_span, options.block), 1);
+  cache.capacity_ = sink + cache.ring_blocks_ * options.block;
+
+  const int64_t per_head = cache.capacity_ * geometry.head_dim;
+  const size_t kv_bytes = static_cast<size_t>(geometry.num_layers) * 2 * geometry.num_kv_heads *
+                          per_head * DTypeBytes(geometry.dtype);
+  TANDEM_ASSIGN_OR_RETURN(cache.kv_, backend.Allocate(kv_bytes));
+  const size_t maw_count =
+      static_cast<size_t>(geometry.num_layers) * geometry.num_kv_heads * cache.capacity_;
+  TANDEM_ASSIGN_OR_RETURN(cache.maw_, backend.Allocate(maw_count * sizeof(float)));
+  TANDEM_ASSIGN_OR_RETURN(cache.slot_pos_dev_,
+                          backend.Allocate(static_cast<size_t>(cache.capacity_) * 4));
+  cache.slot_pos_.assign(cache.capacity_, -1);
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(cache.slot_pos_dev_.data(), cache.slot_pos_.data(),
+                                              cache.slot_pos_.size() * 4));
+  TANDEM_RETURN_IF_ERROR(backend.Fill(cache.maw_.as<float>(), -1.0f, maw_count));
+  return cache;
+}
+
+int64_t WindowCache::SlotOf(int64_t pos) const {
+  const int64_t sink = options_.sink;
+  if (pos < sink) return pos;
+  const int64_t r = pos - sink;
+  const int64_t block = r / options_.block;
+  return sink + (block % ring_blocks_) * options_.block + r % options_.block;
+}
+
+int64_t WindowCache::RecentTokens() const {
+  return std::max<int64_t>(next_pos_ - options_.sink, 0) - evicted_tokens_;
+}
+
+absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
+  if (count <= 0 || count > options_.max_chunk) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("window cache: append of ", count, " tokens; must be 1..", options_.max_chunk));
+  }
+  if (next_pos_ + count > options_.max_context) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("window cache: ", next_pos_ + count, " positions exceed the context limit ",
+                     options_.max_context));
+  }
+  if (!PendingEvictions().empty()) {
+    return absl::FailedPreconditionError("window cache: evictions are pending");
+  }
+  new_slots_.resize(count);
+  int64_t lo = capacity_, hi = -1;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t slot = SlotOf(next_pos_ + i);
+    new_slots_[i] = static_cast<int32_t>(slot);
+    slot_pos_[slot] = static_cast<int32_t>(next_pos_ + i);
+    lo = std::min(lo, slot);
+    hi = std::max(hi, slot);
+  }
+  next_pos_ += count;
+  scan_slots_ = std::max(scan_slots_, hi + 1);
+  // New tokens occupy one or two runs of slots (the ring may wrap); upload the covering range.
+  TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + lo,
+                                                slot_pos_.data() + lo, (hi - lo + 1) * 4));
+  return &new_slots_;
+}
+
+std::vector<EvictedBlock> WindowCache::PendingEvictions() const {
+  std::vector<EvictedBlock> blocks;
+  if (options_.window == WindowOptions::kUnlimited) return blocks;
+  int64_t recent = RecentTokens();
+  int64_t first_pos = options_.sink + evicted_tokens_;
+  while (recent > options_.window) {
+    blocks.push_back({SlotOf(first_pos), first_pos, options_.block});
+    first_pos += options_.block;
+    recent -= options_.block;
+  }
+  return blocks;
+}
+
+absl::Status WindowCache::ReadBlocks(int64_t layer, const std::vector<EvictedBlock>& blocks,
+                                     void* k_host, void* v_host, float* maw_host) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("window cache: layer ", layer));
+  }
+  int64_t total = 0;
+  for (const EvictedBlock& b : blocks) total += b.count;
+  const size_t elem = DTypeBytes(geometry_.dtype);
+  const size_t row_bytes = geometry_.head_dim * elem;
+  int64_t done = 0;
+  for (const EvictedBlock& b : blocks) {
+    // One strided copy per (block, K|V|MAW) gathers that block of every kv head.
+    const size_t src_pitch = capacity_ * row_bytes;
+    const size_t dst_pitch = total * row_bytes;
+    const size_t offset = b.first_slot * row_bytes;
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
+        static_cast<char*>(k_host) + done * row_bytes, dst_pitch,
+        static_cast<const char*>(k(layer)) + offset, src_pitch, b.count * row_bytes,
+        geometry_.num_kv_heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
+        static_cast<char*>(v_host) + done * row_bytes, dst_pitch,
+        static_cast<const char*>(v(layer)) + offset, src_pitch, b.count * row_bytes,
+        geometry_.num_kv_heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
+        maw_host + done, total * sizeof(float), maw(layer) + b.first_slot,
+        capacity_ * sizeof(float), b.count * sizeof(float), geometry_.num_kv_heads));
+    done += b.count;
+  }
+  for (int64_t i = 0; i < geometry_.num_kv_heads * total; ++i) {
+    maw_host[i] = std::max(maw_host[i], 0.0f);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WindowCache::Release(const std::vector<EvictedBlock>& blocks) {
+  for (const EvictedBlock& b : blocks) {
+    if (b.first_pos != options_.sink + evicted_tokens_) {
+      return absl::FailedPreconditionError("window cache: blocks must be released oldest first");
+    }
+    std::fill_n(slot_pos_.begin() + b.first_slot, b.count, -1);
+    // A slot's MAW starts "fresh" (-1) so its next token takes its first attention weight as is
+    // (Create marks every slot fresh; reuse happens only after a release).
+    for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+      for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
+        TANDEM_RETURN_IF_ERROR(
+            backend_->Fill(maw(l) + h * capacity_ + b.first_slot, -1.0f, b.count));
+      }
+    }
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + b.first_slot,
+                                                  slot_pos_.data() + b.first_slot, b.count * 4));
+    evicted_tokens_ += b.count;
+  }
+  return absl::OkStatus();
+}
+
+void* WindowCache::k(int64_t layer) const {
+  const size_t per_tensor =
+      static_cast<size_t>(geometry_.num_kv_heads) * capacity_ * geometry_.head_dim *
+      DTypeBytes(geometry_.dtype);
+  return static_cast<char*>(kv_.data()) + 2 * layer * per_tensor;
+}
+
+void* WindowCache::v(int64_t layer) const {
+  const size_t per_tensor =
+      static_cast<size_t>(geometry_.num_kv_heads) * capacity_ * geometry_.head_dim *
+      DTypeBytes(geometry_.dtype);
+  return static_cast<char*>(kv_.data()) + (2 * layer + 1) * per_tensor;
+}
+
+float* WindowCache::maw(int64_t layer) const {
+  return maw_.as<float>() + layer * geometry_.num_kv_heads * capacity_;
+}
+
+size_t WindowCache::device_bytes() const {
+  return kv_.bytes() + maw_.bytes() + slot_pos_dev_.bytes();
+}
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,100 @@
+#include "tandem/gpu_worker/worker_server.h"
+
+#include <chrono>
+
+#include <grpcpp/ext/channelz_service_plugin.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+constexpr char kServiceName[] = "tandem.v1.Generation";
+
+}  // namespace
+
+grpc::ChannelArguments GenerationChannelArguments(int max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  return args;
+}
+
+absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
+    const WorkerServerOptions& options) {
+  if (options.max_message_bytes < (1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_message_bytes must be >= 1 MiB, got ", options.max_message_bytes));
+  }
+  std::unique_ptr<GpuWorkerServer> server(new GpuWorkerServer());
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options.engine));
+  server->info_ = engine->info();
+  server->executor_ = std::make_unique<EngineExecutor>(std::move(engine));
+  server->service_ = std::make_unique<GenerationService>(server->executor_.get(), server->info_);
+  server->max_message_bytes_ = options.max_message_bytes;
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::channelz::experimental::InitChannelzService();
+
+  grpc::ServerBuilder builder;
+  if (!options.address.empty()) {
+    builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+  }
+  builder.RegisterService(server->service_.get());
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  // Long generations stream for minutes: keepalive finds dead clients (whose calls are then
+  // cancelled, which stops their generation) and keeps idle connections through middleboxes.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 30'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Two workers must never share a port silently.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || (!options.address.empty() && server->port_ == 0)) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve on '", options.address, "' (address in use or invalid?)"));
+  }
+  if (grpc::HealthCheckServiceInterface* health = server->server_->GetHealthCheckService()) {
+    health->SetServingStatus(true);
+    health->SetServingStatus(kServiceName, true);
+  }
+  return server;
+}
+
+GpuWorkerServer::~GpuWorkerServer() { Shutdown(); }
+
+void GpuWorkerServer::Shutdown(int grace_ms) {
+  {
+    std::lock_guard<std::mutex> lock(shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_ != nullptr) {
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->SetServingStatus(false);
+    }
+    // Returns once every call has finished; calls finish from executor jobs, so the executor
+    // must still run here.
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+  }
+  if (executor_ != nullptr) executor_->Stop();
+}
+
+void GpuWorkerServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+std::shared_ptr<grpc::Channel> GpuWorkerServer::InProcessChannel() {
+  return server_->InProcessChannel(GenerationChannelArguments(max_message_bytes_));
+}
+
+}  // namespace tandem::gpu_worker

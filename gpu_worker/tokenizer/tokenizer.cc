@@ -1,0 +1,51 @@
+// LoadTokenizer: picks the tokenizer file of a model directory and its special-token settings.
+#include "tandem/gpu_worker/tokenizer.h"
+
+#include <system_error>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "bpe_tokenizer.h"
+#include "sentencepiece_tokenizer.h"
+#include "special_tokens.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::path& model_dir) {
+  using tokenizer_internal::BpeTokenizer;
+  using tokenizer_internal::SentencePieceTokenizer;
+  const std::filesystem::path json_path = model_dir / "tokenizer.json";
+  const std::filesystem::path model_path = model_dir / "tokenizer.model";
+  std::error_code ec;
+  const bool has_json = std::filesystem::exists(json_path, ec);
+  const bool has_model = std::filesystem::exists(model_path, ec);
+  if (!has_json && !has_model) {
+    return absl::NotFoundError(absl::StrCat("model directory ", model_dir.string(),
+                                            " has neither tokenizer.json nor tokenizer.model"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(const tokenizer_internal::SpecialTokenConfig config,
+                          tokenizer_internal::ReadSpecialTokenConfig(model_dir));
+
+  if (has_json) {
+    absl::Status status;
+    absl::StatusOr<nlohmann::json> parsed = tokenizer_internal::ReadJsonFile(json_path);
+    if (parsed.ok()) {
+      absl::StatusOr<std::unique_ptr<BpeTokenizer>> bpe = BpeTokenizer::Create(*parsed, config);
+      if (bpe.ok()) return std::unique_ptr<Tokenizer>(std::move(*bpe));
+      status = bpe.status();
+    } else {
+      status = parsed.status();
+    }
+    // A tokenizer.json of a kind this code does not run (e.g. Llama-2's Metaspace BPE) is no
+    // obstacle when the SentencePiece model it was converted from is there too.
+    if (!(status.code() == absl::StatusCode::kUnimplemented && has_model)) {
+      return absl::Status(status.code(), absl::StrCat(json_path.string(), ": ", status.message()));
+    }
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> sp,
+                          SentencePieceTokenizer::Load(model_path, config));
+  return std::unique_ptr<Tokenizer>(std::move(sp));
+}
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,288 @@
+// The cuda backend's WindowAttention (+ MAW update) against the f64 reference, over head_dim,
+// GQA ratio, cache dtype, token count and window size (empty slots, slots past num_slots,
+// causal masking, rows that see nothing), and against the cpu backend where it is built.
+//
+// Tolerances: o abs 1e-4 and lse abs 1e-4·max(1, |lse|) against f64 (the kernels accumulate in
+// f32; bf16 caches are compared with the same bf16 values on both sides); maw relative 1e-4 +
+// abs 1e-7.
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "cuda_test_util.h"
+#include "gtest/gtest.h"
+#include "tandem/gpu_worker/backend.h"
+
+namespace tandem::gpu_worker::cuda_test {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kAlpha = 0.25f;
+
+struct AttentionCase {
+  int64_t head_dim;
+  int64_t num_kv_heads;
+  int64_t group;  // num_q_heads / num_kv_heads
+  DType dtype;
+  int64_t num_tokens;
+  int64_t capacity;
+  int64_t num_slots;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<AttentionCase>& info) {
+  const AttentionCase& c = info.param;
+  const std::string_view dtype = DTypeName(c.dtype);
+  return absl::StrCat("d", c.head_dim, "_kv", c.num_kv_heads, "_g", c.group, "_",
+                      absl::string_view(dtype.data(), dtype.size()), "_t", c.num_tokens, "_cap",
+                      c.capacity, "_slots", c.num_slots);
+}
+
+// A window: slots [0, num_slots) hold distinct positions >= 10 in random order, about 10% empty
+// (-1); query token t sits at position P - T + t where P exceeds every slot position by a
+// little, so late slots are causally hidden from early tokens; with T >= 7 token 0 sits at
+// position 5 and sees nothing. Slots past num_slots look valid (position 0) and hold huge K/V,
+// so reading them would show. The q rows carry NaN padding (a fused-qkv-like stride).
+AttentionInputs MakeInputs(const AttentionCase& c, uint32_t seed) {
+  AttentionInputs in;
+  in.num_tokens = c.num_tokens;
+  in.num_kv_heads = c.num_kv_heads;
+  in.num_q_heads = c.num_kv_heads * c.group;
+  in.head_dim = c.head_dim;
+  in.capacity = c.capacity;
+  in.num_slots = c.num_slots;
+  in.q_row_stride = (in.num_q_heads + 2 * in.num_kv_heads) * c.head_dim;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  std::mt19937 rng(seed);
+  const int32_t top = static_cast<int32_t>(10 + c.num_slots + c.num_tokens / 2);
+  std::vector<int32_t> positions(top - 10);
+  for (size_t i = 0; i < positions.size(); ++i) positions[i] = static_cast<int32_t>(10 + i);
+  std::shuffle(positions.begin(), positions.end(), rng);
+  in.slot_pos.assign(c.capacity, 0);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t s = 0; s < c.num_slots; ++s) {
+    in.slot_pos[s] = unit(rng) < 0.1f ? -1 : positions[s];
+  }
+  in.q_pos.resize(c.num_tokens);
+  for (int64_t t = 0; t < c.num_tokens; ++t) {
+    in.q_pos[t] = static_cast<int32_t>(top - c.num_tokens + t);
+  }
+  if (c.num_tokens >= 7) in.q_pos[0] = 5;
+  in.q = RandomFloats(c.num_tokens * in.q_row_stride, -2, 2, seed + 1);
+  for (int64_t t = 0; t < c.num_tokens; ++t) {
+    for (int64_t i = in.num_q_heads * c.head_dim; i < in.q_row_stride; ++i) {
+      in.q[t * in.q_row_stride + i] = kNaN;
+    }
+  }
+  const size_t cache = c.num_kv_heads * c.capacity * c.head_dim;
+  in.k = RoundTo(RandomFloats(cache, -1, 1, seed + 2), c.dtype);
+  in.v = RoundTo(RandomFloats(cache, -1, 1, seed + 3), c.dtype);
+  for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+    for (int64_t s = c.num_slots; s < c.capacity; ++s) {
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        in.k[(g * c.capacity + s) * c.head_dim + d] = 1000.0f;
+        in.v[(g * c.capacity + s) * c.head_dim + d] = 1000.0f;
+      }
+    }
+  }
+  return in;
+}
+
+// maw before the update: ~30% negative ("not attended yet"), the rest in [0, 0.1).
+std::vector<float> InitialMaw(const AttentionCase& c, uint32_t seed) {
+  std::vector<float> maw = RandomFloats(c.num_kv_heads * c.capacity, -0.05f, 0.1f, seed);
+  for (float& m : maw) {
+    if (m < 0.0f) m = -1.0f;
+  }
+  return maw;
+}
+
+struct DeviceOutputs {
+  std::vector<float> o, lse, maw;
+};
+
+// Runs WindowAttention on `backend` (with the MAW update when maw0 is non-empty).
+DeviceOutputs RunAttention(Backend& backend, const AttentionInputs& in, DType dtype,
+                           const std::vector<float>& maw0) {
+  DeviceBuffer q = UploadTo(backend, in.q);
+  DeviceBuffer q_pos = UploadTo(backend, in.q_pos);
+  DeviceBuffer slot_pos = UploadTo(backend, in.slot_pos);
+  DeviceBuffer k = UploadTo(backend, EncodeAs(in.k, dtype));
+  DeviceBuffer v = UploadTo(backend, EncodeAs(in.v, dtype));
+  const size_t rows = in.num_tokens * in.num_q_heads;
+  DeviceBuffer o = UploadTo(backend, std::vector<float>(rows * in.head_dim, kNaN));
+  DeviceBuffer lse = UploadTo(backend, std::vector<float>(rows, kNaN));
+  DeviceBuffer maw = maw0.empty() ? DeviceBuffer() : UploadTo(backend, maw0);
+  const absl::Status status = backend.WindowAttention({.q = q.as<float>(),
+                                                       .q_row_stride = in.q_row_stride,
+                                                       .q_pos = q_pos.as<int32_t>(),
+                                                       .k_cache = k.data(),
+                                                       .v_cache = v.data(),
+                                                       .cache_dtype = dtype,
+                                                       .slot_pos = slot_pos.as<int32_t>(),
+                                                       .num_slots = in.num_slots,
+                                                       .capacity = in.capacity,
+                                                       .num_tokens = in.num_tokens,
+                                                       .num_q_heads = in.num_q_heads,
+                                                       .num_kv_heads = in.num_kv_heads,
+                                                       .head_dim = in.head_dim,
+                                                       .scale = in.scale,
+                                                       .o = o.as<float>(),
+                                                       .lse = lse.as<float>(),
+                                                       .maw = maw.as<float>(),
+                                                       .alpha = kAlpha});
+  EXPECT_TRUE(status.ok()) << status;
+  DeviceOutputs out;
+  out.o = DownloadFrom<float>(backend, o, rows * in.head_dim);
+  out.lse = DownloadFrom<float>(backend, lse, rows);
+  if (!maw0.empty()) out.maw = DownloadFrom<float>(backend, maw, maw0.size());
+  return out;
+}
+
+class WindowAttentionTest : public CudaBackendFixture,
+                            public ::testing::WithParamInterface<AttentionCase> {};
+
+void ExpectMatchesReference(const AttentionInputs& in, const DeviceOutputs& got,
+                            const std::vector<float>& maw0) {
+  const AttentionResult ref = ReferenceAttention(in);
+  int empty_rows = 0;
+  for (size_t r = 0; r < ref.lse.size(); ++r) {
+    if (std::isinf(ref.lse[r])) {
+      ++empty_rows;
+      ASSERT_EQ(got.lse[r], -std::numeric_limits<float>::infinity()) << "row " << r;
+    } else {
+      ASSERT_NEAR(got.lse[r], ref.lse[r], 1e-4 * std::max(1.0, std::abs(ref.lse[r])))
+          << "row " << r;
+    }
+    for (int64_t d = 0; d < in.head_dim; ++d) {
+      ASSERT_NEAR(got.o[r * in.head_dim + d], ref.o[r * in.head_dim + d], 1e-4)
+          << "row " << r << " dim " << d;
+    }
+  }
+  if (in.num_tokens >= 7) {
+    EXPECT_GE(empty_rows, in.num_q_heads) << "token 0 should see nothing";
+  }
+  if (maw0.empty()) return;
+  for (int64_t g = 0; g < in.num_kv_heads; ++g) {
+    for (int64_t s = 0; s < in.capacity; ++s) {
+      const size_t i = g * in.capacity + s;
+      double expected = maw0[i];
+      if (s < in.num_slots && in.slot_pos[s] >= 0) {
+        expected = maw0[i] < 0.0f ? ref.a[i] : (1.0 - kAlpha) * maw0[i] + kAlpha * ref.a[i];
+      }
+      ASSERT_NEAR(got.maw[i], expected, 1e-4 * std::abs(expected) + 1e-7)
+          << "kv head " << g << " slot " << s;
+    }
+  }
+}
+
+TEST_P(WindowAttentionTest, MatchesReference) {
+  const AttentionCase c = GetParam();
+  const AttentionInputs in = MakeInputs(c, 100);
+  const std::vector<float> maw0 = InitialMaw(c, 200);
+  const DeviceOutputs got = RunAttention(*backend_, in, c.dtype, maw0);
+  ExpectMatchesReference(in, got, maw0);
+}
+
+TEST_P(WindowAttentionTest, WithoutMawLeavesNoTrace) {
+  const AttentionCase c = GetParam();
+  if (c.num_tokens * c.group * c.num_slots > (int64_t{1} << 22)) GTEST_SKIP() << "large case";
+  const AttentionInputs in = MakeInputs(c, 300);
+  const DeviceOutputs got = RunAttention(*backend_, in, c.dtype, {});
+  ExpectMatchesReference(in, got, {});
+}
+
+#ifdef TANDEM_TEST_HAVE_CPU_BACKEND
+// Both backends on the same inputs: o abs 1e-4, lse abs 1e-4·max(1, |lse|), maw as above.
+TEST_P(WindowAttentionTest, MatchesCpuBackend) {
+  const AttentionCase c = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateCpuBackend();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const AttentionInputs in = MakeInputs(c, 400);
+  const std::vector<float> maw0 = InitialMaw(c, 500);
+  const DeviceOutputs want = RunAttention(**cpu, in, c.dtype, maw0);
+  const DeviceOutputs got = RunAttention(*backend_, in, c.dtype, maw0);
+  for (size_t r = 0; r < want.lse.size(); ++r) {
+    if (std::isinf(want.lse[r])) {
+      ASSERT_EQ(got.lse[r], want.lse[r]) << "row " << r;
+    } else {
+      ASSERT_NEAR(got.lse[r], want.lse[r], 1e-4 * std::max(1.0f, std::abs(want.lse[r])));
+    }
+  }
+  for (size_t i = 0; i < want.o.size(); ++i) ASSERT_NEAR(got.o[i], want.o[i], 1e-4) << i;
+  for (size_t i = 0; i < want.maw.size(); ++i) {
+    ASSERT_NEAR(got.maw[i], want.maw[i], 1e-4 * std::abs(want.maw[i]) + 1e-7) << i;
+  }
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Shapes, WindowAttentionTest,
+                         ::testing::Values(
+                             // stories260k-like: head_dim 8, 4 kv heads, GQA 2
+                             AttentionCase{8, 4, 2, DType::kF32, 1, 128, 100},
+                             AttentionCase{8, 4, 2, DType::kBF16, 7, 512, 300},
+                             AttentionCase{8, 1, 3, DType::kF32, 64, 1024, 1000},
+                             // gutenberg-14m-like: head_dim 64, 2 kv heads, GQA 3
+                             AttentionCase{64, 2, 3, DType::kBF16, 1, 8192, 8192},
+                             AttentionCase{64, 2, 3, DType::kF32, 7, 4096, 4000},
+                             AttentionCase{64, 2, 1, DType::kBF16, 512, 2048, 2048},
+                             AttentionCase{64, 1, 4, DType::kF32, 64, 8192, 8192},
+                             AttentionCase{64, 2, 3, DType::kBF16, 512, 8192, 8000},
+                             // Llama-style: head_dim 128, GQA 4
+                             AttentionCase{128, 2, 4, DType::kBF16, 1, 8192, 8000},
+                             AttentionCase{128, 2, 4, DType::kF32, 1, 65536, 65536},
+                             AttentionCase{128, 1, 4, DType::kF32, 512, 1024, 1024},
+                             AttentionCase{128, 2, 1, DType::kF32, 7, 8192, 8192},
+                             AttentionCase{128, 1, 3, DType::kBF16, 64, 4096, 3000},
+                             // other head dims: the 256 bucket and a non-power-of-two
+                             AttentionCase{256, 1, 2, DType::kF32, 7, 512, 512},
+                             AttentionCase{256, 2, 1, DType::kBF16, 1, 3000, 2999},
+                             AttentionCase{80, 2, 2, DType::kBF16, 1, 1000, 999},
+                             AttentionCase{80, 1, 4, DType::kF32, 33, 700, 650}),
+                         CaseName);
+
+using WindowAttentionEdgeTest = CudaBackendFixture;
+
+// An empty window (num_slots = 0): o = 0, lse = -inf, maw untouched.
+TEST_F(WindowAttentionEdgeTest, EmptyWindow) {
+  constexpr int64_t kTokens = 3, kHeads = 4, kDim = 64, kCapacity = 16;
+  DeviceBuffer q = Upload(RandomFloats(kTokens * kHeads * kDim, -1, 1, 1));
+  DeviceBuffer q_pos = Upload(std::vector<int32_t>{5, 6, 7});
+  DeviceBuffer cache = Upload(RandomFloats(kHeads * kCapacity * kDim, -1, 1, 2));
+  DeviceBuffer slot_pos = Upload(std::vector<int32_t>(kCapacity, 0));
+  DeviceBuffer o = Filled(kTokens * kHeads * kDim, kNaN), lse = Filled(kTokens * kHeads, kNaN);
+  const std::vector<float> maw0(kHeads * kCapacity, 0.5f);
+  DeviceBuffer maw = Upload(maw0);
+  ASSERT_TRUE(backend_
+                  ->WindowAttention({.q = q.as<float>(),
+                                     .q_row_stride = kHeads * kDim,
+                                     .q_pos = q_pos.as<int32_t>(),
+                                     .k_cache = cache.data(),
+                                     .v_cache = cache.data(),
+                                     .cache_dtype = DType::kF32,
+                                     .slot_pos = slot_pos.as<int32_t>(),
+                                     .num_slots = 0,
+                                     .capacity = kCapacity,
+                                     .num_tokens = kTokens,
+                                     .num_q_heads = kHeads,
+                                     .num_kv_heads = kHeads,
+                                     .head_dim = kDim,
+                                     .scale = 0.125f,
+                                     .o = o.as<float>(),
+                                     .lse = lse.as<float>(),
+                                     .maw = maw.as<float>(),
+                                     .alpha = 0.5f})
+                  .ok());
+  for (float x : Download<float>(o, kTokens * kHeads * kDim)) ASSERT_EQ(x, 0.0f);
+  for (float x : Download<float>(lse, kTokens * kHeads)) {
+    ASSERT_EQ(x, -std::numeric_limits<float>::infinity());
+  }
+  EXPECT_EQ(Download<float>(maw, maw0.size()), maw0);
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker::cuda_test

@@ -1,0 +1,152 @@
+// WindowCache: slot assignment (sink + ring), the eviction plan, and that ReadBlocks returns
+// exactly the K/V/MAW written to the evicted slots, head-major.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+#include "tandem/common/bf16.h"
+#include "tandem/gpu_worker/window_cache.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+class WindowCacheTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    backend_ = testing::MakeTestBackend(&why);
+    if (backend_ == nullptr) GTEST_SKIP() << "no backend: " << why;
+  }
+  std::unique_ptr<Backend> backend_;
+};
+
+// K of token at position p, head h, dim d: a value that identifies all three.
+float KValue(int64_t p, int64_t h, int64_t d) { return p * 8.0f + h * 2.0f + d * 0.125f; }
+
+TEST_P(WindowCacheTest, EvictsOldestBlocksWithTheirContents) {
+  const DType dtype = GetParam();
+  const WindowGeometry g{2, 3, 8, dtype};
+  WindowOptions o;
+  o.sink = 4;
+  o.window = 32;
+  o.block = 8;
+  o.max_chunk = 20;
+  o.max_context = 1000;
+  auto cache = WindowCache::Create(*backend_, g, o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  int64_t evicted = 0;
+  for (int round = 0; round < 12; ++round) {
+    const int64_t n = 1 + (round * 7) % 20;
+    const int64_t first = cache->next_position();
+    auto slots = cache->Append(n);
+    ASSERT_TRUE(slots.ok()) << slots.status();
+    // Write K = KValue, V = -KValue through the backend's WriteKv, for both layers.
+    std::vector<float> rows(n * 3 * 2 * 8);   // [n, (k heads | v heads), D]
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t h = 0; h < 3; ++h) {
+        for (int64_t d = 0; d < 8; ++d) {
+          rows[(t * 6 + h) * 8 + d] = KValue(first + t, h, d);
+          rows[(t * 6 + 3 + h) * 8 + d] = -KValue(first + t, h, d);
+        }
+      }
+    }
+    auto dev_rows = backend_->Allocate(rows.size() * 4);
+    auto dev_slots = backend_->Allocate(n * 4);
+    ASSERT_TRUE(dev_rows.ok() && dev_slots.ok());
+    ASSERT_TRUE(backend_->CopyToDevice(dev_rows->data(), rows.data(), rows.size() * 4).ok());
+    ASSERT_TRUE(backend_->CopyToDevice(dev_slots->data(), (*slots)->data(), n * 4).ok());
+    for (int64_t l = 0; l < 2; ++l) {
+      WriteKvParams w;
+      w.k = dev_rows->as<float>();
+      w.v = dev_rows->as<float>() + 3 * 8;
+      w.row_stride = 6 * 8;
+      w.slots = dev_slots->as<int32_t>();
+      w.k_cache = cache->k(l);
+      w.v_cache = cache->v(l);
+      w.cache_dtype = dtype;
+      w.num_tokens = n;
+      w.num_kv_heads = 3;
+      w.capacity = cache->capacity();
+      w.head_dim = 8;
+      ASSERT_TRUE(backend_->WriteKv(w).ok());
+    }
+    const std::vector<EvictedBlock> blocks = cache->PendingEvictions();
+    int64_t total = 0;
+    for (const EvictedBlock& b : blocks) {
+      EXPECT_EQ(b.first_pos, 4 + evicted + total);
+      EXPECT_EQ(b.count, 8);
+      total += b.count;
+    }
+    if (!blocks.empty()) {
+      const size_t elem = DTypeBytes(dtype);
+      std::vector<char> k(3 * total * 8 * elem), v(k.size());
+      std::vector<float> maw(3 * total);
+      ASSERT_TRUE(cache->ReadBlocks(1, blocks, k.data(), v.data(), maw.data()).ok());
+      for (int64_t h = 0; h < 3; ++h) {
+        for (int64_t t = 0; t < total; ++t) {
+          for (int64_t d = 0; d < 8; ++d) {
+            const size_t i = (h * total + t) * 8 + d;
+            const float kv = dtype == DType::kF32 ? reinterpret_cast<float*>(k.data())[i]
+                                                  : Bf16ToFloat(reinterpret_cast<uint16_t*>(k.data())[i]);
+            const float vv = dtype == DType::kF32 ? reinterpret_cast<float*>(v.data())[i]
+                                                  : Bf16ToFloat(reinterpret_cast<uint16_t*>(v.data())[i]);
+            const float want = KValue(4 + evicted + t, h, d);
+            const float tol = dtype == DType::kF32 ? 0.0f : std::fabs(want) / 128.0f;
+            ASSERT_NEAR(kv, want, tol) << "h " << h << " t " << t << " d " << d;
+            ASSERT_NEAR(vv, -want, tol);
+          }
+          EXPECT_EQ(maw[h * total + t], 0.0f);   // never attended: sent as 0
+        }
+      }
+      ASSERT_TRUE(cache->Release(blocks).ok());
+      evicted += total;
+    }
+    const int64_t recent = std::max<int64_t>(cache->next_position() - 4, 0) -
+                           cache->evicted_tokens();
+    EXPECT_LE(recent, 32);
+    if (!blocks.empty()) EXPECT_GT(recent, 32 - 8);   // whole blocks leave, no more than needed
+    EXPECT_EQ(cache->entries(), cache->next_position() - evicted);
+  }
+  EXPECT_GT(evicted, 0);
+}
+
+TEST_P(WindowCacheTest, UnlimitedWindowNeverEvictsAndStopsAtTheContext) {
+  WindowOptions o;
+  o.window = WindowOptions::kUnlimited;
+  o.sink = 0;
+  o.block = 16;
+  o.max_chunk = 64;
+  o.max_context = 100;
+  auto cache = WindowCache::Create(*backend_, {1, 1, 8, GetParam()}, o);
+  ASSERT_TRUE(cache.ok());
+  ASSERT_TRUE(cache->Append(64).ok());
+  EXPECT_TRUE(cache->PendingEvictions().empty());
+  EXPECT_EQ(cache->scan_slots(), 64);
+  ASSERT_TRUE(cache->Append(36).ok());
+  EXPECT_EQ(cache->Append(1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache->Append(65).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache->entries(), 100);
+}
+
+TEST_P(WindowCacheTest, RejectsBadOptions) {
+  WindowOptions o;
+  o.window = 8;
+  o.block = 16;   // window smaller than a block
+  EXPECT_EQ(WindowCache::Create(*backend_, {1, 1, 8, GetParam()}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  o.window = 64;
+  EXPECT_EQ(WindowCache::Create(*backend_, {0, 1, 8, GetParam()}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WindowCache::Create(*backend_, {1, 1, 8, DType::kF16}, o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(DTypes, WindowCacheTest, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+}  // namespace
+}  // namespace tandem::gpu_worker
