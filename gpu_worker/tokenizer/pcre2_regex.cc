@@ -30,8 +30,9 @@ Regex::MatchData::MatchData(const Regex& regex)
     : data_(pcre2_match_data_create_from_pattern(regex.code_.get(), nullptr)) {}
 
 absl::StatusOr<Regex> Regex::Compile(std::string_view pattern, bool literal) {
-  uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF;
-  if (literal) options |= PCRE2_LITERAL;
+  // PCRE2_LITERAL refuses PCRE2_UCP (meaningless without classes).
+  const uint32_t options =
+      PCRE2_UTF | PCRE2_MATCH_INVALID_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
   int error_code = 0;
   PCRE2_SIZE error_offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),

@@ -26,7 +26,7 @@ struct ShimApi {
   char* (*decode)(void*, const int*, size_t) = nullptr;
   char* (*id_to_piece)(void*, int) = nullptr;
   int (*query)(void*, int, int) = nullptr;
-  std::string error;   // why loading failed; empty when the API is usable
+  std::string error;  // why loading failed; empty when the API is usable
 };
 
 std::string ExecutableDir() {

@@ -38,7 +38,7 @@ class SpProcessor {
   int eos_id() const;  // -1 if none
 
  private:
-  void* impl_ = nullptr;   // the module's processor; nullptr when the module is unavailable
+  void* impl_ = nullptr;  // the module's processor; nullptr when the module is unavailable
 };
 
 }  // namespace tandem::gpu_worker::tokenizer_internal

@@ -28,19 +28,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::
                           tokenizer_internal::ReadSpecialTokenConfig(model_dir));
 
   if (has_json) {
-    absl::Status status;
     absl::StatusOr<nlohmann::json> parsed = tokenizer_internal::ReadJsonFile(json_path);
-    if (parsed.ok()) {
-      absl::StatusOr<std::unique_ptr<BpeTokenizer>> bpe = BpeTokenizer::Create(*parsed, config);
-      if (bpe.ok()) return std::unique_ptr<Tokenizer>(std::move(*bpe));
-      status = bpe.status();
-    } else {
-      status = parsed.status();
-    }
+    if (!parsed.ok()) return parsed.status();  // its message names the file
+    absl::StatusOr<std::unique_ptr<BpeTokenizer>> bpe = BpeTokenizer::Create(*parsed, config);
+    if (bpe.ok()) return std::unique_ptr<Tokenizer>(std::move(*bpe));
     // A tokenizer.json of a kind this code does not run (e.g. Llama-2's Metaspace BPE) is no
     // obstacle when the SentencePiece model it was converted from is there too.
-    if (!(status.code() == absl::StatusCode::kUnimplemented && has_model)) {
-      return absl::Status(status.code(), absl::StrCat(json_path.string(), ": ", status.message()));
+    if (!(bpe.status().code() == absl::StatusCode::kUnimplemented && has_model)) {
+      return absl::Status(bpe.status().code(),
+                          absl::StrCat(json_path.string(), ": ", bpe.status().message()));
     }
   }
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> sp,

@@ -26,7 +26,7 @@ constexpr float kLn2 = std::numbers::ln2_v<float>;
 constexpr int64_t kTargetRows = 192;
 // Scores per tile [rows, slot tile] (192 KB of f32): the tile stays in L2 between Q·Kᵀ, the
 // softmax and P·V. Decode (few rows) gets long slot tiles instead.
-constexpr int64_t kScoreFloats = 48 * 1024;
+constexpr int64_t kScoreFloats = int64_t{48} * 1024;
 constexpr int64_t kMinSlotTile = 256;
 constexpr int64_t kMaxSlotTile = 2048;
 // Below this many flops a call runs on one thread (a decode step over 8K slots is ~1.3e7): the
@@ -293,8 +293,8 @@ Plan MakePlan(const WindowAttentionParams& p, int max_threads) {
   plan.threads = flops < kParallelFlops ? 1 : max_threads;
   plan.num_splits = 1;
   const int64_t units = plan.num_qt * plan.Hkv;
-  if (plan.threads > 1 && units < 2 * plan.threads) {
-    const int64_t want = (2 * plan.threads + units - 1) / units;
+  if (plan.threads > 1 && units < int64_t{2} * plan.threads) {
+    const int64_t want = (int64_t{2} * plan.threads + units - 1) / units;
     plan.num_splits = std::clamp<int64_t>(plan.S / kMinSplitSlots, 1, want);
   }
   plan.split_tiles = std::max<int64_t>(1, (plan.num_tiles + plan.num_splits - 1) / plan.num_splits);

@@ -3,6 +3,7 @@
 // labelled gpu), and how to skip when either is missing.
 #pragma once
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -16,7 +17,14 @@
 
 namespace tandem::gpu_worker::testing {
 
-inline std::filesystem::path SharedDir() { return TANDEM_SHARED_DIR; }
+// $TANDEM_SHARED_DIR when set (the GPU host carries the models elsewhere), else the shared
+// folder beside the checkout this binary was built from.
+inline std::filesystem::path SharedDir() {
+  if (const char* env = std::getenv("TANDEM_SHARED_DIR"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  return TANDEM_SHARED_DIR;
+}
 inline std::filesystem::path ModelDir(const std::string& name) {
   return SharedDir() / "models" / name;
 }

@@ -170,5 +170,38 @@ TEST(TinyBpeTest, NoTemplateMeansNoBos) {
   EXPECT_EQ(Encode(*tok, "abc", /*add_bos=*/true), Ids({17}));
 }
 
+// Split behaviors, seen through merges that a cut forbids. Vocab a 0, b 1, c 2, ab 3, bc 4;
+// merges a+b (rank 0), b+c (rank 1). Uncut, "abc" merges a+b first: [ab, c].
+TEST(TinyBpeTest, SplitBehaviors) {
+  const auto load = [](const TempModelDir& dir, const std::string& behavior) {
+    dir.Write("tokenizer.json", R"({"added_tokens": [], "normalizer": null,
+      "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": "b"}, "behavior": ")" +
+                                    behavior + R"(", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]},
+      "post_processor": null, "decoder": null,
+      "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4},
+                "merges": ["a b", "b c"]}})");
+    absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer = LoadTokenizer(dir.path());
+    EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
+    return tokenizer.ok() ? std::move(*tokenizer) : nullptr;
+  };
+  TempModelDir dir;
+  std::unique_ptr<Tokenizer> tok = load(dir, "Isolated");  // "a" "b" "c"
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(Encode(*tok, "abc"), Ids({0, 1, 2}));
+  tok = load(dir, "Removed");  // "a" "c"
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(Encode(*tok, "abc"), Ids({0, 2}));
+  tok = load(dir, "MergedWithPrevious");  // "ab" "c"; "bb" -> "b" "b": a match after a match
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(Encode(*tok, "abc"), Ids({3, 2}));
+  EXPECT_EQ(Encode(*tok, "abbc"), Ids({3, 1, 2}));
+  tok = load(dir, "MergedWithNext");  // "a" "bc"
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(Encode(*tok, "abc"), Ids({0, 4}));
+  EXPECT_EQ(Encode(*tok, "abbc"), Ids({0, 1, 4}));
+}
+
 }  // namespace
 }  // namespace tandem::gpu_worker
