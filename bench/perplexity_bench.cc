@@ -4,8 +4,9 @@
 // For each book: the first --tokens tokens (no BOS, as golden.json's perplexity is computed),
 // teacher-forced through the model. Runs `gpu` mode (full attention: the reference), then
 // `hybrid` with a --window-token device window + --sink sink tokens for each beta in --betas.
-// The sequence is fed --chunk tokens per forward pass (1 = exactly like decoding: every query
-// sees the window and the CPU node's selection as of that step, and MAW advances per token).
+// The hybrid runs feed --chunk tokens per forward pass (1 = exactly like decoding: every query
+// sees the window and the CPU node's selection as of that step, and MAW advances per token); the
+// full-attention reference, exact whatever the chunk, runs in chunks of 512.
 // Prints one JSON line per configuration, then a table with the perplexity, its ratio to full
 // attention and the mean share of offloaded entries selected per layer (mean over Attend calls
 // of selected / held, summed over the layer's kv heads).
@@ -65,8 +66,12 @@ int Main() {
   options.maw_alpha = absl::GetFlag(FLAGS_maw_alpha);
   options.nodes.embedded.pool_bytes = 2ull << 30;
   auto engine = Engine::Create(options);
-  if (!engine.ok()) {
-    std::fprintf(stderr, "tandem-ppl-bench: %s\n", engine.status().ToString().c_str());
+  // Full attention is exact whatever the chunk, so the reference runs in 512-token chunks.
+  options.prefill_chunk = 512;
+  auto reference = Engine::Create(options);
+  if (!engine.ok() || !reference.ok()) {
+    std::fprintf(stderr, "tandem-ppl-bench: %s\n",
+                 (engine.ok() ? reference.status() : engine.status()).ToString().c_str());
     return 1;
   }
   std::vector<std::filesystem::path> books;
@@ -122,7 +127,7 @@ int Main() {
       request.beta = beta;
       request.window = absl::GetFlag(FLAGS_window);
       request.sink = absl::GetFlag(FLAGS_sink);
-      auto result = (*engine)->Evaluate(request);
+      auto result = (mode == AttentionMode::kGpu ? *reference : *engine)->Evaluate(request);
       if (!result.ok()) {
         std::fprintf(stderr, "tandem-ppl-bench: %s\n", result.status().ToString().c_str());
         return 1;
