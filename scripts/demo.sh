@@ -1,24 +1,15 @@
 #!/usr/bin/env bash
-# The main job for now: builds tandem, starts a CPU attention node on a free local port, runs
-# the tandem CLI's attention round trip against it (stream KV, Attend every layer, check against
-# a reference, re-select, close), prints results and timings, and stops the node.
-#   scripts/demo.sh [extra flags for `tandem attend`, e.g. --tokens=65536 --beta=1]
+# The main job: builds tandem and generates a story with the whole system in one process, on
+# stories260k (../shared/models): the GPU worker (the cuda backend when a GPU is usable, else the
+# cpu backend) with a 64-token device window + 4 sink tokens, and the embedded CPU attention node
+# holding the rest of the KV cache (hybrid attention, beta = 1). It streams the story and ends
+# with the summary line (tokens, TTFT, tok/s, KV on the device and on the CPU node).
+#   scripts/demo.sh [extra flags for `tandem generate`, e.g. --temperature=0.8 --seed=7]
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
+model=${MODEL_DIR:-$root/../shared/models/stories260k}
 bash "$root/scripts/build.sh" >/dev/null
-log=$(mktemp)
-"$build/services/tandem-cpu-attention" --address=127.0.0.1:0 --pool_bytes=4GiB >"$log" 2>&1 &
-node=$!
-trap 'kill $node 2>/dev/null; wait $node 2>/dev/null; rm -f "$log"' EXIT
-for _ in $(seq 100); do
-  port=$(sed -n 's/^LISTENING \([0-9]*\)$/\1/p' "$log")
-  [ -n "$port" ] && break
-  kill -0 $node 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.1
-done
-[ -n "$port" ] || { echo "node did not start"; cat "$log"; exit 1; }
-echo "CPU attention node pid $node on 127.0.0.1:$port"
-"$build/services/tandem" attend --server="127.0.0.1:$port" "$@"
-echo "--- dense (beta = 0) above; now sparse (beta = 1) ---"
-"$build/services/tandem" attend --server="127.0.0.1:$port" --beta=1 "$@"
+[ -f "$model/config.json" ] || { echo "model not found: $model (set MODEL_DIR)"; exit 1; }
+"$build/services/tandem" generate --model="$model" --prompt="Once upon a time" \
+  --max-tokens=300 --mode=hybrid --beta=1 --window=64 --sink=4 --ignore-eos "$@"

@@ -1,5 +1,13 @@
 // tandem: the client CLI.
 //
+//   tandem generate --model=DIR [--server=HOST:PORT] (--prompt=TEXT | --prompt-file=F)
+//          [--max-tokens --temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta
+//           --window --sink --session-id --backend --cpu-nodes --prefill-chunk --max-context]
+//       Generates from a prompt, streaming the text to stdout, then prints one summary line.
+//       Without --server an Engine runs in-process (with an embedded CPU attention node unless
+//       --cpu-nodes is given); with --server it calls a tandem-gpu-worker.
+//   tandem tokenize --model=DIR [--server=HOST:PORT] --text=TEXT [--add-bos]
+//       Prints the token ids (space-separated), then the count.
 //   tandem attend --server=HOST:PORT [geometry and size flags]
 //       The attention round trip: opens a session on a CPU attention node, streams random KV
 //       (with MAW) into it, runs decode-style Attend calls for every layer, checks layer 0's
@@ -7,34 +15,62 @@
 //       prints results and timings. Without --server an embedded node runs in-process.
 //   tandem stats --server=HOST:PORT
 //       Prints the node's Stats.
+//
+// Flags may be spelled with hyphens or underscores (--max-tokens or --max_tokens). Exit
+// status: 0 on success, 1 when the command fails, 2 for a bad command line.
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
-#include <grpcpp/grpcpp.h>
-#include <unistd.h>
-
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/reference_attention.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/cpu_attention/tensor_codec.h"
+#include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/generation_service.h"
+#include "tandem/gpu_worker/tokenizer.h"
+#include "tandem/gpu_worker/worker_server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
+#include "tandem/v1/generation.grpc.pb.h"
 
-ABSL_FLAG(std::string, server, "", "CPU attention node host:port; empty = embedded node");
+// Shared.
+ABSL_FLAG(std::string, server, "",
+          "attend/stats: CPU attention node host:port; generate/tokenize: tandem-gpu-worker "
+          "host:port; empty = in-process");
+ABSL_FLAG(std::optional<double>, beta, std::nullopt,
+          "selection threshold (>= 0, 0 = dense, exact); attend: default 0; generate: default "
+          "the engine's");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
+          "random seed; attend: default 1; generate: default a random one");
+ABSL_FLAG(unsigned, deadline_ms, 30000, "deadline of every short RPC");
+
+// attend, stats.
 ABSL_FLAG(unsigned, layers, 4, "layers");
 ABSL_FLAG(unsigned, q_heads, 32, "query heads");
 ABSL_FLAG(unsigned, kv_heads, 8, "KV heads");
@@ -43,16 +79,39 @@ ABSL_FLAG(unsigned, tokens, 16384, "offloaded tokens per (layer, kv-head)");
 ABSL_FLAG(unsigned, block_tokens, 64, "tokens per KV block");
 ABSL_FLAG(unsigned, chunk_tokens, 1024, "tokens per AppendKv message");
 ABSL_FLAG(unsigned, window_entries, 512, "GPU window size the MAW values refer to");
-ABSL_FLAG(double, beta, 0.0, "selection threshold (0 = dense, exact)");
 ABSL_FLAG(std::string, dtype, "bf16", "KV dtype: bf16 or f32");
 ABSL_FLAG(unsigned, decode_steps, 16, "Attend calls per layer");
-ABSL_FLAG(unsigned, deadline_ms, 30000, "deadline of every RPC");
-ABSL_FLAG(unsigned, seed, 1, "random seed");
+
+// generate, tokenize.
+ABSL_FLAG(std::string, model, "", "model directory (required without --server)");
+ABSL_FLAG(std::string, prompt, "", "generate: the prompt text");
+ABSL_FLAG(std::string, prompt_file, "", "generate: read the prompt from this file");
+ABSL_FLAG(int64_t, max_tokens, 128, "generate: tokens to generate at most");
+ABSL_FLAG(double, temperature, 0.0, "generate: sampling temperature; 0 = greedy");
+ABSL_FLAG(double, top_p, 1.0, "generate: nucleus sampling mass, (0, 1]");
+ABSL_FLAG(int32_t, top_k, 0, "generate: sample among the top k tokens; 0 = all");
+ABSL_FLAG(std::vector<std::string>, stop, {},
+          "generate: stop strings; repeat the flag or give a comma list (\\, for a comma)");
+ABSL_FLAG(bool, ignore_eos, false, "generate: keep going past the end-of-sequence token");
+ABSL_FLAG(std::string, mode, "", "generate: gpu or hybrid; empty = the engine's default");
+ABSL_FLAG(std::optional<int64_t>, window, std::nullopt, "generate: hybrid device window, tokens");
+ABSL_FLAG(std::optional<int64_t>, sink, std::nullopt, "generate: hybrid sink tokens");
+ABSL_FLAG(std::string, session_id, "", "generate: keep and continue this session (--server)");
+ABSL_FLAG(std::string, backend, "auto", "in-process engine: auto, cpu or cuda");
+ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
+          "in-process engine: CPU attention nodes host:port,...; empty = one embedded node");
+ABSL_FLAG(int64_t, prefill_chunk, 512, "in-process engine: prompt tokens per forward chunk");
+ABSL_FLAG(int64_t, max_context, 0, "in-process engine: context limit; 0 = the model's");
+ABSL_FLAG(unsigned, generate_deadline_s, 3600, "generate: deadline of the Generate call");
+ABSL_FLAG(std::string, text, "", "tokenize: the text");
+ABSL_FLAG(bool, add_bos, false, "tokenize: prepend the BOS token");
 
 namespace {
 
 namespace v1 = tandem::v1;
 using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMaxPromptFileBytes = size_t{64} << 20;  // the worker's default message limit
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
@@ -89,7 +148,7 @@ struct LayerKv {
 LayerKv MakeLayer(unsigned layer, bool bf16) {
   const size_t heads = absl::GetFlag(FLAGS_kv_heads), tokens = absl::GetFlag(FLAGS_tokens),
                dim = absl::GetFlag(FLAGS_head_dim);
-  std::mt19937 rng(absl::GetFlag(FLAGS_seed) * 7919u + layer);
+  std::mt19937 rng(absl::GetFlag(FLAGS_seed).value_or(1) * 7919u + layer);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::exponential_distribution<float> expo(1.0f);
   LayerKv kv;
@@ -130,7 +189,7 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
                  tokens = absl::GetFlag(FLAGS_tokens),
                  chunk = std::max(1u, absl::GetFlag(FLAGS_chunk_tokens)),
                  window = absl::GetFlag(FLAGS_window_entries);
-  const float beta = static_cast<float>(absl::GetFlag(FLAGS_beta));
+  const float beta = static_cast<float>(absl::GetFlag(FLAGS_beta).value_or(0.0));
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   if (dtype != "bf16" && dtype != "f32") {
     return absl::InvalidArgumentError("--dtype must be bf16 or f32");
@@ -209,7 +268,7 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
               append_bytes / 1048576.0, append_bytes / append_seconds / 1e9);
 
   // Decode-style Attend: one token's query per layer per step.
-  std::mt19937 rng(absl::GetFlag(FLAGS_seed));
+  std::mt19937 rng(absl::GetFlag(FLAGS_seed).value_or(1));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<double> latency_ms, compute_ms;
   double max_rel_error = 0, max_lse_error = 0;
@@ -334,18 +393,341 @@ absl::Status RunStats(v1::CpuAttention::Stub& stub) {
   return absl::OkStatus();
 }
 
+// --- generate, tokenize ---------------------------------------------------------------------
+
+namespace gw = tandem::gpu_worker;
+
+// Stop strings of one --stop value: comma-separated, "\," for a literal comma; empty pieces
+// are dropped.
+std::vector<std::string> SplitStops(absl::string_view value) {
+  std::vector<std::string> stops(1);
+  for (size_t i = 0; i < value.size(); ++i) {
+    if (value[i] == '\\' && i + 1 < value.size() && value[i + 1] == ',') {
+      stops.back().push_back(',');
+      ++i;
+    } else if (value[i] == ',') {
+      stops.emplace_back();
+    } else {
+      stops.back().push_back(value[i]);
+    }
+  }
+  stops.erase(std::remove(stops.begin(), stops.end(), std::string()), stops.end());
+  return stops;
+}
+
+// The command line as absl should see it: hyphenated flag names rewritten to absl's
+// underscores (--max-tokens -> --max_tokens), and every --stop taken out into `stops` (absl
+// keeps only the last value of a repeated flag; stop strings accumulate).
+struct CommandLine {
+  std::vector<std::string> args;
+  std::vector<std::string> stops;
+};
+
+absl::StatusOr<CommandLine> NormalizeCommandLine(int argc, char** argv) {
+  CommandLine out;
+  out.args.emplace_back(argv[0]);
+  bool flags_done = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (flags_done || arg.size() < 2 || arg[0] != '-') {
+      out.args.push_back(arg);
+      continue;
+    }
+    if (arg == "--") {
+      flags_done = true;
+      out.args.push_back(arg);
+      continue;
+    }
+    const size_t dashes = arg[1] == '-' ? 2 : 1;
+    const size_t eq = arg.find('=');
+    const bool has_value = eq != std::string::npos;
+    std::string name = arg.substr(dashes, has_value ? eq - dashes : std::string::npos);
+    std::replace(name.begin(), name.end(), '-', '_');
+    if (name == "stop") {
+      if (!has_value && i + 1 >= argc) return absl::InvalidArgumentError("--stop needs a value");
+      for (std::string& stop : SplitStops(has_value ? arg.substr(eq + 1) : argv[++i])) {
+        out.stops.push_back(std::move(stop));
+      }
+      continue;
+    }
+    out.args.push_back(absl::StrCat(std::string(dashes, '-'), name,
+                                    has_value ? absl::string_view(arg).substr(eq) : ""));
+    // "--flag value": keep the value as it is, even when it starts with a dash.
+    if (!has_value && i + 1 < argc) {
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (flag != nullptr && !flag->IsOfType<bool>()) out.args.emplace_back(argv[++i]);
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ReadPromptFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open --prompt-file '", path, "'"));
+  std::string text;
+  char buffer[1 << 16];
+  while (in.read(buffer, sizeof(buffer)) || in.gcount() > 0) {
+    text.append(buffer, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxPromptFileBytes) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--prompt-file '", path, "' exceeds ", kMaxPromptFileBytes >> 20, " MiB"));
+    }
+  }
+  return text;
+}
+
+absl::StatusOr<v1::GenerateRequest> GenerateRequestFromFlags(
+    const std::vector<std::string>& stops) {
+  v1::GenerateRequest r;
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  const std::string prompt_file = absl::GetFlag(FLAGS_prompt_file);
+  if (prompt.empty() == prompt_file.empty()) {
+    return absl::InvalidArgumentError("give one of --prompt and --prompt-file");
+  }
+  if (!prompt_file.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(*r.mutable_prompt_text(), ReadPromptFile(prompt_file));
+  } else {
+    r.set_prompt_text(prompt);
+  }
+  r.set_session_id(absl::GetFlag(FLAGS_session_id));
+  r.set_max_tokens(absl::GetFlag(FLAGS_max_tokens));
+  r.set_temperature(static_cast<float>(absl::GetFlag(FLAGS_temperature)));
+  r.set_top_p(static_cast<float>(absl::GetFlag(FLAGS_top_p)));
+  r.set_top_k(absl::GetFlag(FLAGS_top_k));
+  if (const std::optional<uint64_t> seed = absl::GetFlag(FLAGS_seed)) r.set_seed(*seed);
+  for (const std::string& stop : stops) r.add_stop(stop);
+  r.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
+  r.set_mode(absl::GetFlag(FLAGS_mode));
+  if (const std::optional<double> beta = absl::GetFlag(FLAGS_beta)) {
+    r.set_beta(static_cast<float>(*beta));
+  }
+  if (const std::optional<int64_t> window = absl::GetFlag(FLAGS_window)) r.set_window(*window);
+  if (const std::optional<int64_t> sink = absl::GetFlag(FLAGS_sink)) r.set_sink(*sink);
+  return r;
+}
+
+absl::StatusOr<gw::EngineOptions> EngineOptionsFromFlags() {
+  gw::EngineOptions options;
+  options.model_dir = absl::GetFlag(FLAGS_model);
+  if (options.model_dir.empty()) {
+    return absl::InvalidArgumentError("--model is required without --server");
+  }
+  options.backend = absl::GetFlag(FLAGS_backend);
+  for (const std::string& node : absl::GetFlag(FLAGS_cpu_nodes)) {
+    if (!node.empty()) options.nodes.addresses.push_back(node);
+  }
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.max_context = absl::GetFlag(FLAGS_max_context);
+  return options;
+}
+
+// Writes a generation as it streams: token text to stdout (flushed per delta), a one-line
+// progress bar on stderr during a long prefill, then the summary line.
+class StreamPrinter {
+ public:
+  void Prefill(int64_t total, int64_t processed, double elapsed_s) {
+    // The first message tells the chunk size; a bar is worth drawing on a terminal, or for a
+    // prompt of more than two chunks.
+    if (chunk_ == 0) chunk_ = std::max<int64_t>(processed, 1);
+    if (!stderr_tty_ && total <= 2 * chunk_) return;
+    constexpr int kWidth = 30;
+    const int filled =
+        total > 0 ? static_cast<int>(kWidth * std::min<int64_t>(processed, total) / total) : 0;
+    std::fprintf(stderr, "\r[prefill] [%s%s] %lld/%lld tokens %.2f s",
+                 std::string(filled, '#').c_str(), std::string(kWidth - filled, ' ').c_str(),
+                 static_cast<long long>(processed), static_cast<long long>(total), elapsed_s);
+    bar_open_ = processed < total;
+    if (!bar_open_) std::fputc('\n', stderr);
+    std::fflush(stderr);
+  }
+
+  void Token(const std::string& text) {
+    CloseBar();
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fflush(stdout);
+  }
+
+  void Final(const v1::GenerateFinal& f) {
+    CloseBar();
+    // Decode rate: tokens after the first over the time after the first.
+    const int64_t n = f.usage().completion_tokens();
+    const double decode_s = f.total_seconds() - f.time_to_first_token_seconds();
+    const double rate = n > 1 && decode_s > 0   ? (n - 1) / decode_s
+                        : f.total_seconds() > 0 ? n / f.total_seconds()
+                                                : 0.0;
+    std::printf(
+        "\n[tandem] %lld tokens | TTFT %.3f s | %.1f tok/s | KV: %lld on device, %lld on "
+        "CPU nodes | degraded steps: %llu | finish: %s | mode %s\n",
+        static_cast<long long>(n), f.time_to_first_token_seconds(), rate,
+        static_cast<long long>(f.device_kv_entries()), static_cast<long long>(f.cpu_kv_entries()),
+        static_cast<unsigned long long>(f.degraded_steps()),
+        std::string(gw::FinishReasonName(f.finish_reason())).c_str(), f.mode().c_str());
+    std::fflush(stdout);
+  }
+
+ private:
+  void CloseBar() {
+    if (!bar_open_) return;
+    std::fputc('\n', stderr);
+    bar_open_ = false;
+  }
+
+  const bool stderr_tty_ = isatty(STDERR_FILENO) != 0;
+  int64_t chunk_ = 0;
+  bool bar_open_ = false;
+};
+
+std::shared_ptr<grpc::Channel> WorkerChannel() {
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server), grpc::InsecureChannelCredentials(),
+                                   gw::GenerationChannelArguments());
+}
+
+absl::Status RunGenerate(const std::vector<std::string>& stops) {
+  TANDEM_ASSIGN_OR_RETURN(const v1::GenerateRequest request, GenerateRequestFromFlags(stops));
+  StreamPrinter printer;
+  if (absl::GetFlag(FLAGS_server).empty()) {
+    TANDEM_ASSIGN_OR_RETURN(const gw::EngineOptions options, EngineOptionsFromFlags());
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gw::Engine> engine, gw::Engine::Create(options));
+    TANDEM_ASSIGN_OR_RETURN(const gw::GenerateRequest converted,
+                            gw::ToEngineRequest(request, engine->info().max_context));
+    gw::GenerateCallbacks callbacks;
+    callbacks.on_prefill = [&](const gw::PrefillProgress& p) {
+      printer.Prefill(p.total, p.processed, p.elapsed_s);
+    };
+    callbacks.on_token = [&](const gw::TokenEvent& token) {
+      printer.Token(token.text);
+      return true;
+    };
+    TANDEM_ASSIGN_OR_RETURN(const gw::GenerateSummary summary,
+                            engine->Generate(converted, callbacks));
+    v1::GenerateFinal final;
+    gw::ToProto(summary, &final);
+    printer.Final(final);
+    return absl::OkStatus();
+  }
+
+  auto stub = v1::Generation::NewStub(WorkerChannel());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::seconds(absl::GetFlag(FLAGS_generate_deadline_s)));
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub->Generate(&ctx, request);
+  v1::GenerateResponse message;
+  bool got_final = false;
+  while (reader->Read(&message)) {
+    switch (message.event_case()) {
+      case v1::GenerateResponse::kPrefill:
+        printer.Prefill(message.prefill().total(), message.prefill().processed(),
+                        message.prefill().elapsed_seconds());
+        break;
+      case v1::GenerateResponse::kToken:
+        printer.Token(message.token().text());
+        break;
+      case v1::GenerateResponse::kFinal:
+        printer.Final(message.final());
+        got_final = true;
+        break;
+      case v1::GenerateResponse::EVENT_NOT_SET:
+        break;
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(reader->Finish()));
+  if (!got_final) return absl::InternalError("the stream ended without a final message");
+  return absl::OkStatus();
+}
+
+absl::Status RunTokenize() {
+  const std::string text = absl::GetFlag(FLAGS_text);
+  const bool add_bos = absl::GetFlag(FLAGS_add_bos);
+  std::vector<int32_t> ids;
+  if (absl::GetFlag(FLAGS_server).empty()) {
+    const std::string model = absl::GetFlag(FLAGS_model);
+    if (model.empty()) return absl::InvalidArgumentError("--model is required without --server");
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gw::Tokenizer> tokenizer, gw::LoadTokenizer(model));
+    TANDEM_ASSIGN_OR_RETURN(ids, tokenizer->Encode(text, add_bos));
+  } else {
+    auto stub = v1::Generation::NewStub(WorkerChannel());
+    v1::TokenizeRequest request;
+    request.set_text(text);
+    request.set_add_bos(add_bos);
+    v1::TokenizeResponse response;
+    auto ctx = Context();
+    TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(stub->Tokenize(ctx.get(), request, &response)));
+    ids.assign(response.token_ids().begin(), response.token_ids().end());
+  }
+  std::printf("%s\n%zu tokens\n", absl::StrJoin(ids, " ").c_str(), ids.size());
+  return absl::OkStatus();
+}
+
+// absl::ParseCommandLine ends the process with status 1 on a bad flag; a bad command line is
+// status 2 here, so an exit during parsing is turned into 2.
+bool parsing_flags = false;
+
+void ExitTwoIfParsing() {
+  if (parsing_flags) std::_Exit(2);
+}
+
+// --help and --version end the process from inside the parser too, with absl's status.
+bool AsksForHelp(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (absl::StartsWith(arg, "--help") || absl::StartsWith(arg, "-help") || arg == "--version" ||
+        arg == "-version") {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --help lists the flags of this file (absl's default looks for a file named like the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "tandem_cli_main.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "tandem client.\n"
+      "  tandem generate --model=DIR [--server=HOST:PORT] --prompt=TEXT [--max-tokens=N "
+      "--temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta --window --sink]\n"
+      "  tandem tokenize --model=DIR [--server=HOST:PORT] --text=TEXT [--add-bos]\n"
       "  tandem attend [--server=HOST:PORT] [--layers --q_heads --kv_heads --head_dim --tokens "
       "--beta --dtype ...]\n"
       "  tandem stats --server=HOST:PORT");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  absl::StatusOr<CommandLine> command_line = NormalizeCommandLine(argc, argv);
+  if (!command_line.ok()) {
+    std::fprintf(stderr, "tandem: %s\n", std::string(command_line.status().message()).c_str());
+    return 2;
+  }
+  std::vector<char*> normalized;
+  for (std::string& arg : command_line->args) normalized.push_back(arg.data());
+  std::atexit(ExitTwoIfParsing);
+  parsing_flags = !AsksForHelp(command_line->args);
+  std::vector<char*> args =
+      absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
+  parsing_flags = false;
+  // stdout carries the generated text: logs go to stderr, warnings and errors only.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("tandem"));
+  spdlog::set_level(spdlog::level::warn);
   const std::string command = args.size() > 1 ? args[1] : "";
+  if (args.size() > 2) {
+    std::fprintf(stderr, "tandem: unexpected argument '%s'\n", args[2]);
+    return 2;
+  }
+  if (command == "generate" || command == "tokenize") {
+    const absl::Status status =
+        command == "generate" ? RunGenerate(command_line->stops) : RunTokenize();
+    if (!status.ok()) {
+      std::fprintf(stderr, "tandem: %s\n", status.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   if (command != "attend" && command != "stats") {
-    std::fprintf(stderr, "usage: tandem attend|stats [flags]   (tandem --help for flags)\n");
+    std::fprintf(stderr,
+                 "usage: tandem generate|tokenize|attend|stats [flags]   (tandem --help for "
+                 "flags)\n");
     return 2;
   }
 

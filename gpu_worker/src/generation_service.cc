@@ -15,8 +15,8 @@ namespace {
 // Runs `work` on the executor and finishes the unary reactor with its status. A call the
 // client already cancelled is finished as CANCELLED without running.
 template <typename Work>
-grpc::ServerUnaryReactor* RunUnary(EngineExecutor& executor,
-                                   grpc::CallbackServerContext* context, Work work) {
+grpc::ServerUnaryReactor* RunUnary(EngineExecutor& executor, grpc::CallbackServerContext* context,
+                                   Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const bool posted = executor.Post([reactor, context, work](Engine& engine) {
     if (context->IsCancelled()) {
@@ -61,8 +61,8 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
 
   const float temperature = request.temperature();
   if (!std::isfinite(temperature) || temperature < 0 || temperature > kMaxRequestTemperature) {
-    return absl::InvalidArgumentError(absl::StrCat("temperature must be in 0..", kMaxRequestTemperature,
-                                                   ", got ", temperature));
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature must be in 0..", kMaxRequestTemperature, ", got ", temperature));
   }
   dst.sampling.temperature = temperature;
   const float top_p = request.top_p();
@@ -79,14 +79,14 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
   if (request.has_seed()) dst.sampling.seed = request.seed();
 
   if (request.stop_size() > kMaxRequestStops) {
-    return absl::InvalidArgumentError(absl::StrCat("stop: at most ", kMaxRequestStops,
-                                                   " strings, got ", request.stop_size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop: at most ", kMaxRequestStops, " strings, got ", request.stop_size()));
   }
   for (int i = 0; i < request.stop_size(); ++i) {
     const std::string& stop = request.stop(i);
     if (stop.empty() || stop.size() > kMaxRequestStopBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..", kMaxRequestStopBytes,
-                                                     " bytes, got ", stop.size()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stop[", i, "] must be 1..", kMaxRequestStopBytes, " bytes, got ", stop.size()));
     }
     dst.stop.push_back(stop);
   }
@@ -109,8 +109,8 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
   }
   if (request.has_window()) {
     if (request.window() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("window must be >= 0, got ",
-                                                     request.window()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("window must be >= 0, got ", request.window()));
     }
     dst.window = request.window();
   }
@@ -125,23 +125,34 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
 
 v1::FinishReason ToProto(FinishReason reason) {
   switch (reason) {
-    case FinishReason::kLength: return v1::FINISH_REASON_LENGTH;
-    case FinishReason::kStop: return v1::FINISH_REASON_STOP;
-    case FinishReason::kEos: return v1::FINISH_REASON_EOS;
-    case FinishReason::kContext: return v1::FINISH_REASON_CONTEXT;
-    case FinishReason::kCancelled: return v1::FINISH_REASON_CANCELLED;
+    case FinishReason::kLength:
+      return v1::FINISH_REASON_LENGTH;
+    case FinishReason::kStop:
+      return v1::FINISH_REASON_STOP;
+    case FinishReason::kEos:
+      return v1::FINISH_REASON_EOS;
+    case FinishReason::kContext:
+      return v1::FINISH_REASON_CONTEXT;
+    case FinishReason::kCancelled:
+      return v1::FINISH_REASON_CANCELLED;
   }
   return v1::FINISH_REASON_UNSPECIFIED;
 }
 
 std::string_view FinishReasonName(v1::FinishReason reason) {
   switch (reason) {
-    case v1::FINISH_REASON_LENGTH: return "length";
-    case v1::FINISH_REASON_STOP: return "stop";
-    case v1::FINISH_REASON_EOS: return "eos";
-    case v1::FINISH_REASON_CONTEXT: return "context";
-    case v1::FINISH_REASON_CANCELLED: return "cancelled";
-    default: return "unspecified";
+    case v1::FINISH_REASON_LENGTH:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+      return "stop";
+    case v1::FINISH_REASON_EOS:
+      return "eos";
+    case v1::FINISH_REASON_CONTEXT:
+      return "context";
+    case v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    default:
+      return "unspecified";
   }
 }
 
@@ -205,9 +216,8 @@ class GenerationService::GenerateReactor final
  public:
   // Posts the job; finishes with UNAVAILABLE if the executor no longer takes jobs.
   void Start(EngineExecutor& executor, GenerateRequest request) {
-    const bool posted = executor.Post([this, request = std::move(request)](Engine& engine) {
-      Run(engine, request);
-    });
+    const bool posted = executor.Post(
+        [this, request = std::move(request)](Engine& engine) { Run(engine, request); });
     if (!posted) EndJob(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down"));
   }
 
@@ -286,8 +296,7 @@ class GenerationService::GenerateReactor final
     if (!job_ended_) return;
     finished_ = true;
     const grpc::Status status =
-        write_failed_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
-                      : status_;
+        write_failed_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : status_;
     lock.unlock();
     Finish(status);  // `this` may be gone from here on
   }
@@ -297,10 +306,10 @@ class GenerationService::GenerateReactor final
   bool writing_ = false;                    // a StartWrite of current_ is outstanding
   bool job_ended_ = false;
   bool write_failed_ = false;
-  bool finished_ = false;                   // Finish was called
-  grpc::Status status_;                     // the job's result, valid once job_ended_
-  v1::GenerateResponse current_;            // the message being written
-  std::atomic<bool> cancelled_{false};      // client cancelled or went away
+  bool finished_ = false;               // Finish was called
+  grpc::Status status_;                 // the job's result, valid once job_ended_
+  v1::GenerateResponse current_;        // the message being written
+  std::atomic<bool> cancelled_{false};  // client cancelled or went away
 };
 
 GenerationService::GenerationService(EngineExecutor* executor, const ModelInfo& info)
@@ -359,9 +368,8 @@ grpc::ServerUnaryReactor* GenerationService::CloseSession(
     reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("session_id: empty")));
     return reactor;
   }
-  return RunUnary(*executor_, context, [request](Engine& engine) {
-    return engine.CloseSession(request->session_id());
-  });
+  return RunUnary(*executor_, context,
+                  [request](Engine& engine) { return engine.CloseSession(request->session_id()); });
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,

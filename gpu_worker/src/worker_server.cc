@@ -1,10 +1,10 @@
 #include "tandem/gpu_worker/worker_server.h"
 
-#include <chrono>
-
 #include <grpcpp/ext/channelz_service_plugin.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"

@@ -145,12 +145,20 @@ struct RowStates {
   }
 
   // Folds in one tile of 32 slots: lane j holds score[r] of slot j (-inf = not visible);
-  // v_tile row j (stride v_stride elements) is slot j's value row, read only where some row
-  // gives slot j a nonzero weight.
+  // v_tile row j (stride v_stride elements) is slot j's value row. Rows >= valid_rows may not be
+  // readable (past the cache); their scores must be -inf.
+  //
+  // NOTE: V rows are read kVBatch at a time with no branch between the loads, so a warp keeps
+  // kVBatch loads in flight. A slot that
+  // no row weighs is skipped (warp-uniform branch on a ballot bit), so an empty slot's
+  // unwritten (possibly NaN) V row never reaches o; a weighed slot is visible to some row, so
+  // its V row was written and is finite, and a zero weight for another row adds 0.
   template <typename T>
   __device__ __forceinline__ void Update(const float (&score)[kRowsPerWarp], const T* v_tile,
-                                         int64_t v_stride, int head_dim, int lane) {
+                                         int64_t v_stride, int valid_rows, int head_dim, int lane) {
+    constexpr int kVBatch = 8;
     float p[kRowsPerWarp];
+    bool weighted = false;
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const float m_new = fmaxf(m[r], WarpMax(score[r]));
@@ -164,23 +172,32 @@ struct RowStates {
 #pragma unroll
       for (int d = 0; d < kDimsPerLane; ++d) o[r][d] *= correction;
       m[r] = m_new;
+      weighted |= p[r] != 0.0f;
     }
+    const unsigned weighted_slots = __ballot_sync(kFullMask, weighted);
     const bool active = lane * kDimsPerLane < head_dim;
-    for (int j = 0; j < kSlotTile; ++j) {
-      float pj[kRowsPerWarp];
-      bool any = false;
+    for (int j0 = 0; j0 < kSlotTile; j0 += kVBatch) {
+      if (((weighted_slots >> j0) & ((1u << kVBatch) - 1)) == 0) continue;  // warp-uniform
+      float v[kVBatch][kDimsPerLane];
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        pj[r] = __shfl_sync(kFullMask, p[r], j);
-        any |= pj[r] != 0.0f;
+      for (int u = 0; u < kVBatch; ++u) {
+        const int j = min(j0 + u, valid_rows - 1);
+        if (active) {
+          LoadVec<kDimsPerLane>(v_tile + j * v_stride + lane * kDimsPerLane, v[u]);
+        } else {
+#pragma unroll
+          for (int d = 0; d < kDimsPerLane; ++d) v[u][d] = 0.0f;
+        }
       }
-      if (!any || !active) continue;  // `any` is warp-uniform: invisible slots are never read
-      float v[kDimsPerLane];
-      LoadVec<kDimsPerLane>(v_tile + j * v_stride + lane * kDimsPerLane, v);
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
+      for (int u = 0; u < kVBatch; ++u) {
+        if (((weighted_slots >> (j0 + u)) & 1u) == 0) continue;  // warp-uniform
 #pragma unroll
-        for (int d = 0; d < kDimsPerLane; ++d) o[r][d] = fmaf(pj[r], v[d], o[r][d]);
+        for (int r = 0; r < kRowsPerWarp; ++r) {
+          const float pj = __shfl_sync(kFullMask, p[r], j0 + u);
+#pragma unroll
+          for (int d = 0; d < kDimsPerLane; ++d) o[r][d] = fmaf(pj, v[u][d], o[r][d]);
+        }
       }
     }
   }

@@ -459,8 +459,9 @@ absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
                                                .lse = p.lse,
                                                .maw = p.maw,
                                                .alpha = p.alpha};
-  const cuda_backend::WindowAttentionPlan plan =
-      cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount);
+  cuda_backend::WindowAttentionPlan plan;
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan));
   void* workspace = nullptr;
   if (plan.workspace_bytes > 0) {
     TANDEM_ASSIGN_OR_RETURN(workspace, workspace_.Reserve(plan.workspace_bytes, stream()));

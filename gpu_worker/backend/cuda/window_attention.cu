@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 
 #include "attention_common.cuh"
 #include "window_attention.cuh"
@@ -83,7 +84,8 @@ __global__ void __launch_bounds__(kAttnThreads)
     if (any) DotRows<kDMax>(k_head + s * a.head_dim, qs, head_dim, score);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) score[r] = visible[r] ? score[r] * a.scale : -INFINITY;
-    state.Update(score, v_head + base * a.head_dim, a.head_dim, head_dim, lane);
+    const int valid_rows = static_cast<int>(min(int64_t{kSlotTile}, s_end - base));
+    state.Update(score, v_head + base * a.head_dim, a.head_dim, valid_rows, head_dim, lane);
   }
 
 #pragma unroll
@@ -203,7 +205,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     if (any) DotRows<kDMax>(ks + lane * kStride, warp_q, head_dim, score);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) score[r] = visible[r] ? score[r] * a.scale : -INFINITY;
-    state.Update(score, vs, kStride, head_dim, lane);
+    state.Update(score, vs, kStride, kSlotTile, head_dim, lane);  // rows past s_end are zeros
   }
 
 #pragma unroll
@@ -223,41 +225,57 @@ __global__ void __launch_bounds__(kAttnThreads)
   }
 }
 
-// grid: [ceil(T·Hq / 4)]; one warp per output row merges the `splits` partial states:
+constexpr int kCombineThreads = 256;
+constexpr int kCombineWarps = kCombineThreads / kWarpSize;
+
+// grid: [T·Hq]; one block per output row merges the `splits` partial states:
 // o = Σ_i w_i·o_i / Σ_i w_i, lse = M + log Σ_i w_i with w_i = exp(lse_i - M), M = max_i lse_i.
-// Dynamic shared memory: [kAttnWarps][splits] weights.
-__global__ void __launch_bounds__(kAttnThreads)
+// Warp w sums the splits w, w + 8, ... (lanes along head_dim, coalesced), then the 8 warp sums
+// are added: short dependent chains, since the splits of one row can number in the hundreds.
+// Dynamic shared memory: [splits] weights + [kCombineWarps][head_dim] warp sums.
+__global__ void __launch_bounds__(kCombineThreads)
     CombineSplitsKernel(const float* part_o, const float* part_lse, int64_t splits, int64_t rows,
                         int64_t head_dim, float* o, float* lse) {
-  extern __shared__ float weights[];
+  extern __shared__ float combine_smem[];
+  __shared__ float scratch[kWarpSize];
+  float* weights = combine_smem;             // [splits]
+  float* warp_sums = combine_smem + splits;  // [kCombineWarps][head_dim]
+  const int64_t row = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t row = blockIdx.x * int64_t{kAttnWarps} + warp;
-  if (row >= rows) return;  // warp-uniform
-  float* w = weights + warp * splits;
   float m = -INFINITY;
-  for (int64_t i = lane; i < splits; i += kWarpSize) m = fmaxf(m, part_lse[i * rows + row]);
-  m = WarpMax(m);
-  if (m == -INFINITY) {
-    for (int64_t d = lane; d < head_dim; d += kWarpSize) o[row * head_dim + d] = 0.0f;
-    if (lane == 0) lse[row] = -INFINITY;
+  for (int64_t i = threadIdx.x; i < splits; i += blockDim.x) {
+    m = fmaxf(m, part_lse[i * rows + row]);
+  }
+  m = BlockMax(m, scratch);
+  if (m == -INFINITY) {  // block-uniform
+    for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) o[row * head_dim + d] = 0.0f;
+    if (threadIdx.x == 0) lse[row] = -INFINITY;
     return;
   }
   float l = 0.0f;
-  for (int64_t i = lane; i < splits; i += kWarpSize) {
+  for (int64_t i = threadIdx.x; i < splits; i += blockDim.x) {
     const float c = expf(part_lse[i * rows + row] - m);
-    w[i] = c;
+    weights[i] = c;
     l += c;
   }
-  l = WarpSum(l);
-  __syncwarp();
+  l = BlockSum(l, scratch);  // its barriers also publish `weights`
   for (int64_t d = lane; d < head_dim; d += kWarpSize) {
     float acc = 0.0f;
-    for (int64_t i = 0; i < splits; ++i)
-      acc = fmaf(w[i], part_o[(i * rows + row) * head_dim + d], acc);
+#pragma unroll 4
+    for (int64_t i = warp; i < splits; i += kCombineWarps) {
+      acc = fmaf(weights[i], part_o[(i * rows + row) * head_dim + d], acc);
+    }
+    warp_sums[warp * head_dim + d] = acc;
+  }
+  __syncthreads();
+  for (int64_t d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kCombineWarps; ++w) acc += warp_sums[w * head_dim + d];
     o[row * head_dim + d] = acc / l;
   }
-  if (lane == 0) lse[row] = m + logf(l);
+  if (threadIdx.x == 0) lse[row] = m + logf(l);
 }
 
 // Launches the decode or the tiled kernel for one (head-dim bucket, cache type).
@@ -285,31 +303,71 @@ struct AttentionLauncher {
   }
 };
 
+// Resident blocks per multiprocessor of the decode or the tiled kernel for one (head-dim
+// bucket, cache type), from the occupancy calculator.
+struct OccupancyQuery {
+  bool decode;
+  int* blocks;
+
+  template <int kDMax, typename T>
+  cudaError_t Run() const {
+    if (decode) {
+      return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, DecodeAttentionKernel<kDMax, T>,
+                                                           kAttnThreads, 0);
+    }
+    constexpr size_t kSmem = TiledSmemBytes<kDMax, T>();
+    const cudaError_t attr = AllowDynamicSmem(TiledAttentionKernel<kDMax, T>, kSmem);
+    if (attr != cudaSuccess) return attr;
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, TiledAttentionKernel<kDMax, T>,
+                                                         kAttnThreads, kSmem);
+  }
+};
+
+// Cached per (kernel, cache type, head-dim bucket): the answer depends only on the compiled
+// kernel and the architecture (one architecture per process is assumed). A race between two
+// threads stores the same value twice.
+cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, int* blocks) {
+  static std::atomic<int> cache[2][2][4] = {};
+  const int bucket = a.head_dim <= 32 ? 0 : a.head_dim <= 64 ? 1 : a.head_dim <= 128 ? 2 : 3;
+  std::atomic<int>& entry = cache[decode ? 1 : 0][a.cache_dtype == DType::kBF16 ? 1 : 0][bucket];
+  *blocks = entry.load(std::memory_order_relaxed);
+  if (*blocks > 0) return cudaSuccess;
+  const cudaError_t error =
+      DispatchAttention(a.head_dim, a.cache_dtype, OccupancyQuery{decode, blocks});
+  if (error != cudaSuccess) return error;
+  entry.store(*blocks, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
 }  // namespace
 
-WindowAttentionPlan PlanWindowAttention(const WindowAttentionArgs& a, int num_sms) {
-  WindowAttentionPlan plan;
+cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
+                                WindowAttentionPlan* plan) {
+  *plan = WindowAttentionPlan();
   const int64_t rows = a.num_tokens * (a.num_q_heads / a.num_kv_heads);
-  plan.decode = rows <= kDecodeMaxRows;
-  const int64_t rows_per_block = plan.decode ? kRowsPerWarp : kTiledRows;
-  plan.row_tiles = (rows + rows_per_block - 1) / rows_per_block;
-  // Enough blocks for several waves of resident blocks; a split keeps at least two slot tiles
-  // per warp so the partial states stay cheap next to the work.
-  const int64_t base_blocks = plan.row_tiles * a.num_kv_heads;
-  const int64_t target_blocks = int64_t{std::max(num_sms, 1)} * (plan.decode ? 8 : 4);
-  const int64_t min_slots = 2 * kSlotTile * (plan.decode ? kAttnWarps : 1);
+  plan->decode = rows <= kDecodeMaxRows;
+  const int64_t rows_per_block = plan->decode ? kRowsPerWarp : kTiledRows;
+  plan->row_tiles = (rows + rows_per_block - 1) / rows_per_block;
+  int blocks_per_sm = 0;
+  const cudaError_t error = ResidentBlocksPerSm(a, plan->decode, &blocks_per_sm);
+  if (error != cudaSuccess) return error;
+  // Split the slots until one wave of resident blocks is full (a partial second wave would cost
+  // as much as a full one); a split keeps at least two slot tiles per warp so the partial states
+  // stay cheap next to the work.
+  const int64_t base_blocks = plan->row_tiles * a.num_kv_heads;
+  const int64_t wave = int64_t{std::max(num_sms, 1)} * std::max(blocks_per_sm, 1);
+  const int64_t min_slots = 2 * kSlotTile * (plan->decode ? kAttnWarps : 1);
   const int64_t max_splits =
       std::clamp<int64_t>((a.num_slots + min_slots - 1) / min_slots, 1, kMaxSplits);
-  int64_t splits =
-      std::clamp<int64_t>((target_blocks + base_blocks - 1) / base_blocks, 1, max_splits);
+  const int64_t splits = std::clamp<int64_t>(wave / base_blocks, 1, max_splits);
   const int64_t per_split = (a.num_slots + splits - 1) / splits;
-  plan.slots_per_split = (per_split + kSlotTile - 1) / kSlotTile * kSlotTile;
-  plan.splits = (a.num_slots + plan.slots_per_split - 1) / plan.slots_per_split;
-  if (plan.splits > 1) {
-    const size_t states = static_cast<size_t>(plan.splits * a.num_tokens * a.num_q_heads);
-    plan.workspace_bytes = AlignUp(states * a.head_dim * sizeof(float)) + states * sizeof(float);
+  plan->slots_per_split = (per_split + kSlotTile - 1) / kSlotTile * kSlotTile;
+  plan->splits = (a.num_slots + plan->slots_per_split - 1) / plan->slots_per_split;
+  if (plan->splits > 1) {
+    const size_t states = static_cast<size_t>(plan->splits * a.num_tokens * a.num_q_heads);
+    plan->workspace_bytes = AlignUp(states * a.head_dim * sizeof(float)) + states * sizeof(float);
   }
-  return plan;
+  return cudaSuccess;
 }
 
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAttentionPlan& plan,
@@ -335,9 +393,8 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
       stream};
   const cudaError_t error = DispatchAttention(a.head_dim, a.cache_dtype, launcher);
   if (error != cudaSuccess || plan.splits == 1) return error;
-  const int64_t blocks = (out_rows + kAttnWarps - 1) / kAttnWarps;
-  const size_t smem = sizeof(float) * kAttnWarps * static_cast<size_t>(plan.splits);
-  CombineSplitsKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(
+  const size_t smem = sizeof(float) * static_cast<size_t>(plan.splits + kCombineWarps * a.head_dim);
+  CombineSplitsKernel<<<static_cast<unsigned>(out_rows), kCombineThreads, smem, stream>>>(
       part_o, part_lse, plan.splits, out_rows, a.head_dim, a.o, a.lse);
   return cudaGetLastError();
 }

@@ -55,8 +55,10 @@ struct WindowAttentionPlan {
   size_t workspace_bytes = 0;   // partial states, needed when splits > 1
 };
 
-// Picks the kernel and the slot split for `num_sms` multiprocessors.
-WindowAttentionPlan PlanWindowAttention(const WindowAttentionArgs& args, int num_sms);
+// Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
+// resident blocks (the kernels' occupancy is queried once per process and kernel).
+cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
+                                WindowAttentionPlan* plan);
 
 // Computes o and lse. `workspace` holds plan.workspace_bytes (unused when splits == 1).
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,

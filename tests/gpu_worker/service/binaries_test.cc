@@ -1,11 +1,11 @@
 // The real binaries: tandem-gpu-worker started by the test (LISTENING handshake, SIGTERM
 // drain, exit statuses for bad command lines) and the `tandem generate|tokenize` CLI against
 // it and in-process, checked against golden.json.
-#include <string>
-#include <vector>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -15,12 +15,12 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using ::testing::HasSubstr;
-using ::testing::StartsWith;
 using testing::ChildProcess;
 using testing::CommandResult;
 using testing::Golden;
+using ::testing::HasSubstr;
 using testing::RunCommand;
+using ::testing::StartsWith;
 
 // Lines of the CLI's stdout that start with "[tandem]".
 std::vector<std::string> SummaryLines(const std::string& out) {
@@ -51,19 +51,17 @@ class BinariesTest : public ::testing::Test {
 };
 
 TEST_F(BinariesTest, WorkerServesTheCliAndDrainsOnSigterm) {
-  auto worker = ChildProcess::Start({TANDEM_GPU_WORKER_BIN, "--model=" + model_,
-                                     "--address=127.0.0.1:0", "--backend=cpu", "--cpu_threads=2",
-                                     "--embedded_pool_bytes=64MiB", "--mode=gpu",
-                                     "--log_level=warn"});
+  auto worker = ChildProcess::Start(
+      {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--address=127.0.0.1:0", "--backend=cpu",
+       "--cpu_threads=2", "--embedded_pool_bytes=64MiB", "--mode=gpu", "--log_level=warn"});
   ASSERT_TRUE(worker.ok()) << worker.status();
   absl::StatusOr<int> port = (*worker)->WaitListening();
   ASSERT_TRUE(port.ok()) << port.status();
   const std::string server = absl::StrCat("--server=127.0.0.1:", *port);
 
   // Hyphenated flags, greedy, the worker's default mode (gpu).
-  absl::StatusOr<CommandResult> r =
-      RunCommand({TANDEM_CLI_BIN, "generate", server, "--prompt", golden_.prompt_text,
-                  "--max-tokens", "56"});
+  absl::StatusOr<CommandResult> r = RunCommand(
+      {TANDEM_CLI_BIN, "generate", server, "--prompt", golden_.prompt_text, "--max-tokens", "56"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
   const std::string text = golden_.greedy_text.substr(golden_.prompt_text.size());
@@ -81,8 +79,7 @@ TEST_F(BinariesTest, WorkerServesTheCliAndDrainsOnSigterm) {
   EXPECT_THAT(r->out, StartsWith(ContinuationUpTo("Lily") + "\n[tandem] "));
   EXPECT_THAT(r->out, HasSubstr("| finish: stop |"));
 
-  r = RunCommand({TANDEM_CLI_BIN, "tokenize", server, "--text", golden_.prompt_text,
-                  "--add-bos"});
+  r = RunCommand({TANDEM_CLI_BIN, "tokenize", server, "--text", golden_.prompt_text, "--add-bos"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
   EXPECT_EQ(r->out, "1 403 407 261 378\n5 tokens\n");
@@ -102,9 +99,9 @@ TEST_F(BinariesTest, CliRunsAnInProcessEngine) {
   // Hybrid with the embedded node; 2-token chunks make the 5-token prompt "long" (> 2 chunks),
   // so the progress bar is drawn on stderr.
   absl::StatusOr<CommandResult> r =
-      RunCommand({TANDEM_CLI_BIN, "generate", "--model", model_, "--backend=cpu",
-                  "--prompt", golden_.prompt_text, "--max-tokens=56", "--mode=hybrid",
-                  "--beta=0", "--window=32", "--sink=4", "--prefill-chunk=2"});
+      RunCommand({TANDEM_CLI_BIN, "generate", "--model", model_, "--backend=cpu", "--prompt",
+                  golden_.prompt_text, "--max-tokens=56", "--mode=hybrid", "--beta=0",
+                  "--window=32", "--sink=4", "--prefill-chunk=2"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
   const std::string text = golden_.greedy_text.substr(golden_.prompt_text.size());
@@ -114,7 +111,8 @@ TEST_F(BinariesTest, CliRunsAnInProcessEngine) {
   EXPECT_THAT(r->err, HasSubstr("[prefill]"));
   EXPECT_THAT(r->err, HasSubstr("5/5 tokens"));
 
-  r = RunCommand({TANDEM_CLI_BIN, "tokenize", "--model=" + model_, "--text=" + golden_.prompt_text});
+  r = RunCommand(
+      {TANDEM_CLI_BIN, "tokenize", "--model=" + model_, "--text=" + golden_.prompt_text});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
   EXPECT_EQ(r->out, "403 407 261 378\n4 tokens\n");

@@ -78,8 +78,8 @@ class ChildProcess {
                                             .count());
       if (left <= 0) return absl::DeadlineExceededError("no LISTENING line in time");
       if (!ReadSome(stdout_fd_, &stdout_, left)) {
-        return absl::UnavailableError(absl::StrCat("the child exited before LISTENING; stdout: ",
-                                                   stdout_));
+        return absl::UnavailableError(
+            absl::StrCat("the child exited before LISTENING; stdout: ", stdout_));
       }
     }
   }

@@ -1,13 +1,13 @@
 // The GPU worker with two real CPU attention node processes (tandem-cpu-attention started by
 // the test on loopback ports): dense hybrid generation equals gpu mode token for token, both
 // nodes hold KV blocks of a kept session, and closing it frees every block on both.
-#include <memory>
-#include <string>
-#include <vector>
-
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "child_process.h"
 #include "service_test_util.h"
@@ -18,8 +18,8 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using ::testing::ElementsAreArray;
 using testing::ChildProcess;
+using ::testing::ElementsAreArray;
 using testing::Golden;
 using testing::Stream;
 using testing::TextRequest;
@@ -32,16 +32,16 @@ class TwoCpuNodesTest : public ::testing::Test {
     }
     for (int i = 0; i < 2; ++i) {
       auto child = ChildProcess::Start({TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
-                                        "--pool_bytes=64MiB", "--threads=1",
-                                        "--executor_threads=2", "--log_level=warn"});
+                                        "--pool_bytes=64MiB", "--threads=1", "--executor_threads=2",
+                                        "--log_level=warn"});
       ASSERT_TRUE(child.ok()) << child.status();
       absl::StatusOr<int> port = (*child)->WaitListening();
       ASSERT_TRUE(port.ok()) << port.status();
       nodes_.push_back(std::move(*child));
       addresses_.push_back(absl::StrCat("127.0.0.1:", *port));
-      node_stubs_.push_back(v1::CpuAttention::NewStub(grpc::CreateCustomChannel(
-          addresses_.back(), grpc::InsecureChannelCredentials(),
-          cpu_attention::CpuAttentionChannelArguments())));
+      node_stubs_.push_back(v1::CpuAttention::NewStub(
+          grpc::CreateCustomChannel(addresses_.back(), grpc::InsecureChannelCredentials(),
+                                    cpu_attention::CpuAttentionChannelArguments())));
     }
   }
 
@@ -142,9 +142,8 @@ TEST_F(TwoCpuNodesTest, DenseHybridOverTwoNodesEqualsGpuModeAndFreesEveryBlock) 
   hybrid.set_max_tokens(60);
   Stream one_shot = testing::Generate(*stub_, hybrid);
   ASSERT_TRUE(one_shot.status.ok()) << one_shot.status.error_message();
-  EXPECT_THAT(one_shot.ids,
-              ElementsAreArray(std::vector<int32_t>(reference.ids.begin(),
-                                                    reference.ids.begin() + 60)));
+  EXPECT_THAT(one_shot.ids, ElementsAreArray(std::vector<int32_t>(reference.ids.begin(),
+                                                                  reference.ids.begin() + 60)));
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ(NodeStats(i).sessions(), 0u);
     EXPECT_EQ(NodeStats(i).blocks_in_use(), 0u);

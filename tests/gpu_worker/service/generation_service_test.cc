@@ -2,24 +2,23 @@
 // cpu backend, the embedded CPU node): greedy streams against golden.json in gpu and hybrid
 // mode, request validation, Tokenize/Detokenize/GetModelInfo, health, multi-turn sessions,
 // cancellation, concurrent streams and shutdown with a stream in flight.
-#include "tandem/gpu_worker/worker_server.h"
+#include <gmock/gmock.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <functional>
 #include <thread>
 
-#include <gmock/gmock.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-
 #include "service_test_util.h"
+#include "tandem/gpu_worker/worker_server.h"
 
 namespace tandem::gpu_worker {
 namespace {
 
 using ::testing::ElementsAreArray;
-using ::testing::HasSubstr;
 using testing::Golden;
+using ::testing::HasSubstr;
 using testing::Stream;
 using testing::TextRequest;
 
@@ -56,9 +55,9 @@ class GenerationServiceTest : public ::testing::Test {
     }
     ASSERT_NE(server_, nullptr);
     ASSERT_GT(server_->port(), 0);
-    channel_ = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
-                                         grpc::InsecureChannelCredentials(),
-                                         GenerationChannelArguments());
+    channel_ =
+        grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                  grpc::InsecureChannelCredentials(), GenerationChannelArguments());
     stub_ = v1::Generation::NewStub(channel_);
   }
 
@@ -157,8 +156,7 @@ TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
       {"beta -1", [](v1::GenerateRequest& r) { r.set_beta(-1.0f); }, "beta"},
       {"beta NaN", [](v1::GenerateRequest& r) { r.set_beta(std::nanf("")); }, "beta"},
       {"beta Inf", [](v1::GenerateRequest& r) { r.set_beta(INFINITY); }, "beta"},
-      {"temperature -1", [](v1::GenerateRequest& r) { r.set_temperature(-1.0f); },
-       "temperature"},
+      {"temperature -1", [](v1::GenerateRequest& r) { r.set_temperature(-1.0f); }, "temperature"},
       {"temperature NaN", [](v1::GenerateRequest& r) { r.set_temperature(std::nanf("")); },
        "temperature"},
       {"top_p 1.5", [](v1::GenerateRequest& r) { r.set_top_p(1.5f); }, "top_p"},
@@ -166,7 +164,7 @@ TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
       {"top_k -1", [](v1::GenerateRequest& r) { r.set_top_k(-1); }, "top_k"},
       {"17 stop strings",
        [](v1::GenerateRequest& r) {
-         for (int i = 0; i < 17; ++i) r.add_stop("x");
+         for (int i = 0; i < 17; ++i) r.add_stop()->push_back('x');
        },
        "stop"},
       {"empty stop string", [](v1::GenerateRequest& r) { r.add_stop(""); }, "stop"},

@@ -2,19 +2,19 @@
 // Generate stream collected into one result, and the grpc.health.v1 check.
 #pragma once
 
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <grpcpp/generic/generic_stub.h>
-#include <grpcpp/grpcpp.h>
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "tandem/v1/generation.grpc.pb.h"
 
@@ -30,7 +30,7 @@ struct Golden {
   std::vector<int32_t> greedy_ids;
   std::string greedy_text;
   std::string prompt_text;
-  std::vector<int32_t> prompt_ids;   // prompt_text with BOS
+  std::vector<int32_t> prompt_ids;  // prompt_text with BOS
 
   // greedy_ids[first, last)
   std::vector<int32_t> Ids(size_t first, size_t last) const {
@@ -60,8 +60,8 @@ inline std::unique_ptr<grpc::ClientContext> Deadline(int ms = 60000) {
 struct Stream {
   grpc::Status status;
   std::vector<v1::PrefillProgress> prefill;
-  std::vector<int32_t> ids;          // token ids by index (a repeated index adds text only)
-  std::string text;                  // every delta's text, concatenated
+  std::vector<int32_t> ids;  // token ids by index (a repeated index adds text only)
+  std::string text;          // every delta's text, concatenated
   int finals = 0;
   v1::GenerateFinal final;
   bool prefill_after_token = false;  // a prefill message arrived after a token

@@ -8,10 +8,10 @@
 // requests on an in-process Engine).
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdint>
 #include <string_view>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"

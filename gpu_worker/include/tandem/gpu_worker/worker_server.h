@@ -6,11 +6,11 @@
 // Thread-safe: Shutdown() and the accessors may be called from any thread.
 #pragma once
 
+#include <grpcpp/grpcpp.h>
+
 #include <memory>
 #include <mutex>
 #include <string>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"

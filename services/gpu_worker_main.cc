@@ -1,0 +1,199 @@
+// tandem-gpu-worker: loads a model and serves tandem.v1.Generation (plus health, reflection,
+// channelz) over gRPC until SIGINT or SIGTERM, then drains calls in flight and exits.
+//
+// Exit status: 0 after a signal-driven shutdown, 1 when the server cannot start (bad model,
+// unreachable CPU nodes, address in use), 2 for a bad command line.
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/byte_size.h"
+#include "tandem/gpu_worker/worker_server.h"
+
+ABSL_FLAG(std::string, model, "", "model directory (config.json, *.safetensors, tokenizer)");
+ABSL_FLAG(std::string, address, "0.0.0.0:50051", "host:port to serve on (port 0: any free)");
+ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable), cpu or cuda");
+ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal");
+ABSL_FLAG(unsigned, cpu_threads, 0, "cpu backend threads; 0 = every core this process may use");
+ABSL_FLAG(int64_t, prefill_chunk, 512, "prompt tokens per forward chunk");
+ABSL_FLAG(int64_t, max_context, 0,
+          "most positions of a session (all turns); 0 = the model's max_position_embeddings");
+ABSL_FLAG(std::string, kv_dtype, "auto", "KV dtype: auto (the weights' kind), bf16 or f32");
+ABSL_FLAG(int64_t, block_tokens, 16, "tokens per evicted KV block");
+ABSL_FLAG(uint32_t, max_sessions, 64, "sessions (kept and one-shot) held at most");
+ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu or hybrid");
+ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
+ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
+ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");
+ABSL_FLAG(double, maw_alpha, 0.1, "moving-average rate of the attention weights (0, 1]");
+ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
+          "CPU attention nodes, comma-separated host:port; empty (and no --cpu_nodes_dns) = "
+          "one node embedded in this process");
+ABSL_FLAG(std::string, cpu_nodes_dns, "",
+          "name:port resolving to every CPU attention node (a headless Service)");
+ABSL_FLAG(int, attend_deadline_ms, 2000, "deadline of each Attend call to a CPU node");
+ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
+          "KV memory of the embedded CPU node, e.g. 16GiB");
+ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
+          "largest gRPC message accepted or sent");
+ABSL_FLAG(int, shutdown_grace_ms, 5000, "time calls in flight get to finish on shutdown");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+
+namespace {
+
+// absl::ParseCommandLine ends the process with status 1 on a bad flag; a bad command line is
+// status 2 here, so an exit during parsing is turned into 2.
+bool parsing_flags = false;
+
+void ExitTwoIfParsing() {
+  if (parsing_flags) std::_Exit(2);
+}
+
+// --help and --version end the process from inside the parser too, with absl's status.
+bool AsksForHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (absl::StartsWith(arg, "--help") || absl::StartsWith(arg, "-help") || arg == "--version" ||
+        arg == "-version") {
+      return true;
+    }
+  }
+  return false;
+}
+
+absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
+  tandem::gpu_worker::WorkerServerOptions options;
+  options.address = absl::GetFlag(FLAGS_address);
+  tandem::gpu_worker::EngineOptions& e = options.engine;
+  e.model_dir = absl::GetFlag(FLAGS_model);
+  if (e.model_dir.empty()) return UsageError("--model is required");
+  e.backend = absl::GetFlag(FLAGS_backend);
+  if (e.backend != "auto" && e.backend != "cpu" && e.backend != "cuda") {
+    return UsageError(absl::StrCat("--backend must be auto, cpu or cuda, got '", e.backend, "'"));
+  }
+  e.cuda_device = absl::GetFlag(FLAGS_cuda_device);
+  e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  e.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  e.max_context = absl::GetFlag(FLAGS_max_context);
+  if (e.max_context < 0) return UsageError("--max_context must be >= 0");
+  e.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  e.block_tokens = absl::GetFlag(FLAGS_block_tokens);
+  e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  absl::StatusOr<tandem::gpu_worker::AttentionMode> mode =
+      tandem::gpu_worker::ParseAttentionMode(absl::GetFlag(FLAGS_mode));
+  if (!mode.ok()) return UsageError(absl::StrCat("--mode: ", mode.status().message()));
+  e.default_mode = *mode;
+  const double beta = absl::GetFlag(FLAGS_beta);
+  if (!std::isfinite(beta) || beta < 0) return UsageError("--beta must be finite and >= 0");
+  e.default_beta = static_cast<float>(beta);
+  e.default_window = absl::GetFlag(FLAGS_window);
+  e.default_sink = absl::GetFlag(FLAGS_sink);
+  if (e.default_window < 1 || e.default_sink < 0) {
+    return UsageError("--window must be >= 1 and --sink >= 0");
+  }
+  const double alpha = absl::GetFlag(FLAGS_maw_alpha);
+  if (!(alpha > 0 && alpha <= 1)) return UsageError("--maw_alpha must be in (0, 1]");
+  e.maw_alpha = static_cast<float>(alpha);
+  for (const std::string& node : absl::GetFlag(FLAGS_cpu_nodes)) {
+    if (!node.empty()) e.nodes.addresses.push_back(node);
+  }
+  e.nodes.dns_name = absl::GetFlag(FLAGS_cpu_nodes_dns);
+  if (!e.nodes.addresses.empty() && !e.nodes.dns_name.empty()) {
+    return UsageError("give --cpu_nodes or --cpu_nodes_dns, not both");
+  }
+  e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
+  e.attend_deadline_ms = absl::GetFlag(FLAGS_attend_deadline_ms);
+  if (e.attend_deadline_ms < 1) return UsageError("--attend_deadline_ms must be >= 1");
+  const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  if (max_message < (1u << 20) || max_message > (1u << 30)) {
+    return UsageError("--max_message_bytes must be in 1MiB..1GiB");
+  }
+  options.max_message_bytes = static_cast<int>(max_message);
+  e.nodes.max_message_bytes = options.max_message_bytes;
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // --help lists the flags of this file (absl's default looks for a file named like the binary).
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "gpu_worker_main.cc");
+  };
+  usage_config.contains_helpshort_flags = usage_config.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage_config);
+  absl::SetProgramUsageMessage(
+      "tandem GPU worker: serves tandem.v1.Generation for one model.\n"
+      "  tandem-gpu-worker --model=DIR --address=0.0.0.0:50051 --mode=hybrid "
+      "--cpu_nodes=node1:50061,node2:50061");
+  std::atexit(ExitTwoIfParsing);
+  parsing_flags = !AsksForHelp(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  parsing_flags = false;
+  // Logs go to stderr; stdout carries only the LISTENING line scripts wait for.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gpu-worker"));
+  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
+    std::fprintf(stderr,
+                 "tandem-gpu-worker: --log_level must be trace, debug, info, warn, "
+                 "error or off\n");
+    return 2;
+  }
+  spdlog::set_level(level);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "tandem-gpu-worker: unexpected argument '%s'\n", positional[1]);
+    return 2;
+  }
+  absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> options = OptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "tandem-gpu-worker: %s\n",
+                 std::string(options.status().message()).c_str());
+    return 2;
+  }
+
+  // Block the stop signals in every thread; the main thread waits for them below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto server = tandem::gpu_worker::GpuWorkerServer::Start(*options);
+  if (!server.ok()) {
+    spdlog::error("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  const tandem::gpu_worker::ModelInfo& info = (*server)->model_info();
+  spdlog::info(
+      "tandem-gpu-worker serving {} ({} layers, vocab {}, context {}) on {} [{}], {} "
+      "CPU node(s), port {}",
+      info.model_dir, info.num_layers, info.vocab_size, info.max_context, info.backend, info.device,
+      info.cpu_nodes, (*server)->port());
+  // A line scripts can wait for.
+  std::printf("LISTENING %d\n", (*server)->port());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("signal {}: draining", sig);
+  (*server)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_ms));
+  (*server)->Wait();
+  server->reset();
+  spdlog::info("stopped");
+  return 0;
+}
