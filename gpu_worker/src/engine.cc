@@ -344,40 +344,32 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
       event.text = stops.Push(decoder.Push(*token));
       if (stops.stopped()) reason = FinishReason::kStop;
     }
+    // Known before the token is reported: whether it is the last, so that its message carries
+    // the text still held back (one message per token).
+    if (reason == FinishReason::kLength && i + 1 < request.max_tokens &&
+        static_cast<int64_t>(seq->tokens.size()) + 1 >= max_context_) {
+      reason = FinishReason::kContext;
+    }
+    const bool last = reason != FinishReason::kLength || i + 1 == request.max_tokens;
+    if (last && reason != FinishReason::kStop) {
+      event.text += stops.Push(decoder.Flush());
+      event.text += stops.Flush();
+    }
     summary.text += event.text;
     const bool proceed = callbacks.on_token ? callbacks.on_token(event) : true;
-    if (reason != FinishReason::kLength) {
-      seq->pending_token = *token;
-      break;
-    }
+    // The last sampled token is fed at the start of the session's next turn.
+    seq->pending_token = *token;
+    if (last) break;
     if (!proceed) {
       reason = FinishReason::kCancelled;
-      seq->pending_token = *token;
-      break;
-    }
-    if (i + 1 == request.max_tokens) {
-      seq->pending_token = *token;   // fed at the start of the next turn
-      break;
-    }
-    if (static_cast<int64_t>(seq->tokens.size()) + 1 >= max_context_) {
-      reason = FinishReason::kContext;
-      seq->pending_token = *token;
       break;
     }
     const int32_t next = *token;
+    seq->pending_token.reset();
     if (absl::Status s = runner_->Forward(*seq, &next, 1); !s.ok()) {
       keep = false;
       finish_session();
       return s;
-    }
-  }
-  if (reason == FinishReason::kLength || reason == FinishReason::kContext ||
-      reason == FinishReason::kCancelled || reason == FinishReason::kEos) {
-    const std::string tail = stops.Push(decoder.Flush()) + stops.Flush();
-    if (!tail.empty()) {
-      summary.text += tail;
-      if (callbacks.on_token) callbacks.on_token({summary.token_ids.back(), tail,
-                                                  summary.completion_tokens - 1});
     }
   }
   const Clock::time_point end = Clock::now();

@@ -468,7 +468,7 @@ absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
   }
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWindowAttention(args, plan, workspace, stream()));
   if (p.maw != nullptr) {
-    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchMawUpdate(args, stream()));
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchMawUpdate(args, plan, workspace, stream()));
   }
   return absl::OkStatus();
 }

@@ -1,5 +1,5 @@
-// MAW update (HGCA Alg. 1 line 8) after window attention: recomputes every score with the same
-// DotRows arithmetic as the attention kernels and weighs it with the final LSE.
+// MAW update (HGCA Alg. 1 line 8) after window attention: weighs every score with the final LSE,
+// from the scores the decode kernel saved or recomputed with the attention kernels' DotRows.
 #include "attention_common.cuh"
 #include "window_attention.cuh"
 
@@ -112,6 +112,27 @@ __global__ void __launch_bounds__(kAttnThreads) MawUpdateKernel(WindowAttentionA
   }
 }
 
+// grid: [ceil(num_slots / 256), num_kv_heads], one thread per slot: the decode kernel saved
+// every (row, slot) score ([num_kv_heads, rows, num_slots], -inf = not visible), so the weights
+// are exp(score - lse) without touching the K cache.
+__global__ void MawFromScoresKernel(WindowAttentionArgs a, const float* scores) {
+  const int64_t g = blockIdx.y;
+  const int64_t s = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (s >= a.num_slots || a.slot_pos[s] < 0) return;
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t rows = a.num_tokens * group;
+  float sum = 0.0f;
+  for (int64_t row = 0; row < rows; ++row) {
+    const float score = scores[(g * rows + row) * a.num_slots + s];
+    if (score == -INFINITY) continue;  // not visible; a visible one makes the row's lse finite
+    sum += expf(score - a.lse[(row / group) * a.num_q_heads + g * group + row % group]);
+  }
+  const float mean = sum / static_cast<float>(rows);
+  float* maw = a.maw + g * a.capacity + s;
+  const float old = *maw;
+  *maw = old < 0.0f ? mean : (1.0f - a.alpha) * old + a.alpha * mean;
+}
+
 struct MawLauncher {
   const WindowAttentionArgs& args;
   dim3 grid;
@@ -129,8 +150,19 @@ struct MawLauncher {
 
 }  // namespace
 
-cudaError_t LaunchMawUpdate(const WindowAttentionArgs& a, cudaStream_t stream) {
+cudaError_t LaunchMawUpdate(const WindowAttentionArgs& a, const WindowAttentionPlan& plan,
+                            const void* workspace, cudaStream_t stream) {
   if (a.num_slots <= 0 || a.num_kv_heads <= 0 || a.maw == nullptr) return cudaErrorInvalidValue;
+  if (plan.save_scores) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    constexpr int kThreads = 256;
+    const dim3 grid(static_cast<unsigned>((a.num_slots + kThreads - 1) / kThreads),
+                    static_cast<unsigned>(a.num_kv_heads));
+    MawFromScoresKernel<<<grid, kThreads, 0, stream>>>(
+        a,
+        reinterpret_cast<const float*>(static_cast<const char*>(workspace) + plan.scores_offset));
+    return cudaGetLastError();
+  }
   const dim3 grid(static_cast<unsigned>((a.num_slots + kSlotTile - 1) / kSlotTile),
                   static_cast<unsigned>(a.num_kv_heads));
   return DispatchAttention(a.head_dim, a.cache_dtype, MawLauncher{a, grid, stream});

@@ -40,7 +40,7 @@ __device__ __forceinline__ void StoreOutput(const WindowAttentionArgs& a, float*
 template <int kDMax, typename T>
 __global__ void __launch_bounds__(kAttnThreads)
     DecodeAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, float* part_o,
-                          float* part_lse) {
+                          float* part_lse, float* scores) {
   constexpr int kDimsPerLane = kDMax / kWarpSize;
   __shared__ __align__(16) float qs[kRowsPerWarp * kDMax];
   __shared__ int qpos[kRowsPerWarp];
@@ -79,11 +79,18 @@ __global__ void __launch_bounds__(kAttnThreads)
       visible[r] = pos >= 0 && pos <= row_qpos[r];
       any |= visible[r];
     }
-    if (!__any_sync(kFullMask, any)) continue;
+    const bool warp_any = __any_sync(kFullMask, any);
     float score[kRowsPerWarp] = {};
     if (any) DotRows<kDMax>(k_head + s * a.head_dim, qs, head_dim, score);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) score[r] = visible[r] ? score[r] * a.scale : -INFINITY;
+    if (scores != nullptr && s < s_end) {  // [num_kv_heads, rows, num_slots], coalesced along s
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if (row0 + r < rows) scores[(g * rows + row0 + r) * a.num_slots + s] = score[r];
+      }
+    }
+    if (!warp_any) continue;
     const int valid_rows = static_cast<int>(min(int64_t{kSlotTile}, s_end - base));
     state.Update(score, v_head + base * a.head_dim, a.head_dim, valid_rows, head_dim, lane);
   }
@@ -285,13 +292,14 @@ struct AttentionLauncher {
   dim3 grid;
   float* part_o;
   float* part_lse;
+  float* scores;
   cudaStream_t stream;
 
   template <int kDMax, typename T>
   cudaError_t Run() const {
     if (plan.decode) {
       DecodeAttentionKernel<kDMax, T>
-          <<<grid, kAttnThreads, 0, stream>>>(args, plan.slots_per_split, part_o, part_lse);
+          <<<grid, kAttnThreads, 0, stream>>>(args, plan.slots_per_split, part_o, part_lse, scores);
       return cudaGetLastError();
     }
     constexpr size_t kSmem = TiledSmemBytes<kDMax, T>();
@@ -363,26 +371,31 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
   const int64_t per_split = (a.num_slots + splits - 1) / splits;
   plan->slots_per_split = (per_split + kSlotTile - 1) / kSlotTile * kSlotTile;
   plan->splits = (a.num_slots + plan->slots_per_split - 1) / plan->slots_per_split;
+  size_t bytes = 0;
   if (plan->splits > 1) {
     const size_t states = static_cast<size_t>(plan->splits * a.num_tokens * a.num_q_heads);
-    plan->workspace_bytes = AlignUp(states * a.head_dim * sizeof(float)) + states * sizeof(float);
+    plan->part_lse_offset = AlignUp(states * a.head_dim * sizeof(float));
+    bytes = AlignUp(plan->part_lse_offset + states * sizeof(float));
   }
+  plan->save_scores = plan->decode && a.maw != nullptr;
+  if (plan->save_scores) {
+    plan->scores_offset = bytes;
+    bytes += static_cast<size_t>(a.num_kv_heads * rows * a.num_slots) * sizeof(float);
+  }
+  plan->workspace_bytes = bytes;
   return cudaSuccess;
 }
 
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAttentionPlan& plan,
                                   void* workspace, cudaStream_t stream) {
   if (plan.row_tiles <= 0 || plan.splits <= 0 || a.num_kv_heads <= 0) return cudaErrorInvalidValue;
-  float* part_o = nullptr;
-  float* part_lse = nullptr;
   const int64_t out_rows = a.num_tokens * a.num_q_heads;
-  if (plan.splits > 1) {
-    if (workspace == nullptr) return cudaErrorInvalidValue;
-    part_o = static_cast<float*>(workspace);
-    part_lse = reinterpret_cast<float*>(
-        static_cast<char*>(workspace) +
-        AlignUp(static_cast<size_t>(plan.splits * out_rows * a.head_dim) * sizeof(float)));
-  }
+  if ((plan.splits > 1 || plan.save_scores) && workspace == nullptr) return cudaErrorInvalidValue;
+  char* base = static_cast<char*>(workspace);
+  float* part_o = plan.splits > 1 ? reinterpret_cast<float*>(base) : nullptr;
+  float* part_lse =
+      plan.splits > 1 ? reinterpret_cast<float*>(base + plan.part_lse_offset) : nullptr;
+  float* scores = plan.save_scores ? reinterpret_cast<float*>(base + plan.scores_offset) : nullptr;
   const AttentionLauncher launcher{
       a,
       plan,
@@ -390,6 +403,7 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
            static_cast<unsigned>(plan.splits)),
       part_o,
       part_lse,
+      scores,
       stream};
   const cudaError_t error = DispatchAttention(a.head_dim, a.cache_dtype, launcher);
   if (error != cudaSuccess || plan.splits == 1) return error;

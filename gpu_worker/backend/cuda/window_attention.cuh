@@ -52,9 +52,14 @@ struct WindowAttentionPlan {
   int64_t row_tiles = 0;        // blocks along the rows of one kv head
   int64_t splits = 1;           // blocks along the slots
   int64_t slots_per_split = 0;  // a multiple of 32
-  size_t workspace_bytes = 0;   // partial states, needed when splits > 1
+  // Workspace: partial states when splits > 1 ([splits, T·Hq, head_dim] o at offset 0,
+  // [splits, T·Hq] lse at part_lse_offset) and, for the decode kernel with a MAW update, the
+  // scores it saves for LaunchMawUpdate ([num_kv_heads, T·G, num_slots] at scores_offset).
+  size_t part_lse_offset = 0;
+  size_t scores_offset = 0;
+  bool save_scores = false;
+  size_t workspace_bytes = 0;
 };
-
 // Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
 // resident blocks (the kernels' occupancy is queried once per process and kernel).
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
@@ -64,10 +69,13 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
                                   void* workspace, cudaStream_t stream);
 
-// After LaunchWindowAttention: with w[t, h, s] = exp(score - lse[t, h]) (0 when s is not visible
-// to t), a[g, s] = mean over the T·G rows of group g, and for every slot s < num_slots with
-// slot_pos[s] >= 0: maw[g, s] = maw[g, s] < 0 ? a : (1 - alpha)·maw[g, s] + alpha·a.
-// Recomputes the scores with the same arithmetic as the attention kernels (grid over slot tiles).
-cudaError_t LaunchMawUpdate(const WindowAttentionArgs& args, cudaStream_t stream);
+// After LaunchWindowAttention with the same plan and workspace: with w[t, h, s] =
+// exp(score - lse[t, h]) (0 when s is not visible to t), a[g, s] = mean over the T·G rows of
+// group g, and for every slot s < num_slots with slot_pos[s] >= 0:
+//   maw[g, s] = maw[g, s] < 0 ? a : (1 - alpha)·maw[g, s] + alpha·a.
+// Decode plans read the scores the attention kernel saved (a few MB instead of the K cache);
+// tiled plans recompute them with the attention kernels' arithmetic (grid over slot tiles).
+cudaError_t LaunchMawUpdate(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
+                            const void* workspace, cudaStream_t stream);
 
 }  // namespace tandem::gpu_worker::cuda_backend
