@@ -189,8 +189,8 @@ __global__ void KeepTopKTopPKernel(const float* sorted_probs, const int32_t* sor
 }
 
 // The first id (ascending) at which Σ_{j <= id, kept} probs[j] > uniform · Σ_{kept} probs; if
-// rounding leaves none, the last kept id with nonzero probability; 0 if there is none.
-// keep == nullptr keeps every id.
+// rounding leaves none, the last kept id with nonzero probability; if no id has mass, *result
+// is left as it was (the argmax). keep == nullptr keeps every id.
 __global__ void InverseCdfKernel(const float* probs, const uint8_t* keep, int64_t vocab,
                                  float uniform, int32_t* result) {
   __shared__ double scratch[kWarpSize];
@@ -227,7 +227,13 @@ __global__ void InverseCdfKernel(const float* probs, const uint8_t* keep, int64_
   }
   if (local_last >= 0) atomicMax(&last_kept, local_last);
   __syncthreads();
-  if (threadIdx.x == 0) *result = chosen != INT_MAX ? chosen : (last_kept >= 0 ? last_kept : 0);
+  if (threadIdx.x == 0) {
+    if (chosen != INT_MAX) {
+      *result = chosen;
+    } else if (last_kept >= 0) {
+      *result = last_kept;
+    }  // else no mass at all (no finite logit): *result keeps the argmax written before
+  }
 }
 
 // grid: [num_tokens]; a stable log-softmax of each row, read at the target.
@@ -261,12 +267,13 @@ cudaError_t SampleWorkspaceBytes(int64_t vocab, size_t* bytes) {
 cudaError_t LaunchSample(const SampleArgs& args, void* workspace, size_t workspace_bytes,
                          cudaStream_t stream) {
   if (args.vocab <= 0 || args.vocab > INT_MAX) return cudaErrorInvalidValue;
-  if (args.temperature <= 0.0f) {
-    ArgmaxKernel<<<1, kSampleThreads, 0, stream>>>(args.logits, args.vocab, args.result);
-    return cudaGetLastError();
-  }
+  // The argmax is the answer for temperature <= 0, and the fallback when no logit is finite
+  // (a +inf logit takes all the mass: the lowest such id, as on the cpu backend).
+  ArgmaxKernel<<<1, kSampleThreads, 0, stream>>>(args.logits, args.vocab, args.result);
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess || args.temperature <= 0.0f) return error;
   SampleLayout layout;
-  cudaError_t error = MakeLayout(args.vocab, &layout);
+  error = MakeLayout(args.vocab, &layout);
   if (error != cudaSuccess) return error;
   if (workspace == nullptr || workspace_bytes < layout.total) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(workspace);

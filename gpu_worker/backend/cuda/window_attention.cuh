@@ -9,7 +9,9 @@
 //   - more rows (prefill chunks): 16 rows per block (4 per warp), K/V slot tiles of 32 slots
 //     staged in shared memory and shared by the block's warps.
 // Either way the slots may be split across `splits` blocks (flash-decoding) whose partial states
-// a combine kernel merges; the plan picks the split so the grid fills the GPU.
+// a combine kernel merges; the plan picks the split so one wave of resident blocks fills the
+// GPU. With a MAW update the decode kernel also saves its scores, so the update does not read
+// the K cache a second time. o and lse must not alias q (the MAW update reads q afterwards).
 #pragma once
 
 #include <cuda_runtime_api.h>

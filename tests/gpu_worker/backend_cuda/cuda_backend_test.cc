@@ -289,6 +289,50 @@ TEST_P(CudaMatMulTest, MatchesReference) {
   }
 }
 
+#ifdef TANDEM_TEST_HAVE_CPU_BACKEND
+// Both backends on the same inputs: |y_cuda - y_cpu| <= 2·tol·Σ|x·w| (each is within tol of
+// the f64 result).
+TEST_P(CudaMatMulTest, MatchesCpuBackend) {
+  const MatMulCase c = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateCpuBackend();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::vector<float> x = RandomFloats(c.m * c.k, -1, 1, 23);
+  const std::vector<float> w = RoundTo(RandomFloats(c.n * c.k, -1, 1, 24), c.dtype);
+  const std::vector<float> bias = RandomFloats(c.n, -1, 1, 25);
+  const std::vector<float> y0 = RandomFloats(c.m * c.n, -1, 1, 26);
+  std::vector<std::vector<float>> results;
+  for (Backend* backend : {backend_.get(), cpu->get()}) {
+    DeviceBuffer x_buffer = UploadTo(*backend, x);
+    DeviceBuffer w_buffer = UploadTo(*backend, EncodeAs(w, c.dtype));
+    DeviceBuffer bias_buffer = UploadTo(*backend, bias);
+    DeviceBuffer y_buffer = UploadTo(*backend, y0);
+    ASSERT_TRUE(backend
+                    ->MatMul({.x = x_buffer.as<float>(),
+                              .w = w_buffer.data(),
+                              .w_dtype = c.dtype,
+                              .bias = c.bias ? bias_buffer.as<float>() : nullptr,
+                              .y = y_buffer.as<float>(),
+                              .m = c.m,
+                              .n = c.n,
+                              .k = c.k,
+                              .accumulate = c.accumulate})
+                    .ok());
+    results.push_back(DownloadFrom<float>(*backend, y_buffer, y0.size()));
+  }
+  const std::vector<float> xr = RoundTo(x, c.dtype);
+  const double tol = c.dtype == DType::kF32 ? 2e-5 : 1e-4;
+  for (int64_t i = 0; i < c.m; ++i) {
+    for (int64_t j = 0; j < c.n; ++j) {
+      double magnitude = 0.0;
+      for (int64_t l = 0; l < c.k; ++l)
+        magnitude += std::abs(double{xr[i * c.k + l]} * w[j * c.k + l]);
+      ASSERT_NEAR(results[0][i * c.n + j], results[1][i * c.n + j], 2 * tol * magnitude + 1e-6)
+          << i << "," << j;
+    }
+  }
+}
+#endif
+
 std::vector<MatMulCase> MatMulCases() {
   std::vector<MatMulCase> cases;
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -547,6 +591,29 @@ TEST_F(CudaSampleTest, ArgmaxTakesLowestIndexAmongTies) {
   }
 }
 
+// A +inf logit takes all the mass (the lowest such id); all -inf logits give the argmax, id 0.
+TEST_F(CudaSampleTest, InfiniteLogits) {
+  std::vector<float> logits = RandomFloats(4096, -5, 5, 22);
+  logits[2000] = kInf;
+  logits[777] = kInf;
+  DeviceBuffer buffer = Upload(logits);
+  std::vector<float> all_minus_inf(300, -kInf);
+  DeviceBuffer minus_inf = Upload(all_minus_inf);
+  for (float u : {0.0f, 0.5f, 0.999f}) {
+    absl::StatusOr<int32_t> id = backend_->Sample({.logits = buffer.as<float>(),
+                                                   .vocab = 4096,
+                                                   .temperature = 1.0f,
+                                                   .top_p = 0.9f,
+                                                   .uniform = u});
+    ASSERT_TRUE(id.ok()) << id.status();
+    EXPECT_EQ(*id, 777);
+    id = backend_->Sample(
+        {.logits = minus_inf.as<float>(), .vocab = 300, .temperature = 0.7f, .uniform = u});
+    ASSERT_TRUE(id.ok()) << id.status();
+    EXPECT_EQ(*id, 0);
+  }
+}
+
 struct SampleCase {
   int64_t vocab;
   float temperature;
@@ -557,7 +624,7 @@ struct SampleCase {
 class CudaSampleDrawTest : public CudaBackendFixture,
                            public ::testing::WithParamInterface<SampleCase> {};
 
-// Same id as the f64 reference for every draw not within 1e-5 of a boundary (those are skipped;
+// Same id as the f64 reference for every draw not within 1e-6 of a boundary (those are skipped;
 // at least 90% of the draws must count).
 TEST_P(CudaSampleDrawTest, MatchesReference) {
   const SampleCase c = GetParam();
@@ -583,6 +650,37 @@ TEST_P(CudaSampleDrawTest, MatchesReference) {
   }
   EXPECT_GE(compared, kDraws * 9 / 10);
 }
+
+#ifdef TANDEM_TEST_HAVE_CPU_BACKEND
+// Same id as the cpu backend for every draw the f64 reference calls unambiguous.
+TEST_P(CudaSampleDrawTest, MatchesCpuBackend) {
+  const SampleCase c = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateCpuBackend();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const std::vector<float> logits = RandomFloats(c.vocab, -4, 4, 27 + c.top_k);
+  DeviceBuffer cuda_logits = Upload(logits);
+  DeviceBuffer cpu_logits = UploadTo(**cpu, logits);
+  std::mt19937 rng(28);
+  std::uniform_real_distribution<float> uniform(0.0f, 0.99999f);
+  for (int i = 0; i < 50; ++i) {
+    const float u = uniform(rng);
+    const SampleParams params{.vocab = c.vocab,
+                              .temperature = c.temperature,
+                              .top_k = c.top_k,
+                              .top_p = c.top_p,
+                              .uniform = u};
+    SampleParams on_cuda = params;
+    on_cuda.logits = cuda_logits.as<float>();
+    SampleParams on_cpu = params;
+    on_cpu.logits = cpu_logits.as<float>();
+    absl::StatusOr<int32_t> got = backend_->Sample(on_cuda);
+    absl::StatusOr<int32_t> want = (*cpu)->Sample(on_cpu);
+    ASSERT_TRUE(got.ok() && want.ok()) << got.status() << " " << want.status();
+    if (!ReferenceSample(logits, c.temperature, c.top_k, c.top_p, u).unambiguous) continue;
+    EXPECT_EQ(*got, *want) << "uniform " << u;
+  }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(
     Settings, CudaSampleDrawTest,

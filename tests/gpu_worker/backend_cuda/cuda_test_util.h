@@ -208,14 +208,17 @@ inline AttentionResult ReferenceAttention(const AttentionInputs& in) {
 
 struct SampleReference {
   int32_t id = -1;
-  // False when the draw lies within rounding distance of a boundary (the cumulative mass at the
-  // chosen id, or the top_p cutoff): float backends may then legitimately pick a neighbour.
+  // False when the draw lies within rounding distance of a boundary: 1e-6 of the kept mass from
+  // the cumulative mass at the chosen id, or 2e-7 of the top-k mass from the top_p cutoff (the
+  // backends' f32 probabilities are good to ~1e-7 relative). A float backend may then
+  // legitimately pick a neighbour.
   bool unambiguous = true;
 };
 
 inline SampleReference ReferenceSample(const std::vector<float>& logits, float temperature,
                                        int32_t top_k, float top_p, float uniform) {
-  constexpr double kMargin = 1e-5;
+  constexpr double kMargin = 1e-6;
+  constexpr double kCutoffMargin = 2e-7;
   const int64_t vocab = static_cast<int64_t>(logits.size());
   SampleReference ref;
   if (temperature <= 0.0f) {
@@ -239,7 +242,7 @@ inline SampleReference ReferenceSample(const std::vector<float>& logits, float t
     double cum = 0.0;
     for (int64_t r = 0; r < n; ++r) {
       cum += p[order[r]];
-      if (std::abs(cum - target) < kMargin) ref.unambiguous = false;
+      if (std::abs(cum - target) < kCutoffMargin * top_k_mass) ref.unambiguous = false;
       if (cum >= target) {
         n = r + 1;
         break;
