@@ -20,9 +20,12 @@
 #include "cpu_matmul.h"
 #include "cpu_sampling.h"
 #include "cpu_scratch.h"
+#include "cpu_vector_kernels.h"
+#include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/random_values.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -60,6 +63,13 @@ std::string CpuModelName() {
     return begin == std::string::npos ? std::string("unknown CPU") : line.substr(begin);
   }
   return "unknown CPU";
+}
+
+absl::Status CheckSlot(const char* op, int slot) {
+  if (slot < 0 || slot >= Backend::kUploadSlots) {
+    return absl::InvalidArgumentError(absl::StrFormat("%s: slot %d", op, slot));
+  }
+  return absl::OkStatus();
 }
 
 class CpuBackend final : public Backend {
@@ -133,6 +143,53 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Synchronize() override { return absl::OkStatus(); }  // every op is synchronous
+
+  absl::StatusOr<size_t> DeviceMemoryUsed() override { return bytes_in_use(); }
+  absl::StatusOr<DeviceBuffer> AllocateHost(size_t bytes) override { return Allocate(bytes); }
+
+  absl::Status UploadAsync(const UploadParams& p, int slot) override {
+    if (slot < 0 || slot >= kUploadSlots) {
+      return absl::InvalidArgumentError(absl::StrFormat("UploadAsync: slot %d", slot));
+    }
+    if (p.rows == 0 || p.row_bytes == 0) return absl::OkStatus();
+    if (p.dst == nullptr || p.src_host == nullptr) {
+      return absl::InvalidArgumentError("UploadAsync: null pointer");
+    }
+    if (p.dst_pitch < p.row_bytes || p.src_pitch < p.row_bytes) {
+      return absl::InvalidArgumentError("UploadAsync: pitches must be >= row_bytes");
+    }
+    for (size_t r = 0; r < p.rows; ++r) {
+      std::memcpy(static_cast<std::byte*>(p.dst) + r * p.dst_pitch,
+                  static_cast<const std::byte*>(p.src_host) + r * p.src_pitch, p.row_bytes);
+    }
+    return absl::OkStatus();
+  }
+  absl::Status WaitUpload(int slot) override { return CheckSlot("WaitUpload", slot); }
+  absl::Status ReleaseUpload(int slot) override { return CheckSlot("ReleaseUpload", slot); }
+
+  absl::Status RandomFill(const RandomFillParams& p) override {
+    if (p.count == 0) return absl::OkStatus();
+    if (p.dst == nullptr) return absl::InvalidArgumentError("RandomFill: null pointer");
+    switch (p.dtype) {
+      case DType::kF32: {
+        float* d = static_cast<float*>(p.dst);
+        for (size_t i = 0; i < p.count; ++i) d[i] = RandomSigned(p.seed, i, p.scale);
+        return absl::OkStatus();
+      }
+      case DType::kBF16: {
+        bf16_t* d = static_cast<bf16_t*>(p.dst);
+        for (size_t i = 0; i < p.count; ++i) d[i] = FloatToBf16(RandomSigned(p.seed, i, p.scale));
+        return absl::OkStatus();
+      }
+      case DType::kF16: {
+        uint16_t* d = static_cast<uint16_t*>(p.dst);
+        for (size_t i = 0; i < p.count; ++i) d[i] = cpu::FloatToF16(RandomSigned(p.seed, i, p.scale));
+        return absl::OkStatus();
+      }
+      default:
+        return absl::InvalidArgumentError("RandomFill: dtype must be f32, bf16 or f16");
+    }
+  }
 
   size_t bytes_in_use() const override { return counters_->in_use.load(); }
   size_t peak_bytes_in_use() const override { return counters_->peak.load(); }

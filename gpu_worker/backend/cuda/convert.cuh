@@ -1,5 +1,5 @@
 // Small elementwise kernels around the GEMMs and buffers: f32 -> bf16/f16 conversion of GEMM
-// inputs, Fill, and the bias add after a GEMM.
+// inputs, Fill, RandomFill, and the bias add after a GEMM.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,6 +26,16 @@ struct FillArgs {
   int64_t count = 0;
 };
 cudaError_t LaunchFill(const FillArgs& args, cudaStream_t stream);
+
+// dst[i] = RandomSigned(seed, i, scale) (random_values.h) as dtype (kF32, kBF16 or kF16).
+struct RandomFillArgs {
+  void* dst = nullptr;
+  DType dtype = DType::kF32;
+  int64_t count = 0;
+  uint64_t seed = 0;
+  float scale = 1.0f;
+};
+cudaError_t LaunchRandomFill(const RandomFillArgs& args, cudaStream_t stream);
 
 // y[r, c] += bias[c].
 struct AddBiasArgs {

@@ -34,6 +34,7 @@ namespace tandem::gpu_worker {
 namespace {
 
 using cuda_backend::CublasHandle;
+using cuda_backend::CudaEvent;
 using cuda_backend::CudaStream;
 using cuda_backend::DeviceMemory;
 using cuda_backend::PinnedMemory;
@@ -73,11 +74,21 @@ struct AllocationStats {
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, cudaDeviceProp props, CudaStream stream, CublasHandle cublas,
-              PinnedMemory staging, PinnedMemory result_host, DeviceMemory result_device)
+  // The events of the upload slots: uploaded_[slot] on the upload stream, released_[slot] on the
+  // compute stream.
+  struct UploadEvents {
+    CudaEvent uploaded[kUploadSlots];
+    CudaEvent released[kUploadSlots];
+  };
+
+  CudaBackend(int device, cudaDeviceProp props, CudaStream stream, CudaStream upload_stream,
+              UploadEvents upload_events, CublasHandle cublas, PinnedMemory staging,
+              PinnedMemory result_host, DeviceMemory result_device)
       : device_(device),
         props_(props),
         stream_(std::move(stream)),
+        upload_stream_(std::move(upload_stream)),
+        upload_events_(std::move(upload_events)),
         cublas_(std::move(cublas)),
         staging_(std::move(staging)),
         result_host_(std::move(result_host)),
@@ -85,7 +96,10 @@ class CudaBackend final : public Backend {
 
   ~CudaBackend() override {
     // Queued work may still use the workspace and staging memory the members free.
-    if (cudaSetDevice(device_) == cudaSuccess) cudaStreamSynchronize(stream_.get());
+    if (cudaSetDevice(device_) == cudaSuccess) {
+      cudaStreamSynchronize(stream_.get());
+      cudaStreamSynchronize(upload_stream_.get());
+    }
   }
 
   std::string_view name() const override { return "cuda"; }
@@ -105,6 +119,12 @@ class CudaBackend final : public Backend {
   absl::Status Synchronize() override;
   size_t bytes_in_use() const override { return stats_->in_use.load(); }
   size_t peak_bytes_in_use() const override { return stats_->peak; }
+  absl::StatusOr<size_t> DeviceMemoryUsed() override;
+  absl::StatusOr<DeviceBuffer> AllocateHost(size_t bytes) override;
+  absl::Status UploadAsync(const UploadParams& p, int slot) override;
+  absl::Status WaitUpload(int slot) override;
+  absl::Status ReleaseUpload(int slot) override;
+  absl::Status RandomFill(const RandomFillParams& p) override;
 
   absl::Status Embed(const EmbedParams& p) override;
   absl::Status RmsNorm(const RmsNormParams& p) override;
@@ -135,6 +155,8 @@ class CudaBackend final : public Backend {
   const int device_;
   const cudaDeviceProp props_;
   CudaStream stream_;
+  CudaStream upload_stream_;
+  UploadEvents upload_events_;
   CublasHandle cublas_;
   Workspace workspace_;
   PinnedMemory staging_;
@@ -225,7 +247,74 @@ absl::Status CudaBackend::Fill(float* dst, float value, size_t count) {
 
 absl::Status CudaBackend::Synchronize() {
   TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(upload_stream_.get()));
   return SyncStream();
+}
+
+absl::StatusOr<size_t> CudaBackend::DeviceMemoryUsed() {
+  TANDEM_RETURN_IF_ERROR(Activate());
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes - free_bytes;
+}
+
+absl::StatusOr<DeviceBuffer> CudaBackend::AllocateHost(size_t bytes) {
+  TANDEM_RETURN_IF_ERROR(Activate());
+  void* data = nullptr;
+  const cudaError_t error = cudaMallocHost(&data, std::max<size_t>(bytes, 1));
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cudaMallocHost of ", bytes,
+                                                     " bytes failed: ", cudaGetErrorName(error)));
+  }
+  // cudaFreeHost waits for queued copies that may still read the memory.
+  return DeviceBuffer(data, bytes, [](void* ptr) { cudaFreeHost(ptr); });
+}
+
+absl::Status CudaBackend::UploadAsync(const UploadParams& p, int slot) {
+  if (slot < 0 || slot >= kUploadSlots) return Invalid("UploadAsync", "slot out of range");
+  if (p.rows == 0 || p.row_bytes == 0) return absl::OkStatus();
+  if (p.dst == nullptr || p.src_host == nullptr) return Invalid("UploadAsync", "null pointer");
+  if (p.dst_pitch < p.row_bytes || p.src_pitch < p.row_bytes) {
+    return Invalid("UploadAsync", "pitches must be >= row_bytes");
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  cudaStream_t upload = upload_stream_.get();
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(upload, upload_events_.released[slot].get()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(p.dst, p.dst_pitch, p.src_host, p.src_pitch,
+                                                p.row_bytes, p.rows, cudaMemcpyHostToDevice,
+                                                upload));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_events_.uploaded[slot].get(), upload));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WaitUpload(int slot) {
+  if (slot < 0 || slot >= kUploadSlots) return Invalid("WaitUpload", "slot out of range");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream(), upload_events_.uploaded[slot].get()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ReleaseUpload(int slot) {
+  if (slot < 0 || slot >= kUploadSlots) return Invalid("ReleaseUpload", "slot out of range");
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_events_.released[slot].get(), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RandomFill(const RandomFillParams& p) {
+  if (p.count == 0) return absl::OkStatus();
+  if (p.dst == nullptr) return Invalid("RandomFill", "null pointer");
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return Invalid("RandomFill", "dtype must be f32, bf16 or f16");
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRandomFill(
+      {.dst = p.dst, .dtype = p.dtype, .count = static_cast<int64_t>(p.count), .seed = p.seed,
+       .scale = p.scale},
+      stream()));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Embed(const EmbedParams& p) {
@@ -564,11 +653,19 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal) {
   cudaDeviceProp props;
   TANDEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&props, device_ordinal));
   TANDEM_ASSIGN_OR_RETURN(CudaStream stream, CudaStream::Create());
+  TANDEM_ASSIGN_OR_RETURN(CudaStream upload_stream, CudaStream::Create());
+  CudaBackend::UploadEvents upload_events;
+  for (int slot = 0; slot < Backend::kUploadSlots; ++slot) {
+    TANDEM_ASSIGN_OR_RETURN(upload_events.uploaded[slot], CudaEvent::Create());
+    TANDEM_ASSIGN_OR_RETURN(upload_events.released[slot], CudaEvent::Create());
+  }
   TANDEM_ASSIGN_OR_RETURN(CublasHandle cublas, CublasHandle::Create(stream.get()));
   TANDEM_ASSIGN_OR_RETURN(PinnedMemory staging, PinnedMemory::Allocate(kStagingBytes));
   TANDEM_ASSIGN_OR_RETURN(PinnedMemory result_host, PinnedMemory::Allocate(sizeof(int32_t)));
   TANDEM_ASSIGN_OR_RETURN(DeviceMemory result_device, DeviceMemory::Allocate(sizeof(int32_t)));
-  return std::make_unique<CudaBackend>(device_ordinal, props, std::move(stream), std::move(cublas),
+  return std::make_unique<CudaBackend>(device_ordinal, props, std::move(stream),
+                                       std::move(upload_stream), std::move(upload_events),
+                                       std::move(cublas),
                                        std::move(staging), std::move(result_host),
                                        std::move(result_device));
 }

@@ -47,6 +47,26 @@ CudaStream::~CudaStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
+absl::StatusOr<CudaEvent> CudaEvent::Create() {
+  CudaEvent event;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event.event_, cudaEventDisableTiming));
+  return event;
+}
+
+CudaEvent::CudaEvent(CudaEvent&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+
+CudaEvent& CudaEvent::operator=(CudaEvent&& other) noexcept {
+  if (this != &other) {
+    if (event_ != nullptr) cudaEventDestroy(event_);
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+
+CudaEvent::~CudaEvent() {
+  if (event_ != nullptr) cudaEventDestroy(event_);
+}
+
 absl::StatusOr<CublasHandle> CublasHandle::Create(cudaStream_t stream) {
   CublasHandle handle;
   TANDEM_CUBLAS_RETURN_IF_ERROR(cublasCreate(&handle.handle_));

@@ -31,6 +31,21 @@ class CudaStream {
   cudaStream_t stream_ = nullptr;
 };
 
+// An event without timing (for ordering between streams).
+class CudaEvent {
+ public:
+  static absl::StatusOr<CudaEvent> Create();
+  CudaEvent() = default;
+  CudaEvent(CudaEvent&& other) noexcept;
+  CudaEvent& operator=(CudaEvent&& other) noexcept;
+  ~CudaEvent();
+
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
 // A cuBLAS handle bound to one stream, in the default math mode (no TF32 for f32 GEMMs).
 class CublasHandle {
  public:

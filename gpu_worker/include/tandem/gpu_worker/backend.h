@@ -222,8 +222,33 @@ struct TokenLogProbParams {
   int64_t vocab = 0;
 };
 
+// dst[i] = scale · (2·u_i − 1) written as `dtype` (kF32, kBF16 or kF16), where u_i in [0, 1) is
+// the top 24 bits of splitmix64(seed + i · 0x9E3779B97F4A7C15) over 2^24: the same values on every
+// backend. For synthetic weights and caches (benchmarks; speed does not depend on the values).
+struct RandomFillParams {
+  void* dst = nullptr;      // [count] of dtype
+  DType dtype = DType::kF32;
+  size_t count = 0;
+  uint64_t seed = 0;
+  float scale = 1.0f;
+};
+
+// A strided host-to-device copy on the upload stream: row r of `row_bytes` goes from
+// src_host + r·src_pitch to dst + r·dst_pitch.
+struct UploadParams {
+  void* dst = nullptr;              // device memory
+  size_t dst_pitch = 0;
+  const void* src_host = nullptr;   // host memory from AllocateHost (page-locked on cuda)
+  size_t src_pitch = 0;
+  size_t row_bytes = 0;
+  size_t rows = 0;
+};
+
 class Backend {
  public:
+  // Upload slots of the ping-pong (double-buffered) stream: see UploadAsync.
+  static constexpr int kUploadSlots = 4;
+
   virtual ~Backend() = default;
 
   virtual std::string_view name() const = 0;    // "cpu" or "cuda"
@@ -245,6 +270,26 @@ class Backend {
   // Bytes of device memory in use by this backend's allocations, and the largest it reached.
   virtual size_t bytes_in_use() const = 0;
   virtual size_t peak_bytes_in_use() const = 0;
+  // Device memory in use by the whole process as the device reports it (cuda: total − free,
+  // which includes the context and library workspaces; cpu: bytes_in_use()).
+  virtual absl::StatusOr<size_t> DeviceMemoryUsed() = 0;
+
+  // Host memory that uploads stream from: page-locked on cuda (copies run at PCIe speed and
+  // asynchronously), ordinary 64-byte-aligned memory on cpu. RESOURCE_EXHAUSTED when it cannot
+  // be had. The buffer's data() is a host pointer.
+  virtual absl::StatusOr<DeviceBuffer> AllocateHost(size_t bytes) = 0;
+
+  // The upload stream (HeadInfer's ping-pong transfers). UploadAsync(p, slot) queues the copy on
+  // a second stream, after the operations issued before the last ReleaseUpload(slot) have run
+  // (so the destination is no longer read), and marks the slot's upload. WaitUpload(slot) makes
+  // every operation issued after it wait for that upload. ReleaseUpload(slot) says that the
+  // operations issued so far are the last readers of the slot's destination. The source must
+  // stay unchanged until the upload has run (Synchronize waits for both streams). slot is in
+  // [0, kUploadSlots). The cpu backend copies at once.
+  virtual absl::Status UploadAsync(const UploadParams& p, int slot) = 0;
+  virtual absl::Status WaitUpload(int slot) = 0;
+  virtual absl::Status ReleaseUpload(int slot) = 0;
+  virtual absl::Status RandomFill(const RandomFillParams& p) = 0;
 
   // Model operations (parameter structs above).
   virtual absl::Status Embed(const EmbedParams& p) = 0;
