@@ -179,6 +179,10 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     ro.attend_deadline_ms = options_.attend_deadline_ms;
     TANDEM_ASSIGN_OR_RETURN(seq->remote, RemoteKv::Open(*nodes_, ro));
   }
+  if (mode == AttentionMode::kOffload) {
+    TANDEM_ASSIGN_OR_RETURN(seq->offloaded,
+                            OffloadedKv::Create(*backend_, geometry, options_.offload_page_tokens));
+  }
   return seq;
 }
 

@@ -1,6 +1,7 @@
 #include "tandem/gpu_worker/model_runner.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 
@@ -9,6 +10,12 @@
 
 namespace tandem::gpu_worker {
 namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
 
 absl::Status AllocFloats(Backend& backend, DeviceBuffer& buffer, int64_t count) {
   TANDEM_ASSIGN_OR_RETURN(buffer, backend.Allocate(static_cast<size_t>(count) * 4));
@@ -62,30 +69,83 @@ absl::Status ModelRunner::Forward(Sequence& sequence, const int32_t* ids, int64_
   }
   for (int64_t done = 0; done < n;) {
     const int64_t count = std::min(options_.max_chunk, n - done);
-    TANDEM_RETURN_IF_ERROR(ForwardChunk(
-        sequence, ids + done, count, options.targets ? options.targets + done : nullptr,
-        options.logprobs ? options.logprobs + done : nullptr));
+    TANDEM_RETURN_IF_ERROR(ForwardPass({{&sequence, ids + done, count, 0}},
+                                       options.targets ? options.targets + done : nullptr,
+                                       options.logprobs ? options.logprobs + done : nullptr));
     done += count;
     if (options.on_chunk) options.on_chunk(done, n);
   }
   return absl::OkStatus();
 }
 
-absl::Status ModelRunner::ForwardChunk(Sequence& seq, const int32_t* ids, int64_t n,
-                                       const int32_t* targets, float* logprobs) {
+absl::Status ModelRunner::Decode(const std::vector<Sequence*>& seqs, const int32_t* ids) {
+  if (seqs.empty() || static_cast<int64_t>(seqs.size()) > options_.max_chunk) {
+    return absl::InvalidArgumentError(absl::StrCat("decode batch of ", seqs.size(),
+                                                   " sequences; must be 1..", options_.max_chunk));
+  }
+  std::vector<Segment> segments;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    for (size_t j = 0; j < b; ++j) {
+      if (seqs[j] == seqs[b]) return absl::InvalidArgumentError("decode batch repeats a sequence");
+    }
+    segments.push_back({seqs[b], ids + b, 1, static_cast<int64_t>(b)});
+  }
+  return ForwardPass(segments, nullptr, nullptr);
+}
+
+absl::Status ModelRunner::EnsureStreamer(const std::vector<Segment>& segments) {
+  std::vector<const OffloadedKv*> kvs;
+  bool any = false;
+  for (const Segment& s : segments) {
+    const OffloadedKv* kv =
+        s.seq->mode == AttentionMode::kOffload ? s.seq->offloaded.get() : nullptr;
+    if (kv != nullptr && kv->num_pages(0) == 0) kv = nullptr;
+    any = any || kv != nullptr;
+    kvs.push_back(kv);
+  }
+  if (!any) return streamer_ ? streamer_->Begin(kvs) : absl::OkStatus();
+  const OffloadedKv* first = nullptr;
+  for (const OffloadedKv* kv : kvs) first = first ? first : kv;
+  for (const OffloadedKv* kv : kvs) {
+    if (kv != nullptr && kv->page_tokens() != first->page_tokens()) {
+      return absl::InvalidArgumentError("offload sequences of one pass must share a page size");
+    }
+  }
+  if (streamer_ == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(
+        streamer_, KvStreamer::Create(backend_, first->geometry(), first->page_tokens(),
+                                      model_.config().num_q_heads, options_.max_chunk));
+  }
+  return streamer_->Begin(kvs);
+}
+
+absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
+                                      const int32_t* targets, float* logprobs) {
   const ModelConfig& c = model_.config();
   const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
   const int64_t I = c.intermediate_size, V = c.vocab_size;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
 
-  const int64_t first_pos = seq.window.next_position();
-  TANDEM_ASSIGN_OR_RETURN(const std::vector<int32_t>* slots, seq.window.Append(n));
-  std::vector<int32_t> positions(n);
-  std::iota(positions.begin(), positions.end(), static_cast<int32_t>(first_pos));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(ids_.data(), ids, n * 4));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(positions_.data(), positions.data(), n * 4));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(slots_.data(), slots->data(), n * 4));
-  seq.tokens.insert(seq.tokens.end(), ids, ids + n);
+  // Rows, positions and window slots of every segment, stacked.
+  int64_t n = 0;
+  ids_host_.clear();
+  positions_host_.clear();
+  slots_host_.clear();
+  for (const Segment& s : segments) {
+    const int64_t first_pos = s.seq->window.next_position();
+    TANDEM_ASSIGN_OR_RETURN(const std::vector<int32_t>* slots, s.seq->window.Append(s.n));
+    slots_host_.insert(slots_host_.end(), slots->begin(), slots->end());
+    for (int64_t i = 0; i < s.n; ++i) {
+      positions_host_.push_back(static_cast<int32_t>(first_pos + i));
+      ids_host_.push_back(s.ids[i]);
+    }
+    s.seq->tokens.insert(s.seq->tokens.end(), s.ids, s.ids + s.n);
+    n += s.n;
+  }
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(ids_.data(), ids_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(positions_.data(), positions_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(slots_.data(), slots_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(EnsureStreamer(segments));
 
   float* x = x_.as<float>();
   float* xn = xn_.as<float>();
@@ -118,21 +178,23 @@ absl::Status ModelRunner::ForwardChunk(Sequence& seq, const int32_t* ids, int64_
     rope.x = qkv + Hq * D;
     rope.num_heads = Hkv;
     TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
-    WriteKvParams wk;
-    wk.k = qkv + Hq * D;
-    wk.v = qkv + (Hq + Hkv) * D;
-    wk.row_stride = QKV;
-    wk.slots = slots_.as<int32_t>();
-    wk.k_cache = seq.window.k(l);
-    wk.v_cache = seq.window.v(l);
-    wk.cache_dtype = seq.window.geometry().dtype;
-    wk.num_tokens = n;
-    wk.num_kv_heads = Hkv;
-    wk.capacity = seq.window.capacity();
-    wk.head_dim = D;
-    TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
+    for (const Segment& s : segments) {
+      WriteKvParams wk;
+      wk.k = qkv + s.row0 * QKV + Hq * D;
+      wk.v = qkv + s.row0 * QKV + (Hq + Hkv) * D;
+      wk.row_stride = QKV;
+      wk.slots = slots_.as<int32_t>() + s.row0;
+      wk.k_cache = s.seq->window.k(l);
+      wk.v_cache = s.seq->window.v(l);
+      wk.cache_dtype = s.seq->window.geometry().dtype;
+      wk.num_tokens = s.n;
+      wk.num_kv_heads = Hkv;
+      wk.capacity = s.seq->window.capacity();
+      wk.head_dim = D;
+      TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
+    }
 
-    TANDEM_RETURN_IF_ERROR(Attention(seq, l, n));
+    TANDEM_RETURN_IF_ERROR(Attention(segments, l));
 
     mm = {};
     mm.x = attn_.as<float>();
@@ -168,8 +230,9 @@ absl::Status ModelRunner::ForwardChunk(Sequence& seq, const int32_t* ids, int64_
     TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
   }
 
-  // Logits: every row when log-probs are wanted, else only the last token's.
-  const int64_t rows = targets != nullptr ? n : 1;
+  // Logits: every row when log-probs are wanted; else the last row of a single segment, or
+  // every row of a decode batch (one row per segment).
+  const int64_t rows = targets != nullptr ? n : (segments.size() == 1 ? 1 : n);
   if (rows > logits_rows_) {
     TANDEM_RETURN_IF_ERROR(AllocFloats(backend_, logits_, options_.max_chunk * V));
     logits_rows_ = options_.max_chunk;
@@ -199,64 +262,111 @@ absl::Status ModelRunner::ForwardChunk(Sequence& seq, const int32_t* ids, int64_
       if (targets[i] < 0 || targets[i] >= V) logprobs[i] = 0.0f;
     }
   }
-  seq.reselect_pending = false;
-  return Evict(seq);
+  for (const Segment& s : segments) {
+    s.seq->reselect_pending = false;
+    TANDEM_RETURN_IF_ERROR(Evict(*s.seq));
+  }
+  ++profile_.passes;
+  return absl::OkStatus();
 }
 
-absl::Status ModelRunner::Attention(Sequence& seq, int64_t layer, int64_t n) {
+WindowAttentionParams ModelRunner::WindowParams(const Segment& s, int64_t layer) const {
   const ModelConfig& c = model_.config();
   const int64_t D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
-  const bool hybrid = seq.mode == AttentionMode::kHybrid;
-  const bool remote = hybrid && seq.remote != nullptr && seq.remote->offloaded_tokens() > 0;
-  if (remote) {
-    // q of this chunk to the CPU nodes; they attend while the device does the window.
-    TANDEM_RETURN_IF_ERROR(backend_.CopyToHost2D(q_host_.data(), Hq * D * 4, qkv_.data(),
-                                                 QKV * 4, Hq * D * 4, n));
-    if (seq.reselect_pending) {
-      TANDEM_RETURN_IF_ERROR(seq.remote->Reselect(layer, q_host_.data(), n, seq.reselect_beta));
-    }
-    TANDEM_RETURN_IF_ERROR(seq.remote->StartAttend(layer, q_host_.data(), n));
-  }
   WindowAttentionParams wa;
-  wa.q = qkv_.as<float>();
+  wa.q = qkv_.as<float>() + s.row0 * QKV;
   wa.q_row_stride = QKV;
-  wa.q_pos = positions_.as<int32_t>();
-  wa.k_cache = seq.window.k(layer);
-  wa.v_cache = seq.window.v(layer);
-  wa.cache_dtype = seq.window.geometry().dtype;
-  wa.slot_pos = seq.window.slot_pos();
-  wa.num_slots = seq.window.scan_slots();
-  wa.capacity = seq.window.capacity();
-  wa.num_tokens = n;
+  wa.q_pos = positions_.as<int32_t>() + s.row0;
+  wa.k_cache = s.seq->window.k(layer);
+  wa.v_cache = s.seq->window.v(layer);
+  wa.cache_dtype = s.seq->window.geometry().dtype;
+  wa.slot_pos = s.seq->window.slot_pos();
+  wa.num_slots = s.seq->window.scan_slots();
+  wa.capacity = s.seq->window.capacity();
+  wa.num_tokens = s.n;
   wa.num_q_heads = Hq;
   wa.num_kv_heads = Hkv;
   wa.head_dim = D;
   wa.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  wa.o = attn_.as<float>();
-  wa.lse = lse_.as<float>();
-  if (hybrid) {   // MAW matters only where entries get evicted
-    wa.maw = seq.window.maw(layer);
+  wa.o = attn_.as<float>() + s.row0 * Hq * D;
+  wa.lse = lse_.as<float>() + s.row0 * Hq;
+  if (s.seq->mode == AttentionMode::kHybrid) {   // MAW matters only where entries get selected
+    wa.maw = s.seq->window.maw(layer);
     wa.alpha = options_.maw_alpha;
   }
-  const absl::Status window_status = backend_.WindowAttention(wa);
-  if (!remote) return window_status;
-  // Always join the CPU side, even when the window failed, so no call outlives this step.
-  absl::StatusOr<bool> degraded = seq.remote->FinishAttend(o_host_.data(), lse_host_.data());
-  TANDEM_RETURN_IF_ERROR(window_status);
-  TANDEM_RETURN_IF_ERROR(degraded.status());
-  if (*degraded) ++seq.degraded_steps;
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(cpu_o_.data(), o_host_.data(), n * Hq * D * 4));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(cpu_lse_.data(), lse_host_.data(), n * Hq * 4));
-  return backend_.MergeStates({attn_.as<float>(), lse_.as<float>(), cpu_o_.as<float>(),
-                               cpu_lse_.as<float>(), n * Hq, D});
+  return wa;
+}
+
+absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_t layer) {
+  const ModelConfig& c = model_.config();
+  const int64_t D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  const int64_t QKV = (Hq + 2 * Hkv) * D;
+  auto remote_of = [](const Segment& s) {
+    return s.seq->mode == AttentionMode::kHybrid && s.seq->remote != nullptr &&
+           s.seq->remote->offloaded_tokens() > 0;
+  };
+  // 1. q of every hybrid segment to its CPU nodes; they attend while the device works.
+  std::vector<bool> started(segments.size(), false);
+  absl::Status status;
+  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
+    const Segment& s = segments[i];
+    if (!remote_of(s)) continue;
+    float* q_host = q_host_.data() + s.row0 * Hq * D;
+    const Clock::time_point t0 = Clock::now();
+    status = backend_.CopyToHost2D(q_host, Hq * D * 4, qkv_.as<float>() + s.row0 * QKV, QKV * 4,
+                                   Hq * D * 4, s.n);
+    profile_.q_download_s += Seconds(t0);
+    if (status.ok() && s.seq->reselect_pending) {
+      status = s.seq->remote->Reselect(layer, q_host, s.n, s.seq->reselect_beta);
+    }
+    if (status.ok()) status = s.seq->remote->StartAttend(layer, q_host, s.n);
+    started[i] = status.ok();
+  }
+  // 2. The window of every segment on the device; offload segments stream their host pages.
+  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
+    const WindowAttentionParams wa = WindowParams(segments[i], layer);
+    status = backend_.WindowAttention(wa);
+    if (status.ok() && segments[i].seq->mode == AttentionMode::kOffload && streamer_ != nullptr) {
+      status = streamer_->AttendLayer(layer, i, wa);
+    }
+  }
+  // 3. Join every CPU part (always, even after an error, so no call outlives this step), merge.
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (!started[i]) continue;
+    const Segment& s = segments[i];
+    float* o_host = o_host_.data() + s.row0 * Hq * D;
+    float* lse_host = lse_host_.data() + s.row0 * Hq;
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<bool> degraded = s.seq->remote->FinishAttend(o_host, lse_host);
+    profile_.cpu_wait_s += Seconds(t0);
+    if (!status.ok()) continue;
+    if (!degraded.ok()) {
+      status = degraded.status();
+      continue;
+    }
+    if (*degraded) ++s.seq->degraded_steps;
+    const Clock::time_point t1 = Clock::now();
+    float* cpu_o = cpu_o_.as<float>() + s.row0 * Hq * D;
+    float* cpu_lse = cpu_lse_.as<float>() + s.row0 * Hq;
+    status = backend_.CopyToDevice(cpu_o, o_host, s.n * Hq * D * 4);
+    if (status.ok()) status = backend_.CopyToDevice(cpu_lse, lse_host, s.n * Hq * 4);
+    if (status.ok()) {
+      status = backend_.MergeStates({attn_.as<float>() + s.row0 * Hq * D,
+                                     lse_.as<float>() + s.row0 * Hq, cpu_o, cpu_lse, s.n * Hq,
+                                     D});
+    }
+    profile_.merge_upload_s += Seconds(t1);
+  }
+  return status;
 }
 
 absl::Status ModelRunner::Evict(Sequence& seq) {
   const std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
   if (blocks.empty()) return absl::OkStatus();
-  if (seq.remote == nullptr) {
-    return absl::FailedPreconditionError("window eviction without CPU nodes");
+  const bool offload = seq.mode == AttentionMode::kOffload && seq.offloaded != nullptr;
+  if (seq.remote == nullptr && !offload) {
+    return absl::FailedPreconditionError("window eviction without CPU nodes or host memory");
   }
   const WindowGeometry& g = seq.window.geometry();
   int64_t total = 0;
@@ -270,8 +380,13 @@ absl::Status ModelRunner::Evict(Sequence& seq) {
   for (int64_t l = 0; l < g.num_layers; ++l) {
     TANDEM_RETURN_IF_ERROR(
         seq.window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));
-    TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, evict_k_.data(), evict_v_.data(),
-                                              evict_maw_.data(), total, window_entries));
+    if (offload) {
+      TANDEM_RETURN_IF_ERROR(
+          seq.offloaded->Append(l, evict_k_.data(), evict_v_.data(), total));
+    } else {
+      TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, evict_k_.data(), evict_v_.data(),
+                                                evict_maw_.data(), total, window_entries));
+    }
   }
   return seq.window.Release(blocks);
 }

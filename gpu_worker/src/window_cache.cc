@@ -106,6 +106,29 @@ absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
   return &new_slots_;
 }
 
+absl::Status WindowCache::Skip(int64_t count) {
+  if (count < 0 || count % options_.block != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("window cache: skip of ", count,
+                                                   " tokens; must be a multiple of the block ",
+                                                   options_.block));
+  }
+  if (options_.window == WindowOptions::kUnlimited) {
+    return absl::FailedPreconditionError("window cache: skip needs a bounded window");
+  }
+  if (next_pos_ < options_.sink || RecentTokens() != 0) {
+    return absl::FailedPreconditionError(
+        "window cache: skip needs a full sink and no recent tokens on the device");
+  }
+  if (next_pos_ + count > options_.max_context) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("window cache: ", next_pos_ + count, " positions exceed the context limit ",
+                     options_.max_context));
+  }
+  next_pos_ += count;
+  evicted_tokens_ += count;
+  return absl::OkStatus();
+}
+
 std::vector<EvictedBlock> WindowCache::PendingEvictions() const {
   std::vector<EvictedBlock> blocks;
   if (options_.window == WindowOptions::kUnlimited) return blocks;

@@ -48,6 +48,7 @@ struct EngineOptions {
   std::string kv_dtype = "auto";
   int64_t block_tokens = 16;       // tokens per evicted block (and per CPU node block when >= 16)
   uint32_t max_sessions = 64;
+  int64_t offload_page_tokens = 4096;   // `offload` mode: tokens per host page (one upload)
   // Defaults of requests that leave the tandem fields unset.
   AttentionMode default_mode = AttentionMode::kHybrid;
   float default_beta = 1.0f;

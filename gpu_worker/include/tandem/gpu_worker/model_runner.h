@@ -1,15 +1,18 @@
-// ModelRunner: the Llama forward pass of one sequence over the backend, with hybrid attention.
+// ModelRunner: the Llama forward pass over the backend, with hybrid and offload attention.
 //
-// Forward() feeds tokens at the sequence's next positions in chunks of at most max_chunk tokens
-// (chunked prefill, HeadInfer §2: activation memory is bounded by the chunk, whatever the prompt
-// length). Per chunk and layer:
-//   x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> the window's new slots
+// Forward() feeds tokens of one sequence at its next positions in chunks of at most max_chunk
+// tokens (chunked prefill, HeadInfer §2: activation memory is bounded by the chunk, whatever the
+// prompt length). Decode() feeds one token to each of several sequences in one pass (a batch:
+// every weight is read once for all of them). A pass is a list of segments (sequence, tokens)
+// whose rows are stacked; per layer:
+//   x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> each sequence's window slots
 //   hybrid: q -> CPU nodes (Attend over the offloaded, selected entries) in the background
-//   (O, LSE) = window attention (causal by position; updates MAW in hybrid mode)
+//   (O, LSE) = window attention per segment (causal by position; MAW update in hybrid mode)
 //   hybrid: merge the CPU partial state into (O, LSE) (the exact LSE merge)
+//   offload: attend over the host pages streamed in by the KvStreamer, merge the same way
 //   x += O·Woᵀ; x += down(SwiGLU(RMSNorm(x)·Wgate_upᵀ))
 // then the final norm and lm_head, and the eviction of window blocks beyond the window to the
-// CPU nodes, with their MAW (they arrive before the next Attend of their layer).
+// CPU nodes (hybrid, with their MAW) or to host memory (offload).
 //
 // Not thread-safe: the engine's executor thread owns the runner, its backend and sequences.
 #pragma once
@@ -22,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/kv_streamer.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
@@ -40,6 +44,18 @@ struct ForwardOptions {
   std::function<void(int64_t, int64_t)> on_chunk;
 };
 
+// Where the host thread spent a pass's attention time, summed over layers and passes (for the
+// benchmark's breakdown of a decode step). q_download waits for the device to finish the work
+// queued before the attention (the copy of q synchronises); cpu_wait is time blocked on CPU
+// nodes after the device's window attention was queued; merge_upload copies the CPU partial
+// states back and queues the merge.
+struct RunnerProfile {
+  double q_download_s = 0.0;
+  double cpu_wait_s = 0.0;
+  double merge_upload_s = 0.0;
+  uint64_t passes = 0;
+};
+
 class ModelRunner {
  public:
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(Backend& backend,
@@ -52,8 +68,16 @@ class ModelRunner {
   absl::Status Forward(Sequence& sequence, const int32_t* ids, int64_t n,
                        const ForwardOptions& options = {});
 
+  // One decode step for a batch: ids[b] is fed to *seqs[b] (distinct sequences, at most
+  // max_chunk of them). Afterwards batch_logits() holds [seqs.size(), vocab] on the device.
+  absl::Status Decode(const std::vector<Sequence*>& seqs, const int32_t* ids);
+  const float* batch_logits() const { return logits_.as<float>(); }
+
   const float* last_logits() const { return last_logits_; }   // device, [vocab]
   absl::StatusOr<std::vector<float>> LastLogitsToHost();
+
+  const RunnerProfile& profile() const { return profile_; }
+  void ResetProfile() { profile_ = {}; }
 
   Backend& backend() { return backend_; }
   const DeviceModel& model() const { return model_; }
@@ -62,10 +86,20 @@ class ModelRunner {
  private:
   ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options)
       : backend_(backend), model_(model), options_(options) {}
-  absl::Status ForwardChunk(Sequence& sequence, const int32_t* ids, int64_t n,
-                            const int32_t* targets, float* logprobs);
-  absl::Status Attention(Sequence& sequence, int64_t layer, int64_t n);
+  // Tokens of one sequence in a pass; its rows are [row0, row0 + n) of the activations.
+  struct Segment {
+    Sequence* seq = nullptr;
+    const int32_t* ids = nullptr;
+    int64_t n = 0;
+    int64_t row0 = 0;
+  };
+  // One pass over `segments` (Σ n <= max_chunk). targets/logprobs only with one segment.
+  absl::Status ForwardPass(const std::vector<Segment>& segments, const int32_t* targets,
+                           float* logprobs);
+  absl::Status Attention(const std::vector<Segment>& segments, int64_t layer);
+  WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
   absl::Status Evict(Sequence& sequence);
+  absl::Status EnsureStreamer(const std::vector<Segment>& segments);
 
   Backend& backend_;
   const DeviceModel& model_;
@@ -77,7 +111,10 @@ class ModelRunner {
   DeviceBuffer logits_;       // [max_chunk, vocab] when log-probs are asked for, else [1, vocab]
   int64_t logits_rows_ = 0;
   const float* last_logits_ = nullptr;
+  std::unique_ptr<KvStreamer> streamer_;   // created by the first offload pass
+  RunnerProfile profile_;
   // Host staging.
+  std::vector<int32_t> ids_host_, positions_host_, slots_host_;
   std::vector<float> q_host_, o_host_, lse_host_;
   std::vector<char> evict_k_, evict_v_;
   std::vector<float> evict_maw_;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tandem/gpu_worker/offloaded_kv.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -19,9 +20,10 @@ namespace tandem::gpu_worker {
 enum class AttentionMode {
   kGpu,     // all KV on the device (the exact baseline)
   kHybrid,  // sink + recent window on the device, the rest on CPU nodes (HGCA)
+  kOffload, // sink + recent window on the device, the rest in host memory, streamed every step
 };
 
-// "gpu" / "hybrid" (case-insensitive) -> mode; INVALID_ARGUMENT otherwise.
+// "gpu" / "hybrid" / "offload" (case-insensitive) -> mode; INVALID_ARGUMENT otherwise.
 absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name);
 std::string_view AttentionModeName(AttentionMode mode);
 
@@ -33,6 +35,7 @@ struct Sequence {
   AttentionMode mode;
   WindowCache window;
   std::unique_ptr<RemoteKv> remote;   // hybrid only
+  std::unique_ptr<OffloadedKv> offloaded;   // offload only
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
@@ -43,7 +46,10 @@ struct Sequence {
   uint64_t degraded_steps = 0;        // forward passes in which some CPU node did not answer
 
   int64_t device_entries() const { return window.entries(); }
-  int64_t offloaded_entries() const { return remote ? remote->offloaded_tokens() : 0; }
+  int64_t offloaded_entries() const {
+    if (remote) return remote->offloaded_tokens();
+    return offloaded ? offloaded->tokens(offloaded->geometry().num_layers - 1) : 0;
+  }
 };
 
 }  // namespace tandem::gpu_worker

@@ -65,6 +65,12 @@ class WindowCache {
   // FAILED_PRECONDITION if evictions are pending or the context limit would be passed.
   absl::StatusOr<const std::vector<int32_t>*> Append(int64_t count);
 
+  // Advances the positions by `count` tokens whose KV is held elsewhere (on CPU nodes or in host
+  // memory: a restored context) and never enters the device. Allowed only while no recent token
+  // is on the device and the sink is full; `count` must be a multiple of the block size (evicted
+  // blocks start at block boundaries). FAILED_PRECONDITION / INVALID_ARGUMENT otherwise.
+  absl::Status Skip(int64_t count);
+
   // The oldest recent blocks that must leave so that at most `window` recent tokens remain.
   // They stay readable until Release().
   std::vector<EvictedBlock> PendingEvictions() const;
