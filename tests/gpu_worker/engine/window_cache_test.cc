@@ -145,6 +145,35 @@ TEST_P(WindowCacheTest, RejectsBadOptions) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// Skip advances positions past KV held elsewhere: only with a full sink and no recent token, by
+// whole blocks; the next appended token lands at the advanced position, and evictions resume
+// from there.
+TEST_P(WindowCacheTest, SkipAdvancesPositionsHeldElsewhere) {
+  WindowOptions o;
+  o.sink = 4;
+  o.window = 16;
+  o.block = 8;
+  o.max_chunk = 16;
+  o.max_context = 10000;
+  auto cache = WindowCache::Create(*backend_, {1, 1, 8, GetParam()}, o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->Skip(8).code(), absl::StatusCode::kFailedPrecondition);   // sink not full
+  ASSERT_TRUE(cache->Append(4).ok());
+  EXPECT_EQ(cache->Skip(5).code(), absl::StatusCode::kInvalidArgument);      // not whole blocks
+  ASSERT_TRUE(cache->Skip(800).ok());
+  EXPECT_EQ(cache->next_position(), 804);
+  EXPECT_EQ(cache->evicted_tokens(), 800);
+  EXPECT_EQ(cache->entries(), 4);
+  ASSERT_TRUE(cache->Append(16).ok());
+  EXPECT_EQ(cache->Skip(8).code(), absl::StatusCode::kFailedPrecondition);   // recent tokens
+  EXPECT_TRUE(cache->PendingEvictions().empty());
+  ASSERT_TRUE(cache->Append(8).ok());
+  const std::vector<EvictedBlock> blocks = cache->PendingEvictions();
+  ASSERT_EQ(blocks.size(), 1u);
+  EXPECT_EQ(blocks[0].first_pos, 804);
+  EXPECT_EQ(cache->Skip(20000 - 20000 % 8).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypes, WindowCacheTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
