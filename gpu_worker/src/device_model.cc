@@ -2,10 +2,12 @@
 
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/model_geometry.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -84,7 +86,78 @@ void AppendAsFloat(const TensorView& t, std::vector<float>& dst) {
   }
 }
 
+// Allocates one device tensor holding `parts` (all of one dtype) end to end and writes each
+// part's values on the device: RandomFill for uniform parts, ones for norms.
+absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
+                                           std::initializer_list<const RandomTensorSpec*> parts,
+                                           size_t* total_bytes) {
+  size_t bytes = 0;
+  for (const RandomTensorSpec* s : parts) bytes += s->bytes();
+  DeviceTensor out;
+  out.dtype = (*parts.begin())->dtype;
+  TANDEM_ASSIGN_OR_RETURN(out.buffer, backend.Allocate(bytes));
+  char* dst = static_cast<char*>(out.buffer.data());
+  for (const RandomTensorSpec* s : parts) {
+    const size_t count = static_cast<size_t>(s->numel());
+    if (s->init == RandomTensorSpec::Init::kUniform) {
+      RandomFillParams fill;
+      fill.dst = dst;
+      fill.dtype = s->dtype;
+      fill.count = count;
+      fill.seed = s->seed;
+      fill.scale = s->scale;
+      TANDEM_RETURN_IF_ERROR(backend.RandomFill(fill));
+    } else if (s->dtype == DType::kF32) {
+      TANDEM_RETURN_IF_ERROR(backend.Fill(reinterpret_cast<float*>(dst), 1.0f, count));
+    } else {
+      // A norm vector ([H], a few KiB): built on the host, where ones of any dtype are easy.
+      std::vector<char> ones(s->bytes());
+      FillRandomTensorSlice(*s, 0, count, ones.data());
+      TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(dst, ones.data(), ones.size()));
+    }
+    dst += s->bytes();
+  }
+  *total_bytes += bytes;
+  return out;
+}
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const ModelConfig& config,
+                                                                       Backend& backend,
+                                                                       uint64_t seed) {
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<RandomTensorSpec> specs,
+                          RandomModelTensors(config, seed));
+  auto dm = std::unique_ptr<DeviceModel>(new DeviceModel());
+  dm->config_ = config;
+  size_t* total = &dm->weight_bytes_;
+  // specs: embed, final norm, [lm_head], then 9 tensors per layer (model_geometry.h).
+  TANDEM_ASSIGN_OR_RETURN(dm->embed_, CreateStacked(backend, {&specs[0]}, total));
+  TANDEM_ASSIGN_OR_RETURN(dm->final_norm_, CreateStacked(backend, {&specs[1]}, total));
+  dm->tied_ = config.tie_word_embeddings;
+  size_t next = 2;
+  if (!dm->tied_) {
+    TANDEM_ASSIGN_OR_RETURN(dm->lm_head_, CreateStacked(backend, {&specs[next++]}, total));
+  }
+  dm->layers_.reserve(static_cast<size_t>(config.num_layers));
+  for (int64_t l = 0; l < config.num_layers; ++l, next += 9) {
+    const RandomTensorSpec* s = &specs[next];  // attn_norm, q, k, v, o, ffn_norm, gate, up, down
+    DeviceLayer layer;
+    TANDEM_ASSIGN_OR_RETURN(layer.attn_norm, CreateStacked(backend, {&s[0]}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.qkv, CreateStacked(backend, {&s[1], &s[2], &s[3]}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.o_proj, CreateStacked(backend, {&s[4]}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.ffn_norm, CreateStacked(backend, {&s[5]}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.gate_up, CreateStacked(backend, {&s[6], &s[7]}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.down_proj, CreateStacked(backend, {&s[8]}, total));
+    dm->layers_.push_back(std::move(layer));
+  }
+  const std::vector<float> inv_freq = RopeInvFreq(config);
+  TANDEM_ASSIGN_OR_RETURN(dm->inv_freq_, backend.Allocate(inv_freq.size() * 4));
+  TANDEM_RETURN_IF_ERROR(
+      backend.CopyToDevice(dm->inv_freq_.data(), inv_freq.data(), inv_freq.size() * 4));
+  TANDEM_RETURN_IF_ERROR(backend.Synchronize());
+  return dm;
+}
 
 absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& model,
                                                                  Backend& backend) {

@@ -7,8 +7,10 @@
 // embeddings are tied (no second copy).
 //
 // Not thread-safe; owned by the engine's executor thread. The Model must outlive Upload() only.
+// Both constructors synchronize the backend before returning.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -40,6 +42,16 @@ class DeviceModel {
   // RESOURCE_EXHAUSTED when the device cannot hold the weights.
   static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(const Model& model,
                                                              Backend& backend);
+
+  // A model of `config`'s geometry with synthetic weights (model_geometry.h:
+  // RandomModelTensors(config, seed)) generated on the device with Backend::RandomFill: the
+  // layout, dtypes and bytes of Upload, and bit for bit the weights that Upload gives for the
+  // directory tandem-geometry writes with the same config and seed. No weight passes through
+  // host memory (norms, [H] each, are copied up). INVALID_ARGUMENT for a config random models
+  // do not support; RESOURCE_EXHAUSTED when the device cannot hold the weights.
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> CreateRandom(const ModelConfig& config,
+                                                                   Backend& backend,
+                                                                   uint64_t seed);
 
   const ModelConfig& config() const { return config_; }
   const DeviceTensor& embed() const { return embed_; }

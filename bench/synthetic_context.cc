@@ -1,0 +1,164 @@
+#include "synthetic_context.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/bf16.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/random_values.h"
+
+namespace tandem::bench {
+namespace {
+
+using gpu_worker::AttentionMode;
+using gpu_worker::Backend;
+using gpu_worker::DType;
+using gpu_worker::Sequence;
+using gpu_worker::WindowCache;
+
+int64_t CeilTo(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Appends `count` positions to the window in passes of at most max_chunk (no forward pass: the
+// window's K/V are already random).
+absl::Status AppendPositions(WindowCache& window, int64_t count, int64_t max_chunk) {
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min(max_chunk, count - done);
+    TANDEM_RETURN_IF_ERROR(window.Append(n).status());
+    done += n;
+  }
+  return absl::OkStatus();
+}
+
+// Offloaded entries for the CPU nodes: K/V rows taken from a random pool at varying offsets,
+// MAW drawn as maw = u · threshold / (1 - share) with u uniform in [0, 1), so that
+// P(maw > threshold) = share exactly in distribution.
+absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
+                        const SyntheticContextOptions& o, int64_t offloaded) {
+  const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t chunk = std::min<int64_t>(o.append_tokens, std::max<int64_t>(offloaded, 1));
+  const int64_t pool_rows = Hkv * chunk + 4099;   // odd-sized so offsets move through it
+  std::vector<bf16_t> pool(static_cast<size_t>(pool_rows) * D);
+  for (size_t i = 0; i < pool.size(); ++i) {
+    pool[i] = FloatToBf16(gpu_worker::RandomSigned(o.seed, i, 1.0f));
+  }
+  const int64_t window_entries = o.sink + o.window;
+  const double threshold = o.beta / static_cast<double>(window_entries);
+  const double scale = threshold / std::max(1.0 - o.share, 1e-9);
+  std::vector<float> maw(Hkv * chunk);
+  uint64_t call = 0;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t done = 0; done < offloaded; done += chunk, ++call) {
+      const int64_t n = std::min(chunk, offloaded - done);
+      const int64_t k_row = static_cast<int64_t>((call * 7919) % 4099);
+      const int64_t v_row = static_cast<int64_t>((call * 104729 + 2048) % 4099);
+      for (int64_t i = 0; i < Hkv * n; ++i) {
+        const float u = 0.5f * (gpu_worker::RandomSigned(o.seed + 1 + call, i, 1.0f) + 1.0f);
+        maw[i] = static_cast<float>(u * scale);
+      }
+      // Rows [k_row, k_row + Hkv·n) of the pool are [Hkv, n, D] head-major.
+      TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, pool.data() + k_row * D,
+                                                pool.data() + v_row * D, maw.data(), n,
+                                                window_entries));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FillHostPages(Backend& backend, Sequence& seq, const gpu_worker::ModelConfig& c,
+                           const SyntheticContextOptions& o, int64_t offloaded) {
+  const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
+  const int64_t chunk = std::min(o.page_tokens, std::max<int64_t>(offloaded, 1));
+  const size_t count = static_cast<size_t>(Hkv * chunk * D);
+  TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer k, backend.Allocate(count * 2));
+  TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer v, backend.Allocate(count * 2));
+  TANDEM_RETURN_IF_ERROR(backend.RandomFill({k.data(), DType::kBF16, count, o.seed + 11, 1.0f}));
+  TANDEM_RETURN_IF_ERROR(backend.RandomFill({v.data(), DType::kBF16, count, o.seed + 12, 1.0f}));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t done = 0; done < offloaded; done += chunk) {
+      const int64_t n = std::min(chunk, offloaded - done);
+      TANDEM_RETURN_IF_ERROR(seq.offloaded->AppendFromDevice(l, k.data(), v.data(), n));
+    }
+  }
+  return backend.Synchronize();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
+    Backend& backend, const gpu_worker::ModelConfig& c, gpu_worker::NodePool* pool,
+    AttentionMode mode, const std::string& id, const SyntheticContextOptions& o) {
+  if (o.context < 1 || o.window < o.block || o.sink < 0 || o.block < 1 || o.max_chunk < 1 ||
+      !(o.share > 0.0 && o.share <= 1.0)) {
+    return absl::InvalidArgumentError("synthetic context: bad options");
+  }
+  if (mode == AttentionMode::kHybrid && pool == nullptr) {
+    return absl::InvalidArgumentError("synthetic context: hybrid needs CPU nodes");
+  }
+  const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
+                                            DType::kBF16};
+  gpu_worker::WindowOptions wo;
+  wo.block = o.block;
+  wo.max_chunk = o.max_chunk;
+  wo.max_context = o.context + o.extra_positions;
+  const bool windowed = mode != AttentionMode::kGpu;
+  wo.window = windowed ? o.window : gpu_worker::WindowOptions::kUnlimited;
+  wo.sink = windowed ? o.sink : 0;
+  TANDEM_ASSIGN_OR_RETURN(WindowCache window, WindowCache::Create(backend, geometry, wo));
+  const size_t per_tensor =
+      static_cast<size_t>(c.num_kv_heads) * window.capacity() * c.head_dim;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    TANDEM_RETURN_IF_ERROR(
+        backend.RandomFill({window.k(l), DType::kBF16, per_tensor, o.seed + 100 + 2 * l, 1.0f}));
+    TANDEM_RETURN_IF_ERROR(
+        backend.RandomFill({window.v(l), DType::kBF16, per_tensor, o.seed + 101 + 2 * l, 1.0f}));
+  }
+  auto seq = std::make_unique<Sequence>(id, mode, std::move(window));
+  if (!windowed) {
+    TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, o.context, o.max_chunk));
+    return seq;
+  }
+  // sink, then the offloaded middle (a whole number of blocks), then at most `window` recent.
+  const int64_t sink = std::min(o.sink, o.context);
+  const int64_t offloaded =
+      std::max<int64_t>(CeilTo(o.context - sink - o.window, o.block), 0);
+  const int64_t recent = o.context - sink - offloaded;
+  if (recent < 0) return absl::InvalidArgumentError("synthetic context: context too short");
+  if (sink > 0) TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, sink, o.max_chunk));
+  if (offloaded > 0) {
+    if (sink < o.sink) return absl::InvalidArgumentError("synthetic context: context too short");
+    TANDEM_RETURN_IF_ERROR(seq->window.Skip(offloaded));
+    if (mode == AttentionMode::kHybrid) {
+      gpu_worker::RemoteKvOptions ro;
+      ro.session_id = id;
+      ro.num_layers = c.num_layers;
+      ro.num_q_heads = c.num_q_heads;
+      ro.num_kv_heads = c.num_kv_heads;
+      ro.head_dim = c.head_dim;
+      ro.kv_dtype = DType::kBF16;
+      ro.beta = o.beta;
+      ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
+      ro.attend_deadline_ms = 10000;
+      ro.control_deadline_ms = 600000;
+      TANDEM_ASSIGN_OR_RETURN(seq->remote, gpu_worker::RemoteKv::Open(*pool, ro));
+      TANDEM_RETURN_IF_ERROR(FillRemote(*seq, c, o, offloaded));
+    } else {
+      TANDEM_ASSIGN_OR_RETURN(seq->offloaded,
+                              gpu_worker::OffloadedKv::Create(backend, geometry, o.page_tokens));
+      TANDEM_RETURN_IF_ERROR(FillHostPages(backend, *seq, c, o, offloaded));
+    }
+  }
+  if (recent > 0) TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, recent, o.max_chunk));
+  // The window's MAW: every entry seen, at the uniform weight (the eviction of these entries
+  // during decode then carries plausible values).
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    TANDEM_RETURN_IF_ERROR(backend.Fill(seq->window.maw(l),
+                                        1.0f / static_cast<float>(sink + o.window),
+                                        static_cast<size_t>(c.num_kv_heads) *
+                                            seq->window.capacity()));
+  }
+  return seq;
+}
+
+}  // namespace tandem::bench

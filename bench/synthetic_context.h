@@ -1,0 +1,48 @@
+// Synthetic contexts for tandem-bench: sequences that hold `context` positions of random KV in
+// each attention mode's layout, made without a prefill (a 512K-token prefill of an 8B model
+// would cost minutes of GPU time, and decode speed does not depend on the values).
+//
+//   gpu      every position in the device window (kUnlimited)
+//   offload  sink + recent window on the device, the rest in host pages (OffloadedKv)
+//   hybrid   sink + recent window on the device, the rest appended to the CPU nodes through
+//            RemoteKv::Append (the real transport), with MAW drawn so that a chosen share of
+//            the offloaded entries passes the node's salience threshold β / n_gpu
+//
+// The window's K/V are RandomFill'ed on the device; offloaded K/V come from a pool of random
+// bf16 rows reused at varying offsets (random, not zeros: METHOD.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/model_config.h"
+#include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/sequence.h"
+
+namespace tandem::bench {
+
+struct SyntheticContextOptions {
+  int64_t context = 0;          // positions held before decoding starts
+  int64_t extra_positions = 0;  // room for the tokens decoded afterwards
+  int64_t window = 4096;        // offload / hybrid: recent tokens on the device
+  int64_t sink = 4;
+  int64_t block = 64;           // tokens per evicted block (window and CPU node blocks)
+  int64_t max_chunk = 512;      // the runner's max_chunk (window ring sizing)
+  int64_t page_tokens = 16384;  // offload: tokens per host page
+  double share = 0.1;           // hybrid: share of offloaded entries selected, in (0, 1]
+  float beta = 1.0f;            // hybrid: the session's β
+  int64_t append_tokens = 8192; // hybrid: tokens per RemoteKv::Append call
+  uint64_t seed = 1;
+};
+
+// INVALID_ARGUMENT for inconsistent options; the errors of the window, the host pages and the
+// CPU nodes (RESOURCE_EXHAUSTED when memory runs out). pool is needed for hybrid only.
+absl::StatusOr<std::unique_ptr<gpu_worker::Sequence>> MakeSyntheticSequence(
+    gpu_worker::Backend& backend, const gpu_worker::ModelConfig& config,
+    gpu_worker::NodePool* pool, gpu_worker::AttentionMode mode, const std::string& id,
+    const SyntheticContextOptions& options);
+
+}  // namespace tandem::bench

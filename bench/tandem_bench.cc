@@ -1,0 +1,539 @@
+// tandem-bench: decode speed of the three attention modes at long contexts, side by side in one
+// run, each figure next to the physical limit of its configuration (issue 4).
+//
+// Model: a geometry preset (default llama3-8b) with random weights made on the device
+// (DeviceModel::CreateRandom). Contexts are synthetic (synthetic_context.h): the KV of `context`
+// positions is placed where each mode keeps it, then --steps decode steps are timed (after
+// --warmup) with a batch of --batches sequences. Modes:
+//   gpu      all KV on the device (skipped when it does not fit)
+//   offload  window on the device, the rest in pinned host pages streamed over PCIe every step
+//   hybrid   window on the device, the rest on the CPU node (embedded in this process, over the
+//            shared-memory transport by default), attending to --shares of it
+// TTFT: a real prefill of --prefill_tokens random tokens (chunks of --prefill_chunk) per mode.
+//
+// Limits (all rates measured at the start of the run, physical_limits.h), per decode step:
+//   hbm  = (weights + B · device KV bytes read) / device copy bandwidth
+//   cpu  = hybrid: B · selected KV bytes / CPU scan rate
+//   pcie = offload: B · offloaded KV bytes / host-to-device bandwidth;
+//          hybrid: B · (q + o + lse) bytes per layer / the same bandwidth
+//   limit = max(hbm, cpu, pcie); ratio = measured median / limit.
+// Prints one JSON line per configuration (and to --json), then a table.
+//
+//   tandem-bench --contexts 32768,131072,524288 --batches 1,8 --modes gpu,offload,hybrid
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "physical_limits.h"
+#include "synthetic_context.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/model_geometry.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/node_pool.h"
+
+ABSL_FLAG(std::string, preset, "llama3-8b", "model geometry preset");
+ABSL_FLAG(std::string, set, "", "geometry overrides key=value,...");
+ABSL_FLAG(std::string, backend, "cuda", "cuda or cpu");
+ABSL_FLAG(std::string, contexts, "32768,131072,524288", "context lengths (tokens)");
+ABSL_FLAG(std::string, batches, "1,8", "decode batch sizes");
+ABSL_FLAG(std::string, modes, "gpu,offload,hybrid", "attention modes");
+ABSL_FLAG(std::string, shares, "0.05,0.1,0.3", "hybrid: selected shares of the offloaded KV");
+ABSL_FLAG(int64_t, window, 4096, "offload/hybrid: recent tokens on the device");
+ABSL_FLAG(int64_t, sink, 4, "offload/hybrid: sink tokens");
+ABSL_FLAG(int64_t, block, 64, "tokens per evicted block");
+ABSL_FLAG(int64_t, page_tokens, 16384, "offload: tokens per host page (one upload)");
+ABSL_FLAG(int, steps, 12, "timed decode steps per configuration");
+ABSL_FLAG(int, offload_steps, 5, "timed decode steps for offload (slow by design)");
+ABSL_FLAG(int, warmup, 2, "decode steps before timing");
+ABSL_FLAG(int64_t, prefill_tokens, 32768, "TTFT: prompt tokens (0 = skip)");
+ABSL_FLAG(int64_t, prefill_chunk, 4096, "tokens per forward pass in prefill");
+ABSL_FLAG(float, prefill_beta, 1.0f, "TTFT: hybrid beta");
+ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
+ABSL_FLAG(std::string, transport, "auto", "CPU node transport: auto, shm or grpc");
+ABSL_FLAG(double, host_fraction, 0.85, "use at most this share of MemAvailable for KV");
+ABSL_FLAG(bool, skip_probes, false, "skip the bandwidth probes (limits become 0)");
+ABSL_FLAG(std::string, json, "", "also write the JSON lines to this file");
+ABSL_FLAG(uint64_t, seed, 1, "random seed");
+
+namespace tandem::bench {
+namespace {
+
+using gpu_worker::AttentionMode;
+using gpu_worker::Backend;
+using gpu_worker::ModelConfig;
+using gpu_worker::Sequence;
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+template <typename T>
+std::vector<T> ParseList(const std::string& text) {
+  std::vector<T> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    T value{};
+    if constexpr (std::is_same_v<T, std::string>) {
+      value = std::string(part);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      double d = 0;
+      if (!absl::SimpleAtod(part, &d)) {
+        std::fprintf(stderr, "not a number: %s\n", std::string(part).c_str());
+        std::exit(2);
+      }
+      value = static_cast<T>(d);
+    } else {
+      int64_t i = 0;
+      if (!absl::SimpleAtoi(part, &i)) {
+        std::fprintf(stderr, "not an integer: %s\n", std::string(part).c_str());
+        std::exit(2);
+      }
+      value = static_cast<T>(i);
+    }
+    out.push_back(value);
+  }
+  return out;
+}
+
+// /proc/meminfo's MemAvailable, and this process's resident and peak resident set (bytes).
+uint64_t ProcField(const char* file, const char* key) {
+  std::ifstream in(file);
+  std::string line;
+  const std::string prefix = std::string(key) + ":";
+  while (std::getline(in, line)) {
+    if (line.rfind(prefix, 0) == 0) {
+      uint64_t kb = 0;
+      std::sscanf(line.c_str() + prefix.size(), "%lu", &kb);
+      return kb * 1024;
+    }
+  }
+  return 0;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double rank = p * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(rank);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (rank - lo);
+}
+
+struct Config {
+  AttentionMode mode;
+  int64_t context;
+  int64_t batch;
+  double share;   // hybrid only
+};
+
+class Bench {
+ public:
+  Bench(Backend& backend, const gpu_worker::DeviceModel& model, gpu_worker::ModelRunner& runner,
+        gpu_worker::NodePool* pool, const PhysicalLimits& rates)
+      : backend_(backend), model_(model), runner_(runner), pool_(pool), rates_(rates) {}
+
+  // Bytes of K+V per token over all layers (bf16).
+  double KvBytesPerToken() const {
+    const ModelConfig& c = model_.config();
+    return 2.0 * c.num_layers * c.num_kv_heads * c.head_dim * 2;
+  }
+
+  SyntheticContextOptions ContextOptions(const Config& cfg, int steps) const {
+    SyntheticContextOptions o;
+    o.context = cfg.context;
+    o.extra_positions = absl::GetFlag(FLAGS_warmup) + steps + 8;
+    o.window = absl::GetFlag(FLAGS_window);
+    o.sink = absl::GetFlag(FLAGS_sink);
+    o.block = absl::GetFlag(FLAGS_block);
+    o.max_chunk = runner_.options().max_chunk;
+    o.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+    o.share = cfg.mode == AttentionMode::kHybrid ? cfg.share : 0.1;
+    o.seed = absl::GetFlag(FLAGS_seed);
+    return o;
+  }
+
+  // Host bytes a configuration needs (KV beyond the window; hybrid adds its selected copy).
+  double HostBytes(const Config& cfg) const {
+    if (cfg.mode == AttentionMode::kGpu) return 0;
+    const double off = std::max<double>(cfg.context - absl::GetFlag(FLAGS_window), 0);
+    const double copy = cfg.mode == AttentionMode::kHybrid ? 1.0 + cfg.share : 1.0;
+    return cfg.batch * off * KvBytesPerToken() * copy * 1.03;
+  }
+
+  json RunDecode(const Config& cfg) {
+    json r = {{"kind", "decode"},   {"mode", gpu_worker::AttentionModeName(cfg.mode)},
+              {"context", cfg.context}, {"batch", cfg.batch}};
+    if (cfg.mode == AttentionMode::kHybrid) r["share"] = cfg.share;
+    const double need = HostBytes(cfg);
+    const double avail = absl::GetFlag(FLAGS_host_fraction) *
+                         static_cast<double>(ProcField("/proc/meminfo", "MemAvailable"));
+    if (need > avail) {
+      r["skipped"] = absl::StrFormat("needs %.1f GB of host memory, %.1f GB available", need / 1e9,
+                                     avail / 1e9);
+      return r;
+    }
+    const int steps = cfg.mode == AttentionMode::kOffload ? absl::GetFlag(FLAGS_offload_steps)
+                                                          : absl::GetFlag(FLAGS_steps);
+    const SyntheticContextOptions o = ContextOptions(cfg, steps);
+    std::vector<std::unique_ptr<Sequence>> seqs;
+    const Clock::time_point fill_start = Clock::now();
+    for (int64_t b = 0; b < cfg.batch; ++b) {
+      auto seq = MakeSyntheticSequence(backend_, model_.config(), pool_, cfg.mode,
+                                       absl::StrCat("bench-", ++session_counter_), o);
+      if (!seq.ok()) {
+        r["skipped"] = std::string(seq.status().message());
+        return r;
+      }
+      seqs.push_back(std::move(*seq));
+    }
+    r["fill_s"] = Seconds(fill_start);
+    std::vector<Sequence*> batch;
+    for (auto& s : seqs) batch.push_back(s.get());
+    std::vector<int32_t> ids(cfg.batch);
+    const int64_t vocab = model_.config().vocab_size;
+    std::vector<double> times;
+    const int warmup = absl::GetFlag(FLAGS_warmup);
+    uint64_t peak_device = 0;
+    for (int step = 0; step < warmup + steps; ++step) {
+      for (int64_t b = 0; b < cfg.batch; ++b) ids[b] = static_cast<int32_t>((step * 7919 + b * 131) % vocab);
+      if (step == warmup) runner_.ResetProfile();
+      const Clock::time_point t0 = Clock::now();
+      absl::Status s = runner_.Decode(batch, ids.data());
+      if (s.ok()) s = backend_.Synchronize();
+      const double dt = Seconds(t0);
+      if (!s.ok()) {
+        r["error"] = std::string(s.message());
+        return r;
+      }
+      if (step >= warmup) times.push_back(dt);
+      auto used = backend_.DeviceMemoryUsed();
+      if (used.ok()) peak_device = std::max<uint64_t>(peak_device, *used);
+    }
+    const double median = Percentile(times, 0.5);
+    r["decode_ms_median"] = 1e3 * median;
+    r["decode_ms_p99"] = 1e3 * Percentile(times, 0.99);
+    r["tokens_per_s"] = cfg.batch / median;
+    r["peak_gpu_bytes"] = peak_device;
+    r["host_rss_bytes"] = ProcField("/proc/self/status", "VmRSS");
+    r["weight_bytes"] = model_.weight_bytes();
+    if (cfg.mode != AttentionMode::kGpu) {
+      // Issue 4's memory target: weights + the window's KV + 2 GB, whatever the context.
+      const double window_bytes = cfg.batch *
+                                  static_cast<double>(absl::GetFlag(FLAGS_sink) +
+                                                      absl::GetFlag(FLAGS_window)) *
+                                  KvBytesPerToken();
+      const double budget = model_.weight_bytes() + window_bytes + 2e9;
+      r["gpu_budget_bytes"] = budget;
+      r["gpu_within_budget"] = peak_device <= budget;
+    }
+    uint64_t degraded = 0;
+    for (auto& s : seqs) degraded += s->degraded_steps;
+    r["degraded_steps"] = degraded;
+
+    // Traffic of one step and its limit.
+    const ModelConfig& c = model_.config();
+    Traffic t;
+    double device_tokens = 0, offloaded_tokens = 0;
+    for (auto& s : seqs) {
+      device_tokens += s->device_entries();
+      offloaded_tokens += s->offloaded_entries();
+    }
+    t.hbm_bytes = model_.weight_bytes() + device_tokens * KvBytesPerToken();
+    if (cfg.mode == AttentionMode::kOffload) {
+      t.pcie_bytes = offloaded_tokens * KvBytesPerToken();
+      t.hbm_bytes += offloaded_tokens * KvBytesPerToken() * 2;   // staged: written, then read
+    }
+    if (cfg.mode == AttentionMode::kHybrid) {
+      double selected_share = 0;   // measured on the node: selected / held over the layers
+      uint64_t selected = 0, held = 0;
+      for (auto& s : seqs) {
+        for (const auto& layer : s->remote->last_selection()) {
+          selected += layer.selected;
+          held += layer.held;
+        }
+      }
+      selected_share = held ? static_cast<double>(selected) / held : 0;
+      r["selected_share_measured"] = selected_share;
+      t.cpu_scan_bytes = offloaded_tokens * selected_share * KvBytesPerToken();
+      t.pcie_bytes = cfg.batch * c.num_layers * c.num_q_heads * (2.0 * c.head_dim + 1) * 4;
+      const gpu_worker::RunnerProfile& p = runner_.profile();
+      const double per_step = 1e3 / std::max<uint64_t>(p.passes, 1);
+      r["breakdown_ms"] = {{"q_download_wait_for_gpu", p.q_download_s * per_step},
+                           {"cpu_wait", p.cpu_wait_s * per_step},
+                           {"merge_upload", p.merge_upload_s * per_step}};
+    }
+    auto limit = ComputeLimit(rates_, t);
+    if (limit.ok()) {
+      r["limit_ms"] = 1e3 * limit->seconds;
+      r["limit_bound"] = std::string(LimitTermName(limit->bound));
+      r["limit_terms_ms"] = {{"hbm", 1e3 * limit->hbm_seconds},
+                             {"cpu_scan", 1e3 * limit->cpu_scan_seconds},
+                             {"pcie", 1e3 * limit->pcie_seconds}};
+      if (limit->seconds > 0) r["ratio_to_limit"] = median / limit->seconds;
+    }
+    r["traffic_bytes"] = {{"hbm", t.hbm_bytes}, {"cpu_scan", t.cpu_scan_bytes}, {"pcie", t.pcie_bytes}};
+    return r;
+  }
+
+  json RunPrefill(AttentionMode mode, int64_t tokens) {
+    json r = {{"kind", "prefill"}, {"mode", gpu_worker::AttentionModeName(mode)},
+              {"context", tokens}, {"batch", 1}};
+    const ModelConfig& c = model_.config();
+    gpu_worker::WindowOptions wo;
+    wo.block = absl::GetFlag(FLAGS_block);
+    wo.max_chunk = runner_.options().max_chunk;
+    wo.max_context = tokens + 8;
+    const bool windowed = mode != AttentionMode::kGpu;
+    wo.window = windowed ? absl::GetFlag(FLAGS_window) : gpu_worker::WindowOptions::kUnlimited;
+    wo.sink = windowed ? absl::GetFlag(FLAGS_sink) : 0;
+    const gpu_worker::WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim,
+                                       gpu_worker::DType::kBF16};
+    auto window = gpu_worker::WindowCache::Create(backend_, g, wo);
+    if (!window.ok()) {
+      r["skipped"] = std::string(window.status().message());
+      return r;
+    }
+    auto seq = std::make_unique<Sequence>(absl::StrCat("prefill-", ++session_counter_), mode,
+                                          std::move(*window));
+    if (mode == AttentionMode::kHybrid) {
+      gpu_worker::RemoteKvOptions ro;
+      ro.session_id = seq->id;
+      ro.num_layers = c.num_layers;
+      ro.num_q_heads = c.num_q_heads;
+      ro.num_kv_heads = c.num_kv_heads;
+      ro.head_dim = c.head_dim;
+      ro.kv_dtype = gpu_worker::DType::kBF16;
+      ro.beta = absl::GetFlag(FLAGS_prefill_beta);
+      ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(wo.block, 16, 256));
+      ro.attend_deadline_ms = 60000;
+      ro.control_deadline_ms = 600000;
+      auto remote = gpu_worker::RemoteKv::Open(*pool_, ro);
+      if (!remote.ok()) {
+        r["skipped"] = std::string(remote.status().message());
+        return r;
+      }
+      seq->remote = std::move(*remote);
+    }
+    if (mode == AttentionMode::kOffload) {
+      auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
+      if (!kv.ok()) {
+        r["skipped"] = std::string(kv.status().message());
+        return r;
+      }
+      seq->offloaded = std::move(*kv);
+    }
+    std::vector<int32_t> ids(tokens);
+    for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
+    const Clock::time_point t0 = Clock::now();
+    absl::Status s = runner_.Forward(*seq, ids.data(), tokens);
+    absl::StatusOr<int32_t> first = s.ok() ? backend_.Sample({runner_.last_logits(), c.vocab_size})
+                                           : absl::StatusOr<int32_t>(s);
+    const double ttft = Seconds(t0);
+    if (!first.ok()) {
+      r["error"] = std::string(first.status().message());
+      return r;
+    }
+    r["ttft_s"] = ttft;
+    r["prefill_tokens_per_s"] = tokens / ttft;
+    auto used = backend_.DeviceMemoryUsed();
+    if (used.ok()) r["gpu_bytes_after"] = *used;
+    return r;
+  }
+
+ private:
+  Backend& backend_;
+  const gpu_worker::DeviceModel& model_;
+  gpu_worker::ModelRunner& runner_;
+  gpu_worker::NodePool* pool_;
+  PhysicalLimits rates_;
+  uint64_t session_counter_ = 0;
+};
+
+void PrintTable(const std::vector<json>& rows) {
+  std::printf("\n%-14s %8s %5s %11s %11s %9s %10s %-8s %7s %9s %9s\n", "mode", "context", "batch",
+              "median ms", "p99 ms", "tok/s", "limit ms", "bound", "ratio", "GPU GB", "host GB");
+  for (const json& r : rows) {
+    if (r["kind"] != "decode") continue;
+    std::string mode = r["mode"];
+    if (r.contains("share")) mode += absl::StrFormat("@%g%%", 100 * r["share"].get<double>());
+    if (r.contains("skipped") || r.contains("error")) {
+      std::printf("%-14s %8lld %5lld   skipped: %s\n", mode.c_str(),
+                  static_cast<long long>(r["context"].get<int64_t>()),
+                  static_cast<long long>(r["batch"].get<int64_t>()),
+                  r.value("skipped", r.value("error", std::string())).c_str());
+      continue;
+    }
+    std::printf("%-14s %8lld %5lld %11.2f %11.2f %9.1f %10.2f %-8s %7.2f %9.2f %9.2f\n",
+                mode.c_str(), static_cast<long long>(r["context"].get<int64_t>()),
+                static_cast<long long>(r["batch"].get<int64_t>()),
+                r["decode_ms_median"].get<double>(), r["decode_ms_p99"].get<double>(),
+                r["tokens_per_s"].get<double>(), r.value("limit_ms", 0.0),
+                r.value("limit_bound", std::string("-")).c_str(), r.value("ratio_to_limit", 0.0),
+                r["peak_gpu_bytes"].get<double>() / 1e9, r["host_rss_bytes"].get<double>() / 1e9);
+  }
+  for (const json& r : rows) {
+    if (r["kind"] != "prefill" || !r.contains("ttft_s")) continue;
+    std::printf("prefill %-8s %lld tokens: TTFT %.2f s, %.0f tokens/s\n",
+                r["mode"].get<std::string>().c_str(),
+                static_cast<long long>(r["context"].get<int64_t>()), r["ttft_s"].get<double>(),
+                r["prefill_tokens_per_s"].get<double>());
+  }
+}
+
+int Main() {
+  auto config = gpu_worker::GeometryPreset(absl::GetFlag(FLAGS_preset));
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(config.status().message()).c_str());
+    return 2;
+  }
+  if (absl::Status s = gpu_worker::ApplyGeometryOverrides(absl::GetFlag(FLAGS_set), *config);
+      !s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+    return 2;
+  }
+  const std::string backend_name = absl::GetFlag(FLAGS_backend);
+  auto backend = backend_name == "cpu" ? gpu_worker::CreateCpuBackend()
+                                       : gpu_worker::CreateCudaBackend();
+  if (!backend.ok()) {
+    std::fprintf(stderr, "backend: %s\n", std::string(backend.status().message()).c_str());
+    return 1;
+  }
+  Backend& be = **backend;
+  std::vector<json> rows;
+  std::ofstream json_file;
+  if (!absl::GetFlag(FLAGS_json).empty()) json_file.open(absl::GetFlag(FLAGS_json));
+  auto emit = [&](json r) {
+    std::printf("%s\n", r.dump().c_str());
+    std::fflush(stdout);
+    if (json_file) json_file << r.dump() << "\n" << std::flush;
+    rows.push_back(std::move(r));
+  };
+
+  // 1. The machine's rates.
+  PhysicalLimits rates;
+  json probe = {{"kind", "probe"}, {"device", be.device_description()}};
+  const unsigned node_threads = absl::GetFlag(FLAGS_node_threads);
+  if (!absl::GetFlag(FLAGS_skip_probes)) {
+    auto hbm = MeasureDeviceCopyBandwidth(be);
+    auto up = MeasureUploadBandwidth(be);
+    auto scan = MeasureCpuScanRate(node_threads);
+    if (!hbm.ok() || !up.ok() || !scan.ok()) {
+      std::fprintf(stderr, "probe failed: %s %s %s\n", std::string(hbm.status().message()).c_str(),
+                   std::string(up.status().message()).c_str(),
+                   std::string(scan.status().message()).c_str());
+      return 1;
+    }
+    rates = {*hbm, scan->scan_bytes_per_s, up->h2d_bytes_per_s};
+    probe["hbm_copy_GBps"] = *hbm / 1e9;
+    probe["h2d_GBps"] = up->h2d_bytes_per_s / 1e9;
+    probe["d2h_GBps"] = up->d2h_bytes_per_s / 1e9;
+    probe["h2d_with_d2h_GBps"] = up->h2d_with_d2h_bytes_per_s / 1e9;
+    probe["cpu_scan_GBps"] = scan->scan_bytes_per_s / 1e9;
+    probe["cpu_read_GBps"] = scan->read_bytes_per_s / 1e9;
+  }
+  probe["cores"] = sysconf(_SC_NPROCESSORS_ONLN);
+  emit(probe);
+
+  // 2. The model and the CPU node.
+  auto model = gpu_worker::DeviceModel::CreateRandom(*config, be, absl::GetFlag(FLAGS_seed));
+  if (!model.ok()) {
+    std::fprintf(stderr, "model: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  // Decode runs with activations sized for the largest batch only (the device memory a decode
+  // server needs); the prefill runner with its --prefill_chunk activations comes afterwards.
+  const std::vector<int64_t> batches = ParseList<int64_t>(absl::GetFlag(FLAGS_batches));
+  gpu_worker::RunnerOptions ro;
+  ro.max_chunk = std::max<int64_t>(*std::max_element(batches.begin(), batches.end()), 16);
+  auto runner = gpu_worker::ModelRunner::Create(be, **model, ro);
+  if (!runner.ok()) {
+    std::fprintf(stderr, "runner: %s\n", std::string(runner.status().message()).c_str());
+    return 1;
+  }
+  const std::vector<std::string> modes = ParseList<std::string>(absl::GetFlag(FLAGS_modes));
+  std::unique_ptr<gpu_worker::NodePool> pool;
+  if (std::find(modes.begin(), modes.end(), "hybrid") != modes.end()) {
+    gpu_worker::NodePoolOptions po;
+    po.embedded.pool_bytes = static_cast<uint64_t>(
+        absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
+    po.embedded.threads = node_threads;
+    po.embedded.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(absl::GetFlag(FLAGS_block), 16, 256));
+    auto transport = gpu_worker::ParseNodeTransport(absl::GetFlag(FLAGS_transport));
+    if (!transport.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(transport.status().message()).c_str());
+      return 2;
+    }
+    po.transport = *transport;
+    auto p = gpu_worker::NodePool::Create(po);
+    if (!p.ok()) {
+      std::fprintf(stderr, "CPU node: %s\n", std::string(p.status().message()).c_str());
+      return 1;
+    }
+    pool = std::move(*p);
+  }
+  Bench bench(be, **model, **runner, pool.get(), rates);
+  emit({{"kind", "model"}, {"preset", absl::GetFlag(FLAGS_preset)},
+        {"layers", config->num_layers}, {"hidden", config->hidden_size},
+        {"weight_bytes", (*model)->weight_bytes()}, {"window", absl::GetFlag(FLAGS_window)},
+        {"sink", absl::GetFlag(FLAGS_sink)}, {"transport", absl::GetFlag(FLAGS_transport)}});
+
+  // 3. Decode, context by context.
+  const auto shares = ParseList<double>(absl::GetFlag(FLAGS_shares));
+  for (int64_t context : ParseList<int64_t>(absl::GetFlag(FLAGS_contexts))) {
+    for (const std::string& name : modes) {
+      auto mode = gpu_worker::ParseAttentionMode(name);
+      if (!mode.ok()) {
+        std::fprintf(stderr, "%s\n", std::string(mode.status().message()).c_str());
+        return 2;
+      }
+      const std::vector<double> mode_shares =
+          *mode == AttentionMode::kHybrid ? shares : std::vector<double>{0.0};
+      for (double share : mode_shares) {
+        for (int64_t batch : batches) {
+          emit(bench.RunDecode({*mode, context, batch, share}));
+        }
+      }
+    }
+  }
+  // 4. TTFT, with a runner whose activations hold --prefill_chunk tokens.
+  if (absl::GetFlag(FLAGS_prefill_tokens) > 0) {
+    runner->reset();
+    ro.max_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+    auto prefill_runner = gpu_worker::ModelRunner::Create(be, **model, ro);
+    if (!prefill_runner.ok()) {
+      std::fprintf(stderr, "runner: %s\n", std::string(prefill_runner.status().message()).c_str());
+      return 1;
+    }
+    Bench prefill(be, **model, **prefill_runner, pool.get(), rates);
+    for (const std::string& name : modes) {
+      emit(prefill.RunPrefill(*gpu_worker::ParseAttentionMode(name),
+                              absl::GetFlag(FLAGS_prefill_tokens)));
+    }
+  }
+  PrintTable(rows);
+  return 0;
+}
+
+}  // namespace
+}  // namespace tandem::bench
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return tandem::bench::Main();
+}

@@ -1,0 +1,61 @@
+// tandem-geometry: writes a model directory with random weights for a model geometry, e.g.
+//   tandem-geometry --preset=llama3-8b --seed=1 --out=/data/llama3-8b-random
+//   tandem-geometry --preset=tiny --set=layers=4,hidden=512 --out=/tmp/tiny
+// The directory (config.json + safetensors) loads like a checkpoint, and holds the weights that
+// DeviceModel::CreateRandom generates on the device for the same geometry and seed
+// (random_model_writer.h).
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_join.h"
+#include "tandem/gpu_worker/model_geometry.h"
+#include "tandem/gpu_worker/random_model_writer.h"
+
+ABSL_FLAG(std::string, preset, "llama3-8b", "geometry preset (llama3-8b, tiny)");
+ABSL_FLAG(std::string, set, "",
+          "overrides key=value,...: layers, hidden, ffn, q_heads, kv_heads, head_dim, vocab, "
+          "max_positions, rope_theta, rms_norm_eps, dtype (bf16|f32), tie_embeddings, "
+          "rope_scaling=none");
+ABSL_FLAG(uint64_t, seed, 0, "weight seed");
+ABSL_FLAG(std::string, out, "", "output directory (created if missing)");
+ABSL_FLAG(uint64_t, shard_mib, 5120, "most MiB of weights per safetensors shard");
+ABSL_FLAG(unsigned, threads, 0, "generating threads (0 = available cores)");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Writes config.json and random safetensors weights for a model geometry.\n"
+      "  tandem-geometry --preset=llama3-8b [--set=layers=4,...] [--seed=N] --out=DIR");
+  absl::ParseCommandLine(argc, argv);
+  using namespace tandem::gpu_worker;
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (out.empty()) {
+    std::fprintf(stderr, "--out is required\n");
+    return 2;
+  }
+  absl::StatusOr<ModelConfig> config = GeometryPreset(absl::GetFlag(FLAGS_preset));
+  if (!config.ok()) {
+    std::fprintf(stderr, "%s\n", config.status().ToString().c_str());
+    return 2;
+  }
+  if (absl::Status s = ApplyGeometryOverrides(absl::GetFlag(FLAGS_set), *config); !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 2;
+  }
+  RandomModelWriteOptions options;
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.max_shard_bytes = absl::GetFlag(FLAGS_shard_mib) << 20;
+  options.threads = absl::GetFlag(FLAGS_threads);
+  absl::StatusOr<RandomModelWriteResult> written = WriteRandomModel(*config, out, options);
+  if (!written.ok()) {
+    std::fprintf(stderr, "%s\n", written.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("wrote %s: %.3f GB of %s weights in %s (seed %llu)\n", out.c_str(),
+              written->weight_bytes / 1e9, std::string(DTypeName(config->weight_dtype)).c_str(),
+              absl::StrJoin(written->weight_files, ", ").c_str(),
+              static_cast<unsigned long long>(options.seed));
+  return 0;
+}
