@@ -112,20 +112,27 @@ __global__ void __launch_bounds__(kAttnThreads) MawUpdateKernel(WindowAttentionA
   }
 }
 
-// grid: [ceil(num_slots / 256), num_kv_heads], one thread per slot: the decode kernel saved
-// every (row, slot) score ([num_kv_heads, rows, num_slots], -inf = not visible), so the weights
-// are exp(score - lse) without touching the K cache.
+// grid: [ceil(num_slots / 256), num_kv_heads], one thread per slot: the attention kernel saved
+// the (row, slot) scores ([num_kv_heads, rows, num_slots]; visible pairs only are read), so the
+// weights
+// are exp(score - lse) without touching the K cache. A programmatic dependent launch.
 __global__ void MawFromScoresKernel(WindowAttentionArgs a, const float* scores) {
+  WaitForPreviousKernel();  // launched as a dependent of the attention (or combine) kernel
   const int64_t g = blockIdx.y;
   const int64_t s = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (s >= a.num_slots || a.slot_pos[s] < 0) return;
+  if (s >= a.num_slots) return;
+  const int pos = a.slot_pos[s];
+  if (pos < 0) return;
   const int64_t group = a.num_q_heads / a.num_kv_heads;
   const int64_t rows = a.num_tokens * group;
   float sum = 0.0f;
   for (int64_t row = 0; row < rows; ++row) {
+    const int64_t t = row / group;
+    // Visibility from the positions: a kernel may leave the scores of slots no row of its
+    // block sees unwritten. A visible slot makes the row's lse finite.
+    if (pos > a.q_pos[t]) continue;
     const float score = scores[(g * rows + row) * a.num_slots + s];
-    if (score == -INFINITY) continue;  // not visible; a visible one makes the row's lse finite
-    sum += expf(score - a.lse[(row / group) * a.num_q_heads + g * group + row % group]);
+    sum += expf(score - a.lse[t * a.num_q_heads + g * group + row % group]);
   }
   const float mean = sum / static_cast<float>(rows);
   float* maw = a.maw + g * a.capacity + s;
@@ -158,10 +165,9 @@ cudaError_t LaunchMawUpdate(const WindowAttentionArgs& a, const WindowAttentionP
     constexpr int kThreads = 256;
     const dim3 grid(static_cast<unsigned>((a.num_slots + kThreads - 1) / kThreads),
                     static_cast<unsigned>(a.num_kv_heads));
-    MawFromScoresKernel<<<grid, kThreads, 0, stream>>>(
-        a,
+    return LaunchAfterPrevious(
+        MawFromScoresKernel, grid, dim3(kThreads), 0, stream, a,
         reinterpret_cast<const float*>(static_cast<const char*>(workspace) + plan.scores_offset));
-    return cudaGetLastError();
   }
   const dim3 grid(static_cast<unsigned>((a.num_slots + kSlotTile - 1) / kSlotTile),
                   static_cast<unsigned>(a.num_kv_heads));

@@ -3,11 +3,14 @@
 
 #include "attention_common.cuh"
 #include "window_attention.cuh"
+#include "window_attention_decode.cuh"
+#include "window_attention_mma.cuh"
 
 namespace tandem::gpu_worker::cuda_backend {
 namespace {
 
-// Query rows (T·G) up to which the decode kernel (4 rows per block) is used.
+// Query rows (T·G) up to which the decode kernel (4 rows per block) is used; the streaming
+// tensor-core decode kernel takes up to kDecodeStreamRows.
 constexpr int64_t kDecodeMaxRows = 8;
 constexpr int kTiledRows = kAttnWarps * kRowsPerWarp;  // rows per block of the tiled kernel
 constexpr int64_t kMaxSplits = 256;
@@ -235,7 +238,8 @@ __global__ void __launch_bounds__(kAttnThreads)
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / kWarpSize;
 
-// grid: [T·Hq]; one block per output row merges the `splits` partial states:
+// grid: [T·Hq]; one block per output row merges the `splits` partial states (a programmatic
+// dependent launch: it may be scheduled while the attention kernel runs):
 // o = Σ_i w_i·o_i / Σ_i w_i, lse = M + log Σ_i w_i with w_i = exp(lse_i - M), M = max_i lse_i.
 // Warp w sums the splits w, w + 8, ... (lanes along head_dim, coalesced), then the 8 warp sums
 // are added: short dependent chains, since the splits of one row can number in the hundreds.
@@ -245,6 +249,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                         int64_t head_dim, float* o, float* lse) {
   extern __shared__ float combine_smem[];
   __shared__ float scratch[kWarpSize];
+  WaitForPreviousKernel();  // launched as a dependent of the attention kernel
+  AllowDependentLaunch();
   float* weights = combine_smem;             // [splits]
   float* warp_sums = combine_smem + splits;  // [kCombineWarps][head_dim]
   const int64_t row = blockIdx.x;
@@ -334,7 +340,10 @@ struct OccupancyQuery {
 // Cached per (kernel, cache type, head-dim bucket): the answer depends only on the compiled
 // kernel and the architecture (one architecture per process is assumed). A race between two
 // threads stores the same value twice.
-cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, int* blocks) {
+cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, bool mma, bool stream,
+                                int* blocks) {
+  if (mma) return MmaAttentionBlocksPerSm(a, /*exact=*/true, blocks);
+  if (stream) return DecodeStreamBlocksPerSm(a, blocks);
   static std::atomic<int> cache[2][2][4] = {};
   const int bucket = a.head_dim <= 32 ? 0 : a.head_dim <= 64 ? 1 : a.head_dim <= 128 ? 2 : 3;
   std::atomic<int>& entry = cache[decode ? 1 : 0][a.cache_dtype == DType::kBF16 ? 1 : 0][bucket];
@@ -350,26 +359,34 @@ cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, int* 
 }  // namespace
 
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
-                                WindowAttentionPlan* plan) {
+                                WindowAttentionPlan* plan, bool allow_tensor_cores) {
   *plan = WindowAttentionPlan();
   const int64_t rows = a.num_tokens * (a.num_q_heads / a.num_kv_heads);
-  plan->decode = rows <= kDecodeMaxRows;
-  const int64_t rows_per_block = plan->decode ? kRowsPerWarp : kTiledRows;
+  const bool stream_ok = allow_tensor_cores && DecodeStreamSupports(a);
+  plan->decode = rows <= kDecodeMaxRows || (stream_ok && rows <= kDecodeStreamRows);
+  plan->stream = plan->decode && stream_ok;
+  plan->mma = !plan->decode && allow_tensor_cores && MmaAttentionSupports(a);
+  const int64_t rows_per_block = plan->stream   ? kDecodeStreamRows
+                                 : plan->decode ? kRowsPerWarp
+                                 : plan->mma    ? kMmaRowsPerBlock
+                                                : kTiledRows;
+  const int64_t slot_tile = plan->mma ? kMmaSlotTile : kSlotTile;
   plan->row_tiles = (rows + rows_per_block - 1) / rows_per_block;
   int blocks_per_sm = 0;
-  const cudaError_t error = ResidentBlocksPerSm(a, plan->decode, &blocks_per_sm);
+  const cudaError_t error =
+      ResidentBlocksPerSm(a, plan->decode, plan->mma, plan->stream, &blocks_per_sm);
   if (error != cudaSuccess) return error;
   // Split the slots until one wave of resident blocks is full (a partial second wave would cost
   // as much as a full one); a split keeps at least two slot tiles per warp so the partial states
   // stay cheap next to the work.
   const int64_t base_blocks = plan->row_tiles * a.num_kv_heads;
   const int64_t wave = int64_t{std::max(num_sms, 1)} * std::max(blocks_per_sm, 1);
-  const int64_t min_slots = 2 * kSlotTile * (plan->decode ? kAttnWarps : 1);
+  const int64_t min_slots = 2 * slot_tile * (plan->decode ? kAttnWarps : 1);
   const int64_t max_splits =
       std::clamp<int64_t>((a.num_slots + min_slots - 1) / min_slots, 1, kMaxSplits);
   const int64_t splits = std::clamp<int64_t>(wave / base_blocks, 1, max_splits);
   const int64_t per_split = (a.num_slots + splits - 1) / splits;
-  plan->slots_per_split = (per_split + kSlotTile - 1) / kSlotTile * kSlotTile;
+  plan->slots_per_split = (per_split + slot_tile - 1) / slot_tile * slot_tile;
   plan->splits = (a.num_slots + plan->slots_per_split - 1) / plan->slots_per_split;
   size_t bytes = 0;
   if (plan->splits > 1) {
@@ -377,10 +394,18 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
     plan->part_lse_offset = AlignUp(states * a.head_dim * sizeof(float));
     bytes = AlignUp(plan->part_lse_offset + states * sizeof(float));
   }
-  plan->save_scores = plan->decode && a.maw != nullptr;
+  // The MAW update reads saved scores instead of recomputing them from the K cache where the
+  // buffer stays small: decode plans, and tensor-core plans of one row tile of <= 32 rows
+  // (a few decode tokens), whose scores cost fewer bytes than the K rows they replace.
+  plan->save_scores = a.maw != nullptr &&
+                      (plan->decode || (plan->mma && plan->row_tiles == 1 && rows <= 32));
   if (plan->save_scores) {
     plan->scores_offset = bytes;
     bytes += static_cast<size_t>(a.num_kv_heads * rows * a.num_slots) * sizeof(float);
+  }
+  if (plan->mma) {
+    plan->tile_min_offset = AlignUp(bytes);
+    bytes = plan->tile_min_offset + MmaTileSummaryBytes(a.num_slots);
   }
   plan->workspace_bytes = bytes;
   return cudaSuccess;
@@ -390,7 +415,9 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
                                   void* workspace, cudaStream_t stream) {
   if (plan.row_tiles <= 0 || plan.splits <= 0 || a.num_kv_heads <= 0) return cudaErrorInvalidValue;
   const int64_t out_rows = a.num_tokens * a.num_q_heads;
-  if ((plan.splits > 1 || plan.save_scores) && workspace == nullptr) return cudaErrorInvalidValue;
+  if ((plan.splits > 1 || plan.save_scores || plan.mma) && workspace == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   char* base = static_cast<char*>(workspace);
   float* part_o = plan.splits > 1 ? reinterpret_cast<float*>(base) : nullptr;
   float* part_lse =
@@ -405,12 +432,23 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
       part_lse,
       scores,
       stream};
-  const cudaError_t error = DispatchAttention(a.head_dim, a.cache_dtype, launcher);
+  cudaError_t error = cudaSuccess;
+  if (plan.mma) {
+    error = LaunchMmaAttention(a, plan.row_tiles, plan.splits, plan.slots_per_split,
+                               plan.exact_operands,
+                               reinterpret_cast<int32_t*>(base + plan.tile_min_offset), part_o,
+                               part_lse, scores, stream);
+  } else if (plan.stream) {
+    error = LaunchDecodeStream(a, plan.row_tiles, plan.splits, plan.slots_per_split, part_o,
+                               part_lse, scores, stream);
+  } else {
+    error = DispatchAttention(a.head_dim, a.cache_dtype, launcher);
+  }
   if (error != cudaSuccess || plan.splits == 1) return error;
   const size_t smem = sizeof(float) * static_cast<size_t>(plan.splits + kCombineWarps * a.head_dim);
-  CombineSplitsKernel<<<static_cast<unsigned>(out_rows), kCombineThreads, smem, stream>>>(
-      part_o, part_lse, plan.splits, out_rows, a.head_dim, a.o, a.lse);
-  return cudaGetLastError();
+  return LaunchAfterPrevious(CombineSplitsKernel, dim3(static_cast<unsigned>(out_rows)),
+                             dim3(kCombineThreads), smem, stream, part_o, part_lse, plan.splits,
+                             out_rows, a.head_dim, a.o, a.lse);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -4,10 +4,16 @@
 // Rows: for kv head g the query rows are the pairs (t, h) with h in g's group, numbered
 // r = t·G + (h - g·G) (G = num_q_heads / num_kv_heads). Two kernels compute them, both with f32
 // accumulation and an online softmax, K/V read as f32 or bf16 and converted on load:
-//   - few rows (T·G <= kDecodeMaxRows, decoding): 4 rows per block, the block's warps stream
-//     disjoint slot tiles straight from global memory and merge their states at the end;
-//   - more rows (prefill chunks): 16 rows per block (4 per warp), K/V slot tiles of 32 slots
-//     staged in shared memory and shared by the block's warps.
+//   - few rows (decoding), bf16 cache, head_dim <= 128, T·G <= 16: the streaming tensor-core
+//     decode kernel of window_attention_decode.cuh (16 rows per block, per-warp cp.async
+//     pipelines, q and p split into bf16 hi + lo);
+//   - few rows otherwise (T·G <= 8): 4 rows per block, the block's warps stream disjoint slot
+//     tiles straight from global memory and merge their states at the end;
+//   - more rows (prefill chunks), bf16 cache, head_dim <= 128: the tensor-core kernel of
+//     window_attention_mma.cuh (64 rows per block, 64-slot K/V tiles through cp.async, mma.sync
+//     with q and p split into bf16 hi + lo so the results stay f32-accurate);
+//   - more rows otherwise (f32 caches, head_dim > 128): 16 rows per block (4 per warp), K/V slot
+//     tiles of 32 slots staged in shared memory and shared by the block's warps.
 // Either way the slots may be split across `splits` blocks (flash-decoding) whose partial states
 // a combine kernel merges; the plan picks the split so one wave of resident blocks fills the
 // GPU. With a MAW update the decode kernel also saves its scores, so the update does not read
@@ -50,22 +56,30 @@ struct WindowAttentionArgs {
 };
 
 struct WindowAttentionPlan {
-  bool decode = true;           // which of the two kernels
+  bool decode = true;           // the decode kernel, else a tiled one
+  bool mma = false;             // the tiled one on tensor cores (window_attention_mma.cuh)
+  bool stream = false;          // the decode one on tensor cores (window_attention_decode.cuh)
+  // Tensor-core kernel: q and p split into bf16 hi + lo (f32-accurate). Benchmarks may clear it
+  // to measure bf16-rounded operands; the backend always plans it set.
+  bool exact_operands = true;
   int64_t row_tiles = 0;        // blocks along the rows of one kv head
   int64_t splits = 1;           // blocks along the slots
-  int64_t slots_per_split = 0;  // a multiple of 32
+  int64_t slots_per_split = 0;  // a multiple of 32 (of 64 for the tensor-core kernel)
   // Workspace: partial states when splits > 1 ([splits, T·Hq, head_dim] o at offset 0,
   // [splits, T·Hq] lse at part_lse_offset) and, for the decode kernel with a MAW update, the
   // scores it saves for LaunchMawUpdate ([num_kv_heads, T·G, num_slots] at scores_offset).
+  // The tensor-core kernel's per-tile position summary sits at tile_min_offset.
   size_t part_lse_offset = 0;
   size_t scores_offset = 0;
+  size_t tile_min_offset = 0;
   bool save_scores = false;
   size_t workspace_bytes = 0;
 };
 // Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
 // resident blocks (the kernels' occupancy is queried once per process and kernel).
+// allow_tensor_cores = false keeps every plan on the f32 kernels (benchmark baseline).
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
-                                WindowAttentionPlan* plan);
+                                WindowAttentionPlan* plan, bool allow_tensor_cores = true);
 
 // Computes o and lse. `workspace` holds plan.workspace_bytes (unused when splits == 1).
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
@@ -76,7 +90,8 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowA
 // group g, and for every slot s < num_slots with slot_pos[s] >= 0:
 //   maw[g, s] = maw[g, s] < 0 ? a : (1 - alpha)·maw[g, s] + alpha·a.
 // Decode plans read the scores the attention kernel saved (a few MB instead of the K cache);
-// tiled plans recompute them with the attention kernels' arithmetic (grid over slot tiles).
+// tiled plans recompute them with the f32 kernels' arithmetic (grid over slot tiles), which the
+// tensor-core kernel's split-bf16 scores match to ~1e-6 relative.
 cudaError_t LaunchMawUpdate(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
                             const void* workspace, cudaStream_t stream);
 

@@ -1,6 +1,8 @@
 // The cuda backend's WindowAttention (+ MAW update) against the f64 reference, over head_dim,
 // GQA ratio, cache dtype, token count and window size (empty slots, slots past num_slots,
-// causal masking, rows that see nothing), and against the cpu backend where it is built.
+// causal masking, rows that see nothing), and against the cpu backend where it is built; the
+// Prefill suite covers the tensor-core kernels (chunks over cached prefixes, causal diagonals,
+// decode steps, NaN in empty slots, split slot ranges).
 //
 // Tolerances: o abs 1e-4 and lse abs 1e-4·max(1, |lse|) against f64 (the kernels accumulate in
 // f32; bf16 caches are compared with the same bf16 values on both sides); maw relative 1e-4 +
@@ -146,8 +148,9 @@ DeviceOutputs RunAttention(Backend& backend, const AttentionInputs& in, DType dt
 class WindowAttentionTest : public CudaBackendFixture,
                             public ::testing::WithParamInterface<AttentionCase> {};
 
+// token0_sees_nothing: MakeInputs places token 0 (of T >= 7) before every slot.
 void ExpectMatchesReference(const AttentionInputs& in, const DeviceOutputs& got,
-                            const std::vector<float>& maw0) {
+                            const std::vector<float>& maw0, bool token0_sees_nothing = true) {
   const AttentionResult ref = ReferenceAttention(in);
   int empty_rows = 0;
   for (size_t r = 0; r < ref.lse.size(); ++r) {
@@ -163,7 +166,7 @@ void ExpectMatchesReference(const AttentionInputs& in, const DeviceOutputs& got,
           << "row " << r << " dim " << d;
     }
   }
-  if (in.num_tokens >= 7) {
+  if (token0_sees_nothing && in.num_tokens >= 7) {
     EXPECT_GE(empty_rows, in.num_q_heads) << "token 0 should see nothing";
   }
   if (maw0.empty()) return;
@@ -244,6 +247,130 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WindowAttentionTest,
                              AttentionCase{80, 2, 2, DType::kBF16, 1, 1000, 999},
                              AttentionCase{80, 1, 4, DType::kF32, 33, 700, 650}),
                          CaseName);
+
+// ---- Prefill shapes: a chunk of T new tokens at positions [P, P + T) over a window holding
+// positions [0, P + T) (the chunk's own K/V included), so the causal diagonal runs through the
+// window; these take the tensor-core kernel for bf16 caches with head_dim <= 128 (the f32 cases
+// keep the f32 tiled kernel). `ring`: 4 sink slots, then the rest in ring order (rotated by a
+// third). Every 17th slot is empty (-1) and, in the reference test, holds NaN K/V (an unwritten
+// slot must not reach o); capacity exceeds num_slots by 37 slots of huge K/V that look valid.
+struct PrefillCase {
+  int64_t head_dim;
+  int64_t num_kv_heads;
+  int64_t group;
+  DType dtype;
+  int64_t chunk;
+  int64_t prefix;
+  bool ring;
+};
+
+std::string PrefillName(const ::testing::TestParamInfo<PrefillCase>& info) {
+  const PrefillCase& c = info.param;
+  const std::string_view dtype = DTypeName(c.dtype);
+  return absl::StrCat("d", c.head_dim, "_kv", c.num_kv_heads, "_g", c.group, "_",
+                      absl::string_view(dtype.data(), dtype.size()), "_t", c.chunk, "_p",
+                      c.prefix, c.ring ? "_ring" : "");
+}
+
+AttentionInputs MakePrefillInputs(const PrefillCase& c, uint32_t seed, bool nan_in_empty) {
+  AttentionInputs in;
+  in.num_tokens = c.chunk;
+  in.num_kv_heads = c.num_kv_heads;
+  in.num_q_heads = c.num_kv_heads * c.group;
+  in.head_dim = c.head_dim;
+  in.num_slots = c.prefix + c.chunk;
+  in.capacity = in.num_slots + 37;
+  in.q_row_stride = in.num_q_heads * c.head_dim;
+  in.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  constexpr int64_t kSink = 4;
+  const int64_t ring = in.num_slots - kSink;
+  in.slot_pos.assign(in.capacity, 0);
+  for (int64_t s = 0; s < in.num_slots; ++s) {
+    int64_t pos = s;
+    if (c.ring && s >= kSink) pos = kSink + (s - kSink + ring / 3) % ring;
+    in.slot_pos[s] = s % 17 == 5 ? -1 : static_cast<int32_t>(pos);
+  }
+  in.q_pos.resize(c.chunk);
+  for (int64_t t = 0; t < c.chunk; ++t) in.q_pos[t] = static_cast<int32_t>(c.prefix + t);
+  in.q = RandomFloats(c.chunk * in.q_row_stride, -2, 2, seed + 1);
+  const size_t cache = c.num_kv_heads * in.capacity * c.head_dim;
+  in.k = RoundTo(RandomFloats(cache, -1, 1, seed + 2), c.dtype);
+  in.v = RoundTo(RandomFloats(cache, -1, 1, seed + 3), c.dtype);
+  for (int64_t g = 0; g < c.num_kv_heads; ++g) {
+    for (int64_t s = 0; s < in.capacity; ++s) {
+      const bool past = s >= in.num_slots;
+      if (!past && in.slot_pos[s] >= 0) continue;
+      const float junk = past || !nan_in_empty ? 1000.0f : kNaN;
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        in.k[(g * in.capacity + s) * c.head_dim + d] = junk;
+        in.v[(g * in.capacity + s) * c.head_dim + d] = junk;
+      }
+    }
+  }
+  return in;
+}
+
+class PrefillAttentionTest : public CudaBackendFixture,
+                             public ::testing::WithParamInterface<PrefillCase> {};
+
+TEST_P(PrefillAttentionTest, MatchesReference) {
+  const PrefillCase c = GetParam();
+  const AttentionInputs in = MakePrefillInputs(c, 600, /*nan_in_empty=*/true);
+  const std::vector<float> maw0 = InitialMaw({c.head_dim, c.num_kv_heads, c.group, c.dtype,
+                                              c.chunk, in.capacity, in.num_slots},
+                                             700);
+  ExpectMatchesReference(in, RunAttention(*backend_, in, c.dtype, maw0), maw0, false);
+  ExpectMatchesReference(in, RunAttention(*backend_, in, c.dtype, {}), {}, false);
+}
+
+#ifdef TANDEM_TEST_HAVE_CPU_BACKEND
+TEST_P(PrefillAttentionTest, MatchesCpuBackend) {
+  const PrefillCase c = GetParam();
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateCpuBackend();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  const AttentionInputs in = MakePrefillInputs(c, 800, /*nan_in_empty=*/false);
+  const DeviceOutputs want = RunAttention(**cpu, in, c.dtype, {});
+  const DeviceOutputs got = RunAttention(*backend_, in, c.dtype, {});
+  for (size_t r = 0; r < want.lse.size(); ++r) {
+    if (std::isinf(want.lse[r])) {
+      ASSERT_EQ(got.lse[r], want.lse[r]) << "row " << r;
+    } else {
+      ASSERT_NEAR(got.lse[r], want.lse[r], 1e-4 * std::max(1.0f, std::abs(want.lse[r])))
+          << "row " << r;
+    }
+  }
+  for (size_t i = 0; i < want.o.size(); ++i) ASSERT_NEAR(got.o[i], want.o[i], 1e-4) << i;
+}
+#endif
+
+INSTANTIATE_TEST_SUITE_P(Prefill, PrefillAttentionTest,
+                         ::testing::Values(
+                             // plain causal self-attention (prefix 0), D 128 and 64
+                             PrefillCase{128, 2, 4, DType::kBF16, 300, 0, false},
+                             PrefillCase{64, 2, 3, DType::kBF16, 200, 0, false},
+                             // a chunk over a cached prefix, contiguous or sink + ring
+                             PrefillCase{128, 2, 4, DType::kBF16, 256, 1000, true},
+                             PrefillCase{64, 2, 3, DType::kBF16, 130, 700, false},
+                             // few rows over a long prefix: the slots split across blocks
+                             PrefillCase{128, 8, 4, DType::kBF16, 16, 4000, true},
+                             PrefillCase{64, 1, 1, DType::kBF16, 70, 3000, true},
+                             // head dims padded inside a bucket
+                             PrefillCase{96, 1, 2, DType::kBF16, 40, 200, false},
+                             PrefillCase{8, 2, 2, DType::kBF16, 33, 100, true},
+                             // f32 caches (the f32 tiled kernel)
+                             PrefillCase{128, 1, 4, DType::kF32, 128, 500, true},
+                             PrefillCase{64, 2, 2, DType::kF32, 100, 0, false},
+                             // decoding (T·G <= 16: the streaming decode kernels), NaN in the
+                             // empty slots, the last tokens' own slots in the window
+                             PrefillCase{128, 2, 4, DType::kBF16, 2, 3000, true},
+                             PrefillCase{64, 1, 4, DType::kBF16, 4, 1500, false},
+                             PrefillCase{128, 8, 4, DType::kBF16, 1, 9000, true},
+                             PrefillCase{128, 1, 4, DType::kF32, 1, 700, true},
+                             // a few tokens (17..32 rows): the tensor-core kernel saves its
+                             // scores for the MAW update
+                             PrefillCase{128, 2, 4, DType::kBF16, 8, 2000, true},
+                             PrefillCase{64, 1, 3, DType::kBF16, 9, 500, false}),
+                         PrefillName);
 
 using WindowAttentionEdgeTest = CudaBackendFixture;
 

@@ -1,0 +1,544 @@
+// tandem-kernel-bench: the cuda backend's window attention against the device's limits.
+//
+// Decode (few query rows): the kernels move the window's K and V once, so their speed is a
+// bandwidth: bytes = K + V of the window + q + o + lse (+ maw read and written when the MAW
+// update is on), over the kernel time, printed next to the device-to-device copy bandwidth
+// measured in the same run (bytes read + written by a large cudaMemcpy, over its time).
+// Prefill (many query rows, causal): a throughput, TFLOPS = 4·Hq·D·(visible (query, key) pairs)
+// / time, which bench/sdpa_reference.py measures the same way for torch's SDPA
+// (bench/run_kernel_bench.sh prints the two side by side). Prefill also times the f32 tiled
+// kernel the tensor-core one replaced, and the tensor-core kernel with bf16-rounded q and p
+// (FlashAttention's numerics; the backend keeps them split into hi + lo, f32-accurate).
+//
+// Timing: the kernels are launched through the backend's own launchers (window_attention.cuh)
+// on a stream of this program, with a cudaEvent pair around every repetition; the median is
+// reported. A long device-side copy is queued first so the host queues every repetition before
+// the first one runs (no launch gaps in the timed region). Decode windows whose caches would sit
+// in L2 rotate over several cache sets. The backend path (Backend::WindowAttention: checks,
+// plan, workspace, launches) is also timed by the host clock over a batch of calls ended by
+// Synchronize (mean per call).
+//
+//   tandem-kernel-bench                      # the issue-4 set: Llama-3-8B geometry, bf16 cache
+//   tandem-kernel-bench --decode_windows=4096 --prefill=false
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "tandem/gpu_worker/backend.h"
+#include "window_attention.cuh"
+
+ABSL_FLAG(int64_t, q_heads, 32, "query heads");
+ABSL_FLAG(int64_t, kv_heads, 8, "kv heads");
+ABSL_FLAG(int64_t, head_dim, 128, "head dim");
+ABSL_FLAG(std::string, dtype, "bf16", "cache dtype: bf16 or f32");
+ABSL_FLAG(std::string, decode_windows, "4096,16384,65536", "decode window sizes (slots)");
+ABSL_FLAG(std::string, decode_tokens, "1,2,8",
+          "decode query tokens per call (x G query rows per kv head)");
+ABSL_FLAG(bool, prefill, true, "run the prefill cases");
+ABSL_FLAG(std::string, prefill_cases, "2048:0,2048:8192,2048:32768,4096:0,16384:0",
+          "prefill cases chunk:prefix (a chunk of new tokens over a cached prefix; prefix 0 = "
+          "plain causal self-attention)");
+ABSL_FLAG(bool, compare_f32_kernel, true,
+          "prefill: also time the f32 (SIMT) tiled kernel the tensor-core kernel replaced");
+ABSL_FLAG(double, seconds, 0.3, "target timed seconds per case");
+ABSL_FLAG(int64_t, max_reps, 200, "repetitions per case at most");
+
+namespace tandem::gpu_worker {
+namespace {
+
+using cuda_backend::WindowAttentionArgs;
+using cuda_backend::WindowAttentionPlan;
+
+#define BENCH_CUDA(call)                                                                   \
+  do {                                                                                     \
+    const cudaError_t bench_error = (call);                                                \
+    if (bench_error != cudaSuccess) {                                                      \
+      return absl::InternalError(absl::StrFormat("%s failed: %s (%s:%d)", #call,            \
+                                                 cudaGetErrorString(bench_error), __FILE__, \
+                                                 __LINE__));                               \
+    }                                                                                      \
+  } while (0)
+
+#define BENCH_RETURN_IF_ERROR(expr)            \
+  do {                                         \
+    const absl::Status bench_status = (expr);  \
+    if (!bench_status.ok()) return bench_status; \
+  } while (0)
+
+// RAII for the few raw CUDA handles this program owns.
+struct StreamDeleter {
+  void operator()(cudaStream_t s) const { cudaStreamDestroy(s); }
+};
+using StreamPtr = std::unique_ptr<std::remove_pointer_t<cudaStream_t>, StreamDeleter>;
+struct EventDeleter {
+  void operator()(cudaEvent_t e) const { cudaEventDestroy(e); }
+};
+using EventPtr = std::unique_ptr<std::remove_pointer_t<cudaEvent_t>, EventDeleter>;
+
+absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text) {
+  std::vector<int64_t> values;
+  for (absl::string_view piece : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v = 0;
+    if (!absl::SimpleAtoi(piece, &v) || v <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("bad list entry '", piece, "'"));
+    }
+    values.push_back(v);
+  }
+  return values;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Times `reps` repetitions of `body(rep)` on `stream` with an event pair around each one;
+// returns the median in seconds. `busy` (a long copy) is queued first so that the host has
+// queued every repetition before the device reaches the first.
+template <typename Body>
+absl::StatusOr<double> TimeMedian(cudaStream_t stream, int64_t reps, const Body& body,
+                                  const std::function<absl::Status()>& busy) {
+  std::vector<EventPtr> starts, stops;
+  for (int64_t i = 0; i < reps; ++i) {
+    cudaEvent_t a = nullptr, b = nullptr;
+    BENCH_CUDA(cudaEventCreate(&a));
+    starts.emplace_back(a);
+    BENCH_CUDA(cudaEventCreate(&b));
+    stops.emplace_back(b);
+  }
+  BENCH_RETURN_IF_ERROR(busy());
+  for (int64_t i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaEventRecord(starts[i].get(), stream));
+    BENCH_RETURN_IF_ERROR(body(i));
+    BENCH_CUDA(cudaEventRecord(stops[i].get(), stream));
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> seconds(reps);
+  for (int64_t i = 0; i < reps; ++i) {
+    float ms = 0.0f;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, starts[i].get(), stops[i].get()));
+    seconds[i] = ms * 1e-3;
+  }
+  return Median(seconds);
+}
+
+class Bench {
+ public:
+  static absl::StatusOr<std::unique_ptr<Bench>> Create() {
+    auto bench = std::unique_ptr<Bench>(new Bench());
+    absl::StatusOr<std::unique_ptr<Backend>> backend = CreateCudaBackend(0);
+    if (!backend.ok()) return backend.status();
+    bench->backend_ = *std::move(backend);
+    cudaStream_t stream = nullptr;
+    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    bench->stream_.reset(stream);
+    cudaDeviceProp props{};
+    BENCH_CUDA(cudaGetDeviceProperties(&props, 0));
+    bench->num_sms_ = props.multiProcessorCount;
+    bench->l2_bytes_ = props.l2CacheSize;
+    bench->device_ = props.name;
+    // Two 1 GiB buffers: the copy-bandwidth measurement, and the busy copy queued before
+    // every timed batch.
+    constexpr size_t kCopyBytes = size_t{1} << 30;
+    absl::StatusOr<DeviceBuffer> a = bench->backend_->Allocate(kCopyBytes);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<DeviceBuffer> b = bench->backend_->Allocate(kCopyBytes);
+    if (!b.ok()) return b.status();
+    bench->copy_src_ = *std::move(a);
+    bench->copy_dst_ = *std::move(b);
+    BENCH_RETURN_IF_ERROR(bench->Fill(bench->copy_src_.data(), DType::kF32, kCopyBytes / 4, 1, 1));
+    BENCH_RETURN_IF_ERROR(bench->backend_->Synchronize());
+    return bench;
+  }
+
+  const std::string& device() const { return device_; }
+  size_t l2_bytes() const { return l2_bytes_; }
+
+  // Device-to-device copy bandwidth: (bytes read + bytes written) / time of a 1 GiB copy.
+  absl::StatusOr<double> CopyBandwidth() {
+    const size_t bytes = copy_src_.bytes();
+    absl::StatusOr<double> seconds = TimeMedian(
+        stream_.get(), 20,
+        [&](int64_t) -> absl::Status {
+          BENCH_CUDA(cudaMemcpyAsync(copy_dst_.data(), copy_src_.data(), bytes,
+                                     cudaMemcpyDeviceToDevice, stream_.get()));
+          return absl::OkStatus();
+        },
+        [] { return absl::OkStatus(); });
+    if (!seconds.ok()) return seconds.status();
+    return 2.0 * static_cast<double>(bytes) / *seconds;
+  }
+
+  // Device work queued ahead of a timed batch of `reps` repetitions: 1 GiB copies (~0.7 ms each
+  // at ~3 TB/s), enough to cover ~30 us of host time per repetition (a decode repetition
+  // queues two kernels and two events), so no repetition waits for the host inside its events.
+  absl::Status Busy(int64_t reps) {
+    const int64_t copies = std::max<int64_t>(3, (reps * 30 + 699) / 700);
+    for (int64_t i = 0; i < copies; ++i) {
+      BENCH_CUDA(cudaMemcpyAsync(copy_dst_.data(), copy_src_.data(), copy_src_.bytes(),
+                                 cudaMemcpyDeviceToDevice, stream_.get()));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DeviceBuffer> Alloc(size_t bytes) { return backend_->Allocate(bytes); }
+
+  absl::Status Fill(void* dst, DType dtype, size_t count, uint64_t seed, float scale) {
+    return backend_->RandomFill(
+        {.dst = dst, .dtype = dtype, .count = count, .seed = seed, .scale = scale});
+  }
+
+  absl::Status Upload(const DeviceBuffer& dst, const void* src, size_t bytes) {
+    return backend_->CopyToDevice(dst.data(), src, bytes);
+  }
+
+  struct Timing {
+    double kernel_seconds = 0.0;   // median over repetitions, cudaEvents
+    double backend_seconds = 0.0;  // Backend::WindowAttention, host clock, mean over a batch
+    int64_t reps = 0;
+    int64_t splits = 0;
+    bool decode_kernel = false;
+  };
+
+  // Times attention over `sets` argument sets (rotated per repetition; they differ only in
+  // their K/V caches and maw).
+  // kernel_only: only the cudaEvent timing, of the plan made with allow_tensor_cores and with
+  // the tensor-core kernel's operands split (exact_operands) or rounded to bf16.
+  absl::StatusOr<Timing> TimeAttention(const std::vector<WindowAttentionArgs>& sets,
+                                       double target_seconds, int64_t max_reps,
+                                       bool kernel_only = false, bool allow_tensor_cores = true,
+                                       bool exact_operands = true) {
+    WindowAttentionPlan plan;
+    BENCH_CUDA(
+        cuda_backend::PlanWindowAttention(sets[0], num_sms_, &plan, allow_tensor_cores));
+    plan.exact_operands = exact_operands;
+    DeviceBuffer workspace;
+    if (plan.workspace_bytes > 0) {
+      absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
+      if (!ws.ok()) return ws.status();
+      workspace = *std::move(ws);
+    }
+    auto run = [&](int64_t rep) -> absl::Status {
+      const WindowAttentionArgs& a = sets[rep % sets.size()];
+      BENCH_CUDA(cuda_backend::LaunchWindowAttention(a, plan, workspace.data(), stream_.get()));
+      if (a.maw != nullptr) {
+        BENCH_CUDA(cuda_backend::LaunchMawUpdate(a, plan, workspace.data(), stream_.get()));
+      }
+      return absl::OkStatus();
+    };
+    // Warm-up (module load, occupancy queries) and a first estimate for the repetition count.
+    BENCH_RETURN_IF_ERROR(run(0));
+    BENCH_CUDA(cudaStreamSynchronize(stream_.get()));
+    absl::StatusOr<double> once =
+        TimeMedian(stream_.get(), 3, run, [] { return absl::OkStatus(); });
+    if (!once.ok()) return once.status();
+    Timing timing;
+    timing.reps = std::clamp<int64_t>(static_cast<int64_t>(target_seconds / *once), 5, max_reps);
+    timing.reps = (timing.reps + sets.size() - 1) / sets.size() * sets.size();
+    absl::StatusOr<double> median =
+        TimeMedian(stream_.get(), timing.reps, run, [&] { return Busy(timing.reps); });
+    if (!median.ok()) return median.status();
+    timing.kernel_seconds = *median;
+    timing.splits = plan.splits;
+    timing.decode_kernel = plan.decode;
+    if (kernel_only) return timing;
+
+    // The backend path, as the engine calls it.
+    BENCH_RETURN_IF_ERROR(backend_->Synchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t rep = 0; rep < timing.reps; ++rep) {
+      const WindowAttentionArgs& a = sets[rep % sets.size()];
+      BENCH_RETURN_IF_ERROR(backend_->WindowAttention({.q = a.q,
+                                                       .q_row_stride = a.q_row_stride,
+                                                       .q_pos = a.q_pos,
+                                                       .k_cache = a.k_cache,
+                                                       .v_cache = a.v_cache,
+                                                       .cache_dtype = a.cache_dtype,
+                                                       .slot_pos = a.slot_pos,
+                                                       .num_slots = a.num_slots,
+                                                       .capacity = a.capacity,
+                                                       .num_tokens = a.num_tokens,
+                                                       .num_q_heads = a.num_q_heads,
+                                                       .num_kv_heads = a.num_kv_heads,
+                                                       .head_dim = a.head_dim,
+                                                       .scale = a.scale,
+                                                       .o = a.o,
+                                                       .lse = a.lse,
+                                                       .maw = a.maw,
+                                                       .alpha = a.alpha}));
+    }
+    BENCH_RETURN_IF_ERROR(backend_->Synchronize());
+    timing.backend_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+        static_cast<double>(timing.reps);
+    return timing;
+  }
+
+ private:
+  Bench() = default;
+
+  std::unique_ptr<Backend> backend_;
+  StreamPtr stream_;
+  int num_sms_ = 0;
+  size_t l2_bytes_ = 0;
+  std::string device_;
+  DeviceBuffer copy_src_, copy_dst_;
+};
+
+struct Geometry {
+  int64_t q_heads, kv_heads, head_dim;
+  DType dtype;
+};
+
+// Device buffers of one attention problem: q, q_pos, slot_pos, o, lse shared; `sets` K/V caches
+// (and maw) to rotate over.
+struct Problem {
+  DeviceBuffer q, q_pos, slot_pos, o, lse;
+  std::vector<DeviceBuffer> k, v, maw;
+  std::vector<WindowAttentionArgs> args;
+};
+
+absl::StatusOr<Problem> MakeProblem(Bench& bench, const Geometry& geo, int64_t tokens,
+                                    int64_t slots, const std::vector<int32_t>& slot_pos,
+                                    const std::vector<int32_t>& q_pos, int64_t sets, bool maw) {
+  Problem p;
+  const size_t cache_elems = static_cast<size_t>(geo.kv_heads * slots * geo.head_dim);
+  const size_t q_elems = static_cast<size_t>(tokens * geo.q_heads * geo.head_dim);
+  auto alloc = [&](DeviceBuffer* dst, size_t bytes) -> absl::Status {
+    absl::StatusOr<DeviceBuffer> b = bench.Alloc(bytes);
+    if (!b.ok()) return b.status();
+    *dst = *std::move(b);
+    return absl::OkStatus();
+  };
+  BENCH_RETURN_IF_ERROR(alloc(&p.q, q_elems * 4));
+  BENCH_RETURN_IF_ERROR(alloc(&p.q_pos, tokens * 4));
+  BENCH_RETURN_IF_ERROR(alloc(&p.slot_pos, slots * 4));
+  BENCH_RETURN_IF_ERROR(alloc(&p.o, q_elems * 4));
+  BENCH_RETURN_IF_ERROR(alloc(&p.lse, tokens * geo.q_heads * 4));
+  BENCH_RETURN_IF_ERROR(bench.Fill(p.q.data(), DType::kF32, q_elems, 11, 1.0f));
+  BENCH_RETURN_IF_ERROR(bench.Upload(p.q_pos, q_pos.data(), tokens * 4));
+  BENCH_RETURN_IF_ERROR(bench.Upload(p.slot_pos, slot_pos.data(), slots * 4));
+  const size_t elem = DTypeBytes(geo.dtype);
+  for (int64_t i = 0; i < sets; ++i) {
+    p.k.emplace_back();
+    p.v.emplace_back();
+    BENCH_RETURN_IF_ERROR(alloc(&p.k.back(), cache_elems * elem));
+    BENCH_RETURN_IF_ERROR(alloc(&p.v.back(), cache_elems * elem));
+    BENCH_RETURN_IF_ERROR(bench.Fill(p.k.back().data(), geo.dtype, cache_elems, 100 + 2 * i, 1));
+    BENCH_RETURN_IF_ERROR(bench.Fill(p.v.back().data(), geo.dtype, cache_elems, 101 + 2 * i, 1));
+    float* maw_ptr = nullptr;
+    if (maw) {
+      p.maw.emplace_back();
+      BENCH_RETURN_IF_ERROR(alloc(&p.maw.back(), geo.kv_heads * slots * 4));
+      // Positive values in [0, 0.02): the running-average branch of the update.
+      BENCH_RETURN_IF_ERROR(bench.Fill(p.maw.back().data(), DType::kF32,
+                                       geo.kv_heads * slots, 500 + i, 0.01f));
+      maw_ptr = p.maw.back().as<float>();
+    }
+    p.args.push_back({.q = p.q.as<float>(),
+                      .q_row_stride = geo.q_heads * geo.head_dim,
+                      .q_pos = p.q_pos.as<int32_t>(),
+                      .k_cache = p.k.back().data(),
+                      .v_cache = p.v.back().data(),
+                      .cache_dtype = geo.dtype,
+                      .slot_pos = p.slot_pos.as<int32_t>(),
+                      .num_slots = slots,
+                      .capacity = slots,
+                      .num_tokens = tokens,
+                      .num_q_heads = geo.q_heads,
+                      .num_kv_heads = geo.kv_heads,
+                      .head_dim = geo.head_dim,
+                      .scale = 1.0f / std::sqrt(static_cast<float>(geo.head_dim)),
+                      .o = p.o.as<float>(),
+                      .lse = p.lse.as<float>(),
+                      .maw = maw_ptr,
+                      .alpha = 0.1f});
+  }
+  return p;
+}
+
+absl::Status Run() {
+  absl::StatusOr<std::unique_ptr<Bench>> created = Bench::Create();
+  if (!created.ok()) return created.status();
+  Bench& bench = **created;
+  const std::string dtype_name = absl::GetFlag(FLAGS_dtype);
+  if (dtype_name != "bf16" && dtype_name != "f32") {
+    return absl::InvalidArgumentError("--dtype must be bf16 or f32");
+  }
+  const Geometry geo{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
+                     absl::GetFlag(FLAGS_head_dim),
+                     dtype_name == "bf16" ? DType::kBF16 : DType::kF32};
+  const double target = absl::GetFlag(FLAGS_seconds);
+  const int64_t max_reps = absl::GetFlag(FLAGS_max_reps);
+
+  absl::StatusOr<double> copy_bw = bench.CopyBandwidth();
+  if (!copy_bw.ok()) return copy_bw.status();
+  std::printf("%s\n", nlohmann::json{{"bench", "copy"},
+                                     {"device", bench.device()},
+                                     {"gbps", *copy_bw / 1e9}}
+                          .dump()
+                          .c_str());
+  std::vector<std::string> table;
+
+  // ---- decode: the paged window = 4 sink slots + a ring of recent positions, all visible.
+  absl::StatusOr<std::vector<int64_t>> windows = ParseList(absl::GetFlag(FLAGS_decode_windows));
+  if (!windows.ok()) return windows.status();
+  absl::StatusOr<std::vector<int64_t>> decode_tokens =
+      ParseList(absl::GetFlag(FLAGS_decode_tokens));
+  if (!decode_tokens.ok()) return decode_tokens.status();
+  for (int64_t window : *windows) {
+    constexpr int64_t kSink = 4;
+    if (window <= kSink) return absl::InvalidArgumentError("decode window must exceed 4");
+    // Context of 1M tokens; the ring's write cursor sits at a third of the ring.
+    constexpr int32_t kContext = 1 << 20;
+    const int64_t ring = window - kSink;
+    std::vector<int32_t> slot_pos(window);
+    for (int64_t s = 0; s < window; ++s) {
+      if (s < kSink) {
+        slot_pos[s] = static_cast<int32_t>(s);
+      } else {
+        const int64_t age = (s - kSink + ring - ring / 3) % ring;  // 0 = oldest
+        slot_pos[s] = static_cast<int32_t>(kContext - ring + age);
+      }
+    }
+    const int64_t kv_bytes = 2 * geo.kv_heads * window * geo.head_dim * DTypeBytes(geo.dtype);
+    const int64_t sets = std::max<int64_t>(
+        1, (4 * static_cast<int64_t>(bench.l2_bytes()) + kv_bytes - 1) / kv_bytes);
+    for (int64_t tokens : *decode_tokens) {
+      std::vector<int32_t> q_pos(tokens);
+      for (int64_t t = 0; t < tokens; ++t) q_pos[t] = static_cast<int32_t>(kContext + t);
+      for (bool maw : {false, true}) {
+        absl::StatusOr<Problem> problem =
+            MakeProblem(bench, geo, tokens, window, slot_pos, q_pos, sets, maw);
+        if (!problem.ok()) return problem.status();
+        absl::StatusOr<Bench::Timing> timing = bench.TimeAttention(problem->args, target, max_reps);
+        if (!timing.ok()) return timing.status();
+        const double qol_bytes = 4.0 * tokens * geo.q_heads * (2 * geo.head_dim + 1);
+        const double maw_bytes = maw ? 2.0 * 4 * geo.kv_heads * window : 0.0;
+        const double bytes = static_cast<double>(kv_bytes) + qol_bytes + maw_bytes;
+        const double gbps = bytes / timing->kernel_seconds / 1e9;
+        const double backend_gbps = bytes / timing->backend_seconds / 1e9;
+        std::printf("%s\n", nlohmann::json{{"bench", "decode"},
+                                           {"window", window},
+                                           {"tokens", tokens},
+                                           {"maw", maw},
+                                           {"bytes", bytes},
+                                           {"us", timing->kernel_seconds * 1e6},
+                                           {"gbps", gbps},
+                                           {"pct_copy", 100.0 * gbps * 1e9 / *copy_bw},
+                                           {"backend_us", timing->backend_seconds * 1e6},
+                                           {"backend_gbps", backend_gbps},
+                                           {"splits", timing->splits},
+                                           {"cache_sets", sets},
+                                           {"reps", timing->reps}}
+                                .dump()
+                                .c_str());
+        table.push_back(absl::StrFormat(
+            "decode  window %6d  tokens %2d  maw %-3s  %9.1f us  %7.0f GB/s  %5.1f%% of copy  "
+            "(backend call %9.1f us, %7.0f GB/s)  splits %d",
+            window, tokens, maw ? "on" : "off", timing->kernel_seconds * 1e6, gbps,
+            100.0 * gbps * 1e9 / *copy_bw, timing->backend_seconds * 1e6, backend_gbps,
+            timing->splits));
+      }
+    }
+  }
+
+  // ---- prefill: a chunk of T new tokens at positions [P, P + T) over a window holding
+  // positions [0, P + T) in slots of the same index (the chunk's own K/V already written).
+  if (absl::GetFlag(FLAGS_prefill)) {
+    for (absl::string_view spec :
+         absl::StrSplit(absl::GetFlag(FLAGS_prefill_cases), ',', absl::SkipEmpty())) {
+      const std::vector<std::string> parts = absl::StrSplit(spec, ':');
+      int64_t chunk = 0, prefix = -1;
+      if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &chunk) ||
+          !absl::SimpleAtoi(parts[1], &prefix) || chunk <= 0 || prefix < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("bad prefill case '", spec, "'"));
+      }
+      const int64_t slots = prefix + chunk;
+      std::vector<int32_t> slot_pos(slots), q_pos(chunk);
+      std::iota(slot_pos.begin(), slot_pos.end(), 0);
+      std::iota(q_pos.begin(), q_pos.end(), static_cast<int32_t>(prefix));
+      // Σ_t visible(t) = Σ_t (P + t + 1)
+      const double pairs =
+          static_cast<double>(chunk) * prefix + 0.5 * static_cast<double>(chunk) * (chunk + 1);
+      const double flops = 4.0 * pairs * geo.q_heads * geo.head_dim;
+      absl::StatusOr<Problem> problem =
+          MakeProblem(bench, geo, chunk, slots, slot_pos, q_pos, 1, false);
+      if (!problem.ok()) return problem.status();
+      absl::StatusOr<Bench::Timing> timing = bench.TimeAttention(problem->args, target, max_reps);
+      if (!timing.ok()) return timing.status();
+      const double tflops = flops / timing->kernel_seconds / 1e12;
+      double f32_ms = 0.0, f32_tflops = 0.0;
+      if (absl::GetFlag(FLAGS_compare_f32_kernel)) {
+        absl::StatusOr<Bench::Timing> f32_timing =
+            bench.TimeAttention(problem->args, target, max_reps, true, false);
+        if (!f32_timing.ok()) return f32_timing.status();
+        f32_ms = f32_timing->kernel_seconds * 1e3;
+        f32_tflops = flops / f32_timing->kernel_seconds / 1e12;
+      }
+      absl::StatusOr<Bench::Timing> bf16_timing =
+          bench.TimeAttention(problem->args, target, max_reps, true, true, false);
+      if (!bf16_timing.ok()) return bf16_timing.status();
+      const double bf16_tflops = flops / bf16_timing->kernel_seconds / 1e12;
+      std::printf("%s\n", nlohmann::json{{"bench", "prefill"},
+                                         {"chunk", chunk},
+                                         {"prefix", prefix},
+                                         {"flops", flops},
+                                         {"ms", timing->kernel_seconds * 1e3},
+                                         {"tflops", tflops},
+                                         {"backend_ms", timing->backend_seconds * 1e3},
+                                         {"f32_kernel_ms", f32_ms},
+                                         {"bf16_operands_ms", bf16_timing->kernel_seconds * 1e3},
+                                         {"bf16_operands_tflops", bf16_tflops},
+                                         {"f32_kernel_tflops", f32_tflops},
+                                         {"splits", timing->splits},
+                                         {"reps", timing->reps}}
+                              .dump()
+                              .c_str());
+      table.push_back(absl::StrFormat(
+          "prefill chunk %6d  prefix %6d  %9.3f ms  %6.1f TFLOPS  (backend call %9.3f ms; f32 "
+          "kernel %5.1f TFLOPS; bf16-rounded operands %5.1f TFLOPS)",
+          chunk, prefix, timing->kernel_seconds * 1e3, tflops, timing->backend_seconds * 1e3,
+          f32_tflops, bf16_tflops));
+    }
+  }
+
+  std::printf("\n%s, copy bandwidth %.0f GB/s (read + write), Hq %d Hkv %d D %d %s cache\n",
+              bench.device().c_str(), *copy_bw / 1e9, static_cast<int>(geo.q_heads),
+              static_cast<int>(geo.kv_heads), static_cast<int>(geo.head_dim), dtype_name.c_str());
+  for (const std::string& line : table) std::printf("%s\n", line.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const absl::Status status = tandem::gpu_worker::Run();
+  if (!status.ok()) {
+    std::fprintf(stderr, "tandem-kernel-bench: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  return 0;
+}

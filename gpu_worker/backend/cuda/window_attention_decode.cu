@@ -1,0 +1,377 @@
+// Streaming tensor-core decode kernel (window_attention_decode.cuh).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "attention_common.cuh"
+#include "device_utils.cuh"
+#include "mma_utils.cuh"
+#include "window_attention_decode.cuh"
+
+namespace tandem::gpu_worker::cuda_backend {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kRows = static_cast<int>(kDecodeStreamRows);  // one m16 fragment
+constexpr int kTile = 32;    // slots per warp tile
+constexpr int kStages = 3;   // tiles in flight per warp
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// One pipeline stage of one warp: K and V tiles [kTile][kD] bf16 (swizzled 16-byte chunks),
+// then the tile's slot positions [kTile] (-1 = empty or past the split).
+template <int kD>
+struct DecodeStage {
+  static constexpr int kChunks = kD / 8;
+  static constexpr size_t kTileBytes = size_t{kTile} * kD * sizeof(__nv_bfloat16);
+  static constexpr size_t kBytes = 2 * kTileBytes + kTile * sizeof(int);
+  static constexpr size_t kPipelineBytes = size_t{kWarps} * kStages * kBytes;
+  // After the loop the same memory holds the warps' states: o [kWarps][kRows][kD] f32, then
+  // m and l [kWarps][kRows] each.
+  static constexpr size_t kMergeBytes = sizeof(float) * kWarps * kRows * (kD + 2);
+  static constexpr size_t kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
+};
+
+// grid [row_tiles, num_kv_heads, splits], kThreads threads; the block's 16 query rows
+// r = row0 .. row0 + 15 (r = t·G + j) of kv head g form one m16 fragment that every warp holds
+// (q split into bf16 hi + lo). Warp w streams the 32-slot tiles w, w + 4, ... of the split
+// through its own cp.async pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores,
+// the position mask, the online softmax, O += P·V (P split into hi + lo). The 4 warp states
+// are merged through shared memory at the end.
+template <int kD>
+__global__ void __launch_bounds__(kThreads)
+    DecodeStreamKernel(WindowAttentionArgs a, int64_t slots_per_split, float* part_o,
+                       float* part_lse, float* scores) {
+  using T = __nv_bfloat16;
+  using Stage = DecodeStage<kD>;
+  constexpr int kKSteps = kD / 16;
+  constexpr int kDimTiles = kD / 8;
+  constexpr int kKeyTiles = kTile / 8;
+  constexpr int kChunks = Stage::kChunks;
+  constexpr int kRowsPerCopy = kWarpSize / kChunks;  // tile rows one warp-wide copy covers
+  extern __shared__ __align__(128) unsigned char smem[];
+  AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
+
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t g = blockIdx.y;
+  const int64_t row0 = blockIdx.x * int64_t{kRows};
+  const int64_t split = blockIdx.z;
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t rows = a.num_tokens * group;
+  const int head_dim = static_cast<int>(a.head_dim);
+
+  const int64_t row_a = row0 + lane / 4;
+  const int64_t row_b = row_a + 8;
+  const int qpos_a = row_a < rows ? a.q_pos[row_a / group] : -1;  // -1: sees nothing
+  const int qpos_b = row_b < rows ? a.q_pos[row_b / group] : -1;
+
+  // Q fragments, as in the prefill kernel (registers 0/1: rows a/b at columns 2(lane%4) + {0,1}
+  // of the k-step, registers 2/3: 8 columns on).
+  uint32_t q_hi[kKSteps][4], q_lo[kKSteps][4];
+  {
+    const float* qa = row_a < rows ? a.q + (row_a / group) * a.q_row_stride +
+                                         (g * group + row_a % group) * head_dim
+                                   : nullptr;
+    const float* qb = row_b < rows ? a.q + (row_b / group) * a.q_row_stride +
+                                         (g * group + row_b % group) * head_dim
+                                   : nullptr;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = kk * 16 + half * 8 + 2 * (lane % 4);
+        const bool in = col < head_dim;
+        const float xa0 = (qa != nullptr && in) ? qa[col] : 0.0f;
+        const float xa1 = (qa != nullptr && in) ? qa[col + 1] : 0.0f;
+        const float xb0 = (qb != nullptr && in) ? qb[col] : 0.0f;
+        const float xb1 = (qb != nullptr && in) ? qb[col + 1] : 0.0f;
+        SplitBf16(xa0, xa1, q_hi[kk][2 * half], q_lo[kk][2 * half]);
+        SplitBf16(xb0, xb1, q_hi[kk][2 * half + 1], q_lo[kk][2 * half + 1]);
+      }
+    }
+  }
+
+  const int64_t s_begin = split * slots_per_split;
+  const int64_t s_end = min(a.num_slots, s_begin + slots_per_split);
+  const T* k_head = static_cast<const T*>(a.k_cache) + g * a.capacity * a.head_dim;
+  const T* v_head = static_cast<const T*>(a.v_cache) + g * a.capacity * a.head_dim;
+  unsigned char* warp_smem = smem + warp * kStages * Stage::kBytes;
+  const int64_t first_base = s_begin + warp * kTile;
+  constexpr int64_t kBaseStep = int64_t{kWarps} * kTile;
+  const int tiles = first_base < s_end
+                        ? static_cast<int>((s_end - first_base + kBaseStep - 1) / kBaseStep)
+                        : 0;
+  const int valid_chunks = head_dim / 8;
+
+  // Queues tile i's copies into its stage; always commits a group (empty past the last tile)
+  // so that wait_group counts the same groups every iteration.
+  auto issue = [&](int i) {
+    if (i < tiles) {
+      unsigned char* st = warp_smem + (i % kStages) * Stage::kBytes;
+      T* ks = reinterpret_cast<T*>(st);
+      T* vs = reinterpret_cast<T*>(st + Stage::kTileBytes);
+      int* spos = reinterpret_cast<int*>(st + 2 * Stage::kTileBytes);
+      const int64_t base = first_base + i * kBaseStep;
+      const int c = lane % kChunks;
+#pragma unroll
+      for (int r0 = 0; r0 < kTile; r0 += kRowsPerCopy) {
+        const int r = r0 + lane / kChunks;
+        const int64_t s = base + r;
+        const bool valid = s < s_end && c < valid_chunks;
+        const int64_t offset = (valid ? s : base) * a.head_dim + (valid ? c * 8 : 0);
+        CpAsync16(SmemAddr(ks + SwizzledOffset<kD>(r, c)), k_head + offset, valid);
+        CpAsync16(SmemAddr(vs + SwizzledOffset<kD>(r, c)), v_head + offset, valid);
+      }
+      const int64_t s = base + lane;
+      CpAsync4(SmemAddr(spos + lane), a.slot_pos + (s < s_end ? s : base), s < s_end);
+    }
+    CpAsyncCommit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  float o[kDimTiles][4];
+#pragma unroll
+  for (int nd = 0; nd < kDimTiles; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+  float m_a = -INFINITY, m_b = -INFINITY;  // running max of score·log2(e)
+  float l_a = 0.0f, l_b = 0.0f;            // this lane's share of Σ 2^(score·log2e - m)
+  const float scale_log2 = a.scale * kLog2e;
+
+  for (int i = 0; i < tiles; ++i) {
+    issue(i + kStages - 1);
+    CpAsyncWait<kStages - 1>();  // tile i has landed (this lane's copies) ...
+    __syncwarp();                // ... and every lane's
+    unsigned char* st = warp_smem + (i % kStages) * Stage::kBytes;
+    T* ks = reinterpret_cast<T*>(st);
+    T* vs = reinterpret_cast<T*>(st + Stage::kTileBytes);
+    int* spos = reinterpret_cast<int*>(st + 2 * Stage::kTileBytes);
+    const int64_t base = first_base + i * kBaseStep;
+    // Lane j fixes up tile row j: -1 past the split (the copy wrote 0), and an empty slot's V
+    // row zeroed. NOTE: unwritten cache memory may hold NaN, and 0·NaN = NaN in the mma.
+    {
+      const bool past = base + lane >= s_end;
+      if (past || spos[lane] < 0) {
+        spos[lane] = -1;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          *reinterpret_cast<uint4*>(vs + SwizzledOffset<kD>(lane, c)) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    __syncwarp();
+
+    float s[kKeyTiles][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; kk += 2) {
+      if (kk * 16 >= head_dim) break;  // zero padding (warp-uniform)
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        uint32_t b[4];
+        LdMatrixX4(SmemAddr(ks + SwizzledOffset<kD>(n * 8 + (lane & 7), kk * 2 + (lane >> 3))), b);
+        Mma(s[n], q_hi[kk], b[0], b[1]);
+        Mma(s[n], q_lo[kk], b[0], b[1]);
+        Mma(s[n], q_hi[kk + 1], b[2], b[3]);
+        Mma(s[n], q_lo[kk + 1], b[2], b[3]);
+      }
+    }
+
+    // Mask by position; save the natural-unit scores for the MAW update; online softmax.
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      const int col = n * 8 + 2 * (lane & 3);
+      const int2 p = *reinterpret_cast<const int2*>(spos + col);
+      const bool vis[4] = {p.x >= 0 && p.x <= qpos_a, p.y >= 0 && p.y <= qpos_a,
+                           p.x >= 0 && p.x <= qpos_b, p.y >= 0 && p.y <= qpos_b};
+      if (scores != nullptr) {  // [num_kv_heads, rows, num_slots]
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t row = e < 2 ? row_a : row_b;
+          const int64_t slot = base + col + (e & 1);
+          if (row < rows && slot < s_end) {
+            scores[(g * rows + row) * a.num_slots + slot] = vis[e] ? s[n][e] * a.scale : -INFINITY;
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = vis[e] ? s[n][e] * scale_log2 : -INFINITY;
+      mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
+    const float new_a = fmaxf(m_a, mx_a);
+    const float new_b = fmaxf(m_b, mx_b);
+    const float base_a = new_a == -INFINITY ? 0.0f : new_a;  // nothing seen: p = 0, no NaN
+    const float base_b = new_b == -INFINITY ? 0.0f : new_b;
+    const float corr_a = Exp2(m_a - base_a);  // m = -inf: 0 (and o, l are still 0)
+    const float corr_b = Exp2(m_b - base_b);
+    m_a = new_a;
+    m_b = new_b;
+    l_a *= corr_a;
+    l_b *= corr_b;
+    if (__any_sync(kFullMask, corr_a != 1.0f || corr_b != 1.0f)) {  // a row's max moved
+#pragma unroll
+      for (int nd = 0; nd < kDimTiles; ++nd) {
+        o[nd][0] *= corr_a;
+        o[nd][1] *= corr_a;
+        o[nd][2] *= corr_b;
+        o[nd][3] *= corr_b;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      s[n][0] = Exp2(s[n][0] - base_a);
+      s[n][1] = Exp2(s[n][1] - base_a);
+      s[n][2] = Exp2(s[n][2] - base_b);
+      s[n][3] = Exp2(s[n][3] - base_b);
+      l_a += s[n][0] + s[n][1];
+      l_b += s[n][2] + s[n][3];
+    }
+
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      uint32_t p_hi[4], p_lo[4];
+      SplitBf16(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
+      SplitBf16(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+      SplitBf16(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
+      SplitBf16(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int nd = 0; nd < kDimTiles; nd += 2) {
+        if (nd * 8 >= head_dim) break;  // zero padding (warp-uniform)
+        uint32_t b[4];
+        LdMatrixX4Trans(SmemAddr(vs + SwizzledOffset<kD>(key, nd + (lane >> 4))), b);
+        Mma(o[nd], p_hi, b[0], b[1]);
+        Mma(o[nd], p_lo, b[0], b[1]);
+        Mma(o[nd + 1], p_hi, b[2], b[3]);
+        Mma(o[nd + 1], p_lo, b[2], b[3]);
+      }
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+
+  // Merge the 4 warps' states (the pipeline memory is free once every copy has landed).
+  CpAsyncWait<0>();
+  __syncthreads();
+  float* merge_o = reinterpret_cast<float*>(smem);        // [kWarps][kRows][kD]
+  float* merge_m = merge_o + kWarps * kRows * kD;         // [kWarps][kRows], log2 units
+  float* merge_l = merge_m + kWarps * kRows;              // [kWarps][kRows]
+  l_a += __shfl_xor_sync(kFullMask, l_a, 1);
+  l_a += __shfl_xor_sync(kFullMask, l_a, 2);
+  l_b += __shfl_xor_sync(kFullMask, l_b, 1);
+  l_b += __shfl_xor_sync(kFullMask, l_b, 2);
+  const int ra = lane / 4;
+  const int rb = ra + 8;
+#pragma unroll
+  for (int nd = 0; nd < kDimTiles; ++nd) {
+    const int col = nd * 8 + 2 * (lane & 3);
+    *reinterpret_cast<float2*>(merge_o + (warp * kRows + ra) * kD + col) =
+        make_float2(o[nd][0], o[nd][1]);
+    *reinterpret_cast<float2*>(merge_o + (warp * kRows + rb) * kD + col) =
+        make_float2(o[nd][2], o[nd][3]);
+  }
+  if ((lane & 3) == 0) {
+    merge_m[warp * kRows + ra] = m_a;
+    merge_m[warp * kRows + rb] = m_b;
+    merge_l[warp * kRows + ra] = l_a;
+    merge_l[warp * kRows + rb] = l_b;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * head_dim; idx += kThreads) {
+    const int r = idx / head_dim;
+    const int d = idx % head_dim;
+    const int64_t row = row0 + r;
+    if (row >= rows) continue;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_m[w * kRows + r]);
+    float value = 0.0f;
+    float lse = -INFINITY;
+    if (m != -INFINITY) {
+      float l = 0.0f;
+      float acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = Exp2(merge_m[w * kRows + r] - m);
+        l = fmaf(merge_l[w * kRows + r], c, l);
+        acc = fmaf(merge_o[(w * kRows + r) * kD + d], c, acc);
+      }
+      value = acc / l;
+      lse = m * kLn2 + logf(l);
+    }
+    const int64_t out_row = (row / group) * a.num_q_heads + g * group + row % group;
+    if (part_o == nullptr) {
+      a.o[out_row * a.head_dim + d] = value;
+      if (d == 0) a.lse[out_row] = lse;
+    } else {
+      const int64_t part_row = split * a.num_tokens * a.num_q_heads + out_row;
+      part_o[part_row * a.head_dim + d] = value;
+      if (d == 0) part_lse[part_row] = lse;
+    }
+  }
+}
+
+template <int kD>
+cudaError_t Prepare() {
+  return cudaFuncSetAttribute(DecodeStreamKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(DecodeStage<kD>::kSmemBytes));
+}
+
+template <int kD>
+cudaError_t Occupancy(int* blocks) {
+  const cudaError_t error = Prepare<kD>();
+  if (error != cudaSuccess) return error;
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, DecodeStreamKernel<kD>, kThreads,
+                                                       DecodeStage<kD>::kSmemBytes);
+}
+
+template <int kD>
+cudaError_t Launch(const WindowAttentionArgs& a, dim3 grid, int64_t slots_per_split,
+                   float* part_o, float* part_lse, float* scores, cudaStream_t stream) {
+  const cudaError_t error = Prepare<kD>();
+  if (error != cudaSuccess) return error;
+  DecodeStreamKernel<kD><<<grid, kThreads, DecodeStage<kD>::kSmemBytes, stream>>>(
+      a, slots_per_split, part_o, part_lse, scores);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool DecodeStreamSupports(const WindowAttentionArgs& a) {
+  return a.cache_dtype == DType::kBF16 && a.head_dim <= 128;
+}
+
+cudaError_t DecodeStreamBlocksPerSm(const WindowAttentionArgs& a, int* blocks) {
+  static std::atomic<int> cache[2] = {};  // per head-dim bucket; one architecture per process
+  const int bucket = a.head_dim <= 64 ? 0 : 1;
+  *blocks = cache[bucket].load(std::memory_order_relaxed);
+  if (*blocks > 0) return cudaSuccess;
+  const cudaError_t error = bucket == 0 ? Occupancy<64>(blocks) : Occupancy<128>(blocks);
+  if (error != cudaSuccess) return error;
+  cache[bucket].store(*blocks, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
+                               int64_t slots_per_split, float* part_o, float* part_lse,
+                               float* scores, cudaStream_t stream) {
+  if (!DecodeStreamSupports(a) || row_tiles <= 0 || splits <= 0 ||
+      slots_per_split % kTile != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
+                  static_cast<unsigned>(splits));
+  auto launch = a.head_dim <= 64 ? Launch<64> : Launch<128>;
+  return launch(a, grid, slots_per_split, part_o, part_lse, scores, stream);
+}
+
+}  // namespace tandem::gpu_worker::cuda_backend

@@ -1,0 +1,35 @@
+// Streaming decode kernel for window attention over bf16 caches with head_dim <= 128: the 16
+// query rows of a block (one m16 fragment: T·G rows of a kv head, so the whole GQA group shares
+// every K/V load) against the slots of a split, on tensor cores (mma.sync m16n8k16, q and p
+// split into bf16 hi + lo as in window_attention_mma.cuh, f32 accumulation). Each of the 4
+// warps streams its own 32-slot K/V tiles through a 3-stage cp.async pipeline (16 KB per tile
+// at head_dim 128), keeping its own online-softmax state; the warps' states are merged at the
+// end. The tensor cores leave the SIMT pipes nearly idle, so the kernel runs at the speed of
+// its loads; one block per multiprocessor (the pipelines fill shared memory).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "window_attention.cuh"
+
+namespace tandem::gpu_worker::cuda_backend {
+
+inline constexpr int64_t kDecodeStreamRows = 16;  // query rows per block
+
+// True when the streaming kernel handles these arguments (bf16 cache, head_dim <= 128).
+bool DecodeStreamSupports(const WindowAttentionArgs& a);
+
+// Resident blocks per multiprocessor of the streaming kernel for a.head_dim's bucket.
+cudaError_t DecodeStreamBlocksPerSm(const WindowAttentionArgs& a, int* blocks);
+
+// grid [row_tiles (16 rows each), num_kv_heads, splits]; slots_per_split a multiple of 32.
+// part_o / part_lse: the splits' partial states when splits > 1 (null: write o / lse);
+// scores: optional [num_kv_heads, T·G, num_slots] saved scores (-inf = not visible) for the
+// MAW update.
+cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
+                               int64_t slots_per_split, float* part_o, float* part_lse,
+                               float* scores, cudaStream_t stream);
+
+}  // namespace tandem::gpu_worker::cuda_backend
