@@ -270,6 +270,9 @@ class Bench {
       }
       selected_share = held ? static_cast<double>(selected) / held : 0;
       r["selected_share_measured"] = selected_share;
+      uint64_t shm_attends = 0;
+      for (auto& s : seqs) shm_attends += s->remote->shm_attends();
+      r["shm_attends"] = shm_attends;
       t.cpu_scan_bytes = offloaded_tokens * selected_share * KvBytesPerToken();
       t.pcie_bytes = cfg.batch * c.num_layers * c.num_q_heads * (2.0 * c.head_dim + 1) * 4;
       const gpu_worker::RunnerProfile& p = runner_.profile();

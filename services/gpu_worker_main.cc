@@ -41,6 +41,9 @@ ABSL_FLAG(double, maw_alpha, 0.1, "moving-average rate of the attention weights 
 ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
           "CPU attention nodes, comma-separated host:port; empty (and no --cpu_nodes_dns) = "
           "one node embedded in this process");
+ABSL_FLAG(std::string, transport, "auto",
+          "Attend/AppendKv transport to CPU nodes: auto (shared memory for nodes on this host, "
+          "else gRPC), shm (fail unless every node takes shared memory) or grpc");
 ABSL_FLAG(std::string, cpu_nodes_dns, "",
           "name:port resolving to every CPU attention node (a headless Service)");
 ABSL_FLAG(int, attend_deadline_ms, 2000, "deadline of each Attend call to a CPU node");
@@ -112,6 +115,12 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     if (!node.empty()) e.nodes.addresses.push_back(node);
   }
   e.nodes.dns_name = absl::GetFlag(FLAGS_cpu_nodes_dns);
+  absl::StatusOr<tandem::gpu_worker::NodeTransport> transport =
+      tandem::gpu_worker::ParseNodeTransport(absl::GetFlag(FLAGS_transport));
+  if (!transport.ok()) {
+    return UsageError(absl::StrCat("--transport: ", transport.status().message()));
+  }
+  e.nodes.transport = *transport;
   if (!e.nodes.addresses.empty() && !e.nodes.dns_name.empty()) {
     return UsageError("give --cpu_nodes or --cpu_nodes_dns, not both");
   }

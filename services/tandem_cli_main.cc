@@ -100,6 +100,8 @@ ABSL_FLAG(std::string, session_id, "", "generate: keep and continue this session
 ABSL_FLAG(std::string, backend, "auto", "in-process engine: auto, cpu or cuda");
 ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
           "in-process engine: CPU attention nodes host:port,...; empty = one embedded node");
+ABSL_FLAG(std::string, transport, "auto",
+          "in-process engine: Attend/AppendKv transport to CPU nodes: auto, shm or grpc");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "in-process engine: prompt tokens per forward chunk");
 ABSL_FLAG(int64_t, max_context, 0, "in-process engine: context limit; 0 = the model's");
 ABSL_FLAG(unsigned, generate_deadline_s, 3600, "generate: deadline of the Generate call");
@@ -516,6 +518,8 @@ absl::StatusOr<gw::EngineOptions> EngineOptionsFromFlags() {
   for (const std::string& node : absl::GetFlag(FLAGS_cpu_nodes)) {
     if (!node.empty()) options.nodes.addresses.push_back(node);
   }
+  TANDEM_ASSIGN_OR_RETURN(options.nodes.transport,
+                          gw::ParseNodeTransport(absl::GetFlag(FLAGS_transport)));
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.max_context = absl::GetFlag(FLAGS_max_context);
   return options;

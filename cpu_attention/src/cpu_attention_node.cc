@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "shm_session_server.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
@@ -68,6 +69,14 @@ absl::Status CheckBeta(float beta) {
   return absl::OkStatus();
 }
 
+absl::Status CheckQueryTokens(int64_t t, absl::string_view what, uint32_t max_tokens) {
+  if (t < 1 || t > max_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": num_tokens ", t, " outside 1..", max_tokens));
+  }
+  return absl::OkStatus();
+}
+
 // Decodes q of shape [T, H_q, D] after checking T against the node's limit.
 absl::Status DecodeQueries(const v1::Tensor& q, absl::string_view what, const Session& session,
                            uint32_t max_tokens, std::vector<float>* dst, uint32_t* num_tokens) {
@@ -78,13 +87,35 @@ absl::Status DecodeQueries(const v1::Tensor& q, absl::string_view what, const Se
                      "], got rank ", q.shape_size()));
   }
   const int64_t t = q.shape(0);
-  if (t < 1 || t > max_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, ": num_tokens ", t, " outside 1..", max_tokens));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckQueryTokens(t, what, max_tokens));
   const int64_t shape[] = {t, g.num_q_heads, g.head_dim};
   TANDEM_RETURN_IF_ERROR(DecodeFloats(q, what, shape, /*require_finite=*/true, dst));
   *num_tokens = static_cast<uint32_t>(t);
+  return absl::OkStatus();
+}
+
+// The raw form of DecodeQueries: q is f32 [T, H_q, D], copied before it is checked for finite
+// values (it may sit in memory another process writes).
+absl::Status CopyQueries(std::span<const float> q, absl::string_view what, const Session& session,
+                         uint32_t num_tokens, uint32_t max_tokens, std::vector<float>* dst) {
+  const auto& g = session.geometry();
+  TANDEM_RETURN_IF_ERROR(CheckQueryTokens(num_tokens, what, max_tokens));
+  const size_t expected = size_t{num_tokens} * g.num_q_heads * g.head_dim;
+  if (q.size() != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", q.size(), " floats, expected [",
+                                                   num_tokens, ", ", g.num_q_heads, ", ",
+                                                   g.head_dim, "]"));
+  }
+  dst->assign(q.begin(), q.end());
+  return CheckFinite(*dst, what);
+}
+
+absl::Status CheckAppendTokens(int64_t n) {
+  if (n < 1 || n > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: expected shape [num_heads, num_tokens, head_dim] with num_tokens in "
+                     "1..65536, got num_tokens ", n));
+  }
   return absl::OkStatus();
 }
 
@@ -159,55 +190,135 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
   response->set_block_size(session->format().block_tokens);
   response->set_bytes_per_block(session->format().block_bytes());
   response->set_free_bytes(store_.budget().free());
+  response->set_transport(v1::TRANSPORT_GRPC);
+  if (request.has_shm()) StartShm(session, request.shm(), response);
   return absl::OkStatus();
 }
 
-absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
-                                        v1::AppendKvResponse* totals) {
-  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
-  TANDEM_RETURN_IF_ERROR(CheckLayer(*session, request.layer()));
-  std::vector<uint32_t> heads(request.kv_heads().begin(), request.kv_heads().end());
-  if (heads.empty()) {
-    auto owned = session->owned_kv_heads(request.layer());
-    heads.assign(owned.begin(), owned.end());
+void CpuAttentionNode::StartShm(const std::shared_ptr<Session>& session,
+                                const v1::ShmChannelSpec& spec,
+                                v1::OpenSessionResponse* response) {
+  if (!options_.allow_shm) {
+    response->set_shm_declined("shared memory is disabled on this node");
+    return;
   }
-  if (heads.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("session '", session->id(),
-                                                   "' owns no kv head of layer ",
-                                                   request.layer()));
+  ShmSessionGeometry geometry;
+  const auto& g = session->geometry();
+  geometry.num_q_heads = g.num_q_heads;
+  geometry.head_dim = g.head_dim;
+  geometry.group = g.group();
+  geometry.kv_row_bytes = static_cast<uint32_t>(session->format().row_bytes());
+  for (uint32_t l = 0; l < g.num_layers; ++l) {
+    geometry.owned_heads.push_back(static_cast<uint32_t>(session->owned_kv_heads(l).size()));
   }
-  if (heads.size() > session->geometry().num_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat(heads.size(), " kv_heads listed, layer has ",
-                                                   session->geometry().num_kv_heads));
+  absl::StatusOr<std::unique_ptr<ShmSessionServer>> server = ShmSessionServer::Start(
+      this, session->id(), std::move(geometry), spec.name(), spec.segment_bytes(), spec.nonce(),
+      options_.shm_spin_us, &shm_requests_);
+  if (!server.ok()) {
+    response->set_shm_declined(std::string(server.status().message()));
+    return;
   }
-  const v1::Tensor& k = request.k();
-  if (k.shape_size() != 3 || k.shape(1) < 1 || k.shape(1) > 65536) {
-    return absl::InvalidArgumentError(
-        "k: expected shape [num_heads, num_tokens, head_dim] with num_tokens in 1..65536");
-  }
-  const int64_t n = k.shape(1);
-  const int64_t kv_shape[] = {static_cast<int64_t>(heads.size()), n,
-                              session->geometry().head_dim};
-  const int64_t maw_shape[] = {static_cast<int64_t>(heads.size()), n};
-  const v1::DType dtype = ProtoDType(session->format().dtype);
-  TANDEM_RETURN_IF_ERROR(CheckTensor(k, "k", dtype, kv_shape));
-  TANDEM_RETURN_IF_ERROR(CheckTensor(request.v(), "v", dtype, kv_shape));
-  TANDEM_RETURN_IF_ERROR(CheckTensor(request.maw(), "maw", v1::DTYPE_F32, maw_shape));
-  // Copy MAW out of the proto's byte string so the floats are aligned.
-  std::vector<float> maw(heads.size() * static_cast<size_t>(n));
-  std::memcpy(maw.data(), request.maw().data().data(), maw.size() * sizeof(float));
+  std::lock_guard lock(shm_mu_);
+  shm_servers_[session->id()] = std::move(*server);
+  response->set_transport(v1::TRANSPORT_SHM);
+}
 
-  TANDEM_ASSIGN_OR_RETURN(
-      kv_store::AppendStats stats,
-      store_.Append(*session, request.layer(), heads,
-                    reinterpret_cast<const std::byte*>(k.data().data()),
-                    reinterpret_cast<const std::byte*>(request.v().data().data()), maw.data(),
-                    static_cast<uint32_t>(n), request.window_entries()));
+struct CpuAttentionNode::AppendTarget {
+  std::shared_ptr<Session> session;
+  std::vector<uint32_t> heads;   // resolved: the listed heads, or every owned head of the layer
+};
+
+absl::StatusOr<CpuAttentionNode::AppendTarget> CpuAttentionNode::ResolveAppend(
+    const std::string& session_id, uint32_t layer, std::span<const uint32_t> kv_heads) {
+  AppendTarget target;
+  TANDEM_ASSIGN_OR_RETURN(target.session, store_.Find(session_id));
+  const Session& session = *target.session;
+  TANDEM_RETURN_IF_ERROR(CheckLayer(session, layer));
+  if (kv_heads.size() > session.geometry().num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(kv_heads.size(), " kv_heads listed, layer has ",
+                                                   session.geometry().num_kv_heads));
+  }
+  target.heads.assign(kv_heads.begin(), kv_heads.end());
+  if (target.heads.empty()) {
+    auto owned = session.owned_kv_heads(layer);
+    target.heads.assign(owned.begin(), owned.end());
+  }
+  if (target.heads.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session '", session.id(), "' owns no kv head of layer ", layer));
+  }
+  return target;
+}
+
+absl::Status CpuAttentionNode::ApplyAppend(AppendTarget& target, uint32_t layer,
+                                           const std::byte* k, const std::byte* v,
+                                           const std::byte* maw_bytes, uint32_t n,
+                                           uint32_t window_entries,
+                                           v1::AppendKvResponse* totals) {
+  // Copy MAW so the floats are aligned and cannot change between the store's check and use.
+  std::vector<float> maw(target.heads.size() * static_cast<size_t>(n));
+  std::memcpy(maw.data(), maw_bytes, maw.size() * sizeof(float));
+  TANDEM_ASSIGN_OR_RETURN(kv_store::AppendStats stats,
+                          store_.Append(*target.session, layer, target.heads, k, v, maw.data(), n,
+                                        window_entries));
   totals->set_messages(totals->messages() + 1);
   totals->set_entries_appended(totals->entries_appended() + stats.entries_appended);
   totals->set_entries_selected(totals->entries_selected() + stats.entries_selected);
   return absl::OkStatus();
 }
+
+absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
+                                        v1::AppendKvResponse* totals) {
+  TANDEM_ASSIGN_OR_RETURN(
+      AppendTarget target,
+      ResolveAppend(request.session_id(), request.layer(),
+                    std::span<const uint32_t>(request.kv_heads().data(),
+                                              static_cast<size_t>(request.kv_heads_size()))));
+  const v1::Tensor& k = request.k();
+  if (k.shape_size() != 3) {
+    return absl::InvalidArgumentError(
+        "k: expected shape [num_heads, num_tokens, head_dim] with num_tokens in 1..65536");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckAppendTokens(k.shape(1)));
+  const int64_t n = k.shape(1);
+  const int64_t kv_shape[] = {static_cast<int64_t>(target.heads.size()), n,
+                              target.session->geometry().head_dim};
+  const int64_t maw_shape[] = {static_cast<int64_t>(target.heads.size()), n};
+  const v1::DType dtype = ProtoDType(target.session->format().dtype);
+  TANDEM_RETURN_IF_ERROR(CheckTensor(k, "k", dtype, kv_shape));
+  TANDEM_RETURN_IF_ERROR(CheckTensor(request.v(), "v", dtype, kv_shape));
+  TANDEM_RETURN_IF_ERROR(CheckTensor(request.maw(), "maw", v1::DTYPE_F32, maw_shape));
+  return ApplyAppend(target, request.layer(), reinterpret_cast<const std::byte*>(k.data().data()),
+                     reinterpret_cast<const std::byte*>(request.v().data().data()),
+                     reinterpret_cast<const std::byte*>(request.maw().data().data()),
+                     static_cast<uint32_t>(n), request.window_entries(), totals);
+}
+
+absl::Status CpuAttentionNode::AppendKvRaw(const std::string& session_id, uint32_t layer,
+                                           std::span<const uint32_t> kv_heads,
+                                           std::span<const std::byte> k,
+                                           std::span<const std::byte> v,
+                                           std::span<const std::byte> maw, uint32_t n,
+                                           uint32_t window_entries,
+                                           v1::AppendKvResponse* totals) {
+  TANDEM_ASSIGN_OR_RETURN(AppendTarget target, ResolveAppend(session_id, layer, kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckAppendTokens(n));
+  const uint64_t entries = uint64_t{n} * target.heads.size();
+  const uint64_t kv_bytes = entries * target.session->format().row_bytes();
+  if (k.size() != kv_bytes || v.size() != kv_bytes || maw.size() != entries * sizeof(float)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k, v, maw: ", k.size(), ", ", v.size(), ", ", maw.size(), " bytes, expected ", kv_bytes,
+        ", ", kv_bytes, ", ", entries * sizeof(float), " for ", target.heads.size(),
+        " heads x ", n, " entries"));
+  }
+  return ApplyAppend(target, layer, k.data(), v.data(), maw.data(), n, window_entries, totals);
+}
+
+struct CpuAttentionNode::AttendItem {
+  std::shared_ptr<Session> session;
+  std::vector<float> q;  // [T, H_q, D]
+  uint32_t num_tokens = 0;
+};
 
 absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
                                       v1::AttendResponse* response) {
@@ -217,12 +328,7 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
         absl::StrCat("queries: ", batch, " items, expected 1..", options_.max_batch));
   }
   // Resolve and validate every query before computing anything.
-  struct Item {
-    std::shared_ptr<Session> session;
-    std::vector<float> q;  // [T, H_q, D]
-    uint32_t num_tokens = 0;
-  };
-  std::vector<Item> items(batch);
+  std::vector<AttendItem> items(batch);
   std::set<std::string> seen;
   for (int i = 0; i < batch; ++i) {
     const v1::AttendQuery& query = request.queries(i);
@@ -237,7 +343,66 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
                                          *items[i].session, options_.max_query_tokens,
                                          &items[i].q, &items[i].num_tokens));
   }
+  uint64_t compute_micros = 0, bytes_scanned = 0;
+  TANDEM_RETURN_IF_ERROR(AttendItems(
+      request.layer(), items,
+      [response](size_t, const Session& session, uint32_t num_tokens,
+                 std::span<const HeadCount> heads) -> absl::StatusOr<AttendTarget> {
+        const auto& g = session.geometry();
+        const int64_t rows_per_token = static_cast<int64_t>(heads.size()) * g.group();
+        v1::AttendResult* result = response->add_results();
+        result->set_session_id(session.id());
+        for (const HeadCount& h : heads) {
+          result->add_kv_heads(h.kv_head);
+          result->add_selected(h.selected);
+          result->add_held(h.held);
+        }
+        const int64_t o_shape[] = {num_tokens, rows_per_token, g.head_dim};
+        const int64_t lse_shape[] = {num_tokens, rows_per_token};
+        return AttendTarget{InitF32(result->mutable_o(), o_shape),
+                            InitF32(result->mutable_lse(), lse_shape)};
+      },
+      &compute_micros, &bytes_scanned));
+  response->set_compute_micros(compute_micros);
+  response->set_bytes_scanned(bytes_scanned);
+  return absl::OkStatus();
+}
 
+absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t layer,
+                                         std::span<const float> q, uint32_t num_tokens,
+                                         RawAttendOutput* out) {
+  std::vector<AttendItem> items(1);
+  TANDEM_ASSIGN_OR_RETURN(items[0].session, store_.Find(session_id));
+  TANDEM_RETURN_IF_ERROR(CheckLayer(*items[0].session, layer));
+  TANDEM_RETURN_IF_ERROR(CopyQueries(q, "q", *items[0].session, num_tokens,
+                                     options_.max_query_tokens, &items[0].q));
+  items[0].num_tokens = num_tokens;
+  return AttendItems(
+      layer, items,
+      [out](size_t, const Session& session, uint32_t tokens,
+            std::span<const HeadCount> heads) -> absl::StatusOr<AttendTarget> {
+        const auto& g = session.geometry();
+        const size_t rows = size_t{tokens} * heads.size() * g.group();
+        if (out->kv_heads.size() != heads.size() || out->selected.size() != heads.size() ||
+            out->held.size() != heads.size() || out->o.size() != rows * g.head_dim ||
+            out->lse.size() != rows) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "output arrays are not sized for ", heads.size(), " owned kv heads x ", tokens,
+              " tokens"));
+        }
+        for (size_t h = 0; h < heads.size(); ++h) {
+          out->kv_heads[h] = heads[h].kv_head;
+          out->selected[h] = heads[h].selected;
+          out->held[h] = heads[h].held;
+        }
+        return AttendTarget{out->o.data(), out->lse.data()};
+      },
+      &out->compute_micros, &out->bytes_scanned);
+}
+
+absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendItem>& items,
+                                           AttendSink sink, uint64_t* compute_micros,
+                                           uint64_t* bytes_scanned_out) {
   attend_calls_.fetch_add(1, std::memory_order_relaxed);
   attend_in_flight_.fetch_add(1, std::memory_order_relaxed);
   struct InFlight {
@@ -245,41 +410,42 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
     ~InFlight() { n->fetch_sub(1, std::memory_order_relaxed); }
   } in_flight{&attend_in_flight_};
 
-  // Readers hold each session's lock shared for the whole computation; sorted order (the set
-  // above) keeps lock acquisition consistent across concurrent calls.
+  // Readers hold each session's lock shared for the whole computation; sorted order (ids are
+  // unique, the callers checked) keeps lock acquisition consistent across concurrent calls.
   std::vector<std::shared_lock<std::shared_mutex>> locks;
   {
     std::vector<Session*> order;
-    for (Item& item : items) order.push_back(item.session.get());
+    for (AttendItem& item : items) order.push_back(item.session.get());
     std::sort(order.begin(), order.end(),
               [](const Session* a, const Session* b) { return a->id() < b->id(); });
     for (Session* s : order) locks.emplace_back(s->mutex());
   }
 
   // A session closed between Find and the lock has no shards left.
-  for (const Item& item : items) {
-    TANDEM_RETURN_IF_ERROR(CheckOpen(*item.session, request.layer()));
+  for (const AttendItem& item : items) {
+    TANDEM_RETURN_IF_ERROR(CheckOpen(*item.session, layer));
   }
 
   // Problems grouped by the parameters SparseAttention takes for a whole call.
   using ParamKey = std::tuple<KvDType, uint32_t, uint32_t, uint32_t>;  // dtype, D, G, T
   std::map<ParamKey, std::pair<AttentionParams, std::vector<HeadProblem>>> groups;
   uint64_t bytes_scanned = 0;
-  const uint32_t layer = request.layer();
-  for (int i = 0; i < batch; ++i) {
-    Item& item = items[i];
+  std::vector<HeadCount> counts;
+  for (size_t i = 0; i < items.size(); ++i) {
+    AttendItem& item = items[i];
     const Session& session = *item.session;
     const auto& g = session.geometry();
     const uint32_t G = g.group();
     const auto owned = session.owned_kv_heads(layer);
     const int64_t rows_per_token = static_cast<int64_t>(owned.size()) * G;
 
-    v1::AttendResult* result = response->add_results();
-    result->set_session_id(session.id());
-    const int64_t o_shape[] = {item.num_tokens, rows_per_token, g.head_dim};
-    const int64_t lse_shape[] = {item.num_tokens, rows_per_token};
-    float* o = InitF32(result->mutable_o(), o_shape);
-    float* lse = InitF32(result->mutable_lse(), lse_shape);
+    counts.clear();
+    for (uint32_t kv_head : owned) {
+      const Shard* shard = session.shard(layer, kv_head);
+      counts.push_back({kv_head, shard->selected_count(), shard->held()});
+    }
+    TANDEM_ASSIGN_OR_RETURN(const AttendTarget target,
+                            sink(i, session, item.num_tokens, counts));
 
     AttentionParams params = ParamsFor(session, item.num_tokens, options_.chunk_keys);
     params.o_token_stride = static_cast<size_t>(rows_per_token) * g.head_dim;
@@ -293,12 +459,9 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
       p.v = shard->selected_v();
       p.n = shard->selected_count();
       p.q = item.q.data() + size_t{owned[h]} * G * g.head_dim;
-      p.o = o + h * G * g.head_dim;
-      p.lse = lse + h * G;
+      p.o = target.o + h * G * g.head_dim;
+      p.lse = target.lse + h * G;
       group.second.push_back(p);
-      result->add_kv_heads(owned[h]);
-      result->add_selected(shard->selected_count());
-      result->add_held(shard->held());
       bytes_scanned += 2 * shard->selected_count() * shard->format().row_bytes();
     }
   }
@@ -309,8 +472,8 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  response->set_compute_micros(static_cast<uint64_t>(seconds * 1e6));
-  response->set_bytes_scanned(bytes_scanned);
+  *compute_micros = static_cast<uint64_t>(seconds * 1e6);
+  *bytes_scanned_out = bytes_scanned;
   RecordScan(bytes_scanned, seconds);
   return absl::OkStatus();
 }
@@ -363,6 +526,16 @@ absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
 
 absl::Status CpuAttentionNode::CloseSession(const v1::CloseSessionRequest& request,
                                             v1::CloseSessionResponse* response) {
+  std::unique_ptr<ShmSessionServer> shm;   // joined outside the lock
+  {
+    std::lock_guard lock(shm_mu_);
+    auto it = shm_servers_.find(request.session_id());
+    if (it != shm_servers_.end()) {
+      shm = std::move(it->second);
+      shm_servers_.erase(it);
+    }
+  }
+  shm.reset();
   TANDEM_ASSIGN_OR_RETURN(uint64_t released, store_.CloseSession(request.session_id()));
   response->set_blocks_released(released);
   return absl::OkStatus();
@@ -381,9 +554,23 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   r.set_threads(pool_.num_threads());
   r.set_attend_calls(attend_calls_.load(std::memory_order_relaxed));
   r.set_attend_in_flight(attend_in_flight_.load(std::memory_order_relaxed));
+  r.set_shm_requests(shm_requests_.load(std::memory_order_relaxed));
+  {
+    std::lock_guard lock(shm_mu_);
+    r.set_shm_channels(static_cast<uint32_t>(shm_servers_.size()));
+  }
   std::lock_guard lock(scan_mu_);
   r.set_scan_bytes_per_second(scan_bytes_per_second_);
   return r;
+}
+
+CpuAttentionNode::~CpuAttentionNode() {
+  std::map<std::string, std::unique_ptr<ShmSessionServer>> servers;
+  {
+    std::lock_guard lock(shm_mu_);
+    servers.swap(shm_servers_);
+  }
+  servers.clear();   // stops and joins every channel thread while the store is alive
 }
 
 void CpuAttentionNode::RecordScan(uint64_t bytes, double seconds) {

@@ -78,12 +78,15 @@ absl::Status DecodeFloats(const v1::Tensor& t, absl::string_view what,
       (*dst)[i] = Bf16ToFloat(bits);
     }
   }
-  if (require_finite) {
-    for (size_t i = 0; i < n; ++i) {
-      if (!std::isfinite((*dst)[i])) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(what, ": element ", i, " is ", (*dst)[i], " (must be finite)"));
-      }
+  if (require_finite) return CheckFinite(*dst, what);
+  return absl::OkStatus();
+}
+
+absl::Status CheckFinite(std::span<const float> values, absl::string_view what) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": element ", i, " is ", values[i], " (must be finite)"));
     }
   }
   return absl::OkStatus();

@@ -48,8 +48,29 @@ absl::StatusOr<std::vector<std::string>> ResolveAll(const std::string& name_and_
   return out;
 }
 
+absl::StatusOr<NodeTransport> ParseNodeTransport(const std::string& name) {
+  if (name == "auto") return NodeTransport::kAuto;
+  if (name == "shm") return NodeTransport::kShm;
+  if (name == "grpc") return NodeTransport::kGrpc;
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport must be auto, shm or grpc, got '", name, "'"));
+}
+
+const char* NodeTransportName(NodeTransport transport) {
+  switch (transport) {
+    case NodeTransport::kAuto:
+      return "auto";
+    case NodeTransport::kShm:
+      return "shm";
+    case NodeTransport::kGrpc:
+      return "grpc";
+  }
+  return "?";
+}
+
 absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions& options) {
   auto pool = std::unique_ptr<NodePool>(new NodePool());
+  pool->transport_ = options.transport;
   std::vector<std::string> addresses = options.addresses;
   if (!options.dns_name.empty()) {
     TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> resolved, ResolveAll(options.dns_name));

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
+#include "tandem/cpu_attention/shm_protocol.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -22,10 +23,28 @@ void SetDeadline(grpc::ClientContext& ctx, int ms) {
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
 }
 
-absl::Status NodeError(const std::string& address, const char* what, const grpc::Status& s) {
-  absl::Status status = FromGrpcStatus(s);
+absl::Status NodeError(const std::string& address, const char* what, const absl::Status& status) {
   return absl::Status(status.code(),
                       absl::StrCat("CPU node ", address, ": ", what, ": ", status.message()));
+}
+
+absl::Status NodeError(const std::string& address, const char* what, const grpc::Status& s) {
+  return NodeError(address, what, FromGrpcStatus(s));
+}
+
+// The status a node wrote into a shm response (its header and error text), bounded by `message`.
+absl::Status ShmStatus(std::span<const std::byte> message, cpu_attention::shm::ResponseHeader* h) {
+  namespace shm = cpu_attention::shm;
+  if (message.size() < shm::kPayloadOffset) {
+    return absl::DataLossError("shm response shorter than its header");
+  }
+  std::memcpy(h, message.data(), sizeof(*h));
+  if (h->code == 0) return absl::OkStatus();
+  const size_t text = std::min<size_t>(h->message_bytes, message.size() - shm::kPayloadOffset);
+  const absl::StatusCode code = h->code <= 16 ? static_cast<absl::StatusCode>(h->code)
+                                              : absl::StatusCode::kUnknown;
+  return absl::Status(
+      code, std::string(reinterpret_cast<const char*>(message.data()) + shm::kPayloadOffset, text));
 }
 
 }  // namespace
@@ -35,6 +54,7 @@ RemoteKv::RemoteKv(NodePool& pool, const RemoteKvOptions& options)
       options_(options),
       opened_(pool.size(), false),
       lost_(pool.size(), false),
+      shm_(pool.size()),
       last_selection_(options.num_layers),
       share_sum_(options.num_layers, 0.0),
       share_count_(options.num_layers, 0) {}
@@ -57,6 +77,7 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
   if (options.kv_dtype != DType::kBF16 && options.kv_dtype != DType::kF32) {
     return absl::InvalidArgumentError("offloaded KV must be bf16 or f32");
   }
+  const NodeTransport transport = options.transport.value_or(pool.transport());
   auto kv = std::unique_ptr<RemoteKv>(new RemoteKv(pool, options));
   for (size_t n = 0; n < pool.size(); ++n) {
     v1::OpenSessionRequest request;
@@ -79,14 +100,53 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
       }
     }
     if (!any) continue;   // more nodes than shards
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, options.control_deadline_ms);
-    v1::OpenSessionResponse response;
-    const grpc::Status s = pool.stub(n).OpenSession(&ctx, request, &response);
-    if (!s.ok()) return NodeError(pool.address(n), "OpenSession", s);
-    kv->opened_[n] = true;
+    // On failure the destructor closes the sessions opened so far.
+    TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, transport, request));
   }
   return kv;
+}
+
+absl::Status RemoteKv::OpenOn(size_t n, NodeTransport transport,
+                              v1::OpenSessionRequest& request) {
+  std::unique_ptr<cpu_attention::ShmChannel> channel;
+  if (transport != NodeTransport::kGrpc) {
+    cpu_attention::ShmChannelOptions so;
+    so.request_capacity = options_.shm_request_bytes;
+    so.response_capacity = options_.shm_response_bytes;
+    so.spin_us = options_.shm_spin_us;
+    absl::StatusOr<std::unique_ptr<cpu_attention::ShmChannel>> created =
+        cpu_attention::ShmChannel::Create(so);
+    if (created.ok()) {
+      channel = std::move(*created);
+      auto* spec = request.mutable_shm();
+      spec->set_name(channel->name());
+      spec->set_segment_bytes(channel->segment_bytes());
+      spec->set_nonce(channel->nonce());
+    } else if (transport == NodeTransport::kShm) {
+      return NodeError(pool_.address(n), "creating the shm channel", created.status());
+    }
+  }
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, options_.control_deadline_ms);
+  v1::OpenSessionResponse response;
+  const grpc::Status s = pool_.stub(n).OpenSession(&ctx, request, &response);
+  if (channel != nullptr) channel->Unlink();   // the node has mapped it, or never will
+  if (!s.ok()) return NodeError(pool_.address(n), "OpenSession", s);
+  opened_[n] = true;
+  if (channel != nullptr && response.transport() == v1::TRANSPORT_SHM) {
+    shm_[n] = std::move(channel);
+  } else if (transport == NodeTransport::kShm) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("CPU node ", pool_.address(n), " declined shared memory: ",
+                     response.shm_declined().empty() ? "it does not support it"
+                                                     : response.shm_declined()));
+  }
+  return absl::OkStatus();
+}
+
+size_t RemoteKv::shm_nodes() const {
+  return static_cast<size_t>(
+      std::count_if(shm_.begin(), shm_.end(), [](const auto& c) { return c != nullptr; }));
 }
 
 RemoteKv::~RemoteKv() { (void)Close(); }
@@ -96,73 +156,169 @@ absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const
   if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0 || window_entries <= 0) {
     return absl::InvalidArgumentError("RemoteKv::Append: bad layer, token count or window");
   }
-  const size_t elem = DTypeBytes(options_.kv_dtype);
-  const size_t row = options_.head_dim * elem;
   for (size_t n = 0; n < pool_.size(); ++n) {
     if (!opened_[n] || lost_[n]) continue;
     const std::vector<uint32_t> heads = HeadsOf(n, layer);
     if (heads.empty()) continue;
-    const int64_t per_message = std::max<int64_t>(
-        1, static_cast<int64_t>(kAppendMessageBytes / (2 * row * heads.size())));
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, options_.control_deadline_ms);
-    v1::AppendKvResponse response;
-    auto writer = pool_.stub(n).AppendKv(&ctx, &response);
-    bool write_ok = true;
-    for (int64_t t0 = 0; t0 < num_tokens && write_ok; t0 += per_message) {
-      const int64_t count = std::min(per_message, num_tokens - t0);
-      v1::AppendKvRequest request;
-      request.set_session_id(options_.session_id);
-      request.set_layer(layer);
-      request.set_window_entries(window_entries);
-      for (uint32_t h : heads) request.add_kv_heads(h);
-      std::string* kd = nullptr;
-      std::string* vd = nullptr;
-      for (auto [tensor, data] : {std::pair{request.mutable_k(), &kd},
-                                  std::pair{request.mutable_v(), &vd}}) {
-        tensor->set_dtype(WireType(options_.kv_dtype));
-        tensor->add_shape(heads.size());
-        tensor->add_shape(count);
-        tensor->add_shape(options_.head_dim);
-        *data = tensor->mutable_data();
-        (*data)->resize(heads.size() * count * row);
-      }
-      auto* mt = request.mutable_maw();
-      mt->set_dtype(v1::DTYPE_F32);
-      mt->add_shape(heads.size());
-      mt->add_shape(count);
-      std::string* md = mt->mutable_data();
-      md->resize(heads.size() * count * sizeof(float));
-      for (size_t i = 0; i < heads.size(); ++i) {
-        const size_t src = (heads[i] * num_tokens + t0) * row;
-        std::memcpy(kd->data() + i * count * row, static_cast<const char*>(k) + src, count * row);
-        std::memcpy(vd->data() + i * count * row, static_cast<const char*>(v) + src, count * row);
-        std::memcpy(md->data() + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
-                    count * sizeof(float));
-      }
-      write_ok = writer->Write(request);
-    }
-    writer->WritesDone();
-    const grpc::Status s = writer->Finish();
+    const absl::Status s =
+        shm_[n] != nullptr
+            ? AppendShm(n, layer, heads, k, v, maw, num_tokens, window_entries)
+            : AppendGrpc(n, layer, heads, k, v, maw, num_tokens, window_entries);
     if (!s.ok()) {
       lost_[n] = true;
-      return NodeError(pool_.address(n), "AppendKv", s);
+      return s;
     }
   }
   if (layer == options_.num_layers - 1) offloaded_tokens_ += num_tokens;
   return absl::OkStatus();
 }
 
+absl::Status RemoteKv::AppendGrpc(size_t n, int64_t layer, const std::vector<uint32_t>& heads,
+                                  const void* k, const void* v, const float* maw,
+                                  int64_t num_tokens, int64_t window_entries) {
+  const size_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
+  const int64_t per_message = std::max<int64_t>(
+      1, static_cast<int64_t>(kAppendMessageBytes / (2 * row * heads.size())));
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, options_.control_deadline_ms);
+  v1::AppendKvResponse response;
+  auto writer = pool_.stub(n).AppendKv(&ctx, &response);
+  bool write_ok = true;
+  for (int64_t t0 = 0; t0 < num_tokens && write_ok; t0 += per_message) {
+    const int64_t count = std::min(per_message, num_tokens - t0);
+    v1::AppendKvRequest request;
+    request.set_session_id(options_.session_id);
+    request.set_layer(layer);
+    request.set_window_entries(window_entries);
+    for (uint32_t h : heads) request.add_kv_heads(h);
+    std::string* kd = nullptr;
+    std::string* vd = nullptr;
+    for (auto [tensor, data] : {std::pair{request.mutable_k(), &kd},
+                                std::pair{request.mutable_v(), &vd}}) {
+      tensor->set_dtype(WireType(options_.kv_dtype));
+      tensor->add_shape(heads.size());
+      tensor->add_shape(count);
+      tensor->add_shape(options_.head_dim);
+      *data = tensor->mutable_data();
+      (*data)->resize(heads.size() * count * row);
+    }
+    auto* mt = request.mutable_maw();
+    mt->set_dtype(v1::DTYPE_F32);
+    mt->add_shape(heads.size());
+    mt->add_shape(count);
+    std::string* md = mt->mutable_data();
+    md->resize(heads.size() * count * sizeof(float));
+    for (size_t i = 0; i < heads.size(); ++i) {
+      const size_t src = (heads[i] * num_tokens + t0) * row;
+      std::memcpy(kd->data() + i * count * row, static_cast<const char*>(k) + src, count * row);
+      std::memcpy(vd->data() + i * count * row, static_cast<const char*>(v) + src, count * row);
+      std::memcpy(md->data() + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
+                  count * sizeof(float));
+    }
+    write_ok = writer->Write(request);
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (!s.ok()) return NodeError(pool_.address(n), "AppendKv", s);
+  return absl::OkStatus();
+}
+
+absl::Status RemoteKv::AppendShm(size_t n, int64_t layer, const std::vector<uint32_t>& heads,
+                                 const void* k, const void* v, const float* maw,
+                                 int64_t num_tokens, int64_t window_entries) {
+  namespace shm = cpu_attention::shm;
+  cpu_attention::ShmChannel& channel = *shm_[n];
+  const size_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
+  const Clock::time_point deadline =
+      Clock::now() + std::chrono::milliseconds(options_.control_deadline_ms);
+  // An Attend that missed its deadline may still run on the node: let it finish first.
+  if (channel.Busy()) {
+    const absl::Status drained = channel.WaitResponse(deadline).status();
+    if (!drained.ok()) return NodeError(pool_.address(n), "AppendKv over shm", drained);
+  }
+  // Two halves of the request area take alternate chunks: the next chunk is copied in while
+  // the node stores the previous one (one request is still outstanding at a time).
+  const std::span<std::byte> area = channel.request_area();
+  const uint64_t half = (area.size() / 2) & ~uint64_t{63};
+  const uint64_t bases[2] = {shm::kPayloadOffset, std::max<uint64_t>(half, shm::kPayloadOffset)};
+  // Bytes a chunk may take from its base without reaching the other slot or the area's end.
+  const uint64_t room = std::min(area.size() - bases[1], bases[1] - bases[0]);
+  const uint64_t budget = std::min(room, std::max<uint64_t>(options_.shm_append_chunk_bytes, 1));
+  const uint64_t per_token = heads.size() * (2 * row + sizeof(float));
+  const uint64_t overhead = 4 * 64 + heads.size() * sizeof(uint32_t);
+  int64_t chunk = static_cast<int64_t>(
+      std::min<uint64_t>(65536, budget > overhead ? (budget - overhead) / per_token : 0));
+  auto fits = [&](int64_t tokens) {
+    return shm::AppendLayoutFor(heads.size(), tokens, row, bases[0])->end <= bases[1] &&
+           shm::AppendLayoutFor(heads.size(), tokens, row, bases[1])->end <= area.size();
+  };
+  while (chunk > 0 && !fits(chunk)) --chunk;
+  if (chunk <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("the shm request area of ", area.size(),
+                                                   " bytes holds no append chunk"));
+  }
+  // Copies chunk `index` (tokens [index * chunk, ...)) into its slot; returns its layout.
+  auto fill = [&](int64_t index) {
+    const int64_t t0 = index * chunk;
+    const int64_t count = std::min(chunk, num_tokens - t0);
+    const shm::AppendLayout layout =
+        *shm::AppendLayoutFor(heads.size(), count, row, bases[index % 2]);
+    std::byte* dst = area.data();
+    std::memcpy(dst + layout.heads, heads.data(), heads.size() * sizeof(uint32_t));
+    // Head-major source [H_kv, num_tokens, D]: one contiguous run per head and array.
+    for (size_t i = 0; i < heads.size(); ++i) {
+      const size_t src = (heads[i] * num_tokens + t0) * row;
+      std::memcpy(dst + layout.k + i * count * row, static_cast<const char*>(k) + src,
+                  count * row);
+      std::memcpy(dst + layout.v + i * count * row, static_cast<const char*>(v) + src,
+                  count * row);
+      std::memcpy(dst + layout.maw + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
+                  count * sizeof(float));
+    }
+    return std::pair{layout, count};
+  };
+  const int64_t chunks = (num_tokens + chunk - 1) / chunk;
+  auto next = fill(0);
+  for (int64_t index = 0; index < chunks; ++index) {
+    const auto [layout, count] = next;
+    shm::RequestHeader header{};
+    header.kind = static_cast<uint32_t>(shm::Kind::kAppend);
+    header.layer = static_cast<uint32_t>(layer);
+    header.num_tokens = static_cast<uint32_t>(count);
+    header.num_heads = static_cast<uint32_t>(heads.size());
+    header.window_entries = static_cast<uint32_t>(window_entries);
+    header.payload_offset = static_cast<uint32_t>(bases[index % 2]);
+    std::memcpy(area.data(), &header, sizeof(header));
+    TANDEM_RETURN_IF_ERROR(channel.Send(layout.end));
+    if (index + 1 < chunks) next = fill(index + 1);   // overlaps with the node's copy
+    absl::StatusOr<std::span<const std::byte>> answer = channel.WaitResponse(deadline);
+    if (!answer.ok()) return NodeError(pool_.address(n), "AppendKv over shm", answer.status());
+    shm::ResponseHeader rh;
+    const absl::Status s = ShmStatus(*answer, &rh);
+    if (!s.ok()) return NodeError(pool_.address(n), "AppendKv over shm", s);
+    ++shm_append_chunks_;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_tokens) {
-  if (!calls_.empty()) return absl::FailedPreconditionError("an Attend is already in flight");
+  if (attend_layer_ >= 0) return absl::FailedPreconditionError("an Attend is already in flight");
   if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0) {
     return absl::InvalidArgumentError("RemoteKv::StartAttend: bad layer or token count");
   }
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
+  attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
   const size_t q_bytes = num_tokens * options_.num_q_heads * options_.head_dim * sizeof(float);
   for (size_t n = 0; n < pool_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
+    if (shm_[n] != nullptr) {
+      const ShmStart started = StartAttendShm(n, q);
+      if (started == ShmStart::kSent) shm_calls_.push_back(n);
+      // A busy channel leaves the node unanswered (degraded); a query too large for the areas
+      // goes over gRPC.
+      if (started != ShmStart::kTooLarge) continue;
+    }
     auto call = std::make_unique<PendingCall>();
     call->node = n;
     call->request.set_layer(layer);
@@ -193,21 +349,98 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   return absl::OkStatus();
 }
 
+RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q) {
+  namespace shm = cpu_attention::shm;
+  cpu_attention::ShmChannel& channel = *shm_[n];
+  const int64_t own = static_cast<int64_t>(HeadsOf(n, attend_layer_).size());
+  const int64_t G = options_.num_q_heads / options_.num_kv_heads;
+  const std::optional<uint64_t> request_bytes =
+      shm::AttendRequestBytes(attend_tokens_, options_.num_q_heads, options_.head_dim);
+  const std::optional<shm::AttendLayout> answer =
+      shm::AttendLayoutFor(own, attend_tokens_, G, options_.head_dim);
+  if (!request_bytes || !answer || *request_bytes > channel.request_area().size() ||
+      answer->end > channel.response_area().size()) {
+    return ShmStart::kTooLarge;
+  }
+  if (channel.Busy()) return ShmStart::kBusy;
+  std::byte* dst = channel.request_area().data();
+  shm::RequestHeader header{};
+  header.kind = static_cast<uint32_t>(shm::Kind::kAttend);
+  header.layer = static_cast<uint32_t>(attend_layer_);
+  header.num_tokens = static_cast<uint32_t>(attend_tokens_);
+  std::memcpy(dst, &header, sizeof(header));
+  std::memcpy(dst + shm::kPayloadOffset, q, *request_bytes - shm::kPayloadOffset);
+  if (!channel.Send(*request_bytes).ok()) return ShmStart::kBusy;
+  ++shm_attends_;
+  return ShmStart::kSent;
+}
+
+bool RemoteKv::FinishAttendShm(size_t n, float* o, float* lse, LayerSelection* selection) {
+  namespace shm = cpu_attention::shm;
+  absl::StatusOr<std::span<const std::byte>> answer = shm_[n]->WaitResponse(attend_deadline_);
+  if (!answer.ok()) return false;
+  shm::ResponseHeader h;
+  if (!ShmStatus(*answer, &h).ok()) return false;
+  // Everything below was written by the node: check it against what was asked.
+  const int64_t G = options_.num_q_heads / options_.num_kv_heads;
+  if (h.num_tokens != attend_tokens_ || h.group != G || h.head_dim != options_.head_dim ||
+      h.num_heads > options_.num_kv_heads) {
+    return false;
+  }
+  const std::optional<shm::AttendLayout> layout =
+      shm::AttendLayoutFor(h.num_heads, h.num_tokens, h.group, h.head_dim);
+  if (!layout || layout->end > answer->size()) return false;
+  const std::byte* base = answer->data();
+  const std::span<const uint32_t> kv_heads(reinterpret_cast<const uint32_t*>(base + layout->kv_heads),
+                                           h.num_heads);
+  Scatter(kv_heads, reinterpret_cast<const float*>(base + layout->o),
+          reinterpret_cast<const float*>(base + layout->lse), o, lse);
+  const auto* selected = reinterpret_cast<const uint64_t*>(base + layout->selected);
+  const auto* held = reinterpret_cast<const uint64_t*>(base + layout->held);
+  for (uint32_t i = 0; i < h.num_heads; ++i) {
+    selection->selected += selected[i];
+    selection->held += held[i];
+  }
+  return true;
+}
+
+void RemoteKv::Scatter(std::span<const uint32_t> kv_heads, const float* src_o,
+                       const float* src_lse, float* o, float* lse) const {
+  const int64_t T = attend_tokens_, Hq = options_.num_q_heads, D = options_.head_dim;
+  const int64_t G = Hq / options_.num_kv_heads;
+  const int64_t own = static_cast<int64_t>(kv_heads.size());
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < own; ++h) {
+      const int64_t kv_head = kv_heads[h];
+      if (kv_head >= options_.num_kv_heads) continue;
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t src_row = t * own * G + h * G + j;
+        const int64_t dst_row = t * Hq + kv_head * G + j;
+        std::memcpy(o + dst_row * D, src_o + src_row * D, D * sizeof(float));
+        lse[dst_row] = src_lse[src_row];
+      }
+    }
+  }
+}
+
 absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
   if (attend_layer_ < 0) return absl::FailedPreconditionError("no Attend in flight");
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return outstanding_ == 0; });
-  }
   const int64_t T = attend_tokens_, Hq = options_.num_q_heads, D = options_.head_dim;
   const int64_t G = Hq / options_.num_kv_heads;
   std::fill_n(o, T * Hq * D, 0.0f);
   std::fill_n(lse, T * Hq, -std::numeric_limits<float>::infinity());
   const int64_t layer = attend_layer_;
   bool degraded = false;
-  // A node without a call (lost, or its session never opened) owns heads nobody answers for.
+  // A node without a call (lost, busy, or its session never opened) owns heads nobody answers
+  // for.
   std::vector<bool> answered(pool_.size(), false);
   LayerSelection selection;
+  for (size_t n : shm_calls_) answered[n] = FinishAttendShm(n, o, lse, &selection);
+  shm_calls_.clear();
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return outstanding_ == 0; });
+  }
   for (auto& call : calls_) {
     if (!call->status.ok() || call->response.results_size() != 1) continue;
     const v1::AttendResult& r = call->response.results(0);
@@ -216,20 +449,9 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
         r.lse().data().size() != static_cast<size_t>(T * own * G) * 4) {
       continue;
     }
-    const float* ro = reinterpret_cast<const float*>(r.o().data().data());
-    const float* rl = reinterpret_cast<const float*>(r.lse().data().data());
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t h = 0; h < own; ++h) {
-        const int64_t kv_head = r.kv_heads(h);
-        if (kv_head >= options_.num_kv_heads) continue;
-        for (int64_t j = 0; j < G; ++j) {
-          const int64_t src_row = t * own * G + h * G + j;
-          const int64_t dst_row = t * Hq + kv_head * G + j;
-          std::memcpy(o + dst_row * D, ro + src_row * D, D * sizeof(float));
-          lse[dst_row] = rl[src_row];
-        }
-      }
-    }
+    Scatter(std::span<const uint32_t>(r.kv_heads().data(), static_cast<size_t>(own)),
+            reinterpret_cast<const float*>(r.o().data().data()),
+            reinterpret_cast<const float*>(r.lse().data().data()), o, lse);
     for (int i = 0; i < r.selected_size() && i < r.held_size(); ++i) {
       selection.selected += r.selected(i);
       selection.held += r.held(i);
@@ -282,6 +504,7 @@ absl::Status RemoteKv::Close() {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [this] { return outstanding_ == 0; });
   }
+  // CloseSession stops the node's channel thread; the worker's mapping goes with this object.
   absl::Status first_error;
   for (size_t n = 0; n < pool_.size(); ++n) {
     if (!opened_[n]) continue;

@@ -7,13 +7,22 @@
 // against the limits below) before allocating or changing anything and answers a Status with a
 // message; a bad request never aborts the process. Thread-safe: methods may be called
 // concurrently from any number of threads.
+//
+// Shared memory: an OpenSessionRequest with `shm` makes the node map that channel and serve the
+// session's Attend and AppendKv from it on a thread of its own (shm_session_server.h), through
+// AttendRaw / AppendKvRaw below, until CloseSession or the node's destruction.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <span>
+#include <string>
+#include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/cpu_attention/thread_pool.h"
@@ -30,7 +39,23 @@ struct NodeOptions {
   uint32_t max_query_tokens = 4096;     // per AttendQuery / ReselectRequest
   uint32_t max_batch = 256;             // queries per AttendRequest
   uint32_t chunk_keys = 2048;           // keys per matmul chunk (see sparse_attention.h)
+  bool allow_shm = true;                // serve shm channels requested at OpenSession
+  uint32_t shm_spin_us = 10;            // a channel thread spins this long before sleeping
 };
+
+// Caller-owned arrays AttendRaw fills, sized for the session's owned kv heads of the layer
+// (H_own of them) and the query's T tokens; rows are ordered as in v1::AttendResult.
+struct RawAttendOutput {
+  std::span<float> o;            // [T, H_own * G, D]
+  std::span<float> lse;          // [T, H_own * G]
+  std::span<uint32_t> kv_heads;  // [H_own], ascending
+  std::span<uint64_t> selected;  // [H_own]
+  std::span<uint64_t> held;      // [H_own]
+  uint64_t compute_micros = 0;   // set by AttendRaw
+  uint64_t bytes_scanned = 0;    // set by AttendRaw
+};
+
+class ShmSessionServer;
 
 class CpuAttentionNode {
  public:
@@ -46,6 +71,21 @@ class CpuAttentionNode {
   absl::Status CloseSession(const v1::CloseSessionRequest& request,
                             v1::CloseSessionResponse* response);
   v1::StatsResponse Stats() const;
+  ~CpuAttentionNode();   // stops every shm channel thread first
+
+  // Raw-pointer forms of Attend (one query) and AppendKv for the shared-memory transport: no
+  // protobuf per call, the same validation and errors as the proto methods (they share the
+  // code). `q` is [num_tokens, H_q, D] f32; `out` must be sized for the layer (see
+  // RawAttendOutput; INVALID_ARGUMENT otherwise). The inputs may live in memory another process
+  // writes concurrently: q and maw are copied before they are validated.
+  absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
+                         uint32_t num_tokens, RawAttendOutput* out);
+  // k, v: [kv_heads.size(), n, D] of the session's kv dtype; maw: [kv_heads.size(), n] f32
+  // bytes (any alignment). Empty kv_heads = all owned kv heads of the layer.
+  absl::Status AppendKvRaw(const std::string& session_id, uint32_t layer,
+                           std::span<const uint32_t> kv_heads, std::span<const std::byte> k,
+                           std::span<const std::byte> v, std::span<const std::byte> maw,
+                           uint32_t n, uint32_t window_entries, v1::AppendKvResponse* totals);
 
   const NodeOptions& options() const { return options_; }
   kv_store::KvStore& store() { return store_; }
@@ -53,6 +93,34 @@ class CpuAttentionNode {
  private:
   explicit CpuAttentionNode(const NodeOptions& options);
   void RecordScan(uint64_t bytes, double seconds);
+
+  // The parts the proto and raw paths share.
+  struct AttendItem;
+  struct HeadCount {
+    uint32_t kv_head;
+    uint64_t selected;
+    uint64_t held;
+  };
+  struct AttendTarget {
+    float* o;     // [T, H_own * G, D]
+    float* lse;   // [T, H_own * G]
+  };
+  // Called once per item under the sessions' locks, before any computation: returns where the
+  // item's output goes, given its owned heads and their counters.
+  using AttendSink = absl::FunctionRef<absl::StatusOr<AttendTarget>(
+      size_t item, const kv_store::Session& session, uint32_t num_tokens,
+      std::span<const HeadCount> heads)>;
+  absl::Status AttendItems(uint32_t layer, std::vector<AttendItem>& items, AttendSink sink,
+                           uint64_t* compute_micros, uint64_t* bytes_scanned);
+  struct AppendTarget;
+  absl::StatusOr<AppendTarget> ResolveAppend(const std::string& session_id, uint32_t layer,
+                                             std::span<const uint32_t> kv_heads);
+  absl::Status ApplyAppend(AppendTarget& target, uint32_t layer, const std::byte* k,
+                           const std::byte* v, const std::byte* maw, uint32_t n,
+                           uint32_t window_entries, v1::AppendKvResponse* totals);
+  // Maps the requested channel for a just-opened session; sets transport in `response`.
+  void StartShm(const std::shared_ptr<kv_store::Session>& session, const v1::ShmChannelSpec& spec,
+                v1::OpenSessionResponse* response);
 
   const NodeOptions options_;
   kv_store::KvStore store_;
@@ -62,6 +130,11 @@ class CpuAttentionNode {
   std::atomic<uint32_t> attend_in_flight_{0};
   mutable std::mutex scan_mu_;
   double scan_bytes_per_second_ = 0.0;  // exponential moving average, guarded by scan_mu_
+
+  std::atomic<uint64_t> shm_requests_{0};
+  // Declared last so the channel threads stop before the store and pool they use go away.
+  mutable std::mutex shm_mu_;
+  std::map<std::string, std::unique_ptr<ShmSessionServer>> shm_servers_;  // by session id
 };
 
 }  // namespace tandem::cpu_attention

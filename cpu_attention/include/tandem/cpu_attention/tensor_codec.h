@@ -27,6 +27,9 @@ absl::Status DecodeFloats(const v1::Tensor& t, absl::string_view what,
                           std::span<const int64_t> shape, bool require_finite,
                           std::vector<float>* dst);
 
+// INVALID_ARGUMENT naming `what` and the flat index of the first NaN/Inf element.
+absl::Status CheckFinite(std::span<const float> values, absl::string_view what);
+
 // Sets t to an F32 tensor of `shape` with uninitialised data and returns its element pointer.
 float* InitF32(v1::Tensor* t, std::span<const int64_t> shape);
 

@@ -18,12 +18,21 @@
 
 namespace tandem::gpu_worker {
 
+// How RemoteKv carries a session's Attend and AppendKv to a node (control calls always use
+// gRPC). kAuto: shared memory when the node maps the worker's segment (same host), else gRPC.
+// kShm: shared memory or fail at OpenSession. kGrpc: gRPC only.
+enum class NodeTransport { kAuto, kShm, kGrpc };
+// "auto", "shm" or "grpc"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<NodeTransport> ParseNodeTransport(const std::string& name);
+const char* NodeTransportName(NodeTransport transport);
+
 struct NodePoolOptions {
   std::vector<std::string> addresses;   // "host:port" each
   std::string dns_name;                 // "name:port": every address the name resolves to
   cpu_attention::NodeOptions embedded;  // the in-process node, used when both are empty
   int max_message_bytes = 64 << 20;
   int connect_timeout_ms = 5000;        // Create waits this long for every remote node
+  NodeTransport transport = NodeTransport::kAuto;   // RemoteKv's default for these nodes
 };
 
 class NodePool {
@@ -37,6 +46,7 @@ class NodePool {
   const std::string& address(size_t i) const { return nodes_[i].address; }
   // The in-process node, or nullptr when the nodes are remote.
   cpu_attention::CpuAttentionServer* embedded() const { return embedded_.get(); }
+  NodeTransport transport() const { return transport_; }
 
  private:
   struct Node {
@@ -48,6 +58,7 @@ class NodePool {
 
   std::unique_ptr<cpu_attention::CpuAttentionServer> embedded_;
   std::vector<Node> nodes_;
+  NodeTransport transport_ = NodeTransport::kAuto;
 };
 
 // Resolves "name:port" to "ip:port" strings (IPv6 as "[ip]:port"), sorted and deduplicated.
