@@ -45,7 +45,10 @@ absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
   }
   const int64_t window_entries = o.sink + o.window;
   const double threshold = o.beta / static_cast<double>(window_entries);
-  const double scale = threshold / std::max(1.0 - o.share, 1e-9);
+  auto scale_of = [&](int64_t layer, int64_t head) {
+    const double share = o.head_shares.empty() ? o.share : o.head_shares[layer * Hkv + head];
+    return threshold / std::max(1.0 - share, 1e-9);
+  };
   std::vector<float> maw(Hkv * chunk);
   uint64_t call = 0;
   for (int64_t l = 0; l < c.num_layers; ++l) {
@@ -53,9 +56,12 @@ absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
       const int64_t n = std::min(chunk, offloaded - done);
       const int64_t k_row = static_cast<int64_t>((call * 7919) % 4099);
       const int64_t v_row = static_cast<int64_t>((call * 104729 + 2048) % 4099);
-      for (int64_t i = 0; i < Hkv * n; ++i) {
-        const float u = 0.5f * (gpu_worker::RandomSigned(o.seed + 1 + call, i, 1.0f) + 1.0f);
-        maw[i] = static_cast<float>(u * scale);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const double scale = scale_of(l, h);
+        for (int64_t i = h * n; i < (h + 1) * n; ++i) {
+          const float u = 0.5f * (gpu_worker::RandomSigned(o.seed + 1 + call, i, 1.0f) + 1.0f);
+          maw[i] = static_cast<float>(u * scale);
+        }
       }
       // Rows [k_row, k_row + Hkv·n) of the pool are [Hkv, n, D] head-major.
       TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, pool.data() + k_row * D,
@@ -90,7 +96,9 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
     Backend& backend, const gpu_worker::ModelConfig& c, gpu_worker::NodePool* pool,
     AttentionMode mode, const std::string& id, const SyntheticContextOptions& o) {
   if (o.context < 1 || o.window < o.block || o.sink < 0 || o.block < 1 || o.max_chunk < 1 ||
-      !(o.share > 0.0 && o.share <= 1.0)) {
+      !(o.share > 0.0 && o.share <= 1.0) ||
+      (!o.head_shares.empty() &&
+       static_cast<int64_t>(o.head_shares.size()) != c.num_layers * c.num_kv_heads)) {
     return absl::InvalidArgumentError("synthetic context: bad options");
   }
   if (mode == AttentionMode::kHybrid && pool == nullptr) {
@@ -141,6 +149,9 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
       ro.attend_deadline_ms = 10000;
       ro.control_deadline_ms = 600000;
+      ro.placement = o.placement;
+      ro.expected_tokens = offloaded + o.extra_positions;
+      ro.replan_every_steps = 0;   // the bench re-plans explicitly, outside the timed steps
       TANDEM_ASSIGN_OR_RETURN(seq->remote, gpu_worker::RemoteKv::Open(*pool, ro));
       TANDEM_RETURN_IF_ERROR(FillRemote(*seq, c, o, offloaded));
     } else {

@@ -15,11 +15,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::bench {
@@ -33,6 +35,10 @@ struct SyntheticContextOptions {
   int64_t max_chunk = 512;      // the runner's max_chunk (window ring sizing)
   int64_t page_tokens = 16384;  // offload: tokens per host page
   double share = 0.1;           // hybrid: share of offloaded entries selected, in (0, 1]
+  // hybrid: per-shard shares, [layers * kv_heads] (layer-major), each in (0, 1]; empty = `share`
+  // for every shard. HGCA's selection keeps <1% to 30% depending on the head.
+  std::vector<double> head_shares;
+  gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;
   float beta = 1.0f;            // hybrid: the session's β
   int64_t append_tokens = 8192; // hybrid: tokens per RemoteKv::Append call
   uint64_t seed = 1;

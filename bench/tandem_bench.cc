@@ -45,6 +45,8 @@
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/random_values.h"
+#include "tandem/gpu_worker/remote_kv.h"
 
 ABSL_FLAG(std::string, preset, "llama3-8b", "model geometry preset");
 ABSL_FLAG(std::string, set, "", "geometry overrides key=value,...");
@@ -69,6 +71,16 @@ ABSL_FLAG(double, host_fraction, 0.85, "use at most this share of MemAvailable f
 ABSL_FLAG(bool, skip_probes, false, "skip the bandwidth probes (limits become 0)");
 ABSL_FLAG(std::string, json, "", "also write the JSON lines to this file");
 ABSL_FLAG(uint64_t, seed, 1, "random seed");
+ABSL_FLAG(std::string, cpu_nodes, "",
+          "hybrid: CPU node processes (comma-separated host:port); empty = one node embedded");
+ABSL_FLAG(std::string, placements, "balanced",
+          "hybrid: shard placements to compare (uniform, balanced)");
+ABSL_FLAG(std::string, head_skew, "",
+          "hybrid: 'lo:hi' draws each (layer, kv head)'s selected share log-uniformly in "
+          "[lo, hi] (HGCA: <1%..30%), replacing --shares; empty = --shares for every head");
+ABSL_FLAG(int, settle_steps, 3,
+          "hybrid: decode steps that measure the shards' costs before balanced placement "
+          "re-plans and migrates (outside the timed steps)");
 
 namespace tandem::bench {
 namespace {
@@ -140,7 +152,26 @@ struct Config {
   int64_t context;
   int64_t batch;
   double share;   // hybrid only
+  gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;   // hybrid
 };
+
+// Per-(layer, kv head) shares log-uniform in [lo, hi] from "lo:hi" (deterministic in seed).
+std::vector<double> SkewedShares(const std::string& spec, int64_t shards, uint64_t seed) {
+  if (spec.empty()) return {};
+  std::vector<std::string> parts = absl::StrSplit(spec, ':');
+  double lo = 0, hi = 0;
+  if (parts.size() != 2 || !absl::SimpleAtod(parts[0], &lo) || !absl::SimpleAtod(parts[1], &hi) ||
+      !(lo > 0 && lo <= hi && hi <= 1)) {
+    std::fprintf(stderr, "--head_skew must be lo:hi with 0 < lo <= hi <= 1, got %s\n", spec.c_str());
+    std::exit(2);
+  }
+  std::vector<double> shares(shards);
+  for (int64_t i = 0; i < shards; ++i) {
+    const double u = 0.5 * (gpu_worker::RandomSigned(seed + 7, static_cast<uint64_t>(i), 1.0f) + 1.0);
+    shares[i] = std::exp(std::log(lo) + u * (std::log(hi) - std::log(lo)));
+  }
+  return shares;
+}
 
 class Bench {
  public:
@@ -165,6 +196,12 @@ class Bench {
     o.page_tokens = absl::GetFlag(FLAGS_page_tokens);
     o.share = cfg.mode == AttentionMode::kHybrid ? cfg.share : 0.1;
     o.seed = absl::GetFlag(FLAGS_seed);
+    o.placement = cfg.placement;
+    if (cfg.mode == AttentionMode::kHybrid) {
+      const ModelConfig& c = model_.config();
+      o.head_shares = SkewedShares(absl::GetFlag(FLAGS_head_skew),
+                                   c.num_layers * c.num_kv_heads, o.seed);
+    }
     return o;
   }
 
@@ -179,11 +216,18 @@ class Bench {
   json RunDecode(const Config& cfg) {
     json r = {{"kind", "decode"},   {"mode", gpu_worker::AttentionModeName(cfg.mode)},
               {"context", cfg.context}, {"batch", cfg.batch}};
-    if (cfg.mode == AttentionMode::kHybrid) r["share"] = cfg.share;
+    if (cfg.mode == AttentionMode::kHybrid) {
+      r["share"] = cfg.share;
+      r["placement"] = cfg.placement == gpu_worker::PlacementPolicy::kBalanced ? "balanced"
+                                                                                : "uniform";
+      if (!absl::GetFlag(FLAGS_head_skew).empty()) r["head_skew"] = absl::GetFlag(FLAGS_head_skew);
+      r["cpu_nodes"] = pool_ != nullptr ? pool_->accepting_count() : 0;
+    }
     const double need = HostBytes(cfg);
     const double avail = absl::GetFlag(FLAGS_host_fraction) *
                          static_cast<double>(ProcField("/proc/meminfo", "MemAvailable"));
-    if (need > avail) {
+    // Remote nodes bound their memory with their own pools (and refuse what does not fit).
+    if (need > avail && absl::GetFlag(FLAGS_cpu_nodes).empty()) {
       r["skipped"] = absl::StrFormat("needs %.1f GB of host memory, %.1f GB available", need / 1e9,
                                      avail / 1e9);
       return r;
@@ -210,6 +254,41 @@ class Bench {
     std::vector<double> times;
     const int warmup = absl::GetFlag(FLAGS_warmup);
     uint64_t peak_device = 0;
+    if (cfg.mode == AttentionMode::kHybrid) {
+      // Costs come from Attend replies: a few steps measure them, then balanced placement
+      // re-plans and migrates (timed apart). Uniform runs the same steps and stays put.
+      for (int step = 0; step < absl::GetFlag(FLAGS_settle_steps); ++step) {
+        for (int64_t b = 0; b < cfg.batch; ++b) ids[b] = static_cast<int32_t>((step * 31 + b) % vocab);
+        absl::Status s = runner_.Decode(batch, ids.data());
+        if (s.ok()) s = backend_.Synchronize();
+        if (!s.ok()) {
+          r["error"] = std::string(s.message());
+          return r;
+        }
+      }
+      const Clock::time_point m0 = Clock::now();
+      uint64_t moved = 0, failed = 0;
+      double modelled = 0, plan_ms = 0;
+      for (auto& seq : seqs) {
+        if (cfg.placement == gpu_worker::PlacementPolicy::kBalanced) seq->remote->RequestReplan();
+        absl::Status s = seq->remote->SettleMigrations(std::chrono::minutes(9));
+        if (!s.ok()) {
+          r["error"] = absl::StrCat("migration: ", s.message());
+          return r;
+        }
+        const gpu_worker::PlacementCounters& pc = seq->remote->placement_counters();
+        moved += pc.migrations_done;
+        failed += pc.migrations_failed;
+        modelled += seq->remote->ModelledStepSeconds();
+        plan_ms = std::max(plan_ms, pc.last_plan_ms);
+        r["nodes_in_use"] = seq->remote->nodes_in_use().size();
+      }
+      r["migration_s"] = Seconds(m0);
+      r["shards_migrated"] = moved;
+      r["migrations_failed"] = failed;
+      r["modelled_cpu_ms"] = 1e3 * modelled;
+      r["plan_ms"] = plan_ms;
+    }
     for (int step = 0; step < warmup + steps; ++step) {
       for (int64_t b = 0; b < cfg.batch; ++b) ids[b] = static_cast<int32_t>((step * 7919 + b * 131) % vocab);
       if (step == warmup) runner_.ResetProfile();
@@ -369,20 +448,28 @@ class Bench {
 };
 
 void PrintTable(const std::vector<json>& rows) {
-  std::printf("\n%-14s %8s %5s %11s %11s %9s %10s %-8s %7s %9s %9s\n", "mode", "context", "batch",
+  std::printf("\n%-20s %8s %5s %11s %11s %9s %10s %-8s %7s %9s %9s\n", "mode", "context", "batch",
               "median ms", "p99 ms", "tok/s", "limit ms", "bound", "ratio", "GPU GB", "host GB");
   for (const json& r : rows) {
     if (r["kind"] != "decode") continue;
     std::string mode = r["mode"];
-    if (r.contains("share")) mode += absl::StrFormat("@%g%%", 100 * r["share"].get<double>());
+    if (r.contains("head_skew")) {
+      mode += "@skew";
+    } else if (r.contains("share")) {
+      mode += absl::StrFormat("@%g%%", 100 * r["share"].get<double>());
+    }
+    if (r.contains("placement")) {
+      mode += absl::StrFormat("/%s%lld", r["placement"].get<std::string>().substr(0, 3),
+                              static_cast<long long>(r.value("cpu_nodes", 0)));
+    }
     if (r.contains("skipped") || r.contains("error")) {
-      std::printf("%-14s %8lld %5lld   skipped: %s\n", mode.c_str(),
+      std::printf("%-20s %8lld %5lld   skipped: %s\n", mode.c_str(),
                   static_cast<long long>(r["context"].get<int64_t>()),
                   static_cast<long long>(r["batch"].get<int64_t>()),
                   r.value("skipped", r.value("error", std::string())).c_str());
       continue;
     }
-    std::printf("%-14s %8lld %5lld %11.2f %11.2f %9.1f %10.2f %-8s %7.2f %9.2f %9.2f\n",
+    std::printf("%-20s %8lld %5lld %11.2f %11.2f %9.1f %10.2f %-8s %7.2f %9.2f %9.2f\n",
                 mode.c_str(), static_cast<long long>(r["context"].get<int64_t>()),
                 static_cast<long long>(r["batch"].get<int64_t>()),
                 r["decode_ms_median"].get<double>(), r["decode_ms_p99"].get<double>(),
@@ -483,6 +570,9 @@ int Main() {
       return 2;
     }
     po.transport = *transport;
+    for (const std::string& node : ParseList<std::string>(absl::GetFlag(FLAGS_cpu_nodes))) {
+      po.addresses.push_back(node);
+    }
     auto p = gpu_worker::NodePool::Create(po);
     if (!p.ok()) {
       std::fprintf(stderr, "CPU node: %s\n", std::string(p.status().message()).c_str());
@@ -507,9 +597,21 @@ int Main() {
       }
       const std::vector<double> mode_shares =
           *mode == AttentionMode::kHybrid ? shares : std::vector<double>{0.0};
+      std::vector<gpu_worker::PlacementPolicy> placements;
+      for (const std::string& p : ParseList<std::string>(absl::GetFlag(FLAGS_placements))) {
+        auto policy = gpu_worker::ParsePlacementPolicy(p);
+        if (!policy.ok()) {
+          std::fprintf(stderr, "%s\n", std::string(policy.status().message()).c_str());
+          return 2;
+        }
+        placements.push_back(*policy);
+      }
+      if (*mode != AttentionMode::kHybrid) placements.resize(1);
       for (double share : mode_shares) {
         for (int64_t batch : batches) {
-          emit(bench.RunDecode({*mode, context, batch, share}));
+          for (gpu_worker::PlacementPolicy placement : placements) {
+            emit(bench.RunDecode({*mode, context, batch, share, placement}));
+          }
         }
       }
     }

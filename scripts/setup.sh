@@ -14,6 +14,8 @@ packages=(
   nlohmann-json3-dev
   libspdlog-dev libfmt-dev
   libsentencepiece-dev libpcre2-dev   # tokenizer.model; the byte-level BPE pre-tokenizer regex
+  iproute2                            # ip netns / veth / tc for the multi-host tests
+  yamllint python3-kubernetes python3-yaml   # deploy/validate.py (ctest -L deploy)
 )
 
 missing=()

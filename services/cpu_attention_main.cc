@@ -1,7 +1,14 @@
 // tandem-cpu-attention: serves tandem.v1.CpuAttention (plus health, reflection, channelz) over
-// gRPC until SIGINT or SIGTERM, then drains calls in flight and exits.
+// gRPC. The first SIGTERM or SIGINT starts draining (Kubernetes scale-down: new sessions and
+// shards are refused, readiness turns NOT_SERVING, the worker migrates or closes the sessions);
+// the process stops once no session is left or --drain_timeout_s passed, letting calls in
+// flight finish, and exits 0. A second signal stops it at once.
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <ctime>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -23,6 +30,30 @@ ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
           "largest gRPC message accepted or sent");
 ABSL_FLAG(unsigned, executor_threads, 4, "threads running RPC handlers");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(unsigned, drain_timeout_s, 30,
+          "after the first SIGTERM/SIGINT, wait at most this long for the sessions to be closed "
+          "or migrated away before stopping; 0 = stop at once");
+
+namespace {
+
+// Waits for a stop signal for up to `timeout` (forever when negative). Returns the signal, or
+// 0 when the time ran out.
+int WaitSignal(const sigset_t& signals, std::chrono::milliseconds timeout) {
+  for (;;) {
+    int sig = 0;
+    if (timeout.count() < 0) {
+      if (sigwait(&signals, &sig) == 0) return sig;
+      continue;
+    }
+    timespec ts{static_cast<time_t>(timeout.count() / 1000),
+                static_cast<long>(timeout.count() % 1000) * 1'000'000};
+    sig = sigtimedwait(&signals, nullptr, &ts);
+    if (sig > 0) return sig;
+    if (errno == EAGAIN) return 0;  // timed out; EINTR: try again
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -66,11 +97,43 @@ int main(int argc, char** argv) {
   std::printf("LISTENING %d\n", (*server)->port());
   std::fflush(stdout);
 
-  int sig = 0;
-  sigwait(&stop_signals, &sig);
-  spdlog::info("signal {}: draining", sig);
-  (*server)->Shutdown();
-  (*server)->Wait();
+  tandem::cpu_attention::CpuAttentionServer& s = **server;
+  int sig = WaitSignal(stop_signals, std::chrono::milliseconds(-1));
+  int grace_ms = 2000;  // calls in flight may finish
+  const unsigned drain_timeout_s = absl::GetFlag(FLAGS_drain_timeout_s);
+  if (drain_timeout_s == 0) {
+    spdlog::info("signal {}: stopping (--drain_timeout_s=0)", sig);
+  } else {
+    s.StartDraining();
+    spdlog::info(
+        "signal {}: draining: new sessions refused, readiness NOT_SERVING; waiting up to "
+        "{} s for {} session(s) to close (a second signal stops at once)",
+        sig, drain_timeout_s, s.node().Stats().sessions());
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(drain_timeout_s);
+    for (;;) {
+      const uint32_t sessions = s.node().Stats().sessions();
+      if (sessions == 0) {
+        spdlog::info("drained: no session left");
+        break;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) {
+        spdlog::warn("drain timeout ({} s): stopping with {} session(s) open", drain_timeout_s,
+                     sessions);
+        break;
+      }
+      sig = WaitSignal(stop_signals, std::min(left, std::chrono::milliseconds(100)));
+      if (sig != 0) {
+        spdlog::warn("signal {} while draining: stopping at once with {} session(s) open", sig,
+                     sessions);
+        grace_ms = 0;
+        break;
+      }
+    }
+  }
+  s.Shutdown(grace_ms);
+  s.Wait();
   spdlog::info("stopped");
   return 0;
 }

@@ -46,6 +46,15 @@ ABSL_FLAG(std::string, transport, "auto",
           "else gRPC), shm (fail unless every node takes shared memory) or grpc");
 ABSL_FLAG(std::string, cpu_nodes_dns, "",
           "name:port resolving to every CPU attention node (a headless Service)");
+ABSL_FLAG(double, cpu_nodes_refresh_s, 10.0,
+          "seconds between re-reading the CPU node list / re-resolving --cpu_nodes_dns and "
+          "polling every node's Stats (joins, drains); 0 = never");
+ABSL_FLAG(std::string, placement, "balanced",
+          "placement of a session's (layer, kv head) shards on the CPU nodes: balanced (cost "
+          "model, re-planned live with shard migration) or uniform (round-robin)");
+ABSL_FLAG(int, replan_every_steps, 16, "decode steps between placement re-plans (0 = never)");
+ABSL_FLAG(double, replan_min_gain, 0.05,
+          "modelled step-time gain (fraction) that justifies migrating shards");
 ABSL_FLAG(int, attend_deadline_ms, 2000, "deadline of each Attend call to a CPU node");
 ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
           "KV memory of the embedded CPU node, e.g. 16GiB");
@@ -123,6 +132,22 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.nodes.transport = *transport;
   if (!e.nodes.addresses.empty() && !e.nodes.dns_name.empty()) {
     return UsageError("give --cpu_nodes or --cpu_nodes_dns, not both");
+  }
+  const double refresh_s = absl::GetFlag(FLAGS_cpu_nodes_refresh_s);
+  if (!(refresh_s >= 0 && refresh_s <= 86400)) {
+    return UsageError("--cpu_nodes_refresh_s must be in 0..86400");
+  }
+  e.nodes.refresh_ms = static_cast<int>(refresh_s * 1000);
+  absl::StatusOr<tandem::gpu_worker::PlacementPolicy> placement =
+      tandem::gpu_worker::ParsePlacementPolicy(absl::GetFlag(FLAGS_placement));
+  if (!placement.ok()) {
+    return UsageError(absl::StrCat("--placement: ", placement.status().message()));
+  }
+  e.placement = *placement;
+  e.replan_every_steps = absl::GetFlag(FLAGS_replan_every_steps);
+  e.replan_min_gain = absl::GetFlag(FLAGS_replan_min_gain);
+  if (e.replan_every_steps < 0 || !(e.replan_min_gain >= 0 && e.replan_min_gain <= 1)) {
+    return UsageError("--replan_every_steps must be >= 0 and --replan_min_gain in [0, 1]");
   }
   e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
   e.attend_deadline_ms = absl::GetFlag(FLAGS_attend_deadline_ms);

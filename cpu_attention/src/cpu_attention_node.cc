@@ -5,12 +5,14 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <random>
 #include <set>
 #include <shared_mutex>
 #include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "shm_session_server.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/salience.h"
@@ -53,13 +55,36 @@ absl::Status CheckLayer(const Session& session, uint32_t layer) {
 }
 
 // Call with the session's lock held: NOT_FOUND if it was closed after the caller found it.
-absl::Status CheckOpen(const Session& session, uint32_t layer) {
-  for (uint32_t kv_head : session.owned_kv_heads(layer)) {
-    if (session.shard(layer, kv_head) == nullptr) {
-      return absl::NotFoundError(absl::StrCat("session '", session.id(), "' was closed"));
-    }
+absl::Status CheckOpen(const Session& session) {
+  if (session.closed()) {
+    return absl::NotFoundError(absl::StrCat("session '", session.id(), "' was closed"));
   }
   return absl::OkStatus();
+}
+
+absl::Status Draining(absl::string_view what) {
+  return absl::UnavailableError(absl::StrCat("node is draining: ", what, " refused"));
+}
+
+std::string RandomNodeId() {
+  std::random_device device;
+  const uint64_t id = (uint64_t{device()} << 32) ^ device();
+  return absl::StrFormat("%016x", id);
+}
+
+// Reads a repeated ShardId field after bounding its size by the geometry.
+absl::StatusOr<std::vector<kv_store::ShardKey>> ShardKeys(
+    const google::protobuf::RepeatedPtrField<v1::ShardId>& ids, absl::string_view what,
+    const kv_store::Geometry& g) {
+  const uint64_t max_shards = uint64_t{g.num_layers} * g.num_kv_heads;
+  if (static_cast<uint64_t>(ids.size()) > max_shards) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", ids.size(), " shards listed, the geometry has ", max_shards));
+  }
+  std::vector<kv_store::ShardKey> keys;
+  keys.reserve(ids.size());
+  for (const v1::ShardId& id : ids) keys.push_back({id.layer(), id.kv_head()});
+  return keys;
 }
 
 absl::Status CheckBeta(float beta) {
@@ -154,12 +179,14 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
 
 CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
     : options_(options),
+      node_id_(RandomNodeId()),
       store_(kv_store::KvStore::Options{options.pool_bytes, options.block_tokens,
                                         options.max_sessions}),
       pool_(options.threads) {}
 
 absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request,
                                            v1::OpenSessionResponse* response) {
+  if (draining()) return Draining("a new session");
   if (!request.has_geometry()) return absl::InvalidArgumentError("geometry is required");
   kv_store::SessionOptions options;
   const v1::ModelGeometry& g = request.geometry();
@@ -208,9 +235,6 @@ void CpuAttentionNode::StartShm(const std::shared_ptr<Session>& session,
   geometry.head_dim = g.head_dim;
   geometry.group = g.group();
   geometry.kv_row_bytes = static_cast<uint32_t>(session->format().row_bytes());
-  for (uint32_t l = 0; l < g.num_layers; ++l) {
-    geometry.owned_heads.push_back(static_cast<uint32_t>(session->owned_kv_heads(l).size()));
-  }
   absl::StatusOr<std::unique_ptr<ShmSessionServer>> server = ShmSessionServer::Start(
       this, session->id(), std::move(geometry), spec.name(), spec.segment_bytes(), spec.nonce(),
       options_.shm_spin_us, &shm_requests_);
@@ -240,6 +264,9 @@ absl::StatusOr<CpuAttentionNode::AppendTarget> CpuAttentionNode::ResolveAppend(
   }
   target.heads.assign(kv_heads.begin(), kv_heads.end());
   if (target.heads.empty()) {
+    // The owned set may change (ReshardSession); the store checks ownership again under the
+    // exclusive lock when it appends.
+    std::shared_lock lock(session.mutex());
     auto owned = session.owned_kv_heads(layer);
     target.heads.assign(owned.begin(), owned.end());
   }
@@ -250,17 +277,17 @@ absl::StatusOr<CpuAttentionNode::AppendTarget> CpuAttentionNode::ResolveAppend(
   return target;
 }
 
-absl::Status CpuAttentionNode::ApplyAppend(AppendTarget& target, uint32_t layer,
-                                           const std::byte* k, const std::byte* v,
-                                           const std::byte* maw_bytes, uint32_t n,
-                                           uint32_t window_entries,
+absl::Status CpuAttentionNode::ApplyAppend(AppendTarget& target, uint32_t layer, const std::byte* k,
+                                           const std::byte* v, const std::byte* maw_bytes,
+                                           uint32_t n, uint32_t window_entries,
+                                           std::span<const uint8_t> selected,
                                            v1::AppendKvResponse* totals) {
   // Copy MAW so the floats are aligned and cannot change between the store's check and use.
   std::vector<float> maw(target.heads.size() * static_cast<size_t>(n));
   std::memcpy(maw.data(), maw_bytes, maw.size() * sizeof(float));
   TANDEM_ASSIGN_OR_RETURN(kv_store::AppendStats stats,
                           store_.Append(*target.session, layer, target.heads, k, v, maw.data(), n,
-                                        window_entries));
+                                        window_entries, selected));
   totals->set_messages(totals->messages() + 1);
   totals->set_entries_appended(totals->entries_appended() + stats.entries_appended);
   totals->set_entries_selected(totals->entries_selected() + stats.entries_selected);
@@ -288,10 +315,20 @@ absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
   TANDEM_RETURN_IF_ERROR(CheckTensor(k, "k", dtype, kv_shape));
   TANDEM_RETURN_IF_ERROR(CheckTensor(request.v(), "v", dtype, kv_shape));
   TANDEM_RETURN_IF_ERROR(CheckTensor(request.maw(), "maw", v1::DTYPE_F32, maw_shape));
-  return ApplyAppend(target, request.layer(), reinterpret_cast<const std::byte*>(k.data().data()),
-                     reinterpret_cast<const std::byte*>(request.v().data().data()),
-                     reinterpret_cast<const std::byte*>(request.maw().data().data()),
-                     static_cast<uint32_t>(n), request.window_entries(), totals);
+  const std::string& flags = request.selected();
+  const uint64_t entries = target.heads.size() * static_cast<uint64_t>(n);
+  if (!flags.empty() && flags.size() != entries) {
+    return absl::InvalidArgumentError(absl::StrCat("selected: ", flags.size(),
+                                                   " bytes, expected num_heads x num_tokens = ",
+                                                   target.heads.size(), " x ", n, " = ", entries));
+  }
+  return ApplyAppend(
+      target, request.layer(), reinterpret_cast<const std::byte*>(k.data().data()),
+      reinterpret_cast<const std::byte*>(request.v().data().data()),
+      reinterpret_cast<const std::byte*>(request.maw().data().data()), static_cast<uint32_t>(n),
+      request.window_entries(),
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(flags.data()), flags.size()),
+      totals);
 }
 
 absl::Status CpuAttentionNode::AppendKvRaw(const std::string& session_id, uint32_t layer,
@@ -311,7 +348,7 @@ absl::Status CpuAttentionNode::AppendKvRaw(const std::string& session_id, uint32
         ", ", kv_bytes, ", ", entries * sizeof(float), " for ", target.heads.size(),
         " heads x ", n, " entries"));
   }
-  return ApplyAppend(target, layer, k.data(), v.data(), maw.data(), n, window_entries, totals);
+  return ApplyAppend(target, layer, k.data(), v.data(), maw.data(), n, window_entries, {}, totals);
 }
 
 struct CpuAttentionNode::AttendItem {
@@ -371,21 +408,31 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
 absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t layer,
                                          std::span<const float> q, uint32_t num_tokens,
                                          RawAttendOutput* out) {
+  return AttendRaw(session_id, layer, q, num_tokens,
+                   [out](size_t) -> absl::StatusOr<RawAttendOutput*> { return out; });
+}
+
+absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t layer,
+                                         std::span<const float> q, uint32_t num_tokens,
+                                         RawOutputFor output_for) {
   std::vector<AttendItem> items(1);
   TANDEM_ASSIGN_OR_RETURN(items[0].session, store_.Find(session_id));
   TANDEM_RETURN_IF_ERROR(CheckLayer(*items[0].session, layer));
   TANDEM_RETURN_IF_ERROR(CopyQueries(q, "q", *items[0].session, num_tokens,
                                      options_.max_query_tokens, &items[0].q));
   items[0].num_tokens = num_tokens;
-  return AttendItems(
+  RawAttendOutput* out = nullptr;
+  uint64_t compute_micros = 0, bytes_scanned = 0;
+  TANDEM_RETURN_IF_ERROR(AttendItems(
       layer, items,
-      [out](size_t, const Session& session, uint32_t tokens,
-            std::span<const HeadCount> heads) -> absl::StatusOr<AttendTarget> {
+      [&out, output_for](size_t, const Session& session, uint32_t tokens,
+                         std::span<const HeadCount> heads) -> absl::StatusOr<AttendTarget> {
+        TANDEM_ASSIGN_OR_RETURN(out, output_for(heads.size()));
         const auto& g = session.geometry();
         const size_t rows = size_t{tokens} * heads.size() * g.group();
-        if (out->kv_heads.size() != heads.size() || out->selected.size() != heads.size() ||
-            out->held.size() != heads.size() || out->o.size() != rows * g.head_dim ||
-            out->lse.size() != rows) {
+        if (out == nullptr || out->kv_heads.size() != heads.size() ||
+            out->selected.size() != heads.size() || out->held.size() != heads.size() ||
+            out->o.size() != rows * g.head_dim || out->lse.size() != rows) {
           return absl::InvalidArgumentError(absl::StrCat(
               "output arrays are not sized for ", heads.size(), " owned kv heads x ", tokens,
               " tokens"));
@@ -397,7 +444,10 @@ absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t
         }
         return AttendTarget{out->o.data(), out->lse.data()};
       },
-      &out->compute_micros, &out->bytes_scanned);
+      &compute_micros, &bytes_scanned));
+  out->compute_micros = compute_micros;
+  out->bytes_scanned = bytes_scanned;
+  return absl::OkStatus();
 }
 
 absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendItem>& items,
@@ -422,9 +472,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   }
 
   // A session closed between Find and the lock has no shards left.
-  for (const AttendItem& item : items) {
-    TANDEM_RETURN_IF_ERROR(CheckOpen(*item.session, layer));
-  }
+  for (const AttendItem& item : items) TANDEM_RETURN_IF_ERROR(CheckOpen(*item.session));
 
   // Problems grouped by the parameters SparseAttention takes for a whole call.
   using ParamKey = std::tuple<KvDType, uint32_t, uint32_t, uint32_t>;  // dtype, D, G, T
@@ -446,6 +494,8 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
     }
     TANDEM_ASSIGN_OR_RETURN(const AttendTarget target,
                             sink(i, session, item.num_tokens, counts));
+    // A layer owning no kv head (after ReshardSession) has an empty result: nothing to compute.
+    if (owned.empty()) continue;
 
     AttentionParams params = ParamsFor(session, item.num_tokens, options_.chunk_keys);
     params.o_token_stride = static_cast<size_t>(rows_per_token) * g.head_dim;
@@ -489,7 +539,7 @@ absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
                                        &num_tokens));
 
   std::unique_lock lock(session->mutex());
-  TANDEM_RETURN_IF_ERROR(CheckOpen(*session, request.layer()));
+  TANDEM_RETURN_IF_ERROR(CheckOpen(*session));
   const float beta = request.has_beta() ? request.beta() : session->beta();
   const auto owned = session->owned_kv_heads(request.layer());
   const auto& g = session->geometry();
@@ -555,6 +605,9 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   r.set_attend_calls(attend_calls_.load(std::memory_order_relaxed));
   r.set_attend_in_flight(attend_in_flight_.load(std::memory_order_relaxed));
   r.set_shm_requests(shm_requests_.load(std::memory_order_relaxed));
+  r.set_draining(draining());
+  r.set_free_bytes(s.capacity_bytes - std::min(s.used_bytes, s.capacity_bytes));
+  r.set_node_id(node_id_);
   {
     std::lock_guard lock(shm_mu_);
     r.set_shm_channels(static_cast<uint32_t>(shm_servers_.size()));
@@ -562,6 +615,118 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   std::lock_guard lock(scan_mu_);
   r.set_scan_bytes_per_second(scan_bytes_per_second_);
   return r;
+}
+
+absl::Status CpuAttentionNode::ReshardSession(const v1::ReshardSessionRequest& request,
+                                              v1::ReshardSessionResponse* response) {
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
+  if (request.add_size() > 0 && draining()) return Draining("adding shards");
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<kv_store::ShardKey> add,
+                          ShardKeys(request.add(), "add", session->geometry()));
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<kv_store::ShardKey> drop,
+                          ShardKeys(request.drop(), "drop", session->geometry()));
+  TANDEM_ASSIGN_OR_RETURN(const kv_store::ReshardStats stats, store_.Reshard(*session, add, drop));
+  response->set_free_bytes(store_.budget().free());
+  response->set_blocks_released(stats.blocks_released);
+  response->set_shards(static_cast<uint32_t>(stats.shards));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardExport> CpuAttentionNode::StartExport(const v1::ExportShardRequest& request,
+                                                          uint64_t max_chunk_bytes) {
+  constexpr uint32_t kDefaultChunkEntries = 4096;
+  constexpr uint32_t kMaxChunkEntries = 65536;
+  if (request.max_chunk_entries() > kMaxChunkEntries) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_chunk_entries ", request.max_chunk_entries(), " exceeds ", kMaxChunkEntries));
+  }
+  ShardExport e;
+  TANDEM_ASSIGN_OR_RETURN(e.session_, store_.Find(request.session_id()));
+  const Session& session = *e.session_;
+  e.key_ = {request.shard().layer(), request.shard().kv_head()};
+  {
+    std::shared_lock lock(session.mutex());
+    TANDEM_RETURN_IF_ERROR(CheckOpen(session));
+    const Shard* shard = session.shard(e.key_.layer, e.key_.kv_head);
+    if (shard == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("session '", session.id(),
+                                                     "' does not own (layer ", e.key_.layer,
+                                                     ", kv_head ", e.key_.kv_head, ")"));
+    }
+    const uint64_t held = shard->held();
+    const uint64_t to = request.to_entry() == 0 ? held : request.to_entry();
+    if (request.from_entry() > held || to > held) {
+      return absl::OutOfRangeError(
+          absl::StrCat("entries [", request.from_entry(), ", ", to, ") of (layer ", e.key_.layer,
+                       ", kv_head ", e.key_.kv_head, ") are not all held: it holds ", held));
+    }
+    if (request.from_entry() > to) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("from_entry ", request.from_entry(), " > to_entry ", to));
+    }
+    e.serial_ = shard->serial();
+    e.next_ = request.from_entry();
+    e.end_ = to;
+  }
+  // Bytes per entry in a chunk: K and V rows, the MAW float, the flag.
+  const uint64_t entry_bytes = 2 * session.format().row_bytes() + sizeof(float) + 1;
+  const uint64_t by_bytes = std::max<uint64_t>(1, max_chunk_bytes / entry_bytes);
+  const uint32_t wanted =
+      request.max_chunk_entries() == 0 ? kDefaultChunkEntries : request.max_chunk_entries();
+  e.chunk_entries_ = static_cast<uint32_t>(std::min<uint64_t>(wanted, by_bytes));
+  return e;
+}
+
+absl::Status ShardExport::Next(v1::ExportShardChunk* chunk) {
+  if (done()) return absl::FailedPreconditionError("the export is complete");
+  const Session& session = *session_;
+  std::shared_lock lock(session.mutex());
+  TANDEM_RETURN_IF_ERROR(CheckOpen(session));
+  const Shard* shard = session.shard(key_.layer, key_.kv_head);
+  if (shard == nullptr || shard->serial() != serial_ || shard->held() < end_) {
+    return absl::AbortedError(absl::StrCat("shard (layer ", key_.layer, ", kv_head ", key_.kv_head,
+                                           ") of session '", session.id(),
+                                           "' was dropped during the export"));
+  }
+  const uint64_t n = std::min<uint64_t>(chunk_entries_, end_ - next_);
+  const auto& g = session.geometry();
+  const v1::DType dtype = ProtoDType(session.format().dtype);
+  const size_t row = session.format().row_bytes();
+  chunk->Clear();
+  chunk->set_first_entry(next_);
+  chunk->set_num_entries(static_cast<uint32_t>(n));
+  chunk->set_held(shard->held());
+  auto init = [n](v1::Tensor* t, v1::DType type, std::initializer_list<int64_t> shape,
+                  size_t bytes) {
+    t->set_dtype(type);
+    t->mutable_shape()->Assign(shape.begin(), shape.end());
+    std::string* data = t->mutable_data();
+    data->resize(bytes);
+    return reinterpret_cast<std::byte*>(data->data());
+  };
+  const int64_t rows = static_cast<int64_t>(n);
+  std::byte* k = init(chunk->mutable_k(), dtype, {rows, g.head_dim}, n * row);
+  std::byte* v = init(chunk->mutable_v(), dtype, {rows, g.head_dim}, n * row);
+  auto* maw = reinterpret_cast<float*>(
+      init(chunk->mutable_maw(), v1::DTYPE_F32, {rows}, n * sizeof(float)));
+  std::string* flags = chunk->mutable_selected();
+  flags->resize(n);
+  TANDEM_RETURN_IF_ERROR(
+      shard->ReadEntries(next_, n, k, v, maw, reinterpret_cast<uint8_t*>(flags->data())));
+  next_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status CpuAttentionNode::ExportShard(
+    const v1::ExportShardRequest& request,
+    absl::FunctionRef<absl::Status(const v1::ExportShardChunk&)> emit, uint64_t max_chunk_bytes) {
+  TANDEM_ASSIGN_OR_RETURN(ShardExport e, StartExport(request, max_chunk_bytes));
+  v1::ExportShardChunk chunk;
+  while (!e.done()) {
+    TANDEM_RETURN_IF_ERROR(e.Next(&chunk));
+    TANDEM_RETURN_IF_ERROR(emit(chunk));
+  }
+  return absl::OkStatus();
 }
 
 CpuAttentionNode::~CpuAttentionNode() {

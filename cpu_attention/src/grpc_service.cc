@@ -1,9 +1,10 @@
 #include "tandem/cpu_attention/grpc_service.h"
 
+#include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-
 #include "request_executor.h"
 #include "tandem/common/grpc_status.h"
 
@@ -65,9 +66,75 @@ class CpuAttentionGrpcService::AppendKvReactor final
   v1::AppendKvRequest request_;
 };
 
-CpuAttentionGrpcService::CpuAttentionGrpcService(CpuAttentionNode* node,
-                                                 unsigned executor_threads)
-    : node_(node), executor_(std::make_unique<RequestExecutor>(executor_threads)) {}
+// Streams the chunks of one export: each is read on the executor (under the session's shared
+// lock only), then written; the next read starts when the write is done, so the stream holds
+// one chunk at a time and a slow client does not hold the session's lock.
+class CpuAttentionGrpcService::ExportShardReactor final
+    : public grpc::ServerWriteReactor<v1::ExportShardChunk> {
+ public:
+  ExportShardReactor(CpuAttentionNode* node, RequestExecutor* executor,
+                     grpc::CallbackServerContext* context, const v1::ExportShardRequest* request,
+                     uint64_t max_chunk_bytes)
+      : node_(node), executor_(executor), context_(context) {
+    executor_->Submit([this, request, max_chunk_bytes] {
+      if (context_->IsCancelled()) {
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
+        return;
+      }
+      absl::StatusOr<ShardExport> started = node_->StartExport(*request, max_chunk_bytes);
+      if (!started.ok()) {
+        Finish(ToGrpcStatus(started.status()));
+        return;
+      }
+      export_.emplace(std::move(*started));
+      WriteNext();
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {  // the stream broke (client gone or cancelled): nothing more can be sent
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "ExportShard stream broken"));
+      return;
+    }
+    executor_->Submit([this] { WriteNext(); });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // On the executor: reads the next chunk and starts its write, or finishes the stream.
+  void WriteNext() {
+    if (export_->done()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    if (context_->IsCancelled()) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled"));
+      return;
+    }
+    const absl::Status s = export_->Next(&chunk_);
+    if (!s.ok()) {
+      Finish(ToGrpcStatus(s));
+      return;
+    }
+    StartWrite(&chunk_);
+  }
+
+  CpuAttentionNode* node_;
+  RequestExecutor* executor_;
+  grpc::CallbackServerContext* context_;
+  std::optional<ShardExport> export_;
+  v1::ExportShardChunk chunk_;
+};
+
+CpuAttentionGrpcService::CpuAttentionGrpcService(CpuAttentionNode* node, unsigned executor_threads,
+                                                 uint64_t max_message_bytes)
+    : node_(node),
+      // Room for the chunk's framing (first_entry, held, tensor shapes and tags).
+      max_chunk_bytes_(std::min<uint64_t>(
+          CpuAttentionNode::kMaxExportChunkBytes,
+          max_message_bytes > (64u << 10) ? max_message_bytes - (64u << 10) : 1)),
+      executor_(std::make_unique<RequestExecutor>(executor_threads)) {}
 
 CpuAttentionGrpcService::~CpuAttentionGrpcService() = default;
 
@@ -113,6 +180,18 @@ grpc::ServerUnaryReactor* CpuAttentionGrpcService::Stats(grpc::CallbackServerCon
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
   return reactor;
+}
+
+grpc::ServerUnaryReactor* CpuAttentionGrpcService::ReshardSession(
+    grpc::CallbackServerContext* context, const v1::ReshardSessionRequest* request,
+    v1::ReshardSessionResponse* response) {
+  return RunUnary(*executor_, context,
+                  [this, request, response] { return node_->ReshardSession(*request, response); });
+}
+
+grpc::ServerWriteReactor<v1::ExportShardChunk>* CpuAttentionGrpcService::ExportShard(
+    grpc::CallbackServerContext* context, const v1::ExportShardRequest* request) {
+  return new ExportShardReactor(node_, executor_.get(), context, request, max_chunk_bytes_);
 }
 
 }  // namespace tandem::cpu_attention

@@ -43,7 +43,8 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
   std::unique_ptr<CpuAttentionServer> server(new CpuAttentionServer());
   TANDEM_ASSIGN_OR_RETURN(server->node_, CpuAttentionNode::Create(options.node));
   server->service_ =
-      std::make_unique<CpuAttentionGrpcService>(server->node_.get(), options.executor_threads);
+      std::make_unique<CpuAttentionGrpcService>(server->node_.get(), options.executor_threads,
+                                                static_cast<uint64_t>(options.max_message_bytes));
   server->max_message_bytes_ = options.max_message_bytes;
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -85,6 +86,15 @@ void CpuAttentionServer::Shutdown(int grace_ms) {
     health->SetServingStatus(false);
   }
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
+}
+
+void CpuAttentionServer::StartDraining() {
+  node_->SetDraining(true);
+  // The health service is thread-safe and ignores updates after Shutdown.
+  if (server_ == nullptr) return;
+  if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+    health->SetServingStatus(kServiceName, false);  // readiness; "" (liveness) stays SERVING
+  }
 }
 
 void CpuAttentionServer::Wait() {

@@ -92,24 +92,25 @@ uint64_t ShmSessionServer::ServeAttend(const ShmRequestView& request) {
       (*q_end - shm::kPayloadOffset) / sizeof(float));
   RawAttendOutput out;
   std::span<std::byte> area = channel_->response_area();
-  // A layer out of range gets the node's own error (with empty outputs, which it checks later).
-  if (h.layer < geometry_.owned_heads.size()) {
-    const uint32_t own = geometry_.owned_heads[h.layer];
-    const std::optional<shm::AttendLayout> layout =
-        shm::AttendLayoutFor(own, h.num_tokens, geometry_.group, geometry_.head_dim);
-    if (!layout || layout->end > area.size()) {
-      return Error(absl::ResourceExhaustedError(absl::StrCat(
-          "the answer for ", h.num_tokens, " query tokens does not fit the shm response area of ",
-          area.size(), " bytes; send it over gRPC")));
-    }
-    std::byte* base = area.data();
-    out.kv_heads = {reinterpret_cast<uint32_t*>(base + layout->kv_heads), own};
-    out.selected = {reinterpret_cast<uint64_t*>(base + layout->selected), own};
-    out.held = {reinterpret_cast<uint64_t*>(base + layout->held), own};
-    out.o = {reinterpret_cast<float*>(base + layout->o), layout->rows * geometry_.head_dim};
-    out.lse = {reinterpret_cast<float*>(base + layout->lse), layout->rows};
-  }
-  const absl::Status status = node_->AttendRaw(session_id_, h.layer, q, h.num_tokens, &out);
+  // The answer is laid out once the node knows the layer's owned kv heads (H_own).
+  const absl::Status status = node_->AttendRaw(
+      session_id_, h.layer, q, h.num_tokens, [&](size_t own) -> absl::StatusOr<RawAttendOutput*> {
+        const std::optional<shm::AttendLayout> layout =
+            shm::AttendLayoutFor(own, h.num_tokens, geometry_.group, geometry_.head_dim);
+        if (!layout || layout->end > area.size()) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("the answer for ", h.num_tokens, " query tokens x ", own,
+                           " kv heads does not fit the shm response area of ", area.size(),
+                           " bytes; send it over gRPC"));
+        }
+        std::byte* base = area.data();
+        out.kv_heads = {reinterpret_cast<uint32_t*>(base + layout->kv_heads), own};
+        out.selected = {reinterpret_cast<uint64_t*>(base + layout->selected), own};
+        out.held = {reinterpret_cast<uint64_t*>(base + layout->held), own};
+        out.o = {reinterpret_cast<float*>(base + layout->o), layout->rows * geometry_.head_dim};
+        out.lse = {reinterpret_cast<float*>(base + layout->lse), layout->rows};
+        return &out;
+      });
   if (!status.ok()) return Error(status);
   shm::ResponseHeader header{};
   header.num_heads = static_cast<uint32_t>(out.kv_heads.size());

@@ -22,13 +22,14 @@ namespace tandem::cpu_attention {
 class CpuAttentionNode;
 struct ShmRequestView;
 
-// What the channel thread needs to know about the session to lay out messages.
+// What the channel thread needs to know about the session to lay out messages. The owned kv
+// heads are not here: ReshardSession changes them, so an Attend answer is laid out for the
+// heads the node finds under the session's lock (CpuAttentionNode::AttendRaw's output_for).
 struct ShmSessionGeometry {
   uint32_t num_q_heads = 0;
   uint32_t head_dim = 0;
   uint32_t group = 0;                 // G = H_q / H_kv
   uint32_t kv_row_bytes = 0;          // D * bytes of the kv dtype
-  std::vector<uint32_t> owned_heads;  // per layer: owned kv heads (H_own)
 };
 
 class ShmSessionServer {

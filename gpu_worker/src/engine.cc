@@ -148,7 +148,8 @@ absl::Status Engine::ValidateIds(const std::vector<int32_t>& ids) const {
 
 absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string& id,
                                                               AttentionMode mode, float beta,
-                                                              int64_t window, int64_t sink) {
+                                                              int64_t window, int64_t sink,
+                                                              int64_t expected_offloaded) {
   const ModelConfig& c = model_->config;
   WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype_};
   WindowOptions wo;
@@ -177,6 +178,10 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
                           ? static_cast<uint32_t>(options_.block_tokens)
                           : 0;
     ro.attend_deadline_ms = options_.attend_deadline_ms;
+    ro.expected_tokens = expected_offloaded;
+    ro.placement = options_.placement;
+    ro.replan_every_steps = options_.replan_every_steps;
+    ro.replan_min_gain = options_.replan_min_gain;
     TANDEM_ASSIGN_OR_RETURN(seq->remote, RemoteKv::Open(*nodes_, ro));
   }
   if (mode == AttentionMode::kOffload) {
@@ -268,11 +273,21 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   std::string id = request.session_id;
   if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
   Sequence* seq = nullptr;
+  // Entries per (layer, kv head) the CPU nodes will hold by the end of this request: checked
+  // against their free memory before anything is sent (RESOURCE_EXHAUSTED otherwise).
+  const int64_t planned = std::min<int64_t>(
+      max_context_, already + static_cast<int64_t>(prompt.size()) + request.max_tokens);
+  auto offloaded_by_end = [&](int64_t w, int64_t k) { return std::max<int64_t>(0, planned - w - k); };
   if (continuing) {
     seq = existing->second.get();
+    if (seq->remote != nullptr) {
+      TANDEM_RETURN_IF_ERROR(seq->remote->Reserve(offloaded_by_end(
+          seq->window.options().window, seq->window.options().sink)));
+    }
   } else {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
-                            NewSequence(id, mode, beta, window, sink));
+                            NewSequence(id, mode, beta, window, sink,
+                                        offloaded_by_end(window, sink)));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);
   }
@@ -370,6 +385,12 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
     }
     const int32_t next = *token;
     seq->pending_token.reset();
+    if (seq->remote != nullptr) {
+      // Between steps: finish shard migrations, re-plan placement when due.
+      if (absl::Status s = seq->remote->Maintain(); !s.ok()) {
+        spdlog::warn("session {}: placement: {}", id, std::string(s.message()));
+      }
+    }
     if (absl::Status s = runner_->Forward(*seq, &next, 1); !s.ok()) {
       keep = false;
       finish_session();
@@ -412,7 +433,8 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
   const std::string id = absl::StrCat("eval-", next_anonymous_id_++);
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq,
                           NewSequence(id, request.mode, request.beta, request.window,
-                                      request.sink));
+                                      request.sink,
+                                      std::max<int64_t>(0, n - request.window - request.sink)));
   std::vector<int32_t> targets(request.ids.begin() + 1, request.ids.end());
   targets.push_back(-1);
   std::vector<float> logprobs(n, 0.0f);

@@ -8,6 +8,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -68,50 +69,220 @@ const char* NodeTransportName(NodeTransport transport) {
   return "?";
 }
 
-absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions& options) {
-  auto pool = std::unique_ptr<NodePool>(new NodePool());
-  pool->transport_ = options.transport;
-  std::vector<std::string> addresses = options.addresses;
-  if (!options.dns_name.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> resolved, ResolveAll(options.dns_name));
-    addresses.insert(addresses.end(), resolved.begin(), resolved.end());
+NodePool::NodePool(const NodePoolOptions& options)
+    : options_(options), transport_(options.transport) {}
+
+NodePool::~NodePool() {
+  {
+    std::lock_guard<std::mutex> lock(stop_mu_);
+    stop_ = true;
   }
-  if (addresses.empty()) {
+  stop_cv_.notify_all();
+  if (refresher_.joinable()) refresher_.join();
+}
+
+absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions& options) {
+  if (options.refresh_ms < 0 || options.stats_deadline_ms <= 0 || options.connect_timeout_ms < 0) {
+    return absl::InvalidArgumentError("node pool: refresh_ms, stats_deadline_ms and "
+                                      "connect_timeout_ms must be >= 0 (stats deadline > 0)");
+  }
+  auto pool = std::unique_ptr<NodePool>(new NodePool(options));
+  const bool remote = options.discovery != nullptr || !options.addresses.empty() ||
+                      !options.dns_name.empty();
+  if (!remote) {
     cpu_attention::ServerOptions server_options;
     server_options.address = "";   // no port: in-process only
     server_options.node = options.embedded;
     server_options.max_message_bytes = options.max_message_bytes;
     TANDEM_ASSIGN_OR_RETURN(pool->embedded_,
                             cpu_attention::CpuAttentionServer::Start(server_options));
-    Node node;
-    node.address = "in-process";
-    node.channel = pool->embedded_->InProcessChannel();
-    node.stub = v1::CpuAttention::NewStub(node.channel);
+    auto node = std::make_unique<Node>();
+    node->state.address = "in-process";
+    node->channel = pool->embedded_->InProcessChannel();
+    node->stub = v1::CpuAttention::NewStub(node->channel);
     pool->nodes_.push_back(std::move(node));
+    (void)pool->Refresh();   // capacity and rate of the embedded node
     return pool;
   }
-  for (const std::string& address : addresses) {
-    if (address.empty() || address.find(':') == std::string::npos) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("CPU node address must be host:port, got '", address, "'"));
+  absl::StatusOr<std::vector<std::string>> addresses = pool->Discover();
+  if (!addresses.ok()) {
+    // Kubernetes may start the worker before any node is ready: with periodic refresh an
+    // unresolvable name is an empty pool for now, not a failure.
+    if (options.refresh_ms == 0 || addresses.status().code() != absl::StatusCode::kUnavailable) {
+      return addresses.status();
     }
-    Node node;
-    node.address = address;
-    grpc::ChannelArguments args =
-        cpu_attention::CpuAttentionChannelArguments(options.max_message_bytes);
-    node.channel =
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    spdlog::warn("CPU nodes: {}; retrying every {} ms", std::string(addresses.status().message()),
+                 options.refresh_ms);
+    addresses = std::vector<std::string>{};
+  }
+  for (const std::string& address : *addresses) {
+    size_t index;
+    {
+      std::lock_guard<std::mutex> lock(pool->mu_);
+      index = pool->AddLocked(address);
+    }
     const auto deadline =
         std::chrono::system_clock::now() + std::chrono::milliseconds(options.connect_timeout_ms);
-    if (!node.channel->WaitForConnected(deadline)) {
+    if (!pool->nodes_[index]->channel->WaitForConnected(deadline)) {
       return absl::UnavailableError(absl::StrCat("CPU attention node ", address,
                                                  " is not reachable within ",
                                                  options.connect_timeout_ms, " ms"));
     }
-    node.stub = v1::CpuAttention::NewStub(node.channel);
-    pool->nodes_.push_back(std::move(node));
+  }
+  (void)pool->Refresh();
+  if (options.refresh_ms > 0) {
+    NodePool* p = pool.get();
+    pool->refresher_ = std::thread([p] { p->RefreshLoop(); });
   }
   return pool;
+}
+
+absl::StatusOr<std::vector<std::string>> NodePool::Discover() const {
+  std::vector<std::string> addresses;
+  if (options_.discovery) {
+    TANDEM_ASSIGN_OR_RETURN(addresses, options_.discovery());
+  } else {
+    addresses = options_.addresses;
+    if (!options_.dns_name.empty()) {
+      TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> resolved, ResolveAll(options_.dns_name));
+      addresses.insert(addresses.end(), resolved.begin(), resolved.end());
+    }
+  }
+  for (const std::string& address : addresses) {
+    const size_t colon = address.rfind(':');
+    if (address.empty() || colon == std::string::npos || colon == 0 ||
+        colon + 1 == address.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CPU node address must be host:port, got '", address, "'"));
+    }
+  }
+  std::sort(addresses.begin(), addresses.end());
+  addresses.erase(std::unique(addresses.begin(), addresses.end()), addresses.end());
+  return addresses;
+}
+
+size_t NodePool::AddLocked(const std::string& address) {
+  auto node = std::make_unique<Node>();
+  node->state.address = address;
+  node->state.reachable = false;   // until it answers Stats
+  grpc::ChannelArguments args =
+      cpu_attention::CpuAttentionChannelArguments(options_.max_message_bytes);
+  node->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  node->stub = v1::CpuAttention::NewStub(node->channel);
+  nodes_.push_back(std::move(node));
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  return nodes_.size() - 1;
+}
+
+absl::Status NodePool::Refresh() {
+  std::lock_guard<std::mutex> refresh_lock(refresh_mu_);
+  absl::Status discovery_status;
+  if (embedded_ == nullptr) {
+    absl::StatusOr<std::vector<std::string>> addresses = Discover();
+    if (addresses.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const std::string& address : *addresses) {
+        const bool known = std::any_of(nodes_.begin(), nodes_.end(), [&](const auto& n) {
+          return n->state.address == address;
+        });
+        if (!known) {
+          AddLocked(address);
+          spdlog::info("CPU node {} joined", address);
+        }
+      }
+      for (auto& node : nodes_) {
+        const bool listed = std::binary_search(addresses->begin(), addresses->end(),
+                                               node->state.address);
+        if (listed != node->state.listed) {
+          node->state.listed = listed;
+          generation_.fetch_add(1, std::memory_order_acq_rel);
+          spdlog::info("CPU node {} {}", node->state.address, listed ? "is listed again" : "left");
+        }
+      }
+    } else {
+      discovery_status = addresses.status();
+    }
+  }
+  // Stats of every listed node, outside the lock (each call may take up to its deadline).
+  const size_t count = size();
+  for (size_t i = 0; i < count; ++i) {
+    if (!state(i).listed) continue;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(options_.stats_deadline_ms));
+    v1::StatsRequest request;
+    v1::StatsResponse stats;
+    const grpc::Status s = stub(i).Stats(&ctx, request, &stats);
+    std::lock_guard<std::mutex> lock(mu_);
+    NodeState& st = nodes_[i]->state;
+    const bool was_accepting = st.accepting();
+    st.reachable = s.ok();
+    if (s.ok()) {
+      if (!st.node_id.empty() && st.node_id != stats.node_id()) {
+        spdlog::warn("CPU node {} restarted (id {} -> {}): its shards are lost", st.address,
+                     st.node_id, stats.node_id());
+      }
+      st.node_id = stats.node_id();
+      st.draining = stats.draining();
+      st.capacity_bytes = stats.capacity_bytes();
+      st.free_bytes = stats.capacity_bytes() > stats.used_bytes()
+                          ? stats.capacity_bytes() - stats.used_bytes()
+                          : 0;
+      st.scan_bytes_per_second = stats.scan_bytes_per_second();
+      st.sessions = stats.sessions();
+    }
+    if (st.accepting() != was_accepting) {
+      generation_.fetch_add(1, std::memory_order_acq_rel);
+      spdlog::info("CPU node {} {} new shards", st.address,
+                   st.accepting() ? "accepts" : "no longer accepts");
+    }
+  }
+  return discovery_status;
+}
+
+void NodePool::RefreshLoop() {
+  std::unique_lock<std::mutex> lock(stop_mu_);
+  while (!stop_cv_.wait_for(lock, std::chrono::milliseconds(options_.refresh_ms),
+                            [this] { return stop_; })) {
+    lock.unlock();
+    const absl::Status s = Refresh();
+    if (!s.ok()) spdlog::warn("CPU node discovery: {}", std::string(s.message()));
+    lock.lock();
+  }
+}
+
+size_t NodePool::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_.size();
+}
+
+v1::CpuAttention::Stub& NodePool::stub(size_t i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return *nodes_.at(i)->stub;
+}
+
+std::string NodePool::address(size_t i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_.at(i)->state.address;
+}
+
+NodeState NodePool::state(size_t i) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return nodes_.at(i)->state;
+}
+
+std::vector<NodeState> NodePool::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<NodeState> out;
+  out.reserve(nodes_.size());
+  for (const auto& node : nodes_) out.push_back(node->state);
+  return out;
+}
+
+size_t NodePool::accepting_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<size_t>(std::count_if(nodes_.begin(), nodes_.end(),
+                                           [](const auto& n) { return n->state.accepting(); }));
 }
 
 }  // namespace tandem::gpu_worker

@@ -5,11 +5,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/cpu_attention/shm_protocol.h"
 #include "tandem/common/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -49,60 +51,214 @@ absl::Status ShmStatus(std::span<const std::byte> message, cpu_attention::shm::R
 
 }  // namespace
 
+absl::StatusOr<PlacementPolicy> ParsePlacementPolicy(const std::string& name) {
+  if (name == "balanced") return PlacementPolicy::kBalanced;
+  if (name == "uniform") return PlacementPolicy::kUniform;
+  return absl::InvalidArgumentError(
+      absl::StrCat("placement must be balanced or uniform, got '", name, "'"));
+}
+
 RemoteKv::RemoteKv(NodePool& pool, const RemoteKvOptions& options)
     : pool_(pool),
       options_(options),
-      opened_(pool.size(), false),
-      lost_(pool.size(), false),
-      shm_(pool.size()),
+      placement_(options.num_layers * options.num_kv_heads, -1),
+      shard_selected_(placement_.size(), 0),
+      shard_held_(placement_.size(), 0),
+      expected_tokens_(std::max<int64_t>(0, options.expected_tokens)),
       last_selection_(options.num_layers),
       share_sum_(options.num_layers, 0.0),
-      share_count_(options.num_layers, 0) {}
+      share_count_(options.num_layers, 0) {
+  GrowNodeSlots();
+}
 
-size_t RemoteKv::NodeOf(int64_t layer, int64_t kv_head) const {
-  return static_cast<size_t>(layer * options_.num_kv_heads + kv_head) % pool_.size();
+void RemoteKv::GrowNodeSlots() {
+  const size_t n = pool_.size();
+  if (opened_.size() >= n) return;
+  opened_.resize(n, false);
+  lost_.resize(n, false);
+  shm_.resize(n);
+  node_rate_.resize(n, 0.0);
 }
 
 std::vector<uint32_t> RemoteKv::HeadsOf(size_t node, int64_t layer) const {
   std::vector<uint32_t> heads;
   for (int64_t h = 0; h < options_.num_kv_heads; ++h) {
-    if (NodeOf(layer, h) == node) heads.push_back(static_cast<uint32_t>(h));
+    if (placement_[layer * options_.num_kv_heads + h] == static_cast<int>(node)) {
+      heads.push_back(static_cast<uint32_t>(h));
+    }
   }
   return heads;
 }
 
+size_t RemoteKv::ShardsOn(size_t node) const {
+  size_t count = 0;
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    if (placement_[s] == static_cast<int>(node)) ++count;
+  }
+  for (const auto& [shard, to] : migrating_) {
+    if (to == node) ++count;
+  }
+  return count;
+}
+
+std::vector<size_t> RemoteKv::nodes_in_use() const {
+  std::vector<size_t> out;
+  for (size_t n = 0; n < opened_.size(); ++n) {
+    if (ShardsOn(n) > 0) out.push_back(n);
+  }
+  return out;
+}
+
+uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share) const {
+  // As the node charges it: whole blocks of K + V + MAW, plus the contiguous selected copy
+  // (K + V of the selected entries).
+  const uint64_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
+  const uint64_t block = options_.block_tokens != 0 ? options_.block_tokens : 64;
+  const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(entries, 0));
+  const double share = std::clamp(selected_share, 0.0, 1.0);
+  return (n + block - 1) / block * block * (2 * row + sizeof(float)) +
+         static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)) * 2 * row;
+}
+
+double RemoteKv::SelectedShare(size_t shard) const {
+  if (options_.beta == 0.0f) return 1.0;
+  if (shard_held_[shard] > 0) {
+    return static_cast<double>(shard_selected_[shard]) / static_cast<double>(shard_held_[shard]);
+  }
+  return options_.expected_selected_share;
+}
+
+std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
+  const std::vector<NodeState> states = pool_.Snapshot();
+  std::vector<PlacementNode> nodes(states.size());
+  std::vector<uint64_t> held_here(states.size(), 0);
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    if (placement_[s] >= 0) {
+      held_here[placement_[s]] += ShardBytes(static_cast<int64_t>(shard_held_[s]), SelectedShare(s));
+    }
+  }
+  for (size_t n = 0; n < states.size(); ++n) {
+    const bool lost = n < lost_.size() && lost_[n];
+    nodes[n].accepting = states[n].accepting() && !lost;
+    const double measured = n < node_rate_.size() ? node_rate_[n] : 0.0;
+    nodes[n].scan_bytes_per_second = measured > 0 ? measured : states[n].scan_bytes_per_second;
+    nodes[n].attend_overhead_seconds = options_.attend_overhead_seconds;
+    nodes[n].capacity_bytes = states[n].free_bytes + held_here[n];
+  }
+  return nodes;
+}
+
+std::vector<PlacementShard> RemoteKv::PlannerShards(int64_t expected_tokens) const {
+  const double row = static_cast<double>(options_.head_dim * DTypeBytes(options_.kv_dtype));
+  std::vector<PlacementShard> shards(placement_.size());
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    PlacementShard& shard = shards[s];
+    shard.layer = static_cast<uint32_t>(s / options_.num_kv_heads);
+    shard.kv_head = static_cast<uint32_t>(s % options_.num_kv_heads);
+    const int64_t entries = std::max<int64_t>(static_cast<int64_t>(shard_held_[s]), expected_tokens);
+    shard.memory_bytes = ShardBytes(entries, SelectedShare(s));
+    // Before the first Attend the selection is unknown: every shard costs the same.
+    shard.scan_bytes = shard_held_[s] > 0 ? static_cast<double>(shard_selected_[s]) * 2 * row
+                                          : static_cast<double>(std::max<int64_t>(entries, 1)) * 2 * row;
+    shard.current_node = placement_[s];
+  }
+  return shards;
+}
+
+absl::Status RemoteKv::CheckCapacity(std::span<const PlacementNode> nodes,
+                                     std::span<const PlacementShard> shards,
+                                     std::span<const int> node_of) const {
+  std::vector<uint64_t> need(nodes.size(), 0);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    if (node_of[s] < 0 || static_cast<size_t>(node_of[s]) >= nodes.size()) {
+      return absl::InternalError("placement plan left a shard unplaced");
+    }
+    need[node_of[s]] += shards[s].memory_bytes;
+  }
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    if (need[n] > nodes[n].capacity_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "CPU node ", pool_.address(n), " would need ", need[n], " bytes for this session's ",
+          "shards but has ", nodes[n].capacity_bytes, " free"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+v1::OpenSessionRequest RemoteKv::OpenRequest(
+    const std::vector<std::pair<uint32_t, uint32_t>>& shards) const {
+  v1::OpenSessionRequest request;
+  request.set_session_id(options_.session_id);
+  auto* g = request.mutable_geometry();
+  g->set_num_layers(options_.num_layers);
+  g->set_num_q_heads(options_.num_q_heads);
+  g->set_num_kv_heads(options_.num_kv_heads);
+  g->set_head_dim(options_.head_dim);
+  request.set_block_size(options_.block_tokens);
+  request.set_kv_dtype(WireType(options_.kv_dtype));
+  request.set_beta(options_.beta);
+  for (const auto& [layer, head] : shards) {
+    auto* shard = request.add_shards();
+    shard->set_layer(layer);
+    shard->set_kv_head(head);
+  }
+  return request;
+}
+
 absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
                                                          const RemoteKvOptions& options) {
-  if (pool.size() == 0) return absl::FailedPreconditionError("no CPU attention nodes");
   if (options.kv_dtype != DType::kBF16 && options.kv_dtype != DType::kF32) {
     return absl::InvalidArgumentError("offloaded KV must be bf16 or f32");
   }
-  const NodeTransport transport = options.transport.value_or(pool.transport());
-  auto kv = std::unique_ptr<RemoteKv>(new RemoteKv(pool, options));
-  for (size_t n = 0; n < pool.size(); ++n) {
-    v1::OpenSessionRequest request;
-    request.set_session_id(options.session_id);
-    auto* g = request.mutable_geometry();
-    g->set_num_layers(options.num_layers);
-    g->set_num_q_heads(options.num_q_heads);
-    g->set_num_kv_heads(options.num_kv_heads);
-    g->set_head_dim(options.head_dim);
-    request.set_block_size(options.block_tokens);
-    request.set_kv_dtype(WireType(options.kv_dtype));
-    request.set_beta(options.beta);
-    bool any = false;
-    for (int64_t l = 0; l < options.num_layers; ++l) {
-      for (uint32_t h : kv->HeadsOf(n, l)) {
-        auto* shard = request.add_shards();
-        shard->set_layer(l);
-        shard->set_kv_head(h);
-        any = true;
-      }
-    }
-    if (!any) continue;   // more nodes than shards
-    // On failure the destructor closes the sessions opened so far.
-    TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, transport, request));
+  if (options.num_layers <= 0 || options.num_kv_heads <= 0 || options.head_dim <= 0 ||
+      options.num_q_heads % options.num_kv_heads != 0) {
+    return absl::InvalidArgumentError("RemoteKv: bad geometry");
   }
+  if (pool.accepting_count() == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "no CPU attention node accepts sessions (", pool.size(), " known, none listed, ",
+        "reachable and not draining)"));
+  }
+  auto kv = std::unique_ptr<RemoteKv>(new RemoteKv(pool, options));
+  kv->transport_ = options.transport.value_or(pool.transport());
+  kv->pool_generation_ = pool.generation();
+  // Plan before sending anything: a session that does not fit is refused untouched.
+  const std::vector<PlacementNode> nodes = kv->PlannerNodes();
+  const std::vector<PlacementShard> shards = kv->PlannerShards(kv->expected_tokens_);
+  PlacementOptions po;
+  po.time_budget = options.plan_budget;
+  const auto t0 = Clock::now();
+  absl::StatusOr<PlacementPlan> plan = options.placement == PlacementPolicy::kBalanced
+                                           ? PlanBalanced(nodes, shards, po)
+                                           : PlanUniform(nodes, shards);
+  kv->counters_.last_plan_ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  if (!plan.ok()) {
+    return absl::Status(plan.status().code(),
+                        absl::StrCat("placing session ", options.session_id, " (",
+                                     kv->expected_tokens_, " entries per shard): ",
+                                     plan.status().message()));
+  }
+  TANDEM_RETURN_IF_ERROR(kv->CheckCapacity(nodes, shards, plan->node_of));
+  kv->placement_ = plan->node_of;
+  kv->counters_.modelled_step_seconds = plan->step_seconds;
+  for (size_t n = 0; n < kv->opened_.size(); ++n) {
+    std::vector<std::pair<uint32_t, uint32_t>> mine;
+    for (int64_t l = 0; l < options.num_layers; ++l) {
+      for (uint32_t h : kv->HeadsOf(n, l)) mine.emplace_back(static_cast<uint32_t>(l), h);
+    }
+    if (mine.empty()) continue;
+    v1::OpenSessionRequest request = kv->OpenRequest(mine);
+    // On failure the destructor closes the sessions opened so far.
+    TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, kv->transport_, request));
+  }
+  ShardMigratorOptions mo;
+  mo.session_id = options.session_id;
+  mo.head_dim = options.head_dim;
+  mo.kv_dtype = options.kv_dtype;
+  mo.deadline_ms = options.control_deadline_ms;
+  mo.chunk_entries = options.migration_chunk_entries;
+  kv->migrator_ = std::make_unique<ShardMigrator>(pool, mo);
   return kv;
 }
 
@@ -156,7 +312,7 @@ absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const
   if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0 || window_entries <= 0) {
     return absl::InvalidArgumentError("RemoteKv::Append: bad layer, token count or window");
   }
-  for (size_t n = 0; n < pool_.size(); ++n) {
+  for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n]) continue;
     const std::vector<uint32_t> heads = HeadsOf(n, layer);
     if (heads.empty()) continue;
@@ -310,7 +466,7 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   attend_tokens_ = num_tokens;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
   const size_t q_bytes = num_tokens * options_.num_q_heads * options_.head_dim * sizeof(float);
-  for (size_t n = 0; n < pool_.size(); ++n) {
+  for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
     if (shm_[n] != nullptr) {
       const ShmStart started = StartAttendShm(n, q);
@@ -352,7 +508,11 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
 RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q) {
   namespace shm = cpu_attention::shm;
   cpu_attention::ShmChannel& channel = *shm_[n];
-  const int64_t own = static_cast<int64_t>(HeadsOf(n, attend_layer_).size());
+  // The node answers for every head it holds, shards still migrating in included.
+  int64_t own = static_cast<int64_t>(HeadsOf(n, attend_layer_).size());
+  for (const auto& [shard, to] : migrating_) {
+    if (to == n && static_cast<int64_t>(shard) / options_.num_kv_heads == attend_layer_) ++own;
+  }
   const int64_t G = options_.num_q_heads / options_.num_kv_heads;
   const std::optional<uint64_t> request_bytes =
       shm::AttendRequestBytes(attend_tokens_, options_.num_q_heads, options_.head_dim);
@@ -393,18 +553,22 @@ bool RemoteKv::FinishAttendShm(size_t n, float* o, float* lse, LayerSelection* s
   const std::byte* base = answer->data();
   const std::span<const uint32_t> kv_heads(reinterpret_cast<const uint32_t*>(base + layout->kv_heads),
                                            h.num_heads);
-  Scatter(kv_heads, reinterpret_cast<const float*>(base + layout->o),
+  Scatter(n, kv_heads, reinterpret_cast<const float*>(base + layout->o),
           reinterpret_cast<const float*>(base + layout->lse), o, lse);
-  const auto* selected = reinterpret_cast<const uint64_t*>(base + layout->selected);
-  const auto* held = reinterpret_cast<const uint64_t*>(base + layout->held);
+  const std::span<const uint64_t> selected(
+      reinterpret_cast<const uint64_t*>(base + layout->selected), h.num_heads);
+  const std::span<const uint64_t> held(reinterpret_cast<const uint64_t*>(base + layout->held),
+                                       h.num_heads);
   for (uint32_t i = 0; i < h.num_heads; ++i) {
+    if (kv_heads[i] >= options_.num_kv_heads || NodeOf(attend_layer_, kv_heads[i]) != n) continue;
     selection->selected += selected[i];
     selection->held += held[i];
   }
+  RecordAnswer(n, kv_heads, selected, held, h.compute_micros, h.bytes_scanned);
   return true;
 }
 
-void RemoteKv::Scatter(std::span<const uint32_t> kv_heads, const float* src_o,
+void RemoteKv::Scatter(size_t node, std::span<const uint32_t> kv_heads, const float* src_o,
                        const float* src_lse, float* o, float* lse) const {
   const int64_t T = attend_tokens_, Hq = options_.num_q_heads, D = options_.head_dim;
   const int64_t G = Hq / options_.num_kv_heads;
@@ -412,7 +576,7 @@ void RemoteKv::Scatter(std::span<const uint32_t> kv_heads, const float* src_o,
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < own; ++h) {
       const int64_t kv_head = kv_heads[h];
-      if (kv_head >= options_.num_kv_heads) continue;
+      if (kv_head >= options_.num_kv_heads || NodeOf(attend_layer_, kv_head) != node) continue;
       for (int64_t j = 0; j < G; ++j) {
         const int64_t src_row = t * own * G + h * G + j;
         const int64_t dst_row = t * Hq + kv_head * G + j;
@@ -433,7 +597,7 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
   bool degraded = false;
   // A node without a call (lost, busy, or its session never opened) owns heads nobody answers
   // for.
-  std::vector<bool> answered(pool_.size(), false);
+  std::vector<bool> answered(opened_.size(), false);
   LayerSelection selection;
   for (size_t n : shm_calls_) answered[n] = FinishAttendShm(n, o, lse, &selection);
   shm_calls_.clear();
@@ -449,16 +613,25 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
         r.lse().data().size() != static_cast<size_t>(T * own * G) * 4) {
       continue;
     }
-    Scatter(std::span<const uint32_t>(r.kv_heads().data(), static_cast<size_t>(own)),
-            reinterpret_cast<const float*>(r.o().data().data()),
+    const std::span<const uint32_t> kv_heads(r.kv_heads().data(), static_cast<size_t>(own));
+    Scatter(call->node, kv_heads, reinterpret_cast<const float*>(r.o().data().data()),
             reinterpret_cast<const float*>(r.lse().data().data()), o, lse);
-    for (int i = 0; i < r.selected_size() && i < r.held_size(); ++i) {
-      selection.selected += r.selected(i);
-      selection.held += r.held(i);
+    if (r.selected_size() == own && r.held_size() == own) {
+      for (int i = 0; i < own; ++i) {
+        if (r.kv_heads(i) >= options_.num_kv_heads || NodeOf(layer, r.kv_heads(i)) != call->node) {
+          continue;
+        }
+        selection.selected += r.selected(i);
+        selection.held += r.held(i);
+      }
+      RecordAnswer(call->node, kv_heads,
+                   std::span<const uint64_t>(r.selected().data(), static_cast<size_t>(own)),
+                   std::span<const uint64_t>(r.held().data(), static_cast<size_t>(own)),
+                   call->response.compute_micros(), call->response.bytes_scanned());
     }
     answered[call->node] = true;
   }
-  for (size_t n = 0; n < pool_.size(); ++n) {
+  for (size_t n = 0; n < opened_.size(); ++n) {
     if (!HeadsOf(n, layer).empty() && !answered[n]) degraded = true;
   }
   calls_.clear();
@@ -474,8 +647,13 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
 
 absl::Status RemoteKv::Reselect(int64_t layer, const float* q, int64_t num_tokens,
                                 std::optional<float> beta) {
+  // A copy in flight would keep the old flags of entries re-evaluated here: start over later.
+  if (migrator_ != nullptr && !migrating_.empty()) {
+    for (const MigrationJob& job : migrator_->CancelAll()) AbandonMigration(job);
+    replan_due_ = true;
+  }
   const size_t q_bytes = num_tokens * options_.num_q_heads * options_.head_dim * sizeof(float);
-  for (size_t n = 0; n < pool_.size(); ++n) {
+  for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
     v1::ReselectRequest request;
     request.set_session_id(options_.session_id);
@@ -504,9 +682,10 @@ absl::Status RemoteKv::Close() {
     std::unique_lock<std::mutex> lock(mu_);
     done_cv_.wait(lock, [this] { return outstanding_ == 0; });
   }
+  migrator_.reset();   // stops the copy in progress; the targets' sessions close below
   // CloseSession stops the node's channel thread; the worker's mapping goes with this object.
   absl::Status first_error;
-  for (size_t n = 0; n < pool_.size(); ++n) {
+  for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n]) continue;
     v1::CloseSessionRequest request;
     request.set_session_id(options_.session_id);
@@ -517,6 +696,218 @@ absl::Status RemoteKv::Close() {
     if (!s.ok() && first_error.ok()) first_error = NodeError(pool_.address(n), "CloseSession", s);
   }
   return first_error;
+}
+
+void RemoteKv::RecordAnswer(size_t node, std::span<const uint32_t> kv_heads,
+                            std::span<const uint64_t> selected, std::span<const uint64_t> held,
+                            uint64_t compute_micros, uint64_t bytes_scanned) {
+  for (size_t i = 0; i < kv_heads.size(); ++i) {
+    if (kv_heads[i] >= options_.num_kv_heads) continue;
+    const size_t shard = attend_layer_ * options_.num_kv_heads + kv_heads[i];
+    if (placement_[shard] != static_cast<int>(node)) continue;
+    shard_selected_[shard] = selected[i];
+    shard_held_[shard] = held[i];
+  }
+  // The node's scan rate, from calls long enough to measure (a moving average).
+  if (compute_micros >= 50 && bytes_scanned > 0 && node < node_rate_.size()) {
+    const double rate = static_cast<double>(bytes_scanned) / (compute_micros * 1e-6);
+    node_rate_[node] = node_rate_[node] > 0 ? 0.8 * node_rate_[node] + 0.2 * rate : rate;
+  }
+}
+
+absl::Status RemoteKv::Reshard(size_t node, const std::vector<size_t>& add,
+                               const std::vector<size_t>& drop) {
+  v1::ReshardSessionRequest request;
+  request.set_session_id(options_.session_id);
+  for (auto [list, shards] : {std::pair{request.mutable_add(), &add},
+                              std::pair{request.mutable_drop(), &drop}}) {
+    for (size_t s : *shards) {
+      auto* id = list->Add();
+      id->set_layer(static_cast<uint32_t>(s / options_.num_kv_heads));
+      id->set_kv_head(static_cast<uint32_t>(s % options_.num_kv_heads));
+    }
+  }
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, options_.control_deadline_ms);
+  v1::ReshardSessionResponse response;
+  const grpc::Status s = pool_.stub(node).ReshardSession(&ctx, request, &response);
+  if (!s.ok()) return NodeError(pool_.address(node), "ReshardSession", s);
+  return absl::OkStatus();
+}
+
+void RemoteKv::CloseOn(size_t node) {
+  if (!opened_[node]) return;
+  v1::CloseSessionRequest request;
+  request.set_session_id(options_.session_id);
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, options_.control_deadline_ms);
+  v1::CloseSessionResponse response;
+  const grpc::Status s = pool_.stub(node).CloseSession(&ctx, request, &response);
+  if (!s.ok()) {
+    spdlog::warn("session {}: closing on CPU node {}: {}", options_.session_id,
+                 pool_.address(node), s.error_message());
+  }
+  opened_[node] = false;
+  shm_[node].reset();
+}
+
+absl::Status RemoteKv::StartMigration(size_t shard, size_t to) {
+  GrowNodeSlots();
+  const int from = placement_[shard];
+  if (from < 0 || static_cast<size_t>(from) == to || to >= opened_.size()) {
+    return absl::InvalidArgumentError("bad migration");
+  }
+  const auto layer = static_cast<uint32_t>(shard / options_.num_kv_heads);
+  const auto head = static_cast<uint32_t>(shard % options_.num_kv_heads);
+  if (opened_[to]) {
+    TANDEM_RETURN_IF_ERROR(Reshard(to, {shard}, {}));
+  } else {
+    v1::OpenSessionRequest request = OpenRequest({{layer, head}});
+    TANDEM_RETURN_IF_ERROR(OpenOn(to, transport_, request));
+  }
+  migrating_[shard] = to;
+  migrator_->Enqueue({layer, head, static_cast<size_t>(from), to});
+  ++counters_.migrations_started;
+  return absl::OkStatus();
+}
+
+void RemoteKv::AbandonMigration(const MigrationJob& job) {
+  const size_t shard = job.layer * options_.num_kv_heads + job.kv_head;
+  migrating_.erase(shard);
+  ++counters_.migrations_failed;
+  if (opened_[job.to]) {
+    if (ShardsOn(job.to) == 0) {
+      CloseOn(job.to);
+    } else if (absl::Status s = Reshard(job.to, {}, {shard}); !s.ok()) {
+      spdlog::warn("session {}: dropping the partial copy of shard ({}, {}): {}",
+                   options_.session_id, job.layer, job.kv_head, std::string(s.message()));
+    }
+  }
+}
+
+absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished) {
+  const MigrationJob& job = finished.job;
+  const size_t shard = job.layer * options_.num_kv_heads + job.kv_head;
+  absl::Status status = finished.status;
+  if (status.ok()) {
+    // The entries appended since the bulk copy started; nothing appends while we are here.
+    absl::StatusOr<uint64_t> tail = migrator_->CopyRange(job, finished.copied);
+    status = tail.status();
+  }
+  if (!status.ok()) {
+    spdlog::warn("session {}: migrating shard ({}, {}) from {} to {} failed: {}",
+                 options_.session_id, job.layer, job.kv_head, pool_.address(job.from),
+                 pool_.address(job.to), std::string(status.message()));
+    AbandonMigration(job);
+    return status;
+  }
+  // Switch: from the next Attend and Append on, the shard lives on `to`; then free it on `from`.
+  placement_[shard] = static_cast<int>(job.to);
+  migrating_.erase(shard);
+  ++counters_.migrations_done;
+  if (ShardsOn(job.from) == 0) {
+    CloseOn(job.from);
+  } else if (absl::Status s = Reshard(job.from, {}, {shard}); !s.ok()) {
+    spdlog::warn("session {}: freeing migrated shard ({}, {}) on {}: {}", options_.session_id,
+                 job.layer, job.kv_head, pool_.address(job.from), std::string(s.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteKv::ReplanAndMigrate(bool cost_based) {
+  GrowNodeSlots();
+  const std::vector<PlacementNode> nodes = PlannerNodes();
+  const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
+  PlacementOptions po;
+  po.time_budget = options_.plan_budget;
+  po.min_relative_gain =
+      cost_based ? options_.replan_min_gain : std::numeric_limits<double>::infinity();
+  const auto t0 = Clock::now();
+  absl::StatusOr<PlacementPlan> plan = gpu_worker::Replan(nodes, shards, po);
+  counters_.last_plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  ++counters_.replans;
+  if (!plan.ok()) return plan.status();
+  TANDEM_RETURN_IF_ERROR(CheckCapacity(nodes, shards, plan->node_of));
+  counters_.modelled_step_seconds = plan->step_seconds;
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    const int to = plan->node_of[s];
+    if (to == placement_[s] || migrating_.count(s) > 0) continue;
+    if (lost_[placement_[s]]) continue;   // its entries are gone; nothing to copy
+    if (absl::Status st = StartMigration(s, static_cast<size_t>(to)); !st.ok()) {
+      spdlog::warn("session {}: cannot start migrating shard ({}, {}) to {}: {}",
+                   options_.session_id, s / options_.num_kv_heads, s % options_.num_kv_heads,
+                   pool_.address(to), std::string(st.message()));
+      ++counters_.migrations_failed;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
+  if (closed_) return absl::FailedPreconditionError("the session is closed");
+  expected_tokens_ = std::max(expected_tokens_, expected_tokens);
+  GrowNodeSlots();
+  const std::vector<PlacementNode> nodes = PlannerNodes();
+  const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
+  if (CheckCapacity(nodes, shards, placement_).ok()) return absl::OkStatus();
+  // Some node would overflow: move shards now (the copies run while the turn prefills).
+  if (!migrating_.empty()) {
+    for (const MigrationJob& job : migrator_->CancelAll()) AbandonMigration(job);
+  }
+  PlacementOptions po;
+  po.time_budget = options_.plan_budget;
+  po.min_relative_gain = 0;
+  absl::StatusOr<PlacementPlan> plan = gpu_worker::PlanBalanced(nodes, shards, po);
+  if (!plan.ok()) return plan.status();
+  TANDEM_RETURN_IF_ERROR(CheckCapacity(nodes, shards, plan->node_of));
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    if (plan->node_of[s] != placement_[s] && !lost_[placement_[s]]) {
+      TANDEM_RETURN_IF_ERROR(StartMigration(s, static_cast<size_t>(plan->node_of[s])));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RemoteKv::Maintain() {
+  if (closed_ || attend_layer_ >= 0) return absl::OkStatus();
+  GrowNodeSlots();
+  for (const ShardMigrator::Finished& f : migrator_->TakeFinished()) {
+    (void)CompleteMigration(f);   // a failed migration leaves the shard where it was
+  }
+  ++steps_since_plan_;
+  const uint64_t generation = pool_.generation();
+  if (generation != pool_generation_) {   // a node joined, left, or changed its accepting state
+    pool_generation_ = generation;
+    nodes_changed_ = true;
+  }
+  if (!migrating_.empty()) return absl::OkStatus();   // one round of moves at a time
+  const bool balanced = options_.placement == PlacementPolicy::kBalanced;
+  const bool periodic = balanced && options_.replan_every_steps > 0 &&
+                        steps_since_plan_ >= options_.replan_every_steps;
+  if (!nodes_changed_ && !replan_due_ && !periodic) return absl::OkStatus();
+  steps_since_plan_ = 0;
+  nodes_changed_ = false;
+  replan_due_ = false;
+  // Uniform placement only moves what must move (shards on nodes that stopped accepting).
+  return ReplanAndMigrate(/*cost_based=*/balanced);
+}
+
+absl::Status RemoteKv::SettleMigrations(std::chrono::milliseconds timeout) {
+  const Clock::time_point deadline = Clock::now() + timeout;
+  TANDEM_RETURN_IF_ERROR(Maintain());
+  while (!migrating_.empty()) {
+    if (Clock::now() > deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat(migrating_.size(), " shard migrations still running"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    for (const ShardMigrator::Finished& f : migrator_->TakeFinished()) (void)CompleteMigration(f);
+  }
+  return absl::OkStatus();
+}
+
+double RemoteKv::ModelledStepSeconds() const {
+  return StepSeconds(PlannerNodes(), PlannerShards(expected_tokens_), placement_);
 }
 
 std::vector<double> RemoteKv::MeanSelectedShare() const {

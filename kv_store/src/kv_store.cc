@@ -66,23 +66,31 @@ absl::Status Geometry::Validate() const {
 }
 
 Session::Session(std::string id, SessionOptions options, BlockPool* pool, MemoryBudget* budget)
-    : id_(std::move(id)), options_(std::move(options)), pool_(pool), beta_(options_.beta) {
-  const Geometry& g = options_.geometry;
-  owned_.resize(g.num_layers);
-  shard_index_.assign(size_t{g.num_layers} * g.num_kv_heads, -1);
-  shards_.reserve(options_.shards.size());
-  for (const ShardKey& key : options_.shards) {
-    assert(key.layer < g.num_layers && key.kv_head < g.num_kv_heads);
-    shard_index_[size_t{key.layer} * g.num_kv_heads + key.kv_head] =
-        static_cast<int32_t>(shards_.size());
-    owned_[key.layer].push_back(key.kv_head);
-    shards_.push_back(std::make_unique<Shard>(pool, budget));
+    : id_(std::move(id)),
+      options_([&] {
+        SessionOptions o = options;
+        o.shards.clear();
+        return o;
+      }()),
+      pool_(pool),
+      budget_(budget),
+      beta_(options_.beta),
+      layers_(options_.geometry.num_layers) {
+  // Sorted input, so every layer's heads are appended in ascending order.
+  for (const ShardKey& key : options.shards) {
+    assert(key.layer < options_.geometry.num_layers &&
+           key.kv_head < options_.geometry.num_kv_heads);
+    LayerShards& layer = layers_[key.layer];
+    assert(layer.heads.empty() || layer.heads.back() < key.kv_head);
+    layer.heads.push_back(key.kv_head);
+    layer.shards.push_back(std::make_unique<Shard>(pool, budget));
   }
+  num_shards_ = options.shards.size();
 }
 
 std::span<const uint32_t> Session::owned_kv_heads(uint32_t layer) const {
-  if (layer >= owned_.size()) return {};
-  return owned_[layer];
+  if (layer >= layers_.size()) return {};
+  return layers_[layer].heads;
 }
 
 Shard* Session::shard(uint32_t layer, uint32_t kv_head) {
@@ -90,19 +98,109 @@ Shard* Session::shard(uint32_t layer, uint32_t kv_head) {
 }
 
 const Shard* Session::shard(uint32_t layer, uint32_t kv_head) const {
-  const Geometry& g = options_.geometry;
-  if (layer >= g.num_layers || kv_head >= g.num_kv_heads) return nullptr;
-  const int32_t index = shard_index_[size_t{layer} * g.num_kv_heads + kv_head];
-  if (index < 0 || static_cast<size_t>(index) >= shards_.size()) return nullptr;
-  return shards_[index].get();
+  if (layer >= layers_.size()) return nullptr;
+  const LayerShards& l = layers_[layer];
+  const auto it = std::lower_bound(l.heads.begin(), l.heads.end(), kv_head);
+  if (it == l.heads.end() || *it != kv_head) return nullptr;
+  return l.shards[it - l.heads.begin()].get();
 }
 
-uint64_t Session::DropShardsLocked() {
+std::vector<ShardKey> Session::shard_keys() const {
+  std::vector<ShardKey> keys;
+  keys.reserve(num_shards_);
+  for (uint32_t layer = 0; layer < layers_.size(); ++layer) {
+    for (uint32_t head : layers_[layer].heads) keys.push_back({layer, head});
+  }
+  return keys;
+}
+
+absl::Status Session::CheckNotClosed() const {
+  if (closed_) return absl::NotFoundError(absl::StrCat("session '", id_, "' was closed"));
+  return absl::OkStatus();
+}
+
+absl::Status Session::CheckAdd(std::span<const ShardKey> keys, size_t dropping) const {
+  TANDEM_RETURN_IF_ERROR(CheckNotClosed());
+  const Geometry& g = options_.geometry;
+  if (num_shards_ - std::min(dropping, num_shards_) + keys.size() > kMaxShardsPerSession) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session '", id_, "' would own more than ", kMaxShardsPerSession, " shards"));
+  }
+  std::vector<ShardKey> sorted(keys.begin(), keys.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const ShardKey& key = sorted[i];
+    if (key.layer >= g.num_layers || key.kv_head >= g.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shard (layer ", key.layer, ", kv_head ", key.kv_head, ") is outside num_layers ",
+          g.num_layers, " x num_kv_heads ", g.num_kv_heads));
+    }
+    if (i > 0 && sorted[i - 1] == key) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard (layer ", key.layer, ", kv_head ", key.kv_head, ") is listed twice"));
+    }
+    if (shard(key.layer, key.kv_head) != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("session '", id_, "' already owns (layer ",
+                                                     key.layer, ", kv_head ", key.kv_head, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::CheckDrop(std::span<const ShardKey> keys) const {
+  TANDEM_RETURN_IF_ERROR(CheckNotClosed());
+  std::vector<ShardKey> sorted(keys.begin(), keys.end());
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    const ShardKey& key = sorted[i];
+    if (i > 0 && sorted[i - 1] == key) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard (layer ", key.layer, ", kv_head ", key.kv_head, ") is listed twice"));
+    }
+    if (shard(key.layer, key.kv_head) == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("session '", id_, "' does not own (layer ",
+                                                     key.layer, ", kv_head ", key.kv_head, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::AddShards(std::span<const ShardKey> keys) {
+  TANDEM_RETURN_IF_ERROR(CheckAdd(keys, 0));
+  for (const ShardKey& key : keys) {
+    LayerShards& l = layers_[key.layer];
+    const auto it = std::lower_bound(l.heads.begin(), l.heads.end(), key.kv_head);
+    const auto index = it - l.heads.begin();
+    l.heads.insert(it, key.kv_head);
+    l.shards.insert(l.shards.begin() + index, std::make_unique<Shard>(pool_, budget_));
+  }
+  num_shards_ += keys.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Session::DropShards(std::span<const ShardKey> keys) {
+  TANDEM_RETURN_IF_ERROR(CheckDrop(keys));
   uint64_t dropped = 0;
-  for (const auto& shard : shards_) dropped += shard->blocks().size();
-  shards_.clear();  // each Shard's destructor drops its block references
-  std::fill(shard_index_.begin(), shard_index_.end(), -1);
-  for (auto& heads : owned_) heads.clear();
+  for (const ShardKey& key : keys) {
+    LayerShards& l = layers_[key.layer];
+    const auto index =
+        std::lower_bound(l.heads.begin(), l.heads.end(), key.kv_head) - l.heads.begin();
+    dropped += l.shards[index]->blocks().size();
+    l.heads.erase(l.heads.begin() + index);
+    l.shards.erase(l.shards.begin() + index);  // the Shard's destructor drops its references
+  }
+  num_shards_ -= keys.size();
+  return dropped;
+}
+
+uint64_t Session::CloseLocked() {
+  uint64_t dropped = 0;
+  for (LayerShards& l : layers_) {
+    for (const auto& shard : l.shards) dropped += shard->blocks().size();
+    l.shards.clear();  // each Shard's destructor drops its block references
+    l.heads.clear();
+  }
+  num_shards_ = 0;
   closed_ = true;
   return dropped;
 }
@@ -122,7 +220,7 @@ KvStore::~KvStore() {
   }
   for (auto& [id, session] : sessions) {
     std::unique_lock<std::shared_mutex> lock(session->mu_);
-    session->DropShardsLocked();
+    session->CloseLocked();
   }
 }
 
@@ -183,11 +281,7 @@ absl::StatusOr<BlockPool*> KvStore::PoolFor(const BlockFormat& format) {
   return pools_.back().get();
 }
 
-absl::StatusOr<std::shared_ptr<Session>> KvStore::OpenSession(const std::string& id,
-                                                              SessionOptions options) {
-  TANDEM_RETURN_IF_ERROR(ValidateSessionId(id));
-  TANDEM_RETURN_IF_ERROR(ValidateOptions(options));
-  std::lock_guard<std::mutex> lock(mu_);
+absl::Status KvStore::CheckNewSessionLocked(const std::string& id) const {
   if (sessions_.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("session '", id, "' already exists"));
   }
@@ -195,6 +289,15 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::OpenSession(const std::string&
     return absl::ResourceExhaustedError(absl::StrCat("session limit reached: ", sessions_.size(),
                                                      " of max_sessions ", options_.max_sessions));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> KvStore::OpenSession(const std::string& id,
+                                                              SessionOptions options) {
+  TANDEM_RETURN_IF_ERROR(ValidateSessionId(id));
+  TANDEM_RETURN_IF_ERROR(ValidateOptions(options));
+  std::lock_guard<std::mutex> lock(mu_);
+  TANDEM_RETURN_IF_ERROR(CheckNewSessionLocked(id));
   TANDEM_ASSIGN_OR_RETURN(BlockPool * pool, PoolFor(FormatOf(options)));
   auto session = std::make_shared<Session>(id, std::move(options), pool, &budget_);
   sessions_.emplace(id, session);
@@ -215,15 +318,9 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::ForkSession(const std::string&
       return absl::NotFoundError(absl::StrCat("parent session '", parent_id, "' not found"));
     }
     parent = it->second;
-    if (sessions_.contains(id)) {
-      return absl::AlreadyExistsError(absl::StrCat("session '", id, "' already exists"));
-    }
-    if (sessions_.size() >= options_.max_sessions) {
-      return absl::ResourceExhaustedError(absl::StrCat("session limit reached: ", sessions_.size(),
-                                                       " of max_sessions ", options_.max_sessions));
-    }
+    TANDEM_RETURN_IF_ERROR(CheckNewSessionLocked(id));
   }
-  // options_ of a session is immutable, so it can be compared without the session lock.
+  // Geometry, block size and dtype of a session are immutable: compared without its lock.
   const SessionOptions& po = parent->options();
   if (!(options.geometry == po.geometry)) {
     return absl::InvalidArgumentError(
@@ -237,42 +334,39 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::ForkSession(const std::string&
     return absl::InvalidArgumentError(
         absl::StrCat("fork '", id, "': dtype differs from parent '", parent_id, "'"));
   }
-  if (options.shards != po.shards) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fork '", id, "': owned shards differ from parent '", parent_id, "'"));
-  }
 
-  // Same shard list, so child shard i shares parent shard i.
-  auto child = std::make_shared<Session>(id, std::move(options), parent->pool_, &budget_);
+  std::shared_ptr<Session> child;
   {
+    // The parent's shard set may change (Reshard), so it is compared under the parent's lock.
     std::shared_lock<std::shared_mutex> parent_lock(parent->mu_);
     if (parent->closed_) {
       return absl::NotFoundError(absl::StrCat("parent session '", parent_id, "' was closed"));
     }
-    for (size_t i = 0; i < parent->shards_.size(); ++i) {
-      if (parent->shards_[i]->held() < prefix_tokens) {
-        const ShardKey& key = po.shards[i];
-        return absl::InvalidArgumentError(
-            absl::StrCat("fork '", id, "': prefix_tokens ", prefix_tokens, " exceeds the ",
-                         parent->shards_[i]->held(), " entries of parent shard (layer ", key.layer,
-                         ", kv_head ", key.kv_head, ")"));
+    const std::vector<ShardKey> keys = parent->shard_keys();
+    if (options.shards != keys) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("fork '", id, "': owned shards differ from parent '", parent_id, "'"));
+    }
+    for (const ShardKey& key : keys) {
+      const uint64_t held = parent->shard(key.layer, key.kv_head)->held();
+      if (held < prefix_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "fork '", id, "': prefix_tokens ", prefix_tokens, " exceeds the ", held,
+            " entries of parent shard (layer ", key.layer, ", kv_head ", key.kv_head, ")"));
       }
     }
     // On failure `child` is destroyed on return and drops the references taken so far.
-    for (size_t i = 0; i < parent->shards_.size(); ++i) {
-      TANDEM_RETURN_IF_ERROR(child->shards_[i]->ShareFrom(*parent->shards_[i], prefix_tokens));
+    child = std::make_shared<Session>(id, std::move(options), parent->pool_, &budget_);
+    for (const ShardKey& key : keys) {
+      TANDEM_RETURN_IF_ERROR(
+          child->shard(key.layer, key.kv_head)
+              ->ShareFrom(*parent->shard(key.layer, key.kv_head), prefix_tokens));
     }
   }
   // The map lock is taken again (not held while copying selected rows); recheck what may have
   // changed meanwhile.
   std::lock_guard<std::mutex> lock(mu_);
-  if (sessions_.contains(child->id())) {
-    return absl::AlreadyExistsError(absl::StrCat("session '", child->id(), "' already exists"));
-  }
-  if (sessions_.size() >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(absl::StrCat("session limit reached: ", sessions_.size(),
-                                                     " of max_sessions ", options_.max_sessions));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckNewSessionLocked(child->id()));
   sessions_.emplace(child->id(), child);
   return child;
 }
@@ -299,13 +393,14 @@ absl::StatusOr<uint64_t> KvStore::CloseSession(const std::string& id) {
   }
   // Waits for readers (Attend) and writers that still hold the session to finish.
   std::unique_lock<std::shared_mutex> lock(session->mu_);
-  return session->DropShardsLocked();
+  return session->CloseLocked();
 }
 
 absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
                                             std::span<const uint32_t> kv_heads, const std::byte* k,
                                             const std::byte* v, const float* maw, uint32_t n,
-                                            uint32_t window_entries) {
+                                            uint32_t window_entries,
+                                            std::span<const uint8_t> selected) {
   const Geometry& g = session.geometry();
   if (layer >= g.num_layers) {
     return absl::InvalidArgumentError(
@@ -316,7 +411,10 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
     return absl::InvalidArgumentError(
         absl::StrCat("n must be in 1..", kMaxAppendEntries, ", got ", n));
   }
-  if (window_entries == 0) return absl::InvalidArgumentError("window_entries must be > 0");
+  const bool with_flags = !selected.empty();
+  if (!with_flags && window_entries == 0) {
+    return absl::InvalidArgumentError("window_entries must be > 0");
+  }
   if (k == nullptr || v == nullptr || maw == nullptr) {
     return absl::InvalidArgumentError("k, v and maw must not be null");
   }
@@ -338,11 +436,21 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
           absl::StrCat("maw[", i / n, "][", i % n, "] must be finite and >= 0, got ", maw[i]));
     }
   }
+  if (with_flags) {
+    if (selected.size() != total) {
+      return absl::InvalidArgumentError(absl::StrCat("selected has ", selected.size(),
+                                                     " flags, expected num_heads x n = ", total));
+    }
+    for (size_t i = 0; i < total; ++i) {
+      if (selected[i] > 1) {
+        return absl::InvalidArgumentError(absl::StrCat("selected[", i / n, "][", i % n,
+                                                       "] must be 0 or 1, got ", int{selected[i]}));
+      }
+    }
+  }
 
   std::unique_lock<std::shared_mutex> lock(session.mu_);
-  if (session.closed_) {
-    return absl::NotFoundError(absl::StrCat("session '", session.id(), "' was closed"));
-  }
+  TANDEM_RETURN_IF_ERROR(session.CheckNotClosed());
   std::vector<Shard*> shards;
   shards.reserve(kv_heads.size());
   for (uint32_t head : kv_heads) {
@@ -355,9 +463,10 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
   }
 
   // HGCA Alg. 1 line 24: salient when maw > beta / n_gpu; beta == 0 keeps everything (dense).
+  // Unused when the flags decide.
   SelectRule rule;
   rule.select_all = session.beta_ == 0.0f;
-  rule.threshold = session.beta_ / static_cast<float>(window_entries);
+  rule.threshold = with_flags ? 0.0f : session.beta_ / static_cast<float>(window_entries);
 
   const size_t row = session.format().row_bytes();
   AppendStats stats;
@@ -366,20 +475,46 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
   for (size_t h = 0; h < shards.size(); ++h) {
     old_held.push_back(shards[h]->held());
     const size_t offset = h * size_t{n};
-    absl::StatusOr<uint64_t> selected =
-        shards[h]->Append(k + offset * row, v + offset * row, maw + offset, n, rule);
-    if (!selected.ok()) {
+    absl::StatusOr<uint64_t> count =
+        with_flags ? shards[h]->AppendWithSelection(k + offset * row, v + offset * row,
+                                                    maw + offset, selected.data() + offset, n)
+                   : shards[h]->Append(k + offset * row, v + offset * row, maw + offset, n, rule);
+    if (!count.ok()) {
       // All-or-nothing: roll the heads already appended back. NOTE: a head whose shared
       // partial block was copied on write keeps its private copy (same contents).
       for (size_t j = 0; j < h; ++j) shards[j]->Truncate(old_held[j]);
-      return absl::Status(
-          selected.status().code(),
-          absl::StrCat("append to session '", session.id(), "' layer ", layer, " kv_head ",
-                       kv_heads[h], ": ", selected.status().message()));
+      return absl::Status(count.status().code(),
+                          absl::StrCat("append to session '", session.id(), "' layer ", layer,
+                                       " kv_head ", kv_heads[h], ": ", count.status().message()));
     }
-    stats.entries_selected += *selected;
+    stats.entries_selected += *count;
   }
   stats.entries_appended = total;
+  return stats;
+}
+
+absl::StatusOr<ReshardStats> KvStore::Reshard(Session& session, std::span<const ShardKey> add,
+                                              std::span<const ShardKey> drop) {
+  std::unique_lock<std::shared_mutex> lock(session.mu_);
+  TANDEM_RETURN_IF_ERROR(session.CheckNotClosed());
+  {
+    std::vector<ShardKey> dropped(drop.begin(), drop.end());
+    std::sort(dropped.begin(), dropped.end());
+    for (const ShardKey& key : add) {
+      if (std::binary_search(dropped.begin(), dropped.end(), key)) {
+        return absl::InvalidArgumentError(absl::StrCat("shard (layer ", key.layer, ", kv_head ",
+                                                       key.kv_head, ") is both added and dropped"));
+      }
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(session.CheckDrop(drop));
+  TANDEM_RETURN_IF_ERROR(session.CheckAdd(add, drop.size()));
+  // Both lists passed their checks against the same state, and they are disjoint, so neither
+  // step can fail now.
+  ReshardStats stats;
+  TANDEM_ASSIGN_OR_RETURN(stats.blocks_released, session.DropShards(drop));
+  TANDEM_RETURN_IF_ERROR(session.AddShards(add));
+  stats.shards = session.num_shards();
   return stats;
 }
 
@@ -402,11 +537,13 @@ StoreStats KvStore::Stats() const {
   for (const auto& session : sessions) {
     std::shared_lock<std::shared_mutex> lock(session->mu_);
     const uint64_t entry_bytes = session->format().entry_bytes();
-    for (const auto& shard : session->shards_) {
-      // Logical bytes: a prefix shared by k shards (forks) counts k times, so with forks
-      // stored_bytes can exceed block_bytes_in_use.
-      stats.stored_bytes += shard->held() * entry_bytes;
-      stats.selected_bytes += shard->selected_capacity_bytes();
+    for (const Session::LayerShards& layer : session->layers_) {
+      for (const auto& shard : layer.shards) {
+        // Logical bytes: a prefix shared by k shards (forks) counts k times, so with forks
+        // stored_bytes can exceed block_bytes_in_use.
+        stats.stored_bytes += shard->held() * entry_bytes;
+        stats.selected_bytes += shard->selected_capacity_bytes();
+      }
     }
   }
   stats.used_bytes = budget_.used();

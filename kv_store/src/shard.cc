@@ -1,11 +1,12 @@
 #include "tandem/kv_store/shard.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
-
-#include <sys/mman.h>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
@@ -24,6 +25,8 @@ size_t RoundUpToAlignment(size_t bytes) {
 }
 
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+std::atomic<uint64_t> next_shard_serial{1};
 
 }  // namespace
 
@@ -78,7 +81,11 @@ void BudgetedBuffer::Clear() {
 // Shard
 
 Shard::Shard(BlockPool* pool, MemoryBudget* budget)
-    : pool_(pool), budget_(budget), sel_k_(budget), sel_v_(budget) {}
+    : pool_(pool),
+      budget_(budget),
+      serial_(next_shard_serial.fetch_add(1, std::memory_order_relaxed)),
+      sel_k_(budget),
+      sel_v_(budget) {}
 
 Shard::~Shard() {
   for (BlockId id : blocks_) pool_->Unref(id);
@@ -132,6 +139,17 @@ void Shard::CopyOnWriteLastBlock(BlockId fresh) {
 
 absl::StatusOr<uint64_t> Shard::Append(const std::byte* k, const std::byte* v, const float* maw,
                                        uint64_t n, SelectRule rule) {
+  return AppendImpl(k, v, maw, n, [maw, rule](uint64_t i) { return rule.Selects(maw[i]); });
+}
+
+absl::StatusOr<uint64_t> Shard::AppendWithSelection(const std::byte* k, const std::byte* v,
+                                                    const float* maw, const uint8_t* selected,
+                                                    uint64_t n) {
+  return AppendImpl(k, v, maw, n, [selected](uint64_t i) { return selected[i] != 0; });
+}
+
+absl::StatusOr<uint64_t> Shard::AppendImpl(const std::byte* k, const std::byte* v, const float* maw,
+                                           uint64_t n, absl::FunctionRef<bool(uint64_t)> selects) {
   if (n == 0) return uint64_t{0};
   const uint64_t bt = format().block_tokens;
   const size_t row = format().row_bytes();
@@ -142,7 +160,7 @@ absl::StatusOr<uint64_t> Shard::Append(const std::byte* k, const std::byte* v, c
   const bool cow = used_in_last != 0 && pool_->refcount(blocks_.back()) > 1;
   const uint64_t fresh_blocks = n > room ? CeilDiv(n - room, bt) : 0;
   uint64_t selected = 0;
-  for (uint64_t i = 0; i < n; ++i) selected += rule.Selects(maw[i]) ? 1 : 0;
+  for (uint64_t i = 0; i < n; ++i) selected += selects(i) ? 1 : 0;
 
   // Everything that can fail happens before the shard changes (all-or-nothing).
   std::vector<BlockId> fresh;
@@ -184,18 +202,42 @@ absl::StatusOr<uint64_t> Shard::Append(const std::byte* k, const std::byte* v, c
   // Selected copy: runs of consecutive selected entries are copied with one memcpy each.
   selected_flags_.resize(held_, 0);
   for (uint64_t i = 0; i < n;) {
-    if (!rule.Selects(maw[i])) {
+    if (!selects(i)) {
       ++i;
       continue;
     }
     uint64_t j = i;
-    while (j < n && rule.Selects(maw[j])) selected_flags_[old_held + j++] = 1;
+    while (j < n && selects(j)) selected_flags_[old_held + j++] = 1;
     std::memcpy(sel_k_.data() + selected_count_ * row, k + i * row, (j - i) * row);
     std::memcpy(sel_v_.data() + selected_count_ * row, v + i * row, (j - i) * row);
     selected_count_ += j - i;
     i = j;
   }
   return selected;
+}
+
+absl::Status Shard::ReadEntries(uint64_t first, uint64_t n, std::byte* k, std::byte* v, float* maw,
+                                uint8_t* selected) const {
+  if (first > held_ || n > held_ - first) {
+    return absl::OutOfRangeError(absl::StrCat("entries [", first, ", ", first + n,
+                                              ") are not all held: the shard holds ", held_));
+  }
+  if (n == 0) return absl::OkStatus();
+  const uint64_t bt = format().block_tokens;
+  const size_t row = format().row_bytes();
+  // One memcpy per (block, K|V|MAW), as in Append.
+  for (uint64_t done = 0; done < n;) {
+    const uint64_t entry = first + done;
+    const size_t b = entry / bt;
+    const uint64_t r = entry % bt;
+    const uint64_t c = std::min(bt - r, n - done);
+    std::memcpy(k + done * row, block_k(b) + r * row, c * row);
+    std::memcpy(v + done * row, block_v(b) + r * row, c * row);
+    std::memcpy(maw + done, block_maw(b) + r, c * sizeof(float));
+    done += c;
+  }
+  std::memcpy(selected, selected_flags_.data() + first, n);
+  return absl::OkStatus();
 }
 
 absl::Status Shard::ShareFrom(const Shard& parent, uint64_t prefix) {

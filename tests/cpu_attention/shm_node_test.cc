@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "migration_test_util.h"
 #include "service_test_util.h"
 #include "tandem/cpu_attention/cpu_attention_node.h"
 #include "tandem/cpu_attention/shm_channel.h"
@@ -227,6 +228,49 @@ TEST_F(ShmNodeTest, AttendOverShmReturnsTheProtoBytes) {
   const v1::StatsResponse stats = node_->Stats();
   EXPECT_EQ(stats.shm_channels(), 1u);
   EXPECT_EQ(stats.shm_requests(), 4u);
+}
+
+// The shm answer is laid out for the heads the session owns when the request is served, so it
+// follows ReshardSession: heads added, dropped, a layer left with none.
+TEST_F(ShmNodeTest, AttendOverShmFollowsReshard) {
+  ShmClient client;
+  Open("a", &client);
+  v1::AppendKvResponse totals;
+  ASSERT_TRUE(node_->AppendKv(Chunk("a", 1, 0, 120), &totals).ok());
+  ASSERT_TRUE(node_->AppendKv(Chunk("a", 0, 0, 50), &totals).ok());
+  v1::ReshardSessionResponse resharded;
+  ASSERT_TRUE(
+      node_->ReshardSession(testing::ReshardRequest("a", {{0, 0}}, {{1, 0}}), &resharded).ok());
+  EXPECT_EQ(resharded.shards(), 3u);
+  std::mt19937 rng(12);
+  for (uint32_t tokens : {1u, 2u}) {
+    for (uint32_t layer : {0u, 1u}) {
+      const std::vector<float> q = RandomQueries(tokens, g_, rng);
+      v1::AttendResponse proto;
+      ASSERT_TRUE(node_->Attend(ProtoAttend("a", layer, q, tokens, g_), &proto).ok());
+      v1::AttendResult shm;
+      const absl::Status s = client.Attend(layer, q, tokens, &shm);
+      ASSERT_TRUE(s.ok()) << s;
+      ExpectSameResult(proto.results(0), shm);
+      if (layer == 0) {
+        ASSERT_EQ(shm.kv_heads_size(), 2);
+        EXPECT_EQ(shm.held(0), 0u);  // the added head 0, empty
+        EXPECT_EQ(shm.held(1), 50u);
+      } else {
+        ASSERT_EQ(shm.kv_heads_size(), 1);
+        EXPECT_EQ(shm.kv_heads(0), 1u);
+        EXPECT_EQ(shm.held(0), 120u);
+      }
+    }
+  }
+  // A layer owning nothing: an empty answer, not an error.
+  ASSERT_TRUE(node_->ReshardSession(testing::ReshardRequest("a", {}, {{1, 1}}), &resharded).ok());
+  const std::vector<float> q = RandomQueries(2, g_, rng);
+  v1::AttendResult shm;
+  const absl::Status s = client.Attend(1, q, 2, &shm);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(shm.kv_heads_size(), 0);
+  EXPECT_TRUE(shm.o().data().empty());
 }
 
 TEST_F(ShmNodeTest, AppendOverShmStoresWhatTheProtoPathStores) {

@@ -89,7 +89,8 @@ TEST(KvStoreTest, OpenSessionNormalisesOptions) {
   EXPECT_EQ((*s)->options().block_tokens, 32u);
   EXPECT_EQ((*s)->format(), (BlockFormat{32, 64, KvDType::kBf16}));
   EXPECT_EQ((*s)->num_shards(), 12u);
-  EXPECT_EQ((*s)->options().shards.size(), 12u);
+  EXPECT_EQ((*s)->shard_keys().size(), 12u);
+  EXPECT_TRUE((*s)->options().shards.empty());  // moved into the shard table
   for (uint32_t layer = 0; layer < 3; ++layer) {
     auto heads = (*s)->owned_kv_heads(layer);
     EXPECT_EQ(std::vector<uint32_t>(heads.begin(), heads.end()),
@@ -104,7 +105,7 @@ TEST(KvStoreTest, OpenSessionNormalisesOptions) {
   o.shards = {{2, 3}, {0, 1}, {2, 0}};
   auto t = store.OpenSession("b", o);
   ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_EQ((*t)->options().shards, (std::vector<ShardKey>{{0, 1}, {2, 0}, {2, 3}}));
+  EXPECT_EQ((*t)->shard_keys(), (std::vector<ShardKey>{{0, 1}, {2, 0}, {2, 3}}));
   EXPECT_EQ((*t)->num_shards(), 3u);
   EXPECT_EQ(std::vector<uint32_t>((*t)->owned_kv_heads(2).begin(), (*t)->owned_kv_heads(2).end()),
             (std::vector<uint32_t>{0, 3}));

@@ -11,6 +11,11 @@
 // Shared memory: an OpenSessionRequest with `shm` makes the node map that channel and serve the
 // session's Attend and AppendKv from it on a thread of its own (shm_session_server.h), through
 // AttendRaw / AppendKvRaw below, until CloseSession or the node's destruction.
+//
+// Shard migration and draining: ReshardSession changes a session's owned shards, ExportShard /
+// StartExport read a shard's entries out in chunks, AppendKv with `selected` imports them with
+// their flags. SetDraining(true) makes the node refuse new sessions and shards (UNAVAILABLE)
+// while it keeps serving everything else.
 #pragma once
 
 #include <atomic>
@@ -56,6 +61,36 @@ struct RawAttendOutput {
 };
 
 class ShmSessionServer;
+class CpuAttentionNode;
+
+// An ExportShard in progress: the validated range and the next entry to read. Made by
+// CpuAttentionNode::StartExport; each Next() reads one chunk under the session's shared lock
+// only, so Attend is not blocked for the whole export. Not thread-safe (one stream uses it);
+// the node must outlive it.
+class ShardExport {
+ public:
+  bool done() const { return next_ >= end_; }
+  uint64_t next_entry() const { return next_; }
+  uint64_t end_entry() const { return end_; }
+  uint32_t chunk_entries() const { return chunk_entries_; }
+
+  // Fills `chunk` with the next min(chunk_entries(), end - next) entries (see
+  // v1::ExportShardChunk). NOT_FOUND if the session was closed meanwhile, ABORTED if the shard
+  // was dropped (or dropped and added again) since the export started, FAILED_PRECONDITION
+  // when done().
+  absl::Status Next(v1::ExportShardChunk* chunk);
+
+ private:
+  friend class CpuAttentionNode;
+  ShardExport() = default;
+
+  std::shared_ptr<kv_store::Session> session_;
+  kv_store::ShardKey key_;
+  uint64_t serial_ = 0;  // Shard::serial() of the exported shard
+  uint64_t next_ = 0;
+  uint64_t end_ = 0;
+  uint32_t chunk_entries_ = 0;
+};
 
 class CpuAttentionNode {
  public:
@@ -71,6 +106,30 @@ class CpuAttentionNode {
   absl::Status CloseSession(const v1::CloseSessionRequest& request,
                             v1::CloseSessionResponse* response);
   v1::StatsResponse Stats() const;
+  // Adds empty shards and drops owned ones (see the proto for the errors). Atomic.
+  absl::Status ReshardSession(const v1::ReshardSessionRequest& request,
+                              v1::ReshardSessionResponse* response);
+
+  // Most bytes of one ExportShardChunk (K + V + MAW + flags) by default.
+  static constexpr uint64_t kMaxExportChunkBytes = 16ull << 20;
+  // Validates an ExportShard request (errors as in the proto) and fixes its range (to_entry 0 =
+  // the shard's held count now). A chunk holds at most max_chunk_entries entries and at most
+  // `max_chunk_bytes` bytes of K + V + MAW + flags (at least one entry).
+  absl::StatusOr<ShardExport> StartExport(const v1::ExportShardRequest& request,
+                                          uint64_t max_chunk_bytes = kMaxExportChunkBytes);
+  // The whole export in the calling thread: `emit` gets each chunk in order. Stops at the first
+  // error of the export or of `emit`, and returns it.
+  absl::Status ExportShard(const v1::ExportShardRequest& request,
+                           absl::FunctionRef<absl::Status(const v1::ExportShardChunk&)> emit,
+                           uint64_t max_chunk_bytes = kMaxExportChunkBytes);
+
+  // Draining: OpenSession and ReshardSession with shards to add answer UNAVAILABLE; every other
+  // call keeps working; Stats().draining() tells. Thread-safe.
+  void SetDraining(bool draining) { draining_.store(draining, std::memory_order_relaxed); }
+  bool draining() const { return draining_.load(std::memory_order_relaxed); }
+  // Random 16 hex digits chosen when the node was created (StatsResponse.node_id).
+  const std::string& node_id() const { return node_id_; }
+
   ~CpuAttentionNode();   // stops every shm channel thread first
 
   // Raw-pointer forms of Attend (one query) and AppendKv for the shared-memory transport: no
@@ -80,6 +139,13 @@ class CpuAttentionNode {
   // writes concurrently: q and maw are copied before they are validated.
   absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
                          uint32_t num_tokens, RawAttendOutput* out);
+  // As above, with the output arrays chosen once the layer's owned kv heads are known, under
+  // the session's lock (a concurrent ReshardSession cannot change them in between):
+  // `output_for(H_own)` returns the arrays to fill, sized as RawAttendOutput says, or an error
+  // that AttendRaw returns. compute_micros and bytes_scanned are set in the arrays it returned.
+  using RawOutputFor = absl::FunctionRef<absl::StatusOr<RawAttendOutput*>(size_t num_heads)>;
+  absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
+                         uint32_t num_tokens, RawOutputFor output_for);
   // k, v: [kv_heads.size(), n, D] of the session's kv dtype; maw: [kv_heads.size(), n] f32
   // bytes (any alignment). Empty kv_heads = all owned kv heads of the layer.
   absl::Status AppendKvRaw(const std::string& session_id, uint32_t layer,
@@ -115,16 +181,20 @@ class CpuAttentionNode {
   struct AppendTarget;
   absl::StatusOr<AppendTarget> ResolveAppend(const std::string& session_id, uint32_t layer,
                                              std::span<const uint32_t> kv_heads);
+  // `selected`: empty, or [heads, n] flags that replace the MAW rule.
   absl::Status ApplyAppend(AppendTarget& target, uint32_t layer, const std::byte* k,
                            const std::byte* v, const std::byte* maw, uint32_t n,
-                           uint32_t window_entries, v1::AppendKvResponse* totals);
+                           uint32_t window_entries, std::span<const uint8_t> selected,
+                           v1::AppendKvResponse* totals);
   // Maps the requested channel for a just-opened session; sets transport in `response`.
   void StartShm(const std::shared_ptr<kv_store::Session>& session, const v1::ShmChannelSpec& spec,
                 v1::OpenSessionResponse* response);
 
   const NodeOptions options_;
+  const std::string node_id_;
   kv_store::KvStore store_;
   ThreadPool pool_;
+  std::atomic<bool> draining_{false};
 
   std::atomic<uint64_t> attend_calls_{0};
   std::atomic<uint32_t> attend_in_flight_{0};

@@ -1,8 +1,11 @@
 // The gRPC face of a CpuAttentionNode: tandem.v1.CpuAttention on the callback API. Handlers
 // hand the work to a RequestExecutor and finish their reactor from there, so no gRPC thread
 // blocks on attention. Every failure becomes a grpc::Status with the node's message.
+// ExportShard reads each chunk on the executor and writes it before reading the next, so a
+// stream holds one chunk in memory and the session's lock only while a chunk is read.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "tandem/cpu_attention/cpu_attention_node.h"
@@ -14,8 +17,10 @@ class RequestExecutor;
 
 class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
  public:
-  // `node` must outlive the service. executor_threads >= 1.
-  CpuAttentionGrpcService(CpuAttentionNode* node, unsigned executor_threads);
+  // `node` must outlive the service. executor_threads >= 1. `max_message_bytes` is the server's
+  // send limit: ExportShard chunks stay below it (and below 16 MiB).
+  CpuAttentionGrpcService(CpuAttentionNode* node, unsigned executor_threads,
+                          uint64_t max_message_bytes = 64 << 20);
   ~CpuAttentionGrpcService() override;
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
@@ -35,11 +40,18 @@ class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
                                   const v1::StatsRequest* request,
                                   v1::StatsResponse* response) override;
+  grpc::ServerUnaryReactor* ReshardSession(grpc::CallbackServerContext* context,
+                                           const v1::ReshardSessionRequest* request,
+                                           v1::ReshardSessionResponse* response) override;
+  grpc::ServerWriteReactor<v1::ExportShardChunk>* ExportShard(
+      grpc::CallbackServerContext* context, const v1::ExportShardRequest* request) override;
 
  private:
   class AppendKvReactor;
+  class ExportShardReactor;
 
   CpuAttentionNode* node_;
+  uint64_t max_chunk_bytes_;
   std::unique_ptr<RequestExecutor> executor_;
 };
 

@@ -2,6 +2,10 @@
 // SERVING for "" and "tandem.v1.CpuAttention"), reflection and channelz. The same object serves
 // in-process callers through InProcessChannel() (what the GPU worker embeds by default) or
 // node() directly.
+//
+// Health names follow the Kubernetes probes: "" is liveness (SERVING until Shutdown),
+// "tandem.v1.CpuAttention" is readiness (NOT_SERVING once draining, so the pod leaves the
+// headless Service's DNS and placement sends it nothing new).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +39,12 @@ class CpuAttentionServer {
   // Stops accepting calls, lets calls in flight finish for up to `grace_ms`, then cancels them.
   void Shutdown(int grace_ms = 2000);
   void Wait();
+
+  // Starts draining: the node refuses new sessions and shards (CpuAttentionNode::SetDraining)
+  // and the readiness status "tandem.v1.CpuAttention" becomes NOT_SERVING; "" stays SERVING and
+  // every other call keeps being served. Idempotent; thread-safe.
+  void StartDraining();
+  bool draining() const { return node_->draining(); }
 
   int port() const { return port_; }  // the bound port (0 without an address)
   CpuAttentionNode& node() { return *node_; }

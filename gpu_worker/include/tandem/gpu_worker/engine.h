@@ -28,6 +28,7 @@
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
 #include "tandem/gpu_worker/tokenizer.h"
 
@@ -57,6 +58,11 @@ struct EngineOptions {
   // CPU attention nodes (empty addresses and dns_name: one node in-process).
   NodePoolOptions nodes;
   int attend_deadline_ms = 2000;
+  // Placement of hybrid sessions' shards on the nodes (remote_kv.h): cost-balanced with live
+  // re-planning every replan_every_steps decode steps, or the cost-blind uniform spread.
+  PlacementPolicy placement = PlacementPolicy::kBalanced;
+  int replan_every_steps = 16;
+  double replan_min_gain = 0.05;
 };
 
 struct SamplingOptions {
@@ -184,8 +190,10 @@ class Engine {
 
  private:
   Engine() = default;
+  // expected_offloaded: entries per (layer, kv head) the CPU nodes should have room for.
   absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id, AttentionMode mode,
-                                                        float beta, int64_t window, int64_t sink);
+                                                        float beta, int64_t window, int64_t sink,
+                                                        int64_t expected_offloaded);
   absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
 
   EngineOptions options_;

@@ -1,13 +1,29 @@
-// NodePool: the CPU attention nodes a GPU worker talks to. They come from a list of host:port
-// addresses, from a DNS name that resolves to several addresses (a Kubernetes headless Service),
-// or, when neither is given, from one node running in this process (the embedded default, served
-// over an in-process gRPC channel so the code path is the same as for remote nodes).
+// NodePool: the CPU attention nodes a GPU worker talks to, and what it knows about each.
 //
-// Thread-safe after Create(): stubs may be used from any thread.
+// Nodes come from a list of host:port addresses, from a DNS name that resolves to several
+// addresses (a Kubernetes headless Service), or, when neither is given, from one node running in
+// this process (the embedded default, served over an in-process gRPC channel so the code path is
+// the same as for remote nodes).
+//
+// Discovery is live: Refresh() re-reads the list / re-resolves the name and calls Stats on every
+// node; with refresh_ms > 0 a thread does it periodically. A node that appears gets the next
+// index (indices are stable for the pool's life: a node that leaves keeps its slot, so the
+// placement tables of open sessions stay valid). A node is *accepting* new shards while it is
+// listed, answers Stats and does not report draining; sessions move their shards off a node that
+// stops accepting (RemoteKv::Maintain) and place new sessions on accepting nodes only.
+// generation() changes whenever the set of nodes or one's accepting state changes.
+//
+// Thread-safe: Refresh may run on its own thread while sessions use stubs and snapshots.
 #pragma once
 
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -26,39 +42,91 @@ enum class NodeTransport { kAuto, kShm, kGrpc };
 absl::StatusOr<NodeTransport> ParseNodeTransport(const std::string& name);
 const char* NodeTransportName(NodeTransport transport);
 
+// Returns the addresses ("host:port") the pool should hold now.
+using NodeDiscovery = std::function<absl::StatusOr<std::vector<std::string>>()>;
+
 struct NodePoolOptions {
   std::vector<std::string> addresses;   // "host:port" each
   std::string dns_name;                 // "name:port": every address the name resolves to
   cpu_attention::NodeOptions embedded;  // the in-process node, used when both are empty
   int max_message_bytes = 64 << 20;
-  int connect_timeout_ms = 5000;        // Create waits this long for every remote node
+  int connect_timeout_ms = 5000;        // Create waits this long for every listed node
+  int stats_deadline_ms = 2000;         // deadline of the Stats calls of Refresh
+  // Period of discovery + Stats (ms); 0 = only at Create and on explicit Refresh() calls.
+  int refresh_ms = 0;
   NodeTransport transport = NodeTransport::kAuto;   // RemoteKv's default for these nodes
+  // Replaces the address list and the DNS name as the source of nodes (tests; other discovery
+  // systems). Called at Create and on every Refresh.
+  NodeDiscovery discovery;
+};
+
+// What the pool last learned about one node.
+struct NodeState {
+  std::string address;           // "in-process" for the embedded node
+  bool listed = true;            // named by the last discovery
+  bool reachable = true;         // answered the last Stats call
+  bool draining = false;         // reported draining in Stats (e.g. SIGTERM on scale-down)
+  std::string node_id;           // Stats.node_id: changes when the process restarts
+  uint64_t capacity_bytes = 0;
+  uint64_t free_bytes = 0;
+  double scan_bytes_per_second = 0;   // the node's own moving average (0 = not measured yet)
+  uint32_t sessions = 0;
+  bool accepting() const { return listed && reachable && !draining; }
 };
 
 class NodePool {
  public:
-  // UNAVAILABLE when a remote node cannot be reached within connect_timeout_ms or the DNS name
-  // does not resolve; INVALID_ARGUMENT for malformed addresses.
+  // UNAVAILABLE when a listed node cannot be reached within connect_timeout_ms or the DNS name
+  // does not resolve (with refresh_ms > 0 an unresolvable name starts an empty pool that later
+  // refreshes fill: Kubernetes may start the worker before its nodes); INVALID_ARGUMENT for
+  // malformed addresses.
   static absl::StatusOr<std::unique_ptr<NodePool>> Create(const NodePoolOptions& options);
+  ~NodePool();   // stops the refresh thread
 
-  size_t size() const { return nodes_.size(); }
-  v1::CpuAttention::Stub& stub(size_t i) const { return *nodes_[i].stub; }
-  const std::string& address(size_t i) const { return nodes_[i].address; }
+  // Nodes ever known (listed now or not); indices are stable.
+  size_t size() const;
+  v1::CpuAttention::Stub& stub(size_t i) const;
+  std::string address(size_t i) const;
+  NodeState state(size_t i) const;
+  std::vector<NodeState> Snapshot() const;
+  size_t accepting_count() const;
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
+
+  // Discovery, then Stats on every listed node. Adds new nodes (a node that cannot be reached is
+  // added but not accepting until it answers) and marks unlisted ones. Returns the discovery
+  // error, if any (the known nodes stay as they were).
+  absl::Status Refresh();
+
   // The in-process node, or nullptr when the nodes are remote.
   cpu_attention::CpuAttentionServer* embedded() const { return embedded_.get(); }
   NodeTransport transport() const { return transport_; }
 
  private:
   struct Node {
-    std::string address;   // "in-process" for the embedded node
+    NodeState state;
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::CpuAttention::Stub> stub;
   };
-  NodePool() = default;
+  explicit NodePool(const NodePoolOptions& options);
+  absl::StatusOr<std::vector<std::string>> Discover() const;
+  // Adds a node for `address` (not yet reachable-checked); returns its index. Needs mu_.
+  size_t AddLocked(const std::string& address);
+  void RefreshLoop();
 
+  const NodePoolOptions options_;
   std::unique_ptr<cpu_attention::CpuAttentionServer> embedded_;
-  std::vector<Node> nodes_;
   NodeTransport transport_ = NodeTransport::kAuto;
+
+  mutable std::mutex mu_;
+  // Nodes are never destroyed before the pool, so references to their stubs stay valid.
+  std::vector<std::unique_ptr<Node>> nodes_;   // guarded by mu_ (the vector; see above)
+  std::atomic<uint64_t> generation_{0};
+  std::mutex refresh_mu_;   // one Refresh at a time
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread refresher_;
 };
 
 // Resolves "name:port" to "ip:port" strings (IPv6 as "[ip]:port"), sorted and deduplicated.

@@ -1,8 +1,18 @@
 // RemoteKv: one sequence's offloaded KV cache, spread over the CPU attention nodes of a NodePool.
-// The (layer, kv head) shards are assigned round-robin over the nodes (an even spread; issue 5
-// brings cost-balanced placement). It opens the session on every node, appends evicted blocks,
-// runs the per-layer Attend in the background while the device attends over its window, and
-// closes the session (also from the destructor, best effort).
+// It places the (layer, kv head) shards on the nodes, opens the session on each node that got
+// some, appends evicted blocks, runs the per-layer Attend in the background while the device
+// attends over its window, and closes the session (also from the destructor, best effort).
+//
+// Placement (issue 5; placement_planner.h): a shard is one kv head with its G query heads, so a
+// GQA group never splits. At Open the shards are planned over the accepting nodes (balanced:
+// LPT + local search on the cost model; uniform: (layer·H_kv + head) mod nodes), with each
+// node's free memory from Stats against the shards' projected bytes (expected_tokens): a session
+// that fits nowhere is RESOURCE_EXHAUSTED before any block is sent. Every Attend reply refreshes
+// the shards' costs (selected entries × D × 2 × dtype bytes) and the nodes' scan rates;
+// Maintain(), called between decode steps, re-plans every replan_every_steps steps or when a
+// node joins or stops accepting, and migrates the shards whose node changed without stopping
+// the session (shard_migrator.h: copy in the background, then between two steps copy the tail,
+// switch the shard's traffic, free it on the old node).
 //
 // Failure model (DESIGN.md): every call has a deadline. A node that misses an Attend deadline or
 // fails it leaves its heads' partial state empty (LSE -inf, valid by the merge): the step is
@@ -24,6 +34,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -38,8 +49,16 @@
 #include "tandem/cpu_attention/shm_channel.h"
 #include "tandem/gpu_worker/dtype.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/placement_planner.h"
+#include "tandem/gpu_worker/shard_migrator.h"
 
 namespace tandem::gpu_worker {
+
+// kBalanced: cost-model planning and live re-planning. kUniform: the cost-blind spread (the
+// baseline); its shards move only off nodes that stop accepting.
+enum class PlacementPolicy { kUniform, kBalanced };
+// "uniform" or "balanced"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<PlacementPolicy> ParsePlacementPolicy(const std::string& name);
 
 struct RemoteKvOptions {
   std::string session_id;
@@ -63,6 +82,33 @@ struct RemoteKvOptions {
   uint32_t shm_spin_us = 10;          // spin before sleeping while waiting for an answer
   // Bytes of one Append chunk over shm (at most half the request area: two chunks alternate).
   uint64_t shm_append_chunk_bytes = 8ull << 20;
+
+  // --- Placement.
+  // Offloaded entries per shard the session is expected to reach (prompt + generated tokens -
+  // window - sink): the capacity check and the memory side of the plan. 0 = unknown (nothing is
+  // projected beyond what is held; the nodes' own RESOURCE_EXHAUSTED then is the limit).
+  int64_t expected_tokens = 0;
+  // Share of a shard's entries expected in the node's selected copy before the first Attend
+  // measures it (beta = 0 selects everything and always projects 1). HGCA keeps <1%..30%; a
+  // shard that selects more than projected can meet RESOURCE_EXHAUSTED on its node later.
+  double expected_selected_share = 0.3;
+  PlacementPolicy placement = PlacementPolicy::kBalanced;
+  int replan_every_steps = 16;       // Maintain() calls between cost re-plans; 0 = never
+  double replan_min_gain = 0.05;     // modelled step gain that justifies migrating
+  double attend_overhead_seconds = 100e-6;   // fixed cost of one Attend on a node (model)
+  std::chrono::microseconds plan_budget{3000};   // planner time budget
+  uint32_t migration_chunk_entries = 4096;
+};
+
+// Counters of the placement machinery (since Open).
+struct PlacementCounters {
+  uint64_t replans = 0;             // re-plans computed
+  uint64_t migrations_started = 0;
+  uint64_t migrations_done = 0;     // switched to the new node
+  uint64_t migrations_failed = 0;   // abandoned (the shard stayed where it was)
+  uint64_t bytes_migrated = 0;
+  double modelled_step_seconds = 0;   // of the current placement (the planner's model)
+  double last_plan_ms = 0;            // wall time of the last plan
 };
 
 // Selection counters of one layer, summed over its kv heads.
@@ -98,7 +144,28 @@ class RemoteKv {
   absl::Status Reselect(int64_t layer, const float* q, int64_t num_tokens,
                         std::optional<float> beta);
 
+  // Re-checks capacity for `expected_tokens` entries per shard (a new turn of a kept session):
+  // RESOURCE_EXHAUSTED when the nodes cannot hold them, else OK (shards may start migrating).
+  absl::Status Reserve(int64_t expected_tokens);
+  // Between decode steps (never while an Attend is in flight): completes finished migrations,
+  // re-plans when due or when the node set changed, starts migrations. Cheap when idle.
+  absl::Status Maintain();
+  // Runs Maintain until no migration is pending or `timeout` passes (tests, benchmarks).
+  absl::Status SettleMigrations(std::chrono::milliseconds timeout);
+  // Forces a re-plan at the next Maintain() (tests, benchmarks).
+  void RequestReplan() { replan_due_ = true; }
+
   absl::Status Close();
+
+  // Node (pool index) of every shard, [layer * H_kv + kv_head].
+  const std::vector<int>& placement() const { return placement_; }
+  // Pool indices of the nodes holding shards of this session.
+  std::vector<size_t> nodes_in_use() const;
+  size_t migrations_pending() const { return migrating_.size(); }
+  const PlacementCounters& placement_counters() const { return counters_; }
+  // The planner's model of the CPU side of one step (Σ over layers of the slowest node) for
+  // the current placement with the costs and rates measured so far.
+  double ModelledStepSeconds() const;
 
   int64_t offloaded_tokens() const { return offloaded_tokens_; }   // per (layer, kv head)
   // Mean over Attend calls of selected/held per layer (entries held > 0 only).
@@ -123,7 +190,33 @@ class RemoteKv {
   using Clock = std::chrono::steady_clock;
   RemoteKv(NodePool& pool, const RemoteKvOptions& options);
   std::vector<uint32_t> HeadsOf(size_t node, int64_t layer) const;
-  size_t NodeOf(int64_t layer, int64_t kv_head) const;
+  size_t NodeOf(int64_t layer, int64_t kv_head) const {
+    return static_cast<size_t>(placement_[layer * options_.num_kv_heads + kv_head]);
+  }
+  // Grows the per-node vectors to the pool's size (nodes join at any time).
+  void GrowNodeSlots();
+  v1::OpenSessionRequest OpenRequest(const std::vector<std::pair<uint32_t, uint32_t>>& shards) const;
+  // The planner's view of the nodes and the shards now.
+  std::vector<PlacementNode> PlannerNodes() const;
+  std::vector<PlacementShard> PlannerShards(int64_t expected_tokens) const;
+  // Projected node bytes of a shard of `entries` entries of which `selected_share` are selected.
+  uint64_t ShardBytes(int64_t entries, double selected_share) const;
+  double SelectedShare(size_t shard) const;   // measured, or the projection before any Attend
+  // Re-plans (forced moves only unless `cost_based`) and starts the migrations.
+  absl::Status ReplanAndMigrate(bool cost_based);
+  // RESOURCE_EXHAUSTED when `node_of` puts more projected bytes on a node than it can take.
+  absl::Status CheckCapacity(std::span<const PlacementNode> nodes,
+                             std::span<const PlacementShard> shards,
+                             std::span<const int> node_of) const;
+  absl::Status StartMigration(size_t shard, size_t to);
+  absl::Status CompleteMigration(const ShardMigrator::Finished& finished);
+  // Drops the target shard of an abandoned migration; closes the node's session if it has
+  // no shard of ours left.
+  void AbandonMigration(const MigrationJob& job);
+  absl::Status Reshard(size_t node, const std::vector<size_t>& add, const std::vector<size_t>& drop);
+  void CloseOn(size_t node);
+  // Counts a node's shards (placed or arriving by migration).
+  size_t ShardsOn(size_t node) const;
   absl::Status OpenOn(size_t node, NodeTransport transport, v1::OpenSessionRequest& request);
   absl::Status AppendGrpc(size_t node, int64_t layer, const std::vector<uint32_t>& heads,
                           const void* k, const void* v, const float* maw, int64_t num_tokens,
@@ -138,8 +231,13 @@ class RemoteKv {
   // Waits for node's shm answer and scatters it; false when it is missing or malformed.
   bool FinishAttendShm(size_t node, float* o, float* lse, LayerSelection* selection);
   // Writes one node's answer (rows h*G+j of its owned heads) into the all-heads o and lse.
-  void Scatter(std::span<const uint32_t> kv_heads, const float* src_o, const float* src_lse,
-               float* o, float* lse) const;
+  // Heads the placement does not give to `node` (a shard still migrating in) are ignored.
+  void Scatter(size_t node, std::span<const uint32_t> kv_heads, const float* src_o,
+               const float* src_lse, float* o, float* lse) const;
+  // Records one node's answer: per-head selection counters and its scan rate.
+  void RecordAnswer(size_t node, std::span<const uint32_t> kv_heads,
+                    std::span<const uint64_t> selected, std::span<const uint64_t> held,
+                    uint64_t compute_micros, uint64_t bytes_scanned);
 
   NodePool& pool_;
   RemoteKvOptions options_;
@@ -159,6 +257,21 @@ class RemoteKv {
   size_t outstanding_ = 0;   // guarded by mu_
   std::vector<size_t> shm_calls_;        // nodes with an Attend sent over shm
   Clock::time_point attend_deadline_;
+
+  // Placement: node per shard, and the shards being copied to another node (shard -> target).
+  std::vector<int> placement_;
+  std::map<size_t, size_t> migrating_;
+  std::unique_ptr<ShardMigrator> migrator_;
+  std::vector<uint64_t> shard_selected_;   // [shards] last Attend's selected entries
+  std::vector<uint64_t> shard_held_;       // [shards] last Attend's held entries
+  std::vector<double> node_rate_;          // [nodes] measured bytes/s (EMA), 0 = unknown
+  uint64_t pool_generation_ = 0;
+  int64_t expected_tokens_ = 0;
+  int steps_since_plan_ = 0;
+  bool replan_due_ = false;
+  bool nodes_changed_ = false;
+  NodeTransport transport_ = NodeTransport::kAuto;
+  PlacementCounters counters_;
 
   std::vector<LayerSelection> last_selection_;
   std::vector<double> share_sum_;

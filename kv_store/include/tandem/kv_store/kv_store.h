@@ -1,12 +1,15 @@
 // KvStore: the sessions of one CPU attention node and the pools their KV blocks live in.
 //
-// A session holds one Shard per owned (layer, kv-head). Pools are created on demand, one per
-// BlockFormat, all charging one MemoryBudget of `capacity_bytes`. Closing a session drops all
-// its block references; the store then holds no block of it.
+// A session holds one Shard per owned (layer, kv-head). The owned set is chosen at OpenSession
+// and changes with KvStore::Reshard (placement moves shards between nodes: the new node adds an
+// empty shard and imports the entries, the old one drops it). Pools are created on demand, one
+// per BlockFormat, all charging one MemoryBudget of `capacity_bytes`. Closing a session (or
+// dropping a shard) drops its block references; the store then holds no block of it.
 //
-// Thread-safety: KvStore's methods are thread-safe. A Session's shards are guarded by the
-// session's mutex: hold it shared to read (Attend), exclusive to write (Append, Reselect).
-// KvStore::Append takes the exclusive lock itself.
+// Thread-safety: KvStore's methods are thread-safe. A Session's shard set and shards are
+// guarded by the session's mutex: hold it shared to read (Attend, export), exclusive to write
+// (Append, Reselect, Reshard). KvStore::Append and KvStore::Reshard take the exclusive lock
+// themselves.
 #pragma once
 
 #include <cstdint>
@@ -50,7 +53,9 @@ struct SessionOptions {
   uint32_t block_tokens = 0;  // 0 = the store's default
   KvDType dtype = KvDType::kBf16;
   float beta = 0.0f;             // >= 0, finite; 0 = dense
-  std::vector<ShardKey> shards;  // owned shards; empty = every (layer, kv-head)
+  // Shards owned at open; empty = every (layer, kv-head). The session moves them into its
+  // shard table (Session::options().shards is empty); Session::shard_keys() gives the set now.
+  std::vector<ShardKey> shards;
 };
 
 class Session {
@@ -61,6 +66,8 @@ class Session {
   Session& operator=(const Session&) = delete;
 
   const std::string& id() const { return id_; }
+  // Geometry, block size, dtype and the beta it was opened with; immutable, so it may be read
+  // without the lock. `shards` is empty (see SessionOptions::shards).
   const SessionOptions& options() const { return options_; }
   const Geometry& geometry() const { return options_.geometry; }
   const BlockFormat& format() const { return pool_->format(); }
@@ -69,29 +76,56 @@ class Session {
   float beta() const { return beta_; }
   void set_beta(float beta) { beta_ = beta; }
 
-  // Owned kv heads of `layer`, ascending (empty for a layer out of range).
+  // The accessors below read the shard set: hold the session mutex (shared or exclusive).
+  //
+  // Owned kv heads of `layer`, ascending (empty for a layer out of range or owning none).
   std::span<const uint32_t> owned_kv_heads(uint32_t layer) const;
   // The shard, or nullptr if (layer, kv_head) is not owned or the session was closed.
   Shard* shard(uint32_t layer, uint32_t kv_head);
   const Shard* shard(uint32_t layer, uint32_t kv_head) const;
-  size_t num_shards() const { return shards_.size(); }
+  size_t num_shards() const { return num_shards_; }
+  // Owned shards, ascending.
+  std::vector<ShardKey> shard_keys() const;
+  // True once KvStore::CloseSession (or the store's destruction) dropped every shard.
+  bool closed() const { return closed_; }
+
+  // Adds empty shards. Needs the exclusive lock. INVALID_ARGUMENT (naming the shard) for an id
+  // out of range, listed twice or already owned, or past 65536 shards per session; NOT_FOUND
+  // if the session was closed. All or nothing.
+  absl::Status AddShards(std::span<const ShardKey> keys);
+  // Destroys the shards: their block references are dropped (a block's bytes return to the
+  // budget when no other shard shares it) and so is their selected copy. Needs the exclusive
+  // lock. Returns the block references dropped. INVALID_ARGUMENT for a shard not owned or
+  // listed twice; NOT_FOUND if the session was closed. All or nothing.
+  absl::StatusOr<uint64_t> DropShards(std::span<const ShardKey> keys);
 
   std::shared_mutex& mutex() const { return mu_; }
 
  private:
   friend class KvStore;
+  // One layer's owned shards: heads ascending, shards[i] holds kv head heads[i].
+  struct LayerShards {
+    std::vector<uint32_t> heads;
+    std::vector<std::unique_ptr<Shard>> shards;
+  };
+
+  // Validation of AddShards / DropShards without changing anything; `dropping` is the number
+  // of shards dropped in the same reshard (for the per-session limit).
+  absl::Status CheckAdd(std::span<const ShardKey> keys, size_t dropping) const;
+  absl::Status CheckDrop(std::span<const ShardKey> keys) const;
+  absl::Status CheckNotClosed() const;
   // Destroys every shard (dropping its block references) and marks the session closed, so a
   // caller still holding the shared_ptr finds no shards. Needs the exclusive lock. Returns the
   // number of block references dropped.
-  uint64_t DropShardsLocked();
+  uint64_t CloseLocked();
 
   const std::string id_;
   const SessionOptions options_;
   BlockPool* const pool_;
+  MemoryBudget* const budget_;
   float beta_;
-  std::vector<std::vector<uint32_t>> owned_;           // [num_layers] -> kv heads ascending
-  std::vector<int32_t> shard_index_;                   // [layer * H_kv + kv_head] -> index or -1
-  std::vector<std::unique_ptr<Shard>> shards_;         // in options_.shards order
+  std::vector<LayerShards> layers_;  // [num_layers]
+  size_t num_shards_ = 0;
   bool closed_ = false;
   mutable std::shared_mutex mu_;
 };
@@ -99,6 +133,11 @@ class Session {
 struct AppendStats {
   uint64_t entries_appended = 0;  // num_heads * n
   uint64_t entries_selected = 0;
+};
+
+struct ReshardStats {
+  uint64_t blocks_released = 0;  // block references dropped with the dropped shards
+  uint64_t shards = 0;           // shards owned after the reshard
 };
 
 struct StoreStats {
@@ -129,8 +168,9 @@ class KvStore {
   absl::StatusOr<std::shared_ptr<Session>> OpenSession(const std::string& id,
                                                        SessionOptions options);
   // As OpenSession, then every shard shares the first prefix_tokens entries of the parent's
-  // shard (NOT_FOUND parent; INVALID_ARGUMENT if options differ from the parent's or a parent
-  // shard holds fewer entries).
+  // shard (NOT_FOUND parent; INVALID_ARGUMENT if geometry, block size or dtype differ from the
+  // parent's, the shards differ from the parent's owned shards now, or a parent shard holds
+  // fewer entries).
   absl::StatusOr<std::shared_ptr<Session>> ForkSession(const std::string& id,
                                                        SessionOptions options,
                                                        const std::string& parent_id,
@@ -141,13 +181,24 @@ class KvStore {
   absl::StatusOr<uint64_t> CloseSession(const std::string& id);
 
   // Appends n entries to each listed kv head of `layer`: k, v are [kv_heads.size(), n, D] of
-  // the session dtype, maw [kv_heads.size(), n]. Selection threshold beta / window_entries.
-  // Validates layer, heads (owned, no duplicates), n > 0, window_entries > 0 and every MAW
-  // (finite, >= 0). All-or-nothing across heads. NOT_FOUND if the session was closed.
+  // the session dtype, maw [kv_heads.size(), n]. Selection threshold beta / window_entries,
+  // unless `selected` is given: then it is [kv_heads.size(), n] flags (each 0 or 1) that decide
+  // the selection of the entries (a migration keeps the flags an entry had on the old node) and
+  // window_entries is ignored. Validates layer, heads (owned, no duplicates), n > 0,
+  // window_entries > 0 (without flags), every MAW (finite, >= 0) and every flag. All-or-nothing
+  // across heads. NOT_FOUND if the session was closed.
   absl::StatusOr<AppendStats> Append(Session& session, uint32_t layer,
                                      std::span<const uint32_t> kv_heads, const std::byte* k,
                                      const std::byte* v, const float* maw, uint32_t n,
-                                     uint32_t window_entries);
+                                     uint32_t window_entries,
+                                     std::span<const uint8_t> selected = {});
+
+  // Changes the session's owned shards under its exclusive lock: drops `drop` (see
+  // Session::DropShards), then adds the empty shards `add` (Session::AddShards). Everything is
+  // validated first, so it is all or nothing; a shard in both lists is INVALID_ARGUMENT.
+  // NOT_FOUND if the session was closed.
+  absl::StatusOr<ReshardStats> Reshard(Session& session, std::span<const ShardKey> add,
+                                       std::span<const ShardKey> drop);
 
   StoreStats Stats() const;
   const MemoryBudget& budget() const { return budget_; }
@@ -156,6 +207,8 @@ class KvStore {
  private:
   absl::StatusOr<BlockPool*> PoolFor(const BlockFormat& format);
   absl::Status ValidateOptions(SessionOptions& options) const;
+  // Takes a new session's id: ALREADY_EXISTS or RESOURCE_EXHAUSTED (max_sessions). Needs mu_.
+  absl::Status CheckNewSessionLocked(const std::string& id) const;
 
   const Options options_;
   MemoryBudget budget_;

@@ -19,6 +19,7 @@
 #include <span>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/kv_store/block_pool.h"
@@ -75,6 +76,17 @@ class Shard {
   // Returns how many of the n were selected. RESOURCE_EXHAUSTED leaves the shard unchanged.
   absl::StatusOr<uint64_t> Append(const std::byte* k, const std::byte* v, const float* maw,
                                   uint64_t n, SelectRule rule);
+  // As Append, but entry i is selected iff selected[i] != 0 (selected is [n]): the import side
+  // of a shard migration, where entries keep the selection they had on the old node.
+  absl::StatusOr<uint64_t> AppendWithSelection(const std::byte* k, const std::byte* v,
+                                               const float* maw, const uint8_t* selected,
+                                               uint64_t n);
+
+  // Copies entries [first, first + n) out of the block table (the export side of a migration):
+  // k and v get [n, head_dim] of the pool dtype, maw [n] floats, selected [n] flags (0 or 1).
+  // Bit-identical to what was appended (MAW included). OUT_OF_RANGE if first + n > held().
+  absl::Status ReadEntries(uint64_t first, uint64_t n, std::byte* k, std::byte* v, float* maw,
+                           uint8_t* selected) const;
 
   // Makes this (empty) shard share the first `prefix` entries of `parent` by reference, with
   // the parent's selection flags for them. FAILED_PRECONDITION if this shard is not empty,
@@ -106,8 +118,14 @@ class Shard {
 
   const BlockFormat& format() const { return pool_->format(); }
   const BlockPool* pool() const { return pool_; }
+  // Unique among the shards of this process: a shard dropped and added again at the same
+  // (layer, kv-head) is a new shard with a new serial (an export in progress tells them apart).
+  uint64_t serial() const { return serial_; }
 
  private:
+  // Append with the selection of entry i (of the n) given by `selects(i)`.
+  absl::StatusOr<uint64_t> AppendImpl(const std::byte* k, const std::byte* v, const float* maw,
+                                      uint64_t n, absl::FunctionRef<bool(uint64_t)> selects);
   // Copies the held rows of the shared partial last block into `fresh` (already allocated)
   // and swaps it into the table, dropping this shard's reference to the shared block.
   void CopyOnWriteLastBlock(BlockId fresh);
@@ -118,6 +136,7 @@ class Shard {
 
   BlockPool* pool_;
   MemoryBudget* budget_;
+  const uint64_t serial_;
   std::vector<BlockId> blocks_;
   uint64_t held_ = 0;
   std::vector<uint8_t> selected_flags_;  // [held_]

@@ -1,0 +1,360 @@
+// Draining of the real tandem-cpu-attention binary (Kubernetes scale-down): the first SIGTERM
+// turns readiness ("tandem.v1.CpuAttention") NOT_SERVING while liveness ("") stays SERVING,
+// refuses new sessions and keeps serving the open ones; the process exits 0 once the last
+// session is closed, when --drain_timeout_s runs out, or at a second signal.
+#include <fcntl.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "service_test_util.h"
+#include "tandem/cpu_attention/server.h"
+#include "tandem/v1/cpu_attention.grpc.pb.h"
+
+namespace tandem::cpu_attention {
+namespace {
+
+using testing::AddRandomEntries;
+using testing::AppendRequest;
+using testing::Geometry;
+using testing::HeadEntries;
+using testing::OpenRequest;
+using testing::RandomQueries;
+using Clock = std::chrono::steady_clock;
+
+// The node binary as a child process: stdout and stderr on pipes, the "LISTENING <port>"
+// handshake, signals, and the exit status (the pattern of tests/gpu_worker/service).
+class NodeProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<NodeProcess>> Start(std::vector<std::string> flags) {
+    std::vector<std::string> argv = {TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
+                                     "--pool_bytes=64MiB", "--threads=1", "--executor_threads=2"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    int out[2], err[2];
+    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
+      return absl::InternalError("pipe failed");
+    }
+    std::vector<char*> args;
+    for (std::string& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) return absl::InternalError("fork failed");
+    if (pid == 0) {
+      dup2(out[1], STDOUT_FILENO);
+      dup2(err[1], STDERR_FILENO);
+      execv(args[0], args.data());
+      _exit(127);
+    }
+    close(out[1]);
+    close(err[1]);
+    std::unique_ptr<NodeProcess> p(new NodeProcess());
+    p->pid_ = pid;
+    p->fds_[0] = out[0];
+    p->fds_[1] = err[0];
+    return p;
+  }
+
+  ~NodeProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    for (int fd : fds_) {
+      if (fd >= 0) close(fd);
+    }
+  }
+
+  absl::StatusOr<int> WaitListening(int timeout_ms = 30000) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Clock::now() < deadline) {
+      for (size_t eol; (eol = text_[0].find('\n', scanned_)) != std::string::npos;) {
+        const std::string line = text_[0].substr(scanned_, eol - scanned_);
+        scanned_ = eol + 1;
+        int port = 0;
+        if (absl::StartsWith(line, "LISTENING ") && absl::SimpleAtoi(line.substr(10), &port)) {
+          return port;
+        }
+      }
+      if (!Pump(50)) break;
+    }
+    return absl::DeadlineExceededError("no LISTENING line; stderr: " + text_[1]);
+  }
+
+  void Signal(int sig) { kill(pid_, sig); }
+
+  // True while the process has not exited (reaps it when it has).
+  bool Running() {
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      pid_ = -1;
+      return false;
+    }
+    return true;
+  }
+
+  // The exit status, or DEADLINE_EXCEEDED. Keeps reading the pipes so the child never blocks.
+  absl::StatusOr<int> Wait(int timeout_ms) {
+    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (Running()) {
+      if (Clock::now() >= deadline) return absl::DeadlineExceededError("still running");
+      Pump(20);
+    }
+    while (Pump(0)) {
+    }
+    return exit_code_;
+  }
+
+  // Everything the process printed (spdlog writes to stdout).
+  std::string log() const { return text_[0] + text_[1]; }
+
+ private:
+  NodeProcess() = default;
+
+  // Reads what the pipes have within `timeout_ms`; false once both reached end of file.
+  bool Pump(int timeout_ms) {
+    pollfd p[2] = {{fds_[0], POLLIN, 0}, {fds_[1], POLLIN, 0}};
+    if (fds_[0] < 0 && fds_[1] < 0) return false;
+    if (poll(p, 2, timeout_ms) <= 0) return true;
+    for (int i = 0; i < 2; ++i) {
+      if (fds_[i] < 0 || p[i].revents == 0) continue;
+      char buffer[4096];
+      const ssize_t n = read(fds_[i], buffer, sizeof(buffer));
+      if (n > 0) {
+        text_[i].append(buffer, static_cast<size_t>(n));
+      } else if (n == 0) {
+        close(fds_[i]);
+        fds_[i] = -1;
+      }
+    }
+    return fds_[0] >= 0 || fds_[1] >= 0;
+  }
+
+  pid_t pid_ = -1;
+  int fds_[2] = {-1, -1};  // stdout, stderr
+  std::string text_[2];
+  size_t scanned_ = 0;
+  int exit_code_ = -1;
+};
+
+std::unique_ptr<grpc::ClientContext> Deadline(int ms = 10000) {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
+  return ctx;
+}
+
+// grpc.health.v1.Health/Check of `service` through a generic stub: the status enum (1 SERVING,
+// 2 NOT_SERVING), or the call's error.
+absl::StatusOr<int> HealthStatus(const std::shared_ptr<grpc::Channel>& channel,
+                                 const std::string& service) {
+  grpc::GenericStub generic(channel);
+  std::string request;
+  if (!service.empty()) {
+    request.push_back(0x0a);  // field 1, length-delimited
+    request.push_back(static_cast<char>(service.size()));
+    request += service;
+  }
+  grpc::Slice slice(request);
+  grpc::ByteBuffer send(&slice, 1), recv;
+  auto ctx = Deadline();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(ctx.get(), "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &recv,
+                    [&](grpc::Status s) {
+                      std::lock_guard lock(mu);
+                      status = s;
+                      done = true;
+                      cv.notify_one();
+                    });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return done; });
+  if (!status.ok()) return absl::UnavailableError(status.error_message());
+  std::vector<grpc::Slice> slices;
+  if (!recv.Dump(&slices).ok()) return absl::InternalError("cannot read the answer");
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  if (bytes.empty()) return 0;  // UNKNOWN (default value, not serialised)
+  if (bytes.size() != 2 || bytes[0] != 0x08) return absl::InternalError("unexpected answer");
+  return static_cast<int>(bytes[1]);
+}
+
+constexpr int kServing = 1;
+constexpr int kNotServing = 2;
+const std::string kReadiness = "tandem.v1.CpuAttention";
+
+class DrainTest : public ::testing::Test {
+ protected:
+  void Start(std::vector<std::string> flags) {
+    auto p = NodeProcess::Start(std::move(flags));
+    ASSERT_TRUE(p.ok()) << p.status();
+    process_ = std::move(*p);
+    auto port = process_->WaitListening();
+    ASSERT_TRUE(port.ok()) << port.status();
+    channel_ = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(*port),
+                                         grpc::InsecureChannelCredentials(),
+                                         CpuAttentionChannelArguments());
+    stub_ = v1::CpuAttention::NewStub(channel_);
+  }
+
+  grpc::Status Open(const std::string& id) {
+    v1::OpenSessionResponse resp;
+    auto ctx = Deadline();
+    return stub_->OpenSession(ctx.get(), OpenRequest(id, g_, 16, true, 0), &resp);
+  }
+
+  // Opens `id` and appends 40 entries.
+  void OpenWithEntries(const std::string& id) {
+    const grpc::Status opened = Open(id);
+    ASSERT_TRUE(opened.ok()) << opened.error_message();
+    std::mt19937 rng(1);
+    entries_.assign(1, HeadEntries{});
+    AddRandomEntries(entries_, 40, g_.head_dim, true, 1e-2f, rng);
+    v1::AppendKvResponse totals;
+    auto ctx = Deadline();
+    auto writer = stub_->AppendKv(ctx.get(), &totals);
+    ASSERT_TRUE(writer->Write(AppendRequest(id, 0, entries_, 0, 40, g_.head_dim, true, 64)));
+    writer->WritesDone();
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+
+  // Waits until the readiness status is NOT_SERVING (the signal was handled).
+  void WaitNotReady() {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    absl::StatusOr<int> s;
+    while (Clock::now() < deadline) {
+      s = HealthStatus(channel_, kReadiness);
+      if (s.ok() && *s == kNotServing) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    FAIL() << "readiness did not turn NOT_SERVING: "
+           << (s.ok() ? std::to_string(*s) : s.status().ToString()) << "\n"
+           << process_->log();
+  }
+
+  v1::StatsResponse Stats() {
+    v1::StatsResponse s;
+    auto ctx = Deadline();
+    EXPECT_TRUE(stub_->Stats(ctx.get(), {}, &s).ok());
+    return s;
+  }
+
+  Geometry g_{1, 4, 1, 64};
+  std::unique_ptr<NodeProcess> process_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::CpuAttention::Stub> stub_;
+  std::vector<HeadEntries> entries_;
+};
+
+TEST_F(DrainTest, SigtermDrainsUntilTheLastSessionCloses) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--drain_timeout_s=60"}));
+  EXPECT_EQ(HealthStatus(channel_, "").value_or(-1), kServing);
+  EXPECT_EQ(HealthStatus(channel_, kReadiness).value_or(-1), kServing);
+  const v1::StatsResponse before = Stats();
+  EXPECT_FALSE(before.draining());
+  EXPECT_EQ(before.node_id().size(), 16u);
+  ASSERT_NO_FATAL_FAILURE(OpenWithEntries("s"));
+
+  process_->Signal(SIGTERM);
+  ASSERT_NO_FATAL_FAILURE(WaitNotReady());
+  EXPECT_EQ(HealthStatus(channel_, "").value_or(-1), kServing) << "liveness must stay SERVING";
+  const v1::StatsResponse draining = Stats();
+  EXPECT_TRUE(draining.draining());
+  EXPECT_EQ(draining.sessions(), 1u);
+  EXPECT_EQ(draining.node_id(), before.node_id());
+  EXPECT_EQ(Open("t").error_code(), grpc::StatusCode::UNAVAILABLE);
+
+  // The open session is still served.
+  std::mt19937 rng(2);
+  v1::AttendRequest attend;
+  attend.set_layer(0);
+  v1::AttendQuery* query = attend.add_queries();
+  query->set_session_id("s");
+  const std::vector<float> q = RandomQueries(1, g_, rng);
+  EncodeF32(q, std::vector<int64_t>{1, 4, 64}, query->mutable_q());
+  v1::AttendResponse resp;
+  auto ctx = Deadline();
+  const grpc::Status attended = stub_->Attend(ctx.get(), attend, &resp);
+  ASSERT_TRUE(attended.ok()) << attended.error_message();
+  EXPECT_EQ(resp.results(0).held(0), 40u);
+  EXPECT_EQ(resp.results(0).selected(0), 40u);
+  testing::ExpectHeadMatches(resp.results(0), 0, 1, 0, q, 1, g_, entries_[0], {}, 1e-3);
+  // It keeps waiting for the session.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(process_->Running());
+
+  v1::CloseSessionRequest close;
+  close.set_session_id("s");
+  v1::CloseSessionResponse closed;
+  auto close_ctx = Deadline();
+  ASSERT_TRUE(stub_->CloseSession(close_ctx.get(), close, &closed).ok());
+  const auto closed_at = Clock::now();
+  const absl::StatusOr<int> code = process_->Wait(5000);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << process_->log();
+  EXPECT_EQ(*code, 0) << process_->log();
+  EXPECT_LT(Clock::now() - closed_at, std::chrono::seconds(5));
+  EXPECT_TRUE(absl::StrContains(process_->log(), "draining")) << process_->log();
+  EXPECT_TRUE(absl::StrContains(process_->log(), "drained")) << process_->log();
+}
+
+TEST_F(DrainTest, SecondSignalStopsAtOnce) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--drain_timeout_s=60"}));
+  ASSERT_NO_FATAL_FAILURE(OpenWithEntries("s"));
+  process_->Signal(SIGTERM);
+  ASSERT_NO_FATAL_FAILURE(WaitNotReady());
+  EXPECT_TRUE(process_->Running());
+  const auto signalled = Clock::now();
+  process_->Signal(SIGINT);
+  const absl::StatusOr<int> code = process_->Wait(5000);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << process_->log();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(5));
+  EXPECT_TRUE(absl::StrContains(process_->log(), "stopping at once")) << process_->log();
+}
+
+TEST_F(DrainTest, DrainTimeoutStopsWithSessionsOpen) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--drain_timeout_s=1"}));
+  ASSERT_NO_FATAL_FAILURE(OpenWithEntries("s"));
+  const auto signalled = Clock::now();
+  process_->Signal(SIGTERM);
+  const absl::StatusOr<int> code = process_->Wait(10000);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << process_->log();
+  EXPECT_EQ(*code, 0);
+  const auto took = Clock::now() - signalled;
+  EXPECT_GE(took, std::chrono::milliseconds(900));
+  EXPECT_LT(took, std::chrono::seconds(6));
+  EXPECT_TRUE(absl::StrContains(process_->log(), "drain timeout")) << process_->log();
+}
+
+TEST_F(DrainTest, ZeroTimeoutStopsAtTheFirstSignal) {
+  ASSERT_NO_FATAL_FAILURE(Start({"--drain_timeout_s=0"}));
+  ASSERT_NO_FATAL_FAILURE(OpenWithEntries("s"));
+  const auto signalled = Clock::now();
+  process_->Signal(SIGTERM);
+  const absl::StatusOr<int> code = process_->Wait(5000);
+  ASSERT_TRUE(code.ok()) << code.status() << "\n" << process_->log();
+  EXPECT_EQ(*code, 0);
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(4));
+}
+
+}  // namespace
+}  // namespace tandem::cpu_attention
