@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "shm_session_server.h"
+#include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
@@ -267,6 +268,10 @@ absl::StatusOr<CpuAttentionNode::AppendTarget> CpuAttentionNode::ResolveAppend(
     // The owned set may change (ReshardSession); the store checks ownership again under the
     // exclusive lock when it appends.
     std::shared_lock lock(session.mutex());
+    // Closed since Find: the session is gone (NOT_FOUND), not a session without heads.
+    if (session.closed()) {
+      return absl::NotFoundError(absl::StrCat("session '", session.id(), "' was closed"));
+    }
     auto owned = session.owned_kv_heads(layer);
     target.heads.assign(owned.begin(), owned.end());
   }
@@ -740,7 +745,7 @@ CpuAttentionNode::~CpuAttentionNode() {
 
 void CpuAttentionNode::RecordScan(uint64_t bytes, double seconds) {
   // Only calls that scanned enough to time meaningfully update the rate the planner reads.
-  if (bytes < (1u << 20) || seconds <= 0) return;
+  if (bytes < kMinTimedScanBytes || seconds <= 0) return;
   const double rate = static_cast<double>(bytes) / seconds;
   std::lock_guard lock(scan_mu_);
   scan_bytes_per_second_ =

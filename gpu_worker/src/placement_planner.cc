@@ -644,6 +644,15 @@ absl::StatusOr<PlacementPlan> Replan(std::span<const PlacementNode> nodes,
   if (std::isnan(gain) || gain < 0) {
     return absl::InvalidArgumentError(absl::StrCat("min_relative_gain must be >= 0, got ", gain));
   }
+  for (const auto& [name, value] : {std::pair{"min_gain_seconds", options.min_gain_seconds},
+                                    std::pair{"remaining_steps", options.remaining_steps},
+                                    std::pair{"move_bytes_per_second",
+                                              options.move_bytes_per_second}}) {
+    if (!std::isfinite(value) || value < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " must be finite and >= 0, got ", value));
+    }
+  }
   if (p.total_mem > p.total_capacity) return NotEnoughMemory(p);
 
   // 1. Forced moves.
@@ -698,8 +707,18 @@ absl::StatusOr<PlacementPlan> Replan(std::span<const PlacementNode> nodes,
     }
   }
 
-  // 4. Adopt only a worthwhile gain.
-  const bool adopt = chosen_step < forced_step && forced_step - chosen_step >= gain * forced_step;
+  // 4. Adopt only a worthwhile gain, one that repays its copy.
+  const double step_gain = forced_step - chosen_step;
+  bool adopt = step_gain > 0 && step_gain >= gain * forced_step &&
+               step_gain >= options.min_gain_seconds;
+  if (adopt && options.move_bytes_per_second > 0) {
+    uint64_t optional_bytes = 0;
+    for (int s = 0; s < p.num_shards(); ++s) {
+      if (!forced[s] && chosen[s] != forced_only[s]) optional_bytes += p.mem[s];
+    }
+    const double copy_seconds = static_cast<double>(optional_bytes) / options.move_bytes_per_second;
+    adopt = step_gain * options.remaining_steps >= copy_seconds;
+  }
   if (!adopt) return MakePlan(nodes, shards, forced_only, 0);
   return MakePlan(nodes, shards, std::move(chosen), chosen_steps);
 }

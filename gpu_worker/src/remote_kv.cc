@@ -9,8 +9,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
-#include "tandem/cpu_attention/shm_protocol.h"
+#include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_attention/shm_protocol.h"
 #include "spdlog/spdlog.h"
 
 namespace tandem::gpu_worker {
@@ -683,17 +684,9 @@ absl::Status RemoteKv::Close() {
     done_cv_.wait(lock, [this] { return outstanding_ == 0; });
   }
   migrator_.reset();   // stops the copy in progress; the targets' sessions close below
-  // CloseSession stops the node's channel thread; the worker's mapping goes with this object.
   absl::Status first_error;
   for (size_t n = 0; n < opened_.size(); ++n) {
-    if (!opened_[n]) continue;
-    v1::CloseSessionRequest request;
-    request.set_session_id(options_.session_id);
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, options_.control_deadline_ms);
-    v1::CloseSessionResponse response;
-    const grpc::Status s = pool_.stub(n).CloseSession(&ctx, request, &response);
-    if (!s.ok() && first_error.ok()) first_error = NodeError(pool_.address(n), "CloseSession", s);
+    if (absl::Status s = CloseOn(n); !s.ok() && first_error.ok()) first_error = s;
   }
   return first_error;
 }
@@ -708,8 +701,8 @@ void RemoteKv::RecordAnswer(size_t node, std::span<const uint32_t> kv_heads,
     shard_selected_[shard] = selected[i];
     shard_held_[shard] = held[i];
   }
-  // The node's scan rate, from calls long enough to measure (a moving average).
-  if (compute_micros >= 50 && bytes_scanned > 0 && node < node_rate_.size()) {
+  // The node's scan rate, from calls large enough to measure (a moving average).
+  if (compute_micros > 0 && bytes_scanned >= kMinTimedScanBytes && node < node_rate_.size()) {
     const double rate = static_cast<double>(bytes_scanned) / (compute_micros * 1e-6);
     node_rate_[node] = node_rate_[node] > 0 ? 0.8 * node_rate_[node] + 0.2 * rate : rate;
   }
@@ -735,20 +728,25 @@ absl::Status RemoteKv::Reshard(size_t node, const std::vector<size_t>& add,
   return absl::OkStatus();
 }
 
-void RemoteKv::CloseOn(size_t node) {
-  if (!opened_[node]) return;
+absl::Status RemoteKv::CloseOn(size_t node) {
+  if (!opened_[node]) return absl::OkStatus();
+  // CloseSession stops the node's channel thread before the worker unmaps its side.
   v1::CloseSessionRequest request;
   request.set_session_id(options_.session_id);
   grpc::ClientContext ctx;
   SetDeadline(ctx, options_.control_deadline_ms);
   v1::CloseSessionResponse response;
   const grpc::Status s = pool_.stub(node).CloseSession(&ctx, request, &response);
-  if (!s.ok()) {
-    spdlog::warn("session {}: closing on CPU node {}: {}", options_.session_id,
-                 pool_.address(node), s.error_message());
-  }
   opened_[node] = false;
   shm_[node].reset();
+  if (!s.ok()) return NodeError(pool_.address(node), "CloseSession", s);
+  return absl::OkStatus();
+}
+
+void RemoteKv::CloseEmptyOn(size_t node) {
+  if (absl::Status s = CloseOn(node); !s.ok()) {
+    spdlog::warn("session {}: {}", options_.session_id, std::string(s.message()));
+  }
 }
 
 absl::Status RemoteKv::StartMigration(size_t shard, size_t to) {
@@ -777,7 +775,7 @@ void RemoteKv::AbandonMigration(const MigrationJob& job) {
   ++counters_.migrations_failed;
   if (opened_[job.to]) {
     if (ShardsOn(job.to) == 0) {
-      CloseOn(job.to);
+      CloseEmptyOn(job.to);
     } else if (absl::Status s = Reshard(job.to, {}, {shard}); !s.ok()) {
       spdlog::warn("session {}: dropping the partial copy of shard ({}, {}): {}",
                    options_.session_id, job.layer, job.kv_head, std::string(s.message()));
@@ -801,12 +799,18 @@ absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished
     AbandonMigration(job);
     return status;
   }
+  if (finished.seconds > 0 && finished.copied > 0) {
+    const double bytes = static_cast<double>(finished.copied) *
+                         (2.0 * options_.head_dim * DTypeBytes(options_.kv_dtype) + sizeof(float));
+    const double rate = bytes / finished.seconds;
+    migration_rate_ = migration_rate_ > 0 ? 0.8 * migration_rate_ + 0.2 * rate : rate;
+  }
   // Switch: from the next Attend and Append on, the shard lives on `to`; then free it on `from`.
   placement_[shard] = static_cast<int>(job.to);
   migrating_.erase(shard);
   ++counters_.migrations_done;
   if (ShardsOn(job.from) == 0) {
-    CloseOn(job.from);
+    CloseEmptyOn(job.from);
   } else if (absl::Status s = Reshard(job.from, {}, {shard}); !s.ok()) {
     spdlog::warn("session {}: freeing migrated shard ({}, {}) on {}: {}", options_.session_id,
                  job.layer, job.kv_head, pool_.address(job.from), std::string(s.message()));
@@ -814,14 +818,22 @@ absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished
   return absl::OkStatus();
 }
 
-absl::Status RemoteKv::ReplanAndMigrate(bool cost_based) {
+absl::Status RemoteKv::ReplanAndMigrate(ReplanKind kind) {
   GrowNodeSlots();
   const std::vector<PlacementNode> nodes = PlannerNodes();
   const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
   PlacementOptions po;
   po.time_budget = options_.plan_budget;
-  po.min_relative_gain =
-      cost_based ? options_.replan_min_gain : std::numeric_limits<double>::infinity();
+  po.min_relative_gain = kind == ReplanKind::kForcedOnly ? std::numeric_limits<double>::infinity()
+                                                         : options_.replan_min_gain;
+  if (kind == ReplanKind::kCost) {
+    po.min_gain_seconds = options_.replan_min_gain_seconds;
+    po.move_bytes_per_second =
+        migration_rate_ > 0 ? migration_rate_ : options_.migration_bytes_per_second;
+    // Decode steps left until the session reaches the size it was planned for.
+    po.remaining_steps = static_cast<double>(std::max<int64_t>(
+        expected_tokens_ - offloaded_tokens_, std::max(options_.replan_every_steps, 1)));
+  }
   const auto t0 = Clock::now();
   absl::StatusOr<PlacementPlan> plan = gpu_worker::Replan(nodes, shards, po);
   counters_.last_plan_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -854,10 +866,11 @@ absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
   if (!migrating_.empty()) {
     for (const MigrationJob& job : migrator_->CancelAll()) AbandonMigration(job);
   }
+  // Only the moves that make room (a full reshuffle only when no such moves suffice).
   PlacementOptions po;
   po.time_budget = options_.plan_budget;
-  po.min_relative_gain = 0;
-  absl::StatusOr<PlacementPlan> plan = gpu_worker::PlanBalanced(nodes, shards, po);
+  po.min_relative_gain = std::numeric_limits<double>::infinity();
+  absl::StatusOr<PlacementPlan> plan = gpu_worker::Replan(nodes, shards, po);
   if (!plan.ok()) return plan.status();
   TANDEM_RETURN_IF_ERROR(CheckCapacity(nodes, shards, plan->node_of));
   for (size_t s = 0; s < placement_.size(); ++s) {
@@ -885,11 +898,14 @@ absl::Status RemoteKv::Maintain() {
   const bool periodic = balanced && options_.replan_every_steps > 0 &&
                         steps_since_plan_ >= options_.replan_every_steps;
   if (!nodes_changed_ && !replan_due_ && !periodic) return absl::OkStatus();
+  // Uniform placement only moves what must move (shards on nodes that stopped accepting).
+  const ReplanKind kind = !balanced          ? ReplanKind::kForcedOnly
+                          : steady_state_due_ ? ReplanKind::kSteadyState
+                                              : ReplanKind::kCost;
   steps_since_plan_ = 0;
   nodes_changed_ = false;
-  replan_due_ = false;
-  // Uniform placement only moves what must move (shards on nodes that stopped accepting).
-  return ReplanAndMigrate(/*cost_based=*/balanced);
+  replan_due_ = steady_state_due_ = false;
+  return ReplanAndMigrate(kind);
 }
 
 absl::Status RemoteKv::SettleMigrations(std::chrono::milliseconds timeout) {

@@ -79,10 +79,13 @@ void ShardMigrator::Loop() {
     queue_.pop_front();
     busy_ = true;
     lock.unlock();
+    const auto start = std::chrono::steady_clock::now();
     absl::StatusOr<uint64_t> copied = CopyRange(job, 0);
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
     lock.lock();
     Finished f;
     f.job = job;
+    f.seconds = took.count();
     if (copied.ok()) {
       f.copied = *copied;
     } else {

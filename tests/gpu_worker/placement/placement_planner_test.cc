@@ -576,6 +576,74 @@ TEST(ReplanTest, KeepsPlacementWhenGainIsBelowThreshold) {
   EXPECT_LE(taken->step_seconds, before * (1 - achievable / 2) * (1 + 1e-9));
 }
 
+// Gains below the absolute floor, or too small to repay the copy before the session ends,
+// leave the placement as it is; the same gain with a long enough horizon is taken.
+TEST(ReplanTest, OptionalMovesMustRepayTheirCopy) {
+  const std::vector<PlacementShard> fresh = HgcaShards(32, 8, 19);
+  const std::vector<PlacementNode> nodes(4, Node(20e9, 20e-6));
+  auto uniform = PlanUniform(nodes, fresh);
+  ASSERT_TRUE(uniform.ok());
+  const auto shards = WithCurrent(fresh, uniform->node_of);
+  PlacementOptions free_moves = Generous();
+  free_moves.min_relative_gain = 0;
+  auto best = Replan(nodes, shards, free_moves);
+  ASSERT_TRUE(best.ok());
+  ASSERT_TRUE(best->changed);
+  const double gain = uniform->step_seconds - best->step_seconds;
+  ASSERT_GT(gain, 0);
+  // The gates only decide whether that plan is adopted: it needs copy_of_best seconds of copy.
+  const double rate = 1e9;   // bytes per second of copy
+  const double copy_of_best = static_cast<double>(best->moved_bytes) / rate;
+  std::printf("[replan payback] gain %.3f ms per step, %d shards (%.1f MiB) to move, %.2f s "
+              "to copy at 1 GB/s\n",
+              gain * 1e3, best->moved_shards, best->moved_bytes / double(kMiB), copy_of_best);
+
+  PlacementOptions floor = free_moves;
+  floor.min_gain_seconds = gain * 1.5;   // no plan gains this much
+  auto floored = Replan(nodes, shards, floor);
+  ASSERT_TRUE(floored.ok());
+  EXPECT_FALSE(floored->changed);
+
+  PlacementOptions short_session = free_moves;
+  short_session.move_bytes_per_second = rate;
+  short_session.remaining_steps = 0.5 * copy_of_best / gain;   // repays half the copy
+  auto kept = Replan(nodes, shards, short_session);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_FALSE(kept->changed);
+  EXPECT_EQ(kept->node_of, uniform->node_of);
+
+  PlacementOptions long_session = short_session;
+  long_session.remaining_steps = 2 * copy_of_best / gain;      // repays it twice
+  auto taken = Replan(nodes, shards, long_session);
+  ASSERT_TRUE(taken.ok());
+  ExpectValid(nodes, shards, *taken);
+  EXPECT_EQ(taken->node_of, best->node_of);
+
+  // Forced moves happen whatever the gates say.
+  std::vector<PlacementNode> draining = nodes;
+  draining[2].accepting = false;
+  auto forced = Replan(draining, shards, short_session);
+  ASSERT_TRUE(forced.ok());
+  ExpectValid(draining, shards, *forced);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    if (shards[s].current_node != 2) {
+      EXPECT_EQ(forced->node_of[s], shards[s].current_node) << s;
+    }
+  }
+
+  for (double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    PlacementOptions o = free_moves;
+    o.min_gain_seconds = bad;
+    EXPECT_EQ(Replan(nodes, shards, o).status().code(), absl::StatusCode::kInvalidArgument);
+    o = free_moves;
+    o.remaining_steps = bad;
+    EXPECT_EQ(Replan(nodes, shards, o).status().code(), absl::StatusCode::kInvalidArgument);
+    o = free_moves;
+    o.move_bytes_per_second = bad;
+    EXPECT_EQ(Replan(nodes, shards, o).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(ReplanTest, MovedBytesRespectLimit) {
   const std::vector<PlacementShard> fresh = HgcaShards(32, 8, 13);
   const std::vector<PlacementNode> nodes(4, Node(20e9, 20e-6));

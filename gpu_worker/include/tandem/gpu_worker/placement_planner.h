@@ -72,6 +72,14 @@ struct PlacementOptions {
   // many memory_bytes. Forced moves (unplaced shards, shards on non-accepting nodes or on nodes
   // over capacity) always happen and do not count against it.
   uint64_t max_moved_bytes = std::numeric_limits<uint64_t>::max();
+  // Replan: optional moves are adopted only when the modelled gain is at least min_gain_seconds
+  // per step (gains below it are measurement noise: rates and selections vary step to step),
+  // and, when move_bytes_per_second > 0, only when they repay their copy within the session:
+  //   gain × remaining_steps ≥ optional moved memory_bytes / move_bytes_per_second.
+  // A copy runs beside decoding but takes the nodes' memory bandwidth and the link meanwhile.
+  double min_gain_seconds = 0;
+  double remaining_steps = 0;
+  double move_bytes_per_second = 0;
 };
 
 struct PlacementPlan {
@@ -124,10 +132,11 @@ absl::StatusOr<PlacementPlan> PlanUniform(std::span<const PlacementNode> nodes,
 //     are interchangeable, useless moves reverted) replaces the local result when it fits
 //     max_moved_bytes and is better than it by min_relative_gain.
 //  4. That result is adopted only if its modelled step is at least min_relative_gain below the
-//     step after the forced moves; otherwise only the forced moves are returned
+//     step after the forced moves, the gain is at least min_gain_seconds and it repays the
+//     optional moves' copy (see PlacementOptions); otherwise only the forced moves are returned
 //     (search_steps = 0).
 // Capacity holds in the result. Errors as PlanBalanced; INVALID_ARGUMENT also for a negative or
-// NaN min_relative_gain.
+// NaN min_relative_gain, min_gain_seconds, remaining_steps or move_bytes_per_second.
 absl::StatusOr<PlacementPlan> Replan(std::span<const PlacementNode> nodes,
                                      std::span<const PlacementShard> shards,
                                      const PlacementOptions& options = {});

@@ -94,7 +94,14 @@ struct RemoteKvOptions {
   double expected_selected_share = 0.3;
   PlacementPolicy placement = PlacementPolicy::kBalanced;
   int replan_every_steps = 16;       // Maintain() calls between cost re-plans; 0 = never
-  double replan_min_gain = 0.05;     // modelled step gain that justifies migrating
+  // A cost re-plan migrates only for a modelled step gain of at least replan_min_gain (relative)
+  // and replan_min_gain_seconds, that repays the copy before the session reaches
+  // expected_tokens (gain × remaining decode steps ≥ moved bytes / copy rate; the horizon is at
+  // least replan_every_steps). The copy rate is migration_bytes_per_second until a bulk copy has
+  // been timed, then the measured one; 0 = migrations need not repay themselves.
+  double replan_min_gain = 0.05;
+  double replan_min_gain_seconds = 50e-6;
+  double migration_bytes_per_second = 1e9;
   double attend_overhead_seconds = 100e-6;   // fixed cost of one Attend on a node (model)
   std::chrono::microseconds plan_budget{3000};   // planner time budget
   uint32_t migration_chunk_entries = 4096;
@@ -152,8 +159,9 @@ class RemoteKv {
   absl::Status Maintain();
   // Runs Maintain until no migration is pending or `timeout` passes (tests, benchmarks).
   absl::Status SettleMigrations(std::chrono::milliseconds timeout);
-  // Forces a re-plan at the next Maintain() (tests, benchmarks).
-  void RequestReplan() { replan_due_ = true; }
+  // Forces a cost re-plan at the next Maintain() that ignores the copy's payback (not the
+  // relative gain): the steady-state placement, for tests and benchmarks.
+  void RequestReplan() { replan_due_ = steady_state_due_ = true; }
 
   absl::Status Close();
 
@@ -202,8 +210,10 @@ class RemoteKv {
   // Projected node bytes of a shard of `entries` entries of which `selected_share` are selected.
   uint64_t ShardBytes(int64_t entries, double selected_share) const;
   double SelectedShare(size_t shard) const;   // measured, or the projection before any Attend
-  // Re-plans (forced moves only unless `cost_based`) and starts the migrations.
-  absl::Status ReplanAndMigrate(bool cost_based);
+  // Re-plans and starts the migrations: forced moves only (kForcedOnly), moves that repay
+  // their copy (kCost), or the best placement whatever the copy costs (kSteadyState).
+  enum class ReplanKind { kForcedOnly, kCost, kSteadyState };
+  absl::Status ReplanAndMigrate(ReplanKind kind);
   // RESOURCE_EXHAUSTED when `node_of` puts more projected bytes on a node than it can take.
   absl::Status CheckCapacity(std::span<const PlacementNode> nodes,
                              std::span<const PlacementShard> shards,
@@ -214,7 +224,11 @@ class RemoteKv {
   // no shard of ours left.
   void AbandonMigration(const MigrationJob& job);
   absl::Status Reshard(size_t node, const std::vector<size_t>& add, const std::vector<size_t>& drop);
-  void CloseOn(size_t node);
+  // Closes the session on one node (no-op where it is not open); the node's slot is free
+  // afterwards whatever the node answered.
+  absl::Status CloseOn(size_t node);
+  // CloseOn for a node left without shards of ours mid-session: a failure is only logged.
+  void CloseEmptyOn(size_t node);
   // Counts a node's shards (placed or arriving by migration).
   size_t ShardsOn(size_t node) const;
   absl::Status OpenOn(size_t node, NodeTransport transport, v1::OpenSessionRequest& request);
@@ -265,10 +279,12 @@ class RemoteKv {
   std::vector<uint64_t> shard_selected_;   // [shards] last Attend's selected entries
   std::vector<uint64_t> shard_held_;       // [shards] last Attend's held entries
   std::vector<double> node_rate_;          // [nodes] measured bytes/s (EMA), 0 = unknown
+  double migration_rate_ = 0;              // measured bulk-copy bytes/s (EMA), 0 = unknown
   uint64_t pool_generation_ = 0;
   int64_t expected_tokens_ = 0;
   int steps_since_plan_ = 0;
   bool replan_due_ = false;
+  bool steady_state_due_ = false;   // the due re-plan ignores the copy's payback
   bool nodes_changed_ = false;
   NodeTransport transport_ = NodeTransport::kAuto;
   PlacementCounters counters_;

@@ -55,6 +55,7 @@ class ShardMigrator {
   struct Finished {
     MigrationJob job;
     uint64_t copied = 0;   // entries [0, copied) are on `to`
+    double seconds = 0;    // wall time of the bulk copy
     absl::Status status;   // not OK: the copy failed part way (the target shard is partial)
   };
   // Jobs whose bulk copy ended since the last call.
