@@ -154,6 +154,7 @@ def check_values(v):
     need_int("cpuNodes.maxSessions", c["maxSessions"], 1)
     need_int("cpuNodes.drainTimeoutS", c["drainTimeoutS"], 0)
     need_int("cpuNodes.terminationMarginS", c["terminationMarginS"], 1)
+    need_int("cpuNodes.releaseFreeAfterS", c["releaseFreeAfterS"], -1, 86400)
     for key in ("poolBytes", "memoryOverheadBytes"):
         try:
             if sizes.parse_byte_size(c[key]) <= 0:
@@ -283,6 +284,7 @@ def cpu_node_statefulset(v):
     args = [f"--address=0.0.0.0:{c['port']}", f"--pool_bytes={c['poolBytes']}",
             f"--threads={c['threads']}", f"--block_tokens={c['blockTokens']}",
             f"--max_sessions={c['maxSessions']}", f"--drain_timeout_s={c['drainTimeoutS']}",
+            f"--release_free_after_s={c['releaseFreeAfterS']}",
             f"--log_level={c['logLevel']}", *c["extraArgs"]]
     container = {
         "name": "cpu-node",

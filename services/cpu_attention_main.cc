@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <ctime>
@@ -30,6 +31,9 @@ ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
           "largest gRPC message accepted or sent");
 ABSL_FLAG(unsigned, executor_threads, 4, "threads running RPC handlers");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(double, release_free_after_s, 30,
+          "return the pages of KV blocks left free this long to the kernel, so the node's "
+          "resident memory falls after sessions end; negative = keep them");
 ABSL_FLAG(unsigned, drain_timeout_s, 30,
           "after the first SIGTERM/SIGINT, wait at most this long for the sessions to be closed "
           "or migrated away before stopping; 0 = stop at once");
@@ -78,6 +82,16 @@ int main(int argc, char** argv) {
   options.node.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
   options.node.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.executor_threads = absl::GetFlag(FLAGS_executor_threads);
+  const double release_after_s = absl::GetFlag(FLAGS_release_free_after_s);
+  if (std::isnan(release_after_s) || release_after_s > 86400) {
+    std::fprintf(stderr,
+                 "tandem-cpu-attention: --release_free_after_s must be a number of seconds up "
+                 "to 86400 (negative: never), got %g\n",
+                 release_after_s);
+    return 2;
+  }
+  options.node.release_free_after = std::chrono::milliseconds(
+      release_after_s < 0 ? -1 : static_cast<int64_t>(release_after_s * 1000));
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message > (1u << 30)) {
     spdlog::error("--max_message_bytes {} exceeds 1 GiB", max_message);

@@ -183,6 +183,10 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
       node_id_(RandomNodeId()),
       store_(kv_store::KvStore::Options{options.pool_bytes, options.block_tokens,
                                         options.max_sessions}),
+      releaser_(options.release_free_after.count() >= 0
+                    ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
+                                                                     options.release_free_after)
+                    : nullptr),
       pool_(options.threads) {}
 
 absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request,
@@ -604,6 +608,7 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   r.set_block_bytes_in_use(s.block_bytes_in_use);
   r.set_stored_bytes(s.stored_bytes);
   r.set_selected_bytes(s.selected_bytes);
+  r.set_resident_block_bytes(s.resident_block_bytes);
   r.set_blocks_in_use(s.blocks_in_use);
   r.set_sessions(s.sessions);
   r.set_threads(pool_.num_threads());

@@ -1,7 +1,9 @@
 #include "tandem/kv_store/block_pool.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cerrno>
 #include <cstring>
@@ -59,8 +61,14 @@ BlockPool::~BlockPool() {
 }
 
 absl::StatusOr<BlockId> BlockPool::Allocate() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (free_list_.empty() && next_unused_ >= max_blocks_) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto has_free = [this] {
+    return !free_resident_.empty() || !free_released_.empty() || next_unused_ < max_blocks_;
+  };
+  // Blocks in a ReleaseFreeBlocks call are free but in no list for a moment: wait for them
+  // rather than report a full pool.
+  released_cv_.wait(lock, [&] { return has_free() || releasing_ == 0; });
+  if (!has_free()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("block pool full: all ", max_blocks_, " blocks of ", format_.block_bytes(),
                      " bytes (block_tokens ", format_.block_tokens, ", head_dim ", format_.head_dim,
@@ -68,9 +76,12 @@ absl::StatusOr<BlockId> BlockPool::Allocate() {
   }
   TANDEM_RETURN_IF_ERROR(budget_->Charge(format_.block_bytes()));
   BlockId id;
-  if (!free_list_.empty()) {
-    id = free_list_.back();
-    free_list_.pop_back();
+  if (!free_resident_.empty()) {
+    id = free_resident_.back().first;
+    free_resident_.pop_back();
+  } else if (!free_released_.empty()) {
+    id = free_released_.back();
+    free_released_.pop_back();
   } else {
     id = next_unused_++;
     refcounts_.push_back(0);  // amortised O(1); grows with the bump index only
@@ -91,7 +102,7 @@ void BlockPool::Unref(BlockId id) {
   std::lock_guard<std::mutex> lock(mu_);
   assert(id < next_unused_ && refcounts_[id] > 0 && "Unref of a free block");
   if (--refcounts_[id] == 0) {
-    free_list_.push_back(id);
+    free_resident_.emplace_back(id, Clock::now());
     --in_use_;
     budget_->Release(format_.block_bytes());
   }
@@ -110,6 +121,51 @@ uint64_t BlockPool::blocks_in_use() const {
 uint64_t BlockPool::blocks_touched() const {
   std::lock_guard<std::mutex> lock(mu_);
   return next_unused_;
+}
+
+uint64_t BlockPool::blocks_resident() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_unused_ - free_released_.size() - releasing_;
+}
+
+uint64_t BlockPool::ReleaseFreeBlocks(std::chrono::steady_clock::time_point freed_before) {
+  std::vector<BlockId> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (!free_resident_.empty() && free_resident_.front().second < freed_before) {
+      ids.push_back(free_resident_.front().first);
+      free_resident_.pop_front();
+    }
+    if (ids.empty()) return 0;
+    releasing_ += ids.size();
+  }
+  // Runs of adjacent ids are one range; only pages wholly inside a range are released (the
+  // others hold bytes of blocks that may be in use).
+  std::sort(ids.begin(), ids.end());
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t block_bytes = format_.block_bytes();
+  const auto base = reinterpret_cast<uintptr_t>(base_);
+  uint64_t released = 0;
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i + 1;
+    while (j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
+    const uintptr_t begin = base + size_t{ids[i]} * block_bytes;
+    const uintptr_t end = base + (size_t{ids[j - 1]} + 1) * block_bytes;
+    const uintptr_t first_page = (begin + page - 1) / page * page;
+    const uintptr_t last_page = end / page * page;
+    if (last_page > first_page &&
+        madvise(reinterpret_cast<void*>(first_page), last_page - first_page, MADV_DONTNEED) == 0) {
+      released += last_page - first_page;
+    }
+    i = j;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_released_.insert(free_released_.end(), ids.begin(), ids.end());
+    releasing_ -= ids.size();
+  }
+  released_cv_.notify_all();
+  return released;
 }
 
 }  // namespace tandem::kv_store

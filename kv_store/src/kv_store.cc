@@ -1,5 +1,7 @@
 #include "tandem/kv_store/kv_store.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -518,6 +520,19 @@ absl::StatusOr<ReshardStats> KvStore::Reshard(Session& session, std::span<const 
   return stats;
 }
 
+uint64_t KvStore::ReleaseFreeMemory(std::chrono::steady_clock::time_point freed_before) {
+  std::vector<BlockPool*> pools;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& pool : pools_) pools.push_back(pool.get());   // never removed before ~KvStore
+  }
+  uint64_t released = 0;
+  for (BlockPool* pool : pools) released += pool->ReleaseFreeBlocks(freed_before);
+  // Blocks go free when shards do; their selected copies went back to the C heap then.
+  if (released > 0) malloc_trim(0);
+  return released;
+}
+
 StoreStats KvStore::Stats() const {
   StoreStats stats;
   stats.capacity_bytes = budget_.capacity();
@@ -528,6 +543,7 @@ StoreStats KvStore::Stats() const {
       const uint64_t blocks = pool->blocks_in_use();
       stats.blocks_in_use += blocks;
       stats.block_bytes_in_use += blocks * pool->format().block_bytes();
+      stats.resident_block_bytes += pool->blocks_resident() * pool->format().block_bytes();
     }
     sessions.reserve(sessions_.size());
     for (const auto& [id, session] : sessions_) sessions.push_back(session);

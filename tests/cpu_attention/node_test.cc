@@ -414,6 +414,46 @@ TEST(NodeAccounting, CloseReleasesEverythingAndCapacityIsEnforced) {
   EXPECT_EQ(node->CloseSession(MakeClose("s"), &closed).code(), absl::StatusCode::kNotFound);
 }
 
+// Stats.resident_block_bytes follows the node's block pages: in use while a session holds
+// them, kept for a while after it closes, then given back (release_free_after); never given
+// back when release_free_after is negative.
+TEST(NodeAccounting, FreeBlockPagesGoBackToTheKernelAfterTheDelay) {
+  Geometry g{2, 4, 2, 64};
+  for (const auto after : {std::chrono::milliseconds(50), std::chrono::milliseconds(-1)}) {
+    SCOPED_TRACE(after.count());
+    NodeOptions options;
+    options.pool_bytes = 64ull << 20;
+    options.threads = 1;
+    options.release_free_after = after;
+    auto node = CpuAttentionNode::Create(options);
+    ASSERT_TRUE(node.ok()) << node.status();
+    v1::OpenSessionResponse opened;
+    ASSERT_TRUE((*node)->OpenSession(OpenRequest("s", g, 16, true, 0), &opened).ok());
+    std::mt19937 rng(5);
+    std::vector<HeadEntries> entries(2);
+    AddRandomEntries(entries, 512, 64, true, 1e-2f, rng);
+    v1::AppendKvResponse t;
+    ASSERT_TRUE((*node)->AppendKv(AppendRequest("s", 0, entries, 0, 512, 64, true, 64), &t).ok());
+    const v1::StatsResponse loaded = (*node)->Stats();
+    ASSERT_GT(loaded.block_bytes_in_use(), 0u);
+    EXPECT_EQ(loaded.resident_block_bytes(), loaded.block_bytes_in_use());
+    v1::CloseSessionResponse closed;
+    ASSERT_TRUE((*node)->CloseSession(MakeClose("s"), &closed).ok());
+    EXPECT_EQ((*node)->Stats().blocks_in_use(), 0u);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while ((*node)->Stats().resident_block_bytes() > 0 &&
+           std::chrono::steady_clock::now() < deadline && after.count() >= 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (after.count() >= 0) {
+      EXPECT_EQ((*node)->Stats().resident_block_bytes(), 0u);
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      EXPECT_EQ((*node)->Stats().resident_block_bytes(), loaded.block_bytes_in_use());
+    }
+  }
+}
+
 class NodeBadInput : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -133,6 +133,8 @@ TEST_F(BinariesTest, BadCommandLinesExitWithTwo) {
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--mode=fast"},
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--beta=-1"},
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--max_message_bytes=12XB"},
+      {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=nan"},
+      {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=1e9"},
       {TANDEM_CLI_BIN, "generate", "--max-tokens=abc"},
       {TANDEM_CLI_BIN, "frobnicate"},
   };

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -31,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/cpu_attention/thread_pool.h"
+#include "tandem/kv_store/free_memory_releaser.h"
 #include "tandem/kv_store/kv_store.h"
 #include "tandem/v1/cpu_attention.pb.h"
 
@@ -46,6 +48,9 @@ struct NodeOptions {
   uint32_t chunk_keys = 2048;           // keys per matmul chunk (see sparse_attention.h)
   bool allow_shm = true;                // serve shm channels requested at OpenSession
   uint32_t shm_spin_us = 10;            // a channel thread spins this long before sleeping
+  // KV blocks free this long give their pages back to the kernel (kv_store::FreeMemoryReleaser);
+  // negative: never (free blocks stay resident until reused).
+  std::chrono::milliseconds release_free_after{30000};
 };
 
 // Caller-owned arrays AttendRaw fills, sized for the session's owned kv heads of the layer
@@ -193,6 +198,7 @@ class CpuAttentionNode {
   const NodeOptions options_;
   const std::string node_id_;
   kv_store::KvStore store_;
+  std::unique_ptr<kv_store::FreeMemoryReleaser> releaser_;   // null: release_free_after < 0
   ThreadPool pool_;
   std::atomic<bool> draining_{false};
 

@@ -2,19 +2,28 @@
 //
 // Memory is one anonymous mapping reserved for `max_blocks` blocks with MAP_NORESERVE: address
 // space only, physical pages arrive when a block is first written. Allocate and Unref are O(1)
-// (a free list of block ids plus a bump index). Each allocated block is charged to the shared
+// (free lists of block ids plus a bump index). Each allocated block is charged to the shared
 // MemoryBudget and released when its reference count drops to zero. Reference counts implement
 // prefix sharing: a block shared by k shards has count k, and a shard that wants to write into
 // a block with count > 1 copies it first (copy-on-write, see Shard).
+//
+// Free blocks keep their physical pages (a block freed and reused soon costs no page faults)
+// until ReleaseFreeBlocks hands the pages of those free for a while back to the kernel, so the
+// process's resident memory falls after sessions end (what a memory autoscaler watches).
+// Allocate takes the most recently freed block first, then a released one, then a new one.
 //
 // Thread-safe: allocation, reference counting and the counters take an internal mutex. Block
 // *contents* are not synchronised here; the owner (a session) serialises writers.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -60,8 +69,19 @@ class BlockPool {
   uint64_t blocks_in_use() const;
   // Blocks ever touched (bump index): the pool's high-water mark of physical memory.
   uint64_t blocks_touched() const;
+  // Touched blocks whose pages have not been released since: an upper bound on the pool's
+  // resident memory in blocks (a page shared by a released block and a neighbour stays).
+  uint64_t blocks_resident() const;
+
+  // Releases the physical pages of the blocks that have been free since before `freed_before`
+  // (madvise MADV_DONTNEED on the whole pages they cover; adjacent blocks are released as one
+  // range, so pages that straddle two of them go too). They stay allocatable: their next write
+  // faults in zero pages. The madvise runs outside the pool's lock; an Allocate that finds only
+  // blocks being released waits for them. Returns the bytes of pages released.
+  uint64_t ReleaseFreeBlocks(std::chrono::steady_clock::time_point freed_before);
 
  private:
+  using Clock = std::chrono::steady_clock;
   BlockPool(const BlockFormat& format, uint64_t max_blocks, MemoryBudget* budget,
             std::byte* base, size_t mapped_bytes);
 
@@ -72,8 +92,13 @@ class BlockPool {
   const size_t mapped_bytes_;
 
   mutable std::mutex mu_;
+  std::condition_variable released_cv_;   // releasing_ went down
   std::vector<uint32_t> refcounts_;  // [max_blocks], grown with the bump index
-  std::vector<BlockId> free_list_;   // ids below next_unused_ with refcount 0
+  // Free ids below next_unused_ (refcount 0), each in exactly one place: resident ones with the
+  // time they were freed (oldest first), released ones, or in a ReleaseFreeBlocks call.
+  std::deque<std::pair<BlockId, Clock::time_point>> free_resident_;
+  std::vector<BlockId> free_released_;
+  uint64_t releasing_ = 0;
   BlockId next_unused_ = 0;          // bump index: ids >= this were never handed out
   uint64_t in_use_ = 0;
 };

@@ -12,6 +12,7 @@
 // themselves.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -148,6 +149,9 @@ struct StoreStats {
   uint64_t stored_bytes = 0;        // sum over shards of held * entry_bytes (a prefix shared
                                     // by k shards is counted k times, see kv_store.cc)
   uint64_t selected_bytes = 0;      // capacity of the selected copies
+  // Bytes of touched blocks whose pages have not been released (BlockPool::blocks_resident):
+  // the pools' share of the process's resident memory, in use or free.
+  uint64_t resident_block_bytes = 0;
   uint32_t sessions = 0;
 };
 
@@ -199,6 +203,11 @@ class KvStore {
   // NOT_FOUND if the session was closed.
   absl::StatusOr<ReshardStats> Reshard(Session& session, std::span<const ShardKey> add,
                                        std::span<const ShardKey> drop);
+
+  // Returns the physical memory of the KV blocks free since before `freed_before` to the
+  // kernel (BlockPool::ReleaseFreeBlocks on every pool) and, when some was, the C heap's free
+  // memory too (malloc_trim: freed selected copies). Returns the block bytes released.
+  uint64_t ReleaseFreeMemory(std::chrono::steady_clock::time_point freed_before);
 
   StoreStats Stats() const;
   const MemoryBudget& budget() const { return budget_; }
