@@ -11,12 +11,14 @@
 #include <cstdio>
 #include <ctime>
 #include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
+#include "parse_flags.h"
 #include "tandem/cpu_attention/server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50061", "host:port to serve on (port 0: any free)");
@@ -63,7 +65,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem CPU attention node: holds offloaded KV and answers attention queries.\n"
       "  tandem-cpu-attention --address=0.0.0.0:50061 --pool_bytes=64GiB --threads=16");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "tandem-cpu-attention: unexpected argument '%s'\n", positional[1]);
+    return 2;
+  }
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
 
   // Block the stop signals in every thread; the main thread waits for them below.
@@ -94,7 +100,8 @@ int main(int argc, char** argv) {
       release_after_s < 0 ? -1 : static_cast<int64_t>(release_after_s * 1000));
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message > (1u << 30)) {
-    spdlog::error("--max_message_bytes {} exceeds 1 GiB", max_message);
+    std::fprintf(stderr, "tandem-cpu-attention: --max_message_bytes %llu exceeds 1 GiB\n",
+                 static_cast<unsigned long long>(max_message));
     return 2;
   }
   options.max_message_bytes = static_cast<int>(max_message);

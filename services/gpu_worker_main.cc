@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
@@ -64,26 +65,6 @@ ABSL_FLAG(int, shutdown_grace_ms, 5000, "time calls in flight get to finish on s
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
 
 namespace {
-
-// absl::ParseCommandLine ends the process with status 1 on a bad flag; a bad command line is
-// status 2 here, so an exit during parsing is turned into 2.
-bool parsing_flags = false;
-
-void ExitTwoIfParsing() {
-  if (parsing_flags) std::_Exit(2);
-}
-
-// --help and --version end the process from inside the parser too, with absl's status.
-bool AsksForHelp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view arg = argv[i];
-    if (absl::StartsWith(arg, "--help") || absl::StartsWith(arg, "-help") || arg == "--version" ||
-        arg == "-version") {
-      return true;
-    }
-  }
-  return false;
-}
 
 absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
@@ -175,10 +156,7 @@ int main(int argc, char** argv) {
       "tandem GPU worker: serves tandem.v1.Generation for one model.\n"
       "  tandem-gpu-worker --model=DIR --address=0.0.0.0:50051 --mode=hybrid "
       "--cpu_nodes=node1:50061,node2:50061");
-  std::atexit(ExitTwoIfParsing);
-  parsing_flags = !AsksForHelp(argc, argv);
-  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
-  parsing_flags = false;
+  const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   // Logs go to stderr; stdout carries only the LISTENING line scripts wait for.
   spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gpu-worker"));
   const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -44,6 +45,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/bf16.h"
@@ -230,6 +232,17 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
   std::printf("OpenSession      %8.3f ms  (block %u tokens, %llu bytes/block)\n",
               1e3 * Seconds(t0, Clock::now()), opened.block_size(),
               static_cast<unsigned long long>(opened.bytes_per_block()));
+  // On an early return (a failed or timed-out call) the node would keep the session's blocks
+  // until someone closes it: close it here, best effort.
+  absl::Cleanup close_on_error = [&stub, &session] {
+    v1::CloseSessionRequest req;
+    req.set_session_id(session);
+    v1::CloseSessionResponse resp;
+    auto ctx = Context();
+    const grpc::Status s = stub.CloseSession(ctx.get(), req, &resp);
+    std::fprintf(stderr, "closed session %s after the error: %s\n", session.c_str(),
+                 s.ok() ? "ok" : s.error_message().c_str());
+  };
 
   // Append: layer by layer, `chunk` tokens of every kv head per message, one stream.
   LayerKv layer0;
@@ -365,6 +378,7 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
     v1::CloseSessionResponse resp;
     auto ctx = Context();
     auto a = Clock::now();
+    std::move(close_on_error).Cancel();
     TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(stub.CloseSession(ctx.get(), req, &resp)));
     std::printf("CloseSession     %8.3f ms  %llu blocks released\n",
                 1e3 * Seconds(a, Clock::now()),
@@ -662,25 +676,6 @@ absl::Status RunTokenize() {
   return absl::OkStatus();
 }
 
-// absl::ParseCommandLine ends the process with status 1 on a bad flag; a bad command line is
-// status 2 here, so an exit during parsing is turned into 2.
-bool parsing_flags = false;
-
-void ExitTwoIfParsing() {
-  if (parsing_flags) std::_Exit(2);
-}
-
-// --help and --version end the process from inside the parser too, with absl's status.
-bool AsksForHelp(const std::vector<std::string>& args) {
-  for (const std::string& arg : args) {
-    if (absl::StartsWith(arg, "--help") || absl::StartsWith(arg, "-help") || arg == "--version" ||
-        arg == "-version") {
-      return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -706,11 +701,8 @@ int main(int argc, char** argv) {
   }
   std::vector<char*> normalized;
   for (std::string& arg : command_line->args) normalized.push_back(arg.data());
-  std::atexit(ExitTwoIfParsing);
-  parsing_flags = !AsksForHelp(command_line->args);
-  std::vector<char*> args =
-      absl::ParseCommandLine(static_cast<int>(normalized.size()), normalized.data());
-  parsing_flags = false;
+  std::vector<char*> args = tandem::services::ParseCommandLineOrExitTwo(
+      static_cast<int>(normalized.size()), normalized.data());
   // stdout carries the generated text: logs go to stderr, warnings and errors only.
   spdlog::set_default_logger(spdlog::stderr_color_mt("tandem"));
   spdlog::set_level(spdlog::level::warn);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "child_process.h"
@@ -124,6 +125,31 @@ TEST_F(BinariesTest, CliRunsAnInProcessEngine) {
   EXPECT_THAT(r->err, StartsWith("tandem: "));
 }
 
+// `tandem attend` against a node too small for its KV: the AppendKv stream fails with
+// RESOURCE_EXHAUSTED, the CLI exits 1 and closes the session it opened, so the node holds
+// nothing afterwards.
+TEST_F(BinariesTest, AttendThatFailsClosesItsSessionOnTheNode) {
+  auto node = ChildProcess::Start({TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
+                                   "--pool_bytes=8MiB", "--threads=1", "--log_level=warn"});
+  ASSERT_TRUE(node.ok()) << node.status();
+  absl::StatusOr<int> port = (*node)->WaitListening();
+  ASSERT_TRUE(port.ok()) << port.status();
+  const std::string server = absl::StrCat("--server=127.0.0.1:", *port);
+  absl::StatusOr<CommandResult> r =
+      RunCommand({TANDEM_CLI_BIN, "attend", server, "--layers=2", "--kv_heads=2", "--q_heads=4",
+                  "--head_dim=64", "--tokens=65536", "--decode_steps=1"});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 1) << r->out;
+  EXPECT_THAT(r->err, HasSubstr("RESOURCE_EXHAUSTED"));
+  EXPECT_THAT(r->err, HasSubstr("after the error: ok"));
+  r = RunCommand({TANDEM_CLI_BIN, "stats", server});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->err;
+  EXPECT_THAT(r->out, ::testing::Not(HasSubstr("sessions:")))
+      << "the node still holds a session:\n" << r->out;
+  EXPECT_THAT(r->out, ::testing::Not(HasSubstr("blocks_in_use:")));
+}
+
 TEST_F(BinariesTest, BadCommandLinesExitWithTwo) {
   const std::vector<std::vector<std::string>> bad = {
       {TANDEM_GPU_WORKER_BIN, "--no_such_flag=1"},
@@ -135,6 +161,10 @@ TEST_F(BinariesTest, BadCommandLinesExitWithTwo) {
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--max_message_bytes=12XB"},
       {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=nan"},
       {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=1e9"},
+      {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=soon"},
+      {TANDEM_CPU_ATTENTION_BIN, "--no_such_flag=1"},
+      {TANDEM_CPU_ATTENTION_BIN, "--max_message_bytes=2GiB"},
+      {TANDEM_CPU_ATTENTION_BIN, "stray"},
       {TANDEM_CLI_BIN, "generate", "--max-tokens=abc"},
       {TANDEM_CLI_BIN, "frobnicate"},
   };
