@@ -150,6 +150,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       ro.attend_deadline_ms = 10000;
       ro.control_deadline_ms = 600000;
       ro.placement = o.placement;
+      ro.pool_rates_by_threads = o.pool_node_rates;
       ro.expected_tokens = offloaded + o.extra_positions;
       ro.replan_every_steps = 0;   // the bench re-plans explicitly, outside the timed steps
       TANDEM_ASSIGN_OR_RETURN(seq->remote, gpu_worker::RemoteKv::Open(*pool, ro));

@@ -39,6 +39,7 @@ struct SyntheticContextOptions {
   // for every shard. HGCA's selection keeps <1% to 30% depending on the head.
   std::vector<double> head_shares;
   gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;
+  bool pool_node_rates = true;   // RemoteKvOptions::pool_rates_by_threads
   float beta = 1.0f;            // hybrid: the session's β
   int64_t append_tokens = 8192; // hybrid: tokens per RemoteKv::Append call
   uint64_t seed = 1;

@@ -78,6 +78,9 @@ ABSL_FLAG(std::string, placements, "balanced",
 ABSL_FLAG(std::string, head_skew, "",
           "hybrid: 'lo:hi' draws each (layer, kv head)'s selected share log-uniformly in "
           "[lo, hi] (HGCA: <1%..30%), replacing --shares; empty = --shares for every head");
+ABSL_FLAG(bool, pool_node_rates, true,
+          "hybrid: plan nodes with equal thread counts as equally fast (the mean of their "
+          "measured scan rates) instead of each node's own measured rate");
 ABSL_FLAG(int, settle_steps, 3,
           "hybrid: decode steps that measure the shards' costs before balanced placement "
           "re-plans and migrates (outside the timed steps)");
@@ -197,6 +200,7 @@ class Bench {
     o.share = cfg.mode == AttentionMode::kHybrid ? cfg.share : 0.1;
     o.seed = absl::GetFlag(FLAGS_seed);
     o.placement = cfg.placement;
+    o.pool_node_rates = absl::GetFlag(FLAGS_pool_node_rates);
     if (cfg.mode == AttentionMode::kHybrid) {
       const ModelConfig& c = model_.config();
       o.head_shares = SkewedShares(absl::GetFlag(FLAGS_head_skew),
@@ -221,6 +225,7 @@ class Bench {
       r["placement"] = cfg.placement == gpu_worker::PlacementPolicy::kBalanced ? "balanced"
                                                                                 : "uniform";
       if (!absl::GetFlag(FLAGS_head_skew).empty()) r["head_skew"] = absl::GetFlag(FLAGS_head_skew);
+      r["pool_node_rates"] = absl::GetFlag(FLAGS_pool_node_rates);
       r["cpu_nodes"] = pool_ != nullptr ? pool_->accepting_count() : 0;
     }
     const double need = HostBytes(cfg);

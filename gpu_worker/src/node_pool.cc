@@ -229,6 +229,7 @@ absl::Status NodePool::Refresh() {
                           ? stats.capacity_bytes() - stats.used_bytes()
                           : 0;
       st.scan_bytes_per_second = stats.scan_bytes_per_second();
+      st.threads = stats.threads();
       st.sessions = stats.sessions();
     }
     if (st.accepting() != was_accepting) {

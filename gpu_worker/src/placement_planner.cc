@@ -569,6 +569,32 @@ void MatchLabels(const Problem& p, State& st) {
 
 }  // namespace
 
+void PoolRatesByClass(std::span<PlacementNode> nodes, std::span<const int> class_of) {
+  if (class_of.size() != nodes.size()) return;
+  std::vector<int> classes;     // distinct class ids with a known rate
+  std::vector<double> sum;      // Σ known rates per class
+  std::vector<int> known;       // known rates per class
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const double rate = nodes[n].scan_bytes_per_second;
+    if (class_of[n] < 0 || !(rate > 0) || !std::isfinite(rate)) continue;
+    const auto it = std::find(classes.begin(), classes.end(), class_of[n]);
+    if (it == classes.end()) {
+      classes.push_back(class_of[n]);
+      sum.push_back(rate);
+      known.push_back(1);
+    } else {
+      sum[it - classes.begin()] += rate;
+      ++known[it - classes.begin()];
+    }
+  }
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    const auto it = std::find(classes.begin(), classes.end(), class_of[n]);
+    if (class_of[n] < 0 || it == classes.end()) continue;
+    const size_t c = static_cast<size_t>(it - classes.begin());
+    nodes[n].scan_bytes_per_second = sum[c] / known[c];
+  }
+}
+
 double StepSeconds(std::span<const PlacementNode> nodes, std::span<const PlacementShard> shards,
                    std::span<const int> node_of) {
   constexpr double kInf = std::numeric_limits<double>::infinity();

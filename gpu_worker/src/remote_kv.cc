@@ -146,6 +146,13 @@ std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
     nodes[n].attend_overhead_seconds = options_.attend_overhead_seconds;
     nodes[n].capacity_bytes = states[n].free_bytes + held_here[n];
   }
+  if (options_.pool_rates_by_threads) {
+    std::vector<int> class_of(states.size(), -1);
+    for (size_t n = 0; n < states.size(); ++n) {
+      if (states[n].threads > 0) class_of[n] = static_cast<int>(states[n].threads);
+    }
+    PoolRatesByClass(nodes, class_of);
+  }
   return nodes;
 }
 

@@ -168,6 +168,42 @@ TEST(StepSecondsTest, UnknownRateUsesMeanOfKnown) {
   EXPECT_NEAR(StepSeconds(unknown, shards, std::vector<int>{0}), 4e-4, 1e-15);
 }
 
+TEST(PoolRatesByClassTest, NodesOfOneClassGetTheMeanOfTheirKnownRates) {
+  std::vector<PlacementNode> nodes = {Node(10e9), Node(20e9), Node(0), Node(50e9), Node(5e9),
+                                      Node(0), Node(7e9)};
+  const std::vector<int> class_of = {3, 3, 3, 8, -1, 4, 4};
+  PoolRatesByClass(nodes, class_of);
+  EXPECT_DOUBLE_EQ(nodes[0].scan_bytes_per_second, 15e9);
+  EXPECT_DOUBLE_EQ(nodes[1].scan_bytes_per_second, 15e9);
+  EXPECT_DOUBLE_EQ(nodes[2].scan_bytes_per_second, 15e9);   // unknown: the class mean
+  EXPECT_DOUBLE_EQ(nodes[3].scan_bytes_per_second, 50e9);   // alone in its class
+  EXPECT_DOUBLE_EQ(nodes[4].scan_bytes_per_second, 5e9);    // no class: its own
+  EXPECT_DOUBLE_EQ(nodes[5].scan_bytes_per_second, 7e9);
+  EXPECT_DOUBLE_EQ(nodes[6].scan_bytes_per_second, 7e9);
+  std::vector<PlacementNode> unknown = {Node(0), Node(0)};
+  PoolRatesByClass(unknown, std::vector<int>{1, 1});
+  EXPECT_EQ(unknown[0].scan_bytes_per_second, 0);   // nothing known: stays unknown
+  std::vector<PlacementNode> mismatch = {Node(1e9), Node(3e9)};
+  PoolRatesByClass(mismatch, std::vector<int>{1});
+  EXPECT_EQ(mismatch[0].scan_bytes_per_second, 1e9);   // sizes differ: untouched
+  EXPECT_EQ(mismatch[1].scan_bytes_per_second, 3e9);
+}
+
+// Equal nodes whose measured rates differ: on pooled rates the plan is the one for equal
+// nodes, so it does not depend on which node happened to look fast.
+TEST(PoolRatesByClassTest, PlanOnPooledRatesIsThePlanForEqualNodes) {
+  const std::vector<PlacementShard> shards = HgcaShards(8, 8, 29);
+  std::vector<PlacementNode> skewed = {Node(16e9, 77e-6), Node(8e9, 77e-6), Node(12e9, 77e-6),
+                                       Node(12e9, 77e-6)};
+  const std::vector<PlacementNode> equal(4, Node(12e9, 77e-6));
+  PoolRatesByClass(skewed, std::vector<int>{3, 3, 3, 3});
+  for (const PlacementNode& n : skewed) EXPECT_DOUBLE_EQ(n.scan_bytes_per_second, 12e9);
+  auto from_pooled = PlanBalanced(skewed, shards, Generous());
+  auto from_equal = PlanBalanced(equal, shards, Generous());
+  ASSERT_TRUE(from_pooled.ok() && from_equal.ok());
+  EXPECT_EQ(from_pooled->node_of, from_equal->node_of);
+}
+
 TEST(PlacementValidationTest, BadInputIsInvalidArgument) {
   const std::vector<PlacementNode> nodes = {Node(1e9), Node(1e9)};
   const std::vector<PlacementShard> good = {Shard(0, 0, 1e6), Shard(0, 1, 1e6)};

@@ -70,6 +70,7 @@ struct NodeState {
   uint64_t capacity_bytes = 0;
   uint64_t free_bytes = 0;
   double scan_bytes_per_second = 0;   // the node's own moving average (0 = not measured yet)
+  uint32_t threads = 0;          // Stats.threads: attention threads (0 = not known yet)
   uint32_t sessions = 0;
   bool accepting() const { return listed && reachable && !draining; }
 };

@@ -91,6 +91,14 @@ struct PlacementPlan {
   bool changed = false;      // node_of differs from current_node for some shard
 };
 
+// Nodes of one hardware class (equal class_of[n] >= 0, e.g. the same attention thread count)
+// are planned as equally fast: every node of the class gets the mean of the class's known
+// rates (> 0), or keeps an unknown rate when none is known. class_of[n] < 0: node n keeps its
+// own rate. Rates measured from Attend replies depend on the placement itself when nodes share
+// a host's memory bandwidth (a node that scans alone reads faster), so planning on them feeds
+// back into the plan. No-op when the sizes differ.
+void PoolRatesByClass(std::span<PlacementNode> nodes, std::span<const int> class_of);
+
 // The modelled step time of `node_of` ([shards.size()], index into nodes; -1 = unplaced, adds
 // nothing). Returns +infinity when the sizes differ or an index is out of range. Does not check
 // capacity or accepting.

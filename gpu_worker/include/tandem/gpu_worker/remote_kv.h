@@ -103,6 +103,9 @@ struct RemoteKvOptions {
   double replan_min_gain_seconds = 50e-6;
   double migration_bytes_per_second = 1e9;
   double attend_overhead_seconds = 100e-6;   // fixed cost of one Attend on a node (model)
+  // Plan nodes with the same attention thread count (Stats.threads) as equally fast (the mean
+  // of their measured rates, see PoolRatesByClass); false: each node's own measured rate.
+  bool pool_rates_by_threads = true;
   std::chrono::microseconds plan_budget{3000};   // planner time budget
   uint32_t migration_chunk_entries = 4096;
 };
