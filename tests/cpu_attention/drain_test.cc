@@ -2,14 +2,10 @@
 // turns readiness ("tandem.v1.CpuAttention") NOT_SERVING while liveness ("") stays SERVING,
 // refuses new sessions and keeps serving the open ones; the process exits 0 once the last
 // session is closed, when --drain_timeout_s runs out, or at a second signal.
-#include <fcntl.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -23,7 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include "child_process.h"
 #include "service_test_util.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
@@ -39,121 +35,15 @@ using testing::OpenRequest;
 using testing::RandomQueries;
 using Clock = std::chrono::steady_clock;
 
-// The node binary as a child process: stdout and stderr on pipes, the "LISTENING <port>"
-// handshake, signals, and the exit status (the pattern of tests/gpu_worker/service).
-class NodeProcess {
- public:
-  static absl::StatusOr<std::unique_ptr<NodeProcess>> Start(std::vector<std::string> flags) {
-    std::vector<std::string> argv = {TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
-                                     "--pool_bytes=64MiB", "--threads=1", "--executor_threads=2"};
-    argv.insert(argv.end(), flags.begin(), flags.end());
-    int out[2], err[2];
-    if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) {
-      return absl::InternalError("pipe failed");
-    }
-    std::vector<char*> args;
-    for (std::string& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    const pid_t pid = fork();
-    if (pid < 0) return absl::InternalError("fork failed");
-    if (pid == 0) {
-      dup2(out[1], STDOUT_FILENO);
-      dup2(err[1], STDERR_FILENO);
-      execv(args[0], args.data());
-      _exit(127);
-    }
-    close(out[1]);
-    close(err[1]);
-    std::unique_ptr<NodeProcess> p(new NodeProcess());
-    p->pid_ = pid;
-    p->fds_[0] = out[0];
-    p->fds_[1] = err[0];
-    return p;
-  }
+using test_process::ChildProcess;
 
-  ~NodeProcess() {
-    if (pid_ > 0) {
-      kill(pid_, SIGKILL);
-      waitpid(pid_, nullptr, 0);
-    }
-    for (int fd : fds_) {
-      if (fd >= 0) close(fd);
-    }
-  }
-
-  absl::StatusOr<int> WaitListening(int timeout_ms = 30000) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (Clock::now() < deadline) {
-      for (size_t eol; (eol = text_[0].find('\n', scanned_)) != std::string::npos;) {
-        const std::string line = text_[0].substr(scanned_, eol - scanned_);
-        scanned_ = eol + 1;
-        int port = 0;
-        if (absl::StartsWith(line, "LISTENING ") && absl::SimpleAtoi(line.substr(10), &port)) {
-          return port;
-        }
-      }
-      if (!Pump(50)) break;
-    }
-    return absl::DeadlineExceededError("no LISTENING line; stderr: " + text_[1]);
-  }
-
-  void Signal(int sig) { kill(pid_, sig); }
-
-  // True while the process has not exited (reaps it when it has).
-  bool Running() {
-    if (pid_ <= 0) return false;
-    int status = 0;
-    if (waitpid(pid_, &status, WNOHANG) == pid_) {
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      pid_ = -1;
-      return false;
-    }
-    return true;
-  }
-
-  // The exit status, or DEADLINE_EXCEEDED. Keeps reading the pipes so the child never blocks.
-  absl::StatusOr<int> Wait(int timeout_ms) {
-    const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (Running()) {
-      if (Clock::now() >= deadline) return absl::DeadlineExceededError("still running");
-      Pump(20);
-    }
-    while (Pump(0)) {
-    }
-    return exit_code_;
-  }
-
-  // Everything the process printed (spdlog writes to stdout).
-  std::string log() const { return text_[0] + text_[1]; }
-
- private:
-  NodeProcess() = default;
-
-  // Reads what the pipes have within `timeout_ms`; false once both reached end of file.
-  bool Pump(int timeout_ms) {
-    pollfd p[2] = {{fds_[0], POLLIN, 0}, {fds_[1], POLLIN, 0}};
-    if (fds_[0] < 0 && fds_[1] < 0) return false;
-    if (poll(p, 2, timeout_ms) <= 0) return true;
-    for (int i = 0; i < 2; ++i) {
-      if (fds_[i] < 0 || p[i].revents == 0) continue;
-      char buffer[4096];
-      const ssize_t n = read(fds_[i], buffer, sizeof(buffer));
-      if (n > 0) {
-        text_[i].append(buffer, static_cast<size_t>(n));
-      } else if (n == 0) {
-        close(fds_[i]);
-        fds_[i] = -1;
-      }
-    }
-    return fds_[0] >= 0 || fds_[1] >= 0;
-  }
-
-  pid_t pid_ = -1;
-  int fds_[2] = {-1, -1};  // stdout, stderr
-  std::string text_[2];
-  size_t scanned_ = 0;
-  int exit_code_ = -1;
-};
+// The node binary with stdout and stderr captured, on a free loopback port.
+absl::StatusOr<std::unique_ptr<ChildProcess>> StartNode(const std::vector<std::string>& flags) {
+  std::vector<std::string> argv = {TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
+                                   "--pool_bytes=64MiB", "--threads=1", "--executor_threads=2"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  return ChildProcess::Start(argv, /*capture_stderr=*/true);
+}
 
 std::unique_ptr<grpc::ClientContext> Deadline(int ms = 10000) {
   auto ctx = std::make_unique<grpc::ClientContext>();
@@ -205,7 +95,7 @@ const std::string kReadiness = "tandem.v1.CpuAttention";
 class DrainTest : public ::testing::Test {
  protected:
   void Start(std::vector<std::string> flags) {
-    auto p = NodeProcess::Start(std::move(flags));
+    auto p = StartNode(flags);
     ASSERT_TRUE(p.ok()) << p.status();
     process_ = std::move(*p);
     auto port = process_->WaitListening();
@@ -259,7 +149,7 @@ class DrainTest : public ::testing::Test {
   }
 
   Geometry g_{1, 4, 1, 64};
-  std::unique_ptr<NodeProcess> process_;
+  std::unique_ptr<ChildProcess> process_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::CpuAttention::Stub> stub_;
   std::vector<HeadEntries> entries_;

@@ -16,11 +16,11 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using testing::ChildProcess;
-using testing::CommandResult;
+using test_process::ChildProcess;
+using test_process::CommandResult;
 using testing::Golden;
 using ::testing::HasSubstr;
-using testing::RunCommand;
+using test_process::RunCommand;
 using ::testing::StartsWith;
 
 // Lines of the CLI's stdout that start with "[tandem]".

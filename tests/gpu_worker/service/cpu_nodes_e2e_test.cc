@@ -18,7 +18,7 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using testing::ChildProcess;
+using test_process::ChildProcess;
 using ::testing::ElementsAreArray;
 using testing::Golden;
 using testing::Stream;

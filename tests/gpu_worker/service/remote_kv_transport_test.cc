@@ -25,7 +25,7 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using testing::ChildProcess;
+using test_process::ChildProcess;
 
 constexpr int64_t kLayers = 2, kQHeads = 8, kKvHeads = 2, kDim = 64;
 

@@ -1,6 +1,8 @@
-// Real binaries started by the service tests: a child process with its stdout (and optionally
-// stderr) on pipes, the "LISTENING <port>" handshake of tandem's servers, SIGTERM + waitpid on
-// teardown.
+// Real binaries started by tests: a child process with its stdout (and optionally stderr) on
+// pipes, the "LISTENING <port>" handshake of tandem's servers, signals, and the exit status;
+// SIGKILL + waitpid on destruction. Used by the service tests and the node's drain tests.
+// (tests/multihost has its own Subprocess: its children log to files and die with the test
+// thread, PR_SET_PDEATHSIG, which namespaced nodes need.)
 #pragma once
 
 #include <fcntl.h>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,7 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
-namespace tandem::gpu_worker::testing {
+namespace tandem::test_process {
 
 class ChildProcess {
  public:
@@ -84,6 +87,22 @@ class ChildProcess {
     }
   }
 
+  void Signal(int sig) {
+    if (pid_ > 0) kill(pid_, sig);
+  }
+
+  // True while the child has not exited (reaps it, without waiting, when it has). Reads what
+  // the pipes hold meanwhile, so a chatty child never blocks on a full pipe.
+  bool Running() {
+    Drain();
+    if (pid_ <= 0) return false;
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) != pid_) return true;
+    exit_code_ = DecodeStatus(status);
+    pid_ = -1;
+    return false;
+  }
+
   // Reads stdout (and stderr when captured) to their end, then waits for the exit. Returns the
   // exit status (128 + signal for a signal death), or DEADLINE_EXCEEDED (the child is killed).
   absl::StatusOr<int> Wait(int timeout_ms = 120000) {
@@ -94,7 +113,7 @@ class ChildProcess {
                                             deadline - std::chrono::steady_clock::now())
                                             .count());
       if (left <= 0) {
-        kill(pid_, SIGKILL);
+        Signal(SIGKILL);
         return absl::DeadlineExceededError("the child did not finish in time");
       }
       pollfd fds[2] = {{out_open ? stdout_fd_ : -1, POLLIN, 0},
@@ -108,15 +127,37 @@ class ChildProcess {
 
   // SIGTERM, then the exit status as Wait() gives it.
   absl::StatusOr<int> Terminate(int timeout_ms = 30000) {
-    kill(pid_, SIGTERM);
+    Signal(SIGTERM);
     return Wait(timeout_ms);
   }
 
+  // What the child printed so far (stdout: what WaitListening has not consumed).
   const std::string& stdout_text() const { return stdout_; }
   const std::string& stderr_text() const { return stderr_; }
+  std::string log() const { return stdout_ + stderr_; }
 
  private:
   ChildProcess() = default;
+
+  // Reads what the open pipes hold now; closes a pipe at its end of file.
+  void Drain() {
+    for (auto [fd, text] : {std::pair{&stdout_fd_, &stdout_}, std::pair{&stderr_fd_, &stderr_}}) {
+      if (*fd < 0) continue;
+      for (pollfd p{*fd, POLLIN, 0}; poll(&p, 1, 0) > 0 && p.revents != 0; p.revents = 0) {
+        if (!ReadSome(*fd, text, 0)) {
+          close(*fd);
+          *fd = -1;
+          break;
+        }
+      }
+    }
+  }
+
+  static int DecodeStatus(int status) {
+    if (WIFEXITED(status)) return WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return -1;
+  }
 
   // Appends what is available within `timeout_ms` (0: what is there now, after poll said so).
   // False at end of file.
@@ -134,15 +175,17 @@ class ChildProcess {
   }
 
   absl::StatusOr<int> Reap() {
+    if (pid_ <= 0) return exit_code_;   // reaped by Running()
     int status = 0;
     if (waitpid(pid_, &status, 0) != pid_) return absl::InternalError("waitpid failed");
     pid_ = -1;
-    if (WIFEXITED(status)) return WEXITSTATUS(status);
-    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-    return absl::InternalError("unexpected wait status");
+    exit_code_ = DecodeStatus(status);
+    if (exit_code_ < 0) return absl::InternalError("unexpected wait status");
+    return exit_code_;
   }
 
   pid_t pid_ = -1;
+  int exit_code_ = -1;   // once reaped
   int stdout_fd_ = -1, stderr_fd_ = -1;
   std::string stdout_, stderr_;
 };
@@ -162,4 +205,4 @@ inline absl::StatusOr<CommandResult> RunCommand(const std::vector<std::string>& 
   return CommandResult{*code, (*child)->stdout_text(), (*child)->stderr_text()};
 }
 
-}  // namespace tandem::gpu_worker::testing
+}  // namespace tandem::test_process
