@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -472,6 +473,12 @@ TEST_F(MigrationTest, ReshardExportAndAttendConcurrently) {
     AddRandomEntries(one, 20, 64, true, 1.0f / 64, rng);
     v1::AppendKvRequest append = AppendRequest("s", 1, one, 0, 20, 64, true, 64);
     append.add_kv_heads(0);
+    // Reshard only once the readers run (a loaded machine may not have scheduled them yet).
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while ((attends.load() == 0 || exports.load() == 0) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
     for (int i = 0; i < 50; ++i) {
       v1::ReshardSessionResponse r;
       v1::AppendKvResponse totals;
