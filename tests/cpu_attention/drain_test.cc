@@ -2,13 +2,11 @@
 // turns readiness ("tandem.v1.CpuAttention") NOT_SERVING while liveness ("") stays SERVING,
 // refuses new sessions and keeps serving the open ones; the process exits 0 once the last
 // session is closed, when --drain_timeout_s runs out, or at a second signal.
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -20,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "child_process.h"
+#include "health_check.h"
 #include "service_test_util.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
@@ -51,45 +50,9 @@ std::unique_ptr<grpc::ClientContext> Deadline(int ms = 10000) {
   return ctx;
 }
 
-// grpc.health.v1.Health/Check of `service` through a generic stub: the status enum (1 SERVING,
-// 2 NOT_SERVING), or the call's error.
-absl::StatusOr<int> HealthStatus(const std::shared_ptr<grpc::Channel>& channel,
-                                 const std::string& service) {
-  grpc::GenericStub generic(channel);
-  std::string request;
-  if (!service.empty()) {
-    request.push_back(0x0a);  // field 1, length-delimited
-    request.push_back(static_cast<char>(service.size()));
-    request += service;
-  }
-  grpc::Slice slice(request);
-  grpc::ByteBuffer send(&slice, 1), recv;
-  auto ctx = Deadline();
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  generic.UnaryCall(ctx.get(), "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &recv,
-                    [&](grpc::Status s) {
-                      std::lock_guard lock(mu);
-                      status = s;
-                      done = true;
-                      cv.notify_one();
-                    });
-  std::unique_lock lock(mu);
-  cv.wait(lock, [&] { return done; });
-  if (!status.ok()) return absl::UnavailableError(status.error_message());
-  std::vector<grpc::Slice> slices;
-  if (!recv.Dump(&slices).ok()) return absl::InternalError("cannot read the answer");
-  std::string bytes;
-  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  if (bytes.empty()) return 0;  // UNKNOWN (default value, not serialised)
-  if (bytes.size() != 2 || bytes[0] != 0x08) return absl::InternalError("unexpected answer");
-  return static_cast<int>(bytes[1]);
-}
-
-constexpr int kServing = 1;
-constexpr int kNotServing = 2;
+using test_health::HealthStatus;
+using test_health::kNotServing;
+using test_health::kServing;
 const std::string kReadiness = "tandem.v1.CpuAttention";
 
 class DrainTest : public ::testing::Test {

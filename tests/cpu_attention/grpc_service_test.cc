@@ -7,11 +7,11 @@
 #include <random>
 #include <thread>
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "health_check.h"
 #include "service_test_util.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 
@@ -140,39 +140,11 @@ TEST_F(GrpcServiceTest, StreamAttendCloseRoundTrip) {
   EXPECT_EQ(after.sessions(), 0u);
 }
 
-// grpc.health.v1.Health/Check through a generic stub: request {service}, response {status}.
 TEST_F(GrpcServiceTest, HealthServiceReportsServing) {
-  grpc::GenericStub generic(channel_);
   for (const std::string service : {"", "tandem.v1.CpuAttention"}) {
-    std::string request;
-    if (!service.empty()) {
-      request.push_back(0x0a);  // field 1, length-delimited
-      request.push_back(static_cast<char>(service.size()));
-      request += service;
-    }
-    grpc::Slice slice(request);
-    grpc::ByteBuffer send(&slice, 1), recv;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-    grpc::Status status;
-    generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &recv,
-                      [&](grpc::Status s) {
-                        std::lock_guard lock(mu);
-                        status = s;
-                        done = true;
-                        cv.notify_one();
-                      });
-    std::unique_lock lock(mu);
-    cv.wait(lock, [&] { return done; });
-    ASSERT_TRUE(status.ok()) << status.error_message();
-    std::vector<grpc::Slice> slices;
-    ASSERT_TRUE(recv.Dump(&slices).ok());
-    std::string bytes;
-    for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    EXPECT_EQ(bytes, std::string("\x08\x01", 2)) << "status SERVING for '" << service << "'";
+    absl::StatusOr<std::string> bytes = test_health::HealthCheckBytes(channel_, service);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, std::string("\x08\x01", 2)) << "status SERVING for '" << service << "'";
   }
 }
 

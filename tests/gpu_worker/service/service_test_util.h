@@ -2,7 +2,6 @@
 // Generate stream collected into one result, and the grpc.health.v1 check.
 #pragma once
 
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "health_check.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::gpu_worker::testing {
@@ -116,40 +116,11 @@ inline v1::GenerateRequest TextRequest(const std::string& prompt, int64_t max_to
   return r;
 }
 
-// grpc.health.v1.Health/Check through a generic stub: request {service}, response {status}.
-// Returns the serialized response ("\x08\x01" is SERVING), or "" on an RPC error.
+// grpc.health.v1.Health/Check: the serialized response ("\x08\x01" is SERVING), or "" on an
+// RPC error.
 inline std::string HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
                                const std::string& service) {
-  grpc::GenericStub generic(channel);
-  std::string request;
-  if (!service.empty()) {
-    request.push_back(0x0a);  // field 1, length-delimited
-    request.push_back(static_cast<char>(service.size()));
-    request += service;
-  }
-  grpc::Slice slice(request);
-  grpc::ByteBuffer send(&slice, 1), recv;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  grpc::Status status;
-  generic.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &send, &recv,
-                    [&](grpc::Status s) {
-                      std::lock_guard lock(mu);
-                      status = s;
-                      done = true;
-                      cv.notify_one();
-                    });
-  std::unique_lock lock(mu);
-  cv.wait(lock, [&] { return done; });
-  if (!status.ok()) return "";
-  std::vector<grpc::Slice> slices;
-  if (!recv.Dump(&slices).ok()) return "";
-  std::string bytes;
-  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return bytes;
+  return test_health::HealthCheckBytes(channel, service).value_or("");
 }
 
 }  // namespace tandem::gpu_worker::testing
