@@ -825,10 +825,9 @@ absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished
   return absl::OkStatus();
 }
 
-absl::Status RemoteKv::ReplanAndMigrate(ReplanKind kind) {
-  GrowNodeSlots();
-  const std::vector<PlacementNode> nodes = PlannerNodes();
-  const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
+absl::StatusOr<PlacementPlan> RemoteKv::PlanMoves(ReplanKind kind,
+                                                  std::span<const PlacementNode> nodes,
+                                                  std::span<const PlacementShard> shards) {
   PlacementOptions po;
   po.time_budget = options_.plan_budget;
   po.min_relative_gain = kind == ReplanKind::kForcedOnly ? std::numeric_limits<double>::infinity()
@@ -848,8 +847,16 @@ absl::Status RemoteKv::ReplanAndMigrate(ReplanKind kind) {
   if (!plan.ok()) return plan.status();
   TANDEM_RETURN_IF_ERROR(CheckCapacity(nodes, shards, plan->node_of));
   counters_.modelled_step_seconds = plan->step_seconds;
+  return plan;
+}
+
+absl::Status RemoteKv::ReplanAndMigrate(ReplanKind kind) {
+  GrowNodeSlots();
+  const std::vector<PlacementNode> nodes = PlannerNodes();
+  const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
+  TANDEM_ASSIGN_OR_RETURN(const PlacementPlan plan, PlanMoves(kind, nodes, shards));
   for (size_t s = 0; s < placement_.size(); ++s) {
-    const int to = plan->node_of[s];
+    const int to = plan.node_of[s];
     if (to == placement_[s] || migrating_.count(s) > 0) continue;
     if (lost_[placement_[s]]) continue;   // its entries are gone; nothing to copy
     if (absl::Status st = StartMigration(s, static_cast<size_t>(to)); !st.ok()) {
@@ -864,27 +871,30 @@ absl::Status RemoteKv::ReplanAndMigrate(ReplanKind kind) {
 
 absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
   if (closed_) return absl::FailedPreconditionError("the session is closed");
-  expected_tokens_ = std::max(expected_tokens_, expected_tokens);
+  // Adopted only once the reservation holds: a refused turn leaves the projection (and so every
+  // later re-plan) where it was.
+  const int64_t expected = std::max(expected_tokens_, expected_tokens);
   GrowNodeSlots();
   const std::vector<PlacementNode> nodes = PlannerNodes();
-  const std::vector<PlacementShard> shards = PlannerShards(expected_tokens_);
-  if (CheckCapacity(nodes, shards, placement_).ok()) return absl::OkStatus();
+  const std::vector<PlacementShard> shards = PlannerShards(expected);
+  if (CheckCapacity(nodes, shards, placement_).ok()) {
+    expected_tokens_ = expected;
+    return absl::OkStatus();
+  }
   // Some node would overflow: move shards now (the copies run while the turn prefills).
   if (!migrating_.empty()) {
     for (const MigrationJob& job : migrator_->CancelAll()) AbandonMigration(job);
   }
-  // Only the moves that make room (a full reshuffle only when no such moves suffice).
-  PlacementOptions po;
-  po.time_budget = options_.plan_budget;
-  po.min_relative_gain = std::numeric_limits<double>::infinity();
-  absl::StatusOr<PlacementPlan> plan = gpu_worker::Replan(nodes, shards, po);
-  if (!plan.ok()) return plan.status();
-  TANDEM_RETURN_IF_ERROR(CheckCapacity(nodes, shards, plan->node_of));
+  // Only the moves that make room (a full reshuffle only when no such moves suffice); a move
+  // that cannot start fails the reservation.
+  TANDEM_ASSIGN_OR_RETURN(const PlacementPlan plan,
+                          PlanMoves(ReplanKind::kForcedOnly, nodes, shards));
   for (size_t s = 0; s < placement_.size(); ++s) {
-    if (plan->node_of[s] != placement_[s] && !lost_[placement_[s]]) {
-      TANDEM_RETURN_IF_ERROR(StartMigration(s, static_cast<size_t>(plan->node_of[s])));
+    if (plan.node_of[s] != placement_[s] && !lost_[placement_[s]]) {
+      TANDEM_RETURN_IF_ERROR(StartMigration(s, static_cast<size_t>(plan.node_of[s])));
     }
   }
+  expected_tokens_ = expected;
   return absl::OkStatus();
 }
 

@@ -262,6 +262,44 @@ TEST_F(PlacementE2eTest, PeriodicReplansMigrateOnlyWhatRepaysItsCopy) {
   StepAndCompare(**kv, **reference, w, 8);
 }
 
+// A kept session's next turn (Reserve) that would overfill its small node moves shards to the
+// large one before the turn starts; one that fits nowhere is refused and moves nothing.
+TEST_F(PlacementE2eTest, ReserveMovesShardsOffANodeThatWouldOverflow) {
+  AddNodes(1, /*pool_bytes=*/8ull << 20);
+  AddNodes(1, /*pool_bytes=*/64ull << 20);
+  MakePool();
+  auto kv = RemoteKv::Open(*pool_, Options("grow"));
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  auto reference = RemoteKv::Open(*reference_pool_, Options("grow-ref"));
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  Workload w(11);
+  w.Append({kv->get(), reference->get()}, 200);
+  StepAndCompare(**kv, **reference, w, 0);
+  auto on_small = [&] {
+    const auto& placement = (*kv)->placement();
+    return std::count(placement.begin(), placement.end(), static_cast<int>(PoolIndex(0)));
+  };
+  ASSERT_GT(on_small(), 7) << "the session should start spread evenly over both nodes";
+  const std::vector<int> before = (*kv)->placement();
+
+  // 20000 entries per shard: ~97 MB for the 16 shards, more than both pools hold.
+  const absl::Status too_big = (*kv)->Reserve(20000);
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kResourceExhausted) << too_big;
+  EXPECT_EQ((*kv)->placement(), before);
+  EXPECT_EQ((*kv)->migrations_pending(), 0u);
+
+  // 3500 entries: ~1.06 MB a shard (17 MB in all); the 8 MiB node keeps at most 7 of them.
+  const int on_small_before = static_cast<int>(on_small());
+  const absl::Status grown = (*kv)->Reserve(3500);
+  ASSERT_TRUE(grown.ok()) << grown;
+  ASSERT_TRUE((*kv)->SettleMigrations(std::chrono::seconds(30)).ok());
+  EXPECT_LE(on_small(), 7);
+  EXPECT_LT(on_small(), on_small_before);
+  EXPECT_GT((*kv)->placement_counters().migrations_done, 0u);
+  EXPECT_EQ((*kv)->placement_counters().migrations_failed, 0u);
+  StepAndCompare(**kv, **reference, w, 1);
+}
+
 TEST_F(PlacementE2eTest, RefusesWhatDoesNotFitBeforeSendingAnything) {
   AddNodes(3, /*pool_bytes=*/4ull << 20);
   MakePool();

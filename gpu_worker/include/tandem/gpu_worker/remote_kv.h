@@ -217,6 +217,10 @@ class RemoteKv {
   // their copy (kCost), or the best placement whatever the copy costs (kSteadyState).
   enum class ReplanKind { kForcedOnly, kCost, kSteadyState };
   absl::Status ReplanAndMigrate(ReplanKind kind);
+  // The planner's moves of `kind` from the current placement (counted in placement_counters);
+  // RESOURCE_EXHAUSTED when they would overfill a node.
+  absl::StatusOr<PlacementPlan> PlanMoves(ReplanKind kind, std::span<const PlacementNode> nodes,
+                                          std::span<const PlacementShard> shards);
   // RESOURCE_EXHAUSTED when `node_of` puts more projected bytes on a node than it can take.
   absl::Status CheckCapacity(std::span<const PlacementNode> nodes,
                              std::span<const PlacementShard> shards,
