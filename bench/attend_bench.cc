@@ -8,6 +8,12 @@
 //       32 heads x N = 32768 x D = 128, ~71 GB/s on the 16-core host);
 //   (c) SparseAttention (dense: every entry selected) over the same configuration, for each N in
 //       --n (per kv head).
+//   (d) the node's Attend over kv_store sessions (beta = 0: every entry selected);
+//   (e) with --select_tokens S: the node's Attend over a SELECTION_PAGES session with pages of
+//       --page_tokens P entries, S / P random pages per (kv head, token) of the N held entries
+//       (read in place through the block tables; the issue's decode case is
+//       --heads 8 --group 4 --select_tokens 2048). Its rate is the K + V bytes of the named
+//       pages / median time (the scan rate the planner's budget-based cost uses).
 // Rates are KV GB/s = K + V bytes of the scanned entries / median time. Data lives in plain
 // aligned buffers (no kv_store), and several copies are rotated so the working set exceeds the
 // last-level cache (--footprint_mib).
@@ -16,6 +22,7 @@
 //        --n N1,N2,... (per-head entries; default 1024,4096,32768: 32 heads x 32768 = 1M)
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
 //        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
+//        --select_tokens S (0 = no paged run) --page_tokens P (16)
 #include <omp.h>
 
 #include <algorithm>
@@ -27,7 +34,9 @@
 #include <cstring>
 #include <dnnl.hpp>
 #include <map>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +67,9 @@ ABSL_FLAG(std::optional<uint32_t>, chunk, std::nullopt, "keys per matmul chunk (
 ABSL_FLAG(std::optional<uint32_t>, tasks_per_thread, std::nullopt, "tasks per thread (default 2)");
 ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
           "minimum MiB rotated through so data is not cached (default 1024)");
+ABSL_FLAG(uint32_t, select_tokens, 0,
+          "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
+ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
 
 namespace tandem::cpu_attention {
 namespace {
@@ -74,6 +86,8 @@ struct Flags {
   uint32_t chunk = 2048;
   uint32_t tasks_per_thread = 2;
   uint64_t footprint_mib = 1024;
+  uint32_t select_tokens = 0;
+  uint32_t page_tokens = 16;
 };
 
 // Reads the command-line flags into f (--quick first sets small defaults that explicit flags
@@ -99,6 +113,9 @@ bool ReadFlags(Flags& f) {
   set(FLAGS_chunk, f.chunk);
   set(FLAGS_tasks_per_thread, f.tasks_per_thread);
   set(FLAGS_footprint_mib, f.footprint_mib);
+  f.select_tokens = absl::GetFlag(FLAGS_select_tokens);
+  f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  if (f.page_tokens < 1 || f.page_tokens > 4096) return false;
   if (auto list = absl::GetFlag(FLAGS_n)) {
     f.n.clear();
     for (const std::string& item : *list) {
@@ -376,7 +393,10 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
 // ---- (d) the node's Attend: the same entries appended to sessions of a CpuAttentionNode
 // (kv_store blocks, selected copies), queried with AttendRequest protos, timed per call.
 
-double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* bytes_scanned) {
+// paged: a SELECTION_PAGES session (block 64, f.page_tokens per page) attended over
+// f.select_tokens / f.page_tokens random pages per (kv head, token) instead of every entry.
+double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* bytes_scanned,
+                      bool paged = false) {
   const uint32_t D = kv.D, G = f.group, H = kv.heads;
   NodeOptions options;
   // Blocks plus the selected copy (beta = 0 selects everything) of every session, with slack.
@@ -405,6 +425,11 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
     open.mutable_geometry()->set_head_dim(D);
     open.set_kv_dtype(v1::DTYPE_BF16);
     open.set_beta(0);
+    if (paged) {
+      open.set_selection(v1::SELECTION_PAGES);
+      open.set_page_tokens(f.page_tokens);
+      open.set_block_size(64);
+    }
     v1::OpenSessionResponse opened;
     check((*node)->OpenSession(open, &opened), "OpenSession");
     constexpr uint64_t kChunk = 4096;
@@ -442,6 +467,22 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
     query->set_session_id("bench-" + std::to_string(c));
     const int64_t shape[] = {f.tokens, H * G, D};
     EncodeF32(q, shape, query->mutable_q());
+    if (!paged) continue;
+    // Random distinct pages per (token, kv head), ascending.
+    const uint64_t num_pages = (kv.n + f.page_tokens - 1) / f.page_tokens;
+    const uint64_t per_head = std::min<uint64_t>(
+        num_pages, std::max<uint32_t>(1, f.select_tokens / f.page_tokens));
+    query->set_pages_per_head(static_cast<uint32_t>(per_head));
+    std::mt19937_64 rng(c + 1);
+    std::vector<int32_t> ids(num_pages);
+    for (uint32_t row = 0; row < f.tokens * H; ++row) {
+      std::iota(ids.begin(), ids.end(), 0);
+      for (uint64_t i = 0; i < per_head; ++i) {
+        std::swap(ids[i], ids[i + rng() % (num_pages - i)]);
+      }
+      std::sort(ids.begin(), ids.begin() + per_head);
+      query->mutable_pages()->Add(ids.begin(), ids.begin() + per_head);
+    }
   }
   auto run = [&](size_t c) {
     v1::AttendResponse resp;
@@ -481,7 +522,7 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
       "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] "
-      "[--footprint_mib F]");
+      "[--footprint_mib F] [--select_tokens S] [--page_tokens P]");
   absl::ParseCommandLine(argc, argv);
   Flags f;
   if (!ReadFlags(f)) {
@@ -515,6 +556,11 @@ int Main(int argc, char** argv) {
     double raw_gbs, sparse_gbs, sparse_us, node_gbs, node_us;
   };
   std::vector<Row> table;
+  struct PagedRow {
+    uint64_t n, bytes;
+    double seconds;
+  };
+  std::vector<PagedRow> paged_rows;
   for (uint64_t n : f.n) {
     const KvSet kv = MakeKv(pool, f.heads, n, f.head_dim, f.footprint_mib << 20);
     const double bytes = static_cast<double>(kv.bytes_per_copy());
@@ -549,6 +595,21 @@ int Main(int argc, char** argv) {
           {"ratio_to_memcpy_rw", node_gbs / mem.copy_gbs},
           {"ratio_to_read", node_gbs / mem.read_gbs}});
     table.push_back({n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, node_gbs, node_s * 1e6});
+    if (f.select_tokens > 0) {
+      uint64_t paged_bytes = 0;
+      const double paged_s = TimeNodeAttend(kv, f, f.reps, &paged_bytes, /*paged=*/true);
+      const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
+      Emit({{"bench", "node_paged_attend"},
+            {"n_per_head", n},
+            {"select_tokens", f.select_tokens},
+            {"page_tokens", f.page_tokens},
+            {"kv_bytes_scanned", paged_bytes},
+            {"median_s", paged_s},
+            {"kv_gbs", paged_gbs},
+            {"kv_gbs_per_thread", paged_gbs / threads},
+            {"ratio_to_read", paged_gbs / mem.read_gbs}});
+      paged_rows.push_back({n, paged_bytes, paged_s});
+    }
   }
 
   std::printf("\nthreads %u, %u kv heads x group %u x %u tokens, head_dim %u, bf16 KV\n", threads,
@@ -565,6 +626,13 @@ int Main(int argc, char** argv) {
                 r.sparse_us, 100.0 * r.sparse_gbs / r.raw_gbs, 100.0 * r.sparse_gbs / mem.read_gbs,
                 100.0 * r.sparse_gbs / mem.copy_gbs, r.node_gbs, r.node_us,
                 100.0 * r.node_gbs / r.raw_gbs);
+  }
+  for (const PagedRow& r : paged_rows) {
+    std::printf("paged Attend: n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
+                "scanned in %.0f us = %.2f GB/s (%.2f GB/s per thread)\n",
+                static_cast<unsigned long long>(r.n), f.select_tokens, f.page_tokens,
+                r.bytes / 1048576.0, r.seconds * 1e6, r.bytes / r.seconds / 1e9,
+                r.bytes / r.seconds / 1e9 / threads);
   }
   return 0;
 }

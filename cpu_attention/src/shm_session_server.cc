@@ -80,16 +80,19 @@ uint64_t ShmSessionServer::Serve(std::span<const std::byte> message) {
 
 uint64_t ShmSessionServer::ServeAttend(const ShmRequestView& request) {
   const shm::RequestHeader& h = request.header;
-  const std::optional<uint64_t> q_end =
-      shm::AttendRequestBytes(h.num_tokens, geometry_.num_q_heads, geometry_.head_dim);
-  if (!q_end || *q_end != request.message.size()) {
-    return Error(absl::InvalidArgumentError(
-        absl::StrCat("shm attend request of ", request.message.size(), " bytes does not hold q [",
-                     h.num_tokens, ", ", geometry_.num_q_heads, ", ", geometry_.head_dim, "]")));
+  const uint32_t num_kv_heads = geometry_.num_q_heads / geometry_.group;
+  const std::optional<shm::AttendRequestLayout> in = shm::AttendRequestLayoutFor(
+      h.num_tokens, geometry_.num_q_heads, geometry_.head_dim, num_kv_heads, h.pages_per_head);
+  if (!in || in->end != request.message.size()) {
+    return Error(absl::InvalidArgumentError(absl::StrCat(
+        "shm attend request of ", request.message.size(), " bytes does not hold q [",
+        h.num_tokens, ", ", geometry_.num_q_heads, ", ", geometry_.head_dim, "] and pages [",
+        h.num_tokens, ", ", num_kv_heads, ", ", h.pages_per_head, "]")));
   }
   const std::span<const float> q(
-      reinterpret_cast<const float*>(request.message.data() + shm::kPayloadOffset),
-      (*q_end - shm::kPayloadOffset) / sizeof(float));
+      reinterpret_cast<const float*>(request.message.data() + in->q), in->q_floats);
+  const std::span<const int32_t> pages(
+      reinterpret_cast<const int32_t*>(request.message.data() + in->pages), in->page_ids);
   RawAttendOutput out;
   std::span<std::byte> area = channel_->response_area();
   // The answer is laid out once the node knows the layer's owned kv heads (H_own).
@@ -110,7 +113,8 @@ uint64_t ShmSessionServer::ServeAttend(const ShmRequestView& request) {
         out.o = {reinterpret_cast<float*>(base + layout->o), layout->rows * geometry_.head_dim};
         out.lse = {reinterpret_cast<float*>(base + layout->lse), layout->rows};
         return &out;
-      });
+      },
+      pages, h.pages_per_head);
   if (!status.ok()) return Error(status);
   shm::ResponseHeader header{};
   header.num_heads = static_cast<uint32_t>(out.kv_heads.size());

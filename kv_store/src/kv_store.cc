@@ -19,6 +19,7 @@ constexpr uint32_t kMaxAppendEntries = 65536;
 // Shard objects are not charged to the budget, so their number is bounded instead
 // (a 1024 x 1024 geometry owning everything would be ~200 MB of bookkeeping per session).
 constexpr size_t kMaxShardsPerSession = 65536;
+constexpr uint32_t kMaxPageTokens = 4096;
 
 absl::Status ValidateSessionId(const std::string& id) {
   if (id.empty() || id.size() > kMaxSessionIdChars) {
@@ -234,6 +235,10 @@ absl::Status KvStore::ValidateOptions(SessionOptions& options) const {
     return absl::InvalidArgumentError(
         absl::StrCat("beta must be finite and >= 0, got ", options.beta));
   }
+  if (options.page_tokens > kMaxPageTokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_tokens must be in 0..", kMaxPageTokens, ", got ", options.page_tokens));
+  }
   const Geometry& g = options.geometry;
   if (options.shards.empty()) {
     const size_t all = size_t{g.num_layers} * g.num_kv_heads;
@@ -332,6 +337,10 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::ForkSession(const std::string&
     return absl::InvalidArgumentError(absl::StrCat(
         "fork '", id, "': block_tokens ", options.block_tokens, " != parent's ", po.block_tokens));
   }
+  if (options.page_tokens != po.page_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fork '", id, "': selection differs from parent '", parent_id, "'"));
+  }
   if (options.dtype != po.dtype) {
     return absl::InvalidArgumentError(
         absl::StrCat("fork '", id, "': dtype differs from parent '", parent_id, "'"));
@@ -414,7 +423,8 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
         absl::StrCat("n must be in 1..", kMaxAppendEntries, ", got ", n));
   }
   const bool with_flags = !selected.empty();
-  if (!with_flags && window_entries == 0) {
+  const bool indexed = session.options().has_selection_index();
+  if (indexed && !with_flags && window_entries == 0) {
     return absl::InvalidArgumentError("window_entries must be > 0");
   }
   if (k == nullptr || v == nullptr || maw == nullptr) {
@@ -444,9 +454,10 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
                                                      " flags, expected num_heads x n = ", total));
     }
     for (size_t i = 0; i < total; ++i) {
-      if (selected[i] > 1) {
-        return absl::InvalidArgumentError(absl::StrCat("selected[", i / n, "][", i % n,
-                                                       "] must be 0 or 1, got ", int{selected[i]}));
+      if (selected[i] > (indexed ? 1 : 0)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "selected[", i / n, "][", i % n, "] must be ", indexed ? "0 or 1" : "0 (the session "
+            "keeps no selection index)", ", got ", int{selected[i]}));
       }
     }
   }
@@ -466,9 +477,12 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
 
   // HGCA Alg. 1 line 24: salient when maw > beta / n_gpu; beta == 0 keeps everything (dense).
   // Unused when the flags decide.
+  // Without an index nothing is selected (maw > +inf never holds).
   SelectRule rule;
-  rule.select_all = session.beta_ == 0.0f;
-  rule.threshold = with_flags ? 0.0f : session.beta_ / static_cast<float>(window_entries);
+  rule.select_all = indexed && session.beta_ == 0.0f;
+  rule.threshold = !indexed ? std::numeric_limits<float>::infinity()
+                   : with_flags ? 0.0f
+                                : session.beta_ / static_cast<float>(window_entries);
 
   const size_t row = session.format().row_bytes();
   AppendStats stats;

@@ -563,3 +563,47 @@ TEST(KvStoreTest, ConcurrentSessionsBalanceTheBudget) {
 
 }  // namespace
 }  // namespace tandem::kv_store
+
+namespace tandem::kv_store {
+namespace {
+
+// A session with pages (page_tokens > 0) keeps no salience index: appends select nothing and
+// charge no selected copy, window_entries may be 0, flags must be 0, forks must match.
+TEST(KvStoreTest, PagesSessionKeepsNoSelectionIndex) {
+  KvStore store(KvStore::Options{64ull << 20, 64, 16});
+  SessionOptions o = Opts(1, 2, 64, KvDType::kBf16, 16, /*beta=*/0.0f);
+  o.page_tokens = 16;
+  auto s = store.OpenSession("p", o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const AppendInput in = MakeInput((*s)->format(), 2, 40, 3);
+  const std::vector<uint32_t> heads = {0, 1};
+  // beta = 0 would select everything in a MAW session; a pages session selects nothing.
+  auto appended = store.Append(**s, 0, heads, in.k.data(), in.v.data(), in.maw.data(), 40, 0);
+  ASSERT_TRUE(appended.ok()) << appended.status();
+  EXPECT_EQ(appended->entries_appended, 80u);
+  EXPECT_EQ(appended->entries_selected, 0u);
+  EXPECT_EQ(store.Stats().selected_bytes, 0u);
+  EXPECT_EQ((*s)->shard(0, 1)->held(), 40u);
+  EXPECT_EQ((*s)->shard(0, 1)->selected_count(), 0u);
+
+  std::vector<uint8_t> flags(80, 0);
+  EXPECT_TRUE(store.Append(**s, 0, heads, in.k.data(), in.v.data(), in.maw.data(), 40, 0, flags)
+                  .ok());
+  flags[7] = 1;
+  const absl::Status flagged =
+      store.Append(**s, 0, heads, in.k.data(), in.v.data(), in.maw.data(), 40, 0, flags)
+          .status();
+  EXPECT_EQ(flagged.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(flagged.message().find("no selection index"), std::string::npos) << flagged;
+  EXPECT_EQ((*s)->shard(0, 0)->held(), 80u) << "a refused append changes nothing";
+
+  SessionOptions maw = Opts(1, 2, 64, KvDType::kBf16, 16);
+  EXPECT_EQ(store.ForkSession("f", maw, "p", 10).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store.ForkSession("g", o, "p", 10).ok());
+  o.page_tokens = 4097;
+  EXPECT_EQ(store.OpenSession("q", o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tandem::kv_store

@@ -8,6 +8,11 @@
 // message; a bad request never aborts the process. Thread-safe: methods may be called
 // concurrently from any number of threads.
 //
+// Selection: MAW sessions attend over their selected copies (sparse_attention.h); pages
+// sessions (OpenSessionRequest.selection = SELECTION_PAGES) keep no selected copy and attend over
+// the pages each query names, read in place from the blocks (paged_attention.h). Reselect on a
+// pages session is FAILED_PRECONDITION.
+//
 // Shared memory: an OpenSessionRequest with `shm` makes the node map that channel and serve the
 // session's Attend and AppendKv from it on a thread of its own (shm_session_server.h), through
 // AttendRaw / AppendKvRaw below, until CloseSession or the node's destruction.
@@ -31,6 +36,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/kv_store/free_memory_releaser.h"
 #include "tandem/kv_store/kv_store.h"
@@ -142,15 +148,20 @@ class CpuAttentionNode {
   // code). `q` is [num_tokens, H_q, D] f32; `out` must be sized for the layer (see
   // RawAttendOutput; INVALID_ARGUMENT otherwise). The inputs may live in memory another process
   // writes concurrently: q and maw are copied before they are validated.
+  // `pages`, `pages_per_head`: as AttendQuery.pages / pages_per_head (int32
+  // [num_tokens, H_kv, pages_per_head], SELECTION_PAGES sessions only); copied before they are
+  // validated.
   absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
-                         uint32_t num_tokens, RawAttendOutput* out);
+                         uint32_t num_tokens, RawAttendOutput* out,
+                         std::span<const int32_t> pages = {}, uint32_t pages_per_head = 0);
   // As above, with the output arrays chosen once the layer's owned kv heads are known, under
   // the session's lock (a concurrent ReshardSession cannot change them in between):
   // `output_for(H_own)` returns the arrays to fill, sized as RawAttendOutput says, or an error
   // that AttendRaw returns. compute_micros and bytes_scanned are set in the arrays it returned.
   using RawOutputFor = absl::FunctionRef<absl::StatusOr<RawAttendOutput*>(size_t num_heads)>;
   absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
-                         uint32_t num_tokens, RawOutputFor output_for);
+                         uint32_t num_tokens, RawOutputFor output_for,
+                         std::span<const int32_t> pages = {}, uint32_t pages_per_head = 0);
   // k, v: [kv_heads.size(), n, D] of the session's kv dtype; maw: [kv_heads.size(), n] f32
   // bytes (any alignment). Empty kv_heads = all owned kv heads of the layer.
   absl::Status AppendKvRaw(const std::string& session_id, uint32_t layer,
@@ -183,6 +194,10 @@ class CpuAttentionNode {
       std::span<const HeadCount> heads)>;
   absl::Status AttendItems(uint32_t layer, std::vector<AttendItem>& items, AttendSink sink,
                            uint64_t* compute_micros, uint64_t* bytes_scanned);
+  // Checks an item's pages against its session (selection, sizes, row order; the held bound
+  // comes later under the lock) and stores them in the item.
+  absl::Status SetPages(AttendItem& item, absl::string_view what, std::span<const int32_t> pages,
+                        uint32_t pages_per_head) const;
   struct AppendTarget;
   absl::StatusOr<AppendTarget> ResolveAppend(const std::string& session_id, uint32_t layer,
                                              std::span<const uint32_t> kv_heads);

@@ -8,7 +8,9 @@
 // the message size before using it (the layout functions return nullopt on overflow).
 //
 // Request (client -> node):
-//   kAttend: q f32 [num_tokens, H_q, D] at kPayloadOffset
+//   kAttend: q f32 [num_tokens, H_q, D] at kPayloadOffset, then (pages sessions, when
+//            pages_per_head > 0) pages int32 [num_tokens, H_kv, pages_per_head] as in
+//            AttendQuery.pages (AttendRequestLayout, both sides)
 //   kAppend: kv_heads u32 [num_heads], k [num_heads, num_tokens, D] of the session's kv dtype,
 //            v (same), maw f32 [num_heads, num_tokens]  (AppendLayout, from payload_offset)
 // Response (node -> client): a ResponseHeader; on error (code != 0) `message_bytes` of text at
@@ -36,7 +38,10 @@ struct RequestHeader {
   // kPayloadOffset). The client alternates two halves of the request area so it can fill the
   // next chunk while the node copies this one.
   uint32_t payload_offset;
-  uint32_t reserved[10];
+  // kAttend: page ids per (token, kv head) after q (AttendQuery.pages_per_head); 0 = none
+  // (MAW sessions; dense over every held entry in pages sessions).
+  uint32_t pages_per_head;
+  uint32_t reserved[9];
 };
 static_assert(sizeof(RequestHeader) == kPayloadOffset);
 
@@ -117,14 +122,43 @@ inline std::optional<AttendLayout> AttendLayoutFor(uint64_t num_heads, uint64_t 
   return l;
 }
 
-// Size of an attend request of T tokens.
-inline std::optional<uint64_t> AttendRequestBytes(uint64_t num_tokens, uint64_t num_q_heads,
-                                                  uint64_t head_dim) {
+// Byte offsets of an attend request's arrays; `end` is the message size. pages_per_head 0: no
+// pages array (pages == end == the end of q).
+struct AttendRequestLayout {
+  uint64_t q = 0, pages = 0, end = 0;
+  uint64_t q_floats = 0;  // T * H_q * D
+  uint64_t page_ids = 0;  // T * H_kv * pages_per_head
+};
+
+inline std::optional<AttendRequestLayout> AttendRequestLayoutFor(uint64_t num_tokens,
+                                                                 uint64_t num_q_heads,
+                                                                 uint64_t head_dim,
+                                                                 uint64_t num_kv_heads,
+                                                                 uint64_t pages_per_head) {
   const auto a = Mul(num_tokens, num_q_heads);
   if (!a) return std::nullopt;
-  const auto b = Mul(*a, head_dim * sizeof(float));
+  const auto q_floats = Mul(*a, head_dim);
+  if (!q_floats) return std::nullopt;
+  const auto b = Mul(num_tokens, num_kv_heads);
   if (!b) return std::nullopt;
-  return kPayloadOffset + *b;
+  const auto ids = Mul(*b, pages_per_head);
+  if (!ids || *q_floats > (uint64_t{1} << 44) || *ids > (uint64_t{1} << 44)) return std::nullopt;
+  AttendRequestLayout l;
+  l.q_floats = *q_floats;
+  l.page_ids = *ids;
+  l.q = kPayloadOffset;
+  const uint64_t q_end = l.q + *q_floats * sizeof(float);
+  l.pages = *ids == 0 ? q_end : Align64(q_end);
+  l.end = l.pages + *ids * sizeof(int32_t);
+  return l;
+}
+
+// Size of an attend request of T tokens without pages.
+inline std::optional<uint64_t> AttendRequestBytes(uint64_t num_tokens, uint64_t num_q_heads,
+                                                  uint64_t head_dim) {
+  const auto l = AttendRequestLayoutFor(num_tokens, num_q_heads, head_dim, 1, 0);
+  if (!l) return std::nullopt;
+  return l->end;
 }
 
 }  // namespace tandem::cpu_attention::shm

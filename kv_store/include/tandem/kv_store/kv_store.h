@@ -54,6 +54,14 @@ struct SessionOptions {
   uint32_t block_tokens = 0;  // 0 = the store's default
   KvDType dtype = KvDType::kBf16;
   float beta = 0.0f;             // >= 0, finite; 0 = dense
+  // 0: MAW selection (the salience index: flags and the selected copy). 1..4096: query-aware
+  // `pages` selection with pages of page_tokens entries: no salience index is kept, every
+  // appended entry is unselected, so the shards have no selected copy and spend no memory on
+  // one; beta and window_entries are not used and Append's flags must all be 0. The pages
+  // themselves are the attention kernel's business (paged_attention.h). A fork must match
+  // its parent.
+  uint32_t page_tokens = 0;
+  bool has_selection_index() const { return page_tokens == 0; }
   // Shards owned at open; empty = every (layer, kv-head). The session moves them into its
   // shard table (Session::options().shards is empty); Session::shard_keys() gives the set now.
   std::vector<ShardKey> shards;
@@ -185,8 +193,9 @@ class KvStore {
   absl::StatusOr<uint64_t> CloseSession(const std::string& id);
 
   // Appends n entries to each listed kv head of `layer`: k, v are [kv_heads.size(), n, D] of
-  // the session dtype, maw [kv_heads.size(), n]. Selection threshold beta / window_entries,
-  // unless `selected` is given: then it is [kv_heads.size(), n] flags (each 0 or 1) that decide
+  // the session dtype, maw [kv_heads.size(), n]. A session without a selection index selects
+  // nothing (window_entries may be 0; any flag != 0 is INVALID_ARGUMENT). Else the selection
+  // threshold is beta / window_entries, unless `selected` is given: then it is [kv_heads.size(), n] flags (each 0 or 1) that decide
   // the selection of the entries (a migration keeps the flags an entry had on the old node) and
   // window_entries is ignored. Validates layer, heads (owned, no duplicates), n > 0,
   // window_entries > 0 (without flags), every MAW (finite, >= 0) and every flag. All-or-nothing

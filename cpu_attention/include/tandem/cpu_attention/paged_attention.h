@@ -1,0 +1,87 @@
+// Exact attention over named pages of a shard, read in place through its block table (the CPU
+// side of query-aware `pages` selection, DESIGN "Selection"; issue 11).
+//
+// Pages: the held entries of a (session, layer, kv head) shard, numbered 0..held-1 in append
+// order, are cut into pages of `page_tokens` entries; page p = entries
+// [p * page_tokens, (p + 1) * page_tokens) ∩ [0, held). Entry i lives in block
+// blocks()[i / block_tokens] at row i % block_tokens, so a page is one or more runs of
+// consecutive rows inside blocks; consecutive selected pages inside one block form one longer
+// run. The kernel reads only those rows: no per-step copy into a scratch buffer.
+//
+// Numerics (contract in proto/tandem/v1/common.proto): scores q·k * scale (scale 0 =
+// 1/sqrt(head_dim)) accumulated in fp32, fp32 online softmax, natural-log LSE; an empty
+// selection gives O = 0 and LSE = -inf.
+//
+// Work split (HGCA §3.3, as sparse_attention.h): the entries of all problems, end to end, are
+// cut into about tasks_per_thread × threads ranges of equal cost; a long problem is split along
+// its runs, short ones share a range. Each range yields partial (O, LSE) states merged at the
+// end with MergeStateInPlace. The inner loop is hand-written (bf16 rows widened to f32, fp32
+// dot products and accumulation), compiled for AVX-512, AVX2 and baseline x86-64 and picked at
+// run time, because oneDNN primitive calls per 16-row page cost more than the scan.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tandem/cpu_attention/thread_pool.h"
+#include "tandem/kv_store/block_format.h"
+#include "tandem/kv_store/shard.h"
+
+namespace tandem::cpu_attention {
+
+// Consecutive rows of one block.
+struct KvRun {
+  const std::byte* k = nullptr;  // [n, head_dim] of the KV dtype, row-major
+  const std::byte* v = nullptr;  // [n, head_dim]
+  uint32_t n = 0;
+};
+
+// One problem: the query rows of `num_tokens` tokens of one kv head (G rows per token)
+// attending over runs[run_begin, run_end) of the runs array given to PagedAttention.
+// Query row (t, j) of the group is at q + t * q_token_stride + j * head_dim, its output at
+// o + t * o_token_stride + j * head_dim and lse + t * lse_token_stride + j (strides in floats;
+// unused when num_tokens == 1). Problems sharing their runs over several tokens (dense) read
+// each row once for all of them.
+struct PagedProblem {
+  size_t run_begin = 0;
+  size_t run_end = 0;
+  uint32_t num_tokens = 1;
+  const float* q = nullptr;
+  float* o = nullptr;
+  float* lse = nullptr;
+  size_t q_token_stride = 0;
+  size_t o_token_stride = 0;
+  size_t lse_token_stride = 0;
+};
+
+struct PagedParams {
+  kv_store::KvDType dtype = kv_store::KvDType::kBf16;
+  uint32_t head_dim = 128;     // 8..256, a multiple of 8
+  uint32_t group = 1;          // G: query heads per kv head
+  float scale = 0.0f;          // 0 = 1/sqrt(head_dim)
+  uint32_t tasks_per_thread = 2;
+};
+
+// Checks one row of page ids (int32 [pages_per_head]): non-negative ids strictly ascending,
+// then -1 padding only. held < 0 skips the bound; else a page whose first entry is >= held is
+// an error. INVALID_ARGUMENT naming `what`, the position and the problem.
+absl::Status CheckPageRow(std::span<const int32_t> row, int64_t held, uint32_t page_tokens,
+                          const char* what);
+
+// Appends to `runs` the runs of the named pages of `shard` (a row that passed CheckPageRow
+// against shard.held()), merging pages adjacent in one block; returns the entries they cover.
+uint64_t AppendPageRuns(const kv_store::Shard& shard, std::span<const int32_t> row,
+                        uint32_t page_tokens, std::vector<KvRun>* runs);
+// Appends one run per block covering every held entry of `shard`; returns held().
+uint64_t AppendAllRuns(const kv_store::Shard& shard, std::vector<KvRun>* runs);
+
+// Computes O and LSE of every problem. INVALID_ARGUMENT on bad params or a problem whose run
+// range is outside `runs`; RESOURCE_EXHAUSTED if scratch memory cannot be had. Thread-safe;
+// uses `pool` for the tasks. The runs' memory must not change during the call.
+absl::Status PagedAttention(const PagedParams& params, std::span<const KvRun> runs,
+                            std::span<const PagedProblem> problems, ThreadPool& pool);
+
+}  // namespace tandem::cpu_attention

@@ -1,0 +1,497 @@
+#include "tandem/cpu_attention/paged_attention.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "aligned_buffer.h"
+#include "exp2_approx.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/cpu_attention/merge_state.h"
+
+// The library is built without -march and runs on other hosts than the build: the scan is
+// compiled for AVX-512, AVX2 and baseline x86-64 and the loader picks one (target_clones).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TANDEM_PAGED_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define TANDEM_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define TANDEM_PAGED_CLONES
+#define TANDEM_ALWAYS_INLINE inline
+#endif
+
+namespace tandem::cpu_attention {
+namespace {
+
+using internal::AlignedBuffer;
+using internal::Exp2Approx;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// Keys per online-softmax step: the scores of one step ([R, kChunk] floats) stay in L1.
+// Scores are base-2 inside the kernel (see ComputePieceImpl).
+constexpr size_t kChunk = 64;
+// NOTE: named pages are short runs scattered over the pool (16 rows = 4 KiB of bf16 K, as much
+// V), too short for the hardware prefetcher to ramp up: the scan prefetches the rows it will
+// read this many entries ahead (software prefetch), which triples the rate on random pages.
+constexpr uint64_t kPrefetchEntries = 2 * kChunk;
+// A range covers at least this many entries (fewer, larger tasks for tiny problems).
+constexpr uint64_t kMinRangeEntries = 256;
+
+// Widens n bf16 values (raw bits) to f32: a shift, which the compiler vectorises.
+TANDEM_ALWAYS_INLINE void WidenBf16(const uint16_t* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t{src[i]} << 16);
+}
+
+// a · b over n floats (n a multiple of 8) with 16 independent partial sums, so the loop
+// vectorises without reassociating one accumulator.
+TANDEM_ALWAYS_INLINE float Dot(const float* a, const float* b, size_t n) {
+  float acc[16] = {};
+  size_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (size_t i = 0; i < 16; ++i) acc[i] += a[d + i] * b[d + i];
+  }
+  for (; d < n; d += 8) {
+    for (size_t i = 0; i < 8; ++i) acc[i] += a[d + i] * b[d + i];
+  }
+  float s = 0.0f;
+  for (size_t i = 0; i < 16; ++i) s += acc[i];
+  return s;
+}
+
+// out[i] = q_i · k for the 4 rows q_i = q + i * n: one pass over k, 4 independent chains.
+TANDEM_ALWAYS_INLINE void Dot4(const float* q, const float* k, size_t n, float* out) {
+  float acc[4][16] = {};
+  size_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    for (size_t i = 0; i < 4; ++i) {
+      for (size_t l = 0; l < 16; ++l) acc[i][l] += q[i * n + d + l] * k[d + l];
+    }
+  }
+  for (; d < n; d += 8) {
+    for (size_t i = 0; i < 4; ++i) {
+      for (size_t l = 0; l < 8; ++l) acc[i][l] += q[i * n + d + l] * k[d + l];
+    }
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    float s = 0.0f;
+    for (size_t l = 0; l < 16; ++l) s += acc[i][l];
+    out[i] = s;
+  }
+}
+
+// dst += p * src over n floats.
+TANDEM_ALWAYS_INLINE void Axpy(float p, const float* src, float* dst, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] += p * src[i];
+}
+
+// Where a piece writes: row r = t * G + j at o + t * o_stride + j * D, lse + t * lse_stride + j.
+struct RowsOut {
+  float* o;
+  size_t o_stride;
+  float* lse;
+  size_t lse_stride;
+};
+
+// One piece: entries [skip, skip + count) of the runs starting at `runs`, for R = T * G query
+// rows. `work` holds [R, D] scaled queries, [R, D] accumulators, m [R], l [R], the scores
+// [R, kChunk] and two widened rows [D] (bf16 only).
+struct PieceArgs {
+  const KvRun* runs;
+  uint64_t skip;
+  uint64_t count;
+  const float* q;
+  size_t q_stride;
+  uint32_t T, G, D;
+  float scale;
+  RowsOut out;
+  float* work;
+};
+
+size_t WorkFloats(size_t rows, size_t D) { return 2 * rows * D + 2 * rows + rows * kChunk + 2 * D; }
+
+// A read position in a piece's runs: entry `offset` of *run, `left` entries to go.
+struct RunCursor {
+  const KvRun* run;
+  uint64_t offset;
+  uint64_t left;
+};
+
+// Prefetches the K and V rows of the next n entries at `c` and advances it past them.
+TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_bytes) {
+  while (n > 0 && c.left > 0) {
+    while (c.offset >= c.run->n) {
+      ++c.run;
+      c.offset = 0;
+    }
+    const uint64_t take = std::min<uint64_t>({n, c.left, c.run->n - c.offset});
+    const char* k = reinterpret_cast<const char*>(c.run->k) + c.offset * row_bytes;
+    const char* v = reinterpret_cast<const char*>(c.run->v) + c.offset * row_bytes;
+    for (size_t b = 0; b < take * row_bytes; b += 64) {
+      __builtin_prefetch(k + b);
+      __builtin_prefetch(v + b);
+    }
+    c.offset += take;
+    c.left -= take;
+    n -= take;
+  }
+}
+
+template <bool kBf16>
+TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
+  const size_t D = a.D, G = a.G, R = size_t{a.T} * G;
+  float* qs = a.work;          // [R, D]
+  float* acc = qs + R * D;     // [R, D]
+  float* m = acc + R * D;      // [R]
+  float* l = m + R;            // [R]
+  float* s = l + R;            // [R, kChunk]
+  float* kf = s + R * kChunk;  // [D]
+  float* vf = kf + D;          // [D]
+  // Scores are kept in base 2 (q pre-multiplied by scale · log2(e)): 2^(s2 - m2) = e^(s - m).
+  const float scale2 = a.scale * kLog2e;
+  for (size_t t = 0; t < a.T; ++t) {
+    for (size_t j = 0; j < G; ++j) {
+      const float* src = a.q + t * a.q_stride + j * D;
+      float* dst = qs + (t * G + j) * D;
+      for (size_t d = 0; d < D; ++d) dst[d] = src[d] * scale2;
+    }
+  }
+  std::fill_n(acc, R * D, 0.0f);
+  std::fill_n(m, R, kNegInf);
+  std::fill_n(l, R, 0.0f);
+
+  const size_t elem = kBf16 ? 2 : 4;
+  const size_t row_bytes = D * elem;
+  const KvRun* run = a.runs;
+  uint64_t in_run = a.skip;  // next entry inside *run
+  uint64_t left = a.count;
+  const std::byte* kp[kChunk];
+  const std::byte* vp[kChunk];
+  RunCursor ahead{a.runs, a.skip, a.count};
+  PrefetchRows(ahead, kPrefetchEntries, row_bytes);
+  while (left > 0) {
+    // Gather the next chunk's row addresses across run boundaries.
+    size_t c_n = 0;
+    while (c_n < kChunk && left > 0) {
+      while (in_run >= run->n) {
+        ++run;
+        in_run = 0;
+      }
+      const uint64_t take = std::min<uint64_t>({kChunk - c_n, left, run->n - in_run});
+      for (uint64_t i = 0; i < take; ++i) {
+        kp[c_n + i] = run->k + (in_run + i) * row_bytes;
+        vp[c_n + i] = run->v + (in_run + i) * row_bytes;
+      }
+      c_n += take;
+      in_run += take;
+      left -= take;
+    }
+    PrefetchRows(ahead, c_n, row_bytes);
+    // Scores s[r, c] = scale * q_r · k_c.
+    for (size_t c = 0; c < c_n; ++c) {
+      const float* k;
+      if constexpr (kBf16) {
+        WidenBf16(reinterpret_cast<const uint16_t*>(kp[c]), kf, D);
+        k = kf;
+      } else {
+        k = reinterpret_cast<const float*>(kp[c]);
+      }
+      size_t r = 0;
+      for (; r + 4 <= R; r += 4) {
+        float out[4];
+        Dot4(qs + r * D, k, D, out);
+        for (size_t i = 0; i < 4; ++i) s[(r + i) * kChunk + c] = out[i];
+      }
+      for (; r < R; ++r) s[r * kChunk + c] = Dot(qs + r * D, k, D);
+    }
+    // Online softmax: rescale the accumulators to the new row maximum, p = exp(s - m).
+    for (size_t r = 0; r < R; ++r) {
+      float* sr = s + r * kChunk;
+      float mx = m[r];
+      for (size_t c = 0; c < c_n; ++c) mx = std::max(mx, sr[c]);
+      if (mx > m[r]) {
+        // ~0 on the first chunk (m = -inf; Exp2Approx clamps), where l and acc are 0 anyway.
+        const float alpha = Exp2Approx(m[r] - mx);
+        l[r] *= alpha;
+        float* ar = acc + r * D;
+        for (size_t d = 0; d < D; ++d) ar[d] *= alpha;
+        m[r] = mx;
+      }
+      for (size_t c = 0; c < c_n; ++c) sr[c] = Exp2Approx(sr[c] - mx);
+      float sum = 0.0f;
+      for (size_t c = 0; c < c_n; ++c) sum += sr[c];
+      l[r] += sum;
+    }
+    // acc[r] += p[r, c] * v_c.
+    for (size_t c = 0; c < c_n; ++c) {
+      const float* v;
+      if constexpr (kBf16) {
+        WidenBf16(reinterpret_cast<const uint16_t*>(vp[c]), vf, D);
+        v = vf;
+      } else {
+        v = reinterpret_cast<const float*>(vp[c]);
+      }
+      for (size_t r = 0; r < R; ++r) Axpy(s[r * kChunk + c], v, acc + r * D, D);
+    }
+  }
+  // count > 0, so every row saw a finite score and l >= 1.
+  for (size_t t = 0; t < a.T; ++t) {
+    for (size_t j = 0; j < G; ++j) {
+      const size_t r = t * G + j;
+      const float inv = 1.0f / l[r];
+      float* dst = a.out.o + t * a.out.o_stride + j * D;
+      for (size_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      a.out.lse[t * a.out.lse_stride + j] = (m[r] + std::log2(l[r])) * kLn2;
+    }
+  }
+}
+
+TANDEM_PAGED_CLONES void ComputePieceBf16(const PieceArgs& a) { ComputePieceImpl<true>(a); }
+TANDEM_PAGED_CLONES void ComputePieceF32(const PieceArgs& a) { ComputePieceImpl<false>(a); }
+
+// Entries [begin, end) of problem `problem` (in the concatenation of its runs), computed by one
+// task. slot < 0: writes the problem's output rows; else partial state `slot`, merged into
+// them after all tasks finished.
+struct Piece {
+  size_t problem;
+  uint64_t begin, end;
+  int64_t slot;
+};
+
+absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
+                      std::span<const PagedProblem> problems) {
+  if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: head_dim ", p.head_dim, " not in 8..256 step 8"));
+  }
+  if (p.group < 1 || p.tasks_per_thread < 1) {
+    return absl::InvalidArgumentError("paged attention: group and tasks_per_thread must be >= 1");
+  }
+  if (!std::isfinite(p.scale) || p.scale < 0) {
+    return absl::InvalidArgumentError("paged attention: scale must be finite and >= 0");
+  }
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const PagedProblem& pr = problems[i];
+    if (pr.run_begin > pr.run_end || pr.run_end > runs.size() || pr.num_tokens < 1 ||
+        pr.q == nullptr || pr.o == nullptr || pr.lse == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "paged attention: problem ", i, " has runs [", pr.run_begin, ", ", pr.run_end, ") of ",
+          runs.size(), ", ", pr.num_tokens, " tokens, or a null pointer"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun> runs,
+                                std::span<const PagedProblem> problems, ThreadPool& pool) {
+  const size_t D = params.head_dim, G = params.group;
+  const float scale = params.scale > 0 ? params.scale : 1.0f / std::sqrt(static_cast<float>(D));
+
+  // Entries and cost per problem; cost ~ memory (K + V rows) plus compute (R dot products and
+  // R axpys per entry), in units of one entry with 4 query rows.
+  std::vector<uint64_t> entries(problems.size(), 0);
+  std::vector<uint64_t> weight(problems.size(), 0);
+  uint64_t total = 0;
+  size_t max_rows = 0;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const PagedProblem& pr = problems[i];
+    for (size_t r = pr.run_begin; r < pr.run_end; ++r) entries[i] += runs[r].n;
+    const size_t rows = size_t{pr.num_tokens} * G;
+    weight[i] = rows + 4;
+    total += entries[i] * weight[i];
+    if (entries[i] > 0) max_rows = std::max(max_rows, rows);
+    if (entries[i] != 0) continue;
+    for (size_t t = 0; t < pr.num_tokens; ++t) {
+      std::fill_n(pr.o + t * pr.o_token_stride, G * D, 0.0f);
+      std::fill_n(pr.lse + t * pr.lse_token_stride, G, kNegInf);
+    }
+  }
+  if (total == 0) return absl::OkStatus();
+
+  // Cut the cost of all problems, end to end, into equal ranges (HGCA §3.3 head-merged tasks).
+  uint64_t all_entries = 0;
+  for (uint64_t e : entries) all_entries += e;
+  const uint64_t max_tasks = uint64_t{params.tasks_per_thread} * pool.num_threads();
+  const uint64_t num_ranges = std::max<uint64_t>(
+      1, std::min(max_tasks, (all_entries + kMinRangeEntries - 1) / kMinRangeEntries));
+  std::vector<Piece> pieces;
+  std::vector<size_t> range_first(num_ranges + 1);
+  std::vector<uint32_t> pieces_of(problems.size(), 0);
+  {
+    size_t p = 0;
+    uint64_t off = 0, pos = 0;  // entry offset in problem p; cost done so far
+    for (uint64_t r = 0; r < num_ranges; ++r) {
+      range_first[r] = pieces.size();
+      const uint64_t range_end = r + 1 == num_ranges ? total : (r + 1) * total / num_ranges;
+      while (pos < range_end) {
+        while (entries[p] == 0) ++p;
+        const uint64_t want = (range_end - pos + weight[p] - 1) / weight[p];
+        const uint64_t take = std::min(entries[p] - off, std::max<uint64_t>(1, want));
+        const int64_t slot = pieces_of[p]++ == 0 ? -1 : 0;
+        pieces.push_back(Piece{p, off, off + take, slot});
+        pos += take * weight[p];
+        off += take;
+        if (off == entries[p]) {
+          ++p;
+          off = 0;
+        }
+      }
+    }
+    range_first[num_ranges] = pieces.size();
+  }
+  int64_t num_slots = 0;
+  size_t slot_floats = 0;
+  for (Piece& piece : pieces) {
+    if (piece.slot >= 0) piece.slot = num_slots++;
+  }
+  slot_floats = max_rows * D + max_rows;
+  std::vector<float> partials(static_cast<size_t>(num_slots) * slot_floats);
+
+  std::vector<absl::Status> statuses(num_ranges);
+  pool.ParallelFor(num_ranges, [&](size_t r) {
+    try {
+      thread_local AlignedBuffer work_buffer;
+      for (size_t i = range_first[r]; i < range_first[r + 1]; ++i) {
+        const Piece& piece = pieces[i];
+        const PagedProblem& pr = problems[piece.problem];
+        const size_t rows = size_t{pr.num_tokens} * G;
+        PieceArgs a;
+        // Find the run holding entry `begin`.
+        a.runs = runs.data() + pr.run_begin;
+        a.skip = piece.begin;
+        while (a.skip >= a.runs->n) a.skip -= (a.runs++)->n;
+        a.count = piece.end - piece.begin;
+        a.q = pr.q;
+        a.q_stride = pr.q_token_stride;
+        a.T = pr.num_tokens;
+        a.G = static_cast<uint32_t>(G);
+        a.D = static_cast<uint32_t>(D);
+        a.scale = scale;
+        if (piece.slot < 0) {
+          a.out = RowsOut{pr.o, pr.o_token_stride, pr.lse, pr.lse_token_stride};
+        } else {
+          float* base = partials.data() + piece.slot * slot_floats;
+          a.out = RowsOut{base, G * D, base + rows * D, G};
+        }
+        a.work = work_buffer.Get<float>(WorkFloats(rows, D));
+        if (params.dtype == kv_store::KvDType::kBf16) {
+          ComputePieceBf16(a);
+        } else {
+          ComputePieceF32(a);
+        }
+      }
+    } catch (const std::bad_alloc&) {
+      statuses[r] = absl::ResourceExhaustedError("paged attention: scratch allocation failed");
+    } catch (const std::exception& e) {
+      statuses[r] = absl::InternalError(absl::StrFormat("paged attention: %s", e.what()));
+    }
+  });
+  for (const absl::Status& s : statuses) TANDEM_RETURN_IF_ERROR(s);
+
+  // Merge the partial states of problems split across ranges, in entry order.
+  for (const Piece& piece : pieces) {
+    if (piece.slot < 0) continue;
+    const PagedProblem& pr = problems[piece.problem];
+    const size_t rows = size_t{pr.num_tokens} * G;
+    const float* src_o = partials.data() + piece.slot * slot_floats;
+    const float* src_lse = src_o + rows * D;
+    for (size_t t = 0; t < pr.num_tokens; ++t) {
+      for (size_t j = 0; j < G; ++j) {
+        MergeStateInPlace(pr.o + t * pr.o_token_stride + j * D,
+                          pr.lse + t * pr.lse_token_stride + j, src_o + (t * G + j) * D,
+                          src_lse[t * G + j], D);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckPageRow(std::span<const int32_t> row, int64_t held, uint32_t page_tokens,
+                          const char* what) {
+  bool padding = false;
+  int64_t prev = -1;
+  for (size_t i = 0; i < row.size(); ++i) {
+    const int32_t id = row[i];
+    if (id == -1) {
+      padding = true;
+      continue;
+    }
+    if (id < -1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "[", i, "]: page id ", id, " is negative (only -1 pads)"));
+    }
+    if (padding) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, "[", i, "]: page id ", id, " follows -1 padding"));
+    }
+    if (id <= prev) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "[", i, "]: page id ", id,
+                                                     " is not above the previous id ", prev,
+                                                     " (ids must be strictly ascending)"));
+    }
+    if (held >= 0 && static_cast<int64_t>(id) * page_tokens >= held) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, "[", i, "]: page ", id, " starts at entry ", static_cast<int64_t>(id) * page_tokens,
+          " but the shard holds ", held, " entries (", page_tokens, " per page)"));
+    }
+    prev = id;
+  }
+  return absl::OkStatus();
+}
+
+uint64_t AppendPageRuns(const kv_store::Shard& shard, std::span<const int32_t> row,
+                        uint32_t page_tokens, std::vector<KvRun>* runs) {
+  const uint64_t held = shard.held();
+  const uint64_t bt = shard.format().block_tokens;
+  const size_t row_bytes = shard.format().row_bytes();
+  uint64_t covered = 0;
+  size_t i = 0;
+  while (i < row.size() && row[i] >= 0) {
+    // Merge consecutive page ids into one entry range [first, end).
+    const uint64_t first = static_cast<uint64_t>(row[i]) * page_tokens;
+    int64_t last_id = row[i++];
+    while (i < row.size() && row[i] == last_id + 1) last_id = row[i++];
+    const uint64_t end = std::min<uint64_t>(held, (static_cast<uint64_t>(last_id) + 1) * page_tokens);
+    // Split the range at block boundaries.
+    for (uint64_t e = first; e < end;) {
+      const uint64_t block = e / bt, in_block = e % bt;
+      const uint64_t n = std::min(end - e, bt - in_block);
+      runs->push_back(KvRun{shard.block_k(block) + in_block * row_bytes,
+                            shard.block_v(block) + in_block * row_bytes,
+                            static_cast<uint32_t>(n)});
+      e += n;
+    }
+    covered += end - first;
+  }
+  return covered;
+}
+
+uint64_t AppendAllRuns(const kv_store::Shard& shard, std::vector<KvRun>* runs) {
+  for (size_t b = 0; b < shard.blocks().size(); ++b) {
+    const uint32_t n = shard.block_entries(b);
+    if (n > 0) runs->push_back(KvRun{shard.block_k(b), shard.block_v(b), n});
+  }
+  return shard.held();
+}
+
+absl::Status PagedAttention(const PagedParams& params, std::span<const KvRun> runs,
+                            std::span<const PagedProblem> problems, ThreadPool& pool) {
+  TANDEM_RETURN_IF_ERROR(Validate(params, runs, problems));
+  try {
+    return PagedAttentionImpl(params, runs, problems, pool);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("paged attention: out of memory for the task plan");
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrFormat("paged attention: %s", e.what()));
+  }
+}
+
+}  // namespace tandem::cpu_attention
