@@ -116,7 +116,8 @@ uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share) const {
   const uint64_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
   const uint64_t block = options_.block_tokens != 0 ? options_.block_tokens : 64;
   const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(entries, 0));
-  const double share = std::clamp(selected_share, 0.0, 1.0);
+  const double share =
+      options_.selection == SelectionRule::kPages ? 0.0 : std::clamp(selected_share, 0.0, 1.0);
   return (n + block - 1) / block * block * (2 * row + sizeof(float)) +
          static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)) * 2 * row;
 }
@@ -205,6 +206,10 @@ v1::OpenSessionRequest RemoteKv::OpenRequest(
   request.set_block_size(options_.block_tokens);
   request.set_kv_dtype(WireType(options_.kv_dtype));
   request.set_beta(options_.beta);
+  if (options_.selection == SelectionRule::kPages) {
+    request.set_selection(v1::SELECTION_PAGES);
+    request.set_page_tokens(options_.page_tokens);
+  }
   for (const auto& [layer, head] : shards) {
     auto* shard = request.add_shards();
     shard->set_layer(layer);
@@ -221,6 +226,11 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
   if (options.num_layers <= 0 || options.num_kv_heads <= 0 || options.head_dim <= 0 ||
       options.num_q_heads % options.num_kv_heads != 0) {
     return absl::InvalidArgumentError("RemoteKv: bad geometry");
+  }
+  if (options.selection == SelectionRule::kPages &&
+      (options.page_tokens < 1 || options.page_tokens > 4096)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RemoteKv: page_tokens must be in 1..4096, got ", options.page_tokens));
   }
   if (pool.accepting_count() == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -317,7 +327,10 @@ RemoteKv::~RemoteKv() { (void)Close(); }
 
 absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const float* maw,
                               int64_t num_tokens, int64_t window_entries) {
-  if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0 || window_entries <= 0) {
+  // window_entries sets the MAW threshold; pages sessions do not use it (0 allowed).
+  const int64_t min_window = options_.selection == SelectionRule::kPages ? 0 : 1;
+  if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0 ||
+      window_entries < min_window) {
     return absl::InvalidArgumentError("RemoteKv::Append: bad layer, token count or window");
   }
   for (size_t n = 0; n < opened_.size(); ++n) {
@@ -465,11 +478,27 @@ absl::Status RemoteKv::AppendShm(size_t n, int64_t layer, const std::vector<uint
   return absl::OkStatus();
 }
 
-absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_tokens) {
+absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_tokens,
+                                   const PageSelection* pages) {
   if (attend_layer_ >= 0) return absl::FailedPreconditionError("an Attend is already in flight");
   if (layer < 0 || layer >= options_.num_layers || num_tokens <= 0) {
     return absl::InvalidArgumentError("RemoteKv::StartAttend: bad layer or token count");
   }
+  if (pages != nullptr) {
+    if (options_.selection != SelectionRule::kPages) {
+      return absl::InvalidArgumentError(
+          "RemoteKv::StartAttend: pages given for a session with maw selection");
+    }
+    if (pages->per_head < 0 || pages->per_head > (int64_t{1} << 20) ||
+        (pages->per_head > 0 && pages->ids == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RemoteKv::StartAttend: pages per_head ", pages->per_head,
+          " outside 0..2^20 or ids missing"));
+    }
+    if (pages->per_head == 0) pages = nullptr;   // no ids: dense, as without pages
+  }
+  const size_t page_ids =
+      pages == nullptr ? 0 : num_tokens * options_.num_kv_heads * pages->per_head;
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
@@ -477,7 +506,7 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
     if (shm_[n] != nullptr) {
-      const ShmStart started = StartAttendShm(n, q);
+      const ShmStart started = StartAttendShm(n, q, pages);
       if (started == ShmStart::kSent) shm_calls_.push_back(n);
       // A busy channel leaves the node unanswered (degraded); a query too large for the areas
       // goes over gRPC.
@@ -494,6 +523,10 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
     qt->add_shape(options_.num_q_heads);
     qt->add_shape(options_.head_dim);
     qt->mutable_data()->assign(reinterpret_cast<const char*>(q), q_bytes);
+    if (pages != nullptr) {
+      query->set_pages_per_head(static_cast<uint32_t>(pages->per_head));
+      query->mutable_pages()->Add(pages->ids, pages->ids + page_ids);
+    }
     SetDeadline(call->context, options_.attend_deadline_ms);
     calls_.push_back(std::move(call));
   }
@@ -513,7 +546,8 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   return absl::OkStatus();
 }
 
-RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q) {
+RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q,
+                                            const PageSelection* pages) {
   namespace shm = cpu_attention::shm;
   cpu_attention::ShmChannel& channel = *shm_[n];
   // The node answers for every head it holds, shards still migrating in included.
@@ -522,11 +556,12 @@ RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q) {
     if (to == n && static_cast<int64_t>(shard) / options_.num_kv_heads == attend_layer_) ++own;
   }
   const int64_t G = options_.num_q_heads / options_.num_kv_heads;
-  const std::optional<uint64_t> request_bytes =
-      shm::AttendRequestBytes(attend_tokens_, options_.num_q_heads, options_.head_dim);
+  const uint64_t per_head = pages == nullptr ? 0 : static_cast<uint64_t>(pages->per_head);
+  const std::optional<shm::AttendRequestLayout> request = shm::AttendRequestLayoutFor(
+      attend_tokens_, options_.num_q_heads, options_.head_dim, options_.num_kv_heads, per_head);
   const std::optional<shm::AttendLayout> answer =
       shm::AttendLayoutFor(own, attend_tokens_, G, options_.head_dim);
-  if (!request_bytes || !answer || *request_bytes > channel.request_area().size() ||
+  if (!request || !answer || request->end > channel.request_area().size() ||
       answer->end > channel.response_area().size()) {
     return ShmStart::kTooLarge;
   }
@@ -536,9 +571,13 @@ RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q) {
   header.kind = static_cast<uint32_t>(shm::Kind::kAttend);
   header.layer = static_cast<uint32_t>(attend_layer_);
   header.num_tokens = static_cast<uint32_t>(attend_tokens_);
+  header.pages_per_head = static_cast<uint32_t>(per_head);
   std::memcpy(dst, &header, sizeof(header));
-  std::memcpy(dst + shm::kPayloadOffset, q, *request_bytes - shm::kPayloadOffset);
-  if (!channel.Send(*request_bytes).ok()) return ShmStart::kBusy;
+  std::memcpy(dst + request->q, q, request->q_floats * sizeof(float));
+  if (request->page_ids > 0) {
+    std::memcpy(dst + request->pages, pages->ids, request->page_ids * sizeof(int32_t));
+  }
+  if (!channel.Send(request->end).ok()) return ShmStart::kBusy;
   ++shm_attends_;
   return ShmStart::kSent;
 }
@@ -655,6 +694,8 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
 
 absl::Status RemoteKv::Reselect(int64_t layer, const float* q, int64_t num_tokens,
                                 std::optional<float> beta) {
+  // Pages sessions keep no salience index on the nodes: nothing to re-evaluate.
+  if (options_.selection == SelectionRule::kPages) return absl::OkStatus();
   // A copy in flight would keep the old flags of entries re-evaluated here: start over later.
   if (migrator_ != nullptr && !migrating_.empty()) {
     for (const MigrationJob& job : migrator_->CancelAll()) AbandonMigration(job);

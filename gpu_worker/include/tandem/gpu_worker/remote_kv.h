@@ -49,6 +49,7 @@
 #include "tandem/cpu_attention/shm_channel.h"
 #include "tandem/gpu_worker/dtype.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/placement_planner.h"
 #include "tandem/gpu_worker/shard_migrator.h"
 
@@ -67,8 +68,13 @@ struct RemoteKvOptions {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   DType kv_dtype = DType::kBF16;  // kBF16 or kF32 (as stored on the device window)
-  float beta = 1.0f;
+  float beta = 1.0f;               // kMaw only
   uint32_t block_tokens = 0;      // 0 = the node's default
+  // Sent at OpenSession on every node (also on nodes that get shards later by migration).
+  // kPages: the nodes keep no selected copy; each StartAttend names the pages (or none =
+  // every held entry); Reselect is a no-op.
+  SelectionRule selection = SelectionRule::kMaw;
+  uint32_t page_tokens = 16;      // kPages: entries per page, 1..4096
   int attend_deadline_ms = 1000;
   int control_deadline_ms = 30000;   // OpenSession, AppendKv, Reselect, CloseSession
   // Unset: the pool's transport (NodePoolOptions::transport).
@@ -142,8 +148,13 @@ class RemoteKv {
                       int64_t num_tokens, int64_t window_entries);
 
   // Sends q ([num_tokens, num_q_heads, head_dim] f32, host; copied) of `layer` to the nodes
-  // that own heads of it. Exactly one FinishAttend must follow.
-  absl::Status StartAttend(int64_t layer, const float* q, int64_t num_tokens);
+  // that own heads of it. Exactly one FinishAttend must follow (unless an error is returned).
+  // `pages` (kPages sessions; ids [num_tokens, num_kv_heads, per_head], copied): the pages each
+  // (token, kv head) attends over; nullptr = every held entry (dense, exact). pages on a kMaw
+  // session, or a negative per_head / null ids with per_head > 0: INVALID_ARGUMENT before
+  // anything is sent. The nodes check the ids (ascending, -1 padding last, held).
+  absl::Status StartAttend(int64_t layer, const float* q, int64_t num_tokens,
+                           const PageSelection* pages = nullptr);
   // Waits for the replies of StartAttend and writes the partial states of all query heads:
   //   o: [num_tokens, num_q_heads, head_dim] f32, lse: [num_tokens, num_q_heads] f32
   // Heads without an answer (or without entries) get o = 0, lse = -inf. Returns true when
@@ -151,6 +162,7 @@ class RemoteKv {
   absl::StatusOr<bool> FinishAttend(float* o, float* lse);
 
   // Re-evaluates the salience of `layer`'s offloaded entries with fresh queries (multi-turn).
+  // kPages sessions: a no-op returning OK (pages are chosen with every step's query).
   absl::Status Reselect(int64_t layer, const float* q, int64_t num_tokens,
                         std::optional<float> beta);
 
@@ -210,7 +222,8 @@ class RemoteKv {
   // The planner's view of the nodes and the shards now.
   std::vector<PlacementNode> PlannerNodes() const;
   std::vector<PlacementShard> PlannerShards(int64_t expected_tokens) const;
-  // Projected node bytes of a shard of `entries` entries of which `selected_share` are selected.
+  // Projected node bytes of a shard of `entries` entries of which `selected_share` are selected
+  // (kPages: no selected copy, share 0).
   uint64_t ShardBytes(int64_t entries, double selected_share) const;
   double SelectedShare(size_t shard) const;   // measured, or the projection before any Attend
   // Re-plans and starts the migrations: forced moves only (kForcedOnly), moves that repay
@@ -248,7 +261,7 @@ class RemoteKv {
   // Sends q over node's channel. kTooLarge: q or the answer exceeds the areas (use gRPC);
   // kBusy: the node has not answered the previous request yet.
   enum class ShmStart { kSent, kBusy, kTooLarge };
-  ShmStart StartAttendShm(size_t node, const float* q);
+  ShmStart StartAttendShm(size_t node, const float* q, const PageSelection* pages);
   // Waits for node's shm answer and scatters it; false when it is missing or malformed.
   bool FinishAttendShm(size_t node, float* o, float* lse, LayerSelection* selection);
   // Writes one node's answer (rows h*G+j of its owned heads) into the all-heads o and lse.
