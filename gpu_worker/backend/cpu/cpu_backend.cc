@@ -18,6 +18,7 @@
 #include "cpu_attention_kernels.h"
 #include "cpu_elementwise.h"
 #include "cpu_matmul.h"
+#include "cpu_page_select.h"
 #include "cpu_sampling.h"
 #include "cpu_scratch.h"
 #include "cpu_vector_kernels.h"
@@ -78,7 +79,8 @@ class CpuBackend final : public Backend {
       : description_(absl::StrCat("cpu: ", threads, " threads, ", CpuModelName())),
         counters_(std::make_shared<MemoryCounters>()),
         matmul_(std::move(matmul)),
-        attention_(static_cast<int>(threads)) {}
+        attention_(static_cast<int>(threads)),
+        page_select_(static_cast<int>(threads)) {}
 
   std::string_view name() const override { return "cpu"; }
   std::string device_description() const override { return description_; }
@@ -227,6 +229,10 @@ class CpuBackend final : public Backend {
   absl::Status TokenLogProbs(const TokenLogProbParams& p) override {
     return cpu::RunTokenLogProbs(p);
   }
+  absl::Status SummarizePages(const SummarizePagesParams& p) override {
+    return page_select_.Summarize(p);
+  }
+  absl::Status SelectPages(const SelectPagesParams& p) override { return page_select_.Select(p); }
 
  private:
   // bytes == 0 is a no-op; otherwise both pointers must be set. Overlap is allowed (memmove).
@@ -243,6 +249,7 @@ class CpuBackend final : public Backend {
   std::shared_ptr<MemoryCounters> counters_;
   std::unique_ptr<cpu::CpuMatmul> matmul_;
   cpu::WindowAttentionRunner attention_;
+  cpu::PageSelectRunner page_select_;
   cpu::ScratchBuffer scratch_;  // small per-op tables (RmsNorm weights, RoPE cos/sin)
 };
 
