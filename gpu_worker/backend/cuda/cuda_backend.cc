@@ -23,6 +23,8 @@
 #include "embed_norm.cuh"
 #include "kv_write.cuh"
 #include "merge_states.cuh"
+#include "page_select.cuh"
+#include "page_summary.cuh"
 #include "rope.cuh"
 #include "sampling.cuh"
 #include "swiglu.cuh"
@@ -136,6 +138,8 @@ class CudaBackend final : public Backend {
   absl::Status MergeStates(const MergeParams& p) override;
   absl::StatusOr<int32_t> Sample(const SampleParams& p) override;
   absl::Status TokenLogProbs(const TokenLogProbParams& p) override;
+  absl::Status SummarizePages(const SummarizePagesParams& p) override;
+  absl::Status SelectPages(const SelectPagesParams& p) override;
 
  private:
   // Makes this backend's device current for the calling thread (cheap when it already is).
@@ -630,6 +634,96 @@ absl::Status CudaBackend::TokenLogProbs(const TokenLogProbParams& p) {
                                                                  .num_tokens = p.num_tokens,
                                                                  .vocab = p.vocab},
                                                                 stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SummarizePages(const SummarizePagesParams& p) {
+  constexpr absl::string_view kOp = "SummarizePages";
+  if (p.k_cache == nullptr || p.summaries == nullptr) return Invalid(kOp, "null pointer");
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "capacity", p.capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_pages", p.num_pages));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "page_tokens", p.page_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "max_pages", p.max_pages));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
+    return Invalid(kOp, absl::StrCat("dtype ", DTypeStr(p.dtype), " is not supported (f32, bf16)"));
+  }
+  if (p.first_slot < 0 || p.num_pages > (p.capacity - p.first_slot) / p.page_tokens) {
+    return Invalid(kOp, absl::StrCat("slots [", p.first_slot, ", ", p.first_slot, " + ",
+                                     p.num_pages, "·", p.page_tokens, ") exceed capacity ",
+                                     p.capacity));
+  }
+  if (p.first_page < 0 || p.num_pages > p.max_pages - p.first_page) {
+    return Invalid(kOp, absl::StrCat("pages [", p.first_page, ", ", p.first_page, " + ",
+                                     p.num_pages, ") exceed max_pages ", p.max_pages));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSummarizePages({.k_cache = p.k_cache,
+                                                                  .capacity = p.capacity,
+                                                                  .first_slot = p.first_slot,
+                                                                  .num_pages = p.num_pages,
+                                                                  .page_tokens = p.page_tokens,
+                                                                  .summaries = p.summaries,
+                                                                  .max_pages = p.max_pages,
+                                                                  .first_page = p.first_page,
+                                                                  .dtype = p.dtype,
+                                                                  .num_kv_heads = p.num_kv_heads,
+                                                                  .head_dim = p.head_dim},
+                                                                 stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SelectPages(const SelectPagesParams& p) {
+  constexpr absl::string_view kOp = "SelectPages";
+  if (p.q == nullptr || p.summaries == nullptr || p.pages == nullptr || p.scratch == nullptr) {
+    return Invalid(kOp, "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "select", p.select));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_pages", p.num_pages));
+  if (p.num_pages > p.max_pages) {
+    return Invalid(kOp, absl::StrCat("num_pages ", p.num_pages, " > max_pages ", p.max_pages));
+  }
+  // Grid limits: kv heads are a grid y dimension, token tiles a z dimension, rows an x one.
+  if (p.num_kv_heads > 65535 || p.num_tokens > 65535 || p.num_tokens * p.num_kv_heads > INT_MAX) {
+    return Invalid(kOp, absl::StrCat("num_kv_heads ", p.num_kv_heads, " and num_tokens ",
+                                     p.num_tokens, " must be <= 65535 (and their product <= ",
+                                     INT_MAX, ")"));
+  }
+  if (p.num_q_heads % p.num_kv_heads != 0) {
+    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
+                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
+  }
+  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
+    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
+                                     p.num_q_heads * p.head_dim));
+  }
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
+    return Invalid(kOp, absl::StrCat("dtype ", DTypeStr(p.dtype), " is not supported (f32, bf16)"));
+  }
+  if (reinterpret_cast<uintptr_t>(p.scratch) % 4 != 0) {
+    return Invalid(kOp, "scratch must be 4-byte aligned");
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPages({.q = p.q,
+                                                               .q_row_stride = p.q_row_stride,
+                                                               .summaries = p.summaries,
+                                                               .dtype = p.dtype,
+                                                               .max_pages = p.max_pages,
+                                                               .num_pages = p.num_pages,
+                                                               .num_tokens = p.num_tokens,
+                                                               .num_q_heads = p.num_q_heads,
+                                                               .num_kv_heads = p.num_kv_heads,
+                                                               .head_dim = p.head_dim,
+                                                               .select = p.select,
+                                                               .pages = p.pages,
+                                                               .scratch = p.scratch,
+                                                               .num_sms = props_.multiProcessorCount},
+                                                              stream()));
   return absl::OkStatus();
 }
 

@@ -1,0 +1,540 @@
+// SelectPages in two kernels on the backend's stream:
+//
+// 1. Scoring streams the summaries once: a page's min and max rows are read by kD / kVec lanes
+//    with one 16-byte load each (a warp covers 32 / lanes pages per load, fully coalesced), the
+//    lane keeps its chunk in registers and, for each query token of the block's token tile (q of
+//    the tile's G heads in shared memory), sums max(q·min, q·max) over its chunk for the G heads;
+//    a butterfly over the page's lanes completes the sums and the max over the heads is the
+//    page's score, written to scratch [T, Hkv, num_pages]. Head dims and group sizes without a
+//    specialisation take a one-warp-per-page kernel.
+// 2. Top-k per (token, kv head) row: a radix select on the order-preserving uint32 key of the
+//    scores (4 passes of 8 bits, shared-memory histograms with warp-aggregated atomics) finds the
+//    key of the select-th best page and how many pages equal to it are kept; then the pages above
+//    that key, and the first pages equal to it, are written in page order (counts, a scan for
+//    the offsets), which makes the output ascending with the lowest ids winning ties. Few rows
+//    (decode) run as a cooperative grid of many blocks per row, synchronised per radix pass, with
+//    its histograms in the 64 KiB of scratch after the scores; many rows (prefill chunks) take
+//    one block per row.
+#include <cooperative_groups.h>
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "device_utils.cuh"
+#include "page_select.cuh"
+
+namespace tandem::gpu_worker::cuda_backend {
+namespace {
+
+constexpr int kScoreWarps = 8;
+constexpr int kScoreThreads = kScoreWarps * kWarpSize;
+// Shared memory for the q tile of a scoring block (the default limit, no opt-in needed).
+constexpr int64_t kMaxQTileBytes = 48 << 10;
+// Page iterations per scoring warp at most (long contexts: fewer, fuller blocks).
+constexpr int64_t kMaxScoreIters = 32;
+constexpr int kFallbackWarps = 8;
+constexpr int kRadixBits = 8;
+constexpr int kBins = 1 << kRadixBits;
+constexpr int kRadixPasses = 32 / kRadixBits;
+constexpr int kGridTopThreads = 512;
+// Global histogram buffers per row of the grid top-k: three, rotating, make one grid barrier per
+// pass enough (a buffer is cleared two passes after it was read).
+constexpr int kHistBuffers = 3;
+// The scratch bytes after the scores (backend.h's SelectPagesScratchBytes: 64 KiB).
+constexpr int64_t kSelectExtraScratchBytes = 64 << 10;
+
+// Larger key = larger score (the IEEE order, -0 == +0; NaN with the sign bit clear above +inf);
+// the cpu backend orders by the same key.
+__device__ __forceinline__ uint32_t OrderKey(float score) {
+  const uint32_t u = __float_as_uint(score == 0.0f ? 0.0f : score);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Pack {
+  T v[kVec];
+};
+
+struct ScoreGrid {
+  int64_t iters = 1;             // page iterations per warp
+  int64_t tokens_per_block = 1;  // query tokens whose q a block holds in shared memory
+};
+
+// Grid: x = page blocks, y = kv head, z = token tiles. Dynamic shared memory: the q tile
+// [tokens_per_block, kGroup, kHeadDim] f32.
+template <typename T, int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kScoreThreads)
+    ScorePagesKernel(SelectPagesArgs args, ScoreGrid grid) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kLanes = kHeadDim / kVec;  // lanes per page
+  constexpr int kPagesPerWarp = kWarpSize / kLanes;
+  static_assert(kHeadDim % kVec == 0 && kLanes <= kWarpSize && kWarpSize % kLanes == 0,
+                "a page's min (or max) row must be 1..32 16-byte chunks, a power of two");
+  static_assert(kVec % 4 == 0, "q chunks are read as float4");
+  using P = Pack<T, kVec>;
+  extern __shared__ float4 q_tile_raw[];
+  float* q_tile = reinterpret_cast<float*>(q_tile_raw);
+
+  const int64_t g = blockIdx.y;
+  const int64_t t0 = blockIdx.z * grid.tokens_per_block;
+  const int tokens = static_cast<int>(MinI64(grid.tokens_per_block, args.num_tokens - t0));
+  for (int i = threadIdx.x; i < tokens * kGroup * kHeadDim; i += blockDim.x) {
+    const int tt = i / (kGroup * kHeadDim);
+    const int r = i % (kGroup * kHeadDim);
+    q_tile[i] = args.q[(t0 + tt) * args.q_row_stride + g * (kGroup * kHeadDim) + r];
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int sub = lane / kLanes;  // page of the warp's group
+  const int d0 = (lane % kLanes) * kVec;
+  const T* summaries = static_cast<const T*>(args.summaries) + g * args.max_pages * 2 * kHeadDim;
+  const int64_t n = args.num_pages;
+  float* scores = static_cast<float*>(args.scratch);
+  const int64_t block_first = blockIdx.x * (grid.iters * kScoreWarps * kPagesPerWarp);
+  for (int64_t it = 0; it < grid.iters; ++it) {
+    const int64_t warp_first = block_first + (it * kScoreWarps + warp) * kPagesPerWarp;
+    if (warp_first >= n) break;  // warp-uniform
+    const int64_t page = warp_first + sub;
+    const bool valid = page < n;
+    P lo_pack{}, hi_pack{};
+    if (valid) {
+      const T* row = summaries + page * 2 * kHeadDim + d0;
+      lo_pack = *reinterpret_cast<const P*>(row);
+      hi_pack = *reinterpret_cast<const P*>(row + kHeadDim);
+    }
+    float lo[kVec], hi[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      lo[i] = ToFloat(lo_pack.v[i]);
+      hi[i] = ToFloat(hi_pack.v[i]);
+    }
+    for (int tt = 0; tt < tokens; ++tt) {
+      float best = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        const float* qj = q_tile + (tt * kGroup + j) * kHeadDim + d0;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kVec; i += 4) {
+          const float4 q4 = *reinterpret_cast<const float4*>(qj + i);
+          sum += fmaxf(q4.x * lo[i], q4.x * hi[i]);
+          sum += fmaxf(q4.y * lo[i + 1], q4.y * hi[i + 1]);
+          sum += fmaxf(q4.z * lo[i + 2], q4.z * hi[i + 2]);
+          sum += fmaxf(q4.w * lo[i + 3], q4.w * hi[i + 3]);
+        }
+#pragma unroll
+        for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
+          sum += __shfl_xor_sync(kFullMask, sum, offset);
+        }
+        best = j == 0 ? sum : fmaxf(best, sum);
+      }
+      if (valid && lane % kLanes == 0) {
+        scores[((t0 + tt) * args.num_kv_heads + g) * n + page] = best == 0.0f ? 0.0f : best;
+      }
+    }
+  }
+}
+
+// Any head_dim and group: one warp per page, lanes strided over d, every token in turn.
+// Grid: x = page blocks of kFallbackWarps pages, y = kv head.
+template <typename T>
+__global__ void __launch_bounds__(kFallbackWarps * kWarpSize)
+    ScorePagesFallbackKernel(SelectPagesArgs args) {
+  const int64_t page = blockIdx.x * int64_t{kFallbackWarps} + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t n = args.num_pages;
+  if (page >= n) return;  // warp-uniform
+  const int64_t g = blockIdx.y;
+  const int64_t d_count = args.head_dim;
+  const int64_t group = args.num_q_heads / args.num_kv_heads;
+  const T* lo = static_cast<const T*>(args.summaries) + (g * args.max_pages + page) * 2 * d_count;
+  const T* hi = lo + d_count;
+  float* scores = static_cast<float*>(args.scratch);
+  for (int64_t t = 0; t < args.num_tokens; ++t) {
+    float best = 0.0f;
+    for (int64_t j = 0; j < group; ++j) {
+      const float* q = args.q + t * args.q_row_stride + (g * group + j) * d_count;
+      float sum = 0.0f;
+      for (int64_t d = lane; d < d_count; d += kWarpSize) {
+        sum += fmaxf(q[d] * ToFloat(lo[d]), q[d] * ToFloat(hi[d]));
+      }
+      sum = WarpSum(sum);
+      best = j == 0 ? sum : fmaxf(best, sum);
+    }
+    if (lane == 0) scores[(t * args.num_kv_heads + g) * n + page] = best == 0.0f ? 0.0f : best;
+  }
+}
+
+// pages[row, i] = i for i < num_pages, else -1 (num_pages <= select: every page is kept).
+__global__ void AllPagesKernel(int32_t* pages, int64_t rows, int64_t select, int64_t num_pages) {
+  const int64_t count = rows * select;
+  for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < count;
+       idx += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = idx % select;
+    pages[idx] = i < num_pages ? static_cast<int32_t>(i) : -1;
+  }
+}
+
+// Warp 0 of a block: given the histogram of the current digit (at `shift`) over the candidates,
+// picks the digit of the `remaining`-th best candidate and writes the extended prefix and how
+// many of the best candidates remain among those with that digit.
+__device__ __forceinline__ void ChooseDigit(const uint32_t* hist, uint32_t prefix,
+                                            uint32_t remaining, int shift, int lane,
+                                            uint32_t* chosen_prefix, uint32_t* chosen_remaining) {
+  // Lane l holds bins kBins-1-l·kPer downwards: a scan over lanes is a scan over descending
+  // digits.
+  constexpr int kPer = kBins / kWarpSize;
+  uint32_t local[kPer];
+  uint32_t sum = 0;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    local[k] = hist[kBins - 1 - (lane * kPer + k)];
+    sum += local[k];
+  }
+  uint32_t inclusive = sum;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset <<= 1) {
+    const uint32_t up = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += up;
+  }
+  const unsigned reached = __ballot_sync(kFullMask, inclusive >= remaining);
+  if (lane == __ffs(reached) - 1) {
+    uint32_t before = inclusive - sum;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      if (before + local[k] >= remaining) {
+        const uint32_t digit = kBins - 1 - (lane * kPer + k);
+        *chosen_prefix = prefix | (digit << shift);
+        *chosen_remaining = remaining - before;
+        break;
+      }
+      before += local[k];
+    }
+  }
+}
+
+// Adds the digits (at `shift`) of the keys in row[begin, end) that match `prefix` under `mask`
+// to the shared histogram `hist`. Called by the whole block (block-uniform trip count).
+__device__ __forceinline__ void AddToHistogram(const float* row, int64_t begin, int64_t end,
+                                               uint32_t prefix, uint32_t mask, int shift,
+                                               uint32_t* hist) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (int64_t base = begin; base < end; base += blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    uint32_t digit = kBins;  // no bin
+    if (i < end) {
+      const uint32_t key = OrderKey(row[i]);
+      if ((key & mask) == prefix) digit = (key >> shift) & (kBins - 1);
+    }
+    // NOTE: scores of a row mostly share their top bits; one atomic per distinct digit of the
+    // warp keeps the first passes from serialising on one bin.
+    const unsigned peers = __match_any_sync(kFullMask, digit);
+    if (digit < kBins && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+  }
+}
+
+// One block per (token, kv head) row of scores [rows, n]: pages[row, :] = the `select` best pages
+// (select < n), ascending.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesKernel(const float* scores, int64_t n, int64_t select, int32_t* pages) {
+  static_assert(kThreads % kWarpSize == 0 && kBins % kWarpSize == 0);
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t chosen_prefix;
+  __shared__ uint32_t chosen_remaining;
+  const float* row = scores + blockIdx.x * n;
+  int32_t* out = pages + blockIdx.x * select;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+
+  // Radix select, most significant digit first: `prefix` (under `mask`) is the known part of the
+  // select-th best key, `remaining` how many of the best pages have a key matching it.
+  uint32_t prefix = 0;
+  uint32_t mask = 0;
+  uint32_t remaining = static_cast<uint32_t>(select);
+  for (int pass = 0; pass < kRadixPasses; ++pass) {
+    const int shift = 32 - kRadixBits * (pass + 1);
+    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    AddToHistogram(row, 0, n, prefix, mask, shift, hist);
+    __syncthreads();
+    if (warp == 0) {
+      ChooseDigit(hist, prefix, remaining, shift, lane, &chosen_prefix, &chosen_remaining);
+    }
+    __syncthreads();
+    prefix = chosen_prefix;
+    remaining = chosen_remaining;
+    mask |= static_cast<uint32_t>(kBins - 1) << shift;
+  }
+
+  // prefix is now the select-th best key; pages above it are all kept, and of the pages equal
+  // to it the `remaining` lowest ids.
+  const uint32_t threshold = prefix;
+  const uint32_t keep_equal = remaining;
+  const int64_t per_thread = (n + kThreads - 1) / kThreads;
+  const int64_t begin = MinI64(n, threadIdx.x * per_thread);
+  const int64_t end = MinI64(n, begin + per_thread);
+  uint32_t above = 0, equal = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = OrderKey(row[i]);
+    above += key > threshold;
+    equal += key == threshold;
+  }
+  // (equal << 32) | above: both counts are < 2^31, so the halves never carry into each other.
+  unsigned long long before = 0;
+  Scan(scan_storage)
+      .ExclusiveSum((static_cast<unsigned long long>(equal) << 32) | above, before);
+  uint32_t above_before = static_cast<uint32_t>(before);
+  uint32_t equal_before = static_cast<uint32_t>(before >> 32);
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = OrderKey(row[i]);
+    if (key > threshold) {
+      out[above_before + min(equal_before, keep_equal)] = static_cast<int32_t>(i);
+      ++above_before;
+    } else if (key == threshold) {
+      if (equal_before < keep_equal) out[above_before + equal_before] = static_cast<int32_t>(i);
+      ++equal_before;
+    }
+  }
+}
+
+// The same selection for few rows (decode: T·Hkv rows, fewer than the SMs): `chunks` blocks per
+// row (grid: x = chunk, y = row; a cooperative launch, all blocks resident) each take a
+// contiguous chunk of the row. Per radix pass the blocks add their shared histograms into the
+// row's global one, the grid synchronises, and every block picks the same digit from it. Then
+// each block counts its chunk's pages above / equal to the threshold, the grid synchronises,
+// and each block writes its chunk's selected pages at the offset the earlier chunks' counts give,
+// tile by tile in page order.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesGridKernel(const float* scores, int64_t n, int64_t select, int32_t* pages,
+                       uint32_t* global_hist, unsigned long long* chunk_counts,
+                       int64_t chunk_len) {
+  // global_hist:  [rows, kHistBuffers, kBins]: pass p adds into buffer p % kHistBuffers
+  // chunk_counts: [rows, chunks] (equal << 32) | above of each chunk
+  namespace cg = cooperative_groups;
+  cg::grid_group grid = cg::this_grid();
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t chosen_prefix;
+  __shared__ uint32_t chosen_remaining;
+  const int64_t r = blockIdx.y;
+  const int chunk = blockIdx.x;
+  const int chunks = gridDim.x;
+  const float* row = scores + r * n;
+  int32_t* out = pages + r * select;
+  uint32_t* row_hist = global_hist + r * (kHistBuffers * kBins);
+  const int64_t begin = MinI64(n, chunk * chunk_len);
+  const int64_t end = MinI64(n, begin + chunk_len);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+
+  if (chunk == 0) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) row_hist[i] = 0;
+  }
+  grid.sync();
+  uint32_t prefix = 0;
+  uint32_t mask = 0;
+  uint32_t remaining = static_cast<uint32_t>(select);
+  for (int pass = 0; pass < kRadixPasses; ++pass) {
+    const int shift = 32 - kRadixBits * (pass + 1);
+    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    AddToHistogram(row, begin, end, prefix, mask, shift, hist);
+    __syncthreads();
+    uint32_t* pass_hist = row_hist + (pass % kHistBuffers) * kBins;
+    for (int i = threadIdx.x; i < kBins; i += kThreads) {
+      if (hist[i] != 0) atomicAdd(&pass_hist[i], hist[i]);
+    }
+    // The next pass's buffer was last read (ChooseDigit of pass - 2) before the previous grid
+    // barrier, and is next written after the coming one.
+    if (chunk == 0 && pass + 1 < kRadixPasses) {
+      uint32_t* next = row_hist + ((pass + 1) % kHistBuffers) * kBins;
+      for (int i = threadIdx.x; i < kBins; i += kThreads) next[i] = 0;
+    }
+    grid.sync();
+    if (warp == 0) {
+      ChooseDigit(pass_hist, prefix, remaining, shift, lane, &chosen_prefix, &chosen_remaining);
+    }
+    __syncthreads();
+    prefix = chosen_prefix;
+    remaining = chosen_remaining;
+    mask |= static_cast<uint32_t>(kBins - 1) << shift;
+  }
+  const uint32_t threshold = prefix;
+  const uint32_t keep_equal = remaining;
+
+  // (equal << 32) | above: both counts are < 2^31, so the halves never carry into each other.
+  unsigned long long counts = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const uint32_t key = OrderKey(row[i]);
+    counts += (static_cast<unsigned long long>(key == threshold) << 32) | (key > threshold);
+  }
+  unsigned long long ignored = 0, total = 0;
+  Scan(scan_storage).ExclusiveSum(counts, ignored, total);
+  if (threadIdx.x == 0) chunk_counts[r * chunks + chunk] = total;
+  grid.sync();
+  // The counts of the chunks before this one (chunks <= kThreads).
+  __syncthreads();
+  unsigned long long running = 0;
+  Scan(scan_storage)
+      .ExclusiveSum(threadIdx.x < chunk ? chunk_counts[r * chunks + threadIdx.x] : 0ull, ignored,
+                    running);
+  for (int64_t tile = begin; tile < end; tile += kThreads) {  // block-uniform trip count
+    const int64_t i = tile + threadIdx.x;
+    const uint32_t key = i < end ? OrderKey(row[i]) : 0u;
+    const bool above = i < end && key > threshold;
+    const bool equal = i < end && key == threshold;
+    unsigned long long before = 0, tile_total = 0;
+    __syncthreads();  // scan_storage is reused
+    Scan(scan_storage)
+        .ExclusiveSum((static_cast<unsigned long long>(equal) << 32) | above, before, tile_total);
+    before += running;
+    const uint32_t above_before = static_cast<uint32_t>(before);
+    const uint32_t equal_before = static_cast<uint32_t>(before >> 32);
+    if (above) {
+      out[above_before + min(equal_before, keep_equal)] = static_cast<int32_t>(i);
+    } else if (equal && equal_before < keep_equal) {
+      out[above_before + equal_before] = static_cast<int32_t>(i);
+    }
+    running += tile_total;
+  }
+}
+
+template <typename T, int kHeadDim, int kGroup>
+cudaError_t LaunchScore(const SelectPagesArgs& args, cudaStream_t stream) {
+  constexpr int kPagesPerWarp = kWarpSize / (kHeadDim / (16 / sizeof(T)));
+  constexpr int64_t kTokenBytes = int64_t{kGroup} * kHeadDim * sizeof(float);
+  static_assert(kTokenBytes <= kMaxQTileBytes);
+  ScoreGrid grid;
+  grid.tokens_per_block = std::min<int64_t>(args.num_tokens, kMaxQTileBytes / kTokenBytes);
+  const int64_t token_tiles = (args.num_tokens + grid.tokens_per_block - 1) / grid.tokens_per_block;
+  // Enough warps for two full waves of the device; the rest as iterations of each warp (fewer
+  // q tile loads per summary byte).
+  const int64_t warp_tasks = (args.num_pages + kPagesPerWarp - 1) / kPagesPerWarp;
+  const int64_t target_warps = std::max<int64_t>(
+      1, int64_t{args.num_sms} * 2 * 2048 / kWarpSize / (args.num_kv_heads * token_tiles));
+  grid.iters = std::clamp<int64_t>(warp_tasks / target_warps, 1, kMaxScoreIters);
+  const int64_t pages_per_block = grid.iters * kScoreWarps * kPagesPerWarp;
+  const dim3 blocks(static_cast<unsigned>((args.num_pages + pages_per_block - 1) / pages_per_block),
+                    static_cast<unsigned>(args.num_kv_heads), static_cast<unsigned>(token_tiles));
+  const size_t smem = static_cast<size_t>(grid.tokens_per_block * kTokenBytes);
+  ScorePagesKernel<T, kHeadDim, kGroup><<<blocks, kScoreThreads, smem, stream>>>(args, grid);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+bool TryScoreGroup(const SelectPagesArgs& args, cudaStream_t stream, cudaError_t* error) {
+  switch (args.num_q_heads / args.num_kv_heads) {
+    case 1:
+      *error = LaunchScore<T, kHeadDim, 1>(args, stream);
+      return true;
+    case 2:
+      *error = LaunchScore<T, kHeadDim, 2>(args, stream);
+      return true;
+    case 4:
+      *error = LaunchScore<T, kHeadDim, 4>(args, stream);
+      return true;
+    case 8:
+      *error = LaunchScore<T, kHeadDim, 8>(args, stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+cudaError_t LaunchScoreTyped(const SelectPagesArgs& args, cudaStream_t stream) {
+  cudaError_t error = cudaSuccess;
+  if (reinterpret_cast<uintptr_t>(args.summaries) % 16 == 0) {
+    if (args.head_dim == 64 && TryScoreGroup<T, 64>(args, stream, &error)) return error;
+    if (args.head_dim == 128 && TryScoreGroup<T, 128>(args, stream, &error)) return error;
+  }
+  const dim3 blocks(static_cast<unsigned>((args.num_pages + kFallbackWarps - 1) / kFallbackWarps),
+                    static_cast<unsigned>(args.num_kv_heads));
+  ScorePagesFallbackKernel<T><<<blocks, kFallbackWarps * kWarpSize, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchScorePages(const SelectPagesArgs& args, cudaStream_t stream) {
+  if (args.num_tokens <= 0 || args.num_kv_heads <= 0 || args.num_pages <= 0) return cudaSuccess;
+  switch (args.dtype) {
+    case DType::kF32:
+      return LaunchScoreTyped<float>(args, stream);
+    case DType::kBF16:
+      return LaunchScoreTyped<__nv_bfloat16>(args, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchTopPages(const SelectPagesArgs& args, cudaStream_t stream) {
+  const int64_t rows = args.num_tokens * args.num_kv_heads;
+  const int64_t n = args.num_pages;
+  if (rows <= 0 || args.select <= 0 || n <= args.select) return cudaSuccess;
+  const float* scores = static_cast<const float*>(args.scratch);
+  if (rows < args.num_sms) {
+    // Few rows: several blocks per row, as many as can be resident at once (a cooperative
+    // launch), their histograms and chunk counts in the scratch after the scores.
+    constexpr int kThreads = kGridTopThreads;
+    int per_sm = 0;
+    const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, TopPagesGridKernel<kThreads>, kThreads, 0);
+    if (error != cudaSuccess) return error;
+    const uintptr_t scores_end =
+        reinterpret_cast<uintptr_t>(args.scratch) + static_cast<uintptr_t>(rows * n) * 4;
+    const uintptr_t workspace = (scores_end + 255) / 256 * 256;
+    const int64_t hist_bytes = rows * kHistBuffers * kBins * 4;
+    const int64_t free_bytes =
+        kSelectExtraScratchBytes - static_cast<int64_t>(workspace - scores_end) - hist_bytes;
+    const int64_t chunks =
+        std::min({int64_t{per_sm} * args.num_sms / rows, (n + kThreads - 1) / kThreads,
+                  int64_t{kThreads}, free_bytes / (rows * 8)});
+    if (chunks >= 2) {
+      int64_t chunk_len = (n + chunks - 1) / chunks;
+      uint32_t* hist = reinterpret_cast<uint32_t*>(workspace);
+      unsigned long long* chunk_counts = reinterpret_cast<unsigned long long*>(workspace + hist_bytes);
+      int64_t num_pages = n;
+      int64_t select = args.select;
+      int32_t* pages = args.pages;
+      void* params[] = {&scores, &num_pages, &select, &pages, &hist, &chunk_counts, &chunk_len};
+      const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(rows));
+      return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(TopPagesGridKernel<kThreads>),
+                                         grid, kThreads, params, 0, stream);
+    }
+  }
+  if (n >= 8192) {
+    TopPagesKernel<1024><<<static_cast<unsigned>(rows), 1024, 0, stream>>>(
+        scores, n, args.select, args.pages);
+  } else {
+    TopPagesKernel<256><<<static_cast<unsigned>(rows), 256, 0, stream>>>(
+        scores, n, args.select, args.pages);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream) {
+  const int64_t rows = args.num_tokens * args.num_kv_heads;
+  if (rows <= 0 || args.select <= 0 || args.num_pages <= 0) return cudaSuccess;
+  if (args.num_pages <= args.select) {
+    constexpr int kThreads = 256;
+    AllPagesKernel<<<GridStrideBlocks(rows * args.select, kThreads), kThreads, 0, stream>>>(
+        args.pages, rows, args.select, args.num_pages);
+    return cudaGetLastError();
+  }
+  const cudaError_t error = LaunchScorePages(args, stream);
+  if (error != cudaSuccess) return error;
+  return LaunchTopPages(args, stream);
+}
+
+}  // namespace tandem::gpu_worker::cuda_backend
