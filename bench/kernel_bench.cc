@@ -18,8 +18,15 @@
 // plan, workspace, launches) is also timed by the host clock over a batch of calls ended by
 // Synchronize (mean per call).
 //
+// Page selection (issue 11): SelectPages over the page summaries of contexts of
+// --page_contexts tokens (pages of --page_tokens), --page_select pages kept per (token, kv head):
+// the scoring kernel streams the summaries once (bytes = summaries + q + scores written), so its
+// rate is printed against the copy bandwidth; the top-k kernel and the whole backend call are
+// timed too. Summary sets rotate like decode caches when they would sit in L2.
+//
 //   tandem-kernel-bench                      # the issue-4 set: Llama-3-8B geometry, bf16 cache
 //   tandem-kernel-bench --decode_windows=4096 --prefill=false
+//   tandem-kernel-bench --decode_windows= --prefill=false   # page selection only
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -44,6 +51,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "tandem/gpu_worker/backend.h"
+#include "page_select.cuh"
 #include "window_attention.cuh"
 
 ABSL_FLAG(int64_t, q_heads, 32, "query heads");
@@ -59,6 +67,13 @@ ABSL_FLAG(std::string, prefill_cases, "2048:0,2048:8192,2048:32768,4096:0,16384:
           "plain causal self-attention)");
 ABSL_FLAG(bool, compare_f32_kernel, true,
           "prefill: also time the f32 (SIMT) tiled kernel the tensor-core kernel replaced");
+ABSL_FLAG(bool, page_selection, true, "run the page selection cases");
+ABSL_FLAG(std::string, page_contexts, "131072,524288,1048576",
+          "page selection: offloaded context lengths (tokens)");
+ABSL_FLAG(int64_t, page_tokens, 16, "page selection: tokens per page");
+ABSL_FLAG(int64_t, page_select, 128, "page selection: pages kept per (token, kv head)");
+ABSL_FLAG(std::string, page_query_tokens, "1",
+          "page selection: query tokens per call (decode 1; prefill chunks more)");
 ABSL_FLAG(double, seconds, 0.3, "target timed seconds per case");
 ABSL_FLAG(int64_t, max_reps, 200, "repetitions per case at most");
 
@@ -294,6 +309,69 @@ class Bench {
     return timing;
   }
 
+  struct SelectTiming {
+    double total_seconds = 0.0;    // LaunchSelectPages (scores + top-k), median, cudaEvents
+    double score_seconds = 0.0;    // the scoring kernel alone
+    double top_seconds = 0.0;      // the top-k kernel alone
+    double backend_seconds = 0.0;  // Backend::SelectPages, host clock, mean over a batch
+    int64_t reps = 0;
+  };
+
+  // Times page selection over `sets` argument sets (rotated per repetition; they differ in their
+  // summaries).
+  absl::StatusOr<SelectTiming> TimeSelectPages(std::vector<cuda_backend::SelectPagesArgs> sets,
+                                               double target_seconds, int64_t max_reps) {
+    for (cuda_backend::SelectPagesArgs& a : sets) a.num_sms = num_sms_;
+    using Launcher = cudaError_t (*)(const cuda_backend::SelectPagesArgs&, cudaStream_t);
+    auto timed = [&](Launcher launch, int64_t reps) -> absl::StatusOr<double> {
+      auto run = [&](int64_t rep) -> absl::Status {
+        BENCH_CUDA(launch(sets[rep % sets.size()], stream_.get()));
+        return absl::OkStatus();
+      };
+      return TimeMedian(stream_.get(), reps, run, [&] { return Busy(reps); });
+    };
+    BENCH_CUDA(cuda_backend::LaunchSelectPages(sets[0], stream_.get()));  // warm-up
+    BENCH_CUDA(cudaStreamSynchronize(stream_.get()));
+    absl::StatusOr<double> once = timed(cuda_backend::LaunchSelectPages, 3);
+    if (!once.ok()) return once.status();
+    SelectTiming timing;
+    timing.reps = std::clamp<int64_t>(static_cast<int64_t>(target_seconds / *once), 5, max_reps);
+    timing.reps = (timing.reps + sets.size() - 1) / sets.size() * sets.size();
+    absl::StatusOr<double> total = timed(cuda_backend::LaunchSelectPages, timing.reps);
+    if (!total.ok()) return total.status();
+    absl::StatusOr<double> score = timed(cuda_backend::LaunchScorePages, timing.reps);
+    if (!score.ok()) return score.status();
+    absl::StatusOr<double> top = timed(cuda_backend::LaunchTopPages, timing.reps);
+    if (!top.ok()) return top.status();
+    timing.total_seconds = *total;
+    timing.score_seconds = *score;
+    timing.top_seconds = *top;
+
+    BENCH_RETURN_IF_ERROR(backend_->Synchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t rep = 0; rep < timing.reps; ++rep) {
+      const cuda_backend::SelectPagesArgs& a = sets[rep % sets.size()];
+      BENCH_RETURN_IF_ERROR(backend_->SelectPages({.q = a.q,
+                                                   .q_row_stride = a.q_row_stride,
+                                                   .summaries = a.summaries,
+                                                   .dtype = a.dtype,
+                                                   .max_pages = a.max_pages,
+                                                   .num_pages = a.num_pages,
+                                                   .num_tokens = a.num_tokens,
+                                                   .num_q_heads = a.num_q_heads,
+                                                   .num_kv_heads = a.num_kv_heads,
+                                                   .head_dim = a.head_dim,
+                                                   .select = a.select,
+                                                   .pages = a.pages,
+                                                   .scratch = a.scratch}));
+    }
+    BENCH_RETURN_IF_ERROR(backend_->Synchronize());
+    timing.backend_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+        static_cast<double>(timing.reps);
+    return timing;
+  }
+
  private:
   Bench() = default;
 
@@ -520,6 +598,91 @@ absl::Status Run() {
           "kernel %5.1f TFLOPS; bf16-rounded operands %5.1f TFLOPS)",
           chunk, prefix, timing->kernel_seconds * 1e3, tflops, timing->backend_seconds * 1e3,
           f32_tflops, bf16_tflops));
+    }
+  }
+
+  // ---- page selection: one layer's SelectPages over the summaries of a long offloaded context.
+  if (absl::GetFlag(FLAGS_page_selection)) {
+    absl::StatusOr<std::vector<int64_t>> contexts = ParseList(absl::GetFlag(FLAGS_page_contexts));
+    if (!contexts.ok()) return contexts.status();
+    absl::StatusOr<std::vector<int64_t>> query_tokens =
+        ParseList(absl::GetFlag(FLAGS_page_query_tokens));
+    if (!query_tokens.ok()) return query_tokens.status();
+    const int64_t page_tokens = absl::GetFlag(FLAGS_page_tokens);
+    const int64_t select = absl::GetFlag(FLAGS_page_select);
+    if (page_tokens <= 0 || select <= 0) {
+      return absl::InvalidArgumentError("--page_tokens and --page_select must be positive");
+    }
+    for (int64_t context : *contexts) {
+      const int64_t num_pages = (context + page_tokens - 1) / page_tokens;
+      const size_t summary_elems = static_cast<size_t>(geo.kv_heads * num_pages * 2 * geo.head_dim);
+      const double summary_bytes = static_cast<double>(summary_elems * DTypeBytes(geo.dtype));
+      const int64_t sets = std::max<int64_t>(
+          1, static_cast<int64_t>((4.0 * bench.l2_bytes() + summary_bytes - 1) / summary_bytes));
+      for (int64_t tokens : *query_tokens) {
+        auto alloc = [&](size_t bytes) { return bench.Alloc(bytes); };
+        const size_t q_elems = static_cast<size_t>(tokens * geo.q_heads * geo.head_dim);
+        absl::StatusOr<DeviceBuffer> q = alloc(q_elems * 4);
+        absl::StatusOr<DeviceBuffer> pages = alloc(tokens * geo.kv_heads * select * 4);
+        absl::StatusOr<DeviceBuffer> scratch =
+            alloc(SelectPagesScratchBytes(tokens, geo.kv_heads, num_pages));
+        if (!q.ok() || !pages.ok() || !scratch.ok()) {
+          return !q.ok() ? q.status() : (!pages.ok() ? pages.status() : scratch.status());
+        }
+        BENCH_RETURN_IF_ERROR(bench.Fill(q->data(), DType::kF32, q_elems, 21, 1.0f));
+        std::vector<DeviceBuffer> summaries;
+        std::vector<cuda_backend::SelectPagesArgs> args;
+        for (int64_t i = 0; i < sets; ++i) {
+          absl::StatusOr<DeviceBuffer> s = alloc(summary_elems * DTypeBytes(geo.dtype));
+          if (!s.ok()) return s.status();
+          BENCH_RETURN_IF_ERROR(bench.Fill(s->data(), geo.dtype, summary_elems, 300 + i, 1.0f));
+          summaries.push_back(*std::move(s));
+          args.push_back({.q = q->as<float>(),
+                          .q_row_stride = geo.q_heads * geo.head_dim,
+                          .summaries = summaries.back().data(),
+                          .dtype = geo.dtype,
+                          .max_pages = num_pages,
+                          .num_pages = num_pages,
+                          .num_tokens = tokens,
+                          .num_q_heads = geo.q_heads,
+                          .num_kv_heads = geo.kv_heads,
+                          .head_dim = geo.head_dim,
+                          .select = select,
+                          .pages = pages->as<int32_t>(),
+                          .scratch = scratch->data()});
+        }
+        absl::StatusOr<Bench::SelectTiming> timing = bench.TimeSelectPages(args, target, max_reps);
+        if (!timing.ok()) return timing.status();
+        // The scoring kernel's traffic: summaries and q read, scores written.
+        const double score_bytes =
+            summary_bytes + 4.0 * q_elems + 4.0 * tokens * geo.kv_heads * num_pages;
+        const double score_gbps = score_bytes / timing->score_seconds / 1e9;
+        const double summary_gbps = summary_bytes / timing->total_seconds / 1e9;
+        std::printf("%s\n", nlohmann::json{{"bench", "page_select"},
+                                           {"context", context},
+                                           {"page_tokens", page_tokens},
+                                           {"pages", num_pages},
+                                           {"select", select},
+                                           {"tokens", tokens},
+                                           {"summary_bytes", summary_bytes},
+                                           {"us", timing->total_seconds * 1e6},
+                                           {"score_us", timing->score_seconds * 1e6},
+                                           {"top_us", timing->top_seconds * 1e6},
+                                           {"backend_us", timing->backend_seconds * 1e6},
+                                           {"summary_gbps", summary_gbps},
+                                           {"score_gbps", score_gbps},
+                                           {"score_pct_copy", 100.0 * score_gbps * 1e9 / *copy_bw},
+                                           {"summary_sets", sets},
+                                           {"reps", timing->reps}}
+                                .dump()
+                                .c_str());
+        table.push_back(absl::StrFormat(
+            "select  context %8d  pages %6d  tokens %2d  select %4d  %8.1f us  (score %7.1f us, "
+            "%5.0f GB/s, %5.1f%% of copy; top-k %6.1f us; backend call %8.1f us)",
+            context, num_pages, tokens, select, timing->total_seconds * 1e6,
+            timing->score_seconds * 1e6, score_gbps, 100.0 * score_gbps * 1e9 / *copy_bw,
+            timing->top_seconds * 1e6, timing->backend_seconds * 1e6));
+      }
     }
   }
 
