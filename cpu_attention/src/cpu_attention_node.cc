@@ -13,10 +13,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "paged_plan.h"
 #include "shm_session_server.h"
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/cpu_attention/paged_attention.h"
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
@@ -146,9 +146,7 @@ absl::Status CheckAppendTokens(int64_t n) {
   return absl::OkStatus();
 }
 
-// Most page ids per (token, kv head) of one Attend (AttendQuery.pages_per_head).
-constexpr uint32_t kMaxPagesPerHead = 1u << 20;
-constexpr uint32_t kMaxPageTokens = 4096;
+constexpr uint32_t kMaxPageTokens = 4096;   // OpenSessionRequest.page_tokens
 
 AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, uint32_t chunk_keys) {
   AttentionParams p;
@@ -390,47 +388,6 @@ struct CpuAttentionNode::AttendItem {
   uint32_t pages_per_head = 0;
 };
 
-absl::Status CpuAttentionNode::SetPages(AttendItem& item, absl::string_view what,
-                                        std::span<const int32_t> pages,
-                                        uint32_t pages_per_head) const {
-  const Session& session = *item.session;
-  const uint32_t page_tokens = session.options().page_tokens;
-  if (page_tokens == 0) {
-    if (pages_per_head != 0 || !pages.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ": pages given (pages_per_head ", pages_per_head, ", ", pages.size(),
-          " ids) for session '", session.id(),
-          "', which uses MAW selection (open it with SELECTION_PAGES to name pages)"));
-    }
-    return absl::OkStatus();
-  }
-  if (pages_per_head > kMaxPagesPerHead) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": pages_per_head ", pages_per_head,
-                                                   " exceeds ", kMaxPagesPerHead));
-  }
-  const uint32_t num_kv_heads = session.geometry().num_kv_heads;
-  const uint64_t expected = uint64_t{item.num_tokens} * num_kv_heads * pages_per_head;
-  if (pages.size() != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ".pages: ", pages.size(), " ids, expected [num_tokens, num_kv_heads, ",
-        "pages_per_head] = [", item.num_tokens, ", ", num_kv_heads, ", ", pages_per_head,
-        "] = ", expected));
-  }
-  // Copied first: the ids may sit in memory another process writes.
-  item.pages.assign(pages.begin(), pages.end());
-  item.pages_per_head = pages_per_head;
-  for (uint64_t row = 0; pages_per_head > 0 && row < uint64_t{item.num_tokens} * num_kv_heads;
-       ++row) {
-    const std::span<const int32_t> ids(item.pages.data() + row * pages_per_head, pages_per_head);
-    if (absl::Status s = CheckPageRow(ids, /*held=*/-1, page_tokens, "pages"); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " token ", row / num_kv_heads,
-                                                     " kv head ", row % num_kv_heads, ": ",
-                                                     s.message()));
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
                                       v1::AttendResponse* response) {
   const int batch = request.queries_size();
@@ -453,10 +410,11 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
     TANDEM_RETURN_IF_ERROR(DecodeQueries(query.q(), absl::StrCat("queries[", i, "].q"),
                                          *items[i].session, options_.max_query_tokens,
                                          &items[i].q, &items[i].num_tokens));
-    TANDEM_RETURN_IF_ERROR(SetPages(
-        items[i], absl::StrCat("queries[", i, "]"),
+    TANDEM_RETURN_IF_ERROR(internal::CopyPages(
+        *items[i].session, items[i].num_tokens,
         std::span<const int32_t>(query.pages().data(), static_cast<size_t>(query.pages_size())),
-        query.pages_per_head()));
+        query.pages_per_head(), absl::StrCat("queries[", i, "]"), &items[i].pages));
+    items[i].pages_per_head = query.pages_per_head();
   }
   uint64_t compute_micros = 0, bytes_scanned = 0;
   TANDEM_RETURN_IF_ERROR(AttendItems(
@@ -502,7 +460,9 @@ absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t
   TANDEM_RETURN_IF_ERROR(CopyQueries(q, "q", *items[0].session, num_tokens,
                                      options_.max_query_tokens, &items[0].q));
   items[0].num_tokens = num_tokens;
-  TANDEM_RETURN_IF_ERROR(SetPages(items[0], "query", pages, pages_per_head));
+  TANDEM_RETURN_IF_ERROR(internal::CopyPages(*items[0].session, num_tokens, pages,
+                                             pages_per_head, "query", &items[0].pages));
+  items[0].pages_per_head = pages_per_head;
   RawAttendOutput* out = nullptr;
   uint64_t compute_micros = 0, bytes_scanned = 0;
   TANDEM_RETURN_IF_ERROR(AttendItems(
@@ -559,13 +519,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   // Problems grouped by the parameters SparseAttention takes for a whole call.
   using ParamKey = std::tuple<KvDType, uint32_t, uint32_t, uint32_t>;  // dtype, D, G, T
   std::map<ParamKey, std::pair<AttentionParams, std::vector<HeadProblem>>> groups;
-  // Pages sessions, grouped by (dtype, D, G): the runs of every problem and the problems.
-  struct PagedGroup {
-    PagedParams params;
-    std::vector<KvRun> runs;
-    std::vector<PagedProblem> problems;
-  };
-  std::map<std::tuple<KvDType, uint32_t, uint32_t>, PagedGroup> paged_groups;
+  internal::PagedPlan paged;   // the pages sessions' problems
   uint64_t bytes_scanned = 0;
   std::vector<HeadCount> counts;
   for (size_t i = 0; i < items.size(); ++i) {
@@ -575,91 +529,30 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
     const uint32_t G = g.group();
     const auto owned = session.owned_kv_heads(layer);
     const int64_t rows_per_token = static_cast<int64_t>(owned.size()) * G;
-    const uint32_t page_tokens = session.options().page_tokens;
-
-    if (page_tokens > 0) {
-      // Bound every named page by its shard's held count before anything is computed.
-      const size_t pph = item.pages_per_head;
-      for (size_t h = 0; h < owned.size() && pph > 0; ++h) {
-        const int64_t held = static_cast<int64_t>(session.shard(layer, owned[h])->held());
-        for (uint32_t t = 0; t < item.num_tokens; ++t) {
-          const std::span<const int32_t> ids(
-              item.pages.data() + (size_t{t} * g.num_kv_heads + owned[h]) * pph, pph);
-          if (absl::Status s = CheckPageRow(ids, held, page_tokens, "pages"); !s.ok()) {
-            return absl::InvalidArgumentError(absl::StrCat("session '", session.id(), "' layer ",
-                                                           layer, " token ", t, " kv head ",
-                                                           owned[h], ": ", s.message()));
-          }
-        }
-      }
-    }
+    const bool pages_session = session.options().page_tokens > 0;
 
     counts.clear();
     for (uint32_t kv_head : owned) {
       const Shard* shard = session.shard(layer, kv_head);
       counts.push_back({kv_head, shard->selected_count(), shard->held()});
     }
-    // Pages sessions: the runs of each problem, and entries attended per head.
-    PagedGroup* paged = nullptr;
-    std::vector<std::pair<size_t, size_t>> run_ranges;   // [H_own * T] or [H_own] (dense)
-    if (page_tokens > 0) {
-      paged = &paged_groups[{session.format().dtype, g.head_dim, G}];
-      paged->params.dtype = session.format().dtype;
-      paged->params.head_dim = g.head_dim;
-      paged->params.group = G;
-      const size_t row_bytes = session.format().row_bytes();
-      for (size_t h = 0; h < owned.size(); ++h) {
-        const Shard& shard = *session.shard(layer, owned[h]);
-        uint64_t attended = 0;
-        if (item.pages_per_head == 0) {
-          const size_t first = paged->runs.size();
-          attended = AppendAllRuns(shard, &paged->runs);
-          run_ranges.emplace_back(first, paged->runs.size());
-          bytes_scanned += 2 * attended * row_bytes;   // read once for all tokens
-          counts[h].selected = attended;
-          continue;
-        }
-        for (uint32_t t = 0; t < item.num_tokens; ++t) {
-          const size_t first = paged->runs.size();
-          attended += AppendPageRuns(
-              shard,
-              std::span<const int32_t>(
-                  item.pages.data() + (size_t{t} * g.num_kv_heads + owned[h]) * item.pages_per_head,
-                  item.pages_per_head),
-              page_tokens, &paged->runs);
-          run_ranges.emplace_back(first, paged->runs.size());
-        }
-        bytes_scanned += 2 * attended * row_bytes;
-        counts[h].selected = (attended + item.num_tokens - 1) / item.num_tokens;
-      }
+    if (pages_session) {
+      // Checks the named pages against the held counts and collects their runs; the counters
+      // become the entries attended per token.
+      std::vector<uint64_t> selected(owned.size());
+      TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes,
+                              paged.AddRuns(session, layer, owned, item.pages,
+                                            item.pages_per_head, item.num_tokens, selected));
+      bytes_scanned += bytes;
+      for (size_t h = 0; h < owned.size(); ++h) counts[h].selected = selected[h];
     }
     TANDEM_ASSIGN_OR_RETURN(const AttendTarget target,
                             sink(i, session, item.num_tokens, counts));
     // A layer owning no kv head (after ReshardSession) has an empty result: nothing to compute.
     if (owned.empty()) continue;
 
-    if (paged != nullptr) {
-      const size_t q_stride = size_t{g.num_q_heads} * g.head_dim;
-      const size_t o_stride = static_cast<size_t>(rows_per_token) * g.head_dim;
-      const size_t lse_stride = static_cast<size_t>(rows_per_token);
-      const bool dense = item.pages_per_head == 0;
-      for (size_t h = 0; h < owned.size(); ++h) {
-        const uint32_t tokens = dense ? 1 : item.num_tokens;
-        for (uint32_t t = 0; t < tokens; ++t) {
-          const auto [run_begin, run_end] = run_ranges[h * tokens + t];
-          PagedProblem p;
-          p.run_begin = run_begin;
-          p.run_end = run_end;
-          p.num_tokens = dense ? item.num_tokens : 1;
-          p.q = item.q.data() + t * q_stride + size_t{owned[h]} * G * g.head_dim;
-          p.o = target.o + t * o_stride + h * G * g.head_dim;
-          p.lse = target.lse + t * lse_stride + h * G;
-          p.q_token_stride = q_stride;
-          p.o_token_stride = o_stride;
-          p.lse_token_stride = lse_stride;
-          paged->problems.push_back(p);
-        }
-      }
+    if (pages_session) {
+      paged.AddProblems(session, owned, item.q.data(), target.o, target.lse);
       continue;
     }
 
@@ -686,9 +579,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   for (auto& [key, group] : groups) {
     TANDEM_RETURN_IF_ERROR(SparseAttention(group.first, group.second, pool_));
   }
-  for (auto& [key, group] : paged_groups) {
-    TANDEM_RETURN_IF_ERROR(PagedAttention(group.params, group.runs, group.problems, pool_));
-  }
+  TANDEM_RETURN_IF_ERROR(paged.Run(pool_));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *compute_micros = static_cast<uint64_t>(seconds * 1e6);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <new>
@@ -44,51 +45,81 @@ constexpr uint64_t kPrefetchEntries = 2 * kChunk;
 // A range covers at least this many entries (fewer, larger tasks for tiny problems).
 constexpr uint64_t kMinRangeEntries = 256;
 
-// Widens n bf16 values (raw bits) to f32: a shift, which the compiler vectorises.
+// GCC vector types: 16 (or 8) f32 lanes, lowered to zmm, ymm or xmm registers by each clone.
+// The helpers taking and returning them are always inlined into the clones, so no vector
+// crosses a call boundary: the ABI note GCC gives for them does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+static_assert(kChunk % 16 == 0, "the softmax step works on whole 16-lane vectors");
+using V16 = float __attribute__((vector_size(64)));
+using V8 = float __attribute__((vector_size(32)));
+using V4 = float __attribute__((vector_size(16)));
+using U32x16 = uint32_t __attribute__((vector_size(64)));
+using U32x8 = uint32_t __attribute__((vector_size(32)));
+using U16x16 = uint16_t __attribute__((vector_size(32)));
+using U16x8 = uint16_t __attribute__((vector_size(16)));
+
+template <typename V>
+TANDEM_ALWAYS_INLINE V Load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename V>
+TANDEM_ALWAYS_INLINE void Store(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+TANDEM_ALWAYS_INLINE float HSum(V16 v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[1]) + (b[2] + b[3]);
+}
+
+// Widens n bf16 values (raw bits; n a multiple of 8) to f32: a shift into the high half.
 TANDEM_ALWAYS_INLINE void WidenBf16(const uint16_t* src, float* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(uint32_t{src[i]} << 16);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    U16x16 h;
+    std::memcpy(&h, src + i, sizeof(h));
+    const U32x16 u = __builtin_convertvector(h, U32x16) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
+  for (; i < n; i += 8) {
+    U16x8 h;
+    std::memcpy(&h, src + i, sizeof(h));
+    const U32x8 u = __builtin_convertvector(h, U32x8) << 16;
+    std::memcpy(dst + i, &u, sizeof(u));
+  }
 }
 
-// a · b over n floats (n a multiple of 8) with 16 independent partial sums, so the loop
-// vectorises without reassociating one accumulator.
-TANDEM_ALWAYS_INLINE float Dot(const float* a, const float* b, size_t n) {
-  float acc[16] = {};
+// out[i] = q_i · k for the NR rows q_i = q + i * n (n a multiple of 8): one pass over k, NR
+// independent accumulators.
+template <size_t NR>
+TANDEM_ALWAYS_INLINE void DotRows(const float* q, const float* k, size_t n, float* out) {
+  V16 acc[NR] = {};
   size_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    for (size_t i = 0; i < 16; ++i) acc[i] += a[d + i] * b[d + i];
+    const V16 kv = Load<V16>(k + d);
+    for (size_t i = 0; i < NR; ++i) acc[i] += Load<V16>(q + i * n + d) * kv;
   }
-  for (; d < n; d += 8) {
-    for (size_t i = 0; i < 8; ++i) acc[i] += a[d + i] * b[d + i];
-  }
-  float s = 0.0f;
-  for (size_t i = 0; i < 16; ++i) s += acc[i];
-  return s;
-}
-
-// out[i] = q_i · k for the 4 rows q_i = q + i * n: one pass over k, 4 independent chains.
-TANDEM_ALWAYS_INLINE void Dot4(const float* q, const float* k, size_t n, float* out) {
-  float acc[4][16] = {};
-  size_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    for (size_t i = 0; i < 4; ++i) {
-      for (size_t l = 0; l < 16; ++l) acc[i][l] += q[i * n + d + l] * k[d + l];
+  if (d < n) {  // one tail of 8
+    const V8 kv = Load<V8>(k + d);
+    for (size_t i = 0; i < NR; ++i) {
+      const V8 p = Load<V8>(q + i * n + d) * kv;
+      acc[i] += V16{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
     }
   }
-  for (; d < n; d += 8) {
-    for (size_t i = 0; i < 4; ++i) {
-      for (size_t l = 0; l < 8; ++l) acc[i][l] += q[i * n + d + l] * k[d + l];
-    }
-  }
-  for (size_t i = 0; i < 4; ++i) {
-    float s = 0.0f;
-    for (size_t l = 0; l < 16; ++l) s += acc[i][l];
-    out[i] = s;
-  }
+  for (size_t i = 0; i < NR; ++i) out[i] = HSum(acc[i]);
 }
 
-// dst += p * src over n floats.
+// dst += p * src over n floats (a multiple of 8).
 TANDEM_ALWAYS_INLINE void Axpy(float p, const float* src, float* dst, size_t n) {
-  for (size_t i = 0; i < n; ++i) dst[i] += p * src[i];
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) Store(dst + i, Load<V16>(dst + i) + p * Load<V16>(src + i));
+  if (i < n) Store(dst + i, Load<V8>(dst + i) + p * Load<V8>(src + i));
 }
 
 // Where a piece writes: row r = t * G + j at o + t * o_stride + j * D, lse + t * lse_stride + j.
@@ -202,31 +233,42 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       } else {
         k = reinterpret_cast<const float*>(kp[c]);
       }
+      float out[4];
       size_t r = 0;
       for (; r + 4 <= R; r += 4) {
-        float out[4];
-        Dot4(qs + r * D, k, D, out);
+        DotRows<4>(qs + r * D, k, D, out);
         for (size_t i = 0; i < 4; ++i) s[(r + i) * kChunk + c] = out[i];
       }
-      for (; r < R; ++r) s[r * kChunk + c] = Dot(qs + r * D, k, D);
+      for (; r < R; ++r) {
+        DotRows<1>(qs + r * D, k, D, out);
+        s[r * kChunk + c] = out[0];
+      }
     }
     // Online softmax: rescale the accumulators to the new row maximum, p = exp(s - m).
     for (size_t r = 0; r < R; ++r) {
       float* sr = s + r * kChunk;
+      // Lanes past c_n hold -inf: they change neither the maximum nor (p = 0) the sum.
+      for (size_t c = c_n; c < kChunk; ++c) sr[c] = kNegInf;
+      V16 mv = Load<V16>(sr);
+      for (size_t c = 16; c < kChunk; c += 16) {
+        const V16 x = Load<V16>(sr + c);
+        mv = mv > x ? mv : x;
+      }
       float mx = m[r];
-      for (size_t c = 0; c < c_n; ++c) mx = std::max(mx, sr[c]);
+      for (size_t i = 0; i < 16; ++i) mx = std::max(mx, mv[i]);
       if (mx > m[r]) {
         // ~0 on the first chunk (m = -inf; Exp2Approx clamps), where l and acc are 0 anyway.
         const float alpha = Exp2Approx(m[r] - mx);
         l[r] *= alpha;
         float* ar = acc + r * D;
-        for (size_t d = 0; d < D; ++d) ar[d] *= alpha;
+        for (size_t d = 0; d < D; d += 8) Store(ar + d, Load<V8>(ar + d) * alpha);
         m[r] = mx;
       }
-      for (size_t c = 0; c < c_n; ++c) sr[c] = Exp2Approx(sr[c] - mx);
-      float sum = 0.0f;
-      for (size_t c = 0; c < c_n; ++c) sum += sr[c];
-      l[r] += sum;
+      for (size_t c = 0; c < kChunk; ++c) sr[c] = Exp2Approx(sr[c] - mx);
+      for (size_t c = c_n; c < kChunk; ++c) sr[c] = 0.0f;
+      V16 sum = Load<V16>(sr);
+      for (size_t c = 16; c < kChunk; c += 16) sum += Load<V16>(sr + c);
+      l[r] += HSum(sum);
     }
     // acc[r] += p[r, c] * v_c.
     for (size_t c = 0; c < c_n; ++c) {
@@ -459,14 +501,14 @@ uint64_t AppendPageRuns(const kv_store::Shard& shard, std::span<const int32_t> r
     const uint64_t first = static_cast<uint64_t>(row[i]) * page_tokens;
     int64_t last_id = row[i++];
     while (i < row.size() && row[i] == last_id + 1) last_id = row[i++];
-    const uint64_t end = std::min<uint64_t>(held, (static_cast<uint64_t>(last_id) + 1) * page_tokens);
+    const uint64_t end =
+        std::min<uint64_t>(held, (static_cast<uint64_t>(last_id) + 1) * page_tokens);
     // Split the range at block boundaries.
     for (uint64_t e = first; e < end;) {
       const uint64_t block = e / bt, in_block = e % bt;
       const uint64_t n = std::min(end - e, bt - in_block);
       runs->push_back(KvRun{shard.block_k(block) + in_block * row_bytes,
-                            shard.block_v(block) + in_block * row_bytes,
-                            static_cast<uint32_t>(n)});
+                            shard.block_v(block) + in_block * row_bytes, static_cast<uint32_t>(n)});
       e += n;
     }
     covered += end - first;

@@ -105,8 +105,8 @@ std::vector<uint8_t> KeepOf(std::span<const int32_t> row, uint32_t page_tokens, 
   std::vector<uint8_t> keep(held, 0);
   for (int32_t p : row) {
     if (p < 0) break;
-    for (uint64_t i = uint64_t(p) * page_tokens; i < std::min<uint64_t>(held, (p + 1ull) * page_tokens);
-         ++i) {
+    for (uint64_t i = uint64_t(p) * page_tokens;
+         i < std::min<uint64_t>(held, (p + 1ull) * page_tokens); ++i) {
       keep[i] = 1;
     }
   }
@@ -204,8 +204,8 @@ TEST_P(PagedAttentionTest, NamedPagesPerTokenMatchReference) {
       EXPECT_EQ(empty, t == 2 && h == 1);
       std::vector<double> ref_o, ref_lse;
       f.Reference(h, q.data() + t * stride + h * G * D, 1, keep, &ref_o, &ref_lse);
-      ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o,
-                 ref_lse, G, D, empty);
+      ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o, ref_lse, G,
+                 D, empty);
     }
   }
 }
@@ -243,8 +243,8 @@ TEST_P(PagedAttentionTest, DenseOverAllRunsMatchesReference) {
     for (uint32_t h = 0; h < H; ++h) {
       std::vector<double> ref_o, ref_lse;
       f.Reference(h, q.data() + t * stride + h * G * D, 1, all, &ref_o, &ref_lse);
-      ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o,
-                 ref_lse, G, D, false);
+      ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o, ref_lse, G,
+                 D, false);
     }
   }
 }
@@ -259,9 +259,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(CheckPageRowTest, RejectsMalformedRows) {
   const std::vector<std::tuple<std::vector<int32_t>, const char*>> bad = {
-      {{3, 2}, "strictly ascending"},  {{1, 1}, "strictly ascending"},
-      {{0, -1, 2}, "follows -1"},      {{-2}, "negative"},
-      {{0, 7}, "holds 100 entries"},   {{6, 7, -1}, "holds 100 entries"},
+      {{3, 2}, "strictly ascending"}, {{1, 1}, "strictly ascending"},
+      {{0, -1, 2}, "follows -1"},     {{-2}, "negative"},
+      {{0, 7}, "holds 100 entries"},  {{6, 7, -1}, "holds 100 entries"},
   };
   for (const auto& [row, what] : bad) {
     const absl::Status s = CheckPageRow(row, 100, 16, "pages");
@@ -270,7 +270,8 @@ TEST(CheckPageRowTest, RejectsMalformedRows) {
   }
   EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{0, 6, -1, -1}, 100, 16, "pages").ok());
   EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{-1, -1}, 0, 16, "pages").ok());
-  EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{500}, -1, 16, "pages").ok()) << "held < 0: no bound";
+  EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{500}, -1, 16, "pages").ok())
+      << "held < 0: no bound";
 }
 
 TEST(PagedAttentionValidation, RejectsBadParamsAndRunRanges) {

@@ -3,9 +3,8 @@
 // equals a beta = 0 MAW session on the same KV; the session keeps no selected copy; migration
 // (ExportShard -> AppendKv with flags) works; every malformed request is INVALID_ARGUMENT with a
 // message naming the problem, and the node keeps serving.
-#include <gtest/gtest.h>
-
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
@@ -33,11 +32,11 @@ using testing::OpenRequest;
 using testing::RandomQueries;
 using testing::ShmClient;
 
-constexpr uint32_t kPageTokens = 24;   // does not divide the 16-entry blocks
+constexpr uint32_t kPageTokens = 24;  // does not divide the 16-entry blocks
 constexpr uint32_t kBlock = 16;
-constexpr size_t kHeld = 410;          // 18 pages, the last one partial (2 entries)
+constexpr size_t kHeld = 410;  // 18 pages, the last one partial (2 entries)
 constexpr uint32_t kPph = 5;
-constexpr double kOTol = 1e-5;         // relative to the reference's max |O| (fp32 accumulation)
+constexpr double kOTol = 1e-5;  // relative to the reference's max |O| (fp32 accumulation)
 constexpr double kLseTol = 1e-4;
 
 std::unique_ptr<grpc::ClientContext> Deadline() {
@@ -64,9 +63,9 @@ class PagedNodeTest : public ::testing::Test {
     q_ = RandomQueries(kTokens, g_, rng);
     // Token 0: adjacent pages and the partial last one; token 1: spread pages; token 2: one page
     // for head 0 and nothing for head 1.
-    const std::vector<std::vector<int32_t>> rows = {
-        {0, 1, 2, 17, -1}, {3, 4, 16, 17, -1}, {1, 5, 9, 13, -1}, {0, 2, 4, 6, 8}, {7, -1, -1, -1, -1},
-        {-1, -1, -1, -1, -1}};
+    const std::vector<std::vector<int32_t>> rows = {{0, 1, 2, 17, -1},   {3, 4, 16, 17, -1},
+                                                    {1, 5, 9, 13, -1},   {0, 2, 4, 6, 8},
+                                                    {7, -1, -1, -1, -1}, {-1, -1, -1, -1, -1}};
     for (const auto& r : rows) pages_.insert(pages_.end(), r.begin(), r.end());
   }
 
@@ -93,14 +92,17 @@ class PagedNodeTest : public ::testing::Test {
     return writer->Finish();
   }
 
+  // q: [tokens, H_q, D]; q_ (kTokens tokens) when null.
   v1::AttendRequest AttendProto(const std::string& id, uint32_t layer,
-                                const std::vector<int32_t>& pages, uint32_t pph) const {
+                                const std::vector<int32_t>& pages, uint32_t pph,
+                                const std::vector<float>* q = nullptr,
+                                int64_t tokens = kTokens) const {
     v1::AttendRequest r;
     r.set_layer(layer);
     v1::AttendQuery* query = r.add_queries();
     query->set_session_id(id);
-    const int64_t shape[] = {kTokens, g_.q_heads, g_.head_dim};
-    EncodeF32(q_, shape, query->mutable_q());
+    const int64_t shape[] = {tokens, g_.q_heads, g_.head_dim};
+    EncodeF32(q == nullptr ? q_ : *q, shape, query->mutable_q());
     query->set_pages_per_head(pph);
     query->mutable_pages()->Add(pages.begin(), pages.end());
     return r;
@@ -148,12 +150,12 @@ class PagedNodeTest : public ::testing::Test {
   }
 
   static constexpr uint32_t kTokens = 3;
-  Geometry g_;   // 2 layers, 8 q heads, 2 kv heads, D 64
+  Geometry g_;  // 2 layers, 8 q heads, 2 kv heads, D 64
   std::unique_ptr<CpuAttentionServer> server_;
   std::unique_ptr<v1::CpuAttention::Stub> stub_;
   std::vector<HeadEntries> layer_;
   std::vector<float> q_;
-  std::vector<int32_t> pages_;   // [kTokens, H_kv, kPph]
+  std::vector<int32_t> pages_;  // [kTokens, H_kv, kPph]
 };
 
 TEST_F(PagedNodeTest, GrpcAndShmMatchReferenceAndEachOther) {
@@ -208,24 +210,31 @@ TEST_F(PagedNodeTest, DenseEqualsBetaZeroMawSession) {
   ASSERT_TRUE(Open(OpenRequest("m", g_, kBlock, true, /*beta=*/0.0f)).ok());
   ASSERT_TRUE(Append("p", 1).ok());
   ASSERT_TRUE(Append("m", 1).ok());
-  v1::AttendResponse paged, maw;
-  ASSERT_TRUE(Attend(AttendProto("p", 1, {}, 0), &paged).ok());
-  ASSERT_TRUE(Attend(AttendProto("m", 1, {}, 0), &maw).ok());
-  const auto& a = paged.results(0);
-  const auto& b = maw.results(0);
-  for (uint32_t h = 0; h < g_.kv_heads; ++h) {
-    EXPECT_EQ(a.selected(h), kHeld);
-    EXPECT_EQ(b.selected(h), kHeld);
+  // 3 tokens: one scan; 70 (a prefill chunk): blocks of 32 + 32 + 6 query tokens.
+  std::mt19937 rng(5);
+  for (int64_t tokens : {int64_t{kTokens}, int64_t{70}}) {
+    SCOPED_TRACE(tokens);
+    const std::vector<float> q = RandomQueries(tokens, g_, rng);
+    v1::AttendResponse paged, maw;
+    ASSERT_TRUE(Attend(AttendProto("p", 1, {}, 0, &q, tokens), &paged).ok());
+    ASSERT_TRUE(Attend(AttendProto("m", 1, {}, 0, &q, tokens), &maw).ok());
+    const auto& a = paged.results(0);
+    const auto& b = maw.results(0);
+    for (uint32_t h = 0; h < g_.kv_heads; ++h) {
+      EXPECT_EQ(a.selected(h), kHeld);
+      EXPECT_EQ(b.selected(h), kHeld);
+    }
+    const uint64_t blocks = (tokens + 31) / 32;
+    EXPECT_EQ(paged.bytes_scanned(), blocks * maw.bytes_scanned());
+    const size_t rows = tokens * g_.q_heads;
+    const float* ao = reinterpret_cast<const float*>(a.o().data().data());
+    const float* bo = reinterpret_cast<const float*>(b.o().data().data());
+    const float* al = reinterpret_cast<const float*>(a.lse().data().data());
+    const float* bl = reinterpret_cast<const float*>(b.lse().data().data());
+    std::vector<double> ref(bo, bo + rows * g_.head_dim);
+    EXPECT_LE(RelativeError(ao, ref.data(), ref.size()), 2e-5);
+    for (size_t i = 0; i < rows; ++i) EXPECT_NEAR(al[i], bl[i], kLseTol) << "row " << i;
   }
-  EXPECT_EQ(paged.bytes_scanned(), maw.bytes_scanned());
-  const size_t rows = kTokens * g_.q_heads;
-  const float* ao = reinterpret_cast<const float*>(a.o().data().data());
-  const float* bo = reinterpret_cast<const float*>(b.o().data().data());
-  const float* al = reinterpret_cast<const float*>(a.lse().data().data());
-  const float* bl = reinterpret_cast<const float*>(b.lse().data().data());
-  std::vector<double> ref(bo, bo + rows * g_.head_dim);
-  EXPECT_LE(RelativeError(ao, ref.data(), ref.size()), 2e-5);
-  for (size_t i = 0; i < rows; ++i) EXPECT_NEAR(al[i], bl[i], kLseTol) << "row " << i;
 }
 
 TEST_F(PagedNodeTest, BadPagesAreInvalidArgumentAndTheNodeKeepsServing) {

@@ -27,7 +27,7 @@ namespace tandem::gpu_worker {
 namespace {
 
 constexpr int64_t kLayers = 2, kQHeads = 8, kKvHeads = 4, kDim = 64, kG = kQHeads / kKvHeads;
-constexpr int64_t kHeld = 500;      // per shard; 32 pages of 16, the last one partial (4 entries)
+constexpr int64_t kHeld = 500;  // per shard; 32 pages of 16, the last one partial (4 entries)
 constexpr uint32_t kPageTokens = 16;
 constexpr int64_t kTokens = 2, kPph = 6;
 constexpr double kOTol = 1e-5, kLseTol = 1e-4;
@@ -104,7 +104,7 @@ class RemoteKvPagesTest : public ::testing::Test {
     o.block_tokens = 64;
     o.selection = SelectionRule::kPages;
     o.page_tokens = kPageTokens;
-    o.placement = PlacementPolicy::kUniform;   // both nodes get shards
+    o.placement = PlacementPolicy::kUniform;  // both nodes get shards
     o.transport = transport;
     return o;
   }
@@ -168,10 +168,10 @@ class RemoteKvPagesTest : public ::testing::Test {
     }
   }
 
-  std::vector<std::vector<uint16_t>> k_, v_;   // per layer, bf16 [H_kv, kHeld, D]
+  std::vector<std::vector<uint16_t>> k_, v_;  // per layer, bf16 [H_kv, kHeld, D]
   std::vector<float> maw_;
-  std::vector<float> q_;                       // [kTokens, H_q, D]
-  std::vector<int32_t> pages_;                 // [kTokens, H_kv, kPph]
+  std::vector<float> q_;        // [kTokens, H_q, D]
+  std::vector<int32_t> pages_;  // [kTokens, H_kv, kPph]
   std::vector<std::unique_ptr<cpu_attention::CpuAttentionServer>> nodes_;
   std::mutex mu_;
   std::vector<std::string> listed_;
@@ -259,7 +259,7 @@ TEST_F(RemoteKvPagesTest, ShardsMigratedToAJoiningNodeAttendAsBefore) {
   std::vector<float> before_o, before_lse;
   Attend(**kv, 1, &pages, &before_o, &before_lse);
 
-  AddNode();   // a node joins: the re-plan moves shards to it
+  AddNode();  // a node joins: the re-plan moves shards to it
   ASSERT_TRUE(pool_->Refresh().ok());
   (*kv)->RequestReplan();
   ASSERT_TRUE((*kv)->Maintain().ok());

@@ -36,7 +36,6 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/kv_store/free_memory_releaser.h"
 #include "tandem/kv_store/kv_store.h"
@@ -194,10 +193,6 @@ class CpuAttentionNode {
       std::span<const HeadCount> heads)>;
   absl::Status AttendItems(uint32_t layer, std::vector<AttendItem>& items, AttendSink sink,
                            uint64_t* compute_micros, uint64_t* bytes_scanned);
-  // Checks an item's pages against its session (selection, sizes, row order; the held bound
-  // comes later under the lock) and stores them in the item.
-  absl::Status SetPages(AttendItem& item, absl::string_view what, std::span<const int32_t> pages,
-                        uint32_t pages_per_head) const;
   struct AppendTarget;
   absl::StatusOr<AppendTarget> ResolveAppend(const std::string& session_id, uint32_t layer,
                                              std::span<const uint32_t> kv_heads);

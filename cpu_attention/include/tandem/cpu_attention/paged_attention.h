@@ -9,15 +9,16 @@
 // run. The kernel reads only those rows: no per-step copy into a scratch buffer.
 //
 // Numerics (contract in proto/tandem/v1/common.proto): scores q·k * scale (scale 0 =
-// 1/sqrt(head_dim)) accumulated in fp32, fp32 online softmax, natural-log LSE; an empty
-// selection gives O = 0 and LSE = -inf.
+// 1/sqrt(head_dim)) accumulated in fp32, fp32 online softmax (base-2 exponentials with a ~2 ulp
+// polynomial, exp2_approx.h), natural-log LSE; an empty selection gives O = 0 and LSE = -inf.
 //
 // Work split (HGCA §3.3, as sparse_attention.h): the entries of all problems, end to end, are
 // cut into about tasks_per_thread × threads ranges of equal cost; a long problem is split along
 // its runs, short ones share a range. Each range yields partial (O, LSE) states merged at the
-// end with MergeStateInPlace. The inner loop is hand-written (bf16 rows widened to f32, fp32
-// dot products and accumulation), compiled for AVX-512, AVX2 and baseline x86-64 and picked at
-// run time, because oneDNN primitive calls per 16-row page cost more than the scan.
+// end with MergeStateInPlace. The inner loop is hand-written with GCC vector types (bf16 rows
+// widened to f32, fp32 dot products and accumulation), compiled for AVX-512, AVX2 and baseline
+// x86-64 and picked at run time, because oneDNN primitive calls per 16-row page cost more than
+// the scan; the rows ahead are prefetched (short scattered runs defeat the hardware prefetcher).
 #pragma once
 
 #include <cstddef>
@@ -59,9 +60,9 @@ struct PagedProblem {
 
 struct PagedParams {
   kv_store::KvDType dtype = kv_store::KvDType::kBf16;
-  uint32_t head_dim = 128;     // 8..256, a multiple of 8
-  uint32_t group = 1;          // G: query heads per kv head
-  float scale = 0.0f;          // 0 = 1/sqrt(head_dim)
+  uint32_t head_dim = 128;  // 8..256, a multiple of 8
+  uint32_t group = 1;       // G: query heads per kv head
+  float scale = 0.0f;       // 0 = 1/sqrt(head_dim)
   uint32_t tasks_per_thread = 2;
 };
 
