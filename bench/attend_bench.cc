@@ -461,10 +461,14 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
   std::vector<float> q(size_t{f.tokens} * H * G * D);
   for (size_t i = 0; i < q.size(); ++i)
     q[i] = static_cast<float>((i * 7919) % 1000) / 500.0f - 1.0f;
-  std::vector<v1::AttendRequest> requests(sessions);
-  for (size_t c = 0; c < sessions; ++c) {
+  // Paged: at least 32 requests with their own random pages (32 x 8 MiB at the budget),
+  // spread over the sessions, so the pages read are not still in the last-level cache from an
+  // earlier rep even when few sessions cover the footprint.
+  const size_t num_requests = paged ? std::max<size_t>(sessions, 32) : sessions;
+  std::vector<v1::AttendRequest> requests(num_requests);
+  for (size_t c = 0; c < num_requests; ++c) {
     v1::AttendQuery* query = requests[c].add_queries();
-    query->set_session_id("bench-" + std::to_string(c));
+    query->set_session_id("bench-" + std::to_string(c % sessions));
     const int64_t shape[] = {f.tokens, H * G, D};
     EncodeF32(q, shape, query->mutable_q());
     if (!paged) continue;
@@ -489,11 +493,11 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
     check((*node)->Attend(requests[c], &resp), "Attend");
     *bytes_scanned = resp.bytes_scanned();
   };
-  for (size_t c = 0; c < std::min<size_t>(sessions, 2); ++c) run(c);
+  for (size_t c = 0; c < std::min<size_t>(num_requests, 2); ++c) run(c);
   std::vector<double> times;
   for (uint32_t rep = 0; rep < reps; ++rep) {
     const double t0 = Now();
-    run((rep + 2) % sessions);
+    run((rep + 2) % num_requests);
     times.push_back(Now() - t0);
   }
   return Median(times);

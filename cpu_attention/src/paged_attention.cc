@@ -7,6 +7,7 @@
 #include <exception>
 #include <limits>
 #include <new>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -78,35 +79,33 @@ TANDEM_ALWAYS_INLINE float HSum(V16 v) {
   return (b[0] + b[1]) + (b[2] + b[3]);
 }
 
-// Widens n bf16 values (raw bits; n a multiple of 8) to f32: a shift into the high half.
-TANDEM_ALWAYS_INLINE void WidenBf16(const uint16_t* src, float* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    U16x16 h;
-    std::memcpy(&h, src + i, sizeof(h));
-    const U32x16 u = __builtin_convertvector(h, U32x16) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
-  for (; i < n; i += 8) {
-    U16x8 h;
-    std::memcpy(&h, src + i, sizeof(h));
-    const U32x8 u = __builtin_convertvector(h, U32x8) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
+// 16 (or 8) elements of a K or V row as f32: bf16 (raw bits) widened by a shift into the high
+// half, f32 loaded as is.
+TANDEM_ALWAYS_INLINE V16 Row16(const uint16_t* p) {
+  U16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (V16)(__builtin_convertvector(h, U32x16) << 16);
 }
+TANDEM_ALWAYS_INLINE V16 Row16(const float* p) { return Load<V16>(p); }
+TANDEM_ALWAYS_INLINE V8 Row8(const uint16_t* p) {
+  U16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return (V8)(__builtin_convertvector(h, U32x8) << 16);
+}
+TANDEM_ALWAYS_INLINE V8 Row8(const float* p) { return Load<V8>(p); }
 
-// out[i] = q_i · k for the NR rows q_i = q + i * n (n a multiple of 8): one pass over k, NR
-// independent accumulators.
-template <size_t NR>
-TANDEM_ALWAYS_INLINE void DotRows(const float* q, const float* k, size_t n, float* out) {
+// out[i] = q_i · k for the NR rows q_i = q + i * n (f32) and one K row k (n elements of T, a
+// multiple of 8): one pass over k, NR independent accumulators.
+template <size_t NR, typename T>
+TANDEM_ALWAYS_INLINE void DotRows(const float* q, const T* k, size_t n, float* out) {
   V16 acc[NR] = {};
   size_t d = 0;
   for (; d + 16 <= n; d += 16) {
-    const V16 kv = Load<V16>(k + d);
+    const V16 kv = Row16(k + d);
     for (size_t i = 0; i < NR; ++i) acc[i] += Load<V16>(q + i * n + d) * kv;
   }
   if (d < n) {  // one tail of 8
-    const V8 kv = Load<V8>(k + d);
+    const V8 kv = Row8(k + d);
     for (size_t i = 0; i < NR; ++i) {
       const V8 p = Load<V8>(q + i * n + d) * kv;
       acc[i] += V16{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
@@ -115,11 +114,35 @@ TANDEM_ALWAYS_INLINE void DotRows(const float* q, const float* k, size_t n, floa
   for (size_t i = 0; i < NR; ++i) out[i] = HSum(acc[i]);
 }
 
-// dst += p * src over n floats (a multiple of 8).
-TANDEM_ALWAYS_INLINE void Axpy(float p, const float* src, float* dst, size_t n) {
-  size_t i = 0;
-  for (; i + 16 <= n; i += 16) Store(dst + i, Load<V16>(dst + i) + p * Load<V16>(src + i));
-  if (i < n) Store(dst + i, Load<V8>(dst + i) + p * Load<V8>(src + i));
+// The V slice [d, d + lanes of V) of acc_i += Σ_c p[i * kChunk + c] · v_c for the NR rows
+// acc_i = acc + i * n and the c_n V rows vp[c] (n elements of T). NOTE: the accumulators stay
+// in registers over the whole chunk (an axpy per row and key would store and reload them every
+// key).
+template <typename V, size_t NR, typename T>
+TANDEM_ALWAYS_INLINE void AccumulateSlice(const float* p, const std::byte* const* vp, size_t c_n,
+                                          size_t n, size_t d, float* acc) {
+  V a[NR];
+  for (size_t i = 0; i < NR; ++i) a[i] = Load<V>(acc + i * n + d);
+  for (size_t c = 0; c < c_n; ++c) {
+    const T* row = reinterpret_cast<const T*>(vp[c]) + d;
+    V v;
+    if constexpr (sizeof(V) == sizeof(V16)) {
+      v = Row16(row);
+    } else {
+      v = Row8(row);
+    }
+    for (size_t i = 0; i < NR; ++i) a[i] += p[i * kChunk + c] * v;
+  }
+  for (size_t i = 0; i < NR; ++i) Store(acc + i * n + d, a[i]);
+}
+
+// The whole rows (n a multiple of 8): 16-column slices, then one of 8.
+template <size_t NR, typename T>
+TANDEM_ALWAYS_INLINE void AccumulateRows(const float* p, const std::byte* const* vp, size_t c_n,
+                                         size_t n, float* acc) {
+  size_t d = 0;
+  for (; d + 16 <= n; d += 16) AccumulateSlice<V16, NR, T>(p, vp, c_n, n, d, acc);
+  if (d < n) AccumulateSlice<V8, NR, T>(p, vp, c_n, n, d, acc);
 }
 
 // Where a piece writes: row r = t * G + j at o + t * o_stride + j * D, lse + t * lse_stride + j.
@@ -131,8 +154,8 @@ struct RowsOut {
 };
 
 // One piece: entries [skip, skip + count) of the runs starting at `runs`, for R = T * G query
-// rows. `work` holds [R, D] scaled queries, [R, D] accumulators, m [R], l [R], the scores
-// [R, kChunk] and two widened rows [D] (bf16 only).
+// rows. `work` holds [R, D] scaled queries, [R, D] accumulators, m [R], l [R] and the scores
+// [R, kChunk].
 struct PieceArgs {
   const KvRun* runs;
   uint64_t skip;
@@ -145,7 +168,7 @@ struct PieceArgs {
   float* work;
 };
 
-size_t WorkFloats(size_t rows, size_t D) { return 2 * rows * D + 2 * rows + rows * kChunk + 2 * D; }
+size_t WorkFloats(size_t rows, size_t D) { return 2 * rows * D + 2 * rows + rows * kChunk; }
 
 // A read position in a piece's runs: entry `offset` of *run, `left` entries to go.
 struct RunCursor {
@@ -177,13 +200,12 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
 template <bool kBf16>
 TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   const size_t D = a.D, G = a.G, R = size_t{a.T} * G;
-  float* qs = a.work;          // [R, D]
-  float* acc = qs + R * D;     // [R, D]
-  float* m = acc + R * D;      // [R]
-  float* l = m + R;            // [R]
-  float* s = l + R;            // [R, kChunk]
-  float* kf = s + R * kChunk;  // [D]
-  float* vf = kf + D;          // [D]
+  float* qs = a.work;                                       // [R, D]
+  float* acc = qs + R * D;                                  // [R, D]
+  float* m = acc + R * D;                                   // [R]
+  float* l = m + R;                                         // [R]
+  float* s = l + R;                                         // [R, kChunk]
+  using Elem = std::conditional_t<kBf16, uint16_t, float>;  // one element of a K or V row
   // Scores are kept in base 2 (q pre-multiplied by scale · log2(e)): 2^(s2 - m2) = e^(s - m).
   const float scale2 = a.scale * kLog2e;
   for (size_t t = 0; t < a.T; ++t) {
@@ -226,13 +248,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
     PrefetchRows(ahead, c_n, row_bytes);
     // Scores s[r, c] = scale * q_r · k_c.
     for (size_t c = 0; c < c_n; ++c) {
-      const float* k;
-      if constexpr (kBf16) {
-        WidenBf16(reinterpret_cast<const uint16_t*>(kp[c]), kf, D);
-        k = kf;
-      } else {
-        k = reinterpret_cast<const float*>(kp[c]);
-      }
+      const Elem* k = reinterpret_cast<const Elem*>(kp[c]);
       float out[4];
       size_t r = 0;
       for (; r + 4 <= R; r += 4) {
@@ -271,16 +287,9 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       l[r] += HSum(sum);
     }
     // acc[r] += p[r, c] * v_c.
-    for (size_t c = 0; c < c_n; ++c) {
-      const float* v;
-      if constexpr (kBf16) {
-        WidenBf16(reinterpret_cast<const uint16_t*>(vp[c]), vf, D);
-        v = vf;
-      } else {
-        v = reinterpret_cast<const float*>(vp[c]);
-      }
-      for (size_t r = 0; r < R; ++r) Axpy(s[r * kChunk + c], v, acc + r * D, D);
-    }
+    size_t r = 0;
+    for (; r + 4 <= R; r += 4) AccumulateRows<4, Elem>(s + r * kChunk, vp, c_n, D, acc + r * D);
+    for (; r < R; ++r) AccumulateRows<1, Elem>(s + r * kChunk, vp, c_n, D, acc + r * D);
   }
   // count > 0, so every row saw a finite score and l >= 1.
   for (size_t t = 0; t < a.T; ++t) {
