@@ -33,6 +33,10 @@ constexpr int kScoreThreads = kScoreWarps * kWarpSize;
 constexpr int64_t kMaxQTileBytes = 48 << 10;
 // Page iterations per scoring warp at most (long contexts: fewer, fuller blocks).
 constexpr int64_t kMaxScoreIters = 32;
+// Page iterations whose summary loads a scoring warp issues together. NOTE: 2 took the bf16
+// D 128 G 4 kernel from 39 to 63 registers and was 30% slower at 8K pages on an H100 (no gain at
+// 64K): occupancy already keeps enough loads in flight.
+constexpr int kLoadUnroll = 1;
 constexpr int kFallbackWarps = 8;
 constexpr int kRadixBits = 8;
 constexpr int kBins = 1 << kRadixBits;
@@ -62,6 +66,38 @@ struct ScoreGrid {
   int64_t iters = 1;             // page iterations per warp
   int64_t tokens_per_block = 1;  // query tokens whose q a block holds in shared memory
 };
+
+// The score of a page from its lanes' partial sums: the sum of sums[j] over the kLanes lanes of
+// the page (an xor butterfly) and the max over j, in every lane. Transposed: at each of the first
+// log2(kGroup) levels a lane keeps half of its heads and sends the other half, so the kGroup
+// sums take kGroup - 1 + log2(kLanes / kGroup) shuffles (plus log2(kGroup) for the max) instead
+// of kGroup · log2(kLanes); every sum adds the same pairs as a plain butterfly, so the result is
+// the same to the bit.
+template <int kGroup, int kLanes>
+__device__ __forceinline__ float PageScore(float (&sums)[kGroup], int lane) {
+  static_assert(kGroup <= kLanes && (kGroup & (kGroup - 1)) == 0);
+  int offset = kLanes / 2;
+#pragma unroll
+  for (int width = kGroup; width > 1; width /= 2) {
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int k = 0; k < width / 2; ++k) {
+      const float keep = upper ? sums[k + width / 2] : sums[k];
+      const float send = upper ? sums[k] : sums[k + width / 2];
+      sums[k] = keep + __shfl_xor_sync(kFullMask, send, offset);
+    }
+    offset /= 2;
+  }
+  float sum = sums[0];
+#pragma unroll
+  for (; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+  // Lanes that differ in the first log2(kGroup) offsets hold the sums of the other heads.
+#pragma unroll
+  for (int o = kLanes / 2; o >= kLanes / kGroup; o /= 2) {
+    sum = fmaxf(sum, __shfl_xor_sync(kFullMask, sum, o));
+  }
+  return sum;
+}
 
 // Grid: x = page blocks, y = kv head, z = token tiles. Dynamic shared memory: the q tile
 // [tokens_per_block, kGroup, kHeadDim] f32.
@@ -96,45 +132,52 @@ __global__ void __launch_bounds__(kScoreThreads)
   const int64_t n = args.num_pages;
   float* scores = static_cast<float*>(args.scratch);
   const int64_t block_first = blockIdx.x * (grid.iters * kScoreWarps * kPagesPerWarp);
-  for (int64_t it = 0; it < grid.iters; ++it) {
-    const int64_t warp_first = block_first + (it * kScoreWarps + warp) * kPagesPerWarp;
-    if (warp_first >= n) break;  // warp-uniform
-    const int64_t page = warp_first + sub;
-    const bool valid = page < n;
-    P lo_pack{}, hi_pack{};
-    if (valid) {
-      const T* row = summaries + page * 2 * kHeadDim + d0;
-      lo_pack = *reinterpret_cast<const P*>(row);
-      hi_pack = *reinterpret_cast<const P*>(row + kHeadDim);
-    }
-    float lo[kVec], hi[kVec];
+  for (int64_t it = 0; it < grid.iters; it += kLoadUnroll) {
+    if (block_first + (it * kScoreWarps + warp) * kPagesPerWarp >= n) break;  // warp-uniform
+    // The loads of kLoadUnroll iterations first: more bytes in flight per lane.
+    int64_t page[kLoadUnroll];
+    bool valid[kLoadUnroll];
+    P lo_pack[kLoadUnroll], hi_pack[kLoadUnroll];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      lo[i] = ToFloat(lo_pack.v[i]);
-      hi[i] = ToFloat(hi_pack.v[i]);
-    }
-    for (int tt = 0; tt < tokens; ++tt) {
-      float best = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        const float* qj = q_tile + (tt * kGroup + j) * kHeadDim + d0;
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kVec; i += 4) {
-          const float4 q4 = *reinterpret_cast<const float4*>(qj + i);
-          sum += fmaxf(q4.x * lo[i], q4.x * hi[i]);
-          sum += fmaxf(q4.y * lo[i + 1], q4.y * hi[i + 1]);
-          sum += fmaxf(q4.z * lo[i + 2], q4.z * hi[i + 2]);
-          sum += fmaxf(q4.w * lo[i + 3], q4.w * hi[i + 3]);
-        }
-#pragma unroll
-        for (int offset = kLanes / 2; offset > 0; offset >>= 1) {
-          sum += __shfl_xor_sync(kFullMask, sum, offset);
-        }
-        best = j == 0 ? sum : fmaxf(best, sum);
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      page[u] = block_first + ((it + u) * kScoreWarps + warp) * kPagesPerWarp + sub;
+      valid[u] = it + u < grid.iters && page[u] < n;
+      lo_pack[u] = P{};
+      hi_pack[u] = P{};
+      if (valid[u]) {
+        const T* row = summaries + page[u] * 2 * kHeadDim + d0;
+        lo_pack[u] = *reinterpret_cast<const P*>(row);
+        hi_pack[u] = *reinterpret_cast<const P*>(row + kHeadDim);
       }
-      if (valid && lane % kLanes == 0) {
-        scores[((t0 + tt) * args.num_kv_heads + g) * n + page] = best == 0.0f ? 0.0f : best;
+    }
+#pragma unroll
+    for (int u = 0; u < kLoadUnroll; ++u) {
+      float lo[kVec], hi[kVec];
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        lo[i] = ToFloat(lo_pack[u].v[i]);
+        hi[i] = ToFloat(hi_pack[u].v[i]);
+      }
+      for (int tt = 0; tt < tokens; ++tt) {
+        float sums[kGroup];
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) {
+          const float* qj = q_tile + (tt * kGroup + j) * kHeadDim + d0;
+          float sum = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kVec; i += 4) {
+            const float4 q4 = *reinterpret_cast<const float4*>(qj + i);
+            sum += fmaxf(q4.x * lo[i], q4.x * hi[i]);
+            sum += fmaxf(q4.y * lo[i + 1], q4.y * hi[i + 1]);
+            sum += fmaxf(q4.z * lo[i + 2], q4.z * hi[i + 2]);
+            sum += fmaxf(q4.w * lo[i + 3], q4.w * hi[i + 3]);
+          }
+          sums[j] = sum;
+        }
+        const float best = PageScore<kGroup, kLanes>(sums, lane);
+        if (valid[u] && lane % kLanes == 0) {
+          scores[((t0 + tt) * args.num_kv_heads + g) * n + page[u]] = best == 0.0f ? 0.0f : best;
+        }
       }
     }
   }
