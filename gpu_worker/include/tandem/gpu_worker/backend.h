@@ -244,6 +244,57 @@ struct UploadParams {
   size_t rows = 0;
 };
 
+// Page summaries for query-aware selection (Quest; DESIGN "Selection"): for each of `num_pages`
+// pages of `page_tokens` consecutive slots of a window K cache, starting at `first_slot`, the
+// elementwise min and max of the page's keys, written as summary pages first_page.. of
+// `summaries`:
+//   summaries[g, first_page + i, 0, d] = min over slots s of the page of k_cache[g, s, d]
+//   summaries[g, first_page + i, 1, d] = max over the same slots
+// (in the cache dtype: a min or max of bf16 keys is a bf16 key value, so nothing is rounded).
+struct SummarizePagesParams {
+  const void* k_cache = nullptr;  // [num_kv_heads, capacity, head_dim] of dtype
+  int64_t capacity = 0;
+  int64_t first_slot = 0;         // pages cover slots [first_slot, first_slot + num_pages·page_tokens)
+  int64_t num_pages = 0;
+  int64_t page_tokens = 0;        // >= 1
+  void* summaries = nullptr;      // [num_kv_heads, max_pages, 2, head_dim] of dtype (min, max)
+  int64_t max_pages = 0;          // page capacity of `summaries`
+  int64_t first_page = 0;         // first_page + num_pages <= max_pages
+  DType dtype = DType::kF32;      // of both k_cache and summaries: kF32 or kBF16
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+};
+
+// Query-aware page selection: scores every page of every kv head against each query token and
+// keeps the best `select` pages per (token, kv head). With G = num_q_heads / num_kv_heads, the
+// score of page p of kv head g for token t is an upper bound of the page's largest q·k over the
+// group's query heads:
+//   score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·min[g, p, d], q[t, g·G+j, d]·max[g, p, d])
+// (f32 products and sums; the order of the sum is the backend's). pages[t, g, :] gets the
+// `select` pages of highest score (ties: the lower page id wins), in ascending page id order;
+// when num_pages <= select it gets every page 0..num_pages-1 followed by -1 padding.
+struct SelectPagesParams {
+  const float* q = nullptr;        // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
+  int64_t q_row_stride = 0;        // floats between token t and t+1
+  const void* summaries = nullptr; // [num_kv_heads, max_pages, 2, head_dim] of dtype
+  DType dtype = DType::kF32;       // kF32 or kBF16
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;           // pages [0, num_pages) are candidates (>= 1, <= max_pages)
+  int64_t num_tokens = 0;
+  int64_t num_q_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t select = 0;              // pages kept per (token, kv head), >= 1
+  int32_t* pages = nullptr;        // [num_tokens, num_kv_heads, select]
+  // Scratch of at least SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages) bytes.
+  void* scratch = nullptr;
+};
+// Scratch bytes SelectPages needs (the same bound for every backend: one f32 score per
+// (token, kv head, page) plus 64 KiB).
+inline size_t SelectPagesScratchBytes(int64_t num_tokens, int64_t num_kv_heads, int64_t num_pages) {
+  return static_cast<size_t>(num_tokens) * num_kv_heads * num_pages * 4 + (64u << 10);
+}
+
 class Backend {
  public:
   // Upload slots of the ping-pong (double-buffered) stream: see UploadAsync.
@@ -303,6 +354,9 @@ class Backend {
   // Returns the chosen token id (waits for the result).
   virtual absl::StatusOr<int32_t> Sample(const SampleParams& p) = 0;
   virtual absl::Status TokenLogProbs(const TokenLogProbParams& p) = 0;
+  // Query-aware selection (parameter structs above).
+  virtual absl::Status SummarizePages(const SummarizePagesParams& p) = 0;
+  virtual absl::Status SelectPages(const SelectPagesParams& p) = 0;
 };
 
 // Creates the `cpu` backend. `threads` = 0: the cores this process may use.
