@@ -93,6 +93,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError("block_tokens must be in 1..4096");
   }
   if (options.max_sessions < 1) return absl::InvalidArgumentError("max_sessions must be >= 1");
+  if (options.page_tokens < 1 || options.block_tokens % options.page_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_tokens must divide block_tokens (", options.block_tokens, "), got ",
+        options.page_tokens));
+  }
+  TANDEM_RETURN_IF_ERROR(engine->ValidatePagePolicy(options.default_page_policy));
   TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
   const ModelConfig& c = engine->model_->config;
@@ -119,6 +125,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   RunnerOptions runner_options;
   runner_options.max_chunk = options.prefill_chunk;
   runner_options.maw_alpha = options.maw_alpha;
+  runner_options.measure_captured_mass = options.measure_captured_mass;
   TANDEM_ASSIGN_OR_RETURN(engine->runner_, ModelRunner::Create(*engine->backend_,
                                                                *engine->device_model_,
                                                                runner_options));
@@ -146,10 +153,50 @@ absl::Status Engine::ValidateIds(const std::vector<int32_t>& ids) const {
   return absl::OkStatus();
 }
 
+absl::Status Engine::ValidatePagePolicy(const PagePolicy& policy) const {
+  if (policy.select_tokens < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("select_tokens must be >= 1, got ", policy.select_tokens));
+  }
+  if (policy.dense_layers < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dense_layers must be >= 0, got ", policy.dense_layers));
+  }
+  return absl::OkStatus();
+}
+
+size_t Engine::PageSummaryBytes() const {
+  size_t bytes = 0;
+  for (const auto& [id, seq] : sessions_) bytes += seq->pages ? seq->pages->device_bytes() : 0;
+  return bytes;
+}
+
+absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) const {
+  if (seq.pages == nullptr) return absl::OkStatus();
+  const int64_t page = options_.page_tokens;
+  const int64_t pages = (expected_offloaded + page - 1) / page;
+  if (pages <= seq.pages->capacity_pages()) return absl::OkStatus();
+  const size_t need = PageIndex::BytesFor(seq.pages->geometry(), page, expected_offloaded);
+  const size_t others = PageSummaryBytes() - seq.pages->device_bytes();
+  if (options_.page_summary_bytes > 0 && others + need > options_.page_summary_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "page summaries for ", expected_offloaded, " offloaded tokens need ", need,
+        " bytes of device memory (", page, "-token pages), and ", others, " of the worker's ",
+        options_.page_summary_bytes,
+        " page-summary bytes are in use: ask for fewer tokens, wait for other sessions to end, "
+        "use selection=maw, or start the worker with larger --page_tokens or "
+        "--page_summary_bytes"));
+  }
+  return seq.pages->Reserve(pages);
+}
+
 absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string& id,
-                                                              AttentionMode mode, float beta,
-                                                              int64_t window, int64_t sink,
+                                                              const SequenceSpec& spec,
                                                               int64_t expected_offloaded) {
+  const AttentionMode mode = spec.mode;
+  const float beta = spec.beta;
+  const int64_t window = spec.window;
+  const int64_t sink = spec.sink;
   const ModelConfig& c = model_->config;
   WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype_};
   WindowOptions wo;
@@ -165,6 +212,14 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   }
   TANDEM_ASSIGN_OR_RETURN(WindowCache cache, WindowCache::Create(*backend_, geometry, wo));
   auto seq = std::make_unique<Sequence>(id, mode, std::move(cache));
+  if (mode == AttentionMode::kHybrid && spec.selection == SelectionRule::kPages) {
+    seq->selection = SelectionRule::kPages;
+    seq->page_policy = spec.page_policy;
+    TANDEM_ASSIGN_OR_RETURN(PageIndex index,
+                            PageIndex::Create(*backend_, geometry, options_.page_tokens, 0));
+    seq->pages = std::make_unique<PageIndex>(std::move(index));
+    TANDEM_RETURN_IF_ERROR(ReservePages(*seq, expected_offloaded));
+  }
   if (mode == AttentionMode::kHybrid) {
     RemoteKvOptions ro;
     ro.session_id = absl::StrCat(id_prefix_, ".", id);
@@ -182,6 +237,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     ro.placement = options_.placement;
     ro.replan_every_steps = options_.replan_every_steps;
     ro.replan_min_gain = options_.replan_min_gain;
+    ro.selection = seq->selection;
+    ro.page_tokens = static_cast<uint32_t>(options_.page_tokens);
     TANDEM_ASSIGN_OR_RETURN(seq->remote, RemoteKv::Open(*nodes_, ro));
   }
   if (mode == AttentionMode::kOffload) {
@@ -223,6 +280,11 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
     return absl::InvalidArgumentError("beta must be finite and >= 0");
   }
   TANDEM_RETURN_IF_ERROR(ValidateSessionId(request.session_id));
+  PagePolicy page_policy = options_.default_page_policy;
+  if (request.select_tokens.has_value()) page_policy.select_tokens = *request.select_tokens;
+  if (request.dense_layers.has_value()) page_policy.dense_layers = *request.dense_layers;
+  TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(page_policy));
+  const SelectionRule selection = request.selection.value_or(options_.default_selection);
   const AttentionMode mode = request.mode.value_or(options_.default_mode);
   const float beta = request.beta.value_or(options_.default_beta);
   const int64_t window = request.window.value_or(options_.default_window);
@@ -247,6 +309,10 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
         ((request.window.has_value() && *request.window != s.window.options().window) ||
          (request.sink.has_value() && *request.sink != s.window.options().sink))) {
       return absl::InvalidArgumentError("a continued session keeps its window and sink");
+    }
+    if (s.mode == AttentionMode::kHybrid && request.selection.has_value() &&
+        *request.selection != s.selection) {
+      return absl::InvalidArgumentError("a continued session keeps its selection");
     }
   }
   std::vector<int32_t> prompt = request.prompt_ids;
@@ -280,13 +346,20 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   auto offloaded_by_end = [&](int64_t w, int64_t k) { return std::max<int64_t>(0, planned - w - k); };
   if (continuing) {
     seq = existing->second.get();
+    if (seq->selection == SelectionRule::kPages) {
+      if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
+        seq->page_policy = page_policy;
+      }
+      TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
+                                                                 seq->window.options().sink)));
+    }
     if (seq->remote != nullptr) {
       TANDEM_RETURN_IF_ERROR(seq->remote->Reserve(offloaded_by_end(
           seq->window.options().window, seq->window.options().sink)));
     }
   } else {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
-                            NewSequence(id, mode, beta, window, sink,
+                            NewSequence(id, {mode, beta, window, sink, selection, page_policy},
                                         offloaded_by_end(window, sink)));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);
@@ -431,10 +504,13 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
   }
   TANDEM_RETURN_IF_ERROR(ValidateIds(request.ids));
   const std::string id = absl::StrCat("eval-", next_anonymous_id_++);
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> seq,
-                          NewSequence(id, request.mode, request.beta, request.window,
-                                      request.sink,
-                                      std::max<int64_t>(0, n - request.window - request.sink)));
+  TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(request.page_policy));
+  TANDEM_ASSIGN_OR_RETURN(
+      std::unique_ptr<Sequence> seq,
+      NewSequence(id,
+                  {request.mode, request.beta, request.window, request.sink, request.selection,
+                   request.page_policy},
+                  std::max<int64_t>(0, n - request.window - request.sink)));
   std::vector<int32_t> targets(request.ids.begin() + 1, request.ids.end());
   targets.push_back(-1);
   std::vector<float> logprobs(n, 0.0f);
@@ -446,6 +522,10 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
   for (int64_t i = 0; i + 1 < n; ++i) result.nll_sum -= logprobs[i];
   result.predictions = n - 1;
   if (seq->remote) result.selected_share = seq->remote->MeanSelectedShare();
+  const CapturedMass& mass = seq->captured_mass;
+  for (size_t l = 0; l < mass.sum.size(); ++l) {
+    result.captured_mass.push_back(mass.count[l] ? mass.sum[l] / mass.count[l] : 0.0);
+  }
   result.cpu_kv_entries = seq->offloaded_entries();
   result.degraded_steps = seq->degraded_steps;
   return result;

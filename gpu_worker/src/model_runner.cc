@@ -306,8 +306,14 @@ absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_
     return s.seq->mode == AttentionMode::kHybrid && s.seq->remote != nullptr &&
            s.seq->remote->offloaded_tokens() > 0;
   };
-  // 1. q of every hybrid segment to its CPU nodes; they attend while the device works.
+  // 1. q of every hybrid segment to its CPU nodes (with the pages chosen for it under
+  // selection = pages); they attend while the device works.
   std::vector<bool> started(segments.size(), false);
+  std::vector<bool> paged(segments.size(), false);   // attended over chosen pages this layer
+  if (page_selection_.size() < segments.size()) {   // sized up front: StartAttend keeps pointers
+    page_selection_.resize(segments.size());
+    page_ids_host_.resize(segments.size());
+  }
   absl::Status status;
   for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
     const Segment& s = segments[i];
@@ -317,11 +323,20 @@ absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_
     status = backend_.CopyToHost2D(q_host, Hq * D * 4, qkv_.as<float>() + s.row0 * QKV, QKV * 4,
                                    Hq * D * 4, s.n);
     profile_.q_download_s += Seconds(t0);
-    if (status.ok() && s.seq->reselect_pending) {
+    const bool pages = s.seq->selection == SelectionRule::kPages;
+    if (status.ok() && s.seq->reselect_pending && !pages) {
       status = s.seq->remote->Reselect(layer, q_host, s.n, s.seq->reselect_beta);
     }
-    if (status.ok()) status = s.seq->remote->StartAttend(layer, q_host, s.n);
+    absl::StatusOr<const PageSelection*> chosen = nullptr;
+    if (status.ok() && pages) {
+      const Clock::time_point t1 = Clock::now();
+      chosen = ChoosePages(s, i, layer);
+      profile_.select_s += Seconds(t1);
+      status = chosen.status();
+    }
+    if (status.ok()) status = s.seq->remote->StartAttend(layer, q_host, s.n, *chosen);
     started[i] = status.ok();
+    paged[i] = status.ok() && *chosen != nullptr;
   }
   // 2. The window of every segment on the device; offload segments stream their host pages.
   for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
@@ -346,6 +361,10 @@ absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_
       continue;
     }
     if (*degraded) ++s.seq->degraded_steps;
+    if (options_.measure_captured_mass && s.seq->selection == SelectionRule::kPages) {
+      status = MeasureCapturedMass(s, layer, paged[i], lse_host);
+      if (!status.ok()) continue;
+    }
     const Clock::time_point t1 = Clock::now();
     float* cpu_o = cpu_o_.as<float>() + s.row0 * Hq * D;
     float* cpu_lse = cpu_lse_.as<float>() + s.row0 * Hq;
@@ -361,6 +380,81 @@ absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_
   return status;
 }
 
+absl::Status ModelRunner::MeasureCapturedMass(const Segment& s, int64_t layer, bool paged,
+                                              const float* selected_lse) {
+  const int64_t Hq = model_.config().num_q_heads, D = model_.config().head_dim;
+  CapturedMass& mass = s.seq->captured_mass;
+  if (mass.sum.empty()) {
+    mass.sum.assign(model_.config().num_layers, 0.0);
+    mass.count.assign(model_.config().num_layers, 0);
+  }
+  if (!paged) {   // everything was attended: all of the mass
+    mass.sum[layer] += static_cast<double>(s.n * Hq);
+    mass.count[layer] += static_cast<uint64_t>(s.n * Hq);
+    return absl::OkStatus();
+  }
+  // The same queries over every offloaded entry: the denominator of the captured share.
+  dense_o_host_.resize(static_cast<size_t>(s.n) * Hq * D);
+  dense_lse_host_.resize(static_cast<size_t>(s.n) * Hq);
+  TANDEM_RETURN_IF_ERROR(
+      s.seq->remote->StartAttend(layer, q_host_.data() + s.row0 * Hq * D, s.n, nullptr));
+  TANDEM_ASSIGN_OR_RETURN(const bool degraded,
+                          s.seq->remote->FinishAttend(dense_o_host_.data(), dense_lse_host_.data()));
+  if (degraded) return absl::OkStatus();   // nothing to compare against this step
+  for (int64_t r = 0; r < s.n * Hq; ++r) {
+    if (!std::isfinite(dense_lse_host_[r])) continue;
+    const double share = std::isfinite(selected_lse[r])
+                             ? std::exp(static_cast<double>(selected_lse[r]) - dense_lse_host_[r])
+                             : 0.0;
+    mass.sum[layer] += std::min(share, 1.0);
+    mass.count[layer] += 1;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const PageSelection*> ModelRunner::ChoosePages(const Segment& s, size_t index,
+                                                              int64_t layer) {
+  const ModelConfig& c = model_.config();
+  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  const int64_t QKV = (Hq + 2 * Hkv) * c.head_dim;
+  const PageIndex* index_of_seq = s.seq->pages.get();
+  if (index_of_seq == nullptr) {
+    return absl::FailedPreconditionError("pages selection without a page index");
+  }
+  const PagePolicy& policy = s.seq->page_policy;
+  const int64_t num_pages = index_of_seq->num_pages(layer);
+  const int64_t per_head =
+      std::max<int64_t>(1, policy.select_tokens / index_of_seq->page_tokens());
+  // Dense layers and budgets that cover every page attend over everything (exact): no ids.
+  if (layer < policy.dense_layers || per_head >= num_pages) return nullptr;
+
+  const size_t ids = static_cast<size_t>(s.n) * Hkv * per_head;
+  if (selected_pages_.bytes() < ids * 4) {
+    TANDEM_ASSIGN_OR_RETURN(selected_pages_, backend_.Allocate(ids * 4));
+  }
+  // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
+  // (a long prefill chunk over a long context is cut into several calls).
+  const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);
+  const int64_t rows_per_call = std::clamp<int64_t>(
+      static_cast<int64_t>(kMaxSelectScratchBytes / row_bytes), 1, s.n);
+  const size_t scratch = SelectPagesScratchBytes(rows_per_call, Hkv, num_pages);
+  if (select_scratch_.bytes() < scratch) {
+    select_scratch_.Reset();
+    TANDEM_ASSIGN_OR_RETURN(select_scratch_, backend_.Allocate(scratch));
+  }
+  for (int64_t r = 0; r < s.n; r += rows_per_call) {
+    const int64_t rows = std::min(rows_per_call, s.n - r);
+    TANDEM_RETURN_IF_ERROR(index_of_seq->Select(
+        layer, qkv_.as<float>() + (s.row0 + r) * QKV, QKV, rows, Hq, per_head,
+        selected_pages_.as<int32_t>() + r * Hkv * per_head, select_scratch_.data()));
+  }
+  std::vector<int32_t>& host = page_ids_host_[index];
+  host.resize(ids);
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToHost(host.data(), selected_pages_.data(), ids * 4));
+  page_selection_[index] = PageSelection{host.data(), per_head};
+  return &page_selection_[index];
+}
+
 absl::Status ModelRunner::Evict(Sequence& seq) {
   const std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
   if (blocks.empty()) return absl::OkStatus();
@@ -368,6 +462,7 @@ absl::Status ModelRunner::Evict(Sequence& seq) {
   if (seq.remote == nullptr && !offload) {
     return absl::FailedPreconditionError("window eviction without CPU nodes or host memory");
   }
+  if (seq.pages != nullptr) TANDEM_RETURN_IF_ERROR(seq.pages->AppendEvicted(seq.window, blocks));
   const WindowGeometry& g = seq.window.geometry();
   int64_t total = 0;
   for (const EvictedBlock& b : blocks) total += b.count;

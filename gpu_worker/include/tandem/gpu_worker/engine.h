@@ -41,6 +41,7 @@ struct EngineOptions {
   unsigned cpu_threads = 0;        // cpu backend threads; 0 = all usable cores
   int64_t prefill_chunk = 512;     // tokens per forward chunk
   float maw_alpha = 0.1f;
+  bool measure_captured_mass = false;   // RunnerOptions::measure_captured_mass (benchmarks)
   // Most positions of a session (prompt + generated, all turns); 0 = the model's
   // max_position_embeddings. Also sizes the device KV of `gpu` mode sessions.
   int64_t max_context = 0;
@@ -55,6 +56,14 @@ struct EngineOptions {
   float default_beta = 1.0f;
   int64_t default_window = 1024;
   int64_t default_sink = 4;
+  SelectionRule default_selection = SelectionRule::kMaw;
+  PagePolicy default_page_policy;
+  // selection = pages: entries per page (summary granularity; a divisor of block_tokens).
+  int64_t page_tokens = 16;
+  // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
+  // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
+  // RESOURCE_EXHAUSTED before anything runs.
+  size_t page_summary_bytes = 0;
   // CPU attention nodes (empty addresses and dns_name: one node in-process).
   NodePoolOptions nodes;
   int attend_deadline_ms = 2000;
@@ -91,6 +100,10 @@ struct GenerateRequest {
   std::optional<float> beta;       // >= 0, finite
   std::optional<int64_t> window;   // >= block_tokens
   std::optional<int64_t> sink;     // >= 0
+  // Hybrid selection (page_selection.h); a continued session keeps its rule.
+  std::optional<SelectionRule> selection;
+  std::optional<int64_t> select_tokens;   // >= 1 (pages: whole pages, at least one)
+  std::optional<int64_t> dense_layers;    // >= 0
 };
 
 struct PrefillProgress {
@@ -140,6 +153,8 @@ struct EvaluateRequest {
   float beta = 0.0f;
   int64_t window = 512;
   int64_t sink = 4;
+  SelectionRule selection = SelectionRule::kMaw;
+  PagePolicy page_policy;
 };
 
 struct EvaluateResult {
@@ -147,6 +162,9 @@ struct EvaluateResult {
   int64_t predictions = 0;         // ids.size() - 1
   double perplexity() const { return predictions ? std::exp(nll_sum / predictions) : 0.0; }
   std::vector<double> selected_share;   // hybrid: mean selected/held per layer over the run
+  // selection = pages with EngineOptions::measure_captured_mass: mean share of the offloaded
+  // softmax mass the chosen pages captured, per layer.
+  std::vector<double> captured_mass;
   int64_t cpu_kv_entries = 0;
   uint64_t degraded_steps = 0;
 };
@@ -191,9 +209,24 @@ class Engine {
  private:
   Engine() = default;
   // expected_offloaded: entries per (layer, kv head) the CPU nodes should have room for.
-  absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id, AttentionMode mode,
-                                                        float beta, int64_t window, int64_t sink,
+  struct SequenceSpec {
+    AttentionMode mode = AttentionMode::kHybrid;
+    float beta = 1.0f;
+    int64_t window = 0;
+    int64_t sink = 0;
+    SelectionRule selection = SelectionRule::kMaw;
+    PagePolicy page_policy;
+  };
+  absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id,
+                                                        const SequenceSpec& spec,
                                                         int64_t expected_offloaded);
+  // INVALID_ARGUMENT for a budget policy out of range.
+  absl::Status ValidatePagePolicy(const PagePolicy& policy) const;
+  // Device bytes of every open session's page summaries.
+  size_t PageSummaryBytes() const;
+  // Grows `seq`'s page summaries to `expected_offloaded` entries per (layer, kv head) within
+  // the page_summary_bytes cap; RESOURCE_EXHAUSTED (saying what to change) otherwise.
+  absl::Status ReservePages(Sequence& seq, int64_t expected_offloaded) const;
   absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
 
   EngineOptions options_;

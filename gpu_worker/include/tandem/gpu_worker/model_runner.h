@@ -6,13 +6,16 @@
 // every weight is read once for all of them). A pass is a list of segments (sequence, tokens)
 // whose rows are stacked; per layer:
 //   x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> each sequence's window slots
-//   hybrid: q -> CPU nodes (Attend over the offloaded, selected entries) in the background
+//   hybrid: q -> CPU nodes (Attend over the offloaded, selected entries) in the background;
+//   with selection = pages the device first scores the layer's page summaries against q and
+//   the chosen page ids travel with q (PageIndex::Select)
 //   (O, LSE) = window attention per segment (causal by position; MAW update in hybrid mode)
 //   hybrid: merge the CPU partial state into (O, LSE) (the exact LSE merge)
 //   offload: attend over the host pages streamed in by the KvStreamer, merge the same way
 //   x += O·Woᵀ; x += down(SwiGLU(RMSNorm(x)·Wgate_upᵀ))
 // then the final norm and lm_head, and the eviction of window blocks beyond the window to the
-// CPU nodes (hybrid, with their MAW) or to host memory (offload).
+// CPU nodes (hybrid, with their MAW; their page summaries first under selection = pages) or to
+// host memory (offload).
 //
 // Not thread-safe: the engine's executor thread owns the runner, its backend and sequences.
 #pragma once
@@ -26,6 +29,7 @@
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
@@ -33,6 +37,10 @@ namespace tandem::gpu_worker {
 struct RunnerOptions {
   int64_t max_chunk = 512;   // tokens per forward chunk (prefill activation bound)
   float maw_alpha = 0.1f;    // MAW moving-average factor α: maw = (1-α)·maw + α·a
+  // Accuracy diagnostics (benchmarks): after each paged Attend, attend again over every
+  // offloaded entry and record the share of the offloaded softmax mass the chosen pages
+  // captured (Sequence::captured_mass). Doubles the nodes' work; off in serving.
+  bool measure_captured_mass = false;
 };
 
 struct ForwardOptions {
@@ -53,6 +61,9 @@ struct RunnerProfile {
   double q_download_s = 0.0;
   double cpu_wait_s = 0.0;
   double merge_upload_s = 0.0;
+  // selection = pages: the page-selection kernels and the download of the chosen page ids
+  // (after q's download, before the CPU nodes can start).
+  double select_s = 0.0;
   uint64_t passes = 0;
 };
 
@@ -99,6 +110,17 @@ class ModelRunner {
   absl::Status Attention(const std::vector<Segment>& segments, int64_t layer);
   WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
   absl::Status Evict(Sequence& sequence);
+  // selection = pages: picks the pages of segment `index` for `layer` on the device and
+  // downloads their ids; nullptr when the layer attends over every page (dense layer, or a
+  // budget that covers the whole offloaded KV). Valid until the next pass.
+  absl::StatusOr<const PageSelection*> ChoosePages(const Segment& segment, size_t index,
+                                                   int64_t layer);
+  // RunnerOptions::measure_captured_mass: selected_lse [n, H_q] of the pages just attended.
+  absl::Status MeasureCapturedMass(const Segment& segment, int64_t layer, bool paged,
+                                   const float* selected_lse);
+  // Scores of one SelectPages call stay below this (a prefill chunk over a long context is
+  // split into several calls).
+  static constexpr size_t kMaxSelectScratchBytes = size_t{256} << 20;
   absl::Status EnsureStreamer(const std::vector<Segment>& segments);
 
   Backend& backend_;
@@ -118,6 +140,12 @@ class ModelRunner {
   std::vector<float> q_host_, o_host_, lse_host_;
   std::vector<char> evict_k_, evict_v_;
   std::vector<float> evict_maw_;
+  // selection = pages: chosen ids on the device [rows, H_kv, per_head], the scores' scratch, and
+  // per segment of the pass the host copy of its ids and the PageSelection naming them.
+  DeviceBuffer selected_pages_, select_scratch_;
+  std::vector<std::vector<int32_t>> page_ids_host_;
+  std::vector<PageSelection> page_selection_;
+  std::vector<float> dense_o_host_, dense_lse_host_;   // measure_captured_mass
 };
 
 }  // namespace tandem::gpu_worker

@@ -12,10 +12,19 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/offloaded_kv.h"
+#include "tandem/gpu_worker/page_index.h"
+#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
+
+// Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
+// rows of exp(lse_selected - lse_all), and the rows): RunnerOptions::measure_captured_mass.
+struct CapturedMass {
+  std::vector<double> sum;
+  std::vector<uint64_t> count;
+};
 
 enum class AttentionMode {
   kGpu,     // all KV on the device (the exact baseline)
@@ -36,6 +45,11 @@ struct Sequence {
   WindowCache window;
   std::unique_ptr<RemoteKv> remote;   // hybrid only
   std::unique_ptr<OffloadedKv> offloaded;   // offload only
+  // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
+  // summaries of their offloaded KV on the device (`pages`) and choose by `page_policy`.
+  SelectionRule selection = SelectionRule::kMaw;
+  PagePolicy page_policy;
+  std::unique_ptr<PageIndex> pages;   // kPages only
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
@@ -44,6 +58,7 @@ struct Sequence {
   bool reselect_pending = false;
   std::optional<float> reselect_beta;
   uint64_t degraded_steps = 0;        // forward passes in which some CPU node did not answer
+  CapturedMass captured_mass;         // selection = pages, when the runner measures it
 
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const {

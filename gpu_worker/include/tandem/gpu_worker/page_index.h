@@ -1,0 +1,78 @@
+// PageIndex: the page summaries of one sequence's offloaded KV, kept in device memory (Quest;
+// DESIGN "Selection", selection = pages).
+//
+// Per layer: [num_kv_heads, capacity_pages, 2, head_dim] of the KV dtype, page p of kv head g
+// holding the elementwise min (index 0) and max (index 1) of the post-RoPE keys of offloaded
+// entries [p·page_tokens, (p+1)·page_tokens) of that (layer, kv head). That is 2/(2·page_tokens)
+// = 1/page_tokens of the offloaded K+V bytes (1/16 at the default 16-token pages). Pages are
+// written when their entries leave the window (Append from the window's K before Release), so
+// page p names exactly the entries the CPU nodes number p·page_tokens.. in the same shard.
+//
+// Memory: Reserve() grows every layer's buffer to a page capacity (geometrically; the old
+// contents are copied on the device). It is the only place that allocates: RESOURCE_EXHAUSTED
+// (with the bytes asked) when the device cannot hold the summaries, the index unchanged.
+//
+// Not thread-safe: the engine's executor thread owns it with its sequence.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/window_cache.h"
+
+namespace tandem::gpu_worker {
+
+class PageIndex {
+ public:
+  // page_tokens in 1..4096; reserve_tokens: offloaded entries per (layer, kv head) to reserve
+  // room for now (0 = none). INVALID_ARGUMENT for a bad geometry or page size.
+  static absl::StatusOr<PageIndex> Create(Backend& backend, const WindowGeometry& geometry,
+                                          int64_t page_tokens, int64_t reserve_tokens);
+
+  PageIndex(PageIndex&&) = default;
+  PageIndex& operator=(PageIndex&&) = default;
+
+  // Device bytes of summaries for `tokens` offloaded entries per (layer, kv head) (whole pages).
+  static size_t BytesFor(const WindowGeometry& geometry, int64_t page_tokens, int64_t tokens);
+
+  // Ensures room for `pages` pages per (layer, kv head).
+  absl::Status Reserve(int64_t pages);
+
+  // Summarises `count` entries (a multiple of page_tokens) of `layer`'s K, the slots
+  // [first_slot, first_slot + count) of k_cache [num_kv_heads, capacity, head_dim] (the index's
+  // dtype), as that layer's next count / page_tokens pages. Grows the capacity if needed.
+  absl::Status Append(int64_t layer, const void* k_cache, int64_t capacity, int64_t first_slot,
+                      int64_t count);
+  // Append for evicted window blocks, every layer, in the blocks' order.
+  absl::Status AppendEvicted(const WindowCache& window, const std::vector<EvictedBlock>& blocks);
+
+  // Picks pages of `layer` for query rows q (SelectPagesParams): pages [num_tokens,
+  // num_kv_heads, select] on the device; scratch of SelectPagesScratchBytes(num_tokens,
+  // num_kv_heads, num_pages(layer)) bytes. FAILED_PRECONDITION when the layer has no page.
+  absl::Status Select(int64_t layer, const float* q, int64_t q_row_stride, int64_t num_tokens,
+                      int64_t num_q_heads, int64_t select, int32_t* pages, void* scratch) const;
+
+  int64_t page_tokens() const { return page_tokens_; }
+  int64_t num_pages(int64_t layer) const { return pages_[layer]; }
+  int64_t capacity_pages() const { return capacity_pages_; }
+  size_t device_bytes() const;
+  const WindowGeometry& geometry() const { return geometry_; }
+  // [num_kv_heads, capacity_pages, 2, head_dim] of `layer` (tests).
+  const void* summaries(int64_t layer) const { return layers_[layer].data(); }
+
+ private:
+  PageIndex() = default;
+  size_t PageBytes() const;   // one page of one kv head: 2 · head_dim · dtype bytes
+
+  Backend* backend_ = nullptr;
+  WindowGeometry geometry_;
+  int64_t page_tokens_ = 16;
+  int64_t capacity_pages_ = 0;
+  std::vector<DeviceBuffer> layers_;   // per layer, see the file comment
+  std::vector<int64_t> pages_;         // per layer: pages written
+};
+
+}  // namespace tandem::gpu_worker

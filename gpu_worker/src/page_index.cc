@@ -1,0 +1,140 @@
+#include "tandem/gpu_worker/page_index.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+
+absl::StatusOr<PageIndex> PageIndex::Create(Backend& backend, const WindowGeometry& geometry,
+                                            int64_t page_tokens, int64_t reserve_tokens) {
+  if (geometry.num_layers <= 0 || geometry.num_kv_heads <= 0 || geometry.head_dim <= 0) {
+    return absl::InvalidArgumentError("page index: layers, kv heads and head_dim must be > 0");
+  }
+  if (geometry.dtype != DType::kF32 && geometry.dtype != DType::kBF16) {
+    return absl::InvalidArgumentError("page index: the KV dtype must be f32 or bf16");
+  }
+  if (page_tokens < 1 || page_tokens > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_tokens must be in 1..4096, got ", page_tokens));
+  }
+  if (reserve_tokens < 0) return absl::InvalidArgumentError("page index: negative reserve");
+  PageIndex index;
+  index.backend_ = &backend;
+  index.geometry_ = geometry;
+  index.page_tokens_ = page_tokens;
+  index.layers_.resize(geometry.num_layers);
+  index.pages_.assign(geometry.num_layers, 0);
+  TANDEM_RETURN_IF_ERROR(index.Reserve((reserve_tokens + page_tokens - 1) / page_tokens));
+  return index;
+}
+
+size_t PageIndex::BytesFor(const WindowGeometry& g, int64_t page_tokens, int64_t tokens) {
+  const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
+  return static_cast<size_t>(g.num_layers) * g.num_kv_heads * pages * 2 * g.head_dim *
+         DTypeBytes(g.dtype);
+}
+
+size_t PageIndex::PageBytes() const { return 2 * geometry_.head_dim * DTypeBytes(geometry_.dtype); }
+
+size_t PageIndex::device_bytes() const {
+  return static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads * capacity_pages_ *
+         PageBytes();
+}
+
+absl::Status PageIndex::Reserve(int64_t pages) {
+  if (pages <= capacity_pages_) return absl::OkStatus();
+  // Geometric growth keeps Append amortised O(1) in copies; an explicit reserve is exact.
+  const int64_t grown = std::max(pages, capacity_pages_ + capacity_pages_ / 2);
+  const size_t head_bytes = static_cast<size_t>(grown) * PageBytes();
+  const size_t layer_bytes = head_bytes * geometry_.num_kv_heads;
+  std::vector<DeviceBuffer> fresh(geometry_.num_layers);
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    absl::StatusOr<DeviceBuffer> buffer = backend_->Allocate(layer_bytes);
+    if (!buffer.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "page summaries of ", grown * page_tokens_, " offloaded tokens need ",
+          layer_bytes * geometry_.num_layers, " bytes of device memory (",
+          page_tokens_, "-token pages): ", buffer.status().message()));
+    }
+    fresh[l] = std::move(*buffer);
+  }
+  const size_t old_head_bytes = static_cast<size_t>(capacity_pages_) * PageBytes();
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    const size_t used = static_cast<size_t>(pages_[l]) * PageBytes();
+    for (int64_t g = 0; g < geometry_.num_kv_heads && used > 0; ++g) {
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(fresh[l].as<char>() + g * head_bytes,
+                                                    layers_[l].as<char>() + g * old_head_bytes,
+                                                    used));
+    }
+  }
+  layers_ = std::move(fresh);
+  capacity_pages_ = grown;
+  return absl::OkStatus();
+}
+
+absl::Status PageIndex::Append(int64_t layer, const void* k_cache, int64_t capacity,
+                               int64_t first_slot, int64_t count) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("page index: layer ", layer));
+  }
+  if (count <= 0 || count % page_tokens_ != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("page index: ", count,
+                                                   " entries are not whole pages of ",
+                                                   page_tokens_));
+  }
+  const int64_t pages = count / page_tokens_;
+  TANDEM_RETURN_IF_ERROR(Reserve(pages_[layer] + pages));
+  SummarizePagesParams p;
+  p.k_cache = k_cache;
+  p.capacity = capacity;
+  p.first_slot = first_slot;
+  p.num_pages = pages;
+  p.page_tokens = page_tokens_;
+  p.summaries = layers_[layer].data();
+  p.max_pages = capacity_pages_;
+  p.first_page = pages_[layer];
+  p.dtype = geometry_.dtype;
+  p.num_kv_heads = geometry_.num_kv_heads;
+  p.head_dim = geometry_.head_dim;
+  TANDEM_RETURN_IF_ERROR(backend_->SummarizePages(p));
+  pages_[layer] += pages;
+  return absl::OkStatus();
+}
+
+absl::Status PageIndex::AppendEvicted(const WindowCache& window,
+                                      const std::vector<EvictedBlock>& blocks) {
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (const EvictedBlock& b : blocks) {
+      TANDEM_RETURN_IF_ERROR(Append(l, window.k(l), window.capacity(), b.first_slot, b.count));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PageIndex::Select(int64_t layer, const float* q, int64_t q_row_stride,
+                               int64_t num_tokens, int64_t num_q_heads, int64_t select,
+                               int32_t* pages, void* scratch) const {
+  if (layer < 0 || layer >= geometry_.num_layers || pages_[layer] == 0) {
+    return absl::FailedPreconditionError(absl::StrCat("page index: layer ", layer,
+                                                      " has no page to select from"));
+  }
+  SelectPagesParams p;
+  p.q = q;
+  p.q_row_stride = q_row_stride;
+  p.summaries = layers_[layer].data();
+  p.dtype = geometry_.dtype;
+  p.max_pages = capacity_pages_;
+  p.num_pages = pages_[layer];
+  p.num_tokens = num_tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = geometry_.num_kv_heads;
+  p.head_dim = geometry_.head_dim;
+  p.select = select;
+  p.pages = pages;
+  p.scratch = scratch;
+  return backend_->SelectPages(p);
+}
+
+}  // namespace tandem::gpu_worker
