@@ -38,6 +38,17 @@ ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu 
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
 ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");
+ABSL_FLAG(std::string, selection, "maw",
+          "default hybrid selection: maw (HGCA, by --beta) or pages (query-aware pages within "
+          "--select_tokens)");
+ABSL_FLAG(int64_t, select_tokens, 512,
+          "selection=pages: default offloaded entries attended per (layer, kv head, token)");
+ABSL_FLAG(int64_t, dense_layers, 0,
+          "selection=pages: default count of first layers that attend over every entry");
+ABSL_FLAG(int64_t, page_tokens, 16,
+          "selection=pages: entries per summarised page (must divide --block_tokens)");
+ABSL_FLAG(tandem::ByteSize, page_summary_bytes, tandem::ByteSize{0},
+          "device bytes all sessions' page summaries may use (0 = no cap but the device)");
 ABSL_FLAG(double, maw_alpha, 0.1, "moving-average rate of the attention weights (0, 1]");
 ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
           "CPU attention nodes, comma-separated host:port; empty (and no --cpu_nodes_dns) = "
@@ -98,6 +109,22 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   if (e.default_window < 1 || e.default_sink < 0) {
     return UsageError("--window must be >= 1 and --sink >= 0");
   }
+  absl::StatusOr<tandem::gpu_worker::SelectionRule> selection =
+      tandem::gpu_worker::ParseSelectionRule(absl::GetFlag(FLAGS_selection));
+  if (!selection.ok()) {
+    return UsageError(absl::StrCat("--selection: ", selection.status().message()));
+  }
+  e.default_selection = *selection;
+  e.default_page_policy.select_tokens = absl::GetFlag(FLAGS_select_tokens);
+  e.default_page_policy.dense_layers = absl::GetFlag(FLAGS_dense_layers);
+  if (e.default_page_policy.select_tokens < 1 || e.default_page_policy.dense_layers < 0) {
+    return UsageError("--select_tokens must be >= 1 and --dense_layers >= 0");
+  }
+  e.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  if (e.page_tokens < 1 || e.page_tokens > 4096 || e.block_tokens % e.page_tokens != 0) {
+    return UsageError("--page_tokens must be in 1..4096 and divide --block_tokens");
+  }
+  e.page_summary_bytes = absl::GetFlag(FLAGS_page_summary_bytes).bytes;
   const double alpha = absl::GetFlag(FLAGS_maw_alpha);
   if (!(alpha > 0 && alpha <= 1)) return UsageError("--maw_alpha must be in (0, 1]");
   e.maw_alpha = static_cast<float>(alpha);

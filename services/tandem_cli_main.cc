@@ -98,6 +98,12 @@ ABSL_FLAG(bool, ignore_eos, false, "generate: keep going past the end-of-sequenc
 ABSL_FLAG(std::string, mode, "", "generate: gpu or hybrid; empty = the engine's default");
 ABSL_FLAG(std::optional<int64_t>, window, std::nullopt, "generate: hybrid device window, tokens");
 ABSL_FLAG(std::optional<int64_t>, sink, std::nullopt, "generate: hybrid sink tokens");
+ABSL_FLAG(std::string, selection, "",
+          "generate: hybrid selection, maw or pages; empty = the engine's default");
+ABSL_FLAG(std::optional<int64_t>, select_tokens, std::nullopt,
+          "generate: selection=pages budget, offloaded entries per (layer, kv head, token)");
+ABSL_FLAG(std::optional<int64_t>, dense_layers, std::nullopt,
+          "generate: selection=pages, first layers that attend over every entry");
 ABSL_FLAG(std::string, session_id, "", "generate: keep and continue this session (--server)");
 ABSL_FLAG(std::string, backend, "auto", "in-process engine: auto, cpu or cuda");
 ABSL_FLAG(std::vector<std::string>, cpu_nodes, {},
@@ -519,6 +525,9 @@ absl::StatusOr<v1::GenerateRequest> GenerateRequestFromFlags(
   }
   if (const std::optional<int64_t> window = absl::GetFlag(FLAGS_window)) r.set_window(*window);
   if (const std::optional<int64_t> sink = absl::GetFlag(FLAGS_sink)) r.set_sink(*sink);
+  r.set_selection(absl::GetFlag(FLAGS_selection));
+  if (const std::optional<int64_t> t = absl::GetFlag(FLAGS_select_tokens)) r.set_select_tokens(*t);
+  if (const std::optional<int64_t> d = absl::GetFlag(FLAGS_dense_layers)) r.set_dense_layers(*d);
   return r;
 }
 
@@ -689,7 +698,8 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem client.\n"
       "  tandem generate --model=DIR [--server=HOST:PORT] --prompt=TEXT [--max-tokens=N "
-      "--temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta --window --sink]\n"
+      "--temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta --window --sink "
+      "--selection --select-tokens --dense-layers]\n"
       "  tandem tokenize --model=DIR [--server=HOST:PORT] --text=TEXT [--add-bos]\n"
       "  tandem attend [--server=HOST:PORT] [--layers --q_heads --kv_heads --head_dim --tokens "
       "--beta --dtype ...]\n"

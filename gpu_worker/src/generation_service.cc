@@ -120,6 +120,28 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     }
     dst.sink = request.sink();
   }
+  if (!request.selection().empty()) {
+    absl::StatusOr<SelectionRule> selection = ParseSelectionRule(request.selection());
+    if (!selection.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "selection: unknown '", request.selection(), "' (expected maw or pages)"));
+    }
+    dst.selection = *selection;
+  }
+  if (request.has_select_tokens()) {
+    if (request.select_tokens() < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("select_tokens must be >= 1, got ", request.select_tokens()));
+    }
+    dst.select_tokens = request.select_tokens();
+  }
+  if (request.has_dense_layers()) {
+    if (request.dense_layers() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dense_layers must be >= 0, got ", request.dense_layers()));
+    }
+    dst.dense_layers = request.dense_layers();
+  }
   return dst;
 }
 
