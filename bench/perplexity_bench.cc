@@ -7,11 +7,14 @@
 // The hybrid runs feed --chunk tokens per forward pass (1 = exactly like decoding: every query
 // sees the window and the CPU node's selection as of that step, and MAW advances per token); the
 // full-attention reference, exact whatever the chunk, runs in chunks of 512.
+// With --pages, hybrid runs also use query-aware page selection (selection = pages) at each
+// budget; --window_only adds the window alone (MAW with a beta no weight can pass, so no
+// offloaded entry is ever attended).
 // Prints one JSON line per configuration, then a table with the perplexity, its ratio to full
 // attention and the mean share of offloaded entries selected per layer (mean over Attend calls
 // of selected / held, summed over the layer's kv heads).
 //
-//   tandem-ppl-bench --model ../shared/models/gutenberg-14m \
+//   tandem-ppl-bench --model ../shared/models/gutenberg-14m
 //       --books ../shared/data/gutenberg-eval --tokens 8192 --window 512 --betas 0.5,1,2
 #include <algorithm>
 #include <chrono>
@@ -30,6 +33,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
+#include "page_policy_list.h"
 #include "tandem/gpu_worker/engine.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
@@ -41,18 +45,37 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "0.5,1,2", "hybrid: comma-separated betas");
 ABSL_FLAG(int64_t, chunk, 1, "tokens per forward pass");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
+ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
 ABSL_FLAG(float, maw_alpha, 0.1f, "MAW moving-average factor");
 ABSL_FLAG(bool, skip_full, false, "skip the full-attention reference run");
+ABSL_FLAG(std::string, pages, "",
+          "hybrid with selection=pages: comma-separated budgets (offloaded tokens per layer, "
+          "kv head and query), each optionally with :dN for N dense first layers (512:d1)");
+ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
+ABSL_FLAG(bool, captured_mass, true,
+          "pages runs: also measure the share of the offloaded softmax mass the chosen pages "
+          "capture, per layer (a second, dense Attend per layer)");
+ABSL_FLAG(bool, window_only, false, "also run hybrid with nothing offloaded attended");
 
 namespace tandem::gpu_worker {
 namespace {
 
+struct Config {
+  AttentionMode mode = AttentionMode::kGpu;
+  float beta = 0.0f;
+  SelectionRule selection = SelectionRule::kMaw;
+  PagePolicy policy;
+  std::string label;
+};
+
 struct RunResult {
   std::string mode;
+  std::string label;
   float beta = 0.0f;
   double nll = 0.0;
   int64_t predictions = 0;
   std::vector<double> share_sum;   // per layer, summed over books
+  std::vector<double> captured_sum;   // pages: per layer, summed over books
   double seconds = 0.0;
   uint64_t degraded = 0;
   double ppl() const { return std::exp(nll / predictions); }
@@ -64,7 +87,11 @@ int Main() {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.prefill_chunk = absl::GetFlag(FLAGS_chunk);
   options.maw_alpha = absl::GetFlag(FLAGS_maw_alpha);
+  options.measure_captured_mass = absl::GetFlag(FLAGS_captured_mass);
   options.nodes.embedded.pool_bytes = 2ull << 30;
+  options.nodes.embedded.threads = absl::GetFlag(FLAGS_node_threads);
+  options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);
   // Full attention is exact whatever the chunk, so the reference runs in 512-token chunks.
   options.prefill_chunk = 512;
@@ -102,29 +129,49 @@ int Main() {
     std::fprintf(stderr, "tandem-ppl-bench: no usable books\n");
     return 1;
   }
-  std::vector<std::pair<AttentionMode, float>> configs;
-  if (!absl::GetFlag(FLAGS_skip_full)) configs.push_back({AttentionMode::kGpu, 0.0f});
+  std::vector<Config> configs;
+  if (!absl::GetFlag(FLAGS_skip_full)) {
+    configs.push_back({AttentionMode::kGpu, 0.0f, SelectionRule::kMaw, {}, "full"});
+  }
+  if (absl::GetFlag(FLAGS_window_only)) {
+    // MAW weights are at most 1, so beta = window selects nothing: the window alone.
+    configs.push_back({AttentionMode::kHybrid, 1e9f, SelectionRule::kMaw, {}, "window only"});
+  }
   for (absl::string_view b : absl::StrSplit(absl::GetFlag(FLAGS_betas), ',', absl::SkipEmpty())) {
     float beta = 0.0f;
     if (!absl::SimpleAtof(b, &beta)) {
       std::fprintf(stderr, "bad beta '%s'\n", std::string(b).c_str());
       return 2;
     }
-    configs.push_back({AttentionMode::kHybrid, beta});
+    configs.push_back({AttentionMode::kHybrid, beta, SelectionRule::kMaw, {},
+                       absl::StrFormat("maw b=%g", beta)});
+  }
+  auto page_policies = bench::ParsePagePolicies(absl::GetFlag(FLAGS_pages));
+  if (!page_policies.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(page_policies.status().message()).c_str());
+    return 2;
+  }
+  for (const bench::LabelledPagePolicy& p : *page_policies) {
+    configs.push_back({AttentionMode::kHybrid, 0.0f, SelectionRule::kPages, p.policy, p.label});
   }
   const int64_t layers = (*engine)->info().num_layers;
   std::vector<RunResult> results;
-  for (const auto& [mode, beta] : configs) {
+  for (const Config& config : configs) {
+    const AttentionMode mode = config.mode;
     RunResult r;
     r.mode = std::string(AttentionModeName(mode));
-    r.beta = beta;
+    r.label = config.label;
+    r.beta = config.beta;
     r.share_sum.assign(layers, 0.0);
+    r.captured_sum.assign(layers, 0.0);
     const auto start = std::chrono::steady_clock::now();
     for (const auto& ids : book_ids) {
       EvaluateRequest request;
       request.ids = ids;
       request.mode = mode;
-      request.beta = beta;
+      request.beta = config.beta;
+      request.selection = config.selection;
+      request.page_policy = config.policy;
       request.window = absl::GetFlag(FLAGS_window);
       request.sink = absl::GetFlag(FLAGS_sink);
       auto result = (mode == AttentionMode::kGpu ? *reference : *engine)->Evaluate(request);
@@ -138,28 +185,42 @@ int Main() {
       for (size_t l = 0; l < result->selected_share.size() && l < r.share_sum.size(); ++l) {
         r.share_sum[l] += result->selected_share[l];
       }
+      for (size_t l = 0; l < result->captured_mass.size() && l < r.captured_sum.size(); ++l) {
+        r.captured_sum[l] += result->captured_mass[l];
+      }
     }
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     for (double& s : r.share_sum) s /= book_ids.size();
-    nlohmann::json j = {{"mode", r.mode},           {"beta", r.beta},
+    for (double& s : r.captured_sum) s /= book_ids.size();
+    nlohmann::json j = {{"config", r.label},
+                        {"mode", r.mode},           {"beta", r.beta},
+                        {"selection", SelectionRuleName(config.selection)},
+                        {"select_tokens", config.policy.select_tokens},
+                        {"dense_layers", config.policy.dense_layers},
+                        {"page_tokens", absl::GetFlag(FLAGS_page_tokens)},
                         {"books", book_ids.size()}, {"tokens", tokens},
                         {"window", absl::GetFlag(FLAGS_window)},
                         {"sink", absl::GetFlag(FLAGS_sink)},
                         {"chunk", absl::GetFlag(FLAGS_chunk)},
                         {"perplexity", r.ppl()},    {"predictions", r.predictions},
                         {"selected_share_per_layer", r.share_sum},
+                        {"captured_mass_per_layer", r.captured_sum},
                         {"degraded_steps", r.degraded}, {"seconds", r.seconds}};
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
     results.push_back(std::move(r));
   }
   const double full = results.front().mode == "gpu" ? results.front().ppl() : 0.0;
-  std::printf("\n%-8s %6s %10s %9s  selected share per layer (%%)\n", "mode", "beta", "ppl",
-              "vs full");
+  std::printf("\n%-16s %10s %9s  selected share per layer (%%) | captured mass (%%)\n", "config",
+              "ppl", "vs full");
   for (const RunResult& r : results) {
     std::vector<std::string> shares;
     for (double s : r.share_sum) shares.push_back(absl::StrFormat("%.1f", 100.0 * s));
-    std::printf("%-8s %6.2f %10.4f %+8.2f%%  %s\n", r.mode.c_str(), r.beta, r.ppl(),
+    if (r.label.rfind("pages", 0) == 0 && absl::GetFlag(FLAGS_captured_mass)) {
+      shares.push_back("|");
+      for (double s : r.captured_sum) shares.push_back(absl::StrFormat("%.1f", 100.0 * s));
+    }
+    std::printf("%-16s %10.4f %+8.2f%%  %s\n", r.label.c_str(), r.ppl(),
                 full > 0 ? 100.0 * (r.ppl() / full - 1.0) : 0.0,
                 r.mode == "gpu" ? "-" : absl::StrJoin(shares, " ").c_str());
   }

@@ -72,6 +72,32 @@ absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
   return absl::OkStatus();
 }
 
+// Page summaries of `offloaded` entries per (layer, kv head), summarised from a random K buffer
+// (the values only steer which pages win; the cost depends on the page count and budget).
+absl::Status FillPageIndex(Backend& backend, Sequence& seq, const gpu_worker::ModelConfig& c,
+                           const SyntheticContextOptions& o, int64_t offloaded) {
+  const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
+                                            DType::kBF16};
+  TANDEM_ASSIGN_OR_RETURN(gpu_worker::PageIndex index,
+                          gpu_worker::PageIndex::Create(backend, geometry, o.summary_page_tokens,
+                                                        offloaded + o.extra_positions));
+  seq.pages = std::make_unique<gpu_worker::PageIndex>(std::move(index));
+  const int64_t capacity = std::min<int64_t>(CeilTo(offloaded, o.block), 65536);
+  const size_t count = static_cast<size_t>(c.num_kv_heads) * capacity * c.head_dim;
+  TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer k, backend.Allocate(count * 2));
+  TANDEM_RETURN_IF_ERROR(backend.RandomFill({k.data(), DType::kBF16, count, o.seed + 21, 1.0f}));
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    for (int64_t done = 0; done < offloaded;) {
+      const int64_t n = std::min(capacity, offloaded - done);
+      // Varying start slots so layers and chunks get different summaries.
+      const int64_t first = ((l * 7 + done / capacity) * o.block) % (capacity - n + 1);
+      TANDEM_RETURN_IF_ERROR(seq.pages->Append(l, k.data(), capacity, first - first % o.block, n));
+      done += n;
+    }
+  }
+  return backend.Synchronize();
+}
+
 absl::Status FillHostPages(Backend& backend, Sequence& seq, const gpu_worker::ModelConfig& c,
                            const SyntheticContextOptions& o, int64_t offloaded) {
   const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
@@ -153,8 +179,15 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       ro.pool_rates_by_threads = o.pool_node_rates;
       ro.expected_tokens = offloaded + o.extra_positions;
       ro.replan_every_steps = 0;   // the bench re-plans explicitly, outside the timed steps
+      ro.selection = o.selection;
+      ro.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
       TANDEM_ASSIGN_OR_RETURN(seq->remote, gpu_worker::RemoteKv::Open(*pool, ro));
       TANDEM_RETURN_IF_ERROR(FillRemote(*seq, c, o, offloaded));
+      if (o.selection == gpu_worker::SelectionRule::kPages) {
+        seq->selection = o.selection;
+        seq->page_policy = o.page_policy;
+        TANDEM_RETURN_IF_ERROR(FillPageIndex(backend, *seq, c, o, offloaded));
+      }
     } else {
       TANDEM_ASSIGN_OR_RETURN(seq->offloaded,
                               gpu_worker::OffloadedKv::Create(backend, geometry, o.page_tokens));

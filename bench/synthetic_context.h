@@ -6,7 +6,8 @@
 //   offload  sink + recent window on the device, the rest in host pages (OffloadedKv)
 //   hybrid   sink + recent window on the device, the rest appended to the CPU nodes through
 //            RemoteKv::Append (the real transport), with MAW drawn so that a chosen share of
-//            the offloaded entries passes the node's salience threshold β / n_gpu
+//            the offloaded entries passes the node's salience threshold β / n_gpu; with
+//            selection = pages, page summaries of random keys on the device instead
 //
 // The window's K/V are RandomFill'ed on the device; offloaded K/V come from a pool of random
 // bf16 rows reused at varying offsets (random, not zeros: METHOD.md).
@@ -42,6 +43,11 @@ struct SyntheticContextOptions {
   bool pool_node_rates = true;   // RemoteKvOptions::pool_rates_by_threads
   float beta = 1.0f;            // hybrid: the session's β
   int64_t append_tokens = 8192; // hybrid: tokens per RemoteKv::Append call
+  // hybrid: kPages sessions get page summaries on the device (PageIndex, of random keys with
+  // summary_page_tokens-token pages) and no selected copy on the nodes.
+  gpu_worker::SelectionRule selection = gpu_worker::SelectionRule::kMaw;
+  gpu_worker::PagePolicy page_policy;
+  int64_t summary_page_tokens = 16;
   uint64_t seed = 1;
 };
 

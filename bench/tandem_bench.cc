@@ -8,7 +8,9 @@
 //   gpu      all KV on the device (skipped when it does not fit)
 //   offload  window on the device, the rest in pinned host pages streamed over PCIe every step
 //   hybrid   window on the device, the rest on the CPU node (embedded in this process, over the
-//            shared-memory transport by default), attending to --shares of it
+//            shared-memory transport by default), attending to --shares of it (MAW), or, for
+//            each of --select_tokens, to the pages the device picks within that budget
+//            (selection = pages: page summaries on the device, one SelectPages per layer)
 // TTFT: a real prefill of --prefill_tokens random tokens (chunks of --prefill_chunk) per mode.
 //
 // Limits (all rates measured at the start of the run, physical_limits.h), per decode step:
@@ -17,6 +19,8 @@
 //   pcie = offload: B · offloaded KV bytes / host-to-device bandwidth;
 //          hybrid: B · (q + o + lse) bytes per layer / the same bandwidth
 //   limit = max(hbm, cpu, pcie); ratio = measured median / limit.
+// selection = pages also reports the serial limit of issue 11, limit_sum = selected bytes / CPU
+// scan rate + page-summary bytes / HBM rate + the GPU's own step (weights + window / HBM rate).
 // Prints one JSON line per configuration (and to --json), then a table.
 //
 //   tandem-bench --contexts 32768,131072,524288 --batches 1,8 --modes gpu,offload,hybrid
@@ -81,6 +85,11 @@ ABSL_FLAG(std::string, head_skew, "",
 ABSL_FLAG(bool, pool_node_rates, true,
           "hybrid: plan nodes with equal thread counts as equally fast (the mean of their "
           "measured scan rates) instead of each node's own measured rate");
+ABSL_FLAG(std::string, select_tokens, "",
+          "hybrid with selection=pages: budgets (offloaded tokens per layer, kv head and token) "
+          "to run, comma-separated; empty = none");
+ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
+ABSL_FLAG(int64_t, dense_layers, 0, "selection=pages: first layers attending over every page");
 ABSL_FLAG(int, settle_steps, 3,
           "hybrid: decode steps that measure the shards' costs before balanced placement "
           "re-plans and migrates (outside the timed steps)");
@@ -156,6 +165,7 @@ struct Config {
   int64_t batch;
   double share;   // hybrid only
   gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;   // hybrid
+  int64_t select_tokens = 0;   // hybrid: > 0 = selection = pages with this budget
 };
 
 // Per-(layer, kv head) shares log-uniform in [lo, hi] from "lo:hi" (deterministic in seed).
@@ -201,6 +211,13 @@ class Bench {
     o.seed = absl::GetFlag(FLAGS_seed);
     o.placement = cfg.placement;
     o.pool_node_rates = absl::GetFlag(FLAGS_pool_node_rates);
+    if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
+      o.selection = gpu_worker::SelectionRule::kPages;
+      o.page_policy.select_tokens = cfg.select_tokens;
+      o.page_policy.dense_layers = absl::GetFlag(FLAGS_dense_layers);
+      o.summary_page_tokens = absl::GetFlag(FLAGS_summary_page_tokens);
+      o.share = 1.0;   // MAW is not used; nothing is copied
+    }
     if (cfg.mode == AttentionMode::kHybrid) {
       const ModelConfig& c = model_.config();
       o.head_shares = SkewedShares(absl::GetFlag(FLAGS_head_skew),
@@ -213,15 +230,23 @@ class Bench {
   double HostBytes(const Config& cfg) const {
     if (cfg.mode == AttentionMode::kGpu) return 0;
     const double off = std::max<double>(cfg.context - absl::GetFlag(FLAGS_window), 0);
-    const double copy = cfg.mode == AttentionMode::kHybrid ? 1.0 + cfg.share : 1.0;
+    const double copy =
+        cfg.mode == AttentionMode::kHybrid && cfg.select_tokens == 0 ? 1.0 + cfg.share : 1.0;
     return cfg.batch * off * KvBytesPerToken() * copy * 1.03;
   }
 
   json RunDecode(const Config& cfg) {
     json r = {{"kind", "decode"},   {"mode", gpu_worker::AttentionModeName(cfg.mode)},
               {"context", cfg.context}, {"batch", cfg.batch}};
-    if (cfg.mode == AttentionMode::kHybrid) {
+    if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
+      r["selection"] = "pages";
+      r["select_tokens"] = cfg.select_tokens;
+      r["summary_page_tokens"] = absl::GetFlag(FLAGS_summary_page_tokens);
+      r["dense_layers"] = absl::GetFlag(FLAGS_dense_layers);
+    } else if (cfg.mode == AttentionMode::kHybrid) {
       r["share"] = cfg.share;
+    }
+    if (cfg.mode == AttentionMode::kHybrid) {
       r["placement"] = cfg.placement == gpu_worker::PlacementPolicy::kBalanced ? "balanced"
                                                                                 : "uniform";
       if (!absl::GetFlag(FLAGS_head_skew).empty()) r["head_skew"] = absl::GetFlag(FLAGS_head_skew);
@@ -362,8 +387,33 @@ class Bench {
       const gpu_worker::RunnerProfile& p = runner_.profile();
       const double per_step = 1e3 / std::max<uint64_t>(p.passes, 1);
       r["breakdown_ms"] = {{"q_download_wait_for_gpu", p.q_download_s * per_step},
+                           {"page_select", p.select_s * per_step},
                            {"cpu_wait", p.cpu_wait_s * per_step},
                            {"merge_upload", p.merge_upload_s * per_step}};
+      double summary_bytes = 0;
+      for (auto& s : seqs) {
+        if (s->pages == nullptr) continue;
+        const auto& g = s->pages->geometry();
+        for (int64_t l = 0; l < g.num_layers; ++l) {
+          summary_bytes += static_cast<double>(s->pages->num_pages(l)) * g.num_kv_heads * 2 *
+                           g.head_dim * gpu_worker::DTypeBytes(g.dtype);
+        }
+      }
+      if (summary_bytes > 0) {
+        r["summary_bytes"] = summary_bytes;
+        if (rates_.hbm_bytes_per_s > 0 && rates_.cpu_scan_bytes_per_s > 0) {
+          const double own = t.hbm_bytes / rates_.hbm_bytes_per_s;
+          const double sum = t.cpu_scan_bytes / rates_.cpu_scan_bytes_per_s +
+                             summary_bytes / rates_.hbm_bytes_per_s + own;
+          r["limit_sum_ms"] = 1e3 * sum;
+          r["limit_sum_terms_ms"] = {
+              {"cpu_scan", 1e3 * t.cpu_scan_bytes / rates_.cpu_scan_bytes_per_s},
+              {"summaries_hbm", 1e3 * summary_bytes / rates_.hbm_bytes_per_s},
+              {"gpu_own", 1e3 * own}};
+          r["ratio_to_limit_sum"] = median / sum;
+        }
+        t.hbm_bytes += summary_bytes;
+      }
     }
     auto limit = ComputeLimit(rates_, t);
     if (limit.ok()) {
@@ -458,7 +508,9 @@ void PrintTable(const std::vector<json>& rows) {
   for (const json& r : rows) {
     if (r["kind"] != "decode") continue;
     std::string mode = r["mode"];
-    if (r.contains("head_skew")) {
+    if (r.contains("select_tokens")) {
+      mode += absl::StrFormat("@p%lld", static_cast<long long>(r["select_tokens"].get<int64_t>()));
+    } else if (r.contains("head_skew")) {
       mode += "@skew";
     } else if (r.contains("share")) {
       mode += absl::StrFormat("@%g%%", 100 * r["share"].get<double>());
@@ -616,6 +668,14 @@ int Main() {
         for (int64_t batch : batches) {
           for (gpu_worker::PlacementPolicy placement : placements) {
             emit(bench.RunDecode({*mode, context, batch, share, placement}));
+          }
+        }
+      }
+      if (*mode != AttentionMode::kHybrid) continue;
+      for (int64_t budget : ParseList<int64_t>(absl::GetFlag(FLAGS_select_tokens))) {
+        for (int64_t batch : batches) {
+          for (gpu_worker::PlacementPolicy placement : placements) {
+            emit(bench.RunDecode({*mode, context, batch, 1.0, placement, budget}));
           }
         }
       }
