@@ -38,9 +38,9 @@ ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu 
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
 ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");
-ABSL_FLAG(std::string, selection, "maw",
-          "default hybrid selection: maw (HGCA, by --beta) or pages (query-aware pages within "
-          "--select_tokens)");
+ABSL_FLAG(std::string, selection, "pages",
+          "default hybrid selection: pages (query-aware pages within --select_tokens) or maw "
+          "(HGCA, by --beta); a request that sets beta but no selection gets maw");
 ABSL_FLAG(int64_t, select_tokens, 512,
           "selection=pages: default offloaded entries attended per (layer, kv head, token)");
 ABSL_FLAG(int64_t, dense_layers, 0,
@@ -121,8 +121,12 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     return UsageError("--select_tokens must be >= 1 and --dense_layers >= 0");
   }
   e.page_tokens = absl::GetFlag(FLAGS_page_tokens);
-  if (e.page_tokens < 1 || e.page_tokens > 4096 || e.block_tokens % e.page_tokens != 0) {
-    return UsageError("--page_tokens must be in 1..4096 and divide --block_tokens");
+  if (e.page_tokens < 1 || e.page_tokens > 4096) {
+    return UsageError("--page_tokens must be in 1..4096");
+  }
+  if (e.default_selection == tandem::gpu_worker::SelectionRule::kPages &&
+      e.block_tokens % e.page_tokens != 0) {
+    return UsageError("--selection=pages needs --page_tokens to divide --block_tokens");
   }
   e.page_summary_bytes = absl::GetFlag(FLAGS_page_summary_bytes).bytes;
   const double alpha = absl::GetFlag(FLAGS_maw_alpha);

@@ -93,10 +93,12 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     return absl::InvalidArgumentError("block_tokens must be in 1..4096");
   }
   if (options.max_sessions < 1) return absl::InvalidArgumentError("max_sessions must be >= 1");
-  if (options.page_tokens < 1 || options.block_tokens % options.page_tokens != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "page_tokens must divide block_tokens (", options.block_tokens, "), got ",
-        options.page_tokens));
+  if (options.page_tokens < 1 || options.page_tokens > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_tokens must be in 1..4096, got ", options.page_tokens));
+  }
+  if (options.default_selection == SelectionRule::kPages) {
+    TANDEM_RETURN_IF_ERROR(engine->CheckPagesUsable());
   }
   TANDEM_RETURN_IF_ERROR(engine->ValidatePagePolicy(options.default_page_policy));
   TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
@@ -149,6 +151,15 @@ absl::Status Engine::ValidateIds(const std::vector<int32_t>& ids) const {
                                                      i, " is outside the vocabulary [0, ",
                                                      vocab, ")"));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::CheckPagesUsable() const {
+  if (options_.block_tokens % options_.page_tokens != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "selection=pages needs page_tokens (", options_.page_tokens,
+        ") to divide the worker's block_tokens (", options_.block_tokens, ")"));
   }
   return absl::OkStatus();
 }
@@ -284,7 +295,10 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   if (request.select_tokens.has_value()) page_policy.select_tokens = *request.select_tokens;
   if (request.dense_layers.has_value()) page_policy.dense_layers = *request.dense_layers;
   TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(page_policy));
-  const SelectionRule selection = request.selection.value_or(options_.default_selection);
+  // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
+  const SelectionRule selection = request.selection.value_or(
+      request.beta.has_value() ? SelectionRule::kMaw : options_.default_selection);
+  if (selection == SelectionRule::kPages) TANDEM_RETURN_IF_ERROR(CheckPagesUsable());
   const AttentionMode mode = request.mode.value_or(options_.default_mode);
   const float beta = request.beta.value_or(options_.default_beta);
   const int64_t window = request.window.value_or(options_.default_window);
@@ -505,6 +519,7 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
   TANDEM_RETURN_IF_ERROR(ValidateIds(request.ids));
   const std::string id = absl::StrCat("eval-", next_anonymous_id_++);
   TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(request.page_policy));
+  if (request.selection == SelectionRule::kPages) TANDEM_RETURN_IF_ERROR(CheckPagesUsable());
   TANDEM_ASSIGN_OR_RETURN(
       std::unique_ptr<Sequence> seq,
       NewSequence(id,

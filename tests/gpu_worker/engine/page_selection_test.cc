@@ -293,11 +293,31 @@ TEST_F(PageSelectionEngine, PagesIsServedAndRejectsBadPolicies) {
   EXPECT_TRUE(engine_->Generate(turn).ok());
   EXPECT_TRUE(engine_->CloseSession("chat").ok());
 
+  // beta without a selection asks for MAW.
+  GenerateRequest with_beta = Request();
+  with_beta.session_id = "maw-by-beta";
+  with_beta.beta = 0.5f;
+  ASSERT_TRUE(engine_->Generate(with_beta).ok());
+  with_beta.beta.reset();
+  with_beta.selection = SelectionRule::kPages;
+  EXPECT_EQ(engine_->Generate(with_beta).status().code(), absl::StatusCode::kInvalidArgument);
+
+  // Pages must start at block boundaries: a page size that does not divide the blocks is
+  // refused for a pages default at start, and per request on a MAW-default engine.
   EngineOptions options;
   options.model_dir = testing::ModelDir("stories260k").string();
   options.backend = testing::TestBackendName();
-  options.page_tokens = 5;   // does not divide the 16-token blocks
+  options.nodes.embedded.pool_bytes = 64ull << 20;
+  options.page_tokens = 5;
+  options.default_selection = SelectionRule::kPages;
   EXPECT_EQ(Engine::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.default_selection = SelectionRule::kMaw;
+  auto maw_engine = Engine::Create(options);
+  ASSERT_TRUE(maw_engine.ok()) << maw_engine.status();
+  GenerateRequest pages = Request();
+  pages.selection = SelectionRule::kPages;
+  EXPECT_EQ((*maw_engine)->Generate(pages).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*maw_engine)->Generate(Request()).ok());
 }
 
 // Summaries that would pass the worker's --page_summary_bytes are refused before anything

@@ -58,7 +58,8 @@ struct EngineOptions {
   int64_t default_sink = 4;
   SelectionRule default_selection = SelectionRule::kMaw;
   PagePolicy default_page_policy;
-  // selection = pages: entries per page (summary granularity; a divisor of block_tokens).
+  // selection = pages: entries per page (summary granularity; must divide block_tokens for
+  // pages to be used).
   int64_t page_tokens = 16;
   // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
   // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
@@ -100,7 +101,8 @@ struct GenerateRequest {
   std::optional<float> beta;       // >= 0, finite
   std::optional<int64_t> window;   // >= block_tokens
   std::optional<int64_t> sink;     // >= 0
-  // Hybrid selection (page_selection.h); a continued session keeps its rule.
+  // Hybrid selection (page_selection.h); a continued session keeps its rule. Unset: kMaw when
+  // beta is set, else the engine's default.
   std::optional<SelectionRule> selection;
   std::optional<int64_t> select_tokens;   // >= 1 (pages: whole pages, at least one)
   std::optional<int64_t> dense_layers;    // >= 0
@@ -220,6 +222,8 @@ class Engine {
   absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id,
                                                         const SequenceSpec& spec,
                                                         int64_t expected_offloaded);
+  // INVALID_ARGUMENT when page_tokens does not divide block_tokens (pages start at blocks).
+  absl::Status CheckPagesUsable() const;
   // INVALID_ARGUMENT for a budget policy out of range.
   absl::Status ValidatePagePolicy(const PagePolicy& policy) const;
   // Device bytes of every open session's page summaries.
