@@ -70,6 +70,7 @@ ABSL_FLAG(int64_t, prefill_tokens, 32768, "TTFT: prompt tokens (0 = skip)");
 ABSL_FLAG(int64_t, prefill_chunk, 4096, "tokens per forward pass in prefill");
 ABSL_FLAG(float, prefill_beta, 1.0f, "TTFT: hybrid beta");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
+ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
 ABSL_FLAG(std::string, transport, "auto", "CPU node transport: auto, shm or grpc");
 ABSL_FLAG(double, host_fraction, 0.85, "use at most this share of MemAvailable for KV");
 ABSL_FLAG(bool, skip_probes, false, "skip the bandwidth probes (limits become 0)");
@@ -620,6 +621,7 @@ int Main() {
     po.embedded.pool_bytes = static_cast<uint64_t>(
         absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
     po.embedded.threads = node_threads;
+    po.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
     po.embedded.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(absl::GetFlag(FLAGS_block), 16, 256));
     auto transport = gpu_worker::ParseNodeTransport(absl::GetFlag(FLAGS_transport));
     if (!transport.ok()) {

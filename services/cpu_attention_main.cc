@@ -26,6 +26,9 @@ ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process 
 ABSL_FLAG(tandem::ByteSize, pool_bytes, tandem::ByteSize{8ull << 30},
           "memory for KV blocks and selected copies, e.g. 64GiB");
 ABSL_FLAG(unsigned, block_tokens, 64, "default tokens per KV block (16..256)");
+ABSL_FLAG(bool, huge_pages, false,
+          "back KV blocks with transparent huge pages (fewer TLB misses when pages are scanned "
+          "scattered, selection=pages)");
 ABSL_FLAG(unsigned, max_sessions, 4096, "sessions the node holds at most");
 ABSL_FLAG(unsigned, max_query_tokens, 4096, "query tokens per Attend item / Reselect");
 ABSL_FLAG(unsigned, max_batch, 256, "queries per Attend request");
@@ -84,6 +87,7 @@ int main(int argc, char** argv) {
   options.node.threads = absl::GetFlag(FLAGS_threads);
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
+  options.node.huge_pages = absl::GetFlag(FLAGS_huge_pages);
   options.node.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.node.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
   options.node.max_batch = absl::GetFlag(FLAGS_max_batch);

@@ -185,7 +185,7 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
     : options_(options),
       node_id_(RandomNodeId()),
       store_(kv_store::KvStore::Options{options.pool_bytes, options.block_tokens,
-                                        options.max_sessions}),
+                                        options.max_sessions, options.huge_pages}),
       releaser_(options.release_free_after.count() >= 0
                     ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
                                                                      options.release_free_after)

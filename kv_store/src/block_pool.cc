@@ -16,7 +16,7 @@ namespace tandem::kv_store {
 
 absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockFormat& format,
                                                              uint64_t max_blocks,
-                                                             MemoryBudget* budget) {
+                                                             MemoryBudget* budget, bool huge_pages) {
   TANDEM_RETURN_IF_ERROR(format.Validate());
   if (budget == nullptr) return absl::InvalidArgumentError("BlockPool budget is null");
   if (max_blocks == 0) return absl::InvalidArgumentError("BlockPool max_blocks must be > 0");
@@ -41,6 +41,8 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockFormat& 
     return absl::InternalError(absl::StrCat("mmap of ", mapped_bytes, " bytes for ", max_blocks,
                                             " blocks failed: ", std::strerror(err)));
   }
+  // Best effort: without THP support the pool works the same on 4 KiB pages.
+  if (huge_pages) madvise(base, mapped_bytes, MADV_HUGEPAGE);
   return std::unique_ptr<BlockPool>(
       new BlockPool(format, max_blocks, budget, static_cast<std::byte*>(base), mapped_bytes));
 }

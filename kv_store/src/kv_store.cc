@@ -283,7 +283,8 @@ absl::StatusOr<BlockPool*> KvStore::PoolFor(const BlockFormat& format) {
   uint64_t max_blocks = std::max<uint64_t>(1, options_.capacity_bytes / format.block_bytes());
   max_blocks = std::min<uint64_t>(max_blocks, std::numeric_limits<BlockId>::max());
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<BlockPool> pool,
-                          BlockPool::Create(format, max_blocks, &budget_));
+                          BlockPool::Create(format, max_blocks, &budget_,
+                                                            options_.huge_pages));
   pools_.push_back(std::move(pool));
   return pools_.back().get();
 }

@@ -308,3 +308,36 @@ TEST(BlockPoolTest, ConcurrentAllocateAndUnrefBalance) {
 
 }  // namespace
 }  // namespace tandem::kv_store
+
+namespace tandem::kv_store {
+namespace {
+
+// A pool on transparent huge pages (where the kernel has them) holds what is written like any
+// other: every byte of many blocks round-trips, and freed blocks come back to the budget.
+TEST(BlockPoolTest, HugePagePoolRoundTripsEveryBlock) {
+  const BlockFormat format = Format(64, 128, KvDType::kBf16);
+  constexpr uint64_t kBlocks = 200;   // > 2 MiB of blocks
+  MemoryBudget budget(kBlocks * format.block_bytes());
+  auto pool = BlockPool::Create(format, kBlocks, &budget, /*huge_pages=*/true);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  std::vector<BlockId> ids;
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    auto id = (*pool)->Allocate();
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+    std::byte* data = (*pool)->data(*id);
+    for (size_t b = 0; b < format.block_bytes(); b += 4093) data[b] = std::byte(i * 7 + b);
+  }
+  EXPECT_EQ((*pool)->Allocate().status().code(), absl::StatusCode::kResourceExhausted);
+  for (uint64_t i = 0; i < kBlocks; ++i) {
+    const std::byte* data = (*pool)->data(ids[i]);
+    for (size_t b = 0; b < format.block_bytes(); b += 4093) {
+      ASSERT_EQ(data[b], std::byte(i * 7 + b)) << "block " << i << " byte " << b;
+    }
+  }
+  for (BlockId id : ids) (*pool)->Unref(id);
+  EXPECT_EQ(budget.used(), 0u);
+}
+
+}  // namespace
+}  // namespace tandem::kv_store

@@ -56,6 +56,7 @@ struct NodeOptions {
   // KV blocks free this long give their pages back to the kernel (kv_store::FreeMemoryReleaser);
   // negative: never (free blocks stay resident until reused).
   std::chrono::milliseconds release_free_after{30000};
+  bool huge_pages = false;   // back KV blocks with transparent huge pages (kv_store::BlockPool)
 };
 
 // Caller-owned arrays AttendRaw fills, sized for the session's owned kv heads of the layer

@@ -37,10 +37,13 @@ using BlockId = uint32_t;
 class BlockPool {
  public:
   // INVALID_ARGUMENT for a bad format or max_blocks == 0; INTERNAL if the mapping fails.
-  // `budget` must outlive the pool.
+  // `budget` must outlive the pool. huge_pages asks the kernel to back the mapping with
+  // transparent huge pages (madvise MADV_HUGEPAGE; ignored where THP is off): fewer TLB misses
+  // for scans of scattered blocks (page selection), at the cost of faulting in 2 MiB at a time.
   static absl::StatusOr<std::unique_ptr<BlockPool>> Create(const BlockFormat& format,
                                                             uint64_t max_blocks,
-                                                            MemoryBudget* budget);
+                                                            MemoryBudget* budget,
+                                                            bool huge_pages = false);
   ~BlockPool();
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;

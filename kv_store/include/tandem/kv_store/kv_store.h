@@ -169,6 +169,7 @@ class KvStore {
     uint64_t capacity_bytes = 1ull << 30;
     uint32_t default_block_tokens = 64;
     uint32_t max_sessions = 4096;
+    bool huge_pages = false;   // BlockPool::Create's huge_pages for every pool
   };
   explicit KvStore(Options options);
   ~KvStore();
