@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
-#include "exp2_approx.h"
+#include "tandem/common/exp2_approx.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
 
@@ -31,7 +31,7 @@ namespace tandem::cpu_attention {
 namespace {
 
 using internal::AlignedBuffer;
-using internal::Exp2Approx;
+using ::tandem::Exp2Approx;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -273,7 +273,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       float mx = m[r];
       for (size_t i = 0; i < 16; ++i) mx = std::max(mx, mv[i]);
       if (mx > m[r]) {
-        // ~0 on the first chunk (m = -inf; Exp2Approx clamps), where l and acc are 0 anyway.
+        // ~0 on the first chunk (m = -inf: Exp2Approx gives 0), where l and acc are 0 anyway.
         const float alpha = Exp2Approx(m[r] - mx);
         l[r] *= alpha;
         float* ar = acc + r * D;

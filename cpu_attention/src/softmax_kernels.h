@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "exp2_approx.h"
+#include "tandem/common/exp2_approx.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
@@ -58,7 +58,7 @@ inline uint32_t Bf16Bits(float f) {
 
 inline float Bf16BitsToFloat(uint32_t b) { return std::bit_cast<float>(b << 16); }
 
-using internal::Exp2Approx;
+using ::tandem::Exp2Approx;
 
 inline float Raw(const float* st, bool split, size_t i) {
   return split ? st[2 * i] + st[2 * i + 1] : st[i];

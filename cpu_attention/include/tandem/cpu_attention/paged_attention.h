@@ -10,7 +10,7 @@
 //
 // Numerics (contract in proto/tandem/v1/common.proto): scores q·k * scale (scale 0 =
 // 1/sqrt(head_dim)) accumulated in fp32, fp32 online softmax (base-2 exponentials with a ~2 ulp
-// polynomial, exp2_approx.h), natural-log LSE; an empty selection gives O = 0 and LSE = -inf.
+// polynomial, tandem/common/exp2_approx.h), natural-log LSE; an empty selection gives O = 0 and LSE = -inf.
 //
 // Work split (HGCA §3.3, as sparse_attention.h): the entries of all problems, end to end, are
 // cut into about tasks_per_thread × threads ranges of equal cost; a long problem is split along
