@@ -324,7 +324,8 @@ absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_
                                    Hq * D * 4, s.n);
     profile_.q_download_s += Seconds(t0);
     const bool pages = s.seq->selection == SelectionRule::kPages;
-    if (status.ok() && s.seq->reselect_pending && !pages) {
+    // (A no-op for kPages sessions: their pages are chosen with every step's queries.)
+    if (status.ok() && s.seq->reselect_pending) {
       status = s.seq->remote->Reselect(layer, q_host, s.n, s.seq->reselect_beta);
     }
     absl::StatusOr<const PageSelection*> chosen = nullptr;

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
+#include "runner_fixture.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -24,29 +25,8 @@ namespace {
 
 constexpr float kLogitTolerance = 1e-4f;
 
-class HybridEquivalence : public ::testing::Test {
+class HybridEquivalence : public testing::Stories260kRunnerTest {
  protected:
-  void SetUp() override {
-    TANDEM_SKIP_WITHOUT_MODEL("stories260k");
-    std::string why;
-    backend_ = testing::MakeTestBackend(&why);
-    if (backend_ == nullptr) GTEST_SKIP() << "no backend: " << why;
-    auto model = LoadModel(testing::ModelDir("stories260k"));
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::move(*model);
-    auto dm = DeviceModel::Upload(*model_, *backend_);
-    ASSERT_TRUE(dm.ok()) << dm.status();
-    device_model_ = std::move(*dm);
-    auto runner = ModelRunner::Create(*backend_, *device_model_, {});
-    ASSERT_TRUE(runner.ok()) << runner.status();
-    runner_ = std::move(*runner);
-    NodePoolOptions nodes;
-    nodes.embedded.pool_bytes = 64ull << 20;
-    auto pool = NodePool::Create(nodes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-  }
-
   std::unique_ptr<Sequence> MakeSequence(AttentionMode mode, const std::string& id) {
     const ModelConfig& c = model_->config;
     WindowOptions wo;
@@ -88,19 +68,7 @@ class HybridEquivalence : public ::testing::Test {
     return seq;
   }
 
-  std::vector<float> Step(Sequence& seq, const std::vector<int32_t>& ids) {
-    absl::Status s = runner_->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
-    EXPECT_TRUE(s.ok()) << s;
-    auto logits = runner_->LastLogitsToHost();
-    EXPECT_TRUE(logits.ok()) << logits.status();
-    return logits.ok() ? *logits : std::vector<float>{};
-  }
 
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<Model> model_;
-  std::unique_ptr<DeviceModel> device_model_;
-  std::unique_ptr<ModelRunner> runner_;
-  std::unique_ptr<NodePool> pool_;
 };
 
 TEST_F(HybridEquivalence, BetaZeroEqualsGpuAtEveryDecodeStep) {

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
+#include "runner_fixture.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/model_runner.h"
@@ -95,29 +96,8 @@ TEST(PageIndexTest, SummariesAreMinMaxOfTheirKeysAcrossGrowth) {
   }
 }
 
-class PageSelectionRunner : public ::testing::Test {
+class PageSelectionRunner : public testing::Stories260kRunnerTest {
  protected:
-  void SetUp() override {
-    TANDEM_SKIP_WITHOUT_MODEL("stories260k");
-    std::string why;
-    backend_ = testing::MakeTestBackend(&why);
-    if (backend_ == nullptr) GTEST_SKIP() << "no backend: " << why;
-    auto model = LoadModel(testing::ModelDir("stories260k"));
-    ASSERT_TRUE(model.ok()) << model.status();
-    model_ = std::move(*model);
-    auto dm = DeviceModel::Upload(*model_, *backend_);
-    ASSERT_TRUE(dm.ok()) << dm.status();
-    device_model_ = std::move(*dm);
-    auto runner = ModelRunner::Create(*backend_, *device_model_, {});
-    ASSERT_TRUE(runner.ok()) << runner.status();
-    runner_ = std::move(*runner);
-    NodePoolOptions nodes;
-    nodes.embedded.pool_bytes = 64ull << 20;
-    auto pool = NodePool::Create(nodes);
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
-  }
-
   // gpu: everything on the device. hybrid: window 64 + sink 4, the rest on the node, chosen by
   // pages within select_tokens (or, with window_only, MAW at a beta nothing passes).
   std::unique_ptr<Sequence> MakeSequence(AttentionMode mode, const std::string& id,
@@ -159,23 +139,11 @@ class PageSelectionRunner : public ::testing::Test {
     return seq;
   }
 
-  std::vector<float> Step(Sequence& seq, const std::vector<int32_t>& ids) {
-    absl::Status s = runner_->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
-    EXPECT_TRUE(s.ok()) << s;
-    auto logits = runner_->LastLogitsToHost();
-    EXPECT_TRUE(logits.ok()) << logits.status();
-    return logits.ok() ? *logits : std::vector<float>{};
-  }
 
   static int32_t Argmax(const std::vector<float>& v) {
     return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
   }
 
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<Model> model_;
-  std::unique_ptr<DeviceModel> device_model_;
-  std::unique_ptr<ModelRunner> runner_;
-  std::unique_ptr<NodePool> pool_;
 };
 
 // The anchor: a budget that covers every offloaded entry attends over all of them, so hybrid
