@@ -367,10 +367,8 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
       TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
                                                                  seq->window.options().sink)));
     }
-    if (seq->remote != nullptr) {
-      TANDEM_RETURN_IF_ERROR(seq->remote->Reserve(offloaded_by_end(
-          seq->window.options().window, seq->window.options().sink)));
-    }
+    TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
+        offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
   } else {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
                             NewSequence(id, {mode, beta, window, sink, selection, page_policy},
@@ -472,12 +470,7 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
     }
     const int32_t next = *token;
     seq->pending_token.reset();
-    if (seq->remote != nullptr) {
-      // Between steps: finish shard migrations, re-plan placement when due.
-      if (absl::Status s = seq->remote->Maintain(); !s.ok()) {
-        spdlog::warn("session {}: placement: {}", id, std::string(s.message()));
-      }
-    }
+    seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
     if (absl::Status s = runner_->Forward(*seq, &next, 1); !s.ok()) {
       keep = false;
       finish_session();
@@ -536,7 +529,7 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
   EvaluateResult result;
   for (int64_t i = 0; i + 1 < n; ++i) result.nll_sum -= logprobs[i];
   result.predictions = n - 1;
-  if (seq->remote) result.selected_share = seq->remote->MeanSelectedShare();
+  result.selected_share = seq->MeanSelectedShare();
   const CapturedMass& mass = seq->captured_mass;
   for (size_t l = 0; l < mass.sum.size(); ++l) {
     result.captured_mass.push_back(mass.count[l] ? mass.sum[l] / mass.count[l] : 0.0);
@@ -560,7 +553,7 @@ absl::Status Engine::CloseSession(const std::string& session_id) {
   if (it == sessions_.end()) {
     return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
   }
-  absl::Status closed = it->second->remote ? it->second->remote->Close() : absl::OkStatus();
+  absl::Status closed = it->second->CloseOffloaded();
   sessions_.erase(it);
   return closed;
 }

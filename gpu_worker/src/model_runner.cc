@@ -78,19 +78,37 @@ absl::Status ModelRunner::Forward(Sequence& sequence, const int32_t* ids, int64_
   return absl::OkStatus();
 }
 
+absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries) {
+  if (entries.empty()) return absl::InvalidArgumentError("a batch of no sequences");
+  std::vector<Segment> segments;
+  int64_t rows = 0;
+  for (size_t b = 0; b < entries.size(); ++b) {
+    const BatchEntry& e = entries[b];
+    if (e.seq == nullptr || e.ids == nullptr || e.n < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("batch entry ", b, " feeds no tokens"));
+    }
+    for (size_t j = 0; j < b; ++j) {
+      if (entries[j].seq == e.seq) return absl::InvalidArgumentError("a batch repeats a sequence");
+    }
+    segments.push_back({e.seq, e.ids, e.n, rows});
+    rows += e.n;
+  }
+  if (rows > options_.max_chunk) {
+    return absl::InvalidArgumentError(absl::StrCat("a batch of ", rows,
+                                                   " tokens; the runner takes at most ",
+                                                   options_.max_chunk));
+  }
+  return ForwardPass(segments, nullptr, nullptr);
+}
+
 absl::Status ModelRunner::Decode(const std::vector<Sequence*>& seqs, const int32_t* ids) {
   if (seqs.empty() || static_cast<int64_t>(seqs.size()) > options_.max_chunk) {
     return absl::InvalidArgumentError(absl::StrCat("decode batch of ", seqs.size(),
                                                    " sequences; must be 1..", options_.max_chunk));
   }
-  std::vector<Segment> segments;
-  for (size_t b = 0; b < seqs.size(); ++b) {
-    for (size_t j = 0; j < b; ++j) {
-      if (seqs[j] == seqs[b]) return absl::InvalidArgumentError("decode batch repeats a sequence");
-    }
-    segments.push_back({seqs[b], ids + b, 1, static_cast<int64_t>(b)});
-  }
-  return ForwardPass(segments, nullptr, nullptr);
+  std::vector<BatchEntry> entries;
+  for (size_t b = 0; b < seqs.size(); ++b) entries.push_back({seqs[b], ids + b, 1});
+  return Step(entries);
 }
 
 absl::Status ModelRunner::EnsureStreamer(const std::vector<Segment>& segments) {
@@ -230,14 +248,27 @@ absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
     TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
   }
 
-  // Logits: every row when log-probs are wanted; else the last row of a single segment, or
-  // every row of a decode batch (one row per segment).
-  const int64_t rows = targets != nullptr ? n : (segments.size() == 1 ? 1 : n);
+  // Logits: every row when log-probs are wanted (one segment); else the last row of each
+  // segment, gathered into contiguous rows unless they already are (one segment, or decode).
+  const bool contiguous = segments.size() == 1 || n == static_cast<int64_t>(segments.size());
+  const int64_t rows = targets != nullptr ? n : (contiguous ? (segments.size() == 1 ? 1 : n)
+                                                            : static_cast<int64_t>(segments.size()));
   if (rows > logits_rows_) {
     TANDEM_RETURN_IF_ERROR(AllocFloats(backend_, logits_, options_.max_chunk * V));
     logits_rows_ = options_.max_chunk;
   }
   const float* head_in = x + (n - rows) * H;
+  if (targets == nullptr && !contiguous) {
+    if (last_rows_.bytes() == 0) {
+      TANDEM_RETURN_IF_ERROR(AllocFloats(backend_, last_rows_, options_.max_chunk * H));
+    }
+    for (size_t b = 0; b < segments.size(); ++b) {
+      const Segment& s = segments[b];
+      TANDEM_RETURN_IF_ERROR(backend_.CopyOnDevice(last_rows_.as<float>() + b * H,
+                                                   x + (s.row0 + s.n - 1) * H, H * 4));
+    }
+    head_in = last_rows_.as<float>();
+  }
   TANDEM_RETURN_IF_ERROR(backend_.RmsNorm({head_in, model_.final_norm().data(),
                                            model_.final_norm().dtype, xn, rows, H,
                                            static_cast<float>(c.rms_norm_eps)}));

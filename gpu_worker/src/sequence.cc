@@ -2,6 +2,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 
 namespace tandem::gpu_worker {
 
@@ -12,6 +13,23 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name) {
   if (absl::EqualsIgnoreCase(n, "offload")) return AttentionMode::kOffload;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown attention mode '", n, "'; expected gpu, hybrid or offload"));
+}
+
+absl::Status Sequence::ReserveOffloaded(int64_t tokens) {
+  return remote ? remote->Reserve(tokens) : absl::OkStatus();
+}
+
+void Sequence::MaintainOffloaded() {
+  if (remote == nullptr) return;
+  if (absl::Status s = remote->Maintain(); !s.ok()) {
+    spdlog::warn("session {}: placement: {}", id, std::string(s.message()));
+  }
+}
+
+absl::Status Sequence::CloseOffloaded() { return remote ? remote->Close() : absl::OkStatus(); }
+
+std::vector<double> Sequence::MeanSelectedShare() const {
+  return remote ? remote->MeanSelectedShare() : std::vector<double>{};
 }
 
 std::string_view AttentionModeName(AttentionMode mode) {

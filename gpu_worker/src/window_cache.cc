@@ -64,6 +64,41 @@ absl::StatusOr<WindowCache> WindowCache::Create(Backend& backend, const WindowGe
   return cache;
 }
 
+absl::Status WindowCache::Grow(int64_t max_context) {
+  if (max_context <= options_.max_context) return absl::OkStatus();
+  if (options_.window != WindowOptions::kUnlimited) {
+    return absl::FailedPreconditionError("window cache: only an unlimited window grows");
+  }
+  WindowOptions grown = options_;
+  grown.max_context = max_context;
+  TANDEM_ASSIGN_OR_RETURN(WindowCache bigger, Create(*backend_, geometry_, grown));
+  // Unlimited windows never wrap (slot = position), so each (layer, K|V, head) row block and
+  // each MAW row moves as one copy of the old capacity's prefix.
+  const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
+      const size_t old_off = h * capacity_ * row_bytes, new_off = h * bigger.capacity_ * row_bytes;
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(bigger.k(l)) + new_off,
+                                                    static_cast<const char*>(k(l)) + old_off,
+                                                    capacity_ * row_bytes));
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(bigger.v(l)) + new_off,
+                                                    static_cast<const char*>(v(l)) + old_off,
+                                                    capacity_ * row_bytes));
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(bigger.maw(l) + h * bigger.capacity_,
+                                                    maw(l) + h * capacity_,
+                                                    capacity_ * sizeof(float)));
+    }
+  }
+  std::copy(slot_pos_.begin(), slot_pos_.end(), bigger.slot_pos_.begin());
+  TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(bigger.slot_pos_dev_.data(),
+                                                bigger.slot_pos_.data(), capacity_ * 4));
+  bigger.scan_slots_ = scan_slots_;
+  bigger.next_pos_ = next_pos_;
+  bigger.evicted_tokens_ = evicted_tokens_;
+  *this = std::move(bigger);
+  return absl::OkStatus();
+}
+
 int64_t WindowCache::SlotOf(int64_t pos) const {
   const int64_t sink = options_.sink;
   if (pos < sink) return pos;

@@ -79,8 +79,17 @@ class ModelRunner {
   absl::Status Forward(Sequence& sequence, const int32_t* ids, int64_t n,
                        const ForwardOptions& options = {});
 
-  // One decode step for a batch: ids[b] is fed to *seqs[b] (distinct sequences, at most
-  // max_chunk of them). Afterwards batch_logits() holds [seqs.size(), vocab] on the device.
+  // One pass over several sequences (continuous batching): entry b feeds ids[0..n) of
+  // *seq at its next positions: a decode token (n = 1) or a prefill chunk. Distinct sequences,
+  // Σ n <= max_chunk. Afterwards batch_logits() holds [entries.size(), vocab] on the device:
+  // row b the logits after entry b's last token.
+  struct BatchEntry {
+    Sequence* seq = nullptr;
+    const int32_t* ids = nullptr;
+    int64_t n = 0;
+  };
+  absl::Status Step(const std::vector<BatchEntry>& entries);
+  // One decode step: ids[b] is fed to *seqs[b] (Step with n = 1 each).
   absl::Status Decode(const std::vector<Sequence*>& seqs, const int32_t* ids);
   const float* batch_logits() const { return logits_.as<float>(); }
 
@@ -130,7 +139,8 @@ class ModelRunner {
   // Activations of one chunk (device).
   DeviceBuffer x_, xn_, qkv_, attn_, lse_, gate_up_, ffn_, cpu_o_, cpu_lse_;
   DeviceBuffer ids_, positions_, slots_, targets_, logprobs_;
-  DeviceBuffer logits_;       // [max_chunk, vocab] when log-probs are asked for, else [1, vocab]
+  DeviceBuffer logits_;       // [max_chunk, vocab] once a pass needs more than one row
+  DeviceBuffer last_rows_;    // [max_chunk, hidden]: each segment's last row of x, gathered
   int64_t logits_rows_ = 0;
   const float* last_logits_ = nullptr;
   std::unique_ptr<KvStreamer> streamer_;   // created by the first offload pass

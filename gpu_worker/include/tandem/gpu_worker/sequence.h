@@ -60,6 +60,15 @@ struct Sequence {
   uint64_t degraded_steps = 0;        // forward passes in which some CPU node did not answer
   CapturedMass captured_mass;         // selection = pages, when the runner measures it
 
+  // What the engine asks of the offloaded part, whatever holds it (no-ops without one):
+  // room for `tokens` offloaded entries per (layer, kv head) (RESOURCE_EXHAUSTED otherwise);
+  // between-step upkeep (placement re-plans, migrations; failures are logged, not fatal);
+  // closing; the mean selected/held share per layer over the sequence's life (hybrid).
+  absl::Status ReserveOffloaded(int64_t tokens);
+  void MaintainOffloaded();
+  absl::Status CloseOffloaded();
+  std::vector<double> MeanSelectedShare() const;
+
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const {
     if (remote) return remote->offloaded_tokens();

@@ -71,6 +71,13 @@ class WindowCache {
   // blocks start at block boundaries). FAILED_PRECONDITION / INVALID_ARGUMENT otherwise.
   absl::Status Skip(int64_t count);
 
+  // Raises the context limit of an unlimited-window (gpu mode) cache to `max_context`
+  // positions, moving its KV into larger device buffers: a session sized for one request that a
+  // later turn extends. No-op when the limit is already that high. FAILED_PRECONDITION for a
+  // bounded window (its capacity does not depend on the context), RESOURCE_EXHAUSTED when the
+  // device memory does not suffice (the cache is then unchanged).
+  absl::Status Grow(int64_t max_context);
+
   // The oldest recent blocks that must leave so that at most `window` recent tokens remain.
   // They stay readable until Release().
   std::vector<EvictedBlock> PendingEvictions() const;
