@@ -34,6 +34,11 @@ ABSL_FLAG(int64_t, max_context, 0,
 ABSL_FLAG(std::string, kv_dtype, "auto", "KV dtype: auto (the weights' kind), bf16 or f32");
 ABSL_FLAG(int64_t, block_tokens, 16, "tokens per evicted KV block");
 ABSL_FLAG(uint32_t, max_sessions, 64, "sessions (kept and one-shot) held at most");
+ABSL_FLAG(int64_t, max_batch, 64,
+          "requests decoded together in one step (continuous batching); <= step_tokens");
+ABSL_FLAG(int64_t, step_tokens, 0,
+          "tokens one step feeds (decode tokens + prefill chunks); 0 = prefill_chunk");
+ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu or hybrid");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
@@ -97,6 +102,9 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   e.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
+  options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   absl::StatusOr<tandem::gpu_worker::AttentionMode> mode =
       tandem::gpu_worker::ParseAttentionMode(absl::GetFlag(FLAGS_mode));
   if (!mode.ok()) return UsageError(absl::StrCat("--mode: ", mode.status().message()));

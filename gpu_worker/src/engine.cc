@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
-#include "stop_matcher.h"
+#include "tandem/gpu_worker/request_validation.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -22,32 +22,18 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-constexpr size_t kMaxSessionIdLength = 96;   // leaves room for the worker prefix on CPU nodes
-constexpr size_t kMaxStops = 16;
-constexpr size_t kMaxStopBytes = 256;
-constexpr int64_t kMaxTokensLimit = int64_t{1} << 24;
-
-absl::Status ValidateSessionId(const std::string& id) {
-  if (id.size() > kMaxSessionIdLength) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("session_id is longer than ", kMaxSessionIdLength, " characters"));
-  }
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == ':' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(
-          "session_id may contain only letters, digits and . _ : -");
-    }
-  }
-  return absl::OkStatus();
-}
-
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
   const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
   return v[i];
+}
+
+// Positions a gpu-mode window is sized for: what the request plans to reach, rounded up to
+// 256 so that a later turn often fits without Grow, within the engine's context.
+int64_t GpuWindowPositions(int64_t planned, int64_t max_context) {
+  constexpr int64_t kGranule = 256;
+  return std::min(max_context, (planned + kGranule - 1) / kGranule * kGranule);
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const EngineOptions& options) {
@@ -203,6 +189,7 @@ absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) con
 
 absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string& id,
                                                               const SequenceSpec& spec,
+                                                              int64_t planned_positions,
                                                               int64_t expected_offloaded) {
   const AttentionMode mode = spec.mode;
   const float beta = spec.beta;
@@ -217,6 +204,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   if (mode == AttentionMode::kGpu) {
     wo.window = WindowOptions::kUnlimited;
     wo.sink = 0;
+    wo.max_context = GpuWindowPositions(planned_positions, max_context_);
   } else {
     wo.window = window;
     wo.sink = sink;
@@ -261,36 +249,25 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
 
 absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
                                                  const GenerateCallbacks& callbacks) {
-  const Clock::time_point start = Clock::now();
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Generation> g,
+                          Begin(request, callbacks, Generation::Clock::now()));
+  while (!g->finished() && !g->CancelledBy(Generation::Clock::now())) {
+    // A failed step records its failure in g; End reports it.
+    (void)Step({{g.get(), std::min(g->remaining(), max_step_tokens())}});
+  }
+  return End(*g);
+}
+
+bool Generation::CancelledBy(Clock::time_point now) const {
+  if (request.deadline.has_value() && now >= *request.deadline) return true;
+  return callbacks.cancelled && callbacks.cancelled();
+}
+
+absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest request,
+                                                          GenerateCallbacks callbacks,
+                                                          Generation::Clock::time_point arrival) {
   // --- Validation: everything is checked before any state changes.
-  if (request.max_tokens < 1 || request.max_tokens > kMaxTokensLimit) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens must be in 1..", kMaxTokensLimit, ", got ", request.max_tokens));
-  }
-  if (request.prompt_ids.empty() && request.prompt_text.empty()) {
-    return absl::InvalidArgumentError("the prompt is empty");
-  }
-  const SamplingOptions& sampling = request.sampling;
-  if (!std::isfinite(sampling.temperature) || sampling.temperature < 0.0f) {
-    return absl::InvalidArgumentError("temperature must be finite and >= 0");
-  }
-  if (!(sampling.top_p > 0.0f && sampling.top_p <= 1.0f)) {
-    return absl::InvalidArgumentError("top_p must be in (0, 1]");
-  }
-  if (sampling.top_k < 0) return absl::InvalidArgumentError("top_k must be >= 0");
-  if (request.stop.size() > kMaxStops) {
-    return absl::InvalidArgumentError(absl::StrCat("at most ", kMaxStops, " stop strings"));
-  }
-  for (const std::string& s : request.stop) {
-    if (s.empty() || s.size() > kMaxStopBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("stop strings must be 1..", kMaxStopBytes, " bytes"));
-    }
-  }
-  if (request.beta.has_value() && !(std::isfinite(*request.beta) && *request.beta >= 0.0f)) {
-    return absl::InvalidArgumentError("beta must be finite and >= 0");
-  }
-  TANDEM_RETURN_IF_ERROR(ValidateSessionId(request.session_id));
+  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(request, 0));
   PagePolicy page_policy = options_.default_page_policy;
   if (request.select_tokens.has_value()) page_policy.select_tokens = *request.select_tokens;
   if (request.dense_layers.has_value()) page_policy.dense_layers = *request.dense_layers;
@@ -308,8 +285,12 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
                                                    options_.block_tokens, " tokens), got ",
                                                    window));
   }
-  if (sink < 0 || sink > max_context_) {
+  if (sink > max_context_) {
     return absl::InvalidArgumentError(absl::StrCat("sink must be in 0..", max_context_));
+  }
+  if (!request.session_id.empty() && SessionBusy(request.session_id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", request.session_id, "' is in use by another request"));
   }
 
   auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
@@ -349,17 +330,19 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
         absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
   }
 
-  // --- The session.
+  // --- The session, with the memory it needs by the end of this request reserved: device
+  // window (gpu mode), page summaries and CPU-node room are checked before anything runs.
   std::string id = request.session_id;
   if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
-  Sequence* seq = nullptr;
-  // Entries per (layer, kv head) the CPU nodes will hold by the end of this request: checked
-  // against their free memory before anything is sent (RESOURCE_EXHAUSTED otherwise).
   const int64_t planned = std::min<int64_t>(
       max_context_, already + static_cast<int64_t>(prompt.size()) + request.max_tokens);
   auto offloaded_by_end = [&](int64_t w, int64_t k) { return std::max<int64_t>(0, planned - w - k); };
+  Sequence* seq = nullptr;
   if (continuing) {
     seq = existing->second.get();
+    if (seq->mode == AttentionMode::kGpu) {
+      TANDEM_RETURN_IF_ERROR(seq->window.Grow(GpuWindowPositions(planned, max_context_)));
+    }
     if (seq->selection == SelectionRule::kPages) {
       if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
         seq->page_policy = page_policy;
@@ -372,126 +355,175 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   } else {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
                             NewSequence(id, {mode, beta, window, sink, selection, page_policy},
-                                        offloaded_by_end(window, sink)));
+                                        planned, offloaded_by_end(window, sink)));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);
   }
-  // One-shot sessions, and any session whose forward pass failed, are closed on every exit.
-  bool keep = !request.session_id.empty();
-  auto finish_session = [&]() {
-    if (!keep) sessions_.erase(id);
-  };
 
-  std::vector<int32_t> feed;
-  if (seq->pending_token.has_value()) feed.push_back(*seq->pending_token);
-  feed.insert(feed.end(), prompt.begin(), prompt.end());
+  const uint64_t seed =
+      request.sampling.seed.has_value() ? *request.sampling.seed : std::random_device{}();
+  const bool keep = !request.session_id.empty();
+  auto g = std::make_unique<Generation>(std::move(request), std::move(callbacks), arrival,
+                                        *tokenizer_);
+  g->seq = seq;
+  g->session_id = id;
+  g->keep_session = keep;
+  g->prompt_tokens = static_cast<int64_t>(prompt.size());
+  if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
+  g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
   if (continuing && seq->mode == AttentionMode::kHybrid) {
     seq->reselect_pending = true;
-    seq->reselect_beta = request.beta;
+    seq->reselect_beta = g->request.beta;
   }
+  g->rng.seed(seed);
+  g->degraded_before = seq->degraded_steps;
+  g->last_token = arrival;
+  busy_.insert(id);
+  return g;
+}
 
-  // --- Prefill.
-  ForwardOptions fo;
-  const int64_t total = static_cast<int64_t>(feed.size());
-  fo.on_chunk = [&](int64_t processed, int64_t) {
-    if (callbacks.on_prefill) callbacks.on_prefill({total, processed, Seconds(start, Clock::now())});
-  };
-  if (absl::Status s = runner_->Forward(*seq, feed.data(), total, fo); !s.ok()) {
-    keep = false;
-    finish_session();
+absl::Status Engine::Step(const std::vector<StepItem>& items) {
+  std::vector<ModelRunner::BatchEntry> entries;
+  int64_t total = 0;
+  for (const StepItem& item : items) {
+    Generation& g = *item.generation;
+    if (g.finished() || item.tokens < 1 || item.tokens > g.remaining()) {
+      return absl::InvalidArgumentError(absl::StrCat("step item of ", item.tokens,
+                                                     " tokens for a generation with ",
+                                                     g.remaining(), " to feed"));
+    }
+    entries.push_back({g.seq, g.feed.data() + g.fed, item.tokens});
+    total += item.tokens;
+  }
+  if (total > max_step_tokens()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a step of ", total, " tokens; at most ", max_step_tokens()));
+  }
+  if (absl::Status s = runner_->Step(entries); !s.ok()) {
+    for (const StepItem& item : items) item.generation->failure = s;
     return s;
   }
+  const int64_t vocab = model_->config.vocab_size;
+  absl::Status first_failure;
+  for (size_t b = 0; b < items.size(); ++b) {
+    Generation& g = *items[b].generation;
+    g.fed += items[b].tokens;
+    if (g.prefilling() && g.callbacks.on_prefill) {
+      const double elapsed = Seconds(g.arrival, Clock::now());
+      g.callbacks.on_prefill({static_cast<int64_t>(g.feed.size()), g.fed, elapsed});
+    }
+    if (g.remaining() > 0) continue;
+    if (absl::Status s = SampleNext(g, runner_->batch_logits() + b * vocab); !s.ok()) {
+      g.failure = s;
+      if (first_failure.ok()) first_failure = s;
+    }
+  }
+  return first_failure;
+}
 
-  // --- Decode.
-  GenerateSummary summary;
-  summary.session_id = request.session_id.empty() ? "" : id;
-  summary.prompt_tokens = static_cast<int64_t>(prompt.size());
-  summary.mode = seq->mode;
-  std::mt19937_64 rng(sampling.seed.has_value() ? *sampling.seed : std::random_device{}());
-  StreamDecoder decoder(*tokenizer_, /*at_start=*/false);
-  StopMatcher stops(request.stop);
+absl::Status Engine::SampleNext(Generation& g, const float* logits) {
+  const SamplingOptions& sampling = g.request.sampling;
+  SampleParams sp;
+  sp.logits = logits;
+  sp.vocab = model_->config.vocab_size;
+  sp.temperature = sampling.temperature;
+  sp.top_k = sampling.top_k;
+  sp.top_p = sampling.top_p;
+  sp.uniform = static_cast<float>(static_cast<double>(g.rng() >> 11) * 0x1.0p-53);
+  if (sp.uniform >= 1.0f) sp.uniform = std::nextafter(1.0f, 0.0f);
+  TANDEM_ASSIGN_OR_RETURN(const int32_t token, backend_->Sample(sp));
+
+  const Clock::time_point now = Clock::now();
+  GenerateSummary& summary = g.summary;
+  const int64_t i = summary.completion_tokens;
+  if (i == 0) {
+    summary.time_to_first_token_s = Seconds(g.arrival, now);
+  } else {
+    g.latencies.push_back(Seconds(g.last_token, now));
+  }
+  g.last_token = now;
+  g.first_token_sampled = true;
+  summary.token_ids.push_back(token);
+  summary.completion_tokens = i + 1;
   const std::vector<int32_t>& eos = tokenizer_->eos_ids();
-  std::vector<double> latencies;
-  Clock::time_point last = start;
-  FinishReason reason = FinishReason::kLength;
-  const uint64_t degraded_before = seq->degraded_steps;
-  for (int64_t i = 0; i < request.max_tokens; ++i) {
-    SampleParams sp;
-    sp.logits = runner_->last_logits();
-    sp.vocab = model_->config.vocab_size;
-    sp.temperature = sampling.temperature;
-    sp.top_k = sampling.top_k;
-    sp.top_p = sampling.top_p;
-    sp.uniform = static_cast<float>(static_cast<double>(rng() >> 11) * 0x1.0p-53);
-    if (sp.uniform >= 1.0f) sp.uniform = std::nextafter(1.0f, 0.0f);
-    absl::StatusOr<int32_t> token = backend_->Sample(sp);
-    if (!token.ok()) {
-      keep = false;
-      finish_session();
-      return token.status();
-    }
-    const Clock::time_point now = Clock::now();
-    if (i == 0) {
-      summary.time_to_first_token_s = Seconds(start, now);
+  const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
+  TokenEvent event{token, "", i};
+  std::optional<FinishReason> reason;
+  if (is_eos && !g.request.ignore_eos) {
+    reason = FinishReason::kEos;
+  } else {
+    event.text = g.stops.Push(g.decoder.Push(token));
+    if (g.stops.stopped()) reason = FinishReason::kStop;
+  }
+  // Known before the token is reported: whether it is the last, so that its message carries
+  // the text still held back (one message per token).
+  if (!reason.has_value() && i + 1 == g.request.max_tokens) reason = FinishReason::kLength;
+  if (!reason.has_value() && static_cast<int64_t>(g.seq->tokens.size()) + 1 >= max_context_) {
+    reason = FinishReason::kContext;
+  }
+  if (reason.has_value() && *reason != FinishReason::kStop) {
+    event.text += g.stops.Push(g.decoder.Flush());
+    event.text += g.stops.Flush();
+  }
+  summary.text += event.text;
+  const bool proceed = g.callbacks.on_token ? g.callbacks.on_token(event) : true;
+  // The last sampled token is fed at the start of the session's next turn.
+  g.seq->pending_token = token;
+  if (!reason.has_value() && !proceed) reason = FinishReason::kCancelled;
+  g.reason = reason;
+  if (!reason.has_value()) {   // the next step feeds it
+    g.seq->pending_token.reset();
+    g.feed.assign(1, token);
+    g.fed = 0;
+    g.seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
+  busy_.erase(g.session_id);
+  const Clock::time_point now = Clock::now();
+  absl::Status failure = g.failure;
+  if (failure.ok() && !g.reason.has_value()) {   // stopped between steps
+    if (g.request.deadline.has_value() && now >= *g.request.deadline) {
+      failure = absl::DeadlineExceededError(absl::StrCat(
+          "the request's deadline passed after ", g.summary.completion_tokens, " tokens"));
     } else {
-      latencies.push_back(Seconds(last, now));
-    }
-    last = now;
-    summary.token_ids.push_back(*token);
-    summary.completion_tokens = i + 1;
-    const bool is_eos = std::find(eos.begin(), eos.end(), *token) != eos.end();
-    TokenEvent event{*token, "", i};
-    if (is_eos && !request.ignore_eos) {
-      reason = FinishReason::kEos;
-    } else {
-      event.text = stops.Push(decoder.Push(*token));
-      if (stops.stopped()) reason = FinishReason::kStop;
-    }
-    // Known before the token is reported: whether it is the last, so that its message carries
-    // the text still held back (one message per token).
-    if (reason == FinishReason::kLength && i + 1 < request.max_tokens &&
-        static_cast<int64_t>(seq->tokens.size()) + 1 >= max_context_) {
-      reason = FinishReason::kContext;
-    }
-    const bool last = reason != FinishReason::kLength || i + 1 == request.max_tokens;
-    if (last && reason != FinishReason::kStop) {
-      event.text += stops.Push(decoder.Flush());
-      event.text += stops.Flush();
-    }
-    summary.text += event.text;
-    const bool proceed = callbacks.on_token ? callbacks.on_token(event) : true;
-    // The last sampled token is fed at the start of the session's next turn.
-    seq->pending_token = *token;
-    if (last) break;
-    if (!proceed) {
-      reason = FinishReason::kCancelled;
-      break;
-    }
-    const int32_t next = *token;
-    seq->pending_token.reset();
-    seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
-    if (absl::Status s = runner_->Forward(*seq, &next, 1); !s.ok()) {
-      keep = false;
-      finish_session();
-      return s;
+      g.reason = FinishReason::kCancelled;
     }
   }
-  const Clock::time_point end = Clock::now();
-  summary.total_s = Seconds(start, end);
-  summary.finish_reason = reason;
-  if (!latencies.empty()) {
+  // A session whose prompt was not fed whole (stopped in prefill) or whose pass failed holds a
+  // state no client asked for: it is closed even when kept.
+  const bool consistent = g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled;
+  GenerateSummary summary = std::move(g.summary);
+  summary.session_id = g.keep_session ? g.session_id : "";
+  summary.prompt_tokens = g.prompt_tokens;
+  summary.mode = g.seq->mode;
+  summary.total_s = Seconds(g.arrival, now);
+  summary.finish_reason = g.reason.value_or(FinishReason::kCancelled);
+  if (!g.latencies.empty()) {
     double sum = 0.0;
-    for (double l : latencies) sum += l;
-    summary.mean_token_latency_s = sum / latencies.size();
-    summary.p50_token_latency_s = Percentile(latencies, 0.5);
-    summary.p99_token_latency_s = Percentile(latencies, 0.99);
+    for (double l : g.latencies) sum += l;
+    summary.mean_token_latency_s = sum / g.latencies.size();
+    summary.p50_token_latency_s = Percentile(g.latencies, 0.5);
+    summary.p99_token_latency_s = Percentile(g.latencies, 0.99);
   }
-  summary.degraded_steps = seq->degraded_steps - degraded_before;
+  summary.degraded_steps = g.seq->degraded_steps - g.degraded_before;
   summary.degraded = summary.degraded_steps > 0;
-  summary.device_kv_entries = seq->device_entries();
-  summary.cpu_kv_entries = seq->offloaded_entries();
-  finish_session();
+  summary.device_kv_entries = g.seq->device_entries();
+  summary.cpu_kv_entries = g.seq->offloaded_entries();
+  if (!g.keep_session || !consistent) {
+    auto it = sessions_.find(g.session_id);
+    if (it != sessions_.end()) {
+      (void)it->second->CloseOffloaded();
+      sessions_.erase(it);
+    }
+    g.seq = nullptr;
+  } else if (g.remaining() == 1 && !g.seq->pending_token.has_value()) {
+    g.seq->pending_token = g.feed[g.fed];   // sampled but not fed: the next turn feeds it
+  }
+  if (!failure.ok()) return failure;
   return summary;
 }
 
@@ -518,7 +550,7 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
       NewSequence(id,
                   {request.mode, request.beta, request.window, request.sink, request.selection,
                    request.page_policy},
-                  std::max<int64_t>(0, n - request.window - request.sink)));
+                  n, std::max<int64_t>(0, n - request.window - request.sink)));
   std::vector<int32_t> targets(request.ids.begin() + 1, request.ids.end());
   targets.push_back(-1);
   std::vector<float> logprobs(n, 0.0f);

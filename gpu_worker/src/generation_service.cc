@@ -8,17 +8,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
+#include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
 namespace {
 
-// Runs `work` on the executor and finishes the unary reactor with its status. A call the
+// Runs `work` on the scheduler thread (between steps) and finishes the unary reactor with its status. A call the
 // client already cancelled is finished as CANCELLED without running.
 template <typename Work>
-grpc::ServerUnaryReactor* RunUnary(EngineExecutor& executor, grpc::CallbackServerContext* context,
+grpc::ServerUnaryReactor* RunUnary(Scheduler& scheduler, grpc::CallbackServerContext* context,
                                    Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const bool posted = executor.Post([reactor, context, work](Engine& engine) {
+  const bool posted = scheduler.Post([reactor, context, work](Engine& engine) {
     if (context->IsCancelled()) {
       reactor->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
       return;
@@ -51,45 +52,13 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     return absl::InvalidArgumentError("prompt: empty; set prompt_text or prompt_ids");
   }
 
-  const int64_t max_tokens_limit =
-      max_context > 0 ? std::min(kMaxRequestTokens, max_context) : kMaxRequestTokens;
-  if (request.max_tokens() < 1 || request.max_tokens() > max_tokens_limit) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in 1..", max_tokens_limit,
-                                                   ", got ", request.max_tokens()));
-  }
   dst.max_tokens = request.max_tokens();
-
-  const float temperature = request.temperature();
-  if (!std::isfinite(temperature) || temperature < 0 || temperature > kMaxRequestTemperature) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("temperature must be in 0..", kMaxRequestTemperature, ", got ", temperature));
-  }
-  dst.sampling.temperature = temperature;
-  const float top_p = request.top_p();
-  if (!(top_p >= 0 && top_p <= 1)) {  // also rejects NaN
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1] (0 = unset = 1), got ", top_p));
-  }
-  dst.sampling.top_p = top_p == 0 ? 1.0f : top_p;
-  if (request.top_k() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k must be >= 0 (0 = no limit), got ", request.top_k()));
-  }
+  dst.sampling.temperature = request.temperature();
+  // 0 (unset) = 1; a negative or NaN value stays and is refused by the validator.
+  dst.sampling.top_p = request.top_p() == 0 ? 1.0f : request.top_p();
   dst.sampling.top_k = request.top_k();
   if (request.has_seed()) dst.sampling.seed = request.seed();
-
-  if (request.stop_size() > kMaxRequestStops) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("stop: at most ", kMaxRequestStops, " strings, got ", request.stop_size()));
-  }
-  for (int i = 0; i < request.stop_size(); ++i) {
-    const std::string& stop = request.stop(i);
-    if (stop.empty() || stop.size() > kMaxRequestStopBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "stop[", i, "] must be 1..", kMaxRequestStopBytes, " bytes, got ", stop.size()));
-    }
-    dst.stop.push_back(stop);
-  }
+  dst.stop.assign(request.stop().begin(), request.stop().end());
   dst.ignore_eos = request.ignore_eos();
 
   if (!request.mode().empty()) {
@@ -100,26 +69,9 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     }
     dst.mode = *mode;
   }
-  if (request.has_beta()) {
-    if (!std::isfinite(request.beta()) || request.beta() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("beta must be finite and >= 0, got ", request.beta()));
-    }
-    dst.beta = request.beta();
-  }
-  if (request.has_window()) {
-    if (request.window() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("window must be >= 0, got ", request.window()));
-    }
-    dst.window = request.window();
-  }
-  if (request.has_sink()) {
-    if (request.sink() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("sink must be >= 0, got ", request.sink()));
-    }
-    dst.sink = request.sink();
-  }
+  if (request.has_beta()) dst.beta = request.beta();
+  if (request.has_window()) dst.window = request.window();
+  if (request.has_sink()) dst.sink = request.sink();
   if (!request.selection().empty()) {
     absl::StatusOr<SelectionRule> selection = ParseSelectionRule(request.selection());
     if (!selection.ok()) {
@@ -128,20 +80,9 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     }
     dst.selection = *selection;
   }
-  if (request.has_select_tokens()) {
-    if (request.select_tokens() < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("select_tokens must be >= 1, got ", request.select_tokens()));
-    }
-    dst.select_tokens = request.select_tokens();
-  }
-  if (request.has_dense_layers()) {
-    if (request.dense_layers() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("dense_layers must be >= 0, got ", request.dense_layers()));
-    }
-    dst.dense_layers = request.dense_layers();
-  }
+  if (request.has_select_tokens()) dst.select_tokens = request.select_tokens();
+  if (request.has_dense_layers()) dst.dense_layers = request.dense_layers();
+  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(dst, max_context));
   return dst;
 }
 
@@ -228,19 +169,44 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
   dst->set_tokenizer_kind(info.tokenizer_kind);
 }
 
-// One Generate call. The executor job produces messages (Enqueue) and ends with EndJob; gRPC
-// takes them one StartWrite at a time (OnWriteDone starts the next). Finish is called exactly
-// once, only after EndJob, so the job never touches a deleted reactor; after Finish nothing
+// One Generate call. The scheduler produces its messages through the callbacks (Enqueue) and
+// ends with EndJob (its `done`); gRPC takes them one StartWrite at a time (OnWriteDone starts
+// the next). Finish is called exactly once, only after EndJob, so the scheduler never touches a
+// deleted reactor; after Finish nothing
 // touches `this` and OnDone deletes it. NOTE: the queue is not bounded by the client's pace: a
-// slow reader costs at most max_tokens small messages of memory, never a blocked executor.
+// slow reader costs at most max_tokens small messages of memory, never a blocked scheduler.
 class GenerationService::GenerateReactor final
     : public grpc::ServerWriteReactor<v1::GenerateResponse> {
  public:
-  // Posts the job; finishes with UNAVAILABLE if the executor no longer takes jobs.
-  void Start(EngineExecutor& executor, GenerateRequest request) {
-    const bool posted = executor.Post(
-        [this, request = std::move(request)](Engine& engine) { Run(engine, request); });
-    if (!posted) EndJob(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the worker is shutting down"));
+  // Submits the request; finishes with its error if the scheduler does not take it.
+  void Start(Scheduler& scheduler, GenerateRequest request) {
+    GenerateCallbacks callbacks;
+    callbacks.on_prefill = [this](const PrefillProgress& progress) {
+      v1::GenerateResponse message;
+      ToProto(progress, message.mutable_prefill());
+      Enqueue(std::move(message));
+    };
+    callbacks.on_token = [this](const TokenEvent& token) {
+      if (cancelled_.load()) return false;
+      v1::GenerateResponse message;
+      ToProto(token, message.mutable_token());
+      Enqueue(std::move(message));
+      return true;
+    };
+    callbacks.cancelled = [this] { return cancelled_.load(); };
+    const absl::Status submitted = scheduler.Submit(
+        std::move(request), std::move(callbacks),
+        [this](absl::StatusOr<GenerateSummary> summary) {
+          if (!summary.ok()) {
+            EndJob(ToGrpcStatus(summary.status()));
+            return;
+          }
+          v1::GenerateResponse message;
+          ToProto(*summary, message.mutable_final());
+          Enqueue(std::move(message));
+          EndJob(grpc::Status::OK);
+        });
+    if (!submitted.ok()) EndJob(ToGrpcStatus(submitted));
   }
 
   void OnWriteDone(bool ok) override {
@@ -258,36 +224,6 @@ class GenerationService::GenerateReactor final
   void OnDone() override { delete this; }
 
  private:
-  // On the executor thread.
-  void Run(Engine& engine, const GenerateRequest& request) {
-    if (cancelled_.load()) {
-      EndJob(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
-      return;
-    }
-    GenerateCallbacks callbacks;
-    callbacks.on_prefill = [this](const PrefillProgress& progress) {
-      v1::GenerateResponse message;
-      ToProto(progress, message.mutable_prefill());
-      Enqueue(std::move(message));
-    };
-    callbacks.on_token = [this](const TokenEvent& token) {
-      if (cancelled_.load()) return false;
-      v1::GenerateResponse message;
-      ToProto(token, message.mutable_token());
-      Enqueue(std::move(message));
-      return true;
-    };
-    absl::StatusOr<GenerateSummary> summary = engine.Generate(request, callbacks);
-    if (!summary.ok()) {
-      EndJob(ToGrpcStatus(summary.status()));
-      return;
-    }
-    v1::GenerateResponse message;
-    ToProto(*summary, message.mutable_final());
-    Enqueue(std::move(message));
-    EndJob(grpc::Status::OK);
-  }
-
   void Enqueue(v1::GenerateResponse message) {
     std::unique_lock<std::mutex> lock(mu_);
     if (write_failed_) return;
@@ -334,8 +270,8 @@ class GenerationService::GenerateReactor final
   std::atomic<bool> cancelled_{false};  // client cancelled or went away
 };
 
-GenerationService::GenerationService(EngineExecutor* executor, const ModelInfo& info)
-    : executor_(executor), max_context_(info.max_context), vocab_size_(info.vocab_size) {}
+GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info)
+    : scheduler_(scheduler), max_context_(info.max_context), vocab_size_(info.vocab_size) {}
 
 GenerationService::~GenerationService() = default;
 
@@ -346,7 +282,14 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
   if (!converted.ok()) {
     reactor->Finish(ToGrpcStatus(converted.status()));
   } else {
-    reactor->Start(*executor_, *std::move(converted));
+    // The call's deadline bounds the generation (checked between steps).
+    const auto deadline = context->deadline();
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      converted->deadline = std::chrono::steady_clock::now() +
+                            std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                deadline - std::chrono::system_clock::now());
+    }
+    reactor->Start(*scheduler_, *std::move(converted));
   }
   return reactor;
 }
@@ -354,7 +297,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
                                                       const v1::TokenizeRequest* request,
                                                       v1::TokenizeResponse* response) {
-  return RunUnary(*executor_, context, [request, response](Engine& engine) -> absl::Status {
+  return RunUnary(*scheduler_, context, [request, response](Engine& engine) -> absl::Status {
     absl::StatusOr<std::vector<int32_t>> ids = engine.Tokenize(request->text(), request->add_bos());
     if (!ids.ok()) return ids.status();
     response->mutable_token_ids()->Add(ids->begin(), ids->end());
@@ -375,7 +318,7 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
       return reactor;
     }
   }
-  return RunUnary(*executor_, context, [request, response](Engine& engine) {
+  return RunUnary(*scheduler_, context, [request, response](Engine& engine) {
     std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
     response->set_text(engine.Detokenize(ids));
     return absl::OkStatus();
@@ -390,14 +333,14 @@ grpc::ServerUnaryReactor* GenerationService::CloseSession(
     reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("session_id: empty")));
     return reactor;
   }
-  return RunUnary(*executor_, context,
+  return RunUnary(*scheduler_, context,
                   [request](Engine& engine) { return engine.CloseSession(request->session_id()); });
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
                                                           const v1::GetModelInfoRequest* request,
                                                           v1::ModelInfoResponse* response) {
-  return RunUnary(*executor_, context, [response](Engine& engine) {
+  return RunUnary(*scheduler_, context, [response](Engine& engine) {
     ToProto(engine.info(), response);
     response->set_open_sessions(engine.open_sessions());
     return absl::OkStatus();

@@ -35,8 +35,8 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
   std::unique_ptr<GpuWorkerServer> server(new GpuWorkerServer());
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options.engine));
   server->info_ = engine->info();
-  server->executor_ = std::make_unique<EngineExecutor>(std::move(engine));
-  server->service_ = std::make_unique<GenerationService>(server->executor_.get(), server->info_);
+  TANDEM_ASSIGN_OR_RETURN(server->scheduler_, Scheduler::Create(std::move(engine), options.scheduler));
+  server->service_ = std::make_unique<GenerationService>(server->scheduler_.get(), server->info_);
   server->max_message_bytes_ = options.max_message_bytes;
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -82,11 +82,11 @@ void GpuWorkerServer::Shutdown(int grace_ms) {
     if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
       health->SetServingStatus(false);
     }
-    // Returns once every call has finished; calls finish from executor jobs, so the executor
-    // must still run here.
+    // Returns once every call has finished; calls finish from the scheduler thread, so the
+    // scheduler must still run here.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(grace_ms));
   }
-  if (executor_ != nullptr) executor_->Stop();
+  if (scheduler_ != nullptr) scheduler_->Stop();
 }
 
 void GpuWorkerServer::Wait() {

@@ -2,9 +2,13 @@
 // sessions, sampling, detokenisation and stop conditions. The Generation service and the CLI
 // are thin layers over it.
 //
-// Not thread-safe: exactly one thread (the executor that owns the backend, STYLE.md "the GPU
-// worker has one executor thread that owns the CUDA context") calls an Engine. EngineExecutor
-// (engine_executor.h) provides that thread for concurrent callers.
+// Many requests run at once: Begin() admits one (a Generation), Step() advances a batch of
+// them in one forward pass (decode tokens and prefill chunks together), End() reports one.
+// Generate() is the three for a single request. The Scheduler (scheduler.h) decides what each
+// step feeds.
+//
+// Not thread-safe: exactly one thread (the scheduler's, which owns the backend, STYLE.md "the
+// GPU worker has one executor thread that owns the CUDA context") calls an Engine.
 //
 // Errors: INVALID_ARGUMENT for a bad request (the message names the field), NOT_FOUND for an
 // unknown session, RESOURCE_EXHAUSTED when sessions or memory run out, UNAVAILABLE when CPU
@@ -18,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,6 +30,8 @@
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/generate_request.h"
+#include "tandem/gpu_worker/generation.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -75,79 +82,6 @@ struct EngineOptions {
   double replan_min_gain = 0.05;
 };
 
-struct SamplingOptions {
-  float temperature = 0.0f;        // 0 = greedy
-  float top_p = 1.0f;              // (0, 1]
-  int32_t top_k = 0;               // 0 = no limit
-  std::optional<uint64_t> seed;    // unset: a random seed
-};
-
-struct GenerateRequest {
-  // Empty: a one-shot request (its session is closed at the end). Otherwise the session to
-  // continue, or to create and keep when it does not exist (multi-turn; close with
-  // CloseSession). Same rules as CPU node session ids: 1..128 of [A-Za-z0-9._:-].
-  std::string session_id;
-  // The prompt: token ids when prompt_ids is non-empty, else prompt_text (tokenized with BOS
-  // on the first turn of a session when the tokenizer adds one).
-  std::string prompt_text;
-  std::vector<int32_t> prompt_ids;
-  int64_t max_tokens = 16;         // >= 1
-  SamplingOptions sampling;
-  std::vector<std::string> stop;   // stop strings (at most 16, each 1..256 bytes)
-  bool ignore_eos = false;
-  // tandem's fields; unset = the engine's defaults. A continued session keeps its mode, window
-  // and sink (a different value is INVALID_ARGUMENT); a new beta re-selects its CPU entries.
-  std::optional<AttentionMode> mode;
-  std::optional<float> beta;       // >= 0, finite
-  std::optional<int64_t> window;   // >= block_tokens
-  std::optional<int64_t> sink;     // >= 0
-  // Hybrid selection (page_selection.h); a continued session keeps its rule. Unset: kMaw when
-  // beta is set, else the engine's default.
-  std::optional<SelectionRule> selection;
-  std::optional<int64_t> select_tokens;   // >= 1 (pages: whole pages, at least one)
-  std::optional<int64_t> dense_layers;    // >= 0
-};
-
-struct PrefillProgress {
-  int64_t total = 0;               // prompt tokens to process
-  int64_t processed = 0;
-  double elapsed_s = 0.0;
-};
-
-struct TokenEvent {
-  int32_t token_id = 0;
-  std::string text;                // UTF-8 text completed by this token (may be empty)
-  int64_t index = 0;               // 0 for the first generated token
-};
-
-enum class FinishReason { kLength, kStop, kEos, kContext, kCancelled };
-std::string_view FinishReasonName(FinishReason reason);
-
-struct GenerateSummary {
-  std::string session_id;          // the session used (generated for one-shot requests)
-  int64_t prompt_tokens = 0;
-  int64_t completion_tokens = 0;
-  double time_to_first_token_s = 0.0;
-  double total_s = 0.0;
-  double mean_token_latency_s = 0.0;   // over generated tokens after the first
-  double p50_token_latency_s = 0.0;
-  double p99_token_latency_s = 0.0;
-  FinishReason finish_reason = FinishReason::kLength;
-  std::string text;                // the whole generated text (after stop-string truncation)
-  std::vector<int32_t> token_ids;  // generated ids
-  bool degraded = false;           // some step ran without a CPU node's answer
-  uint64_t degraded_steps = 0;
-  int64_t device_kv_entries = 0;   // per (layer, kv head), at the end
-  int64_t cpu_kv_entries = 0;      // per (layer, kv head), at the end
-  AttentionMode mode = AttentionMode::kHybrid;
-};
-
-struct GenerateCallbacks {
-  std::function<void(const PrefillProgress&)> on_prefill;   // after each prefill chunk
-  // Each generated token; return false to stop generating (finish reason kCancelled).
-  std::function<bool(const TokenEvent&)> on_token;
-};
-
 // Perplexity-style evaluation of a token sequence (teacher forcing).
 struct EvaluateRequest {
   std::vector<int32_t> ids;
@@ -192,8 +126,35 @@ class Engine {
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
+  // Runs one request to its end (Begin, Step until finished, End).
   absl::StatusOr<GenerateSummary> Generate(const GenerateRequest& request,
                                            const GenerateCallbacks& callbacks = {});
+
+  // Validates `request`, opens or continues its session (reserving the device and CPU-node
+  // memory it will need by its end) and builds its feed. Errors: as Generate's;
+  // RESOURCE_EXHAUSTED when memory or sessions are short (a scheduler may retry once others
+  // end); FAILED_PRECONDITION when its session is in use by another generation.
+  absl::StatusOr<std::unique_ptr<Generation>> Begin(GenerateRequest request,
+                                                    GenerateCallbacks callbacks,
+                                                    Generation::Clock::time_point arrival);
+  // One batched forward pass: item b feeds `tokens` of its generation's remaining feed (all of
+  // a decode token, or a prefill chunk). Σ tokens <= max_step_tokens(), distinct generations,
+  // none finished. Generations whose feed is consumed sample their next token (callbacks run);
+  // prefill chunks report progress. A failed pass fails every generation of the batch (their
+  // `failure` is set; the Status is also returned).
+  struct StepItem {
+    Generation* generation = nullptr;
+    int64_t tokens = 0;
+  };
+  absl::Status Step(const std::vector<StepItem>& items);
+  // Ends `generation` (finished, or stopped early: `cancelled` gives finish reason kCancelled,
+  // a past deadline DEADLINE_EXCEEDED): closes its session unless it is kept and consistent,
+  // and returns its summary or its failure.
+  absl::StatusOr<GenerateSummary> End(Generation& generation);
+  // Most tokens one Step may feed (the runner's chunk).
+  int64_t max_step_tokens() const { return options_.prefill_chunk; }
+  bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
+
   absl::StatusOr<EvaluateResult> Evaluate(const EvaluateRequest& request);
   absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_bos) const;
   std::string Detokenize(const std::vector<int32_t>& ids) const;
@@ -219,9 +180,15 @@ class Engine {
     SelectionRule selection = SelectionRule::kMaw;
     PagePolicy page_policy;
   };
+  // planned_positions: positions the sequence reaches by the end of its first request (sizes
+  // a gpu-mode window); expected_offloaded: entries per (layer, kv head) the CPU nodes should
+  // have room for.
   absl::StatusOr<std::unique_ptr<Sequence>> NewSequence(const std::string& id,
                                                         const SequenceSpec& spec,
+                                                        int64_t planned_positions,
                                                         int64_t expected_offloaded);
+  // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
+  absl::Status SampleNext(Generation& g, const float* logits);
   // INVALID_ARGUMENT when page_tokens does not divide block_tokens (pages start at blocks).
   absl::Status CheckPagesUsable() const;
   // INVALID_ARGUMENT for a budget policy out of range.
@@ -243,6 +210,7 @@ class Engine {
   std::map<std::string, std::unique_ptr<Sequence>> sessions_;
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
+  std::set<std::string> busy_;   // sessions a live Generation is using
   uint64_t next_anonymous_id_ = 0;
   std::string id_prefix_;
 };

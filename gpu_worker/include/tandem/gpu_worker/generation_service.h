@@ -1,8 +1,9 @@
 // The gRPC face of the Engine: tandem.v1.Generation (proto/tandem/v1/generation.proto) on the
-// callback API. Every handler validates its request on the gRPC thread, posts one job to the
-// EngineExecutor and returns; the job finishes the call. No reactor blocks and the executor
-// never waits on the network: Generate's job queues its stream messages and the reactor writes
-// them one at a time as the client takes them.
+// callback API. Every handler validates its request on the gRPC thread and hands it to the
+// Scheduler (Generate: Submit, batched with every other running request; the rest: a control
+// job between steps) and returns; the scheduler finishes the call. No reactor blocks and the
+// scheduler never waits on the network: Generate's callbacks queue its stream messages and the
+// reactor writes them one at a time as the client takes them.
 //
 // Also the proto <-> engine conversions, shared with the `tandem` CLI (which runs the same
 // requests on an in-process Engine).
@@ -15,21 +16,15 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
-#include "tandem/gpu_worker/engine_executor.h"
+#include "tandem/gpu_worker/request_validation.h"
+#include "tandem/gpu_worker/scheduler.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::gpu_worker {
 
-// Most tokens one request may ask for, whatever the context.
-inline constexpr int64_t kMaxRequestTokens = int64_t{1} << 20;
-inline constexpr int kMaxRequestStops = 16;
-inline constexpr size_t kMaxRequestStopBytes = 256;
-inline constexpr float kMaxRequestTemperature = 100.0f;
-
-// Checks what the engine does not (ranges of the sampling and tandem fields, a non-empty
-// prompt, max_tokens <= min(kMaxRequestTokens, max_context) when max_context > 0) and converts.
-// INVALID_ARGUMENT with a message naming the field. Token ids, the context length and the
-// session id are checked by the engine.
+// Converts and validates (ValidateGenerateRequest with max_context: the one validator the
+// engine also runs). INVALID_ARGUMENT with a message naming the field for an unknown mode or
+// selection too. Token ids and the context left in a session are checked by the engine.
 absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& request,
                                                 int64_t max_context);
 
@@ -43,10 +38,10 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst);
 
 class GenerationService final : public v1::Generation::CallbackService {
  public:
-  // `executor` must outlive the service and keep accepting jobs until the gRPC server that
-  // serves this service has shut down (calls in flight finish from executor jobs).
+  // `scheduler` must outlive the service and keep accepting work until the gRPC server that
+  // serves this service has shut down (calls in flight finish from the scheduler thread).
   // `info` is the engine's: max_context bounds max_tokens, vocab_size the ids to detokenize.
-  GenerationService(EngineExecutor* executor, const ModelInfo& info);
+  GenerationService(Scheduler* scheduler, const ModelInfo& info);
   ~GenerationService() override;
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
@@ -67,7 +62,7 @@ class GenerationService final : public v1::Generation::CallbackService {
  private:
   class GenerateReactor;
 
-  EngineExecutor* executor_;
+  Scheduler* scheduler_;
   int64_t max_context_;
   int64_t vocab_size_;
 };

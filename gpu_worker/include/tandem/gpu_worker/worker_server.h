@@ -1,4 +1,4 @@
-// A running tandem-gpu-worker gRPC server: the Engine on its EngineExecutor thread, the
+// A running tandem-gpu-worker gRPC server: the Engine on its Scheduler thread (continuous batching), the
 // Generation service, health (grpc.health.v1, SERVING for "" and "tandem.v1.Generation"),
 // reflection and channelz. The same object serves in-process callers through
 // InProcessChannel().
@@ -14,14 +14,15 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
-#include "tandem/gpu_worker/engine_executor.h"
 #include "tandem/gpu_worker/generation_service.h"
+#include "tandem/gpu_worker/scheduler.h"
 
 namespace tandem::gpu_worker {
 
 struct WorkerServerOptions {
   std::string address = "0.0.0.0:50051";  // host:port; port 0 picks a free one; "" = no port
   EngineOptions engine;
+  SchedulerOptions scheduler;
   // Largest message accepted or sent (>= 1 MiB). Generate streams one small message per
   // token; the limit matters for long prompt_ids / Tokenize / Detokenize payloads.
   int max_message_bytes = 64 << 20;
@@ -29,22 +30,22 @@ struct WorkerServerOptions {
 
 class GpuWorkerServer {
  public:
-  // Loads the model (Engine::Create), starts the executor and serves. The Engine's errors
+  // Loads the model (Engine::Create), starts the scheduler and serves. The Engine's errors
   // pass through (INVALID_ARGUMENT for a bad model or option, UNAVAILABLE for unreachable CPU
   // nodes); UNAVAILABLE if the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<GpuWorkerServer>> Start(const WorkerServerOptions& options);
-  ~GpuWorkerServer();  // Shutdown(), then stops the executor and frees the engine
+  ~GpuWorkerServer();  // Shutdown(), then stops the scheduler and frees the engine
 
   // Reports NOT_SERVING, stops accepting calls, lets calls in flight finish for up to
   // `grace_ms`, then cancels the rest (a cancelled Generate stops after its current token)
-  // and waits for them; then stops the executor. Idempotent.
+  // and waits for them; then stops the scheduler. Idempotent.
   void Shutdown(int grace_ms = 5000);
   // Blocks until Shutdown() has finished.
   void Wait();
 
   int port() const { return port_; }  // the bound port (0 without an address)
   const ModelInfo& model_info() const { return info_; }
-  EngineExecutor& executor() { return *executor_; }
+  Scheduler& scheduler() { return *scheduler_; }
   // A channel to this server that bypasses the network (valid until Shutdown).
   std::shared_ptr<grpc::Channel> InProcessChannel();
 
@@ -52,8 +53,8 @@ class GpuWorkerServer {
   GpuWorkerServer() = default;
 
   // Destroyed in reverse order: the gRPC server before the service, the service before the
-  // executor that its calls post to.
-  std::unique_ptr<EngineExecutor> executor_;
+  // scheduler that its calls post to.
+  std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<GenerationService> service_;
   std::unique_ptr<grpc::Server> server_;
   ModelInfo info_;

@@ -1,0 +1,134 @@
+// Scheduler: the one thread that owns an Engine (and with it the backend's device context) and
+// serves many generations at once by continuous batching (Orca's iteration-level scheduling,
+// vLLM's / TensorRT-LLM's in-flight batching).
+//
+// Each iteration:
+//   1. runs the control jobs posted since the last one (Tokenize, CloseSession, ...; in order);
+//   2. ends generations that finished, were cancelled or passed their deadline (their session
+//      memory is freed at once);
+//   3. admits waiting requests first come, first served while fewer than max_batch run:
+//      Engine::Begin reserves what a request needs by its end (device window, page summaries,
+//      CPU-node room); a request that does not fit while others run waits at the head of the
+//      queue until one ends (never an out-of-memory failure mid-run); one that cannot fit even
+//      alone fails with RESOURCE_EXHAUSTED;
+//   4. runs one Engine::Step over every running generation: one decode token each, plus prompt
+//      tokens of prefilling generations up to step_tokens in all (chunked prefill interleaved
+//      with decode). Prefill tokens go to the shortest remaining prompt first, so a short
+//      request is not stuck behind a long one; a prefill passed over for prefill_aging_steps
+//      steps goes first, so none starves. Sequences of every mode share the step.
+//
+// Thread-safe: Submit / Post / Run / Stop from any thread; callbacks and `done` run on the
+// scheduler's thread and must not block. Destruction stops accepting work, runs what was
+// accepted to its end, then joins.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/engine.h"
+
+namespace tandem::gpu_worker {
+
+struct SchedulerOptions {
+  int64_t max_batch = 64;          // generations running at once (at most step_tokens)
+  int64_t max_waiting = 4096;      // requests queued beyond the running ones; more: refused
+  int64_t step_tokens = 0;         // tokens per step (decode + prefill); 0 = the engine's chunk
+  int64_t prefill_aging_steps = 4;
+};
+
+struct SchedulerStats {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  uint64_t steps = 0;
+  uint64_t step_tokens = 0;        // tokens fed by all steps
+};
+
+class Scheduler {
+ public:
+  using Done = std::function<void(absl::StatusOr<GenerateSummary>)>;
+
+  // INVALID_ARGUMENT for options out of range.
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Create(std::unique_ptr<Engine> engine,
+                                                           const SchedulerOptions& options);
+  ~Scheduler();
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues a generation; when it returns OK, `done` gets the summary or the error exactly once,
+  // on the scheduler thread. UNAVAILABLE after Stop(), RESOURCE_EXHAUSTED when max_waiting
+  // requests already wait (`done` is then not called).
+  absl::Status Submit(GenerateRequest request, GenerateCallbacks callbacks, Done done);
+
+  // Queues a control job, run between steps. Returns false (and drops the job) after Stop().
+  bool Post(std::function<void(Engine&)> job);
+
+  // Runs `job` on the scheduler thread and waits for its result.
+  template <typename Fn>
+  auto Run(Fn&& job) -> decltype(job(std::declval<Engine&>())) {
+    using R = decltype(job(std::declval<Engine&>()));
+    auto task = std::make_shared<std::packaged_task<R(Engine&)>>(std::forward<Fn>(job));
+    std::future<R> result = task->get_future();
+    if (!Post([task](Engine& engine) { (*task)(engine); })) {
+      std::packaged_task<R(Engine&)> fallback(
+          [](Engine&) -> R { return absl::UnavailableError("the engine is shutting down"); });
+      result = fallback.get_future();
+      fallback(*engine_);
+    }
+    return result.get();
+  }
+
+  SchedulerStats stats() const;
+  // Stops accepting work; what was accepted still runs. Idempotent.
+  void Stop();
+
+ private:
+  struct Pending {
+    GenerateRequest request;
+    GenerateCallbacks callbacks;
+    Done done;
+    Generation::Clock::time_point arrival;
+  };
+  struct Running {
+    std::unique_ptr<Generation> generation;
+    Done done;
+    uint64_t order = 0;            // admission order (FCFS ties)
+    int64_t skipped_steps = 0;     // consecutive steps its prefill got no tokens
+  };
+
+  Scheduler(std::unique_ptr<Engine> engine, const SchedulerOptions& options);
+  void Loop();
+  // Moves newly submitted requests to waiting_; returns the control jobs to run.
+  std::deque<std::function<void(Engine&)>> TakeWork(bool* stop);
+  void EndFinished();
+  void Admit();
+  void StepOnce();
+  void Publish();
+
+  std::unique_ptr<Engine> engine_;
+  SchedulerOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void(Engine&)>> jobs_;   // guarded by mu_
+  std::deque<Pending> submitted_;                   // guarded by mu_
+  bool stopping_ = false;                           // guarded by mu_
+  SchedulerStats stats_;                            // guarded by mu_ (a copy of the thread's)
+
+  // The scheduler thread's own state.
+  std::deque<Pending> waiting_;
+  std::list<Running> running_;
+  uint64_t next_order_ = 0;
+  SchedulerStats local_stats_;
+  std::thread thread_;
+};
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,205 @@
+#include "tandem/gpu_worker/scheduler.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::gpu_worker {
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::unique_ptr<Engine> engine,
+                                                             const SchedulerOptions& options) {
+  if (engine == nullptr) return absl::InvalidArgumentError("scheduler without an engine");
+  SchedulerOptions o = options;
+  const int64_t chunk = engine->max_step_tokens();
+  if (o.step_tokens == 0) o.step_tokens = chunk;
+  if (o.step_tokens < 1 || o.step_tokens > chunk) {
+    return absl::InvalidArgumentError(absl::StrCat("step_tokens must be in 1..", chunk,
+                                                   " (the prefill chunk), got ", o.step_tokens));
+  }
+  if (o.max_batch < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_batch must be >= 1, got ", o.max_batch));
+  }
+  // Every running generation feeds at least one token per step.
+  o.max_batch = std::min(o.max_batch, o.step_tokens);
+  if (o.max_waiting < 0) return absl::InvalidArgumentError("max_waiting must be >= 0");
+  if (o.prefill_aging_steps < 1) {
+    return absl::InvalidArgumentError("prefill_aging_steps must be >= 1");
+  }
+  return std::unique_ptr<Scheduler>(new Scheduler(std::move(engine), o));
+}
+
+Scheduler::Scheduler(std::unique_ptr<Engine> engine, const SchedulerOptions& options)
+    : engine_(std::move(engine)), options_(options) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+Scheduler::~Scheduler() {
+  Stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+absl::Status Scheduler::Submit(GenerateRequest request, GenerateCallbacks callbacks, Done done) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::UnavailableError("the worker is shutting down");
+    if (static_cast<int64_t>(submitted_.size()) + stats_.waiting >= options_.max_waiting) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          options_.max_waiting, " requests are already waiting; retry later"));
+    }
+    submitted_.push_back({std::move(request), std::move(callbacks), std::move(done),
+                          Generation::Clock::now()});
+  }
+  cv_.notify_one();
+  return absl::OkStatus();
+}
+
+bool Scheduler::Post(std::function<void(Engine&)> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return false;
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+  return true;
+}
+
+SchedulerStats Scheduler::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void Scheduler::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+std::deque<std::function<void(Engine&)>> Scheduler::TakeWork(bool* stop) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [this] {
+    return stopping_ || !jobs_.empty() || !submitted_.empty() || !running_.empty() ||
+           !waiting_.empty();
+  });
+  *stop = stopping_;
+  for (Pending& p : submitted_) waiting_.push_back(std::move(p));
+  submitted_.clear();
+  std::deque<std::function<void(Engine&)>> jobs;
+  jobs.swap(jobs_);
+  return jobs;
+}
+
+void Scheduler::Loop() {
+  for (;;) {
+    bool stop = false;
+    std::deque<std::function<void(Engine&)>> jobs = TakeWork(&stop);
+    for (auto& job : jobs) job(*engine_);
+    EndFinished();
+    Admit();
+    if (!running_.empty()) StepOnce();
+    EndFinished();
+    Publish();
+    if (stop && jobs.empty() && waiting_.empty() && running_.empty()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (jobs_.empty() && submitted_.empty()) return;
+    }
+  }
+}
+
+void Scheduler::EndFinished() {
+  const Generation::Clock::time_point now = Generation::Clock::now();
+  for (auto it = running_.begin(); it != running_.end();) {
+    Generation& g = *it->generation;
+    if (!g.finished() && !g.CancelledBy(now)) {
+      ++it;
+      continue;
+    }
+    absl::StatusOr<GenerateSummary> summary = engine_->End(g);
+    it->done(std::move(summary));
+    it = running_.erase(it);
+  }
+  // Requests that went away (or ran out of time) before they started.
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    const bool expired = it->request.deadline.has_value() && now >= *it->request.deadline;
+    const bool cancelled = it->callbacks.cancelled && it->callbacks.cancelled();
+    if (!expired && !cancelled) {
+      ++it;
+      continue;
+    }
+    it->done(expired ? absl::DeadlineExceededError("the request's deadline passed while it waited")
+                     : absl::CancelledError("cancelled before it ran"));
+    it = waiting_.erase(it);
+  }
+}
+
+void Scheduler::Admit() {
+  for (auto it = waiting_.begin();
+       it != waiting_.end() && static_cast<int64_t>(running_.size()) < options_.max_batch;) {
+    // A turn of a session that is mid-generation waits for it (requests of other sessions may
+    // go ahead: nothing they hold is shared).
+    if (!it->request.session_id.empty() && engine_->SessionBusy(it->request.session_id)) {
+      ++it;
+      continue;
+    }
+    absl::StatusOr<std::unique_ptr<Generation>> g =
+        engine_->Begin(it->request, it->callbacks, it->arrival);
+    if (!g.ok() && g.status().code() == absl::StatusCode::kResourceExhausted &&
+        !running_.empty()) {
+      break;   // it fits once others end; first come, first served: nobody overtakes it
+    }
+    if (!g.ok()) {
+      it->done(g.status());
+    } else {
+      running_.push_back({*std::move(g), std::move(it->done), next_order_++, 0});
+    }
+    it = waiting_.erase(it);
+  }
+}
+
+void Scheduler::StepOnce() {
+  std::vector<Engine::StepItem> items;
+  std::vector<Running*> prefills;
+  for (Running& r : running_) {
+    if (r.generation->prefilling()) {
+      prefills.push_back(&r);
+    } else {
+      items.push_back({r.generation.get(), 1});
+    }
+  }
+  int64_t budget = options_.step_tokens - static_cast<int64_t>(items.size());
+  // Aged prefills first (oldest first), then the shortest remaining prompt.
+  const int64_t aging = options_.prefill_aging_steps;
+  std::sort(prefills.begin(), prefills.end(), [aging](const Running* a, const Running* b) {
+    const bool aged_a = a->skipped_steps >= aging, aged_b = b->skipped_steps >= aging;
+    if (aged_a != aged_b) return aged_a;
+    if (!aged_a && a->generation->remaining() != b->generation->remaining()) {
+      return a->generation->remaining() < b->generation->remaining();
+    }
+    return a->order < b->order;
+  });
+  for (Running* r : prefills) {
+    if (budget <= 0) {
+      ++r->skipped_steps;
+      continue;
+    }
+    const int64_t take = std::min(budget, r->generation->remaining());
+    items.push_back({r->generation.get(), take});
+    budget -= take;
+    r->skipped_steps = 0;
+  }
+  if (items.empty()) return;
+  // A failure is recorded in each generation of the step; EndFinished reports it.
+  (void)engine_->Step(items);
+  ++local_stats_.steps;
+  local_stats_.step_tokens += static_cast<uint64_t>(options_.step_tokens - budget);
+}
+
+void Scheduler::Publish() {
+  local_stats_.running = static_cast<int64_t>(running_.size());
+  local_stats_.waiting = static_cast<int64_t>(waiting_.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_ = local_stats_;
+}
+
+}  // namespace tandem::gpu_worker
