@@ -1,0 +1,270 @@
+// The Scheduler on stories260k (issue 12): concurrent requests of every mode share steps (their
+// tokens interleave, the run takes fewer steps and less time than the requests one after
+// another) and each gets exactly what it gets alone; a short prompt overtakes a long prefill;
+// cancellation and deadlines end a request between steps and free its session; a request that
+// does not fit the memory left waits for others instead of failing, and one that can never fit
+// fails. The cpu backend in CI, the cuda one with label gpu.
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+#include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/scheduler.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// What one submitted request produced, filled on the scheduler thread.
+struct Outcome {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  absl::StatusOr<GenerateSummary> summary = absl::UnknownError("not run");
+};
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0) {
+    EngineOptions options;
+    options.model_dir = testing::ModelDir("stories260k").string();
+    options.backend = testing::TestBackendName();
+    options.nodes.embedded.pool_bytes = 64ull << 20;
+    options.default_window = 16;
+    options.default_sink = 4;
+    options.prefill_chunk = prefill_chunk;
+    options.offload_page_tokens = 16;
+    options.page_summary_bytes = summary_cap;
+    auto engine = Engine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    auto scheduler = Scheduler::Create(std::move(*engine), SchedulerOptions{});
+    ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+    scheduler_ = std::move(*scheduler);
+  }
+
+  // Submits `request`; token events are logged as (tag, index) in submission-independent order.
+  std::shared_ptr<Outcome> Submit(GenerateRequest request, int tag,
+                                  std::function<bool()> cancelled = nullptr) {
+    auto outcome = std::make_shared<Outcome>();
+    GenerateCallbacks callbacks;
+    callbacks.on_token = [this, tag](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lock(log_mu_);
+      log_.push_back({tag, e.index});
+      return true;
+    };
+    callbacks.cancelled = std::move(cancelled);
+    const absl::Status submitted = scheduler_->Submit(
+        std::move(request), std::move(callbacks), [outcome](absl::StatusOr<GenerateSummary> s) {
+          std::lock_guard<std::mutex> lock(outcome->mu);
+          outcome->summary = std::move(s);
+          outcome->done = true;
+          outcome->cv.notify_all();
+        });
+    EXPECT_TRUE(submitted.ok()) << submitted;
+    return outcome;
+  }
+
+  static absl::StatusOr<GenerateSummary> Wait(Outcome& outcome) {
+    std::unique_lock<std::mutex> lock(outcome.mu);
+    outcome.cv.wait_for(lock, std::chrono::seconds(120), [&] { return outcome.done; });
+    return outcome.done ? outcome.summary : absl::DeadlineExceededError("test timed out");
+  }
+
+  // Position in the token log of the first / last token of `tag`.
+  size_t FirstOf(int tag) const {
+    for (size_t i = 0; i < log_.size(); ++i) if (log_[i].first == tag) return i;
+    return log_.size();
+  }
+  size_t LastOf(int tag) const {
+    for (size_t i = log_.size(); i-- > 0;) if (log_[i].first == tag) return i;
+    return log_.size();
+  }
+
+  // A prompt of `n` token ids from the model's vocabulary (BOS first).
+  static std::vector<int32_t> Prompt(int64_t n, int32_t salt) {
+    std::vector<int32_t> ids{1};
+    for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
+    return ids;
+  }
+
+  size_t OpenSessions() {
+    absl::StatusOr<size_t> n =
+        scheduler_->Run([](Engine& e) -> absl::StatusOr<size_t> { return e.open_sessions(); });
+    return n.ok() ? *n : size_t{999};
+  }
+
+  std::unique_ptr<Scheduler> scheduler_;
+  std::mutex log_mu_;
+  std::vector<std::pair<int, int64_t>> log_;
+};
+
+TEST_F(SchedulerTest, ConcurrentRequestsOfEveryModeShareStepsAndMatchTheirSoloRuns) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  Make();
+  // 60-token prompts with a 16-token window: hybrid and offload requests hold most of their KV
+  // off the device and attend over it every step.
+  std::vector<GenerateRequest> requests;
+  const AttentionMode modes[] = {AttentionMode::kGpu, AttentionMode::kHybrid,
+                                 AttentionMode::kOffload, AttentionMode::kHybrid};
+  for (int i = 0; i < 4; ++i) {
+    GenerateRequest r;
+    r.prompt_ids = Prompt(60, i);
+    r.max_tokens = 32;
+    r.ignore_eos = true;
+    r.mode = modes[i];
+    if (i == 3) r.selection = SelectionRule::kPages;
+    requests.push_back(r);
+  }
+  std::vector<std::vector<int32_t>> solo;
+  const Clock::time_point solo_start = Clock::now();
+  for (int i = 0; i < 4; ++i) {
+    auto outcome = Submit(requests[i], 100 + i);
+    auto summary = Wait(*outcome);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->completion_tokens, 32);
+    solo.push_back(summary->token_ids);
+  }
+  const double solo_s = std::chrono::duration<double>(Clock::now() - solo_start).count();
+  const uint64_t solo_steps = scheduler_->stats().steps;
+
+  log_.clear();
+  const Clock::time_point start = Clock::now();
+  std::vector<std::shared_ptr<Outcome>> outcomes;
+  for (int i = 0; i < 4; ++i) outcomes.push_back(Submit(requests[i], i));
+  for (int i = 0; i < 4; ++i) {
+    auto summary = Wait(*outcomes[i]);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->token_ids, solo[i]) << "request " << i << " differs from its solo run";
+    EXPECT_EQ(summary->mode, modes[i]);
+    if (modes[i] != AttentionMode::kGpu) EXPECT_GT(summary->cpu_kv_entries, 0) << i;
+  }
+  const double batched_s = std::chrono::duration<double>(Clock::now() - start).count();
+  const uint64_t batched_steps = scheduler_->stats().steps - solo_steps;
+  // Interleaved: every request had a token before every other one's last.
+  for (int a = 0; a < 4; ++a) {
+    for (int b = 0; b < 4; ++b) {
+      if (a != b) EXPECT_LT(FirstOf(a), LastOf(b)) << a << " ran after " << b;
+    }
+  }
+  EXPECT_LT(batched_steps, solo_steps / 2) << "batched " << batched_steps << ", solo "
+                                            << solo_steps;
+  EXPECT_LT(batched_s, solo_s) << "batched " << batched_s << " s, one after another " << solo_s;
+  EXPECT_EQ(OpenSessions(), 0u);
+}
+
+TEST_F(SchedulerTest, AShortPromptOvertakesALongPrefill) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  Make(/*prefill_chunk=*/16);
+  GenerateRequest long_request;
+  long_request.prompt_ids = Prompt(400, 7);   // 25 steps of prefill
+  long_request.max_tokens = 4;
+  long_request.mode = AttentionMode::kGpu;
+  GenerateRequest short_request;
+  short_request.prompt_ids = Prompt(6, 9);
+  short_request.max_tokens = 4;
+  short_request.mode = AttentionMode::kGpu;
+  auto long_outcome = Submit(long_request, 0);
+  auto short_outcome = Submit(short_request, 1);
+  ASSERT_TRUE(Wait(*short_outcome).ok());
+  ASSERT_TRUE(Wait(*long_outcome).ok());
+  // The short request finished while the long one was still in prefill.
+  EXPECT_LT(LastOf(1), FirstOf(0));
+}
+
+TEST_F(SchedulerTest, CancellationAndDeadlinesEndRequestsAndFreeTheirSessions) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  Make();
+  // The client of request 0 goes away after its 10th token.
+  auto gone = [this] {
+    std::lock_guard<std::mutex> lock(log_mu_);
+    int tokens = 0;
+    for (const auto& [tag, index] : log_) tokens += tag == 0;
+    return tokens >= 10;
+  };
+  GenerateRequest endless;
+  endless.prompt_ids = Prompt(40, 3);
+  endless.max_tokens = 400;
+  endless.ignore_eos = true;
+  endless.mode = AttentionMode::kHybrid;
+  endless.session_id = "kept";
+  auto cancelled = Submit(endless, 0, gone);
+  GenerateRequest late = endless;
+  late.session_id.clear();
+  late.deadline = Clock::now() + std::chrono::milliseconds(20);
+  auto expired = Submit(late, 1);
+  auto summary = Wait(*expired);
+  ASSERT_FALSE(summary.ok());
+  EXPECT_EQ(summary.status().code(), absl::StatusCode::kDeadlineExceeded) << summary.status();
+  summary = Wait(*cancelled);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->finish_reason, FinishReason::kCancelled);
+  EXPECT_EQ(summary->completion_tokens, 10);
+  // The cancelled turn was in decode: its kept session stays, consistent, and continues.
+  EXPECT_EQ(OpenSessions(), 1u);
+  GenerateRequest next;
+  next.session_id = "kept";
+  next.prompt_ids = {42, 43};
+  next.max_tokens = 3;
+  summary = Wait(*Submit(next, 2));
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->completion_tokens, 3);
+  EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("kept"); }).ok());
+  EXPECT_EQ(OpenSessions(), 0u);
+}
+
+TEST_F(SchedulerTest, ARequestThatDoesNotFitWaitsForMemoryAndOneThatNeverFitsFails) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  // stories260k: 5 layers x 4 kv heads x 2 x 8 dims x 4 bytes (f32) = 1280 bytes per 16-token
+  // page; room for 20 pages. Each request below offloads ~190 tokens = 12 pages: one at a time.
+  Make(/*prefill_chunk=*/64, /*summary_cap=*/20 * 1280);
+  GenerateRequest r;
+  r.prompt_ids = Prompt(10, 5);
+  r.max_tokens = 200;
+  r.ignore_eos = true;
+  r.mode = AttentionMode::kHybrid;
+  r.selection = SelectionRule::kPages;
+  r.select_tokens = 32;
+  auto first = Submit(r, 0);
+  auto second = Submit(r, 1);
+  GenerateRequest huge = r;
+  huge.max_tokens = 480;   // 29 pages: more than the cap even alone
+  auto first_summary = Wait(*first);
+  auto second_summary = Wait(*second);
+  ASSERT_TRUE(first_summary.ok()) << first_summary.status();
+  ASSERT_TRUE(second_summary.ok()) << second_summary.status();
+  EXPECT_EQ(second_summary->completion_tokens, 200);
+  EXPECT_LT(LastOf(0), FirstOf(1)) << "the second request should have waited for the first";
+  auto refused = Wait(*Submit(huge, 2));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+}
+
+TEST(SchedulerOptionsTest, BadOptionsAreRefused) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  EngineOptions options;
+  options.model_dir = testing::ModelDir("stories260k").string();
+  options.backend = testing::TestBackendName();
+  options.prefill_chunk = 32;
+  for (SchedulerOptions bad : {SchedulerOptions{0}, SchedulerOptions{4, 10, 33},
+                               SchedulerOptions{4, -1}, SchedulerOptions{4, 10, 0, 0}}) {
+    auto engine = Engine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ(Scheduler::Create(std::move(*engine), bad).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
