@@ -1,10 +1,13 @@
 // tandem-geometry: writes a model directory with random weights for a model geometry, e.g.
 //   tandem-geometry --preset=llama3-8b --seed=1 --out=/data/llama3-8b-random
 //   tandem-geometry --preset=tiny --set=layers=4,hidden=512 --out=/tmp/tiny
+//   tandem-geometry --preset=llama3-8b --config_only --out=DIR   (for --random_weights)
 // The directory (config.json + safetensors) loads like a checkpoint, and holds the weights that
 // DeviceModel::CreateRandom generates on the device for the same geometry and seed
 // (random_model_writer.h).
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "absl/flags/flag.h"
@@ -23,6 +26,9 @@ ABSL_FLAG(uint64_t, seed, 0, "weight seed");
 ABSL_FLAG(std::string, out, "", "output directory (created if missing)");
 ABSL_FLAG(uint64_t, shard_mib, 5120, "most MiB of weights per safetensors shard");
 ABSL_FLAG(unsigned, threads, 0, "generating threads (0 = available cores)");
+ABSL_FLAG(bool, config_only, false,
+          "write config.json only (for tandem-gpu-worker --random_weights, which makes the "
+          "weights on the device)");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -43,6 +49,20 @@ int main(int argc, char** argv) {
   if (absl::Status s = ApplyGeometryOverrides(absl::GetFlag(FLAGS_set), *config); !s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
     return 2;
+  }
+  if (absl::GetFlag(FLAGS_config_only)) {
+    absl::StatusOr<std::string> json = GeometryConfigJson(*config);
+    std::error_code ec;
+    std::filesystem::create_directories(out, ec);
+    std::ofstream file(std::filesystem::path(out) / "config.json");
+    if (!json.ok() || ec || !(file << *json)) {
+      std::fprintf(stderr, "cannot write %s/config.json: %s\n", out.c_str(),
+                   json.ok() ? (ec ? ec.message().c_str() : "write failed")
+                             : json.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("wrote %s/config.json\n", out.c_str());
+    return 0;
   }
   RandomModelWriteOptions options;
   options.seed = absl::GetFlag(FLAGS_seed);

@@ -24,6 +24,9 @@
 #include "tandem/gpu_worker/worker_server.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (config.json, *.safetensors, tokenizer)");
+ABSL_FLAG(bool, random_weights, false,
+          "serve the model directory's config.json geometry with synthetic weights made on the "
+          "device (benchmarks; no weights file is read)");
 ABSL_FLAG(std::string, address, "0.0.0.0:50051", "host:port to serve on (port 0: any free)");
 ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable), cpu or cuda");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal");
@@ -102,6 +105,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   e.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  e.random_weights = absl::GetFlag(FLAGS_random_weights);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);

@@ -87,7 +87,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     TANDEM_RETURN_IF_ERROR(engine->CheckPagesUsable());
   }
   TANDEM_RETURN_IF_ERROR(engine->ValidatePagePolicy(options.default_page_policy));
-  TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
+  if (options.random_weights) {
+    // The geometry of config.json, weights made on the device: no weights file is read.
+    engine->model_ = std::make_unique<Model>();
+    engine->model_->dir = options.model_dir;
+    TANDEM_ASSIGN_OR_RETURN(engine->model_->config, LoadModelConfig(options.model_dir));
+    engine->model_->weights.dtype = engine->model_->config.weight_dtype;
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
+  }
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
   const ModelConfig& c = engine->model_->config;
   if (engine->tokenizer_->vocab_size() > c.vocab_size) {
@@ -108,8 +116,13 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         absl::StrCat("kv_dtype must be auto, bf16 or f32, got '", options.kv_dtype, "'"));
   }
   TANDEM_ASSIGN_OR_RETURN(engine->backend_, MakeBackend(options));
-  TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
-                          DeviceModel::Upload(*engine->model_, *engine->backend_));
+  if (options.random_weights) {
+    TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
+                            DeviceModel::CreateRandom(c, *engine->backend_, options.random_seed));
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
+                            DeviceModel::Upload(*engine->model_, *engine->backend_));
+  }
   RunnerOptions runner_options;
   runner_options.max_chunk = options.prefill_chunk;
   runner_options.maw_alpha = options.maw_alpha;

@@ -43,6 +43,11 @@ namespace tandem::gpu_worker {
 
 struct EngineOptions {
   std::string model_dir;
+  // Serve model_dir's geometry (config.json) and tokenizer with synthetic weights made on the
+  // device (DeviceModel::CreateRandom, seeded): benchmarks of models whose weights are not at
+  // hand. The text it generates means nothing; speed and memory are the real model's.
+  bool random_weights = false;
+  uint64_t random_seed = 0;
   std::string backend = "auto";    // "auto" (cuda when a GPU is usable, else cpu), "cpu", "cuda"
   int cuda_device = 0;
   unsigned cpu_threads = 0;        // cpu backend threads; 0 = all usable cores
