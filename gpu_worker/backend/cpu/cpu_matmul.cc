@@ -111,6 +111,19 @@ absl::Status CpuMatmul::Lookup(const Key& key, Entry** entry) {
 }
 
 absl::Status CpuMatmul::Run(const MatMulParams& p) {
+  if (p.m > kRowGranule && p.m % kRowGranule != 0) {
+    MatMulParams head = p, tail = p;
+    head.m = p.m - p.m % kRowGranule;
+    tail.m = p.m % kRowGranule;
+    tail.x = p.x + head.m * p.k;
+    tail.y = p.y + head.m * p.n;
+    TANDEM_RETURN_IF_ERROR(RunRows(head));
+    return RunRows(tail);
+  }
+  return RunRows(p);
+}
+
+absl::Status CpuMatmul::RunRows(const MatMulParams& p) {
   Key key;
   key.m = p.m;
   key.n = p.n;

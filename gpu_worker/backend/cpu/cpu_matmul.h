@@ -29,9 +29,13 @@ namespace tandem::gpu_worker::cpu {
 
 class CpuMatmul {
  public:
-  // Primitives kept; the least recently used one is dropped beyond this (prefill and decode use a
-  // handful of m values per weight shape).
-  static constexpr size_t kCapacity = 128;
+  // oneDNN primitives are compiled per m. Continuous batching changes m every step (decode
+  // rows + prefill tokens), so m is split into a multiple of kRowGranule and a remainder below
+  // it: at most (max m / kRowGranule) + kRowGranule - 1 distinct m per weight shape, each
+  // compiled once. Rows are independent, so the split gives the same result.
+  static constexpr int64_t kRowGranule = 64;
+  // Primitives kept; the least recently used one is dropped beyond this.
+  static constexpr size_t kCapacity = 1024;
 
   // INTERNAL when oneDNN cannot create its CPU engine.
   static absl::StatusOr<std::unique_ptr<CpuMatmul>> Create(int threads);
@@ -42,6 +46,8 @@ class CpuMatmul {
   size_t cached() const { return lru_.size(); }
 
  private:
+  // One primitive call over all p.m rows.
+  absl::Status RunRows(const MatMulParams& p);
   struct Key {
     int64_t m = 0, n = 0, k = 0;
     bool bf16 = false;  // bf16 src and weights; else f32
