@@ -105,6 +105,18 @@ void LoadCollector::Add(const RequestRecord& r) {
     tpot_.Add((r.end_s - r.first_token_s) / static_cast<double>(r.output_tokens - 1));
   }
   for (double gap : r.itl_s) itl_.Add(gap);
+  if (r.first_token_s >= 0) {
+    last_first_token_s_ = std::max(last_first_token_s_, r.first_token_s);
+    first_ok_end_s_ = first_ok_end_s_ < 0 ? r.end_s : std::min(first_ok_end_s_, r.end_s);
+    double t = r.first_token_s;
+    auto count = [this](double at) {
+      const size_t bin = static_cast<size_t>(std::max(0.0, at) / kTokenBinS);
+      if (bin >= token_bins_.size()) token_bins_.resize(bin + 1, 0);
+      ++token_bins_[bin];
+    };
+    count(t);
+    for (double gap : r.itl_s) count(t += gap);
+  }
 }
 
 LoadCollector::Report LoadCollector::Finish() const {
@@ -128,6 +140,14 @@ LoadCollector::Report LoadCollector::Finish() const {
   r.tpot = tpot_.Summarize();
   r.e2e = e2e_.Summarize();
   r.queue = queue_.Summarize();
+  if (last_first_token_s_ >= 0 && first_ok_end_s_ > last_first_token_s_) {
+    const size_t lo = static_cast<size_t>(last_first_token_s_ / kTokenBinS);
+    const size_t hi = static_cast<size_t>(first_ok_end_s_ / kTokenBinS);
+    uint64_t tokens = 0;
+    for (size_t b = lo; b < hi && b < token_bins_.size(); ++b) tokens += token_bins_[b];
+    r.all_decoding_span_s = static_cast<double>(hi - lo) * kTokenBinS;
+    if (r.all_decoding_span_s > 0) r.all_decoding_tok_s = tokens / r.all_decoding_span_s;
+  }
   return r;
 }
 
@@ -166,6 +186,8 @@ nlohmann::ordered_json ReportJson(const LoadCollector::Report& r,
   j["request_throughput"] = r.request_throughput;
   j["input_throughput"] = r.input_tok_s;
   j["output_throughput"] = r.output_tok_s;
+  j["all_decoding_throughput"] = r.all_decoding_tok_s;
+  j["all_decoding_span_s"] = r.all_decoding_span_s;
   j["total_token_throughput"] = r.total_tok_s;
   const auto put = [&](const char* name, const LatencyStats::Summary& s) {
     j[absl::StrCat("mean_", name, "_ms")] = s.mean * 1e3;
@@ -215,6 +237,8 @@ std::string ReportTable(const LoadCollector::Report& r) {
   line("Request throughput (req/s):", num(r.request_throughput, 2));
   line("Input token throughput (tok/s):", num(r.input_tok_s, 2));
   line("Output token throughput (tok/s):", num(r.output_tok_s, 2));
+  line("All-decoding throughput (tok/s):",
+       num(r.all_decoding_tok_s, 2) + " over " + num(r.all_decoding_span_s, 2) + " s");
   line("Total token throughput (tok/s):", num(r.total_tok_s, 2));
   title("Time to First Token");
   latency("TTFT", r.ttft);

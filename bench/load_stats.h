@@ -76,6 +76,12 @@ class LoadCollector {
     double request_throughput = 0;  // successful requests / duration
     double input_tok_s = 0, output_tok_s = 0, total_tok_s = 0;
     LatencyStats::Summary ttft, itl, tpot, e2e, queue;
+    // Tokens per second while every successful request was decoding at once: tokens received
+    // from the last first token to the first end over those two times (0 when that span is
+    // empty). With a wave of N = concurrency requests this is the decode rate of a batch of N,
+    // free of the prefills around it.
+    double all_decoding_tok_s = 0;
+    double all_decoding_span_s = 0;
   };
   Report Finish() const;
 
@@ -90,6 +96,11 @@ class LoadCollector {
   // TTFT: send -> first token; ITL: token gaps; TPOT: (end - first token) / (tokens - 1) per
   // request with >= 2 tokens; E2E: send -> end; queue: due -> sent (open loop).
   LatencyStats ttft_, itl_, tpot_, e2e_, queue_;
+  // Tokens received per kTokenBinS of the run (bounded: one counter per 10 ms of run time) and
+  // the span in which every successful request was decoding.
+  static constexpr double kTokenBinS = 0.01;
+  std::vector<uint32_t> token_bins_;
+  double last_first_token_s_ = -1, first_ok_end_s_ = -1;
 };
 
 // "OK", "UNAVAILABLE", ...: grpc::StatusCode's name; "CODE_<n>" for an unknown number.

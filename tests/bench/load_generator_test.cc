@@ -277,3 +277,41 @@ TEST(StatusCodeNameTest, NamesGrpcCodes) {
 
 }  // namespace
 }  // namespace tandem::bench
+
+namespace tandem::bench {
+namespace {
+
+// Two requests decoding together from 2.0 s (the later first token) to 3.0 s (the earlier end):
+// a emits 41 tokens 0.05 s apart from 1.0 s (20 of them in [2.0, 3.0)), b 101 tokens 0.01 s
+// apart from 2.0 s (100 in [2.0, 3.0)): 120 tokens in 1 s (10 ms bins: +-2 at the edges).
+TEST(LoadCollectorTest, AllDecodingThroughputCountsTheSpanWhereEveryRequestDecodes) {
+  LoadCollector collector;
+  RequestRecord a;
+  a.send_s = 0.5;
+  a.first_token_s = 1.0;
+  a.output_tokens = 41;
+  a.itl_s.assign(40, 0.05);
+  a.end_s = 3.0 + 1e-9;
+  RequestRecord b;
+  b.send_s = 0.5;
+  b.first_token_s = 2.0 + 1e-9;
+  b.output_tokens = 101;
+  b.itl_s.assign(100, 0.01);
+  b.end_s = 3.5;
+  collector.Add(a);
+  collector.Add(b);
+  const LoadCollector::Report r = collector.Finish();
+  EXPECT_NEAR(r.all_decoding_span_s, 1.0, 1e-9);
+  EXPECT_NEAR(r.all_decoding_tok_s, 120.0, 2.0);
+  // No overlap: nothing to report.
+  LoadCollector apart;
+  b.first_token_s = 3.2;
+  b.itl_s.clear();
+  b.output_tokens = 1;
+  apart.Add(a);
+  apart.Add(b);
+  EXPECT_EQ(apart.Finish().all_decoding_tok_s, 0.0);
+}
+
+}  // namespace
+}  // namespace tandem::bench
