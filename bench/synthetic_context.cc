@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/host_tier.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/random_values.h"
 
 namespace tandem::bench {
@@ -34,7 +36,7 @@ absl::Status AppendPositions(WindowCache& window, int64_t count, int64_t max_chu
 // Offloaded entries for the CPU nodes: K/V rows taken from a random pool at varying offsets,
 // MAW drawn as maw = u · threshold / (1 - share) with u uniform in [0, 1), so that
 // P(maw > threshold) = share exactly in distribution.
-absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
+absl::Status FillRemote(gpu_worker::RemoteKv& remote, const gpu_worker::ModelConfig& c,
                         const SyntheticContextOptions& o, int64_t offloaded) {
   const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t chunk = std::min<int64_t>(o.append_tokens, std::max<int64_t>(offloaded, 1));
@@ -64,9 +66,8 @@ absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
         }
       }
       // Rows [k_row, k_row + Hkv·n) of the pool are [Hkv, n, D] head-major.
-      TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, pool.data() + k_row * D,
-                                                pool.data() + v_row * D, maw.data(), n,
-                                                window_entries));
+      TANDEM_RETURN_IF_ERROR(remote.Append(l, pool.data() + k_row * D, pool.data() + v_row * D,
+                                           maw.data(), n, window_entries));
     }
   }
   return absl::OkStatus();
@@ -74,14 +75,15 @@ absl::Status FillRemote(Sequence& seq, const gpu_worker::ModelConfig& c,
 
 // Page summaries of `offloaded` entries per (layer, kv head), summarised from a random K buffer
 // (the values only steer which pages win; the cost depends on the page count and budget).
-absl::Status FillPageIndex(Backend& backend, Sequence& seq, const gpu_worker::ModelConfig& c,
-                           const SyntheticContextOptions& o, int64_t offloaded) {
+absl::StatusOr<std::unique_ptr<gpu_worker::PageIndex>> FillPageIndex(
+    Backend& backend, const gpu_worker::ModelConfig& c, const SyntheticContextOptions& o,
+    int64_t offloaded) {
   const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
                                             DType::kBF16};
-  TANDEM_ASSIGN_OR_RETURN(gpu_worker::PageIndex index,
+  TANDEM_ASSIGN_OR_RETURN(gpu_worker::PageIndex created,
                           gpu_worker::PageIndex::Create(backend, geometry, o.summary_page_tokens,
                                                         offloaded + o.extra_positions));
-  seq.pages = std::make_unique<gpu_worker::PageIndex>(std::move(index));
+  auto index = std::make_unique<gpu_worker::PageIndex>(std::move(created));
   const int64_t capacity = std::min<int64_t>(CeilTo(offloaded, o.block), 65536);
   const size_t count = static_cast<size_t>(c.num_kv_heads) * capacity * c.head_dim;
   TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer k, backend.Allocate(count * 2));
@@ -91,14 +93,16 @@ absl::Status FillPageIndex(Backend& backend, Sequence& seq, const gpu_worker::Mo
       const int64_t n = std::min(capacity, offloaded - done);
       // Varying start slots so layers and chunks get different summaries.
       const int64_t first = ((l * 7 + done / capacity) * o.block) % (capacity - n + 1);
-      TANDEM_RETURN_IF_ERROR(seq.pages->Append(l, k.data(), capacity, first - first % o.block, n));
+      TANDEM_RETURN_IF_ERROR(index->Append(l, k.data(), capacity, first - first % o.block, n));
       done += n;
     }
   }
-  return backend.Synchronize();
+  TANDEM_RETURN_IF_ERROR(backend.Synchronize());
+  return index;
 }
 
-absl::Status FillHostPages(Backend& backend, Sequence& seq, const gpu_worker::ModelConfig& c,
+absl::Status FillHostPages(Backend& backend, gpu_worker::OffloadedKv& kv,
+                           const gpu_worker::ModelConfig& c,
                            const SyntheticContextOptions& o, int64_t offloaded) {
   const int64_t Hkv = c.num_kv_heads, D = c.head_dim;
   const int64_t chunk = std::min(o.page_tokens, std::max<int64_t>(offloaded, 1));
@@ -110,7 +114,7 @@ absl::Status FillHostPages(Backend& backend, Sequence& seq, const gpu_worker::Mo
   for (int64_t l = 0; l < c.num_layers; ++l) {
     for (int64_t done = 0; done < offloaded; done += chunk) {
       const int64_t n = std::min(chunk, offloaded - done);
-      TANDEM_RETURN_IF_ERROR(seq.offloaded->AppendFromDevice(l, k.data(), v.data(), n));
+      TANDEM_RETURN_IF_ERROR(kv.AppendFromDevice(l, k.data(), v.data(), n));
     }
   }
   return backend.Synchronize();
@@ -181,17 +185,22 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       ro.replan_every_steps = 0;   // the bench re-plans explicitly, outside the timed steps
       ro.selection = o.selection;
       ro.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
-      TANDEM_ASSIGN_OR_RETURN(seq->remote, gpu_worker::RemoteKv::Open(*pool, ro));
-      TANDEM_RETURN_IF_ERROR(FillRemote(*seq, c, o, offloaded));
+      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
+                              gpu_worker::RemoteKv::Open(*pool, ro));
+      TANDEM_RETURN_IF_ERROR(FillRemote(*remote, c, o, offloaded));
+      std::unique_ptr<gpu_worker::PageIndex> pages;
       if (o.selection == gpu_worker::SelectionRule::kPages) {
         seq->selection = o.selection;
         seq->page_policy = o.page_policy;
-        TANDEM_RETURN_IF_ERROR(FillPageIndex(backend, *seq, c, o, offloaded));
+        TANDEM_ASSIGN_OR_RETURN(pages, FillPageIndex(backend, c, o, offloaded));
+        seq->pages = pages.get();
       }
+      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(remote), std::move(pages));
     } else {
-      TANDEM_ASSIGN_OR_RETURN(seq->offloaded,
+      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::OffloadedKv> kv,
                               gpu_worker::OffloadedKv::Create(backend, geometry, o.page_tokens));
-      TANDEM_RETURN_IF_ERROR(FillHostPages(backend, *seq, c, o, offloaded));
+      TANDEM_RETURN_IF_ERROR(FillHostPages(backend, *kv, c, o, offloaded));
+      seq->offload = std::make_unique<gpu_worker::HostTier>(std::move(kv));
     }
   }
   if (recent > 0) TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, recent, o.max_chunk));

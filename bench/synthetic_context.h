@@ -3,9 +3,9 @@
 // would cost minutes of GPU time, and decode speed does not depend on the values).
 //
 //   gpu      every position in the device window (kUnlimited)
-//   offload  sink + recent window on the device, the rest in host pages (OffloadedKv)
+//   offload  sink + recent window on the device, the rest in host pages (a HostTier)
 //   hybrid   sink + recent window on the device, the rest appended to the CPU nodes through
-//            RemoteKv::Append (the real transport), with MAW drawn so that a chosen share of
+//            RemoteKv::Append (the real transport; a NodeTier), with MAW drawn so that a chosen share of
 //            the offloaded entries passes the node's salience threshold β / n_gpu; with
 //            selection = pages, page summaries of random keys on the device instead
 //

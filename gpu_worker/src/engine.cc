@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
+#include "tandem/gpu_worker/host_tier.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/request_validation.h"
 #include "tandem/common/status_macros.h"
 
@@ -224,12 +226,15 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   }
   TANDEM_ASSIGN_OR_RETURN(WindowCache cache, WindowCache::Create(*backend_, geometry, wo));
   auto seq = std::make_unique<Sequence>(id, mode, std::move(cache));
+  // The page summaries belong to the node tier made below; seq->pages views them.
+  std::unique_ptr<PageIndex> pages;
   if (mode == AttentionMode::kHybrid && spec.selection == SelectionRule::kPages) {
     seq->selection = SelectionRule::kPages;
     seq->page_policy = spec.page_policy;
     TANDEM_ASSIGN_OR_RETURN(PageIndex index,
                             PageIndex::Create(*backend_, geometry, options_.page_tokens, 0));
-    seq->pages = std::make_unique<PageIndex>(std::move(index));
+    pages = std::make_unique<PageIndex>(std::move(index));
+    seq->pages = pages.get();
     TANDEM_RETURN_IF_ERROR(ReservePages(*seq, expected_offloaded));
   }
   if (mode == AttentionMode::kHybrid) {
@@ -251,11 +256,13 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     ro.replan_min_gain = options_.replan_min_gain;
     ro.selection = seq->selection;
     ro.page_tokens = static_cast<uint32_t>(options_.page_tokens);
-    TANDEM_ASSIGN_OR_RETURN(seq->remote, RemoteKv::Open(*nodes_, ro));
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(*nodes_, ro));
+    seq->offload = std::make_unique<NodeTier>(std::move(remote), std::move(pages));
   }
   if (mode == AttentionMode::kOffload) {
-    TANDEM_ASSIGN_OR_RETURN(seq->offloaded,
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> kv,
                             OffloadedKv::Create(*backend_, geometry, options_.offload_page_tokens));
+    seq->offload = std::make_unique<HostTier>(std::move(kv));
   }
   return seq;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +25,13 @@ absl::Status AllocFloats(Backend& backend, DeviceBuffer& buffer, int64_t count) 
 
 }  // namespace
 
+ModelRunner::ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options)
+    : backend_(backend),
+      model_(model),
+      options_(options),
+      tiers_(backend, model.config().num_q_heads, options.max_chunk,
+             options.measure_captured_mass) {}
+
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backend,
                                                                  const DeviceModel& model,
                                                                  const RunnerOptions& options) {
@@ -34,31 +42,49 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   if (!(options.maw_alpha > 0.0f && options.maw_alpha <= 1.0f)) {
     return absl::InvalidArgumentError("MAW alpha must be in (0, 1]");
   }
+  if (options.micro_batches != 1 && options.micro_batches != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro_batches must be 1 or 2, got ", options.micro_batches));
+  }
   auto runner = std::unique_ptr<ModelRunner>(new ModelRunner(backend, model, options));
   const ModelConfig& c = model.config();
   const int64_t C = options.max_chunk, H = c.hidden_size, D = c.head_dim;
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
-  ModelRunner& r = *runner;
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.x_, C * H));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.xn_, C * H));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.qkv_, C * (Hq + 2 * Hkv) * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.attn_, C * Hq * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.lse_, C * Hq));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.cpu_o_, C * Hq * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.cpu_lse_, C * Hq));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.gate_up_, C * 2 * I));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.ffn_, C * I));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.ids_, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.positions_, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.slots_, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.targets_, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.logprobs_, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, r.logits_, c.vocab_size));
-  r.logits_rows_ = 1;
-  r.q_host_.resize(C * Hq * D);
-  r.o_host_.resize(C * Hq * D);
-  r.lse_host_.resize(C * Hq);
+  Activations& a = runner->act_;
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.x, C * H));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.xn, C * H));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.qkv, C * (Hq + 2 * Hkv) * D));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.attn, C * Hq * D));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.lse, C * Hq));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.part_o, C * Hq * D));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.part_lse, C * Hq));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.gate_up, C * 2 * I));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.ffn, C * I));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.ids, C));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.positions, C));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.slots, C));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.targets, C));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.logprobs, C));
+  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, runner->logits_, c.vocab_size));
+  runner->logits_rows_ = 1;
+  a.q_host.resize(C * Hq * D);
+  a.o_host.resize(C * Hq * D);
+  a.lse_host.resize(C * Hq);
   return runner;
+}
+
+absl::Status ModelRunner::SetMicroBatches(int micro_batches) {
+  if (micro_batches != 1 && micro_batches != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("micro_batches must be 1 or 2, got ", micro_batches));
+  }
+  options_.micro_batches = micro_batches;
+  return absl::OkStatus();
+}
+
+void ModelRunner::ResetProfile() {
+  profile_ = {};
+  tiers_.profile() = {};
 }
 
 absl::Status ModelRunner::Forward(Sequence& sequence, const int32_t* ids, int64_t n,
@@ -69,7 +95,11 @@ absl::Status ModelRunner::Forward(Sequence& sequence, const int32_t* ids, int64_
   }
   for (int64_t done = 0; done < n;) {
     const int64_t count = std::min(options_.max_chunk, n - done);
-    TANDEM_RETURN_IF_ERROR(ForwardPass({{&sequence, ids + done, count, 0}},
+    Segment segment;
+    segment.seq = &sequence;
+    segment.ids = ids + done;
+    segment.n = count;
+    TANDEM_RETURN_IF_ERROR(ForwardPass({segment},
                                        options.targets ? options.targets + done : nullptr,
                                        options.logprobs ? options.logprobs + done : nullptr));
     done += count;
@@ -90,7 +120,12 @@ absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries) {
     for (size_t j = 0; j < b; ++j) {
       if (entries[j].seq == e.seq) return absl::InvalidArgumentError("a batch repeats a sequence");
     }
-    segments.push_back({e.seq, e.ids, e.n, rows});
+    Segment segment;
+    segment.seq = e.seq;
+    segment.ids = e.ids;
+    segment.n = e.n;
+    segment.entry = b;
+    segments.push_back(segment);
     rows += e.n;
   }
   if (rows > options_.max_chunk) {
@@ -98,7 +133,7 @@ absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries) {
                                                    " tokens; the runner takes at most ",
                                                    options_.max_chunk));
   }
-  return ForwardPass(segments, nullptr, nullptr);
+  return ForwardPass(std::move(segments), nullptr, nullptr);
 }
 
 absl::Status ModelRunner::Decode(const std::vector<Sequence*>& seqs, const int32_t* ids) {
@@ -111,40 +146,76 @@ absl::Status ModelRunner::Decode(const std::vector<Sequence*>& seqs, const int32
   return Step(entries);
 }
 
-absl::Status ModelRunner::EnsureStreamer(const std::vector<Segment>& segments) {
-  std::vector<const OffloadedKv*> kvs;
-  bool any = false;
-  for (const Segment& s : segments) {
-    const OffloadedKv* kv =
-        s.seq->mode == AttentionMode::kOffload ? s.seq->offloaded.get() : nullptr;
-    if (kv != nullptr && kv->num_pages(0) == 0) kv = nullptr;
-    any = any || kv != nullptr;
-    kvs.push_back(kv);
+std::vector<ModelRunner::MicroBatch> ModelRunner::Split(std::vector<Segment>& segments) const {
+  // Off-device work of each segment: its rows times its tier's work per row.
+  std::vector<double> work(segments.size(), 0.0);
+  size_t off_device = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (s.attends) work[i] = s.seq->offload->off_device_work() * static_cast<double>(s.n);
+    if (work[i] > 0) ++off_device;
   }
-  if (!any) return streamer_ ? streamer_->Begin(kvs) : absl::OkStatus();
-  const OffloadedKv* first = nullptr;
-  for (const OffloadedKv* kv : kvs) first = first ? first : kv;
-  for (const OffloadedKv* kv : kvs) {
-    if (kv != nullptr && kv->page_tokens() != first->page_tokens()) {
-      return absl::InvalidArgumentError("offload sequences of one pass must share a page size");
+  std::vector<int> side(segments.size(), 0);
+  double share = options_.split_min_scan_share;
+  if (share < 0) {
+    share = backend_.name() == "cpu" ? std::numeric_limits<double>::infinity() : 1.0 / 64;
+  }
+  const double total = std::accumulate(work.begin(), work.end(), 0.0);
+  const bool split = options_.micro_batches >= 2 && off_device >= 2 &&
+                     total >= share * static_cast<double>(model_.weight_bytes()) &&
+                     total >= options_.split_min_scan_bytes;
+  if (split) {
+    // Longest processing time first: each segment with CPU work joins the micro-batch with
+    // less so far.
+    std::vector<size_t> order(segments.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return work[a] > work[b]; });
+    double load[2] = {0.0, 0.0};
+    for (size_t i : order) {
+      if (work[i] <= 0) continue;
+      side[i] = load[1] < load[0] ? 1 : 0;
+      load[side[i]] += work[i];
+    }
+    // Device-only segments join the micro-batch with less CPU work: their device time then
+    // hides the other one's larger CPU time.
+    const int lighter = load[1] < load[0] ? 1 : 0;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      if (work[i] <= 0) side[i] = lighter;
     }
   }
-  if (streamer_ == nullptr) {
-    TANDEM_ASSIGN_OR_RETURN(
-        streamer_, KvStreamer::Create(backend_, first->geometry(), first->page_tokens(),
-                                      model_.config().num_q_heads, options_.max_chunk));
+  // Micro-batch 0's segments first, each side in entry order; rows follow that order.
+  std::vector<Segment> ordered;
+  std::vector<MicroBatch> batches;
+  int64_t row = 0;
+  for (int m = 0; m < (split ? 2 : 1); ++m) {
+    MicroBatch mb;
+    mb.first = ordered.size();
+    mb.row0 = row;
+    for (size_t i = 0; i < segments.size(); ++i) {
+      if (side[i] != m) continue;
+      ordered.push_back(segments[i]);
+      ordered.back().row0 = row;
+      row += segments[i].n;
+    }
+    mb.count = ordered.size() - mb.first;
+    mb.rows = row - mb.row0;
+    batches.push_back(mb);
   }
-  return streamer_->Begin(kvs);
+  segments = std::move(ordered);
+  return batches;
 }
 
-absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
-                                      const int32_t* targets, float* logprobs) {
+absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32_t* targets,
+                                      float* logprobs) {
+  const Clock::time_point start = Clock::now();
   const ModelConfig& c = model_.config();
-  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
-  const int64_t I = c.intermediate_size, V = c.vocab_size;
-  const int64_t QKV = (Hq + 2 * Hkv) * D;
+  for (Segment& s : segments) {
+    s.attends = s.seq->offload != nullptr && s.seq->offload->offloaded_tokens() > 0;
+  }
+  const std::vector<MicroBatch> batches = Split(segments);
 
-  // Rows, positions and window slots of every segment, stacked.
+  // Rows, positions and window slots of every segment, stacked in pass order.
   int64_t n = 0;
   ids_host_.clear();
   positions_host_.clear();
@@ -160,99 +231,204 @@ absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
     s.seq->tokens.insert(s.seq->tokens.end(), s.ids, s.ids + s.n);
     n += s.n;
   }
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(ids_.data(), ids_host_.data(), n * 4));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(positions_.data(), positions_host_.data(), n * 4));
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(slots_.data(), slots_host_.data(), n * 4));
-  TANDEM_RETURN_IF_ERROR(EnsureStreamer(segments));
-
-  float* x = x_.as<float>();
-  float* xn = xn_.as<float>();
-  float* qkv = qkv_.as<float>();
-  TANDEM_RETURN_IF_ERROR(backend_.Embed({ids_.as<int32_t>(), model_.embed().data(),
-                                         model_.embed().dtype, x, n, H, V}));
-  for (int64_t l = 0; l < c.num_layers; ++l) {
-    const DeviceLayer& w = model_.layer(l);
-    TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
-        {x, w.attn_norm.data(), w.attn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
-    MatMulParams mm;
-    mm.x = xn;
-    mm.w = w.qkv.data();
-    mm.w_dtype = w.qkv.dtype;
-    mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
-    mm.y = qkv;
-    mm.m = n;
-    mm.n = QKV;
-    mm.k = H;
-    TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
-    RopeParams rope;
-    rope.row_stride = QKV;
-    rope.positions = positions_.as<int32_t>();
-    rope.inv_freq = model_.inv_freq();
-    rope.num_tokens = n;
-    rope.head_dim = D;
-    rope.x = qkv;
-    rope.num_heads = Hq;
-    TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
-    rope.x = qkv + Hq * D;
-    rope.num_heads = Hkv;
-    TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
-    for (const Segment& s : segments) {
-      WriteKvParams wk;
-      wk.k = qkv + s.row0 * QKV + Hq * D;
-      wk.v = qkv + s.row0 * QKV + (Hq + Hkv) * D;
-      wk.row_stride = QKV;
-      wk.slots = slots_.as<int32_t>() + s.row0;
-      wk.k_cache = s.seq->window.k(l);
-      wk.v_cache = s.seq->window.v(l);
-      wk.cache_dtype = s.seq->window.geometry().dtype;
-      wk.num_tokens = s.n;
-      wk.num_kv_heads = Hkv;
-      wk.capacity = s.seq->window.capacity();
-      wk.head_dim = D;
-      TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
-    }
-
-    TANDEM_RETURN_IF_ERROR(Attention(segments, l));
-
-    mm = {};
-    mm.x = attn_.as<float>();
-    mm.w = w.o_proj.data();
-    mm.w_dtype = w.o_proj.dtype;
-    mm.y = x;
-    mm.m = n;
-    mm.n = H;
-    mm.k = Hq * D;
-    mm.accumulate = true;   // the residual add
-    TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
-    TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
-        {x, w.ffn_norm.data(), w.ffn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
-    mm = {};
-    mm.x = xn;
-    mm.w = w.gate_up.data();
-    mm.w_dtype = w.gate_up.dtype;
-    mm.y = gate_up_.as<float>();
-    mm.m = n;
-    mm.n = 2 * I;
-    mm.k = H;
-    TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
-    TANDEM_RETURN_IF_ERROR(backend_.SwiGlu({gate_up_.as<float>(), ffn_.as<float>(), n, I}));
-    mm = {};
-    mm.x = ffn_.as<float>();
-    mm.w = w.down_proj.data();
-    mm.w_dtype = w.down_proj.dtype;
-    mm.y = x;
-    mm.m = n;
-    mm.n = H;
-    mm.k = I;
-    mm.accumulate = true;
-    TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.ids.data(), ids_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(
+      backend_.CopyToDevice(act_.positions.data(), positions_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.slots.data(), slots_host_.data(), n * 4));
+  tiers_.BeginPass(segments.size());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    if (segments[i].attends) TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->BeginPass(tiers_, i));
   }
+  TANDEM_RETURN_IF_ERROR(tiers_.StartStreams());
 
+  TANDEM_RETURN_IF_ERROR(backend_.Embed({act_.ids.as<int32_t>(), model_.embed().data(),
+                                         model_.embed().dtype, act_.x.as<float>(), n,
+                                         c.hidden_size, c.vocab_size}));
+  absl::Status status = Layers(segments, batches);
+  if (status.ok()) status = Logits(segments, n, targets, logprobs);
+  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
+    segments[i].seq->reselect_pending = false;
+    status = Evict(*segments[i].seq);
+  }
+  static_cast<OffloadProfile&>(profile_) = tiers_.profile();
+  profile_.pass_s += Seconds(start);
+  ++profile_.passes;
+  if (batches.size() > 1) ++profile_.split_passes;
+  return status;
+}
+
+absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
+                                 const std::vector<MicroBatch>& batches) {
+  attends_.assign(segments.size(), AttendRows{});
+  started_.assign(segments.size(), 0);
+  const int64_t layers = model_.config().num_layers;
+  absl::Status status;
+  // One micro-batch: head(0) tail(0) head(1) tail(1) ... Two: both heads of layer 0, then
+  // tail(A,l) head(A,l+1) tail(B,l) head(B,l+1): while the host waits for A's CPU nodes in
+  // tail(A,l), the device still runs B's head; while B's nodes attend, A's tail and next head.
+  for (size_t m = 0; m < batches.size() && status.ok(); ++m) {
+    status = LayerHead(segments, batches[m], 0);
+  }
+  for (int64_t l = 0; l < layers && status.ok(); ++l) {
+    for (size_t m = 0; m < batches.size() && status.ok(); ++m) {
+      status = LayerTail(segments, batches[m], l);
+      if (status.ok() && l + 1 < layers) status = LayerHead(segments, batches[m], l + 1);
+    }
+  }
+  if (!status.ok()) {   // no attend outlives the pass
+    for (size_t i = 0; i < segments.size(); ++i) {
+      if (started_[i]) segments[i].seq->offload->CancelAttend(tiers_, attends_[i]);
+      started_[i] = 0;
+    }
+  }
+  return status;
+}
+
+absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroBatch& mb,
+                                    int64_t layer) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  const int64_t QKV = (Hq + 2 * Hkv) * D;
+  const int64_t n = mb.rows;
+  float* x = act_.x.as<float>() + mb.row0 * H;
+  float* xn = act_.xn.as<float>() + mb.row0 * H;
+  float* qkv = act_.qkv.as<float>() + mb.row0 * QKV;
+  const DeviceLayer& w = model_.layer(layer);
+  TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
+      {x, w.attn_norm.data(), w.attn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
+  MatMulParams mm;
+  mm.x = xn;
+  mm.w = w.qkv.data();
+  mm.w_dtype = w.qkv.dtype;
+  mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
+  mm.y = qkv;
+  mm.m = n;
+  mm.n = QKV;
+  mm.k = H;
+  TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  RopeParams rope;
+  rope.row_stride = QKV;
+  rope.positions = act_.positions.as<int32_t>() + mb.row0;
+  rope.inv_freq = model_.inv_freq();
+  rope.num_tokens = n;
+  rope.head_dim = D;
+  rope.x = qkv;
+  rope.num_heads = Hq;
+  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+  rope.x = qkv + Hq * D;
+  rope.num_heads = Hkv;
+  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+  const size_t end = mb.first + mb.count;
+  for (size_t i = mb.first; i < end; ++i) {
+    const Segment& s = segments[i];
+    const float* rows = act_.qkv.as<float>() + s.row0 * QKV;
+    WriteKvParams wk;
+    wk.k = rows + Hq * D;
+    wk.v = rows + (Hq + Hkv) * D;
+    wk.row_stride = QKV;
+    wk.slots = act_.slots.as<int32_t>() + s.row0;
+    wk.k_cache = s.seq->window.k(layer);
+    wk.v_cache = s.seq->window.v(layer);
+    wk.cache_dtype = s.seq->window.geometry().dtype;
+    wk.num_tokens = s.n;
+    wk.num_kv_heads = Hkv;
+    wk.capacity = s.seq->window.capacity();
+    wk.head_dim = D;
+    TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
+  }
+  // The tiers start first (q goes to the CPU nodes) so that they work while the device
+  // attends over the windows.
+  for (size_t i = mb.first; i < end; ++i) {
+    if (!segments[i].attends) continue;
+    attends_[i] = AttendRowsOf(segments[i], i, layer);
+    TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->StartAttend(tiers_, attends_[i]));
+    started_[i] = 1;
+  }
+  for (size_t i = mb.first; i < end; ++i) {
+    TANDEM_RETURN_IF_ERROR(backend_.WindowAttention(
+        segments[i].attends ? attends_[i].window : WindowParams(segments[i], layer)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroBatch& mb,
+                                    int64_t layer) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads;
+  const int64_t I = c.intermediate_size;
+  const int64_t n = mb.rows;
+  // Every started attend is finished (or, after an error, cancelled) before returning.
+  absl::Status status;
+  for (size_t i = mb.first; i < mb.first + mb.count; ++i) {
+    if (!started_[i]) continue;
+    started_[i] = 0;
+    OffloadTier& tier = *segments[i].seq->offload;
+    if (!status.ok()) {
+      tier.CancelAttend(tiers_, attends_[i]);
+      continue;
+    }
+    absl::StatusOr<bool> degraded = tier.FinishAttend(tiers_, attends_[i]);
+    if (!degraded.ok()) {
+      status = degraded.status();
+    } else if (*degraded) {
+      ++segments[i].seq->degraded_steps;
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(status);
+
+  float* x = act_.x.as<float>() + mb.row0 * H;
+  float* xn = act_.xn.as<float>() + mb.row0 * H;
+  float* gate_up = act_.gate_up.as<float>() + mb.row0 * 2 * I;
+  float* ffn = act_.ffn.as<float>() + mb.row0 * I;
+  const DeviceLayer& w = model_.layer(layer);
+  MatMulParams mm;
+  mm.x = act_.attn.as<float>() + mb.row0 * Hq * D;
+  mm.w = w.o_proj.data();
+  mm.w_dtype = w.o_proj.dtype;
+  mm.y = x;
+  mm.m = n;
+  mm.n = H;
+  mm.k = Hq * D;
+  mm.accumulate = true;   // the residual add
+  TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
+      {x, w.ffn_norm.data(), w.ffn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
+  mm = {};
+  mm.x = xn;
+  mm.w = w.gate_up.data();
+  mm.w_dtype = w.gate_up.dtype;
+  mm.y = gate_up;
+  mm.m = n;
+  mm.n = 2 * I;
+  mm.k = H;
+  TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  TANDEM_RETURN_IF_ERROR(backend_.SwiGlu({gate_up, ffn, n, I}));
+  mm = {};
+  mm.x = ffn;
+  mm.w = w.down_proj.data();
+  mm.w_dtype = w.down_proj.dtype;
+  mm.y = x;
+  mm.m = n;
+  mm.n = H;
+  mm.k = I;
+  mm.accumulate = true;
+  return backend_.MatMul(mm);
+}
+
+absl::Status ModelRunner::Logits(const std::vector<Segment>& segments, int64_t n,
+                                 const int32_t* targets, float* logprobs) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const float* x = act_.x.as<float>();
+  float* xn = act_.xn.as<float>();
   // Logits: every row when log-probs are wanted (one segment); else the last row of each
-  // segment, gathered into contiguous rows unless they already are (one segment, or decode).
-  const bool contiguous = segments.size() == 1 || n == static_cast<int64_t>(segments.size());
-  const int64_t rows = targets != nullptr ? n : (contiguous ? (segments.size() == 1 ? 1 : n)
-                                                            : static_cast<int64_t>(segments.size()));
+  // segment by entry, gathered into contiguous rows unless they already are (one segment, or
+  // decode rows in entry order).
+  bool in_entry_order = true;
+  for (size_t i = 0; i < segments.size(); ++i) in_entry_order &= segments[i].entry == i;
+  const int64_t count = static_cast<int64_t>(segments.size());
+  const bool contiguous = count == 1 || (n == count && in_entry_order);
+  const int64_t rows = targets != nullptr ? n : (contiguous ? (count == 1 ? 1 : n) : count);
   if (rows > logits_rows_) {
     TANDEM_RETURN_IF_ERROR(AllocFloats(backend_, logits_, options_.max_chunk * V));
     logits_rows_ = options_.max_chunk;
@@ -262,9 +438,8 @@ absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
     if (last_rows_.bytes() == 0) {
       TANDEM_RETURN_IF_ERROR(AllocFloats(backend_, last_rows_, options_.max_chunk * H));
     }
-    for (size_t b = 0; b < segments.size(); ++b) {
-      const Segment& s = segments[b];
-      TANDEM_RETURN_IF_ERROR(backend_.CopyOnDevice(last_rows_.as<float>() + b * H,
+    for (const Segment& s : segments) {
+      TANDEM_RETURN_IF_ERROR(backend_.CopyOnDevice(last_rows_.as<float>() + s.entry * H,
                                                    x + (s.row0 + s.n - 1) * H, H * 4));
     }
     head_in = last_rows_.as<float>();
@@ -282,22 +457,16 @@ absl::Status ModelRunner::ForwardPass(const std::vector<Segment>& segments,
   head.k = H;
   TANDEM_RETURN_IF_ERROR(backend_.MatMul(head));
   last_logits_ = logits_.as<float>() + (rows - 1) * V;
-  if (targets != nullptr) {
-    std::vector<int32_t> safe(targets, targets + n);
-    for (int32_t& t : safe) t = (t >= 0 && t < V) ? t : 0;
-    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(targets_.data(), safe.data(), n * 4));
-    TANDEM_RETURN_IF_ERROR(backend_.TokenLogProbs(
-        {logits_.as<float>(), targets_.as<int32_t>(), logprobs_.as<float>(), n, V}));
-    TANDEM_RETURN_IF_ERROR(backend_.CopyToHost(logprobs, logprobs_.data(), n * 4));
-    for (int64_t i = 0; i < n; ++i) {
-      if (targets[i] < 0 || targets[i] >= V) logprobs[i] = 0.0f;
-    }
+  if (targets == nullptr) return absl::OkStatus();
+  std::vector<int32_t> safe(targets, targets + n);
+  for (int32_t& t : safe) t = (t >= 0 && t < V) ? t : 0;
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.targets.data(), safe.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(backend_.TokenLogProbs(
+      {logits_.as<float>(), act_.targets.as<int32_t>(), act_.logprobs.as<float>(), n, V}));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToHost(logprobs, act_.logprobs.data(), n * 4));
+  for (int64_t i = 0; i < n; ++i) {
+    if (targets[i] < 0 || targets[i] >= V) logprobs[i] = 0.0f;
   }
-  for (const Segment& s : segments) {
-    s.seq->reselect_pending = false;
-    TANDEM_RETURN_IF_ERROR(Evict(*s.seq));
-  }
-  ++profile_.passes;
   return absl::OkStatus();
 }
 
@@ -306,9 +475,9 @@ WindowAttentionParams ModelRunner::WindowParams(const Segment& s, int64_t layer)
   const int64_t D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
   const int64_t QKV = (Hq + 2 * Hkv) * D;
   WindowAttentionParams wa;
-  wa.q = qkv_.as<float>() + s.row0 * QKV;
+  wa.q = act_.qkv.as<float>() + s.row0 * QKV;
   wa.q_row_stride = QKV;
-  wa.q_pos = positions_.as<int32_t>() + s.row0;
+  wa.q_pos = act_.positions.as<int32_t>() + s.row0;
   wa.k_cache = s.seq->window.k(layer);
   wa.v_cache = s.seq->window.v(layer);
   wa.cache_dtype = s.seq->window.geometry().dtype;
@@ -320,201 +489,40 @@ WindowAttentionParams ModelRunner::WindowParams(const Segment& s, int64_t layer)
   wa.num_kv_heads = Hkv;
   wa.head_dim = D;
   wa.scale = 1.0f / std::sqrt(static_cast<float>(D));
-  wa.o = attn_.as<float>() + s.row0 * Hq * D;
-  wa.lse = lse_.as<float>() + s.row0 * Hq;
-  if (s.seq->mode == AttentionMode::kHybrid) {   // MAW matters only where entries get selected
+  wa.o = act_.attn.as<float>() + s.row0 * Hq * D;
+  wa.lse = act_.lse.as<float>() + s.row0 * Hq;
+  if (s.seq->offload != nullptr && s.seq->offload->wants_maw()) {
     wa.maw = s.seq->window.maw(layer);
     wa.alpha = options_.maw_alpha;
   }
   return wa;
 }
 
-absl::Status ModelRunner::Attention(const std::vector<Segment>& segments, int64_t layer) {
-  const ModelConfig& c = model_.config();
-  const int64_t D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
-  const int64_t QKV = (Hq + 2 * Hkv) * D;
-  auto remote_of = [](const Segment& s) {
-    return s.seq->mode == AttentionMode::kHybrid && s.seq->remote != nullptr &&
-           s.seq->remote->offloaded_tokens() > 0;
-  };
-  // 1. q of every hybrid segment to its CPU nodes (with the pages chosen for it under
-  // selection = pages); they attend while the device works.
-  std::vector<bool> started(segments.size(), false);
-  std::vector<bool> paged(segments.size(), false);   // attended over chosen pages this layer
-  if (page_selection_.size() < segments.size()) {   // sized up front: StartAttend keeps pointers
-    page_selection_.resize(segments.size());
-    page_ids_host_.resize(segments.size());
-  }
-  absl::Status status;
-  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
-    const Segment& s = segments[i];
-    if (!remote_of(s)) continue;
-    float* q_host = q_host_.data() + s.row0 * Hq * D;
-    const Clock::time_point t0 = Clock::now();
-    status = backend_.CopyToHost2D(q_host, Hq * D * 4, qkv_.as<float>() + s.row0 * QKV, QKV * 4,
-                                   Hq * D * 4, s.n);
-    profile_.q_download_s += Seconds(t0);
-    const bool pages = s.seq->selection == SelectionRule::kPages;
-    // (A no-op for kPages sessions: their pages are chosen with every step's queries.)
-    if (status.ok() && s.seq->reselect_pending) {
-      status = s.seq->remote->Reselect(layer, q_host, s.n, s.seq->reselect_beta);
-    }
-    absl::StatusOr<const PageSelection*> chosen = nullptr;
-    if (status.ok() && pages) {
-      const Clock::time_point t1 = Clock::now();
-      chosen = ChoosePages(s, i, layer);
-      profile_.select_s += Seconds(t1);
-      status = chosen.status();
-    }
-    if (status.ok()) status = s.seq->remote->StartAttend(layer, q_host, s.n, *chosen);
-    started[i] = status.ok();
-    paged[i] = status.ok() && *chosen != nullptr;
-  }
-  // 2. The window of every segment on the device; offload segments stream their host pages.
-  for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
-    const WindowAttentionParams wa = WindowParams(segments[i], layer);
-    status = backend_.WindowAttention(wa);
-    if (status.ok() && segments[i].seq->mode == AttentionMode::kOffload && streamer_ != nullptr) {
-      status = streamer_->AttendLayer(layer, i, wa);
-    }
-  }
-  // 3. Join every CPU part (always, even after an error, so no call outlives this step), merge.
-  for (size_t i = 0; i < segments.size(); ++i) {
-    if (!started[i]) continue;
-    const Segment& s = segments[i];
-    float* o_host = o_host_.data() + s.row0 * Hq * D;
-    float* lse_host = lse_host_.data() + s.row0 * Hq;
-    const Clock::time_point t0 = Clock::now();
-    absl::StatusOr<bool> degraded = s.seq->remote->FinishAttend(o_host, lse_host);
-    profile_.cpu_wait_s += Seconds(t0);
-    if (!status.ok()) continue;
-    if (!degraded.ok()) {
-      status = degraded.status();
-      continue;
-    }
-    if (*degraded) ++s.seq->degraded_steps;
-    if (options_.measure_captured_mass && s.seq->selection == SelectionRule::kPages) {
-      status = MeasureCapturedMass(s, layer, paged[i], lse_host);
-      if (!status.ok()) continue;
-    }
-    const Clock::time_point t1 = Clock::now();
-    float* cpu_o = cpu_o_.as<float>() + s.row0 * Hq * D;
-    float* cpu_lse = cpu_lse_.as<float>() + s.row0 * Hq;
-    status = backend_.CopyToDevice(cpu_o, o_host, s.n * Hq * D * 4);
-    if (status.ok()) status = backend_.CopyToDevice(cpu_lse, lse_host, s.n * Hq * 4);
-    if (status.ok()) {
-      status = backend_.MergeStates({attn_.as<float>() + s.row0 * Hq * D,
-                                     lse_.as<float>() + s.row0 * Hq, cpu_o, cpu_lse, s.n * Hq,
-                                     D});
-    }
-    profile_.merge_upload_s += Seconds(t1);
-  }
-  return status;
-}
-
-absl::Status ModelRunner::MeasureCapturedMass(const Segment& s, int64_t layer, bool paged,
-                                              const float* selected_lse) {
-  const int64_t Hq = model_.config().num_q_heads, D = model_.config().head_dim;
-  CapturedMass& mass = s.seq->captured_mass;
-  if (mass.sum.empty()) {
-    mass.sum.assign(model_.config().num_layers, 0.0);
-    mass.count.assign(model_.config().num_layers, 0);
-  }
-  if (!paged) {   // everything was attended: all of the mass
-    mass.sum[layer] += static_cast<double>(s.n * Hq);
-    mass.count[layer] += static_cast<uint64_t>(s.n * Hq);
-    return absl::OkStatus();
-  }
-  // The same queries over every offloaded entry: the denominator of the captured share.
-  dense_o_host_.resize(static_cast<size_t>(s.n) * Hq * D);
-  dense_lse_host_.resize(static_cast<size_t>(s.n) * Hq);
-  TANDEM_RETURN_IF_ERROR(
-      s.seq->remote->StartAttend(layer, q_host_.data() + s.row0 * Hq * D, s.n, nullptr));
-  TANDEM_ASSIGN_OR_RETURN(const bool degraded,
-                          s.seq->remote->FinishAttend(dense_o_host_.data(), dense_lse_host_.data()));
-  if (degraded) return absl::OkStatus();   // nothing to compare against this step
-  for (int64_t r = 0; r < s.n * Hq; ++r) {
-    if (!std::isfinite(dense_lse_host_[r])) continue;
-    const double share = std::isfinite(selected_lse[r])
-                             ? std::exp(static_cast<double>(selected_lse[r]) - dense_lse_host_[r])
-                             : 0.0;
-    mass.sum[layer] += std::min(share, 1.0);
-    mass.count[layer] += 1;
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<const PageSelection*> ModelRunner::ChoosePages(const Segment& s, size_t index,
-                                                              int64_t layer) {
-  const ModelConfig& c = model_.config();
-  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads;
-  const int64_t QKV = (Hq + 2 * Hkv) * c.head_dim;
-  const PageIndex* index_of_seq = s.seq->pages.get();
-  if (index_of_seq == nullptr) {
-    return absl::FailedPreconditionError("pages selection without a page index");
-  }
-  const PagePolicy& policy = s.seq->page_policy;
-  const int64_t num_pages = index_of_seq->num_pages(layer);
-  const int64_t per_head =
-      std::max<int64_t>(1, policy.select_tokens / index_of_seq->page_tokens());
-  // Dense layers and budgets that cover every page attend over everything (exact): no ids.
-  if (layer < policy.dense_layers || per_head >= num_pages) return nullptr;
-
-  const size_t ids = static_cast<size_t>(s.n) * Hkv * per_head;
-  if (selected_pages_.bytes() < ids * 4) {
-    TANDEM_ASSIGN_OR_RETURN(selected_pages_, backend_.Allocate(ids * 4));
-  }
-  // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
-  // (a long prefill chunk over a long context is cut into several calls).
-  const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);
-  const int64_t rows_per_call = std::clamp<int64_t>(
-      static_cast<int64_t>(kMaxSelectScratchBytes / row_bytes), 1, s.n);
-  const size_t scratch = SelectPagesScratchBytes(rows_per_call, Hkv, num_pages);
-  if (select_scratch_.bytes() < scratch) {
-    select_scratch_.Reset();
-    TANDEM_ASSIGN_OR_RETURN(select_scratch_, backend_.Allocate(scratch));
-  }
-  for (int64_t r = 0; r < s.n; r += rows_per_call) {
-    const int64_t rows = std::min(rows_per_call, s.n - r);
-    TANDEM_RETURN_IF_ERROR(index_of_seq->Select(
-        layer, qkv_.as<float>() + (s.row0 + r) * QKV, QKV, rows, Hq, per_head,
-        selected_pages_.as<int32_t>() + r * Hkv * per_head, select_scratch_.data()));
-  }
-  std::vector<int32_t>& host = page_ids_host_[index];
-  host.resize(ids);
-  TANDEM_RETURN_IF_ERROR(backend_.CopyToHost(host.data(), selected_pages_.data(), ids * 4));
-  page_selection_[index] = PageSelection{host.data(), per_head};
-  return &page_selection_[index];
+AttendRows ModelRunner::AttendRowsOf(const Segment& s, size_t index, int64_t layer) {
+  const int64_t D = model_.config().head_dim, Hq = model_.config().num_q_heads;
+  AttendRows a;
+  a.layer = layer;
+  a.window = WindowParams(s, layer);
+  a.q_host = act_.q_host.data() + s.row0 * Hq * D;
+  a.o_host = act_.o_host.data() + s.row0 * Hq * D;
+  a.lse_host = act_.lse_host.data() + s.row0 * Hq;
+  a.part_o = act_.part_o.as<float>() + s.row0 * Hq * D;
+  a.part_lse = act_.part_lse.as<float>() + s.row0 * Hq;
+  a.policy.reselect = s.seq->reselect_pending;
+  a.policy.reselect_beta = s.seq->reselect_beta;
+  a.policy.pages = &s.seq->page_policy;
+  a.policy.captured_mass = &s.seq->captured_mass;
+  a.stream = index;
+  return a;
 }
 
 absl::Status ModelRunner::Evict(Sequence& seq) {
   const std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
   if (blocks.empty()) return absl::OkStatus();
-  const bool offload = seq.mode == AttentionMode::kOffload && seq.offloaded != nullptr;
-  if (seq.remote == nullptr && !offload) {
-    return absl::FailedPreconditionError("window eviction without CPU nodes or host memory");
+  if (seq.offload == nullptr) {
+    return absl::FailedPreconditionError("window eviction without an offload tier");
   }
-  if (seq.pages != nullptr) TANDEM_RETURN_IF_ERROR(seq.pages->AppendEvicted(seq.window, blocks));
-  const WindowGeometry& g = seq.window.geometry();
-  int64_t total = 0;
-  for (const EvictedBlock& b : blocks) total += b.count;
-  const size_t kv_bytes = g.num_kv_heads * total * g.head_dim * DTypeBytes(g.dtype);
-  evict_k_.resize(kv_bytes);
-  evict_v_.resize(kv_bytes);
-  evict_maw_.resize(g.num_kv_heads * total);
-  // n_gpu of the selection threshold: the entries on the device when these leave it.
-  const int64_t window_entries = seq.window.entries();
-  for (int64_t l = 0; l < g.num_layers; ++l) {
-    TANDEM_RETURN_IF_ERROR(
-        seq.window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));
-    if (offload) {
-      TANDEM_RETURN_IF_ERROR(
-          seq.offloaded->Append(l, evict_k_.data(), evict_v_.data(), total));
-    } else {
-      TANDEM_RETURN_IF_ERROR(seq.remote->Append(l, evict_k_.data(), evict_v_.data(),
-                                                evict_maw_.data(), total, window_entries));
-    }
-  }
+  TANDEM_RETURN_IF_ERROR(seq.offload->Append(tiers_, seq.window, blocks));
   return seq.window.Release(blocks);
 }
 

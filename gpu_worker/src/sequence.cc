@@ -16,20 +16,20 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name) {
 }
 
 absl::Status Sequence::ReserveOffloaded(int64_t tokens) {
-  return remote ? remote->Reserve(tokens) : absl::OkStatus();
+  return offload ? offload->Reserve(tokens) : absl::OkStatus();
 }
 
 void Sequence::MaintainOffloaded() {
-  if (remote == nullptr) return;
-  if (absl::Status s = remote->Maintain(); !s.ok()) {
+  if (offload == nullptr) return;
+  if (absl::Status s = offload->Maintain(); !s.ok()) {
     spdlog::warn("session {}: placement: {}", id, std::string(s.message()));
   }
 }
 
-absl::Status Sequence::CloseOffloaded() { return remote ? remote->Close() : absl::OkStatus(); }
+absl::Status Sequence::CloseOffloaded() { return offload ? offload->Close() : absl::OkStatus(); }
 
 std::vector<double> Sequence::MeanSelectedShare() const {
-  return remote ? remote->MeanSelectedShare() : std::vector<double>{};
+  return offload ? offload->MeanSelectedShare() : std::vector<double>{};
 }
 
 std::string_view AttentionModeName(AttentionMode mode) {

@@ -16,8 +16,8 @@
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
-#include "tandem/gpu_worker/offloaded_kv.h"
-#include "tandem/gpu_worker/remote_kv.h"
+#include "tandem/gpu_worker/host_tier.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
@@ -56,14 +56,14 @@ class HybridEquivalence : public testing::Stories260kRunnerTest {
       ro.block_tokens = 16;
       auto remote = RemoteKv::Open(*pool_, ro);
       EXPECT_TRUE(remote.ok()) << remote.status();
-      seq->remote = std::move(*remote);
+      if (remote.ok()) seq->offload = std::make_unique<NodeTier>(std::move(*remote), nullptr);
     }
     if (mode == AttentionMode::kOffload) {
       // Small pages so a few hundred tokens span several pages and the ping-pong slots cycle.
       auto offloaded = OffloadedKv::Create(
           *backend_, {c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32}, 48);
       EXPECT_TRUE(offloaded.ok()) << offloaded.status();
-      seq->offloaded = std::move(*offloaded);
+      if (offloaded.ok()) seq->offload = std::make_unique<HostTier>(std::move(*offloaded));
     }
     return seq;
   }
@@ -156,7 +156,7 @@ TEST_F(HybridEquivalence, OffloadEqualsGpuAtEveryStep) {
   // 351 positions: 4 sink + at most 64 recent on the device, the rest in host pages.
   EXPECT_LE(offload->device_entries(), 4 + 64);
   EXPECT_EQ(offload->offloaded_entries() + offload->device_entries(), 150 + 201);
-  EXPECT_GE(offload->offloaded->num_pages(0), 5);
+  EXPECT_GE(static_cast<const HostTier&>(*offload->offload).kv().num_pages(0), 5);
   std::printf("offload: worst logit difference %.3g, %lld entries in host pages\n", worst,
               static_cast<long long>(offload->offloaded_entries()));
 }

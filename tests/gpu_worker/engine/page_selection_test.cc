@@ -17,6 +17,7 @@
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
@@ -122,6 +123,7 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
     ro.head_dim = c.head_dim;
     ro.kv_dtype = DType::kF32;
     ro.block_tokens = 16;
+    std::unique_ptr<PageIndex> pages;
     if (window_only) {
       ro.beta = 1e9f;
     } else {
@@ -131,11 +133,12 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
       seq->page_policy.select_tokens = select_tokens;
       auto index = PageIndex::Create(*backend_, g, kPageTokens, 0);
       EXPECT_TRUE(index.ok()) << index.status();
-      seq->pages = std::make_unique<PageIndex>(std::move(*index));
+      pages = std::make_unique<PageIndex>(std::move(*index));
+      seq->pages = pages.get();
     }
     auto remote = RemoteKv::Open(*pool_, ro);
     EXPECT_TRUE(remote.ok()) << remote.status();
-    seq->remote = std::move(*remote);
+    if (remote.ok()) seq->offload = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));
     return seq;
   }
 
@@ -202,8 +205,9 @@ TEST_F(PageSelectionRunner, SmallBudgetBringsBackWhatTheWindowLoses) {
   EXPECT_GT(pages_error, 0.0);   // the budget is far from everything: not exact
   // Every layer attended exactly the budget per kv head (all pages are whole).
   const ModelConfig& c = model_->config;
-  ASSERT_EQ(pages->remote->last_selection().size(), static_cast<size_t>(c.num_layers));
-  for (const LayerSelection& layer : pages->remote->last_selection()) {
+  const RemoteKv& remote = static_cast<const NodeTier&>(*pages->offload).remote();
+  ASSERT_EQ(remote.last_selection().size(), static_cast<size_t>(c.num_layers));
+  for (const LayerSelection& layer : remote.last_selection()) {
     EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * c.num_kv_heads));
     EXPECT_EQ(layer.held, static_cast<uint64_t>(pages->offloaded_entries() * c.num_kv_heads));
   }

@@ -40,6 +40,10 @@ class KvStreamer {
   // (layer, sequence) pairs in the order Begin planned.
   absl::Status AttendLayer(int64_t layer, size_t seq, const WindowAttentionParams& base);
 
+  // Drops what is left of the plan (a pass that failed midway). Uploads already queued still
+  // run, in order, before those of the next Begin.
+  void Abandon() { next_ = items_.size(); }
+
   // Bytes uploaded since Create.
   uint64_t uploaded_bytes() const { return uploaded_bytes_; }
 

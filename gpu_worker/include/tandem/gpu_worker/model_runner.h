@@ -1,21 +1,28 @@
-// ModelRunner: the Llama forward pass over the backend, with hybrid and offload attention.
+// ModelRunner: the Llama forward pass over the backend, with the KV beyond each sequence's
+// device window in an offload tier (offload_tier.h).
 //
 // Forward() feeds tokens of one sequence at its next positions in chunks of at most max_chunk
 // tokens (chunked prefill, HeadInfer §2: activation memory is bounded by the chunk, whatever the
-// prompt length). Decode() feeds one token to each of several sequences in one pass (a batch:
-// every weight is read once for all of them). A pass is a list of segments (sequence, tokens)
-// whose rows are stacked; per layer:
-//   x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> each sequence's window slots
-//   hybrid: q -> CPU nodes (Attend over the offloaded, selected entries) in the background;
-//   with selection = pages the device first scores the layer's page summaries against q and
-//   the chosen page ids travel with q (PageIndex::Select)
-//   (O, LSE) = window attention per segment (causal by position; MAW update in hybrid mode)
-//   hybrid: merge the CPU partial state into (O, LSE) (the exact LSE merge)
-//   offload: attend over the host pages streamed in by the KvStreamer, merge the same way
-//   x += O·Woᵀ; x += down(SwiGLU(RMSNorm(x)·Wgate_upᵀ))
+// prompt length). Step() feeds several sequences in one pass (continuous batching: decode
+// tokens and prefill chunks of sequences in any mode; every weight is read once for all of
+// them). A pass is a list of segments (sequence, tokens) whose rows are stacked; per layer:
+//   head:  x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> each sequence's window slots;
+//          each tier starts its attention over the offloaded KV (CPU nodes: q goes out);
+//          (O, LSE) = window attention per segment (causal by position; MAW when the tier
+//          wants it) is queued on the device
+//   tail:  each tier merges its partial state into (O, LSE) (the exact LSE merge);
+//          x += O·Woᵀ; x += down(SwiGLU(RMSNorm(x)·Wgate_upᵀ))
 // then the final norm and lm_head, and the eviction of window blocks beyond the window to the
-// CPU nodes (hybrid, with their MAW; their page summaries first under selection = pages) or to
-// host memory (offload).
+// sequence's tier.
+//
+// Ping-pong (DESIGN "One decode step, one layer"; NEO): when two or more segments have work
+// off the device (OffloadTier::off_device_work: CPU nodes) and it outweighs what a split adds
+// (RunnerOptions::split_min_scan_share), the pass is split into two micro-batches, balanced by
+// that work, that alternate per layer:
+//   head(A,0) head(B,0) | tail(A,l) head(A,l+1) tail(B,l) head(B,l+1) | ...
+// so the device computes one micro-batch while the CPU nodes attend for the other, and a
+// layer costs about max(device, CPU) instead of their sum. Each micro-batch is a contiguous row
+// range of the pass's activations (no extra memory); the results equal the unsplit pass.
 //
 // Not thread-safe: the engine's executor thread owns the runner, its backend and sequences.
 #pragma once
@@ -28,8 +35,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
-#include "tandem/gpu_worker/kv_streamer.h"
-#include "tandem/gpu_worker/page_selection.h"
+#include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
@@ -41,6 +47,20 @@ struct RunnerOptions {
   // offloaded entry and record the share of the offloaded softmax mass the chosen pages
   // captured (Sequence::captured_mass). Doubles the nodes' work; off in serving.
   bool measure_captured_mass = false;
+  // 2: split batches with off-device attention of two or more segments into two alternating
+  // micro-batches (ping-pong) where it pays; 1: always one pass over the whole batch.
+  int micro_batches = 2;
+  // When the split pays: it adds about one more read of the weights on the device (each
+  // micro-batch runs every GEMM) and hides up to the CPU nodes' time, so a pass is split when
+  // its off-device scan bytes (OffloadTier::off_device_work) reach split_min_scan_share × the
+  // model's weight bytes, the device-to-CPU scan rate ratio. < 0: by backend: cuda 1/64 (an
+  // H100's ~3.3 TB/s against ~50 GB/s of a host's CPU scan); cpu: never (its "device" computes
+  // on the cores that CPU nodes on this host attend with, so nothing overlaps). 0: always.
+  double split_min_scan_share = -1.0;
+  // And at least this many off-device scan bytes per pass: the split adds a synchronisation
+  // with the device per layer and micro-batch (~10 µs each; 16 MB are ~0.3 ms of CPU scan, 32
+  // layers' worth), which a tiny model's CPU work does not repay.
+  double split_min_scan_bytes = 16e6;
 };
 
 struct ForwardOptions {
@@ -52,19 +72,15 @@ struct ForwardOptions {
   std::function<void(int64_t, int64_t)> on_chunk;
 };
 
-// Where the host thread spent a pass's attention time, summed over layers and passes (for the
-// benchmark's breakdown of a decode step). q_download waits for the device to finish the work
-// queued before the attention (the copy of q synchronises); cpu_wait is time blocked on CPU
-// nodes after the device's window attention was queued; merge_upload copies the CPU partial
-// states back and queues the merge.
-struct RunnerProfile {
-  double q_download_s = 0.0;
-  double cpu_wait_s = 0.0;
-  double merge_upload_s = 0.0;
-  // selection = pages: the page-selection kernels and the download of the chosen page ids
-  // (after q's download, before the CPU nodes can start).
-  double select_s = 0.0;
+// Where the host thread spent the passes' time, summed over passes (a benchmark's breakdown of
+// a step). The offloaded-attention parts (OffloadProfile: q download, page selection, the wait
+// for CPU nodes, merge upload) are summed over layers and sequences. pass_s is the host's time
+// in Step/Forward (the device may still run afterwards); with ping-pong, cpu_wait_s is the
+// part of it the CPU nodes were not hidden behind device work.
+struct RunnerProfile : OffloadProfile {
+  double pass_s = 0.0;
   uint64_t passes = 0;
+  uint64_t split_passes = 0;   // passes run as two micro-batches
 };
 
 class ModelRunner {
@@ -97,65 +113,79 @@ class ModelRunner {
   absl::StatusOr<std::vector<float>> LastLogitsToHost();
 
   const RunnerProfile& profile() const { return profile_; }
-  void ResetProfile() { profile_ = {}; }
+  void ResetProfile();
+
+  // RunnerOptions::micro_batches for the following passes: 1 or 2 (INVALID_ARGUMENT otherwise).
+  absl::Status SetMicroBatches(int micro_batches);
 
   Backend& backend() { return backend_; }
   const DeviceModel& model() const { return model_; }
   const RunnerOptions& options() const { return options_; }
 
  private:
-  ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options)
-      : backend_(backend), model_(model), options_(options) {}
+  ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options);
   // Tokens of one sequence in a pass; its rows are [row0, row0 + n) of the activations.
   struct Segment {
     Sequence* seq = nullptr;
     const int32_t* ids = nullptr;
     int64_t n = 0;
     int64_t row0 = 0;
+    size_t entry = 0;       // its index in Step's entries (its row of batch_logits)
+    bool attends = false;   // it has a tier with offloaded entries
   };
-  // One pass over `segments` (Σ n <= max_chunk). targets/logprobs only with one segment.
-  absl::Status ForwardPass(const std::vector<Segment>& segments, const int32_t* targets,
+  // Segments [first, first + count) of a pass, rows [row0, row0 + rows): one micro-batch.
+  struct MicroBatch {
+    size_t first = 0;
+    size_t count = 0;
+    int64_t row0 = 0;
+    int64_t rows = 0;
+  };
+  // The activations of a pass, max_chunk rows each (device, f32 unless said), and host staging.
+  // A micro-batch uses its own row range of every buffer, so two micro-batches in flight never
+  // share memory.
+  struct Activations {
+    DeviceBuffer x, xn;          // [rows, hidden]
+    DeviceBuffer qkv;            // [rows, (H_q + 2·H_kv)·D]
+    DeviceBuffer attn, part_o;   // [rows, H_q, D]: the merged state; a tier's partial state
+    DeviceBuffer lse, part_lse;  // [rows, H_q]
+    DeviceBuffer gate_up;        // [rows, 2·intermediate]
+    DeviceBuffer ffn;            // [rows, intermediate]
+    DeviceBuffer ids, positions, slots, targets;   // [rows] i32
+    DeviceBuffer logprobs;       // [rows]
+    std::vector<float> q_host, o_host, lse_host;   // host: [rows, H_q, D], .., [rows, H_q]
+  };
+
+  // One pass over `segments` (Σ n <= max_chunk, distinct sequences). targets/logprobs only with
+  // one segment. Segments may be reordered (micro-batches are contiguous).
+  absl::Status ForwardPass(std::vector<Segment> segments, const int32_t* targets,
                            float* logprobs);
-  absl::Status Attention(const std::vector<Segment>& segments, int64_t layer);
+  // Orders `segments` into micro-batches (one, or two balanced by off-device work).
+  std::vector<MicroBatch> Split(std::vector<Segment>& segments) const;
+  absl::Status Layers(std::vector<Segment>& segments, const std::vector<MicroBatch>& batches);
+  // Layer l of one micro-batch up to its queued window attention (the tiers' attends started),
+  // and from the tiers' merge to the end of the FFN.
+  absl::Status LayerHead(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
+  absl::Status LayerTail(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
+  absl::Status Logits(const std::vector<Segment>& segments, int64_t n, const int32_t* targets,
+                      float* logprobs);
   WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
+  AttendRows AttendRowsOf(const Segment& segment, size_t index, int64_t layer);
   absl::Status Evict(Sequence& sequence);
-  // selection = pages: picks the pages of segment `index` for `layer` on the device and
-  // downloads their ids; nullptr when the layer attends over every page (dense layer, or a
-  // budget that covers the whole offloaded KV). Valid until the next pass.
-  absl::StatusOr<const PageSelection*> ChoosePages(const Segment& segment, size_t index,
-                                                   int64_t layer);
-  // RunnerOptions::measure_captured_mass: selected_lse [n, H_q] of the pages just attended.
-  absl::Status MeasureCapturedMass(const Segment& segment, int64_t layer, bool paged,
-                                   const float* selected_lse);
-  // Scores of one SelectPages call stay below this (a prefill chunk over a long context is
-  // split into several calls).
-  static constexpr size_t kMaxSelectScratchBytes = size_t{256} << 20;
-  absl::Status EnsureStreamer(const std::vector<Segment>& segments);
 
   Backend& backend_;
   const DeviceModel& model_;
   RunnerOptions options_;
-
-  // Activations of one chunk (device).
-  DeviceBuffer x_, xn_, qkv_, attn_, lse_, gate_up_, ffn_, cpu_o_, cpu_lse_;
-  DeviceBuffer ids_, positions_, slots_, targets_, logprobs_;
+  TierContext tiers_;
+  Activations act_;
   DeviceBuffer logits_;       // [max_chunk, vocab] once a pass needs more than one row
   DeviceBuffer last_rows_;    // [max_chunk, hidden]: each segment's last row of x, gathered
   int64_t logits_rows_ = 0;
   const float* last_logits_ = nullptr;
-  std::unique_ptr<KvStreamer> streamer_;   // created by the first offload pass
   RunnerProfile profile_;
-  // Host staging.
   std::vector<int32_t> ids_host_, positions_host_, slots_host_;
-  std::vector<float> q_host_, o_host_, lse_host_;
-  std::vector<char> evict_k_, evict_v_;
-  std::vector<float> evict_maw_;
-  // selection = pages: chosen ids on the device [rows, H_kv, per_head], the scores' scratch, and
-  // per segment of the pass the host copy of its ids and the PageSelection naming them.
-  DeviceBuffer selected_pages_, select_scratch_;
-  std::vector<std::vector<int32_t>> page_ids_host_;
-  std::vector<PageSelection> page_selection_;
-  std::vector<float> dense_o_host_, dense_lse_host_;   // measure_captured_mass
+  // Per segment of the pass: its attend of the current layer, and whether one is in flight.
+  std::vector<AttendRows> attends_;
+  std::vector<char> started_;
 };
 
 }  // namespace tandem::gpu_worker

@@ -1,6 +1,7 @@
 // Sequence: the state of one token sequence (a session) on the GPU worker: its window of KV on
-// the device, its offloaded KV on the CPU nodes (hybrid mode), the tokens fed so far and the
-// counters a response reports. Owned by the engine; driven by ModelRunner.
+// the device, the tier that holds the rest (CPU nodes in hybrid mode, pinned host memory in
+// offload mode; none in gpu mode), the tokens fed so far and the counters a response reports.
+// Owned by the engine; driven by ModelRunner.
 #pragma once
 
 #include <cstdint>
@@ -11,20 +12,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "tandem/gpu_worker/offloaded_kv.h"
+#include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/page_selection.h"
-#include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
-
-// Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
-// rows of exp(lse_selected - lse_all), and the rows): RunnerOptions::measure_captured_mass.
-struct CapturedMass {
-  std::vector<double> sum;
-  std::vector<uint64_t> count;
-};
 
 enum class AttentionMode {
   kGpu,     // all KV on the device (the exact baseline)
@@ -43,13 +36,14 @@ struct Sequence {
   std::string id;
   AttentionMode mode;
   WindowCache window;
-  std::unique_ptr<RemoteKv> remote;   // hybrid only
-  std::unique_ptr<OffloadedKv> offloaded;   // offload only
+  // The KV beyond the window: NodeTier (hybrid), HostTier (offload), null (gpu).
+  std::unique_ptr<OffloadTier> offload;
   // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
-  // summaries of their offloaded KV on the device (`pages`) and choose by `page_policy`.
+  // summaries of their offloaded KV on the device and choose by `page_policy`; `pages` views
+  // those summaries (owned by the NodeTier) for the engine's device-memory accounting.
   SelectionRule selection = SelectionRule::kMaw;
   PagePolicy page_policy;
-  std::unique_ptr<PageIndex> pages;   // kPages only
+  PageIndex* pages = nullptr;         // kPages only
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
@@ -57,7 +51,7 @@ struct Sequence {
   // entries of every layer with the new queries (HGCA Alg. 1 line 21), with this beta if set.
   bool reselect_pending = false;
   std::optional<float> reselect_beta;
-  uint64_t degraded_steps = 0;        // forward passes in which some CPU node did not answer
+  uint64_t degraded_steps = 0;        // layer attends in which some CPU node did not answer
   CapturedMass captured_mass;         // selection = pages, when the runner measures it
 
   // What the engine asks of the offloaded part, whatever holds it (no-ops without one):
@@ -70,10 +64,7 @@ struct Sequence {
   std::vector<double> MeanSelectedShare() const;
 
   int64_t device_entries() const { return window.entries(); }
-  int64_t offloaded_entries() const {
-    if (remote) return remote->offloaded_tokens();
-    return offloaded ? offloaded->tokens(offloaded->geometry().num_layers - 1) : 0;
-  }
+  int64_t offloaded_entries() const { return offload ? offload->offloaded_tokens() : 0; }
 };
 
 }  // namespace tandem::gpu_worker

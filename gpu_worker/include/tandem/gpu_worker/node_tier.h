@@ -1,0 +1,71 @@
+// NodeTier: the offload tier of `hybrid` sequences: their KV beyond the window lives on CPU
+// attention nodes (RemoteKv), which attend where it lives; only q goes out and (O, LSE) come
+// back (DESIGN "One decode step, one layer").
+//
+// Per layer: StartAttend downloads q, re-selects after a new turn (MAW), picks the pages under
+// selection = pages (the page summaries are this tier's: PageIndex on the device, scored
+// against q, the chosen ids travel with q) and sends q to the nodes; FinishAttend waits for
+// their answers, uploads the partial state and merges it into the window's. Evicted blocks are
+// summarised into the page index (selection = pages) and appended to the nodes, MAW included,
+// so that page p of the index names the entries the nodes number p·page_tokens...
+//
+// Not thread-safe: the engine's executor thread owns it with its sequence.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "tandem/gpu_worker/offload_tier.h"
+#include "tandem/gpu_worker/page_index.h"
+#include "tandem/gpu_worker/remote_kv.h"
+
+namespace tandem::gpu_worker {
+
+class NodeTier final : public OffloadTier {
+ public:
+  // `remote`: the session on the nodes (non-null). `pages`: the page summaries of a session
+  // with selection = pages (its RemoteKv opened with kPages), null for MAW selection.
+  NodeTier(std::unique_ptr<RemoteKv> remote, std::unique_ptr<PageIndex> pages);
+
+  int64_t offloaded_tokens() const override { return remote_->offloaded_tokens(); }
+  // MAW is kept for every hybrid window (pages sessions send it too; the nodes ignore it).
+  bool wants_maw() const override { return true; }
+  double off_device_work() const override;
+
+  absl::Status BeginPass(TierContext& context, size_t stream) override;
+  absl::Status StartAttend(TierContext& context, const AttendRows& rows) override;
+  absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) override;
+  void CancelAttend(TierContext& context, const AttendRows& rows) override;
+  absl::Status Append(TierContext& context, WindowCache& window,
+                      const std::vector<EvictedBlock>& blocks) override;
+
+  absl::Status Reserve(int64_t tokens) override { return remote_->Reserve(tokens); }
+  absl::Status Maintain() override { return remote_->Maintain(); }
+  absl::Status Close() override { return remote_->Close(); }
+  std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }
+
+  RemoteKv& remote() { return *remote_; }
+  const RemoteKv& remote() const { return *remote_; }
+  PageIndex* page_index() { return pages_.get(); }   // null unless selection = pages
+
+ private:
+  // Selection = pages: picks the pages of `rows` on the device and downloads their ids; nullptr
+  // when the layer attends over every page (a dense layer, or a budget that covers all).
+  absl::StatusOr<const PageSelection*> ChoosePages(TierContext& context, const AttendRows& rows);
+  // measure_captured_mass: the share of the offloaded softmax mass the chosen pages captured;
+  // selected_lse [n, H_q] of the pages just attended.
+  absl::Status MeasureCapturedMass(const AttendRows& rows, const float* selected_lse);
+
+  // Scores of one SelectPages call stay below this (a prefill chunk over a long context is
+  // split into several calls).
+  static constexpr size_t kMaxSelectScratchBytes = size_t{256} << 20;
+
+  std::unique_ptr<RemoteKv> remote_;
+  std::unique_ptr<PageIndex> pages_;
+  bool paged_ = false;                     // the attend in flight names pages
+  std::vector<int32_t> page_ids_;          // host copy of its ids [n, H_kv, per_head]
+  PageSelection selection_;
+  std::vector<float> dense_o_, dense_lse_;   // measure_captured_mass
+};
+
+}  // namespace tandem::gpu_worker

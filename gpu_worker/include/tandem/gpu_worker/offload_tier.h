@@ -1,0 +1,192 @@
+// OffloadTier: where one sequence's KV beyond its device window lives, as the runner sees it.
+//
+// The runner keeps a window of recent KV on the device and attends over it; everything older is
+// in a tier. For every layer of a forward pass it asks the tier for the partial attention state
+// (O, LSE) of the same query rows over the offloaded KV and merges it into the window's state
+// with the exact LSE merge, whatever the tier is:
+//
+//   NodeTier (node_tier.h)   CPU attention nodes hold the KV and attend where it lives; q goes
+//                            out at StartAttend, (O, LSE) come back at FinishAttend, are uploaded
+//                            and merged (hybrid mode; MAW or page selection).
+//   HostTier (host_tier.h)   pinned host pages streamed over PCIe every step and attended on the
+//                            device at FinishAttend, merged page by page (offload mode; exact).
+//
+// A pass, per sequence that has a tier and offloaded entries:
+//   BeginPass(context, stream)          once, before the first layer
+//   per layer: StartAttend(rows)  ...window attention queued on the device...  FinishAttend(rows)
+//              (or CancelAttend(rows) after an error elsewhere: nothing may outlive the pass)
+// and after the pass Append() of the window blocks that leave the device.
+//
+// StartAttend should return quickly: what runs off the device (the CPU nodes) overlaps with the
+// device's work until FinishAttend. off_device_work() tells the runner how much such work a row
+// brings, so that it can split a batch into micro-batches that alternate (DESIGN "ping-pong").
+//
+// Not thread-safe: the engine's executor thread drives the runner, the tiers and the context.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/page_selection.h"
+#include "tandem/gpu_worker/window_cache.h"
+
+namespace tandem::gpu_worker {
+
+class KvStreamer;
+class OffloadedKv;
+
+// Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
+// rows of exp(lse_selected - lse_all), and the rows): RunnerOptions::measure_captured_mass.
+struct CapturedMass {
+  std::vector<double> sum;
+  std::vector<uint64_t> count;
+};
+
+// Where the host thread spent a pass's offloaded attention time (seconds, summed over layers
+// and passes). q_download waits for the device to finish the work queued before it (the copy
+// of q synchronises); select is page selection on the device and the download of the chosen
+// ids; cpu_wait is time blocked on CPU nodes in FinishAttend; merge_upload copies their partial
+// states to the device and queues the merge.
+struct OffloadProfile {
+  double q_download_s = 0.0;
+  double select_s = 0.0;
+  double cpu_wait_s = 0.0;
+  double merge_upload_s = 0.0;
+};
+
+// What a sequence asks of its tier's attention in this pass (from Sequence).
+struct AttendPolicy {
+  // A new turn: re-evaluate the offloaded entries' salience with these queries (HGCA Alg. 1
+  // line 21; MAW selection), with this beta if set.
+  bool reselect = false;
+  std::optional<float> reselect_beta;
+  const PagePolicy* pages = nullptr;          // the budget of page selection (if the tier uses it)
+  CapturedMass* captured_mass = nullptr;      // where to record RunnerOptions::measure_captured_mass
+};
+
+// One segment's query rows at one layer, and the buffers their offloaded attention may use.
+// All pointers stay valid from StartAttend to FinishAttend / CancelAttend.
+struct AttendRows {
+  int64_t layer = 0;
+  // The window attention of these rows: q (device, post-RoPE, rows of q_row_stride floats whose
+  // first num_q_heads·head_dim are the query heads), q_pos, num_tokens, head counts, scale, and
+  // o [num_tokens, num_q_heads, head_dim] / lse [num_tokens, num_q_heads] (device), which hold
+  // the window's partial state once the window attention queued after StartAttend has run.
+  // FinishAttend merges the tier's state into o and lse.
+  WindowAttentionParams window;
+  // Host staging: q_host, o_host [num_tokens, num_q_heads, head_dim], lse_host [.., num_q_heads].
+  float* q_host = nullptr;
+  float* o_host = nullptr;
+  float* lse_host = nullptr;
+  // Device scratch for a partial state before its merge, the shapes of o and lse.
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  AttendPolicy policy;
+  size_t stream = 0;   // the segment's index in the pass (the order of BeginPass / FinishAttend)
+};
+
+// What the tiers of one runner share: the backend, device scratch for page selection, the page
+// streamer of host tiers (planned once per pass over every host tier in it), host staging for
+// evictions, options and profile counters. Owned by a ModelRunner; one pass at a time.
+class TierContext {
+ public:
+  // num_q_heads: of the model; max_rows: most query rows of one pass.
+  TierContext(Backend& backend, int64_t num_q_heads, int64_t max_rows,
+              bool measure_captured_mass);
+  ~TierContext();
+  TierContext(const TierContext&) = delete;
+  TierContext& operator=(const TierContext&) = delete;
+
+  Backend& backend() { return backend_; }
+  int64_t max_rows() const { return max_rows_; }
+  bool measure_captured_mass() const { return measure_captured_mass_; }
+  OffloadProfile& profile() { return profile_; }
+  const OffloadProfile& profile() const { return profile_; }
+
+  // --- Pass planning. BeginPass(n) forgets the previous plan (also one a failed pass left
+  // unfinished); host tiers add their pages for segment index `stream` < n; StartStreams()
+  // queues the first uploads. INVALID_ARGUMENT when host tiers of one pass differ in page size.
+  void BeginPass(size_t segments);
+  void AddStream(size_t stream, const OffloadedKv* kv);
+  absl::Status StartStreams();
+  // The streamer of this pass; null when no host tier streams in it.
+  KvStreamer* streamer() { return streaming_ ? streamer_.get() : nullptr; }
+
+  // --- Page selection scratch (device; grown on demand, contents unspecified). Valid until the
+  // next call of the same function; their users download results before returning.
+  absl::StatusOr<int32_t*> SelectedPages(size_t count);
+  absl::StatusOr<void*> SelectScratch(size_t bytes);
+
+  // --- Evictions: reads `blocks` of every layer of `window` into host staging and calls
+  // sink(layer, k, v, maw, tokens, window_entries) once per layer, in layer order, with
+  //   k, v: [num_kv_heads, tokens, head_dim] of the window dtype, maw: [num_kv_heads, tokens]
+  // and window_entries the entries on the device when they leave it (the β / n_gpu threshold).
+  using EvictedLayerSink = std::function<absl::Status(int64_t layer, const void* k,
+                                                      const void* v, const float* maw,
+                                                      int64_t tokens, int64_t window_entries)>;
+  absl::Status ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
+                           const EvictedLayerSink& sink);
+
+ private:
+  Backend& backend_;
+  int64_t num_q_heads_;
+  int64_t max_rows_;
+  bool measure_captured_mass_;
+  OffloadProfile profile_;
+  std::unique_ptr<KvStreamer> streamer_;   // created by the first pass with a host tier
+  std::vector<const OffloadedKv*> streams_;   // [segments] of the pass; nullptr = none
+  bool streaming_ = false;
+  DeviceBuffer selected_pages_, select_scratch_;
+  std::vector<char> evict_k_, evict_v_;
+  std::vector<float> evict_maw_;
+};
+
+class OffloadTier {
+ public:
+  virtual ~OffloadTier() = default;
+
+  // Entries offloaded per (layer, kv head).
+  virtual int64_t offloaded_tokens() const = 0;
+  // Whether the window keeps the moving-average attention weights of its entries for this tier
+  // (they travel with evicted blocks and drive MAW selection).
+  virtual bool wants_maw() const = 0;
+  // Work one query row brings outside the device: bytes of offloaded K and V the CPU nodes
+  // scan for it over all layers (measured at the last attend, or estimated); 0 when the tier
+  // attends on the device. Rows with such work are worth overlapping with other rows' device
+  // work.
+  virtual double off_device_work() const = 0;
+
+  // Once per pass before the first layer; `stream` is the segment's index in the pass.
+  virtual absl::Status BeginPass(TierContext& context, size_t stream) = 0;
+  // Starts the attention of `rows` over the offloaded KV of rows.layer. On success exactly one
+  // FinishAttend or CancelAttend with the same rows must follow before the next StartAttend.
+  virtual absl::Status StartAttend(TierContext& context, const AttendRows& rows) = 0;
+  // Merges the tier's partial state of `rows` into rows.window.o / lse (device); the window's
+  // attention must have been queued. Returns true when part of it is missing (a CPU node did
+  // not answer in time: the step is degraded but valid, the missing part counts as empty).
+  virtual absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) = 0;
+  // Ends a started attend without merging (after an error elsewhere in the pass): waits for
+  // what runs off the device so that nothing outlives the pass.
+  virtual void CancelAttend(TierContext& context, const AttendRows& rows) = 0;
+
+  // Takes `blocks` leaving `window` (every layer), before the window releases them.
+  virtual absl::Status Append(TierContext& context, WindowCache& window,
+                              const std::vector<EvictedBlock>& blocks) = 0;
+
+  // Room for `tokens` offloaded entries per (layer, kv head): RESOURCE_EXHAUSTED otherwise.
+  virtual absl::Status Reserve(int64_t tokens) = 0;
+  // Between steps (never while an attend is in flight): placement re-plans, migrations.
+  virtual absl::Status Maintain() = 0;
+  virtual absl::Status Close() = 0;
+  // Mean selected/held share per layer over the tier's life; empty when it attends everything.
+  virtual std::vector<double> MeanSelectedShare() const = 0;
+};
+
+}  // namespace tandem::gpu_worker

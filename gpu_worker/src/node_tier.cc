@@ -1,0 +1,167 @@
+#include "tandem/gpu_worker/node_tier.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+}  // namespace
+
+NodeTier::NodeTier(std::unique_ptr<RemoteKv> remote, std::unique_ptr<PageIndex> pages)
+    : remote_(std::move(remote)), pages_(std::move(pages)) {}
+
+double NodeTier::off_device_work() const {
+  // What the nodes scanned per row at the last attend of each layer; before any, everything
+  // they hold (an upper bound: MAW keeps a share, pages a budget).
+  const RemoteKvOptions& o = remote_->options();
+  double entries = 0;
+  for (const LayerSelection& layer : remote_->last_selection()) entries += layer.selected;
+  if (entries == 0) {
+    entries = static_cast<double>(remote_->offloaded_tokens()) * o.num_layers * o.num_kv_heads;
+  }
+  return entries * 2.0 * o.head_dim * DTypeBytes(o.kv_dtype);   // K and V of each entry
+}
+
+absl::Status NodeTier::BeginPass(TierContext&, size_t) { return absl::OkStatus(); }
+
+absl::Status NodeTier::StartAttend(TierContext& context, const AttendRows& rows) {
+  const WindowAttentionParams& w = rows.window;
+  const int64_t row_bytes = w.num_q_heads * w.head_dim * 4;
+  Clock::time_point t0 = Clock::now();
+  TANDEM_RETURN_IF_ERROR(context.backend().CopyToHost2D(
+      rows.q_host, row_bytes, w.q, w.q_row_stride * 4, row_bytes, w.num_tokens));
+  context.profile().q_download_s += Seconds(t0);
+  // (A no-op for pages sessions: their pages are chosen with every step's queries.)
+  if (rows.policy.reselect) {
+    TANDEM_RETURN_IF_ERROR(
+        remote_->Reselect(rows.layer, rows.q_host, w.num_tokens, rows.policy.reselect_beta));
+  }
+  const PageSelection* chosen = nullptr;
+  if (pages_ != nullptr) {
+    t0 = Clock::now();
+    absl::StatusOr<const PageSelection*> picked = ChoosePages(context, rows);
+    context.profile().select_s += Seconds(t0);
+    TANDEM_RETURN_IF_ERROR(picked.status());
+    chosen = *picked;
+  }
+  TANDEM_RETURN_IF_ERROR(remote_->StartAttend(rows.layer, rows.q_host, w.num_tokens, chosen));
+  paged_ = chosen != nullptr;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> NodeTier::FinishAttend(TierContext& context, const AttendRows& rows) {
+  const WindowAttentionParams& w = rows.window;
+  const int64_t n = w.num_tokens, Hq = w.num_q_heads, D = w.head_dim;
+  Clock::time_point t0 = Clock::now();
+  absl::StatusOr<bool> degraded = remote_->FinishAttend(rows.o_host, rows.lse_host);
+  context.profile().cpu_wait_s += Seconds(t0);
+  TANDEM_RETURN_IF_ERROR(degraded.status());
+  if (context.measure_captured_mass() && pages_ != nullptr &&
+      rows.policy.captured_mass != nullptr) {
+    TANDEM_RETURN_IF_ERROR(MeasureCapturedMass(rows, rows.lse_host));
+  }
+  t0 = Clock::now();
+  Backend& backend = context.backend();
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(rows.part_o, rows.o_host, n * Hq * D * 4));
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(rows.part_lse, rows.lse_host, n * Hq * 4));
+  TANDEM_RETURN_IF_ERROR(
+      backend.MergeStates({w.o, w.lse, rows.part_o, rows.part_lse, n * Hq, D}));
+  context.profile().merge_upload_s += Seconds(t0);
+  return *degraded;
+}
+
+void NodeTier::CancelAttend(TierContext&, const AttendRows& rows) {
+  (void)remote_->FinishAttend(rows.o_host, rows.lse_host);
+}
+
+absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
+                              const std::vector<EvictedBlock>& blocks) {
+  // Summaries first, from the window's K before the blocks are released.
+  if (pages_ != nullptr) TANDEM_RETURN_IF_ERROR(pages_->AppendEvicted(window, blocks));
+  return context.ReadEvicted(
+      window, blocks,
+      [this](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
+             int64_t window_entries) {
+        return remote_->Append(layer, k, v, maw, tokens, window_entries);
+      });
+}
+
+absl::StatusOr<const PageSelection*> NodeTier::ChoosePages(TierContext& context,
+                                                           const AttendRows& rows) {
+  const WindowAttentionParams& w = rows.window;
+  const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;
+  if (rows.policy.pages == nullptr) {
+    return absl::InvalidArgumentError("pages selection without a page policy");
+  }
+  const PagePolicy& policy = *rows.policy.pages;
+  const int64_t num_pages = pages_->num_pages(rows.layer);
+  const int64_t per_head = std::max<int64_t>(1, policy.select_tokens / pages_->page_tokens());
+  // Dense layers and budgets that cover every page attend over everything (exact): no ids.
+  if (rows.layer < policy.dense_layers || per_head >= num_pages) return nullptr;
+
+  const size_t ids = static_cast<size_t>(n) * Hkv * per_head;
+  TANDEM_ASSIGN_OR_RETURN(int32_t* const selected, context.SelectedPages(ids));
+  // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
+  // (a long prefill chunk over a long context is cut into several calls).
+  const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);
+  const int64_t rows_per_call =
+      std::clamp<int64_t>(static_cast<int64_t>(kMaxSelectScratchBytes / row_bytes), 1, n);
+  TANDEM_ASSIGN_OR_RETURN(void* const scratch,
+                          context.SelectScratch(SelectPagesScratchBytes(rows_per_call, Hkv,
+                                                                        num_pages)));
+  for (int64_t r = 0; r < n; r += rows_per_call) {
+    const int64_t count = std::min(rows_per_call, n - r);
+    TANDEM_RETURN_IF_ERROR(pages_->Select(rows.layer, w.q + r * w.q_row_stride, w.q_row_stride,
+                                          count, w.num_q_heads, per_head,
+                                          selected + r * Hkv * per_head, scratch));
+  }
+  page_ids_.resize(ids);
+  TANDEM_RETURN_IF_ERROR(context.backend().CopyToHost(page_ids_.data(), selected, ids * 4));
+  selection_ = PageSelection{page_ids_.data(), per_head};
+  return &selection_;
+}
+
+absl::Status NodeTier::MeasureCapturedMass(const AttendRows& rows, const float* selected_lse) {
+  const WindowAttentionParams& w = rows.window;
+  const int64_t n = w.num_tokens, Hq = w.num_q_heads, D = w.head_dim;
+  const int64_t layer = rows.layer;
+  CapturedMass& mass = *rows.policy.captured_mass;
+  const int64_t layers = remote_->options().num_layers;
+  if (mass.sum.empty()) {
+    mass.sum.assign(layers, 0.0);
+    mass.count.assign(layers, 0);
+  }
+  if (!paged_) {   // everything was attended: all of the mass
+    mass.sum[layer] += static_cast<double>(n * Hq);
+    mass.count[layer] += static_cast<uint64_t>(n * Hq);
+    return absl::OkStatus();
+  }
+  // The same queries over every offloaded entry: the denominator of the captured share.
+  dense_o_.resize(static_cast<size_t>(n) * Hq * D);
+  dense_lse_.resize(static_cast<size_t>(n) * Hq);
+  TANDEM_RETURN_IF_ERROR(remote_->StartAttend(layer, rows.q_host, n, nullptr));
+  TANDEM_ASSIGN_OR_RETURN(const bool degraded,
+                          remote_->FinishAttend(dense_o_.data(), dense_lse_.data()));
+  if (degraded) return absl::OkStatus();   // nothing to compare against this step
+  for (int64_t r = 0; r < n * Hq; ++r) {
+    if (!std::isfinite(dense_lse_[r])) continue;
+    const double share = std::isfinite(selected_lse[r])
+                             ? std::exp(static_cast<double>(selected_lse[r]) - dense_lse_[r])
+                             : 0.0;
+    mass.sum[layer] += std::min(share, 1.0);
+    mass.count[layer] += 1;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::gpu_worker

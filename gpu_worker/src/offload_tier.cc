@@ -1,0 +1,86 @@
+#include "tandem/gpu_worker/offload_tier.h"
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/offloaded_kv.h"
+
+namespace tandem::gpu_worker {
+
+TierContext::TierContext(Backend& backend, int64_t num_q_heads, int64_t max_rows,
+                         bool measure_captured_mass)
+    : backend_(backend),
+      num_q_heads_(num_q_heads),
+      max_rows_(max_rows),
+      measure_captured_mass_(measure_captured_mass) {}
+
+TierContext::~TierContext() = default;
+
+void TierContext::BeginPass(size_t segments) {
+  // A pass that failed midway may have left planned pages unread: its uploads still run in
+  // order on the upload stream before any new one, so dropping the plan is safe.
+  if (streamer_ != nullptr) streamer_->Abandon();
+  streams_.assign(segments, nullptr);
+  streaming_ = false;
+}
+
+void TierContext::AddStream(size_t stream, const OffloadedKv* kv) {
+  if (stream < streams_.size()) streams_[stream] = kv;
+}
+
+absl::Status TierContext::StartStreams() {
+  const OffloadedKv* first = nullptr;
+  for (const OffloadedKv* kv : streams_) first = first ? first : kv;
+  if (first == nullptr) return absl::OkStatus();
+  for (const OffloadedKv* kv : streams_) {
+    if (kv != nullptr && kv->page_tokens() != first->page_tokens()) {
+      return absl::InvalidArgumentError("offload sequences of one pass must share a page size");
+    }
+  }
+  if (streamer_ == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(streamer_, KvStreamer::Create(backend_, first->geometry(),
+                                                          first->page_tokens(), num_q_heads_,
+                                                          max_rows_));
+  }
+  TANDEM_RETURN_IF_ERROR(streamer_->Begin(streams_));
+  streaming_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int32_t*> TierContext::SelectedPages(size_t count) {
+  if (selected_pages_.bytes() < count * 4) {
+    selected_pages_.Reset();
+    TANDEM_ASSIGN_OR_RETURN(selected_pages_, backend_.Allocate(count * 4));
+  }
+  return selected_pages_.as<int32_t>();
+}
+
+absl::StatusOr<void*> TierContext::SelectScratch(size_t bytes) {
+  if (select_scratch_.bytes() < bytes) {
+    select_scratch_.Reset();
+    TANDEM_ASSIGN_OR_RETURN(select_scratch_, backend_.Allocate(bytes));
+  }
+  return select_scratch_.data();
+}
+
+absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
+                                      const EvictedLayerSink& sink) {
+  const WindowGeometry& g = window.geometry();
+  int64_t total = 0;
+  for (const EvictedBlock& b : blocks) total += b.count;
+  const size_t kv_bytes = g.num_kv_heads * total * g.head_dim * DTypeBytes(g.dtype);
+  evict_k_.resize(kv_bytes);
+  evict_v_.resize(kv_bytes);
+  evict_maw_.resize(g.num_kv_heads * total);
+  // n_gpu of the selection threshold: the entries on the device when these leave it.
+  const int64_t window_entries = window.entries();
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    TANDEM_RETURN_IF_ERROR(
+        window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));
+    TANDEM_RETURN_IF_ERROR(
+        sink(l, evict_k_.data(), evict_v_.data(), evict_maw_.data(), total, window_entries));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::gpu_worker
