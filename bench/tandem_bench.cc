@@ -19,6 +19,10 @@
 //   pcie = offload: B · offloaded KV bytes / host-to-device bandwidth;
 //          hybrid: B · (q + o + lse) bytes per layer / the same bandwidth
 //   limit = max(hbm, cpu, pcie); ratio = measured median / limit.
+// Hybrid decode is timed for each --micro_batches setting on the same sequences: 1 runs one pass
+// over the batch (the GPU and CPU parts of a step add up), 2 lets the runner split the batch
+// into ping-pong micro-batches (model_runner.h); the 2 row reports ratio_to_serial, its median
+// over the 1 row's (issue 12's target: <= 0.65), and the 1 row's GPU part and CPU wait.
 // selection = pages also reports the serial limit of issue 11, limit_sum = selected bytes / CPU
 // scan rate + page-summary bytes / HBM rate + the GPU's own step (weights + window / HBM rate).
 // Prints one JSON line per configuration (and to --json), then a table.
@@ -47,8 +51,10 @@
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/model_geometry.h"
+#include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/random_values.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
@@ -91,6 +97,14 @@ ABSL_FLAG(std::string, select_tokens, "",
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
 ABSL_FLAG(int64_t, dense_layers, 0, "selection=pages: first layers attending over every page");
+ABSL_FLAG(std::string, micro_batches, "1,2",
+          "hybrid decode: micro-batch settings timed on the same sequences, comma-separated: 1 = "
+          "one pass over the batch (GPU and CPU parts add up), 2 = ping-pong (RunnerOptions::"
+          "micro_batches); with both, the 2 row reports its ratio to the 1 row");
+ABSL_FLAG(double, split_min_scan_share, -1.0,
+          "RunnerOptions::split_min_scan_share: off-device scan bytes over weight bytes from "
+          "which a pass splits (-1 = the backend's default, 0 = always)");
+ABSL_FLAG(double, split_min_scan_bytes, 16e6, "RunnerOptions::split_min_scan_bytes");
 ABSL_FLAG(int, settle_steps, 3,
           "hybrid: decode steps that measure the shards' costs before balanced placement "
           "re-plans and migrates (outside the timed steps)");
@@ -149,6 +163,11 @@ uint64_t ProcField(const char* file, const char* key) {
     }
   }
   return 0;
+}
+
+// The CPU-node session of a hybrid sequence.
+gpu_worker::RemoteKv& RemoteOf(Sequence& seq) {
+  return static_cast<gpu_worker::NodeTier&>(*seq.offload).remote();
 }
 
 double Percentile(std::vector<double> v, double p) {
@@ -236,7 +255,9 @@ class Bench {
     return cfg.batch * off * KvBytesPerToken() * copy * 1.03;
   }
 
-  json RunDecode(const Config& cfg) {
+  // One row per --micro_batches setting (non-hybrid modes: one row), timed on the same
+  // sequences one setting after the other.
+  std::vector<json> RunDecode(const Config& cfg) {
     json r = {{"kind", "decode"},   {"mode", gpu_worker::AttentionModeName(cfg.mode)},
               {"context", cfg.context}, {"batch", cfg.batch}};
     if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
@@ -261,11 +282,20 @@ class Bench {
     if (need > avail && absl::GetFlag(FLAGS_cpu_nodes).empty()) {
       r["skipped"] = absl::StrFormat("needs %.1f GB of host memory, %.1f GB available", need / 1e9,
                                      avail / 1e9);
-      return r;
+      return {r};
     }
     const int steps = cfg.mode == AttentionMode::kOffload ? absl::GetFlag(FLAGS_offload_steps)
                                                           : absl::GetFlag(FLAGS_steps);
-    const SyntheticContextOptions o = ContextOptions(cfg, steps);
+    std::vector<int> settings = {2};
+    if (cfg.mode == AttentionMode::kHybrid) {
+      settings.clear();
+      for (int64_t m : ParseList<int64_t>(absl::GetFlag(FLAGS_micro_batches))) {
+        settings.push_back(static_cast<int>(m));
+      }
+    }
+    const int warmup = absl::GetFlag(FLAGS_warmup);
+    const SyntheticContextOptions o =
+        ContextOptions(cfg, static_cast<int>(settings.size()) * (warmup + steps));
     std::vector<std::unique_ptr<Sequence>> seqs;
     const Clock::time_point fill_start = Clock::now();
     for (int64_t b = 0; b < cfg.batch; ++b) {
@@ -273,7 +303,7 @@ class Bench {
                                        absl::StrCat("bench-", ++session_counter_), o);
       if (!seq.ok()) {
         r["skipped"] = std::string(seq.status().message());
-        return r;
+        return {r};
       }
       seqs.push_back(std::move(*seq));
     }
@@ -282,9 +312,6 @@ class Bench {
     for (auto& s : seqs) batch.push_back(s.get());
     std::vector<int32_t> ids(cfg.batch);
     const int64_t vocab = model_.config().vocab_size;
-    std::vector<double> times;
-    const int warmup = absl::GetFlag(FLAGS_warmup);
-    uint64_t peak_device = 0;
     if (cfg.mode == AttentionMode::kHybrid) {
       // Costs come from Attend replies: a few steps measure them, then balanced placement
       // re-plans and migrates (timed apart). Uniform runs the same steps and stays put.
@@ -294,25 +321,25 @@ class Bench {
         if (s.ok()) s = backend_.Synchronize();
         if (!s.ok()) {
           r["error"] = std::string(s.message());
-          return r;
+          return {r};
         }
       }
       const Clock::time_point m0 = Clock::now();
       uint64_t moved = 0, failed = 0;
       double modelled = 0, plan_ms = 0;
       for (auto& seq : seqs) {
-        if (cfg.placement == gpu_worker::PlacementPolicy::kBalanced) seq->remote->RequestReplan();
-        absl::Status s = seq->remote->SettleMigrations(std::chrono::minutes(9));
+        if (cfg.placement == gpu_worker::PlacementPolicy::kBalanced) RemoteOf(*seq).RequestReplan();
+        absl::Status s = RemoteOf(*seq).SettleMigrations(std::chrono::minutes(9));
         if (!s.ok()) {
           r["error"] = absl::StrCat("migration: ", s.message());
-          return r;
+          return {r};
         }
-        const gpu_worker::PlacementCounters& pc = seq->remote->placement_counters();
+        const gpu_worker::PlacementCounters& pc = RemoteOf(*seq).placement_counters();
         moved += pc.migrations_done;
         failed += pc.migrations_failed;
-        modelled += seq->remote->ModelledStepSeconds();
+        modelled += RemoteOf(*seq).ModelledStepSeconds();
         plan_ms = std::max(plan_ms, pc.last_plan_ms);
-        r["nodes_in_use"] = seq->remote->nodes_in_use().size();
+        r["nodes_in_use"] = RemoteOf(*seq).nodes_in_use().size();
       }
       r["migration_s"] = Seconds(m0);
       r["shards_migrated"] = moved;
@@ -320,6 +347,47 @@ class Bench {
       r["modelled_cpu_ms"] = 1e3 * modelled;
       r["plan_ms"] = plan_ms;
     }
+    std::vector<json> out;
+    double serial_ms = 0, serial_cpu_wait_ms = 0;   // the micro_batches = 1 row
+    for (int setting : settings) {
+      json row = r;
+      row["micro_batches"] = setting;
+      if (absl::Status s = runner_.SetMicroBatches(setting); !s.ok()) {
+        row["error"] = std::string(s.message());
+        out.push_back(row);
+        continue;
+      }
+      TimeDecode(cfg, batch, steps, row);
+      if (row.contains("error")) {
+        out.push_back(row);
+        break;
+      }
+      const double cpu_wait_ms = row["breakdown_ms"].value("cpu_wait", 0.0);
+      if (setting == 1) {
+        serial_ms = row["decode_ms_median"].get<double>();
+        serial_cpu_wait_ms = cpu_wait_ms;
+      } else if (serial_ms > 0) {
+        // The serial step is the GPU part plus the CPU part (only each layer's window attention
+        // overlaps the nodes there); its cpu_wait is the CPU part the host waited for.
+        row["serial_ms"] = serial_ms;
+        row["serial_parts_ms"] = {{"gpu", serial_ms - serial_cpu_wait_ms},
+                                  {"cpu_wait", serial_cpu_wait_ms}};
+        row["ratio_to_serial"] = row["decode_ms_median"].get<double>() / serial_ms;
+      }
+      out.push_back(row);
+    }
+    runner_.SetMicroBatches(2).IgnoreError();
+    return out;
+  }
+
+  // Times --warmup + steps decode steps of `batch` with the runner as set, and adds the
+  // measurements, the traffic of one step and its limits to r.
+  void TimeDecode(const Config& cfg, const std::vector<Sequence*>& batch, int steps, json& r) {
+    const int64_t vocab = model_.config().vocab_size;
+    const int warmup = absl::GetFlag(FLAGS_warmup);
+    std::vector<int32_t> ids(cfg.batch);
+    std::vector<double> times;
+    uint64_t peak_device = 0;
     for (int step = 0; step < warmup + steps; ++step) {
       for (int64_t b = 0; b < cfg.batch; ++b) ids[b] = static_cast<int32_t>((step * 7919 + b * 131) % vocab);
       if (step == warmup) runner_.ResetProfile();
@@ -329,7 +397,7 @@ class Bench {
       const double dt = Seconds(t0);
       if (!s.ok()) {
         r["error"] = std::string(s.message());
-        return r;
+        return;
       }
       if (step >= warmup) times.push_back(dt);
       auto used = backend_.DeviceMemoryUsed();
@@ -353,14 +421,14 @@ class Bench {
       r["gpu_within_budget"] = peak_device <= budget;
     }
     uint64_t degraded = 0;
-    for (auto& s : seqs) degraded += s->degraded_steps;
+    for (Sequence* s : batch) degraded += s->degraded_steps;
     r["degraded_steps"] = degraded;
 
     // Traffic of one step and its limit.
     const ModelConfig& c = model_.config();
     Traffic t;
     double device_tokens = 0, offloaded_tokens = 0;
-    for (auto& s : seqs) {
+    for (Sequence* s : batch) {
       device_tokens += s->device_entries();
       offloaded_tokens += s->offloaded_entries();
     }
@@ -372,8 +440,8 @@ class Bench {
     if (cfg.mode == AttentionMode::kHybrid) {
       double selected_share = 0;   // measured on the node: selected / held over the layers
       uint64_t selected = 0, held = 0;
-      for (auto& s : seqs) {
-        for (const auto& layer : s->remote->last_selection()) {
+      for (Sequence* s : batch) {
+        for (const auto& layer : RemoteOf(*s).last_selection()) {
           selected += layer.selected;
           held += layer.held;
         }
@@ -381,7 +449,7 @@ class Bench {
       selected_share = held ? static_cast<double>(selected) / held : 0;
       r["selected_share_measured"] = selected_share;
       uint64_t shm_attends = 0;
-      for (auto& s : seqs) shm_attends += s->remote->shm_attends();
+      for (Sequence* s : batch) shm_attends += RemoteOf(*s).shm_attends();
       r["shm_attends"] = shm_attends;
       t.cpu_scan_bytes = offloaded_tokens * selected_share * KvBytesPerToken();
       t.pcie_bytes = cfg.batch * c.num_layers * c.num_q_heads * (2.0 * c.head_dim + 1) * 4;
@@ -390,9 +458,11 @@ class Bench {
       r["breakdown_ms"] = {{"q_download_wait_for_gpu", p.q_download_s * per_step},
                            {"page_select", p.select_s * per_step},
                            {"cpu_wait", p.cpu_wait_s * per_step},
-                           {"merge_upload", p.merge_upload_s * per_step}};
+                           {"merge_upload", p.merge_upload_s * per_step},
+                           {"host_pass", p.pass_s * per_step}};
+      r["split_passes"] = p.split_passes;
       double summary_bytes = 0;
-      for (auto& s : seqs) {
+      for (Sequence* s : batch) {
         if (s->pages == nullptr) continue;
         const auto& g = s->pages->geometry();
         for (int64_t l = 0; l < g.num_layers; ++l) {
@@ -426,7 +496,6 @@ class Bench {
       if (limit->seconds > 0) r["ratio_to_limit"] = median / limit->seconds;
     }
     r["traffic_bytes"] = {{"hbm", t.hbm_bytes}, {"cpu_scan", t.cpu_scan_bytes}, {"pcie", t.pcie_bytes}};
-    return r;
   }
 
   json RunPrefill(AttentionMode mode, int64_t tokens) {
@@ -466,7 +535,7 @@ class Bench {
         r["skipped"] = std::string(remote.status().message());
         return r;
       }
-      seq->remote = std::move(*remote);
+      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(*remote), nullptr);
     }
     if (mode == AttentionMode::kOffload) {
       auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
@@ -474,7 +543,7 @@ class Bench {
         r["skipped"] = std::string(kv.status().message());
         return r;
       }
-      seq->offloaded = std::move(*kv);
+      seq->offload = std::make_unique<gpu_worker::HostTier>(std::move(*kv));
     }
     std::vector<int32_t> ids(tokens);
     for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
@@ -520,6 +589,9 @@ void PrintTable(const std::vector<json>& rows) {
       mode += absl::StrFormat("/%s%lld", r["placement"].get<std::string>().substr(0, 3),
                               static_cast<long long>(r.value("cpu_nodes", 0)));
     }
+    if (r.contains("micro_batches")) {
+      mode += absl::StrFormat("/mb%d", r["micro_batches"].get<int>());
+    }
     if (r.contains("skipped") || r.contains("error")) {
       std::printf("%-20s %8lld %5lld   skipped: %s\n", mode.c_str(),
                   static_cast<long long>(r["context"].get<int64_t>()),
@@ -534,6 +606,17 @@ void PrintTable(const std::vector<json>& rows) {
                 r["tokens_per_s"].get<double>(), r.value("limit_ms", 0.0),
                 r.value("limit_bound", std::string("-")).c_str(), r.value("ratio_to_limit", 0.0),
                 r["peak_gpu_bytes"].get<double>() / 1e9, r["host_rss_bytes"].get<double>() / 1e9);
+  }
+  for (const json& r : rows) {
+    if (r["kind"] != "decode" || !r.contains("ratio_to_serial")) continue;
+    std::printf("ping-pong %s context %lld batch %lld: %.2f ms vs %.2f ms serial (GPU %.2f + CPU "
+                "wait %.2f): %.2fx\n",
+                r["mode"].get<std::string>().c_str(),
+                static_cast<long long>(r["context"].get<int64_t>()),
+                static_cast<long long>(r["batch"].get<int64_t>()),
+                r["decode_ms_median"].get<double>(), r["serial_ms"].get<double>(),
+                r["serial_parts_ms"]["gpu"].get<double>(),
+                r["serial_parts_ms"]["cpu_wait"].get<double>(), r["ratio_to_serial"].get<double>());
   }
   for (const json& r : rows) {
     if (r["kind"] != "prefill" || !r.contains("ttft_s")) continue;
@@ -609,6 +692,8 @@ int Main() {
   const std::vector<int64_t> batches = ParseList<int64_t>(absl::GetFlag(FLAGS_batches));
   gpu_worker::RunnerOptions ro;
   ro.max_chunk = std::max<int64_t>(*std::max_element(batches.begin(), batches.end()), 16);
+  ro.split_min_scan_share = absl::GetFlag(FLAGS_split_min_scan_share);
+  ro.split_min_scan_bytes = absl::GetFlag(FLAGS_split_min_scan_bytes);
   auto runner = gpu_worker::ModelRunner::Create(be, **model, ro);
   if (!runner.ok()) {
     std::fprintf(stderr, "runner: %s\n", std::string(runner.status().message()).c_str());
@@ -669,7 +754,7 @@ int Main() {
       for (double share : mode_shares) {
         for (int64_t batch : batches) {
           for (gpu_worker::PlacementPolicy placement : placements) {
-            emit(bench.RunDecode({*mode, context, batch, share, placement}));
+            for (json& r : bench.RunDecode({*mode, context, batch, share, placement})) emit(r);
           }
         }
       }
@@ -677,7 +762,7 @@ int Main() {
       for (int64_t budget : ParseList<int64_t>(absl::GetFlag(FLAGS_select_tokens))) {
         for (int64_t batch : batches) {
           for (gpu_worker::PlacementPolicy placement : placements) {
-            emit(bench.RunDecode({*mode, context, batch, 1.0, placement, budget}));
+            for (json& r : bench.RunDecode({*mode, context, batch, 1.0, placement, budget})) emit(r);
           }
         }
       }
