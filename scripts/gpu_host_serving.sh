@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (through the device tool) the served-path benchmarks of continuous
+# batching (issue 12) on a Llama-3-8B geometry with synthetic weights made on the device
+# (tandem-gpu-worker --random_weights; the tokenizer is gutenberg-14m's, whose ids fit the
+# vocabulary), driven by tandem-load over gRPC:
+#   tests   the cuda engine tests of the scheduler and the micro-batched runner
+#   gpu     gpu mode, 4K prompts: one stream, then a wave of 64 concurrent streams
+#   ttft    a short prompt's TTFT idle and while a 32K prompt is prefilled
+#   hybrid  tandem-bench hybrid decode at 128K (page selection, 2048-token budget), batch 1
+#           and 8, one pass and two micro-batches (ping-pong) on the same sequences
+# Prepared here with the bundle in .carry/tandem.tar.xz and gutenberg-14m's tokenizer in
+# .carry/shared/models/gutenberg-14m. PARTS selects (default: all). Logs go under $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/tandem
+tar xJf .carry/tandem.tar.xz -C /tmp/tandem && source /tmp/tandem/env.sh
+export TANDEM_SHARED_DIR=$PWD/.carry/shared
+parts=${PARTS:-tests gpu ttft hybrid}
+has() { [[ " $parts " == *" $1 "* ]]; }
+{
+  echo "commit: $(cat .carry/commit 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GB"
+} 2>&1 | tee "$out/host.txt"
+
+model=/tmp/llama3-8b
+tandem-geometry --preset=llama3-8b --config_only --out="$model" > /dev/null
+cp "$TANDEM_SHARED_DIR"/models/gutenberg-14m/tokenizer*.json "$model"/
+
+# start_worker NAME ARGS...: a worker on a free port; sets $port and $wpid.
+start_worker() {
+  local name=$1
+  shift
+  tandem-gpu-worker --model "$model" --random_weights --backend cuda --address 127.0.0.1:0 \
+    "$@" > "$out/worker_$name.log" 2>&1 &
+  wpid=$!
+  port=
+  for _ in $(seq 1 240); do
+    port=$(awk '/^LISTENING/ {print $2}' "$out/worker_$name.log")
+    [[ -n "$port" ]] && return 0
+    kill -0 "$wpid" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "worker $name did not start:"; tail -5 "$out/worker_$name.log"
+  return 1
+}
+stop_worker() { kill "$wpid" 2>/dev/null; wait "$wpid" 2>/dev/null; }
+load() {   # load NAME ARGS...
+  local name=$1
+  shift
+  tandem-load --target "127.0.0.1:$port" --json_out "$out/load_$name.json" "$@" \
+    > "$out/load_$name.txt" 2>&1
+  grep -E 'Successful|Failed req|duration|Output token|All-decoding|Median TTFT|P99 TTFT|Mean ITL|P99 ITL|Median ITL|Mean TPOT' \
+    "$out/load_$name.txt" | sed "s/^/[$name] /"
+}
+
+if has tests; then
+  timeout 300 gpu_worker_engine_cuda_test --gtest_brief=1 \
+    --gtest_filter='Scheduler*:MicroBatch*:HybridEquivalence*:EngineGolden*:PageSelection*' \
+    > "$out/tests.txt" 2>&1
+  grep -E 'FAILED|PASSED|tests ran' "$out/tests.txt"
+fi
+
+if has gpu; then
+  if start_worker gpu --mode gpu --prefill_chunk "${GPU_CHUNK:-2048}" --max_batch 64 \
+       --max_sessions 128; then
+    common=(--prompt_tokens 4096 --output_tokens "${GPU_OUT:-256}" --mode gpu)
+    load gpu_c1 --concurrency 1 --num_requests 1 --warmup 1 "${common[@]}"
+    load gpu_c64 --concurrency 64 --num_requests 64 --warmup 1 "${common[@]}"
+    stop_worker
+  fi
+fi
+
+if has ttft; then
+  if start_worker ttft --mode gpu --prefill_chunk "${TTFT_CHUNK:-2048}" --max_batch 64; then
+    short=(--concurrency 1 --prompt_tokens 256 --output_tokens 8 --mode gpu)
+    load ttft_idle --num_requests 6 --warmup 2 "${short[@]}"
+    tandem-load --target "127.0.0.1:$port" --concurrency 1 --num_requests 1 \
+      --prompt_tokens 32768 --output_tokens 4 --mode gpu --json_out "$out/load_ttft_long.json" \
+      > "$out/load_ttft_long.txt" 2>&1 &
+    lpid=$!
+    sleep "${TTFT_DELAY_S:-1}"
+    load ttft_busy --num_requests 6 "${short[@]}"
+    wait "$lpid"
+    grep -E 'Median TTFT|Benchmark duration' "$out/load_ttft_long.txt" | sed 's/^/[ttft_long] /'
+    stop_worker
+  fi
+fi
+
+if has hybrid; then
+  timeout "${HYBRID_TIMEOUT:-400}" tandem-bench --modes hybrid --contexts 131072 --batches 1,8 \
+    --select_tokens "${SELECT_TOKENS:-2048}" --shares= --window 4096 --prefill_tokens 0 \
+    --steps 20 --micro_batches 1,2 --json "$out/hybrid.json" > "$out/hybrid.txt" 2>&1
+  tail -14 "$out/hybrid.txt"
+fi
