@@ -184,7 +184,9 @@ std::vector<ModelRunner::MicroBatch> ModelRunner::Split(std::vector<Segment>& se
       if (work[i] <= 0) side[i] = lighter;
     }
   }
-  // Micro-batch 0's segments first, each side in entry order; rows follow that order.
+  // Micro-batch 0's segments first; within each, those with off-device work first (their rows
+  // are then adjacent, so their q downloads and merges coalesce), each group in entry order.
+  // Rows follow that order.
   std::vector<Segment> ordered;
   std::vector<MicroBatch> batches;
   int64_t row = 0;
@@ -192,11 +194,13 @@ std::vector<ModelRunner::MicroBatch> ModelRunner::Split(std::vector<Segment>& se
     MicroBatch mb;
     mb.first = ordered.size();
     mb.row0 = row;
-    for (size_t i = 0; i < segments.size(); ++i) {
-      if (side[i] != m) continue;
-      ordered.push_back(segments[i]);
-      ordered.back().row0 = row;
-      row += segments[i].n;
+    for (const bool off : {true, false}) {
+      for (size_t i = 0; i < segments.size(); ++i) {
+        if (side[i] != m || (work[i] > 0) != off) continue;
+        ordered.push_back(segments[i]);
+        ordered.back().row0 = row;
+        row += segments[i].n;
+      }
     }
     mb.count = ordered.size() - mb.first;
     mb.rows = row - mb.row0;
@@ -337,10 +341,23 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
     TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
   }
   // The tiers start first (q goes to the CPU nodes) so that they work while the device
-  // attends over the windows.
+  // attends over the windows. Their downloads (q, chosen pages) run together: the host waits
+  // for the device once per micro-batch and layer.
+  tiers_.ClearQueues();
+  bool any = false;
   for (size_t i = mb.first; i < end; ++i) {
     if (!segments[i].attends) continue;
     attends_[i] = AttendRowsOf(segments[i], i, layer);
+    TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->PrepareAttend(tiers_, attends_[i]));
+    any = true;
+  }
+  if (any) {
+    const Clock::time_point t0 = Clock::now();
+    TANDEM_RETURN_IF_ERROR(tiers_.FlushDownloads());
+    tiers_.profile().q_download_s += Seconds(t0);
+  }
+  for (size_t i = mb.first; i < end; ++i) {
+    if (!segments[i].attends) continue;
     TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->StartAttend(tiers_, attends_[i]));
     started_[i] = 1;
   }
@@ -357,7 +374,9 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
   const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads;
   const int64_t I = c.intermediate_size;
   const int64_t n = mb.rows;
-  // Every started attend is finished (or, after an error, cancelled) before returning.
+  // Every started attend is finished (or, after an error, cancelled) before returning; the
+  // partial states the tiers queued are uploaded and merged together.
+  tiers_.ClearQueues();
   absl::Status status;
   for (size_t i = mb.first; i < mb.first + mb.count; ++i) {
     if (!started_[i]) continue;
@@ -375,6 +394,9 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
     }
   }
   TANDEM_RETURN_IF_ERROR(status);
+  const Clock::time_point t0 = Clock::now();
+  TANDEM_RETURN_IF_ERROR(tiers_.FlushMerges());
+  tiers_.profile().merge_upload_s += Seconds(t0);
 
   float* x = act_.x.as<float>() + mb.row0 * H;
   float* xn = act_.xn.as<float>() + mb.row0 * H;

@@ -34,35 +34,33 @@ double NodeTier::off_device_work() const {
 
 absl::Status NodeTier::BeginPass(TierContext&, size_t) { return absl::OkStatus(); }
 
-absl::Status NodeTier::StartAttend(TierContext& context, const AttendRows& rows) {
+absl::Status NodeTier::PrepareAttend(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
-  const int64_t row_bytes = w.num_q_heads * w.head_dim * 4;
-  Clock::time_point t0 = Clock::now();
-  TANDEM_RETURN_IF_ERROR(context.backend().CopyToHost2D(
-      rows.q_host, row_bytes, w.q, w.q_row_stride * 4, row_bytes, w.num_tokens));
-  context.profile().q_download_s += Seconds(t0);
+  const size_t row_bytes = w.num_q_heads * w.head_dim * 4;
+  context.QueueDownload(rows.q_host, row_bytes, w.q, w.q_row_stride * 4, row_bytes, w.num_tokens);
+  paged_ = false;
+  if (pages_ == nullptr) return absl::OkStatus();
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<bool> paged = ChoosePages(context, rows);
+  context.profile().select_s += Seconds(t0);
+  TANDEM_RETURN_IF_ERROR(paged.status());
+  paged_ = *paged;
+  return absl::OkStatus();
+}
+
+absl::Status NodeTier::StartAttend(TierContext&, const AttendRows& rows) {
+  const int64_t n = rows.window.num_tokens;
   // (A no-op for pages sessions: their pages are chosen with every step's queries.)
   if (rows.policy.reselect) {
     TANDEM_RETURN_IF_ERROR(
-        remote_->Reselect(rows.layer, rows.q_host, w.num_tokens, rows.policy.reselect_beta));
+        remote_->Reselect(rows.layer, rows.q_host, n, rows.policy.reselect_beta));
   }
-  const PageSelection* chosen = nullptr;
-  if (pages_ != nullptr) {
-    t0 = Clock::now();
-    absl::StatusOr<const PageSelection*> picked = ChoosePages(context, rows);
-    context.profile().select_s += Seconds(t0);
-    TANDEM_RETURN_IF_ERROR(picked.status());
-    chosen = *picked;
-  }
-  TANDEM_RETURN_IF_ERROR(remote_->StartAttend(rows.layer, rows.q_host, w.num_tokens, chosen));
-  paged_ = chosen != nullptr;
-  return absl::OkStatus();
+  return remote_->StartAttend(rows.layer, rows.q_host, n, paged_ ? &selection_ : nullptr);
 }
 
 absl::StatusOr<bool> NodeTier::FinishAttend(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
-  const int64_t n = w.num_tokens, Hq = w.num_q_heads, D = w.head_dim;
-  Clock::time_point t0 = Clock::now();
+  const Clock::time_point t0 = Clock::now();
   absl::StatusOr<bool> degraded = remote_->FinishAttend(rows.o_host, rows.lse_host);
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(degraded.status());
@@ -70,13 +68,8 @@ absl::StatusOr<bool> NodeTier::FinishAttend(TierContext& context, const AttendRo
       rows.policy.captured_mass != nullptr) {
     TANDEM_RETURN_IF_ERROR(MeasureCapturedMass(rows, rows.lse_host));
   }
-  t0 = Clock::now();
-  Backend& backend = context.backend();
-  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(rows.part_o, rows.o_host, n * Hq * D * 4));
-  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(rows.part_lse, rows.lse_host, n * Hq * 4));
-  TANDEM_RETURN_IF_ERROR(
-      backend.MergeStates({w.o, w.lse, rows.part_o, rows.part_lse, n * Hq, D}));
-  context.profile().merge_upload_s += Seconds(t0);
+  context.QueueMerge({rows.o_host, rows.lse_host, rows.part_o, rows.part_lse, w.o, w.lse,
+                      w.num_tokens * w.num_q_heads, w.head_dim});
   return *degraded;
 }
 
@@ -96,8 +89,7 @@ absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
       });
 }
 
-absl::StatusOr<const PageSelection*> NodeTier::ChoosePages(TierContext& context,
-                                                           const AttendRows& rows) {
+absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
   const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;
   if (rows.policy.pages == nullptr) {
@@ -107,10 +99,13 @@ absl::StatusOr<const PageSelection*> NodeTier::ChoosePages(TierContext& context,
   const int64_t num_pages = pages_->num_pages(rows.layer);
   const int64_t per_head = std::max<int64_t>(1, policy.select_tokens / pages_->page_tokens());
   // Dense layers and budgets that cover every page attend over everything (exact): no ids.
-  if (rows.layer < policy.dense_layers || per_head >= num_pages) return nullptr;
+  if (rows.layer < policy.dense_layers || per_head >= num_pages) return false;
 
   const size_t ids = static_cast<size_t>(n) * Hkv * per_head;
-  TANDEM_ASSIGN_OR_RETURN(int32_t* const selected, context.SelectedPages(ids));
+  if (selected_.bytes() < ids * 4) {
+    selected_.Reset();   // (its last reader, a download, has run)
+    TANDEM_ASSIGN_OR_RETURN(selected_, context.backend().Allocate(ids * 4));
+  }
   // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
   // (a long prefill chunk over a long context is cut into several calls).
   const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);
@@ -123,12 +118,12 @@ absl::StatusOr<const PageSelection*> NodeTier::ChoosePages(TierContext& context,
     const int64_t count = std::min(rows_per_call, n - r);
     TANDEM_RETURN_IF_ERROR(pages_->Select(rows.layer, w.q + r * w.q_row_stride, w.q_row_stride,
                                           count, w.num_q_heads, per_head,
-                                          selected + r * Hkv * per_head, scratch));
+                                          selected_.as<int32_t>() + r * Hkv * per_head, scratch));
   }
   page_ids_.resize(ids);
-  TANDEM_RETURN_IF_ERROR(context.backend().CopyToHost(page_ids_.data(), selected, ids * 4));
+  context.QueueDownload(page_ids_.data(), ids * 4, selected_.data(), ids * 4, ids * 4, 1);
   selection_ = PageSelection{page_ids_.data(), per_head};
-  return &selection_;
+  return true;
 }
 
 absl::Status NodeTier::MeasureCapturedMass(const AttendRows& rows, const float* selected_lse) {

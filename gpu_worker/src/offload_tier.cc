@@ -47,20 +47,68 @@ absl::Status TierContext::StartStreams() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int32_t*> TierContext::SelectedPages(size_t count) {
-  if (selected_pages_.bytes() < count * 4) {
-    selected_pages_.Reset();
-    TANDEM_ASSIGN_OR_RETURN(selected_pages_, backend_.Allocate(count * 4));
-  }
-  return selected_pages_.as<int32_t>();
-}
-
 absl::StatusOr<void*> TierContext::SelectScratch(size_t bytes) {
   if (select_scratch_.bytes() < bytes) {
     select_scratch_.Reset();
     TANDEM_ASSIGN_OR_RETURN(select_scratch_, backend_.Allocate(bytes));
   }
   return select_scratch_.data();
+}
+
+void TierContext::QueueDownload(void* dst_host, size_t dst_pitch, const void* src,
+                                size_t src_pitch, size_t row_bytes, size_t rows) {
+  if (!downloads_.empty()) {
+    Download& last = downloads_.back();
+    if (last.dst_pitch == dst_pitch && last.src_pitch == src_pitch &&
+        last.row_bytes == row_bytes &&
+        static_cast<char*>(last.dst) + last.rows * dst_pitch == dst_host &&
+        static_cast<const char*>(last.src) + last.rows * src_pitch == src) {
+      last.rows += rows;
+      return;
+    }
+  }
+  downloads_.push_back({dst_host, dst_pitch, src, src_pitch, row_bytes, rows});
+}
+
+absl::Status TierContext::FlushDownloads() {
+  // The first copy waits for the device's queued work; the others find it done.
+  for (const Download& d : downloads_) {
+    TANDEM_RETURN_IF_ERROR(
+        backend_.CopyToHost2D(d.dst, d.dst_pitch, d.src, d.src_pitch, d.row_bytes, d.rows));
+  }
+  downloads_.clear();
+  return absl::OkStatus();
+}
+
+void TierContext::QueueMerge(const HostState& state) {
+  if (!merges_.empty()) {
+    HostState& last = merges_.back();
+    const int64_t d = last.head_dim, r = last.rows;
+    if (d == state.head_dim && last.o_host + r * d == state.o_host &&
+        last.lse_host + r == state.lse_host && last.part_o + r * d == state.part_o &&
+        last.part_lse + r == state.part_lse && last.o + r * d == state.o &&
+        last.lse + r == state.lse) {
+      last.rows += state.rows;
+      return;
+    }
+  }
+  merges_.push_back(state);
+}
+
+absl::Status TierContext::FlushMerges() {
+  for (const HostState& m : merges_) {
+    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(m.part_o, m.o_host, m.rows * m.head_dim * 4));
+    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(m.part_lse, m.lse_host, m.rows * 4));
+    TANDEM_RETURN_IF_ERROR(
+        backend_.MergeStates({m.o, m.lse, m.part_o, m.part_lse, m.rows, m.head_dim}));
+  }
+  merges_.clear();
+  return absl::OkStatus();
+}
+
+void TierContext::ClearQueues() {
+  downloads_.clear();
+  merges_.clear();
 }
 
 absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,

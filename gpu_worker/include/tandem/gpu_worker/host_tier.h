@@ -3,7 +3,8 @@
 // exact). Its attention runs on the device: at FinishAttend the pass's KvStreamer (shared by
 // every host tier of the pass, TierContext::streamer) attends the rows over each uploaded page
 // and merges the page's state into the window's, while later pages are still uploading.
-// Nothing runs off the device, so StartAttend does nothing and off_device_work() is 0.
+// Nothing runs off the device, so PrepareAttend and StartAttend do nothing and
+// off_device_work() is 0.
 //
 // Not thread-safe: the engine's executor thread owns it with its sequence.
 #pragma once
@@ -28,6 +29,9 @@ class HostTier final : public OffloadTier {
 
   // Adds this tier's pages to the pass's streaming plan (when it has any).
   absl::Status BeginPass(TierContext& context, size_t stream) override;
+  absl::Status PrepareAttend(TierContext&, const AttendRows&) override {
+    return absl::OkStatus();
+  }
   absl::Status StartAttend(TierContext&, const AttendRows&) override { return absl::OkStatus(); }
   absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) override;
   // The pages planned for these rows stay unread; the next pass's plan drops them.

@@ -7,10 +7,12 @@
 // tokens and prefill chunks of sequences in any mode; every weight is read once for all of
 // them). A pass is a list of segments (sequence, tokens) whose rows are stacked; per layer:
 //   head:  x̂ = RMSNorm(x); [q|k|v] = x̂·Wqkvᵀ; RoPE(q, k); k, v -> each sequence's window slots;
-//          each tier starts its attention over the offloaded KV (CPU nodes: q goes out);
+//          each tier starts its attention over the offloaded KV (CPU nodes: q goes out; the
+//          downloads of every segment's q and page ids run together, one wait per layer);
 //          (O, LSE) = window attention per segment (causal by position; MAW when the tier
 //          wants it) is queued on the device
-//   tail:  each tier merges its partial state into (O, LSE) (the exact LSE merge);
+//   tail:  each tier merges its partial state into (O, LSE) (the exact LSE merge; the CPU
+//          nodes' states of adjacent segments are uploaded and merged as one);
 //          x += O·Woᵀ; x += down(SwiGLU(RMSNorm(x)·Wgate_upᵀ))
 // then the final norm and lm_head, and the eviction of window blocks beyond the window to the
 // sequence's tier.

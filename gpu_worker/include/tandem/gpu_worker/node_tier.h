@@ -2,10 +2,11 @@
 // attention nodes (RemoteKv), which attend where it lives; only q goes out and (O, LSE) come
 // back (DESIGN "One decode step, one layer").
 //
-// Per layer: StartAttend downloads q, re-selects after a new turn (MAW), picks the pages under
-// selection = pages (the page summaries are this tier's: PageIndex on the device, scored
-// against q, the chosen ids travel with q) and sends q to the nodes; FinishAttend waits for
-// their answers, uploads the partial state and merges it into the window's. Evicted blocks are
+// Per layer: PrepareAttend queues q's download and, under selection = pages, the choice of
+// pages (the page summaries are this tier's: PageIndex on the device, scored against q) and
+// their ids' download; StartAttend re-selects after a new turn (MAW) and sends q (with the ids)
+// to the nodes; FinishAttend waits for their answers and queues the upload and merge of the
+// partial state into the window's. Evicted blocks are
 // summarised into the page index (selection = pages) and appended to the nodes, MAW included,
 // so that page p of the index names the entries the nodes number p·page_tokens...
 //
@@ -33,6 +34,7 @@ class NodeTier final : public OffloadTier {
   double off_device_work() const override;
 
   absl::Status BeginPass(TierContext& context, size_t stream) override;
+  absl::Status PrepareAttend(TierContext& context, const AttendRows& rows) override;
   absl::Status StartAttend(TierContext& context, const AttendRows& rows) override;
   absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) override;
   void CancelAttend(TierContext& context, const AttendRows& rows) override;
@@ -49,9 +51,10 @@ class NodeTier final : public OffloadTier {
   PageIndex* page_index() { return pages_.get(); }   // null unless selection = pages
 
  private:
-  // Selection = pages: picks the pages of `rows` on the device and downloads their ids; nullptr
-  // when the layer attends over every page (a dense layer, or a budget that covers all).
-  absl::StatusOr<const PageSelection*> ChoosePages(TierContext& context, const AttendRows& rows);
+  // Selection = pages: queues the choice of the pages of `rows` on the device and the download
+  // of their ids; false when the layer attends over every page (a dense layer, or a budget
+  // that covers all).
+  absl::StatusOr<bool> ChoosePages(TierContext& context, const AttendRows& rows);
   // measure_captured_mass: the share of the offloaded softmax mass the chosen pages captured;
   // selected_lse [n, H_q] of the pages just attended.
   absl::Status MeasureCapturedMass(const AttendRows& rows, const float* selected_lse);
@@ -63,7 +66,8 @@ class NodeTier final : public OffloadTier {
   std::unique_ptr<RemoteKv> remote_;
   std::unique_ptr<PageIndex> pages_;
   bool paged_ = false;                     // the attend in flight names pages
-  std::vector<int32_t> page_ids_;          // host copy of its ids [n, H_kv, per_head]
+  DeviceBuffer selected_;                  // chosen page ids [n, H_kv, per_head] (device)
+  std::vector<int32_t> page_ids_;          // their host copy
   PageSelection selection_;
   std::vector<float> dense_o_, dense_lse_;   // measure_captured_mass
 };

@@ -13,13 +13,19 @@
 //
 // A pass, per sequence that has a tier and offloaded entries:
 //   BeginPass(context, stream)          once, before the first layer
-//   per layer: StartAttend(rows)  ...window attention queued on the device...  FinishAttend(rows)
-//              (or CancelAttend(rows) after an error elsewhere: nothing may outlive the pass)
+//   per layer, for the segments of a micro-batch together:
+//     PrepareAttend(rows) of each; context.FlushDownloads(); StartAttend(rows) of each;
+//     ...window attention queued on the device...
+//     FinishAttend(rows) of each (or CancelAttend(rows) after an error elsewhere: nothing may
+//     outlive the pass); context.FlushMerges()
 // and after the pass Append() of the window blocks that leave the device.
 //
-// StartAttend should return quickly: what runs off the device (the CPU nodes) overlaps with the
-// device's work until FinishAttend. off_device_work() tells the runner how much such work a row
-// brings, so that it can split a batch into micro-batches that alternate (DESIGN "ping-pong").
+// PrepareAttend queues device work and the downloads StartAttend needs (q, chosen page ids):
+// the context runs the downloads of all segments at once, so the host waits for the device
+// once per layer and micro-batch, not once per sequence. StartAttend should return quickly:
+// what runs off the device (the CPU nodes) overlaps with the device's work until FinishAttend.
+// off_device_work() tells the runner how much such work a row brings, so that it can split a
+// batch into micro-batches that alternate (DESIGN "ping-pong").
 //
 // Not thread-safe: the engine's executor thread drives the runner, the tiers and the context.
 #pragma once
@@ -50,10 +56,10 @@ struct CapturedMass {
 };
 
 // Where the host thread spent a pass's offloaded attention time (seconds, summed over layers
-// and passes). q_download waits for the device to finish the work queued before it (the copy
-// of q synchronises); select is page selection on the device and the download of the chosen
-// ids; cpu_wait is time blocked on CPU nodes in FinishAttend; merge_upload copies their partial
-// states to the device and queues the merge.
+// and passes). q_download waits for the device to finish the work queued before it and copies
+// q and the chosen page ids (FlushDownloads); select queues page selection on the device;
+// cpu_wait is time blocked on CPU nodes in FinishAttend; merge_upload copies their partial
+// states to the device and queues the merges (FlushMerges).
 struct OffloadProfile {
   double q_download_s = 0.0;
   double select_s = 0.0;
@@ -119,10 +125,32 @@ class TierContext {
   // The streamer of this pass; null when no host tier streams in it.
   KvStreamer* streamer() { return streaming_ ? streamer_.get() : nullptr; }
 
-  // --- Page selection scratch (device; grown on demand, contents unspecified). Valid until the
-  // next call of the same function; their users download results before returning.
-  absl::StatusOr<int32_t*> SelectedPages(size_t count);
+  // --- Page selection scratch (device; grown on demand, contents unspecified), shared by the
+  // selections queued one after the other on the device. Valid until the next call.
   absl::StatusOr<void*> SelectScratch(size_t bytes);
+
+  // --- Batched transfers of one micro-batch phase. Copies and merges queued by tiers run at
+  // Flush*, in queue order, neighbours coalesced (the rows of adjacent segments: one copy).
+  // Device -> host: `rows` rows of row_bytes from src (pitch src_pitch) to dst_host.
+  void QueueDownload(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
+                     size_t row_bytes, size_t rows);
+  absl::Status FlushDownloads();
+  // A partial state on the host, o_host [rows, head_dim] and lse_host [rows] (rows = tokens ·
+  // query heads), uploaded to the device scratch (part_o, part_lse) and merged into (o, lse).
+  struct HostState {
+    const float* o_host = nullptr;
+    const float* lse_host = nullptr;
+    float* part_o = nullptr;
+    float* part_lse = nullptr;
+    float* o = nullptr;
+    float* lse = nullptr;
+    int64_t rows = 0;
+    int64_t head_dim = 0;
+  };
+  void QueueMerge(const HostState& state);
+  absl::Status FlushMerges();
+  // Drops what a failed phase left queued.
+  void ClearQueues();
 
   // --- Evictions: reads `blocks` of every layer of `window` into host staging and calls
   // sink(layer, k, v, maw, tokens, window_entries) once per layer, in layer order, with
@@ -143,7 +171,17 @@ class TierContext {
   std::unique_ptr<KvStreamer> streamer_;   // created by the first pass with a host tier
   std::vector<const OffloadedKv*> streams_;   // [segments] of the pass; nullptr = none
   bool streaming_ = false;
-  DeviceBuffer selected_pages_, select_scratch_;
+  struct Download {
+    void* dst = nullptr;
+    size_t dst_pitch = 0;
+    const void* src = nullptr;
+    size_t src_pitch = 0;
+    size_t row_bytes = 0;
+    size_t rows = 0;
+  };
+  std::vector<Download> downloads_;
+  std::vector<HostState> merges_;
+  DeviceBuffer select_scratch_;
   std::vector<char> evict_k_, evict_v_;
   std::vector<float> evict_maw_;
 };
@@ -165,12 +203,17 @@ class OffloadTier {
 
   // Once per pass before the first layer; `stream` is the segment's index in the pass.
   virtual absl::Status BeginPass(TierContext& context, size_t stream) = 0;
-  // Starts the attention of `rows` over the offloaded KV of rows.layer. On success exactly one
-  // FinishAttend or CancelAttend with the same rows must follow before the next StartAttend.
+  // Queues on the device, and in context.QueueDownload, what StartAttend of `rows` needs on the
+  // host. Nothing leaves the worker yet (an error here needs no cancel).
+  virtual absl::Status PrepareAttend(TierContext& context, const AttendRows& rows) = 0;
+  // Starts the attention of `rows` over the offloaded KV of rows.layer (the context's downloads
+  // have run). On success exactly one FinishAttend or CancelAttend with the same rows must
+  // follow before the next PrepareAttend.
   virtual absl::Status StartAttend(TierContext& context, const AttendRows& rows) = 0;
-  // Merges the tier's partial state of `rows` into rows.window.o / lse (device); the window's
-  // attention must have been queued. Returns true when part of it is missing (a CPU node did
-  // not answer in time: the step is degraded but valid, the missing part counts as empty).
+  // Merges the tier's partial state of `rows` into rows.window.o / lse (device), at once or by
+  // context.QueueMerge (done at FlushMerges); the window's attention must have been queued.
+  // Returns true when part of it is missing (a CPU node did not answer in time: the step is
+  // degraded but valid, the missing part counts as empty).
   virtual absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) = 0;
   // Ends a started attend without merging (after an error elsewhere in the pass): waits for
   // what runs off the device so that nothing outlives the pass.
