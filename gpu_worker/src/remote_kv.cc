@@ -8,17 +8,14 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "node_link.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/cpu_attention/shm_protocol.h"
 #include "spdlog/spdlog.h"
 
 namespace tandem::gpu_worker {
 namespace {
-
-// Largest payload of one AppendKv message; a longer eviction is split by tokens.
-constexpr size_t kAppendMessageBytes = 4 << 20;
 
 v1::DType WireType(DType dtype) { return dtype == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
 
@@ -33,21 +30,6 @@ absl::Status NodeError(const std::string& address, const char* what, const absl:
 
 absl::Status NodeError(const std::string& address, const char* what, const grpc::Status& s) {
   return NodeError(address, what, FromGrpcStatus(s));
-}
-
-// The status a node wrote into a shm response (its header and error text), bounded by `message`.
-absl::Status ShmStatus(std::span<const std::byte> message, cpu_attention::shm::ResponseHeader* h) {
-  namespace shm = cpu_attention::shm;
-  if (message.size() < shm::kPayloadOffset) {
-    return absl::DataLossError("shm response shorter than its header");
-  }
-  std::memcpy(h, message.data(), sizeof(*h));
-  if (h->code == 0) return absl::OkStatus();
-  const size_t text = std::min<size_t>(h->message_bytes, message.size() - shm::kPayloadOffset);
-  const absl::StatusCode code = h->code <= 16 ? static_cast<absl::StatusCode>(h->code)
-                                              : absl::StatusCode::kUnknown;
-  return absl::Status(
-      code, std::string(reinterpret_cast<const char*>(message.data()) + shm::kPayloadOffset, text));
 }
 
 }  // namespace
@@ -78,6 +60,7 @@ void RemoteKv::GrowNodeSlots() {
   opened_.resize(n, false);
   lost_.resize(n, false);
   shm_.resize(n);
+  grpc_.resize(n);
   node_rate_.resize(n, 0.0);
 }
 
@@ -224,7 +207,7 @@ absl::Status RemoteKv::OpenOn(size_t n, NodeTransport transport,
   if (!s.ok()) return NodeError(pool_.address(n), "OpenSession", s);
   opened_[n] = true;
   if (channel != nullptr && response.transport() == v1::TRANSPORT_SHM) {
-    shm_[n] = std::move(channel);
+    shm_[n] = std::make_unique<ShmLink>(std::move(channel), pool_.address(n), Session());
   } else if (transport == NodeTransport::kShm) {
     return absl::FailedPreconditionError(
         absl::StrCat("CPU node ", pool_.address(n), " declined shared memory: ",
@@ -255,142 +238,15 @@ absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const
     if (heads.empty()) continue;
     const absl::Status s =
         shm_[n] != nullptr
-            ? AppendShm(n, layer, heads, k, v, maw, num_tokens, window_entries)
-            : AppendGrpc(n, layer, heads, k, v, maw, num_tokens, window_entries);
+            ? shm_[n]->Append(layer, heads, k, v, maw, num_tokens, window_entries,
+                              &shm_append_chunks_)
+            : Grpc(n).Append(layer, heads, k, v, maw, num_tokens, window_entries);
     if (!s.ok()) {
       lost_[n] = true;
       return s;
     }
   }
   if (layer == options_.num_layers - 1) offloaded_tokens_ += num_tokens;
-  return absl::OkStatus();
-}
-
-absl::Status RemoteKv::AppendGrpc(size_t n, int64_t layer, const std::vector<uint32_t>& heads,
-                                  const void* k, const void* v, const float* maw,
-                                  int64_t num_tokens, int64_t window_entries) {
-  const size_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
-  const int64_t per_message = std::max<int64_t>(
-      1, static_cast<int64_t>(kAppendMessageBytes / (2 * row * heads.size())));
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, options_.control_deadline_ms);
-  v1::AppendKvResponse response;
-  auto writer = pool_.stub(n).AppendKv(&ctx, &response);
-  bool write_ok = true;
-  for (int64_t t0 = 0; t0 < num_tokens && write_ok; t0 += per_message) {
-    const int64_t count = std::min(per_message, num_tokens - t0);
-    v1::AppendKvRequest request;
-    request.set_session_id(options_.session_id);
-    request.set_layer(layer);
-    request.set_window_entries(window_entries);
-    for (uint32_t h : heads) request.add_kv_heads(h);
-    std::string* kd = nullptr;
-    std::string* vd = nullptr;
-    for (auto [tensor, data] : {std::pair{request.mutable_k(), &kd},
-                                std::pair{request.mutable_v(), &vd}}) {
-      tensor->set_dtype(WireType(options_.kv_dtype));
-      tensor->add_shape(heads.size());
-      tensor->add_shape(count);
-      tensor->add_shape(options_.head_dim);
-      *data = tensor->mutable_data();
-      (*data)->resize(heads.size() * count * row);
-    }
-    auto* mt = request.mutable_maw();
-    mt->set_dtype(v1::DTYPE_F32);
-    mt->add_shape(heads.size());
-    mt->add_shape(count);
-    std::string* md = mt->mutable_data();
-    md->resize(heads.size() * count * sizeof(float));
-    for (size_t i = 0; i < heads.size(); ++i) {
-      const size_t src = (heads[i] * num_tokens + t0) * row;
-      std::memcpy(kd->data() + i * count * row, static_cast<const char*>(k) + src, count * row);
-      std::memcpy(vd->data() + i * count * row, static_cast<const char*>(v) + src, count * row);
-      std::memcpy(md->data() + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
-                  count * sizeof(float));
-    }
-    write_ok = writer->Write(request);
-  }
-  writer->WritesDone();
-  const grpc::Status s = writer->Finish();
-  if (!s.ok()) return NodeError(pool_.address(n), "AppendKv", s);
-  return absl::OkStatus();
-}
-
-absl::Status RemoteKv::AppendShm(size_t n, int64_t layer, const std::vector<uint32_t>& heads,
-                                 const void* k, const void* v, const float* maw,
-                                 int64_t num_tokens, int64_t window_entries) {
-  namespace shm = cpu_attention::shm;
-  cpu_attention::ShmChannel& channel = *shm_[n];
-  const size_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
-  const Clock::time_point deadline =
-      Clock::now() + std::chrono::milliseconds(options_.control_deadline_ms);
-  // An Attend that missed its deadline may still run on the node: let it finish first.
-  if (channel.Busy()) {
-    const absl::Status drained = channel.WaitResponse(deadline).status();
-    if (!drained.ok()) return NodeError(pool_.address(n), "AppendKv over shm", drained);
-  }
-  // Two halves of the request area take alternate chunks: the next chunk is copied in while
-  // the node stores the previous one (one request is still outstanding at a time).
-  const std::span<std::byte> area = channel.request_area();
-  const uint64_t half = (area.size() / 2) & ~uint64_t{63};
-  const uint64_t bases[2] = {shm::kPayloadOffset, std::max<uint64_t>(half, shm::kPayloadOffset)};
-  // Bytes a chunk may take from its base without reaching the other slot or the area's end.
-  const uint64_t room = std::min(area.size() - bases[1], bases[1] - bases[0]);
-  const uint64_t budget = std::min(room, std::max<uint64_t>(options_.shm_append_chunk_bytes, 1));
-  const uint64_t per_token = heads.size() * (2 * row + sizeof(float));
-  const uint64_t overhead = 4 * 64 + heads.size() * sizeof(uint32_t);
-  int64_t chunk = static_cast<int64_t>(
-      std::min<uint64_t>(65536, budget > overhead ? (budget - overhead) / per_token : 0));
-  auto fits = [&](int64_t tokens) {
-    return shm::AppendLayoutFor(heads.size(), tokens, row, bases[0])->end <= bases[1] &&
-           shm::AppendLayoutFor(heads.size(), tokens, row, bases[1])->end <= area.size();
-  };
-  while (chunk > 0 && !fits(chunk)) --chunk;
-  if (chunk <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("the shm request area of ", area.size(),
-                                                   " bytes holds no append chunk"));
-  }
-  // Copies chunk `index` (tokens [index * chunk, ...)) into its slot; returns its layout.
-  auto fill = [&](int64_t index) {
-    const int64_t t0 = index * chunk;
-    const int64_t count = std::min(chunk, num_tokens - t0);
-    const shm::AppendLayout layout =
-        *shm::AppendLayoutFor(heads.size(), count, row, bases[index % 2]);
-    std::byte* dst = area.data();
-    std::memcpy(dst + layout.heads, heads.data(), heads.size() * sizeof(uint32_t));
-    // Head-major source [H_kv, num_tokens, D]: one contiguous run per head and array.
-    for (size_t i = 0; i < heads.size(); ++i) {
-      const size_t src = (heads[i] * num_tokens + t0) * row;
-      std::memcpy(dst + layout.k + i * count * row, static_cast<const char*>(k) + src,
-                  count * row);
-      std::memcpy(dst + layout.v + i * count * row, static_cast<const char*>(v) + src,
-                  count * row);
-      std::memcpy(dst + layout.maw + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
-                  count * sizeof(float));
-    }
-    return std::pair{layout, count};
-  };
-  const int64_t chunks = (num_tokens + chunk - 1) / chunk;
-  auto next = fill(0);
-  for (int64_t index = 0; index < chunks; ++index) {
-    const auto [layout, count] = next;
-    shm::RequestHeader header{};
-    header.kind = static_cast<uint32_t>(shm::Kind::kAppend);
-    header.layer = static_cast<uint32_t>(layer);
-    header.num_tokens = static_cast<uint32_t>(count);
-    header.num_heads = static_cast<uint32_t>(heads.size());
-    header.window_entries = static_cast<uint32_t>(window_entries);
-    header.payload_offset = static_cast<uint32_t>(bases[index % 2]);
-    std::memcpy(area.data(), &header, sizeof(header));
-    TANDEM_RETURN_IF_ERROR(channel.Send(layout.end));
-    if (index + 1 < chunks) next = fill(index + 1);   // overlaps with the node's copy
-    absl::StatusOr<std::span<const std::byte>> answer = channel.WaitResponse(deadline);
-    if (!answer.ok()) return NodeError(pool_.address(n), "AppendKv over shm", answer.status());
-    shm::ResponseHeader rh;
-    const absl::Status s = ShmStatus(*answer, &rh);
-    if (!s.ok()) return NodeError(pool_.address(n), "AppendKv over shm", s);
-    ++shm_append_chunks_;
-  }
   return absl::OkStatus();
 }
 
@@ -413,147 +269,88 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
     }
     if (pages->per_head == 0) pages = nullptr;   // no ids: dense, as without pages
   }
-  const size_t page_ids =
-      pages == nullptr ? 0 : num_tokens * options_.num_kv_heads * pages->per_head;
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
-  const size_t q_bytes = num_tokens * options_.num_q_heads * options_.head_dim * sizeof(float);
+  NodeQuery query{layer, q, num_tokens, pages, 0};
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
     if (shm_[n] != nullptr) {
-      const ShmStart started = StartAttendShm(n, q, pages);
-      if (started == ShmStart::kSent) shm_calls_.push_back(n);
+      // The node answers for every head it holds, shards still migrating in included.
+      query.answer_heads = static_cast<int64_t>(HeadsOf(n, layer).size());
+      for (const auto& [shard, to] : migrating_) {
+        if (to == n && static_cast<int64_t>(shard) / options_.num_kv_heads == layer) {
+          ++query.answer_heads;
+        }
+      }
+      const ShmLink::Start started = shm_[n]->StartAttend(query);
+      if (started == ShmLink::Start::kSent) {
+        shm_calls_.push_back(n);
+        ++shm_attends_;
+      }
       // A busy channel leaves the node unanswered (degraded); a query too large for the areas
       // goes over gRPC.
-      if (started != ShmStart::kTooLarge) continue;
+      if (started != ShmLink::Start::kTooLarge) continue;
     }
-    auto call = std::make_unique<PendingCall>();
-    call->node = n;
-    call->request.set_layer(layer);
-    auto* query = call->request.add_queries();
-    query->set_session_id(options_.session_id);
-    auto* qt = query->mutable_q();
-    qt->set_dtype(v1::DTYPE_F32);
-    qt->add_shape(num_tokens);
-    qt->add_shape(options_.num_q_heads);
-    qt->add_shape(options_.head_dim);
-    qt->mutable_data()->assign(reinterpret_cast<const char*>(q), q_bytes);
-    if (pages != nullptr) {
-      query->set_pages_per_head(static_cast<uint32_t>(pages->per_head));
-      query->mutable_pages()->Add(pages->ids, pages->ids + page_ids);
-    }
-    SetDeadline(call->context, options_.attend_deadline_ms);
-    calls_.push_back(std::move(call));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    outstanding_ = calls_.size();
-  }
-  for (auto& call : calls_) {
-    PendingCall* c = call.get();
-    pool_.stub(c->node).async()->Attend(&c->context, &c->request, &c->response,
-                                        [this, c](grpc::Status status) {
-                                          std::lock_guard<std::mutex> lock(mu_);
-                                          c->status = std::move(status);
-                                          if (--outstanding_ == 0) done_cv_.notify_all();
-                                        });
+    Grpc(n).StartAttend(query);
+    grpc_calls_.push_back(n);
   }
   return absl::OkStatus();
 }
 
-RemoteKv::ShmStart RemoteKv::StartAttendShm(size_t n, const float* q,
-                                            const PageSelection* pages) {
-  namespace shm = cpu_attention::shm;
-  cpu_attention::ShmChannel& channel = *shm_[n];
-  // The node answers for every head it holds, shards still migrating in included.
-  int64_t own = static_cast<int64_t>(HeadsOf(n, attend_layer_).size());
-  for (const auto& [shard, to] : migrating_) {
-    if (to == n && static_cast<int64_t>(shard) / options_.num_kv_heads == attend_layer_) ++own;
-  }
-  const int64_t G = options_.num_q_heads / options_.num_kv_heads;
-  const uint64_t per_head = pages == nullptr ? 0 : static_cast<uint64_t>(pages->per_head);
-  const std::optional<shm::AttendRequestLayout> request = shm::AttendRequestLayoutFor(
-      attend_tokens_, options_.num_q_heads, options_.head_dim, options_.num_kv_heads, per_head);
-  const std::optional<shm::AttendLayout> answer =
-      shm::AttendLayoutFor(own, attend_tokens_, G, options_.head_dim);
-  if (!request || !answer || request->end > channel.request_area().size() ||
-      answer->end > channel.response_area().size()) {
-    return ShmStart::kTooLarge;
-  }
-  if (channel.Busy()) return ShmStart::kBusy;
-  std::byte* dst = channel.request_area().data();
-  shm::RequestHeader header{};
-  header.kind = static_cast<uint32_t>(shm::Kind::kAttend);
-  header.layer = static_cast<uint32_t>(attend_layer_);
-  header.num_tokens = static_cast<uint32_t>(attend_tokens_);
-  header.pages_per_head = static_cast<uint32_t>(per_head);
-  std::memcpy(dst, &header, sizeof(header));
-  std::memcpy(dst + request->q, q, request->q_floats * sizeof(float));
-  if (request->page_ids > 0) {
-    std::memcpy(dst + request->pages, pages->ids, request->page_ids * sizeof(int32_t));
-  }
-  if (!channel.Send(request->end).ok()) return ShmStart::kBusy;
-  ++shm_attends_;
-  return ShmStart::kSent;
+GrpcLink& RemoteKv::Grpc(size_t node) {
+  if (grpc_[node] == nullptr) grpc_[node] = std::make_unique<GrpcLink>(pool_, node, Session());
+  return *grpc_[node];
 }
 
-bool RemoteKv::FinishAttendShm(size_t n, float* o, float* lse, LayerSelection* selection) {
-  namespace shm = cpu_attention::shm;
-  absl::StatusOr<std::span<const std::byte>> answer = shm_[n]->WaitResponse(attend_deadline_);
-  if (!answer.ok()) return false;
-  shm::ResponseHeader h;
-  if (!ShmStatus(*answer, &h).ok()) return false;
-  // Everything below was written by the node: check it against what was asked.
-  const int64_t G = options_.num_q_heads / options_.num_kv_heads;
-  if (h.num_tokens != attend_tokens_ || h.group != G || h.head_dim != options_.head_dim ||
-      h.num_heads > options_.num_kv_heads) {
-    return false;
-  }
-  const std::optional<shm::AttendLayout> layout =
-      shm::AttendLayoutFor(h.num_heads, h.num_tokens, h.group, h.head_dim);
-  if (!layout || layout->end > answer->size()) return false;
-  const std::byte* base = answer->data();
-  const std::span<const uint32_t> kv_heads(reinterpret_cast<const uint32_t*>(base + layout->kv_heads),
-                                           h.num_heads);
-  Scatter(n, kv_heads, reinterpret_cast<const float*>(base + layout->o),
-          reinterpret_cast<const float*>(base + layout->lse), o, lse);
-  const std::span<const uint64_t> selected(
-      reinterpret_cast<const uint64_t*>(base + layout->selected), h.num_heads);
-  const std::span<const uint64_t> held(reinterpret_cast<const uint64_t*>(base + layout->held),
-                                       h.num_heads);
-  for (uint32_t i = 0; i < h.num_heads; ++i) {
-    if (kv_heads[i] >= options_.num_kv_heads || NodeOf(attend_layer_, kv_heads[i]) != n) continue;
-    selection->selected += selected[i];
-    selection->held += held[i];
-  }
-  RecordAnswer(n, kv_heads, selected, held, h.compute_micros, h.bytes_scanned);
-  return true;
+LinkSession RemoteKv::Session() const {
+  LinkSession s;
+  s.session_id = options_.session_id;
+  s.num_q_heads = options_.num_q_heads;
+  s.num_kv_heads = options_.num_kv_heads;
+  s.head_dim = options_.head_dim;
+  s.kv_dtype = options_.kv_dtype;
+  s.attend_deadline_ms = options_.attend_deadline_ms;
+  s.control_deadline_ms = options_.control_deadline_ms;
+  s.shm_append_chunk_bytes = options_.shm_append_chunk_bytes;
+  return s;
 }
 
-void RemoteKv::Scatter(size_t node, std::span<const uint32_t> kv_heads, const float* src_o,
-                       const float* src_lse, float* o, float* lse) const {
+void RemoteKv::TakeAnswer(size_t node, const NodeAnswer& answer, float* o, float* lse,
+                          LayerSelection* selection) {
   const int64_t T = attend_tokens_, Hq = options_.num_q_heads, D = options_.head_dim;
   const int64_t G = Hq / options_.num_kv_heads;
+  const std::span<const uint32_t> kv_heads = answer.kv_heads;
   const int64_t own = static_cast<int64_t>(kv_heads.size());
+  // Heads outside the model or not placed on this node are skipped.
+  auto mine = [&](int64_t h) {
+    return kv_heads[h] < options_.num_kv_heads && NodeOf(attend_layer_, kv_heads[h]) == node;
+  };
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t h = 0; h < own; ++h) {
+      if (!mine(h)) continue;
       const int64_t kv_head = kv_heads[h];
-      if (kv_head >= options_.num_kv_heads || NodeOf(attend_layer_, kv_head) != node) continue;
       for (int64_t j = 0; j < G; ++j) {
         const int64_t src_row = t * own * G + h * G + j;
         const int64_t dst_row = t * Hq + kv_head * G + j;
-        std::memcpy(o + dst_row * D, src_o + src_row * D, D * sizeof(float));
-        lse[dst_row] = src_lse[src_row];
+        std::memcpy(o + dst_row * D, answer.o + src_row * D, D * sizeof(float));
+        lse[dst_row] = answer.lse[src_row];
       }
     }
   }
+  if (answer.selected.empty()) return;   // (a gRPC answer without counters)
+  for (int64_t h = 0; h < own; ++h) {
+    if (!mine(h)) continue;
+    selection->selected += answer.selected[h];
+    selection->held += answer.held[h];
+  }
+  RecordAnswer(node, kv_heads, answer.selected, answer.held, answer.compute_micros,
+               answer.bytes_scanned);
 }
 
 absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
   if (attend_layer_ < 0) return absl::FailedPreconditionError("no Attend in flight");
   const int64_t T = attend_tokens_, Hq = options_.num_q_heads, D = options_.head_dim;
-  const int64_t G = Hq / options_.num_kv_heads;
   std::fill_n(o, T * Hq * D, 0.0f);
   std::fill_n(lse, T * Hq, -std::numeric_limits<float>::infinity());
   const int64_t layer = attend_layer_;
@@ -562,42 +359,23 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
   // for.
   std::vector<bool> answered(opened_.size(), false);
   LayerSelection selection;
-  for (size_t n : shm_calls_) answered[n] = FinishAttendShm(n, o, lse, &selection);
+  for (size_t n : shm_calls_) {
+    if (std::optional<NodeAnswer> answer = shm_[n]->FinishAttend(attend_deadline_)) {
+      TakeAnswer(n, *answer, o, lse, &selection);
+      answered[n] = true;
+    }
+  }
   shm_calls_.clear();
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return outstanding_ == 0; });
-  }
-  for (auto& call : calls_) {
-    if (!call->status.ok() || call->response.results_size() != 1) continue;
-    const v1::AttendResult& r = call->response.results(0);
-    const int64_t own = r.kv_heads_size();
-    if (r.o().data().size() != static_cast<size_t>(T * own * G * D) * 4 ||
-        r.lse().data().size() != static_cast<size_t>(T * own * G) * 4) {
-      continue;
+  for (size_t n : grpc_calls_) {
+    if (std::optional<NodeAnswer> answer = grpc_[n]->FinishAttend()) {
+      TakeAnswer(n, *answer, o, lse, &selection);
+      answered[n] = true;
     }
-    const std::span<const uint32_t> kv_heads(r.kv_heads().data(), static_cast<size_t>(own));
-    Scatter(call->node, kv_heads, reinterpret_cast<const float*>(r.o().data().data()),
-            reinterpret_cast<const float*>(r.lse().data().data()), o, lse);
-    if (r.selected_size() == own && r.held_size() == own) {
-      for (int i = 0; i < own; ++i) {
-        if (r.kv_heads(i) >= options_.num_kv_heads || NodeOf(layer, r.kv_heads(i)) != call->node) {
-          continue;
-        }
-        selection.selected += r.selected(i);
-        selection.held += r.held(i);
-      }
-      RecordAnswer(call->node, kv_heads,
-                   std::span<const uint64_t>(r.selected().data(), static_cast<size_t>(own)),
-                   std::span<const uint64_t>(r.held().data(), static_cast<size_t>(own)),
-                   call->response.compute_micros(), call->response.bytes_scanned());
-    }
-    answered[call->node] = true;
   }
+  grpc_calls_.clear();
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!HeadsOf(n, layer).empty() && !answered[n]) degraded = true;
   }
-  calls_.clear();
   attend_layer_ = -1;
   last_selection_[layer] = selection;
   if (selection.held > 0) {
@@ -643,9 +421,10 @@ absl::Status RemoteKv::Reselect(int64_t layer, const float* q, int64_t num_token
 absl::Status RemoteKv::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
-  if (attend_layer_ >= 0) {   // never leave a completion pointing at this object
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return outstanding_ == 0; });
+  if (attend_layer_ >= 0) {   // never leave a completion pointing at a link
+    for (const std::unique_ptr<GrpcLink>& link : grpc_) {
+      if (link != nullptr) link->Join();
+    }
   }
   migrator_.reset();   // stops the copy in progress; the targets' sessions close below
   absl::Status first_error;

@@ -19,24 +19,23 @@
 // degraded and counted. A node whose AppendKv fails has lost entries, so it is marked lost for
 // this sequence and every later Attend of its heads is degraded too.
 //
-// Transport (per node, chosen at Open; see NodeTransport): over shared memory (a node on this
-// host, cpu_attention/shm_channel.h) StartAttend writes q into the session's segment and wakes
-// the node, FinishAttend spins and then sleeps in a futex until the answer or the attend
-// deadline, and Append streams the blocks in chunks that fill the request area. An Attend too
-// large for the areas (a long prefill chunk) goes over gRPC. A node that has not answered the
-// previous shm request yet (it missed a deadline) is skipped for the next Attend (degraded).
-// Control calls (OpenSession, Reselect, CloseSession) always use gRPC.
+// Transport (per node, chosen at Open; see NodeTransport): the data path goes through a node
+// link (src/node_link.h): over shared memory (a node on this host) StartAttend writes q into the
+// session's segment and wakes the node, FinishAttend spins and then sleeps in a futex until the
+// answer or the attend deadline, and Append streams the blocks in chunks that fill the request
+// area; otherwise gRPC. An Attend too large for the areas (a long prefill chunk) goes over gRPC.
+// A node that has not answered the previous shm request yet (it missed a deadline) is skipped
+// for the next Attend (degraded). Control calls (OpenSession, Reselect, CloseSession) always
+// use gRPC.
 //
 // Not thread-safe: one thread (the engine's executor) drives a RemoteKv; the gRPC completions
 // of StartAttend land on gRPC threads and are joined by FinishAttend.
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -46,7 +45,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "tandem/cpu_attention/shm_channel.h"
 #include "tandem/gpu_worker/dtype.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/page_selection.h"
@@ -54,6 +52,11 @@
 #include "tandem/gpu_worker/shard_migrator.h"
 
 namespace tandem::gpu_worker {
+
+class GrpcLink;
+class ShmLink;
+struct LinkSession;
+struct NodeAnswer;
 
 // kBalanced: cost-model planning and live re-planning. kUniform: the cost-blind spread (the
 // baseline); its shards move only off nodes that stop accepting.
@@ -203,13 +206,6 @@ class RemoteKv {
   const RemoteKvOptions& options() const { return options_; }
 
  private:
-  struct PendingCall {
-    grpc::ClientContext context;
-    v1::AttendRequest request;
-    v1::AttendResponse response;
-    grpc::Status status;
-    size_t node = 0;
-  };
   using Clock = std::chrono::steady_clock;
   RemoteKv(NodePool& pool, const RemoteKvOptions& options);
   std::vector<uint32_t> HeadsOf(size_t node, int64_t layer) const;
@@ -252,22 +248,14 @@ class RemoteKv {
   // Counts a node's shards (placed or arriving by migration).
   size_t ShardsOn(size_t node) const;
   absl::Status OpenOn(size_t node, NodeTransport transport, v1::OpenSessionRequest& request);
-  absl::Status AppendGrpc(size_t node, int64_t layer, const std::vector<uint32_t>& heads,
-                          const void* k, const void* v, const float* maw, int64_t num_tokens,
-                          int64_t window_entries);
-  absl::Status AppendShm(size_t node, int64_t layer, const std::vector<uint32_t>& heads,
-                         const void* k, const void* v, const float* maw, int64_t num_tokens,
-                         int64_t window_entries);
-  // Sends q over node's channel. kTooLarge: q or the answer exceeds the areas (use gRPC);
-  // kBusy: the node has not answered the previous request yet.
-  enum class ShmStart { kSent, kBusy, kTooLarge };
-  ShmStart StartAttendShm(size_t node, const float* q, const PageSelection* pages);
-  // Waits for node's shm answer and scatters it; false when it is missing or malformed.
-  bool FinishAttendShm(size_t node, float* o, float* lse, LayerSelection* selection);
-  // Writes one node's answer (rows h*G+j of its owned heads) into the all-heads o and lse.
-  // Heads the placement does not give to `node` (a shard still migrating in) are ignored.
-  void Scatter(size_t node, std::span<const uint32_t> kv_heads, const float* src_o,
-               const float* src_lse, float* o, float* lse) const;
+  // The gRPC link to `node` (made on first use), and what links know of the session.
+  GrpcLink& Grpc(size_t node);
+  LinkSession Session() const;
+  // Writes one node's answer (rows h*G+j of its owned heads) into the all-heads o and lse, and
+  // records it (selection counters into *selection, RecordAnswer). Heads the placement does not
+  // give to `node` (a shard still migrating in) are ignored.
+  void TakeAnswer(size_t node, const NodeAnswer& answer, float* o, float* lse,
+                  LayerSelection* selection);
   // Records one node's answer: per-head selection counters and its scan rate.
   void RecordAnswer(size_t node, std::span<const uint32_t> kv_heads,
                     std::span<const uint64_t> selected, std::span<const uint64_t> held,
@@ -277,19 +265,18 @@ class RemoteKv {
   RemoteKvOptions options_;
   std::vector<bool> opened_;    // per node: OpenSession succeeded
   std::vector<bool> lost_;      // per node: an AppendKv failed, its entries are incomplete
-  // Per node: its shared-memory channel, or null when it is served over gRPC.
-  std::vector<std::unique_ptr<cpu_attention::ShmChannel>> shm_;
+  // Per node: its shared-memory link, or null when it is served over gRPC; its gRPC link (for
+  // appends and attends without shm, and attends too large for the channel).
+  std::vector<std::unique_ptr<ShmLink>> shm_;
+  std::vector<std::unique_ptr<GrpcLink>> grpc_;
   bool closed_ = false;
   int64_t offloaded_tokens_ = 0;
 
   // The Attend in flight.
   int64_t attend_layer_ = -1;
   int64_t attend_tokens_ = 0;
-  std::vector<std::unique_ptr<PendingCall>> calls_;
-  std::mutex mu_;
-  std::condition_variable done_cv_;
-  size_t outstanding_ = 0;   // guarded by mu_
   std::vector<size_t> shm_calls_;        // nodes with an Attend sent over shm
+  std::vector<size_t> grpc_calls_;       // nodes with an Attend sent over gRPC
   Clock::time_point attend_deadline_;
 
   // Placement: node per shard, and the shards being copied to another node (shard -> target).
