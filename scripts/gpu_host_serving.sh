@@ -27,6 +27,14 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 model=/tmp/llama3-8b
 tandem-geometry --preset=llama3-8b --config_only --out="$model" > /dev/null
 cp "$TANDEM_SHARED_DIR"/models/gutenberg-14m/tokenizer*.json "$model"/
+# The tokenizer's special ids replace Llama-3's (128000/128001 are not in its vocabulary).
+python3 - "$model/config.json" "$TANDEM_SHARED_DIR/models/gutenberg-14m/config.json" <<'PY'
+import json, sys
+config, donor = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+for key in ("bos_token_id", "eos_token_id"):
+    config[key] = donor.get(key, 0)
+json.dump(config, open(sys.argv[1], "w"), indent=2)
+PY
 
 # start_worker NAME ARGS...: a worker on a free port; sets $port and $wpid.
 start_worker() {
