@@ -41,6 +41,9 @@ ABSL_FLAG(int64_t, max_batch, 64,
           "requests decoded together in one step (continuous batching); <= step_tokens");
 ABSL_FLAG(int64_t, step_tokens, 0,
           "tokens one step feeds (decode tokens + prefill chunks); 0 = prefill_chunk");
+ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
+          "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
+          "request that does not fit waits for others to end; 0 = the device's memory");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu or hybrid");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
@@ -106,6 +109,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   e.random_weights = absl::GetFlag(FLAGS_random_weights);
+  e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);

@@ -64,6 +64,25 @@ absl::StatusOr<WindowCache> WindowCache::Create(Backend& backend, const WindowGe
   return cache;
 }
 
+size_t WindowCache::BytesFor(const WindowGeometry& geometry, const WindowOptions& options) {
+  const bool unlimited = options.window == WindowOptions::kUnlimited;
+  if (options.block < 1 || options.max_chunk < 1 || options.max_context < 1 || options.sink < 0 ||
+      (!unlimited && options.window < options.block)) {
+    return 0;
+  }
+  // The capacity rule of Create.
+  const int64_t sink = std::min(options.sink, options.max_context);
+  const int64_t recent_span =
+      unlimited ? std::max<int64_t>(options.max_context - sink, 0)
+                : std::min(options.window + options.max_chunk, options.max_context);
+  const int64_t ring_blocks = std::max<int64_t>(CeilDiv(recent_span, options.block), 1);
+  const size_t capacity = static_cast<size_t>(sink + ring_blocks * options.block);
+  const size_t per_layer_head = capacity * (2 * geometry.head_dim * DTypeBytes(geometry.dtype) +
+                                            sizeof(float));   // K, V and MAW
+  return static_cast<size_t>(geometry.num_layers * geometry.num_kv_heads) * per_layer_head +
+         capacity * 4;   // + the slot -> position table
+}
+
 absl::Status WindowCache::Grow(int64_t max_context) {
   if (max_context <= options_.max_context) return absl::OkStatus();
   if (options_.window != WindowOptions::kUnlimited) {

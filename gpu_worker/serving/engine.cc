@@ -202,28 +202,55 @@ absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) con
   return seq.pages->Reserve(pages);
 }
 
+WindowGeometry Engine::window_geometry() const {
+  const ModelConfig& c = model_->config;
+  return {c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype_};
+}
+
+WindowOptions Engine::WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const {
+  WindowOptions wo;
+  wo.block = options_.block_tokens;
+  wo.max_chunk = options_.prefill_chunk;
+  wo.max_context = max_context_;
+  if (spec.mode == AttentionMode::kGpu) {
+    wo.window = WindowOptions::kUnlimited;
+    wo.sink = 0;
+    wo.max_context = GpuWindowPositions(planned_positions, max_context_);
+  } else {
+    wo.window = spec.window;
+    wo.sink = spec.sink;
+  }
+  return wo;
+}
+
+size_t Engine::DeviceKvBytes() const {
+  size_t bytes = 0;
+  for (const auto& [id, seq] : sessions_) {
+    bytes += seq->window.device_bytes() + (seq->pages ? seq->pages->device_bytes() : 0);
+  }
+  return bytes;
+}
+
+absl::Status Engine::CheckDeviceKv(size_t more) const {
+  if (options_.kv_cache_bytes == 0 || more == 0) return absl::OkStatus();
+  const size_t used = DeviceKvBytes();
+  if (used + more <= options_.kv_cache_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the request needs ", more, " more bytes of device KV (window and page summaries for its "
+      "prompt + max_tokens) and ", used, " of the worker's ", options_.kv_cache_bytes,
+      " are in use: ask for fewer tokens, use a smaller window or hybrid mode, wait for other "
+      "sessions to end, or start the worker with a larger --kv_cache_bytes"));
+}
+
 absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string& id,
                                                               const SequenceSpec& spec,
                                                               int64_t planned_positions,
                                                               int64_t expected_offloaded) {
   const AttentionMode mode = spec.mode;
   const float beta = spec.beta;
-  const int64_t window = spec.window;
-  const int64_t sink = spec.sink;
   const ModelConfig& c = model_->config;
-  WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype_};
-  WindowOptions wo;
-  wo.block = options_.block_tokens;
-  wo.max_chunk = options_.prefill_chunk;
-  wo.max_context = max_context_;
-  if (mode == AttentionMode::kGpu) {
-    wo.window = WindowOptions::kUnlimited;
-    wo.sink = 0;
-    wo.max_context = GpuWindowPositions(planned_positions, max_context_);
-  } else {
-    wo.window = window;
-    wo.sink = sink;
-  }
+  const WindowGeometry geometry = window_geometry();
+  const WindowOptions wo = WindowOptionsFor(spec, planned_positions);
   TANDEM_ASSIGN_OR_RETURN(WindowCache cache, WindowCache::Create(*backend_, geometry, wo));
   auto seq = std::make_unique<Sequence>(id, mode, std::move(cache));
   // The page summaries belong to the node tier made below; seq->pages views them.
@@ -361,7 +388,13 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   if (continuing) {
     seq = existing->second.get();
     if (seq->mode == AttentionMode::kGpu) {
-      TANDEM_RETURN_IF_ERROR(seq->window.Grow(GpuWindowPositions(planned, max_context_)));
+      WindowOptions grown = seq->window.options();
+      grown.max_context = std::max(grown.max_context, GpuWindowPositions(planned, max_context_));
+      const size_t bytes = WindowCache::BytesFor(seq->window.geometry(), grown);
+      TANDEM_RETURN_IF_ERROR(CheckDeviceKv(bytes > seq->window.device_bytes()
+                                               ? bytes - seq->window.device_bytes()
+                                               : 0));
+      TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
     }
     if (seq->selection == SelectionRule::kPages) {
       if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
@@ -373,8 +406,15 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
         offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
   } else {
+    const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
+    size_t need = WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned));
+    if (mode == AttentionMode::kHybrid && selection == SelectionRule::kPages) {
+      need += PageIndex::BytesFor(window_geometry(), options_.page_tokens,
+                                  offloaded_by_end(window, sink));
+    }
+    TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
-                            NewSequence(id, {mode, beta, window, sink, selection, page_policy},
+                            NewSequence(id, spec,
                                         planned, offloaded_by_end(window, sink)));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);

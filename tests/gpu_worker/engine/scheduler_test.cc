@@ -17,6 +17,7 @@
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/scheduler.h"
+#include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -33,7 +34,7 @@ struct Outcome {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0) {
+  void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0, size_t kv_cap = 0) {
     EngineOptions options;
     options.model_dir = testing::ModelDir("stories260k").string();
     options.backend = testing::TestBackendName();
@@ -43,6 +44,7 @@ class SchedulerTest : public ::testing::Test {
     options.prefill_chunk = prefill_chunk;
     options.offload_page_tokens = 16;
     options.page_summary_bytes = summary_cap;
+    options.kv_cache_bytes = kv_cap;
     auto engine = Engine::Create(options);
     ASSERT_TRUE(engine.ok()) << engine.status();
     auto scheduler = Scheduler::Create(std::move(*engine), SchedulerOptions{});
@@ -253,6 +255,42 @@ TEST_F(SchedulerTest, ARequestThatDoesNotFitWaitsForMemoryAndOneThatNeverFitsFai
   auto refused = Wait(*Submit(huge, 2));
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+}
+
+TEST_F(SchedulerTest, GpuModeRequestsBeyondTheDeviceKvBudgetWaitTheirTurn) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  // stories260k, f32 KV: 5 layers x 4 kv heads x (2 x 8 x 4 + 4) bytes = 1360 bytes per
+  // position, + 4 for the slot table. A gpu-mode request of 10 + 200 tokens is sized for 256
+  // positions (349,184 bytes); the budget holds one such window, not two.
+  const WindowGeometry geometry{5, 4, 8, DType::kF32};
+  WindowOptions wo;
+  wo.window = WindowOptions::kUnlimited;
+  wo.sink = 0;
+  wo.block = 16;
+  wo.max_chunk = 64;
+  wo.max_context = 256;
+  const size_t one = WindowCache::BytesFor(geometry, wo);
+  ASSERT_EQ(one, 256u * 1364u);
+  Make(/*prefill_chunk=*/64, /*summary_cap=*/0, /*kv_cap=*/one + one / 2);
+  GenerateRequest r;
+  r.prompt_ids = Prompt(10, 5);
+  r.max_tokens = 200;
+  r.ignore_eos = true;
+  r.mode = AttentionMode::kGpu;
+  auto first = Submit(r, 0);
+  auto second = Submit(r, 1);
+  auto first_summary = Wait(*first);
+  auto second_summary = Wait(*second);
+  ASSERT_TRUE(first_summary.ok()) << first_summary.status();
+  ASSERT_TRUE(second_summary.ok()) << second_summary.status();
+  EXPECT_LT(LastOf(0), FirstOf(1)) << "the second request should have waited for the first";
+  GenerateRequest huge = r;
+  huge.max_tokens = 400;   // 512 positions: more than the budget alone
+  auto refused = Wait(*Submit(huge, 2));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_NE(refused.status().message().find("kv_cache_bytes"), std::string::npos);
 }
 
 TEST(SchedulerOptionsTest, BadOptionsAreRefused) {

@@ -132,6 +132,65 @@ TEST_P(WindowCacheTest, UnlimitedWindowNeverEvictsAndStopsAtTheContext) {
   EXPECT_EQ(cache->entries(), 100);
 }
 
+// Grow moves an unlimited window into larger buffers: positions and every K/V row survive, and
+// BytesFor predicts the bytes before and after (the engine's device-KV budget relies on it).
+TEST_P(WindowCacheTest, GrowKeepsTheKvAndBytesForPredictsTheSize) {
+  const WindowGeometry geometry{2, 2, 8, GetParam()};
+  WindowOptions o;
+  o.window = WindowOptions::kUnlimited;
+  o.sink = 0;
+  o.block = 16;
+  o.max_chunk = 64;
+  o.max_context = 100;
+  auto cache = WindowCache::Create(*backend_, geometry, o);
+  ASSERT_TRUE(cache.ok());
+  EXPECT_EQ(cache->device_bytes(), WindowCache::BytesFor(geometry, o));
+  ASSERT_TRUE(cache->Append(40).ok());
+  const size_t row = 8 * DTypeBytes(GetParam());
+  std::vector<uint8_t> k(2 * cache->capacity() * row), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint8_t>(i * 7 + 1);
+    v[i] = static_cast<uint8_t>(i * 13 + 5);
+  }
+  for (int64_t l = 0; l < 2; ++l) {
+    ASSERT_TRUE(backend_->CopyToDevice(cache->k(l), k.data(), k.size()).ok());
+    ASSERT_TRUE(backend_->CopyToDevice(cache->v(l), v.data(), v.size()).ok());
+  }
+  const int64_t old_capacity = cache->capacity();
+  ASSERT_TRUE(cache->Grow(300).ok());
+  o.max_context = 300;
+  EXPECT_EQ(cache->device_bytes(), WindowCache::BytesFor(geometry, o));
+  EXPECT_GT(cache->capacity(), old_capacity);
+  EXPECT_EQ(cache->entries(), 40);
+  EXPECT_EQ(cache->next_position(), 40);
+  for (int64_t l = 0; l < 2; ++l) {
+    for (int64_t h = 0; h < 2; ++h) {
+      std::vector<uint8_t> got(old_capacity * row);
+      ASSERT_TRUE(backend_->CopyToHost(got.data(),
+                                       static_cast<const char*>(cache->k(l)) +
+                                           h * cache->capacity() * row,
+                                       got.size()).ok());
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), k.begin() + h * old_capacity * row))
+          << "K of layer " << l << " head " << h;
+      ASSERT_TRUE(backend_->CopyToHost(got.data(),
+                                       static_cast<const char*>(cache->v(l)) +
+                                           h * cache->capacity() * row,
+                                       got.size()).ok());
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), v.begin() + h * old_capacity * row))
+          << "V of layer " << l << " head " << h;
+    }
+  }
+  ASSERT_TRUE(cache->Append(60).ok());   // past the old limit of 100
+  EXPECT_EQ(cache->entries(), 100);
+  // A bounded window does not grow.
+  WindowOptions bounded = o;
+  bounded.window = 32;
+  auto fixed = WindowCache::Create(*backend_, geometry, bounded);
+  ASSERT_TRUE(fixed.ok());
+  EXPECT_EQ(fixed->device_bytes(), WindowCache::BytesFor(geometry, bounded));
+  EXPECT_EQ(fixed->Grow(1000).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_P(WindowCacheTest, RejectsBadOptions) {
   WindowOptions o;
   o.window = 8;

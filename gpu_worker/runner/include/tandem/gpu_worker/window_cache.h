@@ -57,6 +57,9 @@ class WindowCache {
   static absl::StatusOr<WindowCache> Create(Backend& backend, const WindowGeometry& geometry,
                                             const WindowOptions& options);
 
+  // Device bytes Create() allocates for these options (0 for options Create refuses).
+  static size_t BytesFor(const WindowGeometry& geometry, const WindowOptions& options);
+
   WindowCache(WindowCache&&) = default;
   WindowCache& operator=(WindowCache&&) = default;
 

@@ -73,6 +73,11 @@ struct EngineOptions {
   // selection = pages: entries per page (summary granularity; must divide block_tokens for
   // pages to be used).
   int64_t page_tokens = 16;
+  // Device bytes all sessions' KV may take together: windows (gpu mode: all of its KV) and page
+  // summaries, reserved for each request's prompt + max_tokens when it starts. 0 = no cap but
+  // the device's memory. A request that does not fit waits in the scheduler's queue while others
+  // run (RESOURCE_EXHAUSTED when it could not fit even alone).
+  size_t kv_cache_bytes = 0;
   // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
   // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
   // RESOURCE_EXHAUSTED before anything runs.
@@ -192,6 +197,12 @@ class Engine {
                                                         const SequenceSpec& spec,
                                                         int64_t planned_positions,
                                                         int64_t expected_offloaded);
+  WindowGeometry window_geometry() const;
+  WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
+  // Device bytes of every open session's window and page summaries.
+  size_t DeviceKvBytes() const;
+  // RESOURCE_EXHAUSTED (saying what to change) when `more` bytes would pass kv_cache_bytes.
+  absl::Status CheckDeviceKv(size_t more) const;
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
   absl::Status SampleNext(Generation& g, const float* logits);
   // INVALID_ARGUMENT when page_tokens does not divide block_tokens (pages start at blocks).
