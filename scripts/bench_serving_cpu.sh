@@ -4,8 +4,9 @@
 # for two workloads: 128-token prompts with 64-token outputs, and 32-token prompts with
 # 256-token outputs. Prints one line per run and keeps the JSON under $OUT (default
 # /tmp/bench_serving_cpu).
-#   BUILD_DIR (default build), WAIT_POLICY (default passive: the 2-core CI machine runs the
-#   client beside the worker, and OpenMP's spinning workers would take the client's cores)
+#   BUILD_DIR (default build), WAIT_POLICY (OMP_WAIT_POLICY of the worker; default active, as
+#   OpenMP's own default; passive when other work shares the cores: spinning OpenMP threads
+#   then take them from the client)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
@@ -13,7 +14,7 @@ out=${OUT:-/tmp/bench_serving_cpu}
 mkdir -p "$out"
 model=$root/../shared/models/gutenberg-14m
 
-OMP_WAIT_POLICY=${WAIT_POLICY:-passive} "$build/services/tandem-gpu-worker" --model "$model" \
+OMP_WAIT_POLICY=${WAIT_POLICY:-active} "$build/services/tandem-gpu-worker" --model "$model" \
   --backend cpu --mode gpu --address 127.0.0.1:0 > "$out/worker.log" 2>&1 &
 wpid=$!
 trap 'kill $wpid 2>/dev/null || true' EXIT
