@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "node_rpc.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/shm_protocol.h"
@@ -15,17 +16,6 @@ namespace shm = cpu_attention::shm;
 
 // Largest payload of one AppendKv message; a longer eviction is split by tokens.
 constexpr size_t kAppendMessageBytes = 4 << 20;
-
-v1::DType WireType(DType dtype) { return dtype == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
-
-void SetDeadline(grpc::ClientContext& ctx, int ms) {
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
-}
-
-absl::Status NodeError(const std::string& address, const char* what, const absl::Status& status) {
-  return absl::Status(status.code(),
-                      absl::StrCat("CPU node ", address, ": ", what, ": ", status.message()));
-}
 
 // The status a node wrote into a shm response (its header and error text), bounded by `message`.
 absl::Status ShmStatus(std::span<const std::byte> message, shm::ResponseHeader* h) {

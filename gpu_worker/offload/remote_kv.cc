@@ -9,30 +9,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "node_link.h"
+#include "node_rpc.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace tandem::gpu_worker {
-namespace {
-
-v1::DType WireType(DType dtype) { return dtype == DType::kBF16 ? v1::DTYPE_BF16 : v1::DTYPE_F32; }
-
-void SetDeadline(grpc::ClientContext& ctx, int ms) {
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
-}
-
-absl::Status NodeError(const std::string& address, const char* what, const absl::Status& status) {
-  return absl::Status(status.code(),
-                      absl::StrCat("CPU node ", address, ": ", what, ": ", status.message()));
-}
-
-absl::Status NodeError(const std::string& address, const char* what, const grpc::Status& s) {
-  return NodeError(address, what, FromGrpcStatus(s));
-}
-
-}  // namespace
 
 absl::StatusOr<PlacementPolicy> ParsePlacementPolicy(const std::string& name) {
   if (name == "balanced") return PlacementPolicy::kBalanced;

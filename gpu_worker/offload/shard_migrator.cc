@@ -4,15 +4,12 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "node_rpc.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/grpc_status.h"
 
 namespace tandem::gpu_worker {
 namespace {
-
-void SetDeadline(grpc::ClientContext& ctx, int ms) {
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(ms));
-}
 
 std::string ShardName(const MigrationJob& job) {
   return absl::StrCat("shard (", job.layer, ", ", job.kv_head, ")");
