@@ -323,6 +323,7 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   rope.num_heads = Hkv;
   TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
   const size_t end = mb.first + mb.count;
+  write_kv_.clear();
   for (size_t i = mb.first; i < end; ++i) {
     const Segment& s = segments[i];
     const float* rows = act_.qkv.as<float>() + s.row0 * QKV;
@@ -338,8 +339,9 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
     wk.num_kv_heads = Hkv;
     wk.capacity = s.seq->window.capacity();
     wk.head_dim = D;
-    TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
+    write_kv_.push_back(wk);
   }
+  TANDEM_RETURN_IF_ERROR(backend_.WriteKvBatch(write_kv_.data(), write_kv_.size()));
   // The tiers start first (q goes to the CPU nodes) so that they work while the device
   // attends over the windows. Their downloads (q, chosen pages) run together: the host waits
   // for the device once per micro-batch and layer.
@@ -361,11 +363,14 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
     TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->StartAttend(tiers_, attends_[i]));
     started_[i] = 1;
   }
+  // Every segment's window attention in one call (one launch for the decoding ones on cuda),
+  // after every tier has started, as before: the windows' outputs are read only in LayerTail.
+  window_attention_.clear();
   for (size_t i = mb.first; i < end; ++i) {
-    TANDEM_RETURN_IF_ERROR(backend_.WindowAttention(
-        segments[i].attends ? attends_[i].window : WindowParams(segments[i], layer)));
+    window_attention_.push_back(segments[i].attends ? attends_[i].window
+                                                    : WindowParams(segments[i], layer));
   }
-  return absl::OkStatus();
+  return backend_.WindowAttentionBatch(window_attention_.data(), window_attention_.size());
 }
 
 absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroBatch& mb,

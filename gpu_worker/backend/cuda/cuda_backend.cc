@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -66,6 +67,116 @@ absl::string_view DTypeStr(DType dtype) {
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Entries per batched launch at most (the grid's y or z extent); longer batches run the rest
+// one by one.
+constexpr int64_t kMaxBatch = 65535;
+
+// The parameter checks of WriteKv (backend.h's contract), without queuing anything.
+absl::Status CheckWriteKv(const WriteKvParams& p) {
+  if (p.k == nullptr || p.v == nullptr || p.slots == nullptr || p.k_cache == nullptr ||
+      p.v_cache == nullptr) {
+    return Invalid("WriteKv", "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "capacity", p.capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "head_dim", p.head_dim));
+  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
+    return Invalid("WriteKv", absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
+                                           " is not supported (f32, bf16)"));
+  }
+  if (p.row_stride < p.num_kv_heads * p.head_dim) {
+    return Invalid("WriteKv", absl::StrCat("row_stride ", p.row_stride, " < num_kv_heads·head_dim ",
+                                           p.num_kv_heads * p.head_dim));
+  }
+  return absl::OkStatus();
+}
+
+cuda_backend::WriteKvArgs WriteKvArgsOf(const WriteKvParams& p) {
+  return {.k = p.k,
+          .v = p.v,
+          .row_stride = p.row_stride,
+          .slots = p.slots,
+          .k_cache = p.k_cache,
+          .v_cache = p.v_cache,
+          .cache_dtype = p.cache_dtype,
+          .num_tokens = p.num_tokens,
+          .num_kv_heads = p.num_kv_heads,
+          .capacity = p.capacity,
+          .head_dim = p.head_dim};
+}
+
+// The parameter checks of WindowAttention (backend.h's contract), without queuing anything.
+absl::Status CheckWindowAttention(const WindowAttentionParams& p) {
+  constexpr absl::string_view kOp = "WindowAttention";
+  if (p.q == nullptr || p.q_pos == nullptr || p.k_cache == nullptr || p.v_cache == nullptr ||
+      p.slot_pos == nullptr || p.o == nullptr || p.lse == nullptr) {
+    return Invalid(kOp, "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "capacity", p.capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
+  if (p.num_kv_heads > 65535) return Invalid(kOp, "num_kv_heads must be <= 65535");
+  if (p.num_q_heads % p.num_kv_heads != 0) {
+    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
+                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
+  }
+  if (p.head_dim % cuda_backend::kAttentionHeadDimMultiple != 0 ||
+      p.head_dim > cuda_backend::kAttentionMaxHeadDim) {
+    return Invalid(kOp, absl::StrCat("head_dim ", p.head_dim, " must be a multiple of ",
+                                     cuda_backend::kAttentionHeadDimMultiple,
+                                     " and <= ", cuda_backend::kAttentionMaxHeadDim));
+  }
+  if (p.num_slots < 0 || p.num_slots > p.capacity) {
+    return Invalid(
+        kOp, absl::StrCat("num_slots ", p.num_slots, " not in [0, capacity ", p.capacity, "]"));
+  }
+  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
+    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
+                                     p.num_q_heads * p.head_dim));
+  }
+  if (p.num_tokens * (p.num_q_heads / p.num_kv_heads) > INT_MAX) {
+    return Invalid(kOp, "num_tokens·(num_q_heads / num_kv_heads) exceeds INT_MAX");
+  }
+  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
+    return Invalid(kOp, absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
+                                     " is not supported (f32, bf16)"));
+  }
+  if (!Aligned16(p.k_cache) || !Aligned16(p.v_cache)) {
+    return Invalid(kOp, "k_cache and v_cache must be 16-byte aligned");
+  }
+  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
+    return Invalid(kOp, absl::StrCat("scale ", p.scale, " must be finite and positive"));
+  }
+  if (p.maw != nullptr && !(p.alpha >= 0.0f && p.alpha <= 1.0f)) {
+    return Invalid(kOp, absl::StrCat("alpha ", p.alpha, " not in [0, 1]"));
+  }
+  return absl::OkStatus();
+}
+
+cuda_backend::WindowAttentionArgs WindowAttentionArgsOf(const WindowAttentionParams& p) {
+  return {.q = p.q,
+          .q_row_stride = p.q_row_stride,
+          .q_pos = p.q_pos,
+          .k_cache = p.k_cache,
+          .v_cache = p.v_cache,
+          .cache_dtype = p.cache_dtype,
+          .slot_pos = p.slot_pos,
+          .num_slots = p.num_slots,
+          .capacity = p.capacity,
+          .num_tokens = p.num_tokens,
+          .num_q_heads = p.num_q_heads,
+          .num_kv_heads = p.num_kv_heads,
+          .head_dim = p.head_dim,
+          .scale = p.scale,
+          .o = p.o,
+          .lse = p.lse,
+          .maw = p.maw,
+          .alpha = p.alpha};
+}
 
 // Bytes of device memory held by a backend's allocations; shared with the buffers' deleters so a
 // buffer may outlive the backend.
@@ -135,6 +246,8 @@ class CudaBackend final : public Backend {
   absl::Status SwiGlu(const SwiGluParams& p) override;
   absl::Status WriteKv(const WriteKvParams& p) override;
   absl::Status WindowAttention(const WindowAttentionParams& p) override;
+  absl::Status WriteKvBatch(const WriteKvParams* params, size_t count) override;
+  absl::Status WindowAttentionBatch(const WindowAttentionParams* params, size_t count) override;
   absl::Status MergeStates(const MergeParams& p) override;
   absl::StatusOr<int32_t> Sample(const SampleParams& p) override;
   absl::Status TokenLogProbs(const TokenLogProbParams& p) override;
@@ -154,6 +267,8 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
   cudaStream_t stream() const { return stream_.get(); }
+  // WindowAttention after CheckWindowAttention(p) and Activate().
+  absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
 
   // Declaration order is destruction order reversed: the stream outlives what uses it.
   const int device_;
@@ -168,6 +283,10 @@ class CudaBackend final : public Backend {
   PinnedMemory result_host_;    // int32: Sample's result
   DeviceMemory result_device_;  // int32: Sample's result
   std::shared_ptr<AllocationStats> stats_ = std::make_shared<AllocationStats>();
+  // Host tables of the batched operations, kept to avoid reallocating them every call.
+  std::vector<cuda_backend::WriteKvArgs> write_kv_table_;
+  std::vector<cuda_backend::DecodeBatchSegment> batch_segments_;
+  std::vector<size_t> batch_singles_;
 };
 
 absl::StatusOr<DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
@@ -451,107 +570,49 @@ absl::Status CudaBackend::SwiGlu(const SwiGluParams& p) {
 }
 
 absl::Status CudaBackend::WriteKv(const WriteKvParams& p) {
-  if (p.k == nullptr || p.v == nullptr || p.slots == nullptr || p.k_cache == nullptr ||
-      p.v_cache == nullptr) {
-    return Invalid("WriteKv", "null pointer");
-  }
-  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_tokens", p.num_tokens));
-  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "num_kv_heads", p.num_kv_heads));
-  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "capacity", p.capacity));
-  TANDEM_RETURN_IF_ERROR(CheckDim("WriteKv", "head_dim", p.head_dim));
-  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
-    return Invalid("WriteKv", absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
-                                           " is not supported (f32, bf16)"));
-  }
-  if (p.row_stride < p.num_kv_heads * p.head_dim) {
-    return Invalid("WriteKv", absl::StrCat("row_stride ", p.row_stride, " < num_kv_heads·head_dim ",
-                                           p.num_kv_heads * p.head_dim));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckWriteKv(p));
   TANDEM_RETURN_IF_ERROR(Activate());
-  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWriteKv({.k = p.k,
-                                                           .v = p.v,
-                                                           .row_stride = p.row_stride,
-                                                           .slots = p.slots,
-                                                           .k_cache = p.k_cache,
-                                                           .v_cache = p.v_cache,
-                                                           .cache_dtype = p.cache_dtype,
-                                                           .num_tokens = p.num_tokens,
-                                                           .num_kv_heads = p.num_kv_heads,
-                                                           .capacity = p.capacity,
-                                                           .head_dim = p.head_dim},
-                                                          stream()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWriteKv(WriteKvArgsOf(p), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WriteKvBatch(const WriteKvParams* params, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  if (params == nullptr) return Invalid("WriteKvBatch", "null params");
+  bool same_dtype = true;
+  int64_t max_elements = 0;
+  for (size_t i = 0; i < count; ++i) {
+    TANDEM_RETURN_IF_ERROR(CheckWriteKv(params[i]));
+    same_dtype &= params[i].cache_dtype == params[0].cache_dtype;
+    max_elements = std::max(max_elements,
+                            params[i].num_tokens * params[i].num_kv_heads * params[i].head_dim);
+  }
+  if (count == 1 || count > kMaxBatch || !same_dtype) return Backend::WriteKvBatch(params, count);
+  TANDEM_RETURN_IF_ERROR(Activate());
+  write_kv_table_.clear();
+  for (size_t i = 0; i < count; ++i) write_kv_table_.push_back(WriteKvArgsOf(params[i]));
+  const size_t bytes = count * sizeof(cuda_backend::WriteKvArgs);
+  TANDEM_ASSIGN_OR_RETURN(void* table, workspace_.Reserve(bytes, stream()));
+  // Staged: returns without waiting; stream order keeps the table until the kernel has run.
+  TANDEM_RETURN_IF_ERROR(CopyToDevice(table, write_kv_table_.data(), bytes));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWriteKvBatch(
+      static_cast<const cuda_backend::WriteKvArgs*>(table), static_cast<int64_t>(count),
+      max_elements, params[0].cache_dtype, stream()));
   return absl::OkStatus();
 }
 
 absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
-  constexpr absl::string_view kOp = "WindowAttention";
-  if (p.q == nullptr || p.q_pos == nullptr || p.k_cache == nullptr || p.v_cache == nullptr ||
-      p.slot_pos == nullptr || p.o == nullptr || p.lse == nullptr) {
-    return Invalid(kOp, "null pointer");
-  }
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "capacity", p.capacity));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
-  if (p.num_kv_heads > 65535) return Invalid(kOp, "num_kv_heads must be <= 65535");
-  if (p.num_q_heads % p.num_kv_heads != 0) {
-    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
-                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
-  }
-  if (p.head_dim % cuda_backend::kAttentionHeadDimMultiple != 0 ||
-      p.head_dim > cuda_backend::kAttentionMaxHeadDim) {
-    return Invalid(kOp, absl::StrCat("head_dim ", p.head_dim, " must be a multiple of ",
-                                     cuda_backend::kAttentionHeadDimMultiple,
-                                     " and <= ", cuda_backend::kAttentionMaxHeadDim));
-  }
-  if (p.num_slots < 0 || p.num_slots > p.capacity) {
-    return Invalid(
-        kOp, absl::StrCat("num_slots ", p.num_slots, " not in [0, capacity ", p.capacity, "]"));
-  }
-  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
-    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
-                                     p.num_q_heads * p.head_dim));
-  }
-  if (p.num_tokens * (p.num_q_heads / p.num_kv_heads) > INT_MAX) {
-    return Invalid(kOp, "num_tokens·(num_q_heads / num_kv_heads) exceeds INT_MAX");
-  }
-  if (p.cache_dtype != DType::kF32 && p.cache_dtype != DType::kBF16) {
-    return Invalid(kOp, absl::StrCat("cache dtype ", DTypeStr(p.cache_dtype),
-                                     " is not supported (f32, bf16)"));
-  }
-  if (!Aligned16(p.k_cache) || !Aligned16(p.v_cache)) {
-    return Invalid(kOp, "k_cache and v_cache must be 16-byte aligned");
-  }
-  if (!std::isfinite(p.scale) || p.scale <= 0.0f) {
-    return Invalid(kOp, absl::StrCat("scale ", p.scale, " must be finite and positive"));
-  }
-  if (p.maw != nullptr && !(p.alpha >= 0.0f && p.alpha <= 1.0f)) {
-    return Invalid(kOp, absl::StrCat("alpha ", p.alpha, " not in [0, 1]"));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckWindowAttention(p));
   TANDEM_RETURN_IF_ERROR(Activate());
+  return WindowAttentionChecked(p);
+}
+
+absl::Status CudaBackend::WindowAttentionChecked(const WindowAttentionParams& p) {
   if (p.num_slots == 0) {  // empty window: every row is the empty state; maw has no slot
     TANDEM_RETURN_IF_ERROR(Fill(p.o, 0.0f, p.num_tokens * p.num_q_heads * p.head_dim));
     return Fill(p.lse, -INFINITY, p.num_tokens * p.num_q_heads);
   }
-  const cuda_backend::WindowAttentionArgs args{.q = p.q,
-                                               .q_row_stride = p.q_row_stride,
-                                               .q_pos = p.q_pos,
-                                               .k_cache = p.k_cache,
-                                               .v_cache = p.v_cache,
-                                               .cache_dtype = p.cache_dtype,
-                                               .slot_pos = p.slot_pos,
-                                               .num_slots = p.num_slots,
-                                               .capacity = p.capacity,
-                                               .num_tokens = p.num_tokens,
-                                               .num_q_heads = p.num_q_heads,
-                                               .num_kv_heads = p.num_kv_heads,
-                                               .head_dim = p.head_dim,
-                                               .scale = p.scale,
-                                               .o = p.o,
-                                               .lse = p.lse,
-                                               .maw = p.maw,
-                                               .alpha = p.alpha};
+  const cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
   cuda_backend::WindowAttentionPlan plan;
   TANDEM_CUDA_RETURN_IF_ERROR(
       cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan));
@@ -563,6 +624,51 @@ absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
   if (p.maw != nullptr) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchMawUpdate(args, plan, workspace, stream()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WindowAttentionBatch(const WindowAttentionParams* params,
+                                               size_t count) {
+  if (count == 0) return absl::OkStatus();
+  if (params == nullptr) return Invalid("WindowAttentionBatch", "null params");
+  for (size_t i = 0; i < count; ++i) TANDEM_RETURN_IF_ERROR(CheckWindowAttention(params[i]));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  // The entries the batched decode kernel takes (one row tile, no MAW update, the first such
+  // entry's kv heads and head-dim bucket) run in one launch; the others one by one. Entries
+  // share no destination (backend.h), so the order between the two groups does not matter.
+  batch_segments_.clear();
+  batch_singles_.clear();
+  for (size_t i = 0; i < count; ++i) {
+    const cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(params[i]);
+    const bool joins =
+        cuda_backend::WindowAttentionBatchable(args) &&
+        static_cast<int64_t>(batch_segments_.size()) < kMaxBatch &&
+        (batch_segments_.empty() ||
+         (args.num_kv_heads == batch_segments_[0].args.num_kv_heads &&
+          (args.head_dim <= 64) == (batch_segments_[0].args.head_dim <= 64)));
+    if (joins) {
+      batch_segments_.push_back({.args = args});
+    } else {
+      batch_singles_.push_back(i);
+    }
+  }
+  if (batch_segments_.size() == 1) {  // one entry: the single launch's plan fills the GPU
+    batch_singles_.clear();
+    for (size_t i = 0; i < count; ++i) batch_singles_.push_back(i);
+    batch_segments_.clear();
+  }
+  for (size_t i : batch_singles_) TANDEM_RETURN_IF_ERROR(WindowAttentionChecked(params[i]));
+  if (batch_segments_.empty()) return absl::OkStatus();
+  cuda_backend::WindowAttentionBatchPlan plan;
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::PlanWindowAttentionBatch(
+      batch_segments_.data(), static_cast<int64_t>(batch_segments_.size()),
+      props_.multiProcessorCount, &plan));
+  TANDEM_ASSIGN_OR_RETURN(void* workspace, workspace_.Reserve(plan.workspace_bytes, stream()));
+  // Staged: returns without waiting; stream order keeps the table until the kernels have run.
+  TANDEM_RETURN_IF_ERROR(CopyToDevice(
+      workspace, batch_segments_.data(),
+      batch_segments_.size() * sizeof(cuda_backend::DecodeBatchSegment)));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchWindowAttentionBatch(plan, workspace, stream()));
   return absl::OkStatus();
 }
 

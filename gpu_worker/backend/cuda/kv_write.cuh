@@ -26,4 +26,10 @@ struct WriteKvArgs {
 };
 cudaError_t LaunchWriteKv(const WriteKvArgs& args, cudaStream_t stream);
 
+// LaunchWriteKv for `count` entries in one launch: `table` is a device copy of the entries
+// ([count], count <= 65535), which must share cache_dtype and not write the same cache rows;
+// max_elements is the largest num_tokens·num_kv_heads·head_dim of an entry.
+cudaError_t LaunchWriteKvBatch(const WriteKvArgs* table, int64_t count, int64_t max_elements,
+                               DType cache_dtype, cudaStream_t stream);
+
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -238,22 +238,17 @@ __global__ void __launch_bounds__(kAttnThreads)
 constexpr int kCombineThreads = 256;
 constexpr int kCombineWarps = kCombineThreads / kWarpSize;
 
-// grid: [T·Hq]; one block per output row merges the `splits` partial states (a programmatic
-// dependent launch: it may be scheduled while the attention kernel runs):
+// One block merges the `splits` partial states of output row `row`:
 // o = Σ_i w_i·o_i / Σ_i w_i, lse = M + log Σ_i w_i with w_i = exp(lse_i - M), M = max_i lse_i.
 // Warp w sums the splits w, w + 8, ... (lanes along head_dim, coalesced), then the 8 warp sums
 // are added: short dependent chains, since the splits of one row can number in the hundreds.
-// Dynamic shared memory: [splits] weights + [kCombineWarps][head_dim] warp sums.
-__global__ void __launch_bounds__(kCombineThreads)
-    CombineSplitsKernel(const float* part_o, const float* part_lse, int64_t splits, int64_t rows,
-                        int64_t head_dim, float* o, float* lse) {
-  extern __shared__ float combine_smem[];
-  __shared__ float scratch[kWarpSize];
-  WaitForPreviousKernel();  // launched as a dependent of the attention kernel
-  AllowDependentLaunch();
+// combine_smem: [splits] weights + [kCombineWarps][head_dim] warp sums; scratch: 32 floats.
+__device__ __forceinline__ void CombineRow(const float* part_o, const float* part_lse,
+                                           int64_t splits, int64_t rows, int64_t head_dim,
+                                           float* o, float* lse, int64_t row, float* combine_smem,
+                                           float* scratch) {
   float* weights = combine_smem;             // [splits]
   float* warp_sums = combine_smem + splits;  // [kCombineWarps][head_dim]
-  const int64_t row = blockIdx.x;
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   float m = -INFINITY;
@@ -289,6 +284,41 @@ __global__ void __launch_bounds__(kCombineThreads)
     o[row * head_dim + d] = acc / l;
   }
   if (threadIdx.x == 0) lse[row] = m + logf(l);
+}
+
+// grid: [T·Hq]; one block per output row (CombineRow), a programmatic dependent launch: it may
+// be scheduled while the attention kernel runs. Dynamic shared memory: [splits] weights +
+// [kCombineWarps][head_dim] warp sums.
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineSplitsKernel(const float* part_o, const float* part_lse, int64_t splits, int64_t rows,
+                        int64_t head_dim, float* o, float* lse) {
+  extern __shared__ float combine_smem[];
+  __shared__ float scratch[kWarpSize];
+  WaitForPreviousKernel();  // launched as a dependent of the attention kernel
+  AllowDependentLaunch();
+  CombineRow(part_o, part_lse, splits, rows, head_dim, o, lse, blockIdx.x, combine_smem, scratch);
+}
+
+// grid: [max_out_rows, count]; block (r, i) combines output row r of segment i when that
+// segment has split (a block past its rows, or of an unsplit segment, exits). A programmatic
+// dependent launch after the batched attention kernel; the segment table was uploaded before
+// that kernel, so it may be read before the wait. Dynamic shared memory as above with
+// max_splits weights.
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineSplitsBatchKernel(const DecodeBatchSegment* segments, const unsigned char* workspace) {
+  extern __shared__ float combine_smem[];
+  __shared__ float scratch[kWarpSize];
+  const DecodeBatchSegment& segment = segments[blockIdx.y];
+  const int64_t splits = segment.splits;
+  const int64_t rows = segment.args.num_tokens * segment.args.num_q_heads;
+  if (splits <= 1 || static_cast<int64_t>(blockIdx.x) >= rows) return;
+  const int64_t head_dim = segment.args.head_dim;
+  float* o = segment.args.o;
+  float* lse = segment.args.lse;
+  const float* part_o = reinterpret_cast<const float*>(workspace + segment.part_o_offset);
+  const float* part_lse = reinterpret_cast<const float*>(workspace + segment.part_lse_offset);
+  WaitForPreviousKernel();
+  CombineRow(part_o, part_lse, splits, rows, head_dim, o, lse, blockIdx.x, combine_smem, scratch);
 }
 
 // Launches the decode or the tiled kernel for one (head-dim bucket, cache type).
@@ -449,6 +479,83 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
   return LaunchAfterPrevious(CombineSplitsKernel, dim3(static_cast<unsigned>(out_rows)),
                              dim3(kCombineThreads), smem, stream, part_o, part_lse, plan.splits,
                              out_rows, a.head_dim, a.o, a.lse);
+}
+
+bool WindowAttentionBatchable(const WindowAttentionArgs& a) {
+  return a.maw == nullptr && a.num_kv_heads > 0 && DecodeStreamSupports(a) &&
+         a.num_tokens * (a.num_q_heads / a.num_kv_heads) <= kDecodeStreamRows;
+}
+
+cudaError_t PlanWindowAttentionBatch(DecodeBatchSegment* segments, int64_t count, int num_sms,
+                                     WindowAttentionBatchPlan* plan) {
+  *plan = WindowAttentionBatchPlan();
+  if (segments == nullptr || count <= 0) return cudaErrorInvalidValue;
+  const WindowAttentionArgs& first = segments[0].args;
+  const bool small_dims = first.head_dim <= 64;
+  int64_t total_slots = 0;  // Σ num_slots · num_kv_heads: the work, in slot rows
+  for (int64_t i = 0; i < count; ++i) {
+    const WindowAttentionArgs& a = segments[i].args;
+    if (!WindowAttentionBatchable(a) || a.num_kv_heads != first.num_kv_heads ||
+        (a.head_dim <= 64) != small_dims || a.num_slots < 0) {
+      return cudaErrorInvalidValue;
+    }
+    total_slots += a.num_slots * a.num_kv_heads;
+    plan->head_dim = std::max(plan->head_dim, a.head_dim);
+  }
+  int blocks_per_sm = 0;
+  const cudaError_t error = DecodeStreamBlocksPerSm(first, &blocks_per_sm);
+  if (error != cudaSuccess) return error;
+  // One slot chunk for every segment, sized so that all blocks together make kBatchWaves waves:
+  // equal-sized blocks balance across the multiprocessors whatever the mix of window lengths
+  // (one block per segment and kv head would leave the longest windows running alone at the
+  // end). A chunk keeps at least two slot tiles per warp, as in PlanWindowAttention.
+  constexpr int64_t kBatchWaves = 4;
+  const int64_t wave = int64_t{std::max(num_sms, 1)} * std::max(blocks_per_sm, 1);
+  const int64_t min_slots = 2 * kSlotTile * kAttnWarps;
+  const int64_t chunk = std::max(min_slots, (total_slots + kBatchWaves * wave - 1) /
+                                                (kBatchWaves * wave));
+  plan->count = count;
+  plan->num_kv_heads = first.num_kv_heads;
+  plan->table_bytes = AlignUp(static_cast<size_t>(count) * sizeof(DecodeBatchSegment));
+  size_t bytes = plan->table_bytes;
+  for (int64_t i = 0; i < count; ++i) {
+    DecodeBatchSegment& seg = segments[i];
+    const WindowAttentionArgs& a = seg.args;
+    int64_t splits = std::clamp<int64_t>((a.num_slots + chunk - 1) / chunk, 1, kMaxSplits);
+    const int64_t per_split = std::max<int64_t>((a.num_slots + splits - 1) / splits, 1);
+    seg.slots_per_split = (per_split + kSlotTile - 1) / kSlotTile * kSlotTile;
+    splits = std::max<int64_t>((a.num_slots + seg.slots_per_split - 1) / seg.slots_per_split, 1);
+    seg.splits = splits;
+    seg.part_o_offset = 0;
+    seg.part_lse_offset = 0;
+    plan->max_splits = std::max(plan->max_splits, splits);
+    if (splits == 1) continue;
+    const int64_t out_rows = a.num_tokens * a.num_q_heads;
+    const size_t states = static_cast<size_t>(splits * out_rows);
+    seg.part_o_offset = static_cast<int64_t>(bytes);
+    bytes = AlignUp(bytes + states * a.head_dim * sizeof(float));
+    seg.part_lse_offset = static_cast<int64_t>(bytes);
+    bytes = AlignUp(bytes + states * sizeof(float));
+    plan->max_out_rows = std::max(plan->max_out_rows, out_rows);
+  }
+  plan->workspace_bytes = bytes;
+  return cudaSuccess;
+}
+
+cudaError_t LaunchWindowAttentionBatch(const WindowAttentionBatchPlan& plan, void* workspace,
+                                       cudaStream_t stream) {
+  if (workspace == nullptr || plan.count <= 0) return cudaErrorInvalidValue;
+  const auto* table = static_cast<const DecodeBatchSegment*>(workspace);
+  cudaError_t error = LaunchDecodeStreamBatch(table, plan.count, plan.max_splits,
+                                              plan.num_kv_heads, plan.head_dim, workspace, stream);
+  if (error != cudaSuccess || plan.max_out_rows == 0) return error;
+  const size_t smem =
+      sizeof(float) * static_cast<size_t>(plan.max_splits + kCombineWarps * plan.head_dim);
+  return LaunchAfterPrevious(
+      CombineSplitsBatchKernel,
+      dim3(static_cast<unsigned>(plan.max_out_rows), static_cast<unsigned>(plan.count)),
+      dim3(kCombineThreads), smem, stream, table,
+      static_cast<const unsigned char*>(workspace));
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -95,4 +95,47 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowA
 cudaError_t LaunchMawUpdate(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,
                             const void* workspace, cudaStream_t stream);
 
+// ---- Batched decode: one launch for many sequences' decode steps (continuous batching).
+//
+// One entry of a batched launch; the table of entries lives in device memory (the workspace).
+struct DecodeBatchSegment {
+  // The streaming decode kernel's shapes with one row tile (WindowAttentionBatchable); unlike
+  // the single launch, num_slots may be 0 (every row gets o = 0, lse = -inf).
+  WindowAttentionArgs args;
+  int64_t splits = 1;             // blocks along the slots
+  int64_t slots_per_split = 0;    // a positive multiple of 32
+  // Workspace byte offsets of the partial states when splits > 1: o [splits, T·Hq, head_dim]
+  // and lse [splits, T·Hq] (f32).
+  int64_t part_o_offset = 0;
+  int64_t part_lse_offset = 0;
+};
+
+// True when `a` can join a batched launch: bf16 cache, head_dim <= 128, T·G <= 16 rows (one
+// row tile of the streaming decode kernel) and no MAW update.
+bool WindowAttentionBatchable(const WindowAttentionArgs& a);
+
+struct WindowAttentionBatchPlan {
+  int64_t count = 0;
+  int64_t num_kv_heads = 0;       // shared by every segment (the grid's y)
+  int64_t head_dim = 0;           // the largest; every segment is in its kernel bucket
+  int64_t max_splits = 1;
+  int64_t max_out_rows = 0;       // largest T·Hq of a segment with splits > 1 (0: no combine)
+  size_t table_bytes = 0;         // the segment table sits at workspace offset 0
+  size_t workspace_bytes = 0;
+};
+
+// Chooses every segment's split (splits, slots_per_split, partial-state offsets) so that the
+// blocks of all segments together (segments × kv heads × splits) fill a few waves of resident
+// blocks of equal size, not one wave per segment. cudaErrorInvalidValue when a segment is not
+// batchable or the segments differ in num_kv_heads or head-dim bucket.
+cudaError_t PlanWindowAttentionBatch(DecodeBatchSegment* segments, int64_t count, int num_sms,
+                                     WindowAttentionBatchPlan* plan);
+
+// Computes o and lse of every segment: one attention launch over all of them and, when some
+// segment splits, one combine launch over all split rows. `workspace` holds
+// plan.workspace_bytes and starts with the device copy of the planned segment table
+// (plan.table_bytes), which the caller uploads before this on `stream`.
+cudaError_t LaunchWindowAttentionBatch(const WindowAttentionBatchPlan& plan, void* workspace,
+                                       cudaStream_t stream);
+
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -35,16 +35,19 @@ struct DecodeStage {
   static constexpr size_t kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
 };
 
-// grid [row_tiles, num_kv_heads, splits], kThreads threads; the block's 16 query rows
-// r = row0 .. row0 + 15 (r = t·G + j) of kv head g form one m16 fragment that every warp holds
-// (q split into bf16 hi + lo). Warp w streams the 32-slot tiles w, w + 4, ... of the split
-// through its own cp.async pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores,
-// the position mask, the online softmax, O += P·V (P split into hi + lo). The 4 warp states
-// are merged through shared memory at the end.
+// One block's work: the 16 query rows r = row0 .. row0 + 15 (r = t·G + j) of kv head g form
+// one m16 fragment that every warp holds (q split into bf16 hi + lo), against the slots of split
+// `split`. Warp w streams the 32-slot tiles w, w + 4, ... of the split through its own cp.async
+// pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores, the position mask, the
+// online softmax, O += P·V (P split into hi + lo). The 4 warp states are merged through shared
+// memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the batched
+// kernel, so both compute bit-identical results for the same split.
 template <int kD>
-__global__ void __launch_bounds__(kThreads)
-    DecodeStreamKernel(WindowAttentionArgs a, int64_t slots_per_split, float* part_o,
-                       float* part_lse, float* scores) {
+__device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, int64_t g,
+                                                  int64_t row0, int64_t split,
+                                                  int64_t slots_per_split, float* part_o,
+                                                  float* part_lse, float* scores,
+                                                  unsigned char* smem) {
   using T = __nv_bfloat16;
   using Stage = DecodeStage<kD>;
   constexpr int kKSteps = kD / 16;
@@ -52,14 +55,9 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKeyTiles = kTile / 8;
   constexpr int kChunks = Stage::kChunks;
   constexpr int kRowsPerCopy = kWarpSize / kChunks;  // tile rows one warp-wide copy covers
-  extern __shared__ __align__(128) unsigned char smem[];
-  AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
 
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t g = blockIdx.y;
-  const int64_t row0 = blockIdx.x * int64_t{kRows};
-  const int64_t split = blockIdx.z;
   const int64_t group = a.num_q_heads / a.num_kv_heads;
   const int64_t rows = a.num_tokens * group;
   const int head_dim = static_cast<int>(a.head_dim);
@@ -320,6 +318,40 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// grid [row_tiles, num_kv_heads, splits], kThreads threads: DecodeStreamBlock for row tile
+// blockIdx.x, kv head blockIdx.y, split blockIdx.z.
+template <int kD>
+__global__ void __launch_bounds__(kThreads)
+    DecodeStreamKernel(WindowAttentionArgs a, int64_t slots_per_split, float* part_o,
+                       float* part_lse, float* scores) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
+  DecodeStreamBlock<kD>(a, blockIdx.y, blockIdx.x * int64_t{kRows}, blockIdx.z, slots_per_split,
+                        part_o, part_lse, scores, smem);
+}
+
+// grid [max_splits, num_kv_heads, count], kThreads threads: split blockIdx.x of kv head
+// blockIdx.y of segment blockIdx.z (its one row tile); a block past its segment's split count
+// exits at once.
+template <int kD>
+__global__ void __launch_bounds__(kThreads)
+    DecodeStreamBatchKernel(const DecodeBatchSegment* segments, unsigned char* workspace) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  AllowDependentLaunch();  // the batched combine may be scheduled now (it waits for us)
+  const DecodeBatchSegment& segment = segments[blockIdx.z];
+  const int64_t splits = segment.splits;
+  if (static_cast<int64_t>(blockIdx.x) >= splits) return;
+  const WindowAttentionArgs a = segment.args;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  if (splits > 1) {
+    part_o = reinterpret_cast<float*>(workspace + segment.part_o_offset);
+    part_lse = reinterpret_cast<float*>(workspace + segment.part_lse_offset);
+  }
+  DecodeStreamBlock<kD>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o, part_lse,
+                        nullptr, smem);
+}
+
 template <int kD>
 cudaError_t Prepare() {
   return cudaFuncSetAttribute(DecodeStreamKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -341,6 +373,18 @@ cudaError_t Launch(const WindowAttentionArgs& a, dim3 grid, int64_t slots_per_sp
   if (error != cudaSuccess) return error;
   DecodeStreamKernel<kD><<<grid, kThreads, DecodeStage<kD>::kSmemBytes, stream>>>(
       a, slots_per_split, part_o, part_lse, scores);
+  return cudaGetLastError();
+}
+
+template <int kD>
+cudaError_t LaunchBatch(const DecodeBatchSegment* segments, dim3 grid, void* workspace,
+                        cudaStream_t stream) {
+  const cudaError_t error =
+      cudaFuncSetAttribute(DecodeStreamBatchKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(DecodeStage<kD>::kSmemBytes));
+  if (error != cudaSuccess) return error;
+  DecodeStreamBatchKernel<kD><<<grid, kThreads, DecodeStage<kD>::kSmemBytes, stream>>>(
+      segments, static_cast<unsigned char*>(workspace));
   return cudaGetLastError();
 }
 
@@ -372,6 +416,19 @@ cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, 
                   static_cast<unsigned>(splits));
   auto launch = a.head_dim <= 64 ? Launch<64> : Launch<128>;
   return launch(a, grid, slots_per_split, part_o, part_lse, scores, stream);
+}
+
+cudaError_t LaunchDecodeStreamBatch(const DecodeBatchSegment* segments, int64_t count,
+                                    int64_t max_splits, int64_t num_kv_heads, int64_t head_dim,
+                                    void* workspace, cudaStream_t stream) {
+  if (segments == nullptr || count <= 0 || count > 65535 || max_splits <= 0 ||
+      num_kv_heads <= 0 || num_kv_heads > 65535 || head_dim > 128) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(num_kv_heads),
+                  static_cast<unsigned>(count));
+  auto launch = head_dim <= 64 ? LaunchBatch<64> : LaunchBatch<128>;
+  return launch(segments, grid, workspace, stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

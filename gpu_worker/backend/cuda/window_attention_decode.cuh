@@ -32,4 +32,12 @@ cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, 
                                int64_t slots_per_split, float* part_o, float* part_lse,
                                float* scores, cudaStream_t stream);
 
+// The batched form (window_attention.cuh's LaunchWindowAttentionBatch): grid [max_splits,
+// num_kv_heads, count]; block (x, g, i) runs split x of kv head g of segments[i] (device memory)
+// when x < its splits, writing o / lse (one split) or its partial state in `workspace`.
+// head_dim picks the kernel bucket shared by every segment.
+cudaError_t LaunchDecodeStreamBatch(const DecodeBatchSegment* segments, int64_t count,
+                                    int64_t max_splits, int64_t num_kv_heads, int64_t head_dim,
+                                    void* workspace, cudaStream_t stream);
+
 }  // namespace tandem::gpu_worker::cuda_backend

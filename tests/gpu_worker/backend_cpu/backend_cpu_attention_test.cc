@@ -313,6 +313,44 @@ TEST(WindowAttentionValidation, BadParamsAreInvalidArgument) {
   expect_invalid([](WindowAttentionParams& b) { b.alpha = 1.5f; });
 }
 
+// The default WindowAttentionBatch (a loop over WindowAttention): every entry's outputs equal
+// its single call exactly (decode steps, a prefill chunk, an empty window, MAW updates), and a
+// bad entry is INVALID_ARGUMENT.
+TEST(WindowAttentionBatch, EqualsSingleCalls) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  const std::vector<Shape> shapes = {{1, 8, 2, 64, 300, 320, DType::kBF16},
+                                     {4, 8, 2, 64, 1000, 1000, DType::kBF16},
+                                     {1, 8, 2, 64, 0, 16, DType::kBF16},
+                                     {17, 8, 2, 64, 500, 600, DType::kF32},
+                                     {1, 8, 2, 64, 2000, 2048, DType::kBF16}};
+  DeviceArrays dev(*backend);
+  std::vector<Problem> problems;
+  std::vector<WindowAttentionParams> single, batch;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    problems.push_back(MakeProblem(shapes[i], 40 + static_cast<uint32_t>(i)));
+    const bool with_maw = i % 2 == 1;
+    single.push_back(Upload(problems.back(), dev, with_maw));
+    batch.push_back(Upload(problems.back(), dev, with_maw));
+  }
+  for (const WindowAttentionParams& p : single) TANDEM_ASSERT_OK(backend->WindowAttention(p));
+  TANDEM_ASSERT_OK(backend->WindowAttentionBatch(batch.data(), batch.size()));
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const Shape& s = shapes[i];
+    const size_t rows = s.T * s.Hq;
+    EXPECT_EQ(dev.Download(batch[i].o, rows * s.D), dev.Download(single[i].o, rows * s.D)) << i;
+    EXPECT_EQ(dev.Download(batch[i].lse, rows), dev.Download(single[i].lse, rows)) << i;
+    if (batch[i].maw != nullptr) {
+      const size_t n = problems[i].maw.size();
+      EXPECT_EQ(dev.Download(batch[i].maw, n), dev.Download(single[i].maw, n)) << i;
+    }
+  }
+  WindowAttentionParams bad = batch[0];
+  bad.q = nullptr;
+  TANDEM_EXPECT_INVALID(backend->WindowAttentionBatch(&bad, 1));
+  TANDEM_ASSERT_OK(backend->WindowAttentionBatch(nullptr, 0));
+}
+
 // gutenberg-14m shapes: a T = 512 prefill chunk over 8192 slots, and a decode step. Timings are
 // printed; a sample of tokens is checked against the reference.
 TEST(WindowAttentionTiming, GutenbergShapes) {

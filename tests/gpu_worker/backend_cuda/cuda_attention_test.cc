@@ -2,7 +2,8 @@
 // GQA ratio, cache dtype, token count and window size (empty slots, slots past num_slots,
 // causal masking, rows that see nothing), and against the cpu backend where it is built; the
 // Prefill suite covers the tensor-core kernels (chunks over cached prefixes, causal diagonals,
-// decode steps, NaN in empty slots, split slot ranges).
+// decode steps, NaN in empty slots, split slot ranges). The batched WindowAttentionBatch and
+// WriteKvBatch are compared with one call per entry.
 //
 // Tolerances: o abs 1e-4 and lse abs 1e-4·max(1, |lse|) against f64 (the kernels accumulate in
 // f32; bf16 caches are compared with the same bf16 values on both sides); maw relative 1e-4 +
@@ -409,6 +410,211 @@ TEST_F(WindowAttentionEdgeTest, EmptyWindow) {
     ASSERT_EQ(x, -std::numeric_limits<float>::infinity());
   }
   EXPECT_EQ(Download<float>(maw, maw0.size()), maw0);
+}
+
+// ---- WindowAttentionBatch / WriteKvBatch: the batched calls against one call per entry.
+
+// One entry's inputs and outputs in device memory, with the params that point at them.
+struct DeviceEntry {
+  DeviceBuffer q, q_pos, slot_pos, k, v, o, lse, maw;
+  WindowAttentionParams params;
+  size_t rows = 0;
+};
+
+DeviceEntry MakeDeviceEntry(Backend& backend, const AttentionInputs& in, DType dtype,
+                            const std::vector<float>& maw0) {
+  DeviceEntry e;
+  e.q = UploadTo(backend, in.q);
+  e.q_pos = UploadTo(backend, in.q_pos);
+  e.slot_pos = UploadTo(backend, in.slot_pos);
+  e.k = UploadTo(backend, EncodeAs(in.k, dtype));
+  e.v = UploadTo(backend, EncodeAs(in.v, dtype));
+  e.rows = in.num_tokens * in.num_q_heads;
+  e.o = UploadTo(backend, std::vector<float>(e.rows * in.head_dim, kNaN));
+  e.lse = UploadTo(backend, std::vector<float>(e.rows, kNaN));
+  if (!maw0.empty()) e.maw = UploadTo(backend, maw0);
+  e.params = {.q = e.q.as<float>(),
+              .q_row_stride = in.q_row_stride,
+              .q_pos = e.q_pos.as<int32_t>(),
+              .k_cache = e.k.data(),
+              .v_cache = e.v.data(),
+              .cache_dtype = dtype,
+              .slot_pos = e.slot_pos.as<int32_t>(),
+              .num_slots = in.num_slots,
+              .capacity = in.capacity,
+              .num_tokens = in.num_tokens,
+              .num_q_heads = in.num_q_heads,
+              .num_kv_heads = in.num_kv_heads,
+              .head_dim = in.head_dim,
+              .scale = in.scale,
+              .o = e.o.as<float>(),
+              .lse = e.lse.as<float>(),
+              .maw = e.maw.as<float>(),
+              .alpha = kAlpha};
+  return e;
+}
+
+struct BatchCase {
+  AttentionCase shape;
+  bool maw;
+};
+
+// A continuous-batching layer: decode steps of 1..4 tokens (T·G <= 16: the batched kernel) over
+// windows of 0 (empty), 1, 31 and up to 20,000 slots, mixed with entries that take the single
+// path: 5 tokens (20 rows), a MAW update, an f32 cache, another head-dim bucket (64) and another
+// kv head count than the first batched entry.
+std::vector<BatchCase> MixedBatch() {
+  const DType bf16 = DType::kBF16;
+  return {
+      {{128, 8, 4, bf16, 1, 4300, 4200}, false}, {{128, 8, 4, bf16, 1, 128, 100}, false},
+      {{128, 8, 4, bf16, 1, 64, 0}, false},      {{128, 8, 4, bf16, 2, 3000, 3000}, false},
+      {{128, 8, 4, bf16, 4, 9000, 9000}, false}, {{128, 8, 4, bf16, 1, 40, 31}, false},
+      {{128, 8, 4, bf16, 1, 16, 1}, false},      {{128, 8, 4, bf16, 1, 20000, 20000}, false},
+      {{128, 8, 4, bf16, 5, 2000, 2000}, false}, {{128, 8, 4, bf16, 1, 4300, 4200}, true},
+      {{128, 8, 4, bf16, 3, 800, 700}, true},    {{128, 8, 4, DType::kF32, 1, 600, 500}, false},
+      {{64, 8, 4, bf16, 1, 900, 800}, false},    {{128, 2, 4, bf16, 1, 5000, 5000}, false},
+      {{128, 8, 4, bf16, 3, 2500, 2400}, false}, {{128, 8, 4, bf16, 1, 7000, 6999}, false},
+      {{128, 8, 4, bf16, 1, 64, 0}, false},      {{128, 8, 2, bf16, 8, 1200, 1200}, false},
+      {{128, 8, 4, bf16, 1, 300, 257}, false},   {{128, 8, 4, bf16, 2, 1000, 1000}, false},
+  };
+}
+
+// o abs 1e-4, lse abs 1e-4·max(1, |lse|), maw 1e-4 relative + 1e-7 (the WindowAttention
+// tolerances): the batched kernel splits the slots differently from the single launch.
+void ExpectSameOutputs(Backend& backend, DeviceEntry& want, DeviceEntry& got, int64_t head_dim,
+                       size_t maw_count, size_t entry) {
+  const std::vector<float> want_lse = DownloadFrom<float>(backend, want.lse, want.rows);
+  const std::vector<float> got_lse = DownloadFrom<float>(backend, got.lse, got.rows);
+  for (size_t r = 0; r < want.rows; ++r) {
+    if (std::isinf(want_lse[r])) {
+      ASSERT_EQ(got_lse[r], want_lse[r]) << "entry " << entry << " row " << r;
+    } else {
+      ASSERT_NEAR(got_lse[r], want_lse[r], 1e-4 * std::max(1.0f, std::abs(want_lse[r])))
+          << "entry " << entry << " row " << r;
+    }
+  }
+  const std::vector<float> want_o = DownloadFrom<float>(backend, want.o, want.rows * head_dim);
+  const std::vector<float> got_o = DownloadFrom<float>(backend, got.o, got.rows * head_dim);
+  for (size_t i = 0; i < want_o.size(); ++i) {
+    ASSERT_NEAR(got_o[i], want_o[i], 1e-4) << "entry " << entry << " element " << i;
+  }
+  if (maw_count == 0) return;
+  const std::vector<float> want_maw = DownloadFrom<float>(backend, want.maw, maw_count);
+  const std::vector<float> got_maw = DownloadFrom<float>(backend, got.maw, maw_count);
+  for (size_t i = 0; i < maw_count; ++i) {
+    ASSERT_NEAR(got_maw[i], want_maw[i], 1e-4 * std::abs(want_maw[i]) + 1e-7)
+        << "entry " << entry << " maw " << i;
+  }
+}
+
+// Runs `cases` through `batch_backend`'s WindowAttentionBatch and, on the same inputs, through
+// `single_backend`'s WindowAttention one entry at a time, and compares every output.
+void ExpectBatchMatchesSingle(Backend& batch_backend, Backend& single_backend,
+                              const std::vector<BatchCase>& cases) {
+  std::vector<DeviceEntry> single, batch;
+  std::vector<WindowAttentionParams> params;
+  std::vector<size_t> maw_counts;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const AttentionCase& c = cases[i].shape;
+    const AttentionInputs in = MakeInputs(c, 600 + static_cast<uint32_t>(i));
+    const std::vector<float> maw0 =
+        cases[i].maw ? InitialMaw(c, 700 + static_cast<uint32_t>(i)) : std::vector<float>();
+    maw_counts.push_back(maw0.size());
+    single.push_back(MakeDeviceEntry(single_backend, in, c.dtype, maw0));
+    batch.push_back(MakeDeviceEntry(batch_backend, in, c.dtype, maw0));
+    params.push_back(batch.back().params);
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const absl::Status status = single_backend.WindowAttention(single[i].params);
+    ASSERT_TRUE(status.ok()) << "entry " << i << ": " << status;
+  }
+  const absl::Status status = batch_backend.WindowAttentionBatch(params.data(), params.size());
+  ASSERT_TRUE(status.ok()) << status;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    ASSERT_NO_FATAL_FAILURE(ExpectSameOutputs(batch_backend, single[i], batch[i],
+                                              cases[i].shape.head_dim, maw_counts[i], i));
+  }
+}
+
+using WindowAttentionBatchTest = CudaBackendFixture;
+
+TEST_F(WindowAttentionBatchTest, MixedBatchMatchesSingleCalls) {
+  ExpectBatchMatchesSingle(*backend_, *backend_, MixedBatch());
+}
+
+// 64 decode steps over windows of 1..8K slots, every one batched (the serving shape).
+TEST_F(WindowAttentionBatchTest, ManyDecodeStepsMatchSingleCalls) {
+  std::vector<BatchCase> cases;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int64_t> slots(1, 8192);
+  for (int i = 0; i < 64; ++i) {
+    const int64_t n = slots(rng);
+    cases.push_back({{128, 8, 4, DType::kBF16, 1, n + 7, n}, false});
+  }
+  ExpectBatchMatchesSingle(*backend_, *backend_, cases);
+}
+
+TEST_F(WindowAttentionBatchTest, EmptyBatchAndBadEntry) {
+  EXPECT_TRUE(backend_->WindowAttentionBatch(nullptr, 0).ok());
+  const WindowAttentionParams bad;  // null pointers
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->WindowAttentionBatch(&bad, 1)));
+}
+
+#ifdef TANDEM_TEST_HAVE_CPU_BACKEND
+TEST_F(WindowAttentionBatchTest, MixedBatchMatchesCpuBackend) {
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateCpuBackend();
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  ExpectBatchMatchesSingle(*backend_, **cpu, MixedBatch());
+}
+#endif
+
+using WriteKvBatchTest = CudaBackendFixture;
+
+// Decode-step writes into 12 caches (bf16; in the second round one f32 cache makes the batch
+// fall back to single launches), bit-identical to one WriteKv per cache.
+TEST_F(WriteKvBatchTest, MatchesSingleCalls) {
+  constexpr int64_t kHeads = 8, kDim = 128, kCapacity = 64, kStride = 3 * kHeads * kDim;
+  for (const bool mixed_dtypes : {false, true}) {
+    std::vector<DeviceBuffer> inputs;
+    std::vector<DeviceBuffer> caches[2];  // [single, batch]: k, v of every entry
+    std::vector<WriteKvParams> params[2];
+    std::vector<size_t> cache_bytes;
+    for (int i = 0; i < 12; ++i) {
+      const DType dtype = mixed_dtypes && i == 5 ? DType::kF32 : DType::kBF16;
+      const int64_t tokens = 1 + i % 3;
+      std::vector<int32_t> slots;
+      for (int64_t t = 0; t < tokens; ++t) {
+        slots.push_back(static_cast<int32_t>((7 * i + 3 * t) % kCapacity));
+      }
+      const size_t bytes = kHeads * kCapacity * kDim * DTypeBytes(dtype);
+      cache_bytes.push_back(bytes);
+      inputs.push_back(Upload(RandomFloats(tokens * kStride, -1, 1, 900 + i)));
+      inputs.push_back(Upload(slots));
+      const float* src = inputs[inputs.size() - 2].as<float>();
+      for (int run = 0; run < 2; ++run) {
+        caches[run].push_back(Upload(std::vector<uint8_t>(bytes, 0x7f)));
+        caches[run].push_back(Upload(std::vector<uint8_t>(bytes, 0x7f)));
+        params[run].push_back({.k = src,
+                               .v = src + kHeads * kDim,
+                               .row_stride = kStride,
+                               .slots = inputs.back().as<int32_t>(),
+                               .k_cache = caches[run][2 * i].data(),
+                               .v_cache = caches[run][2 * i + 1].data(),
+                               .cache_dtype = dtype,
+                               .num_tokens = tokens,
+                               .num_kv_heads = kHeads,
+                               .capacity = kCapacity,
+                               .head_dim = kDim});
+      }
+    }
+    for (const WriteKvParams& p : params[0]) ASSERT_TRUE(backend_->WriteKv(p).ok());
+    ASSERT_TRUE(backend_->WriteKvBatch(params[1].data(), params[1].size()).ok());
+    for (size_t i = 0; i < caches[0].size(); ++i) {
+      EXPECT_EQ(Download<uint8_t>(caches[0][i], cache_bytes[i / 2]),
+                Download<uint8_t>(caches[1][i], cache_bytes[i / 2]))
+          << "entry " << i / 2 << (i % 2 == 0 ? " k" : " v") << " mixed " << mixed_dtypes;
+    }
+  }
 }
 
 }  // namespace

@@ -350,6 +350,28 @@ class Backend {
   virtual absl::Status SwiGlu(const SwiGluParams& p) = 0;
   virtual absl::Status WriteKv(const WriteKvParams& p) = 0;
   virtual absl::Status WindowAttention(const WindowAttentionParams& p) = 0;
+
+  // Batched forms (one call per layer for all sequences of a batch): the same results as
+  // calling WriteKv / WindowAttention on params[0], ..., params[count - 1] in that order. The
+  // destinations of different entries must not overlap each other or another entry's inputs
+  // (distinct caches; distinct o, lse and maw rows), so a backend may run the entries in any
+  // order or together. Stops at the first failing entry and returns its error (the entries
+  // before it may have run). The defaults call the single forms in a loop; the cuda backend
+  // launches one kernel for the entries that fit its batched kernels.
+  virtual absl::Status WriteKvBatch(const WriteKvParams* params, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      absl::Status status = WriteKv(params[i]);
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
+  virtual absl::Status WindowAttentionBatch(const WindowAttentionParams* params, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      absl::Status status = WindowAttention(params[i]);
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
   virtual absl::Status MergeStates(const MergeParams& p) = 0;
   // Returns the chosen token id (waits for the result).
   virtual absl::StatusOr<int32_t> Sample(const SampleParams& p) = 0;

@@ -188,6 +188,10 @@ class ModelRunner {
   // Per segment of the pass: its attend of the current layer, and whether one is in flight.
   std::vector<AttendRows> attends_;
   std::vector<char> started_;
+  // One micro-batch's KV writes and window attentions of a layer, issued as one batched call
+  // each (kept to avoid reallocating them every layer).
+  std::vector<WriteKvParams> write_kv_;
+  std::vector<WindowAttentionParams> window_attention_;
 };
 
 }  // namespace tandem::gpu_worker
