@@ -481,10 +481,11 @@ std::vector<BatchCase> MixedBatch() {
 
 // o abs 1e-4, lse abs 1e-4·max(1, |lse|), maw 1e-4 relative + 1e-7 (the WindowAttention
 // tolerances): the batched kernel splits the slots differently from the single launch.
-void ExpectSameOutputs(Backend& backend, DeviceEntry& want, DeviceEntry& got, int64_t head_dim,
-                       size_t maw_count, size_t entry) {
-  const std::vector<float> want_lse = DownloadFrom<float>(backend, want.lse, want.rows);
-  const std::vector<float> got_lse = DownloadFrom<float>(backend, got.lse, got.rows);
+// `want` lives on want_backend, `got` on got_backend.
+void ExpectSameOutputs(Backend& want_backend, const DeviceEntry& want, Backend& got_backend,
+                       const DeviceEntry& got, int64_t head_dim, size_t maw_count, size_t entry) {
+  const std::vector<float> want_lse = DownloadFrom<float>(want_backend, want.lse, want.rows);
+  const std::vector<float> got_lse = DownloadFrom<float>(got_backend, got.lse, got.rows);
   for (size_t r = 0; r < want.rows; ++r) {
     if (std::isinf(want_lse[r])) {
       ASSERT_EQ(got_lse[r], want_lse[r]) << "entry " << entry << " row " << r;
@@ -493,14 +494,15 @@ void ExpectSameOutputs(Backend& backend, DeviceEntry& want, DeviceEntry& got, in
           << "entry " << entry << " row " << r;
     }
   }
-  const std::vector<float> want_o = DownloadFrom<float>(backend, want.o, want.rows * head_dim);
-  const std::vector<float> got_o = DownloadFrom<float>(backend, got.o, got.rows * head_dim);
+  const std::vector<float> want_o =
+      DownloadFrom<float>(want_backend, want.o, want.rows * head_dim);
+  const std::vector<float> got_o = DownloadFrom<float>(got_backend, got.o, got.rows * head_dim);
   for (size_t i = 0; i < want_o.size(); ++i) {
     ASSERT_NEAR(got_o[i], want_o[i], 1e-4) << "entry " << entry << " element " << i;
   }
   if (maw_count == 0) return;
-  const std::vector<float> want_maw = DownloadFrom<float>(backend, want.maw, maw_count);
-  const std::vector<float> got_maw = DownloadFrom<float>(backend, got.maw, maw_count);
+  const std::vector<float> want_maw = DownloadFrom<float>(want_backend, want.maw, maw_count);
+  const std::vector<float> got_maw = DownloadFrom<float>(got_backend, got.maw, maw_count);
   for (size_t i = 0; i < maw_count; ++i) {
     ASSERT_NEAR(got_maw[i], want_maw[i], 1e-4 * std::abs(want_maw[i]) + 1e-7)
         << "entry " << entry << " maw " << i;
@@ -531,7 +533,7 @@ void ExpectBatchMatchesSingle(Backend& batch_backend, Backend& single_backend,
   const absl::Status status = batch_backend.WindowAttentionBatch(params.data(), params.size());
   ASSERT_TRUE(status.ok()) << status;
   for (size_t i = 0; i < cases.size(); ++i) {
-    ASSERT_NO_FATAL_FAILURE(ExpectSameOutputs(batch_backend, single[i], batch[i],
+    ASSERT_NO_FATAL_FAILURE(ExpectSameOutputs(single_backend, single[i], batch_backend, batch[i],
                                               cases[i].shape.head_dim, maw_counts[i], i));
   }
 }
@@ -607,8 +609,12 @@ TEST_F(WriteKvBatchTest, MatchesSingleCalls) {
                                .head_dim = kDim});
       }
     }
-    for (const WriteKvParams& p : params[0]) ASSERT_TRUE(backend_->WriteKv(p).ok());
-    ASSERT_TRUE(backend_->WriteKvBatch(params[1].data(), params[1].size()).ok());
+    for (const WriteKvParams& p : params[0]) {
+      const absl::Status status = backend_->WriteKv(p);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+    const absl::Status status = backend_->WriteKvBatch(params[1].data(), params[1].size());
+    ASSERT_TRUE(status.ok()) << status;
     for (size_t i = 0; i < caches[0].size(); ++i) {
       EXPECT_EQ(Download<uint8_t>(caches[0][i], cache_bytes[i / 2]),
                 Download<uint8_t>(caches[1][i], cache_bytes[i / 2]))
