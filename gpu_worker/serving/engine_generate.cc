@@ -1,0 +1,327 @@
+// Engine: the life of one generation (Begin, Step, End; Generate for a single request).
+// Engine::Create, sessions, memory accounting and Evaluate are in engine.cc.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/request_validation.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+}  // namespace
+
+absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
+                                                 const GenerateCallbacks& callbacks) {
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Generation> g,
+                          Begin(request, callbacks, Generation::Clock::now()));
+  while (!g->finished() && !g->CancelledBy(Generation::Clock::now())) {
+    // A failed step records its failure in g; End reports it.
+    (void)Step({{g.get(), std::min(g->remaining(), max_step_tokens())}});
+  }
+  return End(*g);
+}
+
+bool Generation::CancelledBy(Clock::time_point now) const {
+  if (request.deadline.has_value() && now >= *request.deadline) return true;
+  return callbacks.cancelled && callbacks.cancelled();
+}
+
+absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest request,
+                                                          GenerateCallbacks callbacks,
+                                                          Generation::Clock::time_point arrival) {
+  // --- Validation: everything is checked before any state changes.
+  TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(request, 0));
+  PagePolicy page_policy = options_.default_page_policy;
+  if (request.select_tokens.has_value()) page_policy.select_tokens = *request.select_tokens;
+  if (request.dense_layers.has_value()) page_policy.dense_layers = *request.dense_layers;
+  TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(page_policy));
+  // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
+  const SelectionRule selection = request.selection.value_or(
+      request.beta.has_value() ? SelectionRule::kMaw : options_.default_selection);
+  if (selection == SelectionRule::kPages) TANDEM_RETURN_IF_ERROR(CheckPagesUsable());
+  const AttentionMode mode = request.mode.value_or(options_.default_mode);
+  const float beta = request.beta.value_or(options_.default_beta);
+  const int64_t window = request.window.value_or(options_.default_window);
+  const int64_t sink = request.sink.value_or(options_.default_sink);
+  if (window < options_.block_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
+                                                   options_.block_tokens, " tokens), got ",
+                                                   window));
+  }
+  if (sink > max_context_) {
+    return absl::InvalidArgumentError(absl::StrCat("sink must be in 0..", max_context_));
+  }
+  if (!request.session_id.empty() && SessionBusy(request.session_id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", request.session_id, "' is in use by another request"));
+  }
+
+  auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
+  const bool continuing = existing != sessions_.end();
+  if (continuing) {
+    const Sequence& s = *existing->second;
+    if (request.mode.has_value() && *request.mode != s.mode) {
+      return absl::InvalidArgumentError("a continued session keeps its attention mode");
+    }
+    if (s.mode == AttentionMode::kHybrid &&
+        ((request.window.has_value() && *request.window != s.window.options().window) ||
+         (request.sink.has_value() && *request.sink != s.window.options().sink))) {
+      return absl::InvalidArgumentError("a continued session keeps its window and sink");
+    }
+    if (s.mode == AttentionMode::kHybrid && request.selection.has_value() &&
+        *request.selection != s.selection) {
+      return absl::InvalidArgumentError("a continued session keeps its selection");
+    }
+  }
+  std::vector<int32_t> prompt = request.prompt_ids;
+  if (prompt.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(prompt, tokenizer_->Encode(request.prompt_text, !continuing));
+    if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
+  const int64_t already = continuing ? static_cast<int64_t>(existing->second->tokens.size()) +
+                                           (existing->second->pending_token ? 1 : 0)
+                                     : 0;
+  if (already + static_cast<int64_t>(prompt.size()) >= max_context_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt (", prompt.size(), " tokens", continuing ? " after " : "",
+                     continuing ? absl::StrCat(already, " in the session") : "",
+                     ") leaves no room in the model's context of ", max_context_, " tokens"));
+  }
+  if (!continuing && sessions_.size() >= options_.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
+  }
+
+  // --- The session, with the memory it needs by the end of this request reserved: device
+  // window (gpu mode), page summaries and CPU-node room are checked before anything runs.
+  std::string id = request.session_id;
+  if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
+  const int64_t planned = std::min<int64_t>(
+      max_context_, already + static_cast<int64_t>(prompt.size()) + request.max_tokens);
+  auto offloaded_by_end = [&](int64_t w, int64_t k) { return std::max<int64_t>(0, planned - w - k); };
+  Sequence* seq = nullptr;
+  if (continuing) {
+    seq = existing->second.get();
+    if (seq->mode == AttentionMode::kGpu) {
+      WindowOptions grown = seq->window.options();
+      SequenceSpec gpu_spec;
+      gpu_spec.mode = AttentionMode::kGpu;
+      grown.max_context =
+          std::max(grown.max_context, WindowOptionsFor(gpu_spec, planned).max_context);
+      const size_t bytes = WindowCache::BytesFor(seq->window.geometry(), grown);
+      TANDEM_RETURN_IF_ERROR(CheckDeviceKv(bytes > seq->window.device_bytes()
+                                               ? bytes - seq->window.device_bytes()
+                                               : 0));
+      TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
+    }
+    if (seq->selection == SelectionRule::kPages) {
+      if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
+        seq->page_policy = page_policy;
+      }
+      TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
+                                                                 seq->window.options().sink)));
+    }
+    TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
+        offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
+  } else {
+    const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
+    size_t need = WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned));
+    if (mode == AttentionMode::kHybrid && selection == SelectionRule::kPages) {
+      need += PageIndex::BytesFor(window_geometry(), options_.page_tokens,
+                                  offloaded_by_end(window, sink));
+    }
+    TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
+                            NewSequence(id, spec,
+                                        planned, offloaded_by_end(window, sink)));
+    seq = fresh.get();
+    sessions_[id] = std::move(fresh);
+  }
+
+  const uint64_t seed =
+      request.sampling.seed.has_value() ? *request.sampling.seed : std::random_device{}();
+  const bool keep = !request.session_id.empty();
+  auto g = std::make_unique<Generation>(std::move(request), std::move(callbacks), arrival,
+                                        *tokenizer_);
+  g->seq = seq;
+  g->session_id = id;
+  g->keep_session = keep;
+  g->prompt_tokens = static_cast<int64_t>(prompt.size());
+  if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
+  g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
+  seq->pending_token.reset();
+  if (continuing && seq->mode == AttentionMode::kHybrid) {
+    seq->reselect_pending = true;
+    seq->reselect_beta = g->request.beta;
+  }
+  g->rng.seed(seed);
+  g->degraded_before = seq->degraded_steps;
+  g->last_token = arrival;
+  busy_.insert(id);
+  return g;
+}
+
+absl::Status Engine::Step(const std::vector<StepItem>& items) {
+  std::vector<ModelRunner::BatchEntry> entries;
+  int64_t total = 0;
+  for (const StepItem& item : items) {
+    Generation& g = *item.generation;
+    if (g.finished() || item.tokens < 1 || item.tokens > g.remaining()) {
+      return absl::InvalidArgumentError(absl::StrCat("step item of ", item.tokens,
+                                                     " tokens for a generation with ",
+                                                     g.remaining(), " to feed"));
+    }
+    entries.push_back({g.seq, g.feed.data() + g.fed, item.tokens});
+    total += item.tokens;
+  }
+  if (total > max_step_tokens()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a step of ", total, " tokens; at most ", max_step_tokens()));
+  }
+  if (absl::Status s = runner_->Step(entries); !s.ok()) {
+    for (const StepItem& item : items) item.generation->failure = s;
+    return s;
+  }
+  const int64_t vocab = model_->config.vocab_size;
+  absl::Status first_failure;
+  for (size_t b = 0; b < items.size(); ++b) {
+    Generation& g = *items[b].generation;
+    g.fed += items[b].tokens;
+    if (g.prefilling() && g.callbacks.on_prefill) {
+      const double elapsed = Seconds(g.arrival, Clock::now());
+      g.callbacks.on_prefill({static_cast<int64_t>(g.feed.size()), g.fed, elapsed});
+    }
+    if (g.remaining() > 0) continue;
+    if (absl::Status s = SampleNext(g, runner_->batch_logits() + b * vocab); !s.ok()) {
+      g.failure = s;
+      if (first_failure.ok()) first_failure = s;
+    }
+  }
+  return first_failure;
+}
+
+absl::Status Engine::SampleNext(Generation& g, const float* logits) {
+  const SamplingOptions& sampling = g.request.sampling;
+  SampleParams sp;
+  sp.logits = logits;
+  sp.vocab = model_->config.vocab_size;
+  sp.temperature = sampling.temperature;
+  sp.top_k = sampling.top_k;
+  sp.top_p = sampling.top_p;
+  sp.uniform = static_cast<float>(static_cast<double>(g.rng() >> 11) * 0x1.0p-53);
+  if (sp.uniform >= 1.0f) sp.uniform = std::nextafter(1.0f, 0.0f);
+  TANDEM_ASSIGN_OR_RETURN(const int32_t token, backend_->Sample(sp));
+
+  const Clock::time_point now = Clock::now();
+  GenerateSummary& summary = g.summary;
+  const int64_t i = summary.completion_tokens;
+  if (i == 0) {
+    summary.time_to_first_token_s = Seconds(g.arrival, now);
+  } else {
+    g.latencies.push_back(Seconds(g.last_token, now));
+  }
+  g.last_token = now;
+  g.first_token_sampled = true;
+  summary.token_ids.push_back(token);
+  summary.completion_tokens = i + 1;
+  const std::vector<int32_t>& eos = tokenizer_->eos_ids();
+  const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
+  TokenEvent event{token, "", i};
+  std::optional<FinishReason> reason;
+  if (is_eos && !g.request.ignore_eos) {
+    reason = FinishReason::kEos;
+  } else {
+    event.text = g.stops.Push(g.decoder.Push(token));
+    if (g.stops.stopped()) reason = FinishReason::kStop;
+  }
+  // Known before the token is reported: whether it is the last, so that its message carries
+  // the text still held back (one message per token).
+  if (!reason.has_value() && i + 1 == g.request.max_tokens) reason = FinishReason::kLength;
+  if (!reason.has_value() && static_cast<int64_t>(g.seq->tokens.size()) + 1 >= max_context_) {
+    reason = FinishReason::kContext;
+  }
+  if (reason.has_value() && *reason != FinishReason::kStop) {
+    event.text += g.stops.Push(g.decoder.Flush());
+    event.text += g.stops.Flush();
+  }
+  summary.text += event.text;
+  const bool proceed = g.callbacks.on_token ? g.callbacks.on_token(event) : true;
+  // The last sampled token is fed at the start of the session's next turn.
+  g.seq->pending_token = token;
+  if (!reason.has_value() && !proceed) reason = FinishReason::kCancelled;
+  g.reason = reason;
+  if (!reason.has_value()) {   // the next step feeds it
+    g.seq->pending_token.reset();
+    g.feed.assign(1, token);
+    g.fed = 0;
+    g.seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
+  busy_.erase(g.session_id);
+  const Clock::time_point now = Clock::now();
+  absl::Status failure = g.failure;
+  if (failure.ok() && !g.reason.has_value()) {   // stopped between steps
+    if (g.request.deadline.has_value() && now >= *g.request.deadline) {
+      failure = absl::DeadlineExceededError(absl::StrCat(
+          "the request's deadline passed after ", g.summary.completion_tokens, " tokens"));
+    } else {
+      g.reason = FinishReason::kCancelled;
+    }
+  }
+  // A session whose prompt was not fed whole (stopped in prefill) or whose pass failed holds a
+  // state no client asked for: it is closed even when kept.
+  const bool consistent = g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled;
+  GenerateSummary summary = std::move(g.summary);
+  summary.session_id = g.keep_session ? g.session_id : "";
+  summary.prompt_tokens = g.prompt_tokens;
+  summary.mode = g.seq->mode;
+  summary.total_s = Seconds(g.arrival, now);
+  summary.finish_reason = g.reason.value_or(FinishReason::kCancelled);
+  if (!g.latencies.empty()) {
+    double sum = 0.0;
+    for (double l : g.latencies) sum += l;
+    summary.mean_token_latency_s = sum / g.latencies.size();
+    summary.p50_token_latency_s = Percentile(g.latencies, 0.5);
+    summary.p99_token_latency_s = Percentile(g.latencies, 0.99);
+  }
+  summary.degraded_steps = g.seq->degraded_steps - g.degraded_before;
+  summary.degraded = summary.degraded_steps > 0;
+  summary.device_kv_entries = g.seq->device_entries();
+  summary.cpu_kv_entries = g.seq->offloaded_entries();
+  if (!g.keep_session || !consistent) {
+    auto it = sessions_.find(g.session_id);
+    if (it != sessions_.end()) {
+      (void)it->second->CloseOffloaded();
+      sessions_.erase(it);
+    }
+    g.seq = nullptr;
+  } else if (g.remaining() == 1 && !g.seq->pending_token.has_value()) {
+    g.seq->pending_token = g.feed[g.fed];   // sampled but not fed: the next turn feeds it
+  }
+  if (!failure.ok()) return failure;
+  return summary;
+}
+
+}  // namespace tandem::gpu_worker
