@@ -29,8 +29,9 @@ class NodeTier final : public OffloadTier {
   NodeTier(std::unique_ptr<RemoteKv> remote, std::unique_ptr<PageIndex> pages);
 
   int64_t offloaded_tokens() const override { return remote_->offloaded_tokens(); }
-  // MAW is kept for every hybrid window (pages sessions send it too; the nodes ignore it).
-  bool wants_maw() const override { return true; }
+  // MAW drives MAW selection only: a pages session skips its update (its nodes keep no
+  // selected copy and ignore MAW), so its window attention can join the batched decode launch.
+  bool wants_maw() const override { return pages_ == nullptr; }
   double off_device_work() const override;
 
   absl::Status BeginPass(TierContext& context, size_t stream) override;
