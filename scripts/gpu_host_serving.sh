@@ -3,7 +3,8 @@
 # batching (issue 12) on a Llama-3-8B geometry with synthetic weights made on the device
 # (tandem-gpu-worker --random_weights; the tokenizer is gutenberg-14m's, whose ids fit the
 # vocabulary), driven by tandem-load over gRPC:
-#   tests   the cuda engine tests of the scheduler and the micro-batched runner
+#   tests   the cuda backend's window-attention and KV-write tests (batched too), the cuda
+#           engine tests of the scheduler and the micro-batched runner
 #   gpu     gpu mode, 4K prompts: one stream, then a wave of 64 concurrent streams
 #   ttft    a short prompt's TTFT idle and while a 32K prompt is prefilled
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
@@ -64,6 +65,9 @@ load() {   # load NAME ARGS...
 }
 
 if has tests; then
+  timeout 200 backend_cuda_test --gtest_brief=1 --gtest_filter='*Batch*:*WindowAttention*:*WriteKv*' \
+    > "$out/backend_tests.txt" 2>&1
+  grep -E 'FAILED|PASSED|tests ran' "$out/backend_tests.txt"
   timeout 300 gpu_worker_engine_cuda_test --gtest_brief=1 \
     --gtest_filter='Scheduler*:MicroBatch*:HybridEquivalence*:EngineGolden*:PageSelection*' \
     > "$out/tests.txt" 2>&1
