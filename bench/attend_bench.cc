@@ -41,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -527,7 +528,7 @@ int Main(int argc, char** argv) {
       "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
       "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] "
       "[--footprint_mib F] [--select_tokens S] [--page_tokens P]");
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   Flags f;
   if (!ReadFlags(f)) {
     std::fprintf(stderr, "bad flags (tandem-attend-bench --help lists them)\n");

@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -697,7 +698,7 @@ absl::Status Run() {
 }  // namespace tandem::gpu_worker
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   const absl::Status status = tandem::gpu_worker::Run();
   if (!status.ok()) {
     std::fprintf(stderr, "tandem-kernel-bench: %s\n", status.ToString().c_str());

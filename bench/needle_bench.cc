@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
@@ -255,6 +256,6 @@ int Main() {
 }  // namespace tandem::gpu_worker
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   return tandem::gpu_worker::Main();
 }

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
@@ -363,7 +364,7 @@ double MiB(uint64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.
 int main(int argc, char** argv) {
   using namespace tandem::kv_store;
   Flags flags;
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   if (!ReadFlags(flags)) return 2;
   const Workload workload = MakeWorkload(flags);
   uint32_t max_chunk = flags.evict_tokens;

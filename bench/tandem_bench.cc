@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
@@ -791,6 +792,6 @@ int Main() {
 }  // namespace tandem::bench
 
 int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   return tandem::bench::Main();
 }

@@ -38,6 +38,7 @@
 #include <thread>
 #include <vector>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -329,7 +330,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem-transport-bench [--cpu_attention_bin=PATH | --cpu_nodes=HOST:PORT] "
       "[--contexts=64,4096] [--calls=2000] [--append_mib=1024]");
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   const uint32_t threads = absl::GetFlag(FLAGS_threads);
 
   gw::NodePoolOptions embedded_options;

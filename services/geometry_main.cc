@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -34,7 +35,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Writes config.json and random safetensors weights for a model geometry.\n"
       "  tandem-geometry --preset=llama3-8b [--set=layers=4,...] [--seed=N] --out=DIR");
-  absl::ParseCommandLine(argc, argv);
+  tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   using namespace tandem::gpu_worker;
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) {
