@@ -175,11 +175,35 @@ TEST_F(BinariesTest, BadCommandLinesExitWithTwo) {
     EXPECT_EQ(r->exit_code, 2) << r->err;
     EXPECT_FALSE(r->err.empty());
   }
+  // Flag names take hyphens as well as underscores: this one parses (and fails only later, on the
+  // model, with 1).
+  absl::StatusOr<CommandResult> hyphens = RunCommand(
+      {TANDEM_GPU_WORKER_BIN, "--model=/nonexistent/model", "--max-batch=8", "--kv-cache-bytes",
+       "1GiB", "--address=127.0.0.1:0"});
+  ASSERT_TRUE(hyphens.ok()) << hyphens.status();
+  EXPECT_EQ(hyphens->exit_code, 1) << hyphens->err;
   // A command line that parses but names a model that cannot load: exit 1.
   absl::StatusOr<CommandResult> r =
       RunCommand({TANDEM_GPU_WORKER_BIN, "--model=/nonexistent/model", "--address=127.0.0.1:0"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 1) << r->err;
+}
+
+// --help lists each binary's own flags on stdout and exits 0.
+TEST_F(BinariesTest, HelpListsTheFlagsAndExitsZero) {
+  const std::vector<std::pair<std::string, std::string>> binaries = {
+      {TANDEM_GPU_WORKER_BIN, "--max_batch"},
+      {TANDEM_CPU_ATTENTION_BIN, "--pool_bytes"},
+      {TANDEM_CLI_BIN, "--server"},
+  };
+  for (const auto& [binary, flag] : binaries) {
+    SCOPED_TRACE(binary);
+    absl::StatusOr<CommandResult> r = RunCommand({binary, "--help"});
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->exit_code, 0) << r->err;
+    EXPECT_THAT(r->out + r->err, HasSubstr(flag));
+    EXPECT_THAT(r->out + r->err, ::testing::Not(HasSubstr("No flags matched")));
+  }
 }
 
 }  // namespace
