@@ -106,6 +106,19 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
     selected_.Reset();   // (its last reader, a download, has run)
     TANDEM_ASSIGN_OR_RETURN(selected_, context.backend().Allocate(ids * 4));
   }
+  // Few rows (decode): queued, run with the micro-batch's other selections of this layer as
+  // one SelectPagesBatch before the downloads (FlushDownloads), each with its own scratch.
+  if (SelectPagesScratchBytes(n, Hkv, num_pages) <= kMaxBatchedSelectScratchBytes) {
+    TANDEM_ASSIGN_OR_RETURN(const SelectPagesParams p,
+                            pages_->SelectParams(rows.layer, w.q, w.q_row_stride, n,
+                                                 w.num_q_heads, per_head,
+                                                 selected_.as<int32_t>(), nullptr));
+    context.QueueSelect(p);
+    page_ids_.resize(ids);
+    context.QueueDownload(page_ids_.data(), ids * 4, selected_.data(), ids * 4, ids * 4, 1);
+    selection_ = PageSelection{page_ids_.data(), per_head};
+    return true;
+  }
   // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
   // (a long prefill chunk over a long context is cut into several calls).
   const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);

@@ -70,7 +70,31 @@ void TierContext::QueueDownload(void* dst_host, size_t dst_pitch, const void* sr
   downloads_.push_back({dst_host, dst_pitch, src, src_pitch, row_bytes, rows});
 }
 
+void TierContext::QueueSelect(const SelectPagesParams& p) { selects_.push_back(p); }
+
+absl::Status TierContext::FlushSelects() {
+  if (selects_.empty()) return absl::OkStatus();
+  // One scratch region per selection (the batch may run them together), 256-byte aligned.
+  size_t total = 0;
+  for (const SelectPagesParams& p : selects_) {
+    total += (SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) + 255) / 256 * 256;
+  }
+  if (batch_select_scratch_.bytes() < total) {
+    batch_select_scratch_.Reset();   // (freeing waits for the selections that used it)
+    TANDEM_ASSIGN_OR_RETURN(batch_select_scratch_, backend_.Allocate(total));
+  }
+  char* next = static_cast<char*>(batch_select_scratch_.data());
+  for (SelectPagesParams& p : selects_) {
+    p.scratch = next;
+    next += (SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) + 255) / 256 * 256;
+  }
+  const absl::Status status = backend_.SelectPagesBatch(selects_.data(), selects_.size());
+  selects_.clear();
+  return status;
+}
+
 absl::Status TierContext::FlushDownloads() {
+  TANDEM_RETURN_IF_ERROR(FlushSelects());
   // The first copy waits for the device's queued work; the others find it done.
   for (const Download& d : downloads_) {
     TANDEM_RETURN_IF_ERROR(
@@ -107,6 +131,7 @@ absl::Status TierContext::FlushMerges() {
 }
 
 void TierContext::ClearQueues() {
+  selects_.clear();
   downloads_.clear();
   merges_.clear();
 }

@@ -116,6 +116,17 @@ absl::Status PageIndex::AppendEvicted(const WindowCache& window,
 absl::Status PageIndex::Select(int64_t layer, const float* q, int64_t q_row_stride,
                                int64_t num_tokens, int64_t num_q_heads, int64_t select,
                                int32_t* pages, void* scratch) const {
+  TANDEM_ASSIGN_OR_RETURN(
+      const SelectPagesParams p,
+      SelectParams(layer, q, q_row_stride, num_tokens, num_q_heads, select, pages, scratch));
+  return backend_->SelectPages(p);
+}
+
+absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const float* q,
+                                                          int64_t q_row_stride,
+                                                          int64_t num_tokens,
+                                                          int64_t num_q_heads, int64_t select,
+                                                          int32_t* pages, void* scratch) const {
   if (layer < 0 || layer >= geometry_.num_layers || pages_[layer] == 0) {
     return absl::FailedPreconditionError(absl::StrCat("page index: layer ", layer,
                                                       " has no page to select from"));
@@ -134,7 +145,7 @@ absl::Status PageIndex::Select(int64_t layer, const float* q, int64_t q_row_stri
   p.select = select;
   p.pages = pages;
   p.scratch = scratch;
-  return backend_->SelectPages(p);
+  return p;
 }
 
 }  // namespace tandem::gpu_worker

@@ -178,6 +178,61 @@ cuda_backend::WindowAttentionArgs WindowAttentionArgsOf(const WindowAttentionPar
           .alpha = p.alpha};
 }
 
+// The parameter checks of SelectPages (backend.h's contract), without queuing anything.
+absl::Status CheckSelectPages(const SelectPagesParams& p) {
+  constexpr absl::string_view kOp = "SelectPages";
+  if (p.q == nullptr || p.summaries == nullptr || p.pages == nullptr || p.scratch == nullptr) {
+    return Invalid(kOp, "null pointer");
+  }
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "select", p.select));
+  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_pages", p.num_pages));
+  if (p.num_pages > p.max_pages) {
+    return Invalid(kOp, absl::StrCat("num_pages ", p.num_pages, " > max_pages ", p.max_pages));
+  }
+  // Grid limits: kv heads are a grid y dimension, token tiles a z dimension, rows an x one.
+  if (p.num_kv_heads > 65535 || p.num_tokens > 65535 || p.num_tokens * p.num_kv_heads > INT_MAX) {
+    return Invalid(kOp, absl::StrCat("num_kv_heads ", p.num_kv_heads, " and num_tokens ",
+                                     p.num_tokens, " must be <= 65535 (and their product <= ",
+                                     INT_MAX, ")"));
+  }
+  if (p.num_q_heads % p.num_kv_heads != 0) {
+    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
+                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
+  }
+  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
+    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
+                                     p.num_q_heads * p.head_dim));
+  }
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
+    return Invalid(kOp, absl::StrCat("dtype ", DTypeStr(p.dtype), " is not supported (f32, bf16)"));
+  }
+  if (reinterpret_cast<uintptr_t>(p.scratch) % 4 != 0) {
+    return Invalid(kOp, "scratch must be 4-byte aligned");
+  }
+  return absl::OkStatus();
+}
+
+cuda_backend::SelectPagesArgs SelectPagesArgsOf(const SelectPagesParams& p, int num_sms) {
+  return {.q = p.q,
+          .q_row_stride = p.q_row_stride,
+          .summaries = p.summaries,
+          .dtype = p.dtype,
+          .max_pages = p.max_pages,
+          .num_pages = p.num_pages,
+          .num_tokens = p.num_tokens,
+          .num_q_heads = p.num_q_heads,
+          .num_kv_heads = p.num_kv_heads,
+          .head_dim = p.head_dim,
+          .select = p.select,
+          .pages = p.pages,
+          .scratch = p.scratch,
+          .num_sms = num_sms};
+}
+
 // Bytes of device memory held by a backend's allocations; shared with the buffers' deleters so a
 // buffer may outlive the backend.
 struct AllocationStats {
@@ -253,6 +308,7 @@ class CudaBackend final : public Backend {
   absl::Status TokenLogProbs(const TokenLogProbParams& p) override;
   absl::Status SummarizePages(const SummarizePagesParams& p) override;
   absl::Status SelectPages(const SelectPagesParams& p) override;
+  absl::Status SelectPagesBatch(const SelectPagesParams* params, size_t count) override;
 
  private:
   // Makes this backend's device current for the calling thread (cheap when it already is).
@@ -287,6 +343,7 @@ class CudaBackend final : public Backend {
   std::vector<cuda_backend::WriteKvArgs> write_kv_table_;
   std::vector<cuda_backend::DecodeBatchSegment> batch_segments_;
   std::vector<size_t> batch_singles_;
+  std::vector<cuda_backend::SelectPagesEntry> select_entries_;
 };
 
 absl::StatusOr<DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
@@ -781,55 +838,66 @@ absl::Status CudaBackend::SummarizePages(const SummarizePagesParams& p) {
 }
 
 absl::Status CudaBackend::SelectPages(const SelectPagesParams& p) {
-  constexpr absl::string_view kOp = "SelectPages";
-  if (p.q == nullptr || p.summaries == nullptr || p.pages == nullptr || p.scratch == nullptr) {
-    return Invalid(kOp, "null pointer");
-  }
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_q_heads", p.num_q_heads));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_kv_heads", p.num_kv_heads));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "head_dim", p.head_dim));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "select", p.select));
-  TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_pages", p.num_pages));
-  if (p.num_pages > p.max_pages) {
-    return Invalid(kOp, absl::StrCat("num_pages ", p.num_pages, " > max_pages ", p.max_pages));
-  }
-  // Grid limits: kv heads are a grid y dimension, token tiles a z dimension, rows an x one.
-  if (p.num_kv_heads > 65535 || p.num_tokens > 65535 || p.num_tokens * p.num_kv_heads > INT_MAX) {
-    return Invalid(kOp, absl::StrCat("num_kv_heads ", p.num_kv_heads, " and num_tokens ",
-                                     p.num_tokens, " must be <= 65535 (and their product <= ",
-                                     INT_MAX, ")"));
-  }
-  if (p.num_q_heads % p.num_kv_heads != 0) {
-    return Invalid(kOp, absl::StrCat("num_q_heads ", p.num_q_heads,
-                                     " is not a multiple of num_kv_heads ", p.num_kv_heads));
-  }
-  if (p.q_row_stride < p.num_q_heads * p.head_dim) {
-    return Invalid(kOp, absl::StrCat("q_row_stride ", p.q_row_stride, " < num_q_heads·head_dim ",
-                                     p.num_q_heads * p.head_dim));
-  }
-  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
-    return Invalid(kOp, absl::StrCat("dtype ", DTypeStr(p.dtype), " is not supported (f32, bf16)"));
-  }
-  if (reinterpret_cast<uintptr_t>(p.scratch) % 4 != 0) {
-    return Invalid(kOp, "scratch must be 4-byte aligned");
-  }
+  TANDEM_RETURN_IF_ERROR(CheckSelectPages(p));
   TANDEM_RETURN_IF_ERROR(Activate());
-  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPages({.q = p.q,
-                                                               .q_row_stride = p.q_row_stride,
-                                                               .summaries = p.summaries,
-                                                               .dtype = p.dtype,
-                                                               .max_pages = p.max_pages,
-                                                               .num_pages = p.num_pages,
-                                                               .num_tokens = p.num_tokens,
-                                                               .num_q_heads = p.num_q_heads,
-                                                               .num_kv_heads = p.num_kv_heads,
-                                                               .head_dim = p.head_dim,
-                                                               .select = p.select,
-                                                               .pages = p.pages,
-                                                               .scratch = p.scratch,
-                                                               .num_sms = props_.multiProcessorCount},
-                                                              stream()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPages(
+      SelectPagesArgsOf(p, props_.multiProcessorCount), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  if (params == nullptr) return Invalid("SelectPagesBatch", "null params");
+  for (size_t i = 0; i < count; ++i) TANDEM_RETURN_IF_ERROR(CheckSelectPages(params[i]));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  // The entries of the first batchable entry's shape (dtype, tokens, heads, head_dim) run in one
+  // scoring and one top-k launch; the others one by one. Entries share no destination and no
+  // scratch (backend.h), so the order between the two groups does not matter.
+  const int sms = props_.multiProcessorCount;
+  select_entries_.clear();
+  batch_singles_.clear();
+  const SelectPagesParams* first = nullptr;
+  for (size_t i = 0; i < count; ++i) {
+    const SelectPagesParams& p = params[i];
+    const bool joins =
+        cuda_backend::SelectPagesBatchable(SelectPagesArgsOf(p, sms)) &&
+        static_cast<int64_t>(select_entries_.size()) < kMaxBatch &&
+        (first == nullptr ||
+         (p.dtype == first->dtype && p.num_tokens == first->num_tokens &&
+          p.num_q_heads == first->num_q_heads && p.num_kv_heads == first->num_kv_heads &&
+          p.head_dim == first->head_dim));
+    if (!joins) {
+      batch_singles_.push_back(i);
+      continue;
+    }
+    if (first == nullptr) first = &p;
+    select_entries_.push_back({.q = p.q,
+                               .q_row_stride = p.q_row_stride,
+                               .summaries = p.summaries,
+                               .max_pages = p.max_pages,
+                               .num_pages = p.num_pages,
+                               .select = p.select,
+                               .pages = p.pages,
+                               .scratch = p.scratch});
+  }
+  for (size_t i : batch_singles_) {
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cuda_backend::LaunchSelectPages(SelectPagesArgsOf(params[i], sms), stream()));
+  }
+  if (select_entries_.empty()) return absl::OkStatus();
+  if (select_entries_.size() == 1) {  // one entry: the single launch's plan fills the GPU
+    return SelectPages(*first);
+  }
+  cuda_backend::SelectPagesBatchPlan plan;
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::PlanSelectPagesBatch(
+      SelectPagesArgsOf(*first, sms), select_entries_.data(),
+      static_cast<int64_t>(select_entries_.size()), &plan));
+  const size_t bytes = select_entries_.size() * sizeof(cuda_backend::SelectPagesEntry);
+  TANDEM_ASSIGN_OR_RETURN(void* table, workspace_.Reserve(bytes, stream()));
+  // Staged: returns without waiting; stream order keeps the table until the kernels have run.
+  TANDEM_RETURN_IF_ERROR(CopyToDevice(table, select_entries_.data(), bytes));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPagesBatch(
+      plan, static_cast<const cuda_backend::SelectPagesEntry*>(table), stream()));
   return absl::OkStatus();
 }
 

@@ -19,6 +19,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "device_utils.cuh"
@@ -102,8 +103,9 @@ __device__ __forceinline__ float PageScore(float (&sums)[kGroup], int lane) {
 // Grid: x = page blocks, y = kv head, z = token tiles. Dynamic shared memory: the q tile
 // [tokens_per_block, kGroup, kHeadDim] f32.
 template <typename T, int kHeadDim, int kGroup>
-__global__ void __launch_bounds__(kScoreThreads)
-    ScorePagesKernel(SelectPagesArgs args, ScoreGrid grid) {
+__device__ __forceinline__ void ScorePagesBlock(const SelectPagesArgs& args, ScoreGrid grid,
+                                                int64_t page_block, int64_t g,
+                                                int64_t token_tile) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kLanes = kHeadDim / kVec;  // lanes per page
   constexpr int kPagesPerWarp = kWarpSize / kLanes;
@@ -114,8 +116,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   extern __shared__ float4 q_tile_raw[];
   float* q_tile = reinterpret_cast<float*>(q_tile_raw);
 
-  const int64_t g = blockIdx.y;
-  const int64_t t0 = blockIdx.z * grid.tokens_per_block;
+  const int64_t t0 = token_tile * grid.tokens_per_block;
   const int tokens = static_cast<int>(MinI64(grid.tokens_per_block, args.num_tokens - t0));
   for (int i = threadIdx.x; i < tokens * kGroup * kHeadDim; i += blockDim.x) {
     const int tt = i / (kGroup * kHeadDim);
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   const T* summaries = static_cast<const T*>(args.summaries) + g * args.max_pages * 2 * kHeadDim;
   const int64_t n = args.num_pages;
   float* scores = static_cast<float*>(args.scratch);
-  const int64_t block_first = blockIdx.x * (grid.iters * kScoreWarps * kPagesPerWarp);
+  const int64_t block_first = page_block * (grid.iters * kScoreWarps * kPagesPerWarp);
   for (int64_t it = 0; it < grid.iters; it += kLoadUnroll) {
     if (block_first + (it * kScoreWarps + warp) * kPagesPerWarp >= n) break;  // warp-uniform
     // The loads of kLoadUnroll iterations first: more bytes in flight per lane.
@@ -181,6 +182,39 @@ __global__ void __launch_bounds__(kScoreThreads)
       }
     }
   }
+}
+
+template <typename T, int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kScoreThreads)
+    ScorePagesKernel(SelectPagesArgs args, ScoreGrid grid) {
+  ScorePagesBlock<T, kHeadDim, kGroup>(args, grid, blockIdx.x, blockIdx.y, blockIdx.z);
+}
+
+// The args of one batch entry: the shared shape with the entry's own fields.
+__device__ __forceinline__ SelectPagesArgs EntryArgs(const SelectPagesArgs& shape,
+                                                     const SelectPagesEntry& e) {
+  SelectPagesArgs args = shape;
+  args.q = e.q;
+  args.q_row_stride = e.q_row_stride;
+  args.summaries = e.summaries;
+  args.max_pages = e.max_pages;
+  args.num_pages = e.num_pages;
+  args.select = e.select;
+  args.pages = e.pages;
+  args.scratch = e.scratch;
+  return args;
+}
+
+// Batched scoring, one token tile per entry. Grid: x = page blocks (of the longest entry),
+// y = kv head, z = entry; blocks past an entry's pages return at once.
+template <typename T, int kHeadDim, int kGroup>
+__global__ void __launch_bounds__(kScoreThreads)
+    ScorePagesBatchKernel(SelectPagesArgs shape, const SelectPagesEntry* entries,
+                          ScoreGrid grid) {
+  const SelectPagesArgs args = EntryArgs(shape, entries[blockIdx.z]);
+  constexpr int kPagesPerWarp = kWarpSize / (kHeadDim / (16 / sizeof(T)));
+  if (blockIdx.x * (grid.iters * kScoreWarps * kPagesPerWarp) >= args.num_pages) return;
+  ScorePagesBlock<T, kHeadDim, kGroup>(args, grid, blockIdx.x, blockIdx.y, 0);
 }
 
 // Any head_dim and group: one warp per page, lanes strided over d, every token in turn.
@@ -284,16 +318,16 @@ __device__ __forceinline__ void AddToHistogram(const float* row, int64_t begin, 
 // One block per (token, kv head) row of scores [rows, n]: pages[row, :] = the `select` best pages
 // (select < n), ascending.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    TopPagesKernel(const float* scores, int64_t n, int64_t select, int32_t* pages) {
+__device__ __forceinline__ void TopPagesRow(const float* scores, int64_t n, int64_t select,
+                                            int32_t* pages, int64_t r) {
   static_assert(kThreads % kWarpSize == 0 && kBins % kWarpSize == 0);
   using Scan = cub::BlockScan<unsigned long long, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t chosen_prefix;
   __shared__ uint32_t chosen_remaining;
-  const float* row = scores + blockIdx.x * n;
-  int32_t* out = pages + blockIdx.x * select;
+  const float* row = scores + r * n;
+  int32_t* out = pages + r * select;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
 
@@ -348,6 +382,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesKernel(const float* scores, int64_t n, int64_t select, int32_t* pages) {
+  TopPagesRow<kThreads>(scores, n, select, pages, blockIdx.x);
+}
+
+// Batched: grid x = row, y = entry.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesBatchKernel(const SelectPagesEntry* entries) {
+  const SelectPagesEntry& e = entries[blockIdx.y];
+  TopPagesRow<kThreads>(static_cast<const float*>(e.scratch), e.num_pages, e.select, e.pages,
+                        blockIdx.x);
+}
+
 // The same selection for few rows (decode: T·Hkv rows, fewer than the SMs): `chunks` blocks per
 // row (grid: x = chunk, y = row; a cooperative launch, all blocks resident) each take a
 // contiguous chunk of the row. Per radix pass the blocks add their shared histograms into the
@@ -356,10 +405,10 @@ __global__ void __launch_bounds__(kThreads)
 // and each block writes its chunk's selected pages at the offset the earlier chunks' counts give,
 // tile by tile in page order.
 template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    TopPagesGridKernel(const float* scores, int64_t n, int64_t select, int32_t* pages,
-                       uint32_t* global_hist, unsigned long long* chunk_counts,
-                       int64_t chunk_len) {
+__device__ __forceinline__ void TopPagesGridRow(const float* scores, int64_t n, int64_t select,
+                                                int32_t* pages, uint32_t* global_hist,
+                                                unsigned long long* chunk_counts,
+                                                int64_t chunk_len, int64_t r) {
   // global_hist:  [rows, kHistBuffers, kBins]: pass p adds into buffer p % kHistBuffers
   // chunk_counts: [rows, chunks] (equal << 32) | above of each chunk
   namespace cg = cooperative_groups;
@@ -369,7 +418,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t hist[kBins];
   __shared__ uint32_t chosen_prefix;
   __shared__ uint32_t chosen_remaining;
-  const int64_t r = blockIdx.y;
   const int chunk = blockIdx.x;
   const int chunks = gridDim.x;
   const float* row = scores + r * n;
@@ -452,6 +500,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesGridKernel(const float* scores, int64_t n, int64_t select, int32_t* pages,
+                       uint32_t* global_hist, unsigned long long* chunk_counts,
+                       int64_t chunk_len) {
+  TopPagesGridRow<kThreads>(scores, n, select, pages, global_hist, chunk_counts, chunk_len,
+                            blockIdx.y);
+}
+
+// Batched: grid x = chunk, y = row, z = entry (a cooperative launch over all entries; every
+// entry has the same rows, so every block takes part in every grid barrier).
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopPagesGridBatchKernel(const SelectPagesEntry* entries) {
+  const SelectPagesEntry& e = entries[blockIdx.z];
+  TopPagesGridRow<kThreads>(static_cast<const float*>(e.scratch), e.num_pages, e.select, e.pages,
+                            e.hist, e.chunk_counts, e.chunk_len, blockIdx.y);
+}
+
 template <typename T, int kHeadDim, int kGroup>
 cudaError_t LaunchScore(const SelectPagesArgs& args, cudaStream_t stream) {
   constexpr int kPagesPerWarp = kWarpSize / (kHeadDim / (16 / sizeof(T)));
@@ -505,6 +572,48 @@ cudaError_t LaunchScoreTyped(const SelectPagesArgs& args, cudaStream_t stream) {
                     static_cast<unsigned>(args.num_kv_heads));
   ScorePagesFallbackKernel<T><<<blocks, kFallbackWarps * kWarpSize, 0, stream>>>(args);
   return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim, int kGroup>
+cudaError_t LaunchScoreBatch(const SelectPagesBatchPlan& plan, const SelectPagesEntry* entries,
+                             cudaStream_t stream) {
+  constexpr int kPagesPerWarp = kWarpSize / (kHeadDim / (16 / sizeof(T)));
+  constexpr int64_t kTokenBytes = int64_t{kGroup} * kHeadDim * sizeof(float);
+  const SelectPagesArgs& shape = plan.shape;
+  ScoreGrid grid;
+  grid.tokens_per_block = shape.num_tokens;   // one tile (SelectPagesBatchable)
+  // LaunchScore's sizing over the pages of all entries (the scores do not depend on it).
+  const int64_t warp_tasks = (plan.total_pages + kPagesPerWarp - 1) / kPagesPerWarp;
+  const int64_t target_warps =
+      std::max<int64_t>(1, int64_t{shape.num_sms} * 2 * 2048 / kWarpSize / shape.num_kv_heads);
+  grid.iters = std::clamp<int64_t>(warp_tasks / target_warps, 1, kMaxScoreIters);
+  const int64_t pages_per_block = grid.iters * kScoreWarps * kPagesPerWarp;
+  const dim3 blocks(static_cast<unsigned>((plan.longest + pages_per_block - 1) / pages_per_block),
+                    static_cast<unsigned>(shape.num_kv_heads), static_cast<unsigned>(plan.count));
+  const size_t smem = static_cast<size_t>(grid.tokens_per_block * kTokenBytes);
+  ScorePagesBatchKernel<T, kHeadDim, kGroup>
+      <<<blocks, kScoreThreads, smem, stream>>>(shape, entries, grid);
+  return cudaGetLastError();
+}
+
+template <typename T, int kHeadDim>
+cudaError_t LaunchScoreBatchGroup(const SelectPagesBatchPlan& plan,
+                                  const SelectPagesEntry* entries, cudaStream_t stream) {
+  switch (plan.shape.num_q_heads / plan.shape.num_kv_heads) {
+    case 1: return LaunchScoreBatch<T, kHeadDim, 1>(plan, entries, stream);
+    case 2: return LaunchScoreBatch<T, kHeadDim, 2>(plan, entries, stream);
+    case 4: return LaunchScoreBatch<T, kHeadDim, 4>(plan, entries, stream);
+    case 8: return LaunchScoreBatch<T, kHeadDim, 8>(plan, entries, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+cudaError_t LaunchScoreBatchTyped(const SelectPagesBatchPlan& plan,
+                                  const SelectPagesEntry* entries, cudaStream_t stream) {
+  if (plan.shape.head_dim == 64) return LaunchScoreBatchGroup<T, 64>(plan, entries, stream);
+  if (plan.shape.head_dim == 128) return LaunchScoreBatchGroup<T, 128>(plan, entries, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -578,6 +687,91 @@ cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream) 
   const cudaError_t error = LaunchScorePages(args, stream);
   if (error != cudaSuccess) return error;
   return LaunchTopPages(args, stream);
+}
+
+}  // namespace tandem::gpu_worker::cuda_backend
+
+namespace tandem::gpu_worker::cuda_backend {
+
+bool SelectPagesBatchable(const SelectPagesArgs& args) {
+  if (args.dtype != DType::kF32 && args.dtype != DType::kBF16) return false;
+  if (args.num_pages <= args.select || args.num_tokens <= 0) return false;
+  if (args.head_dim != 64 && args.head_dim != 128) return false;
+  if (reinterpret_cast<uintptr_t>(args.summaries) % 16 != 0) return false;
+  const int64_t group = args.num_q_heads / args.num_kv_heads;
+  if (group != 1 && group != 2 && group != 4 && group != 8) return false;
+  const int64_t token_bytes = group * args.head_dim * int64_t{sizeof(float)};
+  return args.num_tokens <= kMaxQTileBytes / token_bytes;
+}
+
+cudaError_t PlanSelectPagesBatch(const SelectPagesArgs& shape, SelectPagesEntry* entries,
+                                 int64_t count, SelectPagesBatchPlan* plan) {
+  *plan = SelectPagesBatchPlan{.shape = shape, .count = count};
+  const int64_t rows = shape.num_tokens * shape.num_kv_heads;
+  int64_t free_bytes = INT64_MAX;
+  for (int64_t i = 0; i < count; ++i) {
+    SelectPagesEntry& e = entries[i];
+    plan->longest = std::max(plan->longest, e.num_pages);
+    plan->total_pages += e.num_pages;
+    // LaunchTopPages's layout: histograms then chunk counts, after the scores.
+    const uintptr_t scores_end =
+        reinterpret_cast<uintptr_t>(e.scratch) + static_cast<uintptr_t>(rows * e.num_pages) * 4;
+    const uintptr_t workspace = (scores_end + 255) / 256 * 256;
+    const int64_t hist_bytes = rows * kHistBuffers * kBins * 4;
+    e.hist = reinterpret_cast<uint32_t*>(workspace);
+    e.chunk_counts = reinterpret_cast<unsigned long long*>(workspace + hist_bytes);
+    free_bytes = std::min(free_bytes, kSelectExtraScratchBytes -
+                                          static_cast<int64_t>(workspace - scores_end) -
+                                          hist_bytes);
+  }
+  constexpr int kThreads = kGridTopThreads;
+  int per_sm = 0;
+  const cudaError_t error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, TopPagesGridBatchKernel<kThreads>, kThreads, 0);
+  if (error != cudaSuccess) return error;
+  const int64_t chunks =
+      std::min({int64_t{per_sm} * shape.num_sms / (rows * count),
+                (plan->longest + kThreads - 1) / kThreads, int64_t{kThreads},
+                free_bytes / (rows * 8)});
+  plan->chunks = chunks >= 2 ? chunks : 0;
+  for (int64_t i = 0; plan->chunks != 0 && i < count; ++i) {
+    entries[i].chunk_len = (entries[i].num_pages + plan->chunks - 1) / plan->chunks;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t LaunchSelectPagesBatch(const SelectPagesBatchPlan& plan,
+                                   const SelectPagesEntry* entries, cudaStream_t stream) {
+  if (plan.count <= 0) return cudaSuccess;
+  cudaError_t error = cudaSuccess;
+  switch (plan.shape.dtype) {
+    case DType::kF32:
+      error = LaunchScoreBatchTyped<float>(plan, entries, stream);
+      break;
+    case DType::kBF16:
+      error = LaunchScoreBatchTyped<__nv_bfloat16>(plan, entries, stream);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  if (error != cudaSuccess) return error;
+  const int64_t rows = plan.shape.num_tokens * plan.shape.num_kv_heads;
+  if (plan.chunks != 0) {
+    constexpr int kThreads = kGridTopThreads;
+    void* params[] = {&entries};
+    const dim3 grid(static_cast<unsigned>(plan.chunks), static_cast<unsigned>(rows),
+                    static_cast<unsigned>(plan.count));
+    return cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(TopPagesGridBatchKernel<kThreads>), grid, kThreads, params,
+        0, stream);
+  }
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(plan.count));
+  if (plan.longest >= 8192) {
+    TopPagesBatchKernel<1024><<<grid, 1024, 0, stream>>>(entries);
+  } else {
+    TopPagesBatchKernel<256><<<grid, 256, 0, stream>>>(entries);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -36,6 +36,45 @@ struct SelectPagesArgs {
 };
 cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream);
 
+// One entry of a batched selection (SelectPagesBatchPlan): the fields of SelectPagesArgs that
+// differ between entries, and where the entry's grid top-k keeps its histograms (in its own
+// scratch, after the scores; set by PlanSelectPagesBatch).
+struct SelectPagesEntry {
+  const float* q = nullptr;          // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
+  int64_t q_row_stride = 0;
+  const void* summaries = nullptr;   // [num_kv_heads, max_pages, 2, head_dim]
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;             // > select
+  int64_t select = 0;
+  int32_t* pages = nullptr;          // [num_tokens, num_kv_heads, select]
+  void* scratch = nullptr;           // SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages)
+  uint32_t* hist = nullptr;                    // [rows, 3, 256] (grid top-k only)
+  unsigned long long* chunk_counts = nullptr;  // [rows, chunks] (grid top-k only)
+  int64_t chunk_len = 0;
+};
+
+// Whether an entry of these args can run in a batch: more pages than `select`, a specialised
+// scoring kernel (head_dim 64 or 128, group 1, 2, 4 or 8, 16-byte aligned summaries) and all
+// its query tokens in one scoring tile (decode and short chunks). The entries of one batch
+// share shape.dtype, num_tokens, num_q_heads, num_kv_heads and head_dim.
+bool SelectPagesBatchable(const SelectPagesArgs& args);
+
+struct SelectPagesBatchPlan {
+  SelectPagesArgs shape;     // the shared fields (its per-entry fields unused)
+  int64_t count = 0;
+  int64_t longest = 0;       // the most pages of an entry
+  int64_t total_pages = 0;   // the pages of all entries
+  int64_t chunks = 0;        // top-k blocks per row of the cooperative kernel; 0: one per row
+};
+// Plans a batch of `count` batchable entries of `shape` and fills their hist / chunk fields;
+// the caller then copies entries[0, count) to device memory and passes it to the launch.
+cudaError_t PlanSelectPagesBatch(const SelectPagesArgs& shape, SelectPagesEntry* entries,
+                                 int64_t count, SelectPagesBatchPlan* plan);
+// The same results as LaunchSelectPages of every entry: one scoring launch (grid z = entry)
+// and one top-k launch over the device table `entries` [count].
+cudaError_t LaunchSelectPagesBatch(const SelectPagesBatchPlan& plan,
+                                   const SelectPagesEntry* entries, cudaStream_t stream);
+
 // The two steps of LaunchSelectPages for num_pages > select, for benchmarks: the scores into
 // scratch, then the top pages of each row from them.
 cudaError_t LaunchScorePages(const SelectPagesArgs& args, cudaStream_t stream);

@@ -21,6 +21,7 @@ using page_reference::MakeSummarizeCase;
 using page_reference::ReferenceScores;
 using page_reference::ReferenceSummaries;
 using page_reference::RunSelectPages;
+using page_reference::RunSelectPagesBatch;
 using page_reference::RunSummarizePages;
 using page_reference::SelectProblem;
 using page_reference::SummarizeCase;
@@ -120,6 +121,27 @@ TEST(CpuSelectPages, LongRow) {
         MakeSelectProblem(1, 2, 4, 128, 20000, 128, dtype, false, 20000, 31);
     ExpectSelection(pr, ReferenceScores(pr), RunSelectPages(*backend, pr), kNearTie);
   }
+}
+
+// The default SelectPagesBatch (a loop) equals SelectPages on each entry, and stops at the
+// first failing entry with its error.
+TEST(CpuSelectPages, BatchEqualsPerEntry) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  std::vector<SelectProblem> problems;
+  uint32_t seed = 60;
+  for (int64_t n : {300, 1000, 30, 4097}) {
+    problems.push_back(MakeSelectProblem(1, 2, 4, 128, n, 37, DType::kBF16, false, n, ++seed));
+  }
+  problems.push_back(MakeSelectProblem(3, 2, 2, 64, 500, 20, DType::kF32, true, 41, ++seed));
+  const std::vector<std::vector<int32_t>> batched = RunSelectPagesBatch(*backend, problems);
+  ASSERT_EQ(batched.size(), problems.size());
+  for (size_t i = 0; i < problems.size(); ++i) {
+    SCOPED_TRACE(problems[i].Describe());
+    EXPECT_EQ(batched[i], RunSelectPages(*backend, problems[i]));
+  }
+  const SelectPagesParams broken[] = {SelectPagesParams{}};
+  EXPECT_EQ(backend->SelectPagesBatch(broken, 1).code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CpuSelectPages, RejectsBrokenParams) {

@@ -288,6 +288,51 @@ inline std::vector<int32_t> RunSelectPages(Backend& backend, const SelectProblem
   return pages;
 }
 
+// SelectPagesBatch over `problems` (each with its own q, summaries, pages and scratch); the
+// pages of each, in order.
+inline std::vector<std::vector<int32_t>> RunSelectPagesBatch(
+    Backend& backend, const std::vector<SelectProblem>& problems) {
+  std::vector<DeviceBuffer> buffers;
+  std::vector<SelectPagesParams> params;
+  std::vector<std::vector<int32_t>> pages;
+  for (const SelectProblem& pr : problems) {
+    const std::vector<uint8_t> summary_bytes = Encode(pr.summaries, pr.dtype);
+    const int64_t count = pr.num_tokens * pr.num_kv_heads * pr.select;
+    pages.emplace_back(count, 7777);
+    buffers.push_back(UploadBytes(backend, pr.q.data(), pr.q.size() * sizeof(float)));
+    buffers.push_back(UploadBytes(backend, summary_bytes.data(), summary_bytes.size()));
+    buffers.push_back(UploadBytes(backend, pages.back().data(), count * sizeof(int32_t)));
+    absl::StatusOr<DeviceBuffer> scratch =
+        backend.Allocate(SelectPagesScratchBytes(pr.num_tokens, pr.num_kv_heads, pr.num_pages));
+    EXPECT_TRUE(scratch.ok()) << scratch.status();
+    if (!scratch.ok()) return {};
+    buffers.push_back(*std::move(scratch));
+    const size_t b = buffers.size();
+    params.push_back({.q = buffers[b - 4].as<float>(),
+                      .q_row_stride = pr.q_row_stride,
+                      .summaries = buffers[b - 3].data(),
+                      .dtype = pr.dtype,
+                      .max_pages = pr.max_pages,
+                      .num_pages = pr.num_pages,
+                      .num_tokens = pr.num_tokens,
+                      .num_q_heads = pr.num_q_heads,
+                      .num_kv_heads = pr.num_kv_heads,
+                      .head_dim = pr.head_dim,
+                      .select = pr.select,
+                      .pages = buffers[b - 2].as<int32_t>(),
+                      .scratch = buffers[b - 1].data()});
+  }
+  const absl::Status status = backend.SelectPagesBatch(params.data(), params.size());
+  EXPECT_TRUE(status.ok()) << status;
+  if (!status.ok()) return {};
+  for (size_t i = 0; i < problems.size(); ++i) {
+    const absl::Status copied = backend.CopyToHost(pages[i].data(), params[i].pages,
+                                                   pages[i].size() * sizeof(int32_t));
+    EXPECT_TRUE(copied.ok()) << copied;
+  }
+  return pages;
+}
+
 // One SummarizePages case: a K cache of random keys (with repeated values and signed zeros),
 // summaries poisoned before the call.
 struct SummarizeCase {

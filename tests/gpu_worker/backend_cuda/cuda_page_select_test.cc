@@ -26,6 +26,7 @@ using page_reference::MakeSummarizeCase;
 using page_reference::ReferenceScores;
 using page_reference::ReferenceSummaries;
 using page_reference::RunSelectPages;
+using page_reference::RunSelectPagesBatch;
 using page_reference::RunSummarizePages;
 using page_reference::SelectProblem;
 using page_reference::SummarizeCase;
@@ -147,6 +148,46 @@ TEST_F(CudaPageSelectTest, Llama3DecodeLongContext) {
   for (int64_t tokens : {1, 2}) {
     CheckSelect(MakeSelectProblem(tokens, 8, 4, 128, 70000, 128, DType::kBF16, false, 70000, 51),
                 kNearTie);
+  }
+}
+
+// SelectPagesBatch gives exactly the pages of SelectPages on each entry: decode entries of
+// different page counts (one batched launch pair; the cooperative top-k), entries of another
+// token count and dtype, adversarial ties, and entries that run alone (num_pages <= select,
+// a head_dim without a specialised kernel).
+TEST_F(CudaPageSelectTest, BatchEqualsPerEntry) {
+  std::vector<SelectProblem> problems;
+  const int64_t decode_pages[] = {300, 1000, 4097, 9000, 20000, 65, 2500, 38};
+  uint32_t seed = 100;
+  for (int64_t n : decode_pages) {
+    problems.push_back(MakeSelectProblem(1, 8, 4, 128, n, 37, DType::kBF16, false, n, ++seed));
+  }
+  problems.push_back(MakeSelectProblem(1, 8, 4, 128, 3000, 64, DType::kBF16, true, 97, ++seed));
+  problems.push_back(MakeSelectProblem(3, 8, 4, 128, 700, 37, DType::kBF16, false, 700, ++seed));
+  problems.push_back(MakeSelectProblem(1, 8, 4, 128, 30, 37, DType::kBF16, false, 30, ++seed));
+  problems.push_back(MakeSelectProblem(1, 2, 3, 48, 900, 37, DType::kF32, false, 900, ++seed));
+  problems.push_back(MakeSelectProblem(1, 8, 4, 128, 5000, 37, DType::kF32, false, 5000, ++seed));
+  const std::vector<std::vector<int32_t>> batched = RunSelectPagesBatch(*backend_, problems);
+  ASSERT_EQ(batched.size(), problems.size());
+  for (size_t i = 0; i < problems.size(); ++i) {
+    SCOPED_TRACE("entry " + std::to_string(i) + ": " + problems[i].Describe());
+    EXPECT_EQ(batched[i], RunSelectPages(*backend_, problems[i]));
+  }
+}
+
+// Many decode entries: more rows than the cooperative top-k can hold (one block per row).
+TEST_F(CudaPageSelectTest, BatchManyEntriesEqualsPerEntry) {
+  std::vector<SelectProblem> problems;
+  for (int i = 0; i < 48; ++i) {
+    const int64_t n = 200 + 173 * i;
+    problems.push_back(MakeSelectProblem(1, 8, 4, 64, n, 16, DType::kF32, i % 3 == 0, 50 + i,
+                                         static_cast<uint32_t>(500 + i)));
+  }
+  const std::vector<std::vector<int32_t>> batched = RunSelectPagesBatch(*backend_, problems);
+  ASSERT_EQ(batched.size(), problems.size());
+  for (size_t i = 0; i < problems.size(); ++i) {
+    SCOPED_TRACE("entry " + std::to_string(i) + ": " + problems[i].Describe());
+    EXPECT_EQ(batched[i], RunSelectPages(*backend_, problems[i]));
   }
 }
 

@@ -379,6 +379,20 @@ class Backend {
   // Query-aware selection (parameter structs above).
   virtual absl::Status SummarizePages(const SummarizePagesParams& p) = 0;
   virtual absl::Status SelectPages(const SelectPagesParams& p) = 0;
+  // Batched form (one call per layer for all sequences of a micro-batch): the same results as
+  // SelectPages on params[0], ..., params[count - 1] in that order. The pages and scratch of
+  // different entries must not overlap each other or another entry's inputs, so a backend may
+  // run the entries in any order or together. Stops at the first failing entry and returns its
+  // error (the entries before it may have run). The default calls SelectPages in a loop; the
+  // cuda backend scores and selects the entries of one shape (few query rows, the same heads,
+  // head_dim and dtype) in one launch each.
+  virtual absl::Status SelectPagesBatch(const SelectPagesParams* params, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      absl::Status status = SelectPages(params[i]);
+      if (!status.ok()) return status;
+    }
+    return absl::OkStatus();
+  }
 };
 
 // Creates the `cpu` backend. `threads` = 0: the cores this process may use.

@@ -63,6 +63,9 @@ class NodeTier final : public OffloadTier {
   // Scores of one SelectPages call stay below this (a prefill chunk over a long context is
   // split into several calls).
   static constexpr size_t kMaxSelectScratchBytes = size_t{256} << 20;
+  // Selections whose scratch fits this (decode, short chunks) are queued in the TierContext and
+  // run batched; each queued one holds its scratch until the flush.
+  static constexpr size_t kMaxBatchedSelectScratchBytes = size_t{4} << 20;
 
   std::unique_ptr<RemoteKv> remote_;
   std::unique_ptr<PageIndex> pages_;

@@ -128,10 +128,18 @@ class TierContext {
   // --- Page selection scratch (device; grown on demand, contents unspecified), shared by the
   // selections queued one after the other on the device. Valid until the next call.
   absl::StatusOr<void*> SelectScratch(size_t bytes);
+  // Queues a page selection of this micro-batch phase; the queued ones run as one
+  // Backend::SelectPagesBatch at FlushSelects, which FlushDownloads calls first (so the ids are
+  // chosen before they are downloaded). p.scratch is ignored: each queued selection gets its
+  // own SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) of a buffer apart
+  // from SelectScratch's. p's q, summaries and pages must stay valid until the flush.
+  void QueueSelect(const SelectPagesParams& p);
+  absl::Status FlushSelects();
 
   // --- Batched transfers of one micro-batch phase. Copies and merges queued by tiers run at
   // Flush*, in queue order, neighbours coalesced (the rows of adjacent segments: one copy).
-  // Device -> host: `rows` rows of row_bytes from src (pitch src_pitch) to dst_host.
+  // Device -> host: `rows` rows of row_bytes from src (pitch src_pitch) to dst_host; run after
+  // the queued selections.
   void QueueDownload(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
                      size_t row_bytes, size_t rows);
   absl::Status FlushDownloads();
@@ -182,6 +190,8 @@ class TierContext {
   std::vector<Download> downloads_;
   std::vector<HostState> merges_;
   DeviceBuffer select_scratch_;
+  std::vector<SelectPagesParams> selects_;   // queued by QueueSelect
+  DeviceBuffer batch_select_scratch_;        // the queued selections' scratch, one region each
   std::vector<char> evict_k_, evict_v_;
   std::vector<float> evict_maw_;
 };

@@ -54,6 +54,12 @@ class PageIndex {
   // num_kv_heads, num_pages(layer)) bytes. FAILED_PRECONDITION when the layer has no page.
   absl::Status Select(int64_t layer, const float* q, int64_t q_row_stride, int64_t num_tokens,
                       int64_t num_q_heads, int64_t select, int32_t* pages, void* scratch) const;
+  // The parameters Select passes to Backend::SelectPages (for a batched call; valid while the
+  // index does not grow), with the same FAILED_PRECONDITION.
+  absl::StatusOr<SelectPagesParams> SelectParams(int64_t layer, const float* q,
+                                                 int64_t q_row_stride, int64_t num_tokens,
+                                                 int64_t num_q_heads, int64_t select,
+                                                 int32_t* pages, void* scratch) const;
 
   int64_t page_tokens() const { return page_tokens_; }
   int64_t num_pages(int64_t layer) const { return pages_[layer]; }
