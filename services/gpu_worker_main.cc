@@ -45,7 +45,9 @@ ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
-ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu or hybrid");
+ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
+          "device, the rest on CPU nodes) or offload (window on the device, the rest in pinned "
+          "host memory streamed over PCIe every step: exact)");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
 ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");

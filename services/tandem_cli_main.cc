@@ -95,7 +95,7 @@ ABSL_FLAG(int32_t, top_k, 0, "generate: sample among the top k tokens; 0 = all")
 ABSL_FLAG(std::vector<std::string>, stop, {},
           "generate: stop strings; repeat the flag or give a comma list (\\, for a comma)");
 ABSL_FLAG(bool, ignore_eos, false, "generate: keep going past the end-of-sequence token");
-ABSL_FLAG(std::string, mode, "", "generate: gpu or hybrid; empty = the engine's default");
+ABSL_FLAG(std::string, mode, "", "generate: gpu, hybrid or offload; empty = the engine's default");
 ABSL_FLAG(std::optional<int64_t>, window, std::nullopt, "generate: hybrid device window, tokens");
 ABSL_FLAG(std::optional<int64_t>, sink, std::nullopt, "generate: hybrid sink tokens");
 ABSL_FLAG(std::string, selection, "",

@@ -65,7 +65,7 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     absl::StatusOr<AttentionMode> mode = ParseAttentionMode(request.mode());
     if (!mode.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("mode: unknown '", request.mode(), "' (expected gpu or hybrid)"));
+          absl::StrCat("mode: unknown '", request.mode(), "' (expected gpu, hybrid or offload)"));
     }
     dst.mode = *mode;
   }
