@@ -95,6 +95,7 @@ void Scheduler::Loop() {
     bool stop = false;
     std::deque<std::function<void(Engine&)>> jobs = TakeWork(&stop);
     for (auto& job : jobs) job(*engine_);
+    if (!jobs.empty()) admission_blocked_ = false;   // a job may have closed a session
     EndFinished();
     Admit();
     if (!running_.empty()) StepOnce();
@@ -118,6 +119,7 @@ void Scheduler::EndFinished() {
     absl::StatusOr<GenerateSummary> summary = engine_->End(g);
     it->done(std::move(summary));
     it = running_.erase(it);
+    admission_blocked_ = false;   // its memory is free
   }
   // Requests that went away (or ran out of time) before they started.
   for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -130,10 +132,14 @@ void Scheduler::EndFinished() {
     it->done(expired ? absl::DeadlineExceededError("the request's deadline passed while it waited")
                      : absl::CancelledError("cancelled before it ran"));
     it = waiting_.erase(it);
+    admission_blocked_ = false;   // the head of the queue may have changed
   }
 }
 
 void Scheduler::Admit() {
+  // A refusal for memory stands until something ends: retrying each step would re-validate and
+  // re-tokenize the waiting prompt on the step's critical path for nothing.
+  if (admission_blocked_) return;
   for (auto it = waiting_.begin();
        it != waiting_.end() && static_cast<int64_t>(running_.size()) < options_.max_batch;) {
     // A turn of a session that is mid-generation waits for it (requests of other sessions may
@@ -146,7 +152,8 @@ void Scheduler::Admit() {
         engine_->Begin(it->request, it->callbacks, it->arrival);
     if (!g.ok() && g.status().code() == absl::StatusCode::kResourceExhausted &&
         !running_.empty()) {
-      break;   // it fits once others end; first come, first served: nobody overtakes it
+      admission_blocked_ = true;   // it fits once others end; first come, first served:
+      break;                       // nobody overtakes it
     }
     if (!g.ok()) {
       it->done(g.status());

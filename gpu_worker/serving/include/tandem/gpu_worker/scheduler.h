@@ -127,6 +127,7 @@ class Scheduler {
   std::deque<Pending> waiting_;
   std::list<Running> running_;
   uint64_t next_order_ = 0;
+  bool admission_blocked_ = false;   // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
   std::thread thread_;
 };
