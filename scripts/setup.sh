@@ -16,9 +16,18 @@ packages=(
   libsentencepiece-dev libpcre2-dev   # tokenizer.model; the byte-level BPE pre-tokenizer regex
   iproute2                            # ip netns / veth / tc for the multi-host tests
   yamllint python3-kubernetes python3-yaml   # deploy/validate.py (ctest -L deploy)
+  libcpp-httplib-dev                  # tandem-gateway's HTTP server
+  prometheus-cpp-dev                  # /metrics on the worker, the nodes and the gateway
+  prometheus                          # promtool check metrics (tests)
+  python3-jinja2                      # reference renderings of chat templates (fixtures)
+  python3-grpcio python3-protobuf     # the Python SDK and its tests
+  nodejs curl                         # the Node SDK, the npm openai e2e test, curl SSE test
 )
 
 missing=()
+# Debian's nodejs comes without npm (package npm); NodeSource's nodejs bundles it and conflicts
+# with Debian's npm, so npm is asked for only where the command is missing.
+command -v npm >/dev/null || packages+=(npm)
 for p in "${packages[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$p")
