@@ -34,8 +34,23 @@ for p in "${packages[@]}"; do
   fi
 done
 
+# npm packages of the Node SDK and the e2e tests: every package-lock.json in the tree (outside
+# node_modules) is installed with `npm ci` when its node_modules is missing or older than it.
+install_npm_packages() {
+  local root lock dir
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+  while IFS= read -r lock; do
+    dir=$(dirname "$lock")
+    if [ ! -d "$dir/node_modules" ] || [ "$lock" -nt "$dir/node_modules" ]; then
+      echo "setup: npm ci in ${dir#"$root"/}"
+      (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error && touch node_modules)
+    fi
+  done < <(find "$root/clients" "$root/tests" -name package-lock.json -not -path '*/node_modules/*' 2>/dev/null)
+}
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#packages[@]} packages present"
+  install_npm_packages
   exit 0
 fi
 
@@ -45,3 +60,4 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 export DEBIAN_FRONTEND=noninteractive
 "${sudo_cmd[@]}" apt-get update -q
 "${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+install_npm_packages
