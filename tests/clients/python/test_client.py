@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""The Python SDK (clients/python, package `tandem`) against a real tandem-gpu-worker.
+
+One worker (cpu backend, stories260k, gpu mode: exact greedy) serves every case: greedy
+generation equals the model's golden continuation (../shared/models/stories260k/golden.json),
+tokenize, a two-turn session equal to the one-shot generation over the same ids, close then
+NotFound, refusals as typed errors naming the field, deadlines, an unreachable worker, and
+cancellation by breaking out of the loop.
+
+Run by ctest (tests/clients/CMakeLists.txt) with PYTHONPATH=clients/python:build/clients/python,
+TANDEM_GPU_WORKER_BIN and TANDEM_SHARED_DIR. Exits 77 (ctest: skipped) with a message when
+python3-grpcio / python3-protobuf, the generated stubs or the models are absent.
+"""
+
+import json
+import os
+import socket
+import sys
+import unittest
+
+SKIP_EXIT_CODE = 77
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def skip(reason: str) -> None:
+    print(f"SKIPPED: {reason}")
+    sys.exit(SKIP_EXIT_CODE)
+
+
+try:
+    import grpc  # noqa: F401
+    import google.protobuf  # noqa: F401
+except ImportError as e:
+    skip(f"{sys.executable} lacks gRPC ({e}): apt-get install python3-grpcio python3-protobuf")
+try:
+    import tandem
+except ImportError as e:
+    skip(f"the tandem package cannot be imported: {e}")
+
+sys.path.insert(0, HERE)
+from worker_process import WorkerProcess  # noqa: E402
+
+SHARED_DIR = os.environ.get("TANDEM_SHARED_DIR") or os.path.join(HERE, "../../../../shared")
+MODEL_DIR = os.path.join(SHARED_DIR, "models", "stories260k")
+WORKER_BIN = os.environ.get("TANDEM_GPU_WORKER_BIN", "")
+
+if not os.path.exists(os.path.join(MODEL_DIR, "golden.json")):
+    skip(f"no stories260k model at {MODEL_DIR} (set TANDEM_SHARED_DIR)")
+
+with open(os.path.join(MODEL_DIR, "golden.json")) as f:
+    GOLDEN = json.load(f)
+PROMPT = GOLDEN["prompt_text_equivalent"]                  # "Once upon a time"
+PROMPT_IDS = GOLDEN["prompt_text_equivalent_ids"]          # its ids, BOS first
+CONTINUATION_IDS = GOLDEN["greedy_ids"][len(PROMPT_IDS):]  # 56 greedy tokens
+CONTINUATION_TEXT = GOLDEN["greedy_text"][len(PROMPT):]
+
+worker: WorkerProcess
+client: "tandem.Client"
+
+
+def setUpModule() -> None:
+    global worker, client
+    if not os.access(WORKER_BIN, os.X_OK):
+        raise RuntimeError(f"TANDEM_GPU_WORKER_BIN={WORKER_BIN!r} is not an executable "
+                           "(build the tandem-gpu-worker target)")
+    worker = WorkerProcess(WORKER_BIN, MODEL_DIR)
+    worker.start()
+    client = tandem.Client(worker.address, timeout=60)
+
+
+def tearDownModule() -> None:
+    client.close()
+    worker.stop()
+
+
+class GenerateTest(unittest.TestCase):
+    def test_greedy_stream_is_the_golden_continuation(self) -> None:
+        events = list(client.generate(PROMPT, max_tokens=len(CONTINUATION_IDS)))
+        prefills = [e for e in events if isinstance(e, tandem.Prefill)]
+        tokens = [e for e in events if isinstance(e, tandem.Token)]
+        self.assertTrue(prefills)
+        self.assertEqual((prefills[-1].processed, prefills[-1].total), (5, 5))
+        self.assertEqual([t.id for t in tokens], CONTINUATION_IDS)
+        self.assertEqual([t.index for t in tokens], list(range(len(CONTINUATION_IDS))))
+        self.assertEqual("".join(t.text for t in tokens), CONTINUATION_TEXT)
+        self.assertTrue(all(t.logprob is None and t.top_logprobs == () for t in tokens))
+
+        result = events[-1]
+        self.assertIsInstance(result, tandem.Result)
+        self.assertEqual(result.type, "final")
+        self.assertEqual(result.text, CONTINUATION_TEXT)
+        self.assertEqual(list(result.token_ids), CONTINUATION_IDS)
+        self.assertEqual(result.usage, tandem.Usage(5, 56, 61))
+        self.assertEqual(result.finish_reason, "length")
+        self.assertEqual(result.mode, "gpu")
+        self.assertEqual(result.session_id, "")
+        self.assertEqual(result.device_kv_entries, 60)   # prompt + tokens fed back (not the last)
+        self.assertFalse(result.degraded)
+        self.assertGreater(result.time_to_first_token_seconds, 0)
+        self.assertGreaterEqual(result.total_seconds, result.time_to_first_token_seconds)
+        # A proto field without an attribute of its own reads through to the message.
+        self.assertEqual(result.finish_reason, "length")
+        self.assertEqual(result.raw.usage.total_tokens, 61)
+
+    def test_complete_from_prompt_ids(self) -> None:
+        result = client.complete(PROMPT_IDS, max_tokens=len(CONTINUATION_IDS))
+        self.assertEqual(result.text, CONTINUATION_TEXT)
+        self.assertEqual(result.usage.prompt_tokens, len(PROMPT_IDS))
+
+    def test_stop_string_ends_the_text_before_it(self) -> None:
+        result = client.complete(PROMPT, max_tokens=56, stop=["Lily"])
+        self.assertEqual(result.finish_reason, "stop")
+        self.assertEqual(result.text, CONTINUATION_TEXT[:CONTINUATION_TEXT.index("Lily")])
+
+    def test_logprobs_of_greedy_tokens(self) -> None:
+        result = client.complete(PROMPT, max_tokens=8, logprobs=True, top_logprobs=3)
+        self.assertEqual(list(result.token_ids), CONTINUATION_IDS[:8])
+        for token in result.tokens:
+            self.assertIsNotNone(token.logprob)
+            self.assertLessEqual(token.logprob, 0.0)
+            self.assertEqual(len(token.top_logprobs), 3)
+            # Greedy: the sampled token is the likeliest one.
+            self.assertEqual(token.top_logprobs[0].id, token.id)
+            self.assertAlmostEqual(token.top_logprobs[0].logprob, token.logprob, places=5)
+            self.assertEqual([t.logprob for t in token.top_logprobs],
+                             sorted((t.logprob for t in token.top_logprobs), reverse=True))
+            self.assertEqual(token.top_logprobs[0].text.encode(), token.top_logprobs[0].bytes)
+
+
+class TokenizerTest(unittest.TestCase):
+    def test_tokenize_and_detokenize(self) -> None:
+        self.assertEqual(client.tokenize(PROMPT, add_bos=True), PROMPT_IDS)
+        self.assertEqual(len(client.tokenize(PROMPT)), len(PROMPT_IDS) - 1)
+        self.assertEqual(client.detokenize(PROMPT_IDS[1:]), PROMPT)
+
+    def test_model_info(self) -> None:
+        info = client.model_info()
+        self.assertEqual(info.model_type, "llama")
+        self.assertEqual(info.backend, "cpu")
+        self.assertEqual((info.vocab_size, info.max_context, info.num_layers), (512, 512, 5))
+
+
+class SessionTest(unittest.TestCase):
+    def test_two_turns_continue_the_kv(self) -> None:
+        with client.session("py-two-turns") as session:
+            first = session.complete(PROMPT, max_tokens=8)
+            second = session.complete(" The end", max_tokens=8)
+        self.assertEqual(first.session_id, "py-two-turns")
+        self.assertEqual(list(first.token_ids), CONTINUATION_IDS[:8])
+        second_prompt = client.tokenize(" The end")   # a continued turn gets no BOS
+        self.assertEqual(second.usage.prompt_tokens, len(second_prompt))
+        # The kept KV: the second turn continues exactly as one request over all the ids would.
+        one_shot = client.complete(PROMPT_IDS + list(first.token_ids) + second_prompt,
+                                   max_tokens=8)
+        self.assertEqual(second.token_ids, one_shot.token_ids)
+        self.assertEqual(second.device_kv_entries,
+                         first.usage.total_tokens + second.usage.total_tokens - 1)
+        # The `with` block closed it.
+        with self.assertRaises(tandem.NotFound):
+            client.close_session("py-two-turns")
+
+    def test_close_then_not_found(self) -> None:
+        session = client.session("py-close")
+        session.complete(PROMPT, max_tokens=2)
+        session.close()
+        with self.assertRaises(tandem.NotFound) as caught:
+            session.close()
+        self.assertEqual(caught.exception.code, grpc.StatusCode.NOT_FOUND)
+        self.assertIn("py-close", caught.exception.message)
+        self.assertIsInstance(caught.exception, tandem.TandemError)
+
+
+class ErrorTest(unittest.TestCase):
+    def test_invalid_requests_name_the_field(self) -> None:
+        cases = [({"max_tokens": 0}, "max_tokens"),
+                 ({"max_tokens": 4, "temperature": -1.0}, "temperature"),
+                 ({"max_tokens": 4, "top_logprobs": 2}, "logprobs")]
+        for options, field_name in cases:
+            with self.subTest(options=options):
+                with self.assertRaises(tandem.InvalidArgument) as caught:
+                    client.complete(PROMPT, **options)
+                self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+                self.assertIn(field_name, caught.exception.message)
+        with self.assertRaises(tandem.InvalidArgument) as caught:
+            client.complete(PROMPT, max_tokens=4, session_id="not a valid id!")
+        self.assertIn("session_id", caught.exception.message)
+        with self.assertRaises(tandem.InvalidArgument) as caught:
+            client.detokenize([9999])
+        self.assertIn("token_ids", caught.exception.message)
+        # The worker keeps serving.
+        self.assertEqual(client.complete(PROMPT, max_tokens=3).token_ids,
+                         tuple(CONTINUATION_IDS[:3]))
+
+    def test_bad_arguments_are_refused_before_sending(self) -> None:
+        with self.assertRaisesRegex(TypeError, "max_token"):
+            client.generate(PROMPT, max_token=4)
+        with self.assertRaisesRegex(TypeError, "prompt"):
+            client.generate(42, max_tokens=4)
+        with self.assertRaisesRegex(TypeError, "temperature"):
+            client.generate(PROMPT, max_tokens=4, temperature="hot")
+
+    def test_deadline_exceeded(self) -> None:
+        with self.assertRaises(tandem.DeadlineExceeded):
+            client.complete(PROMPT, max_tokens=4, timeout=1e-6)
+
+    def test_unreachable_worker_is_unavailable(self) -> None:
+        with socket.socket() as s:   # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tandem.Client(f"127.0.0.1:{port}", timeout=5) as nowhere:
+            with self.assertRaises(tandem.Unavailable):
+                nowhere.tokenize(PROMPT)
+
+
+class CancelTest(unittest.TestCase):
+    # 480 tokens: all the context but the prompt (512) would be filled if the worker did not stop;
+    # it does after the current token once the call is cancelled. Hybrid attention (window 16,
+    # the rest on the worker's embedded CPU node, exact with maw and beta 0) costs ~1 ms a token
+    # here, so the whole 480 would take ~0.5 s: far longer than the cancel takes to arrive.
+    LONG = 480
+    HYBRID = {"mode": "hybrid", "window": 16, "sink": 4, "selection": "maw", "beta": 0.0}
+
+    def test_breaking_the_loop_cancels_the_call(self) -> None:
+        session = client.session("py-cancel")
+        seen = []
+        for event in session.generate(PROMPT, max_tokens=self.LONG, ignore_eos=True,
+                                      **self.HYBRID):
+            if isinstance(event, tandem.Token):
+                seen.append(event.id)
+                if len(seen) == 3:
+                    break   # the stream is dropped here: its call is cancelled
+        self.assertEqual(seen, CONTINUATION_IDS[:3])
+        # The next turn waits for the cancelled one to end, then continues the session from the
+        # tokens generated up to the cancel: far fewer than LONG.
+        after = session.complete(" The end", max_tokens=1)
+        self.assertEqual(after.mode, "hybrid")
+        positions = after.device_kv_entries + after.cpu_kv_entries
+        generated = positions - len(PROMPT_IDS) - after.usage.total_tokens + 1
+        self.assertGreaterEqual(generated, 3)
+        self.assertLess(generated, self.LONG)
+        session.close()
+
+    def test_cancel_then_next_raises_cancelled(self) -> None:
+        stream = client.generate(PROMPT, max_tokens=self.LONG, ignore_eos=True)
+        first = next(e for e in stream if isinstance(e, tandem.Token))
+        self.assertEqual(first.id, CONTINUATION_IDS[0])
+        stream.cancel()
+        self.assertTrue(stream.cancelled)
+        with self.assertRaises(tandem.Cancelled):
+            for _ in stream:
+                pass
+        self.assertIsNone(stream.result)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
