@@ -1,52 +1,43 @@
 #include "tandem/metrics/metrics_server.h"
 
+#include <httplib.h>
+#include <sys/socket.h>
+
 #include <charconv>
-#include <exception>
+#include <chrono>
 #include <utility>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "prometheus/exposer.h"
+#include "tandem/metrics/registry.h"
 
 namespace tandem::metrics {
 namespace {
 
-// Runs the refresh hook, then collects the registry: the exposer calls Collect() once per
-// scrape and collectable.
-class RefreshingCollectable : public prometheus::Collectable {
- public:
-  RefreshingCollectable(std::shared_ptr<prometheus::Registry> registry,
-                        std::function<void()> before)
-      : registry_(std::move(registry)), before_(std::move(before)) {}
-
-  std::vector<prometheus::MetricFamily> Collect() const override {
-    if (before_) before_();
-    return registry_->Collect();
-  }
-
- private:
-  std::shared_ptr<prometheus::Registry> registry_;
-  std::function<void()> before_;
+struct HostPort {
+  std::string host;   // without IPv6 brackets
+  int port = 0;
 };
 
-// civetweb's listening_ports spelling of `address` (host:port, [v6]:port); it takes numeric
-// hosts only, so "localhost" becomes 127.0.0.1.
-absl::StatusOr<std::string> ListeningPort(const std::string& address) {
+// host:port or [v6]:port; port 0..65535.
+absl::StatusOr<HostPort> ParseAddress(const std::string& address) {
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", address, "' is not host:port"));
   }
-  const std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  int value = -1;
-  const auto [end, ec] = std::from_chars(port.data(), port.data() + port.size(), value);
-  if (ec != std::errc() || end != port.data() + port.size() || value < 0 || value > 65535) {
+  HostPort hp;
+  hp.host = address.substr(0, colon);
+  if (hp.host.size() >= 2 && hp.host.front() == '[' && hp.host.back() == ']') {
+    hp.host = hp.host.substr(1, hp.host.size() - 2);
+  }
+  const char* begin = address.data() + colon + 1;
+  const char* end = address.data() + address.size();
+  const auto [stop, ec] = std::from_chars(begin, end, hp.port);
+  if (ec != std::errc() || stop != end || hp.port < 0 || hp.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics address '", address, "': port must be 0..65535"));
   }
-  if (host == "localhost") return absl::StrCat("127.0.0.1:", port);
-  return address;
+  return hp;
 }
 
 }  // namespace
@@ -55,29 +46,51 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& address, std::shared_ptr<prometheus::Registry> registry,
     std::function<void()> before_scrape) {
   if (registry == nullptr) return absl::InvalidArgumentError("metrics server without a registry");
-  absl::StatusOr<std::string> listen = ListeningPort(address);
-  if (!listen.ok()) return listen.status();
+  absl::StatusOr<HostPort> hp = ParseAddress(address);
+  if (!hp.ok()) return hp.status();
   std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->source_ =
-      std::make_shared<RefreshingCollectable>(std::move(registry), std::move(before_scrape));
-  try {
-    server->exposer_ = std::make_unique<prometheus::Exposer>(*listen, /*num_threads=*/2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(absl::StrCat("cannot serve metrics on '", address,
-                                               "' (address in use or not of this host?): ",
-                                               e.what()));
+  server->registry_ = std::move(registry);
+  server->before_scrape_ = std::move(before_scrape);
+  server->http_ = std::make_unique<httplib::Server>();
+  httplib::Server& http = *server->http_;
+  // Scrapes come every few seconds from one or two Prometheus servers: two threads suffice.
+  http.new_task_queue = [] { return new httplib::ThreadPool(2); };
+  // httplib's default also sets SO_REUSEPORT, which lets a second process bind the same port
+  // and silently take half the scrapes: SO_REUSEADDR only (a restart may rebind at once).
+  http.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  MetricsServer* self = server.get();
+  http.Get("/metrics", [self](const httplib::Request&, httplib::Response& response) {
+    if (self->before_scrape_) self->before_scrape_();
+    response.set_content(SerializeText(*self->registry_), std::string(kTextContentType).c_str());
+  });
+
+  if (hp->port == 0) {
+    server->port_ = http.bind_to_any_port(hp->host);
+  } else if (http.bind_to_port(hp->host, hp->port)) {
+    server->port_ = hp->port;
   }
-  server->exposer_->RegisterCollectable(server->source_, "/metrics");
-  const std::vector<int> ports = server->exposer_->GetListeningPorts();
-  if (ports.empty()) {
-    return absl::UnavailableError(absl::StrCat("metrics server on '", address, "' has no port"));
+  if (server->port_ <= 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot serve metrics on '", address, "' (address in use or not of this host?)"));
   }
-  server->port_ = ports.front();
+  server->thread_ = std::thread([&http] { http.listen_after_bind(); });
+  // stop() only takes effect once the loop runs: wait for it, so the destructor cannot miss it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!http.is_running() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!http.is_running()) {
+    return absl::InternalError(absl::StrCat("metrics server on '", address, "' did not start"));
+  }
   return server;
 }
 
 MetricsServer::~MetricsServer() {
-  exposer_.reset();   // stops the server threads before the collectable goes away
+  if (http_ != nullptr) http_->stop();
+  if (thread_.joinable()) thread_.join();
 }
 
 }  // namespace tandem::metrics

@@ -1,6 +1,10 @@
-// MetricsServer: GET /metrics over HTTP (prometheus-cpp's Exposer, civetweb) for one registry:
-// the text exposition format, plus the exposer's own exposer_* families (scrapes, bytes,
-// scrape latency). RAII: serving starts in Start() and stops in the destructor.
+// MetricsServer: GET /metrics over HTTP for one registry, in the text exposition format 0.0.4
+// (SerializeText). RAII: serving starts in Start() and stops in the destructor (promptly: the
+// listening socket is shut down and the two handler threads joined).
+//
+// NOTE: served with cpp-httplib rather than prometheus-cpp's Exposer: the Exposer's civetweb
+// takes 2.0 s to stop (its master thread's poll quantum), which every process exit and every
+// test that starts a server would pay.
 //
 // Thread-safe: the server's threads collect the registry while the process updates it.
 #pragma once
@@ -8,13 +12,14 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "prometheus/registry.h"
 
-namespace prometheus {
-class Exposer;
-}  // namespace prometheus
+namespace httplib {
+class Server;
+}  // namespace httplib
 
 namespace tandem::metrics {
 
@@ -38,10 +43,10 @@ class MetricsServer {
  private:
   MetricsServer() = default;
 
-  // The collectable that runs before_scrape, then collects the registry (the exposer holds it
-  // by weak_ptr; destroyed after the exposer stops).
-  std::shared_ptr<prometheus::Collectable> source_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::function<void()> before_scrape_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;   // runs the listen loop until the destructor stops it
   int port_ = 0;
 };
 
