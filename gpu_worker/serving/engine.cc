@@ -85,6 +85,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
   }
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
+  TANDEM_ASSIGN_OR_RETURN(engine->chat_, LoadChatConfig(options.model_dir));
+  engine->eos_sorted_ = engine->tokenizer_->eos_ids();
+  std::sort(engine->eos_sorted_.begin(), engine->eos_sorted_.end());
   const ModelConfig& c = engine->model_->config;
   if (engine->tokenizer_->vocab_size() > c.vocab_size) {
     return absl::InvalidArgumentError(
@@ -326,7 +329,13 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
 
 absl::StatusOr<std::vector<int32_t>> Engine::Tokenize(const std::string& text,
                                                       bool add_bos) const {
-  return tokenizer_->Encode(text, add_bos);
+  TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                          tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true));
+  const int32_t bos = tokenizer_->bos_id();
+  if (add_bos && tokenizer_->adds_bos() && (ids.empty() || ids.front() != bos)) {
+    ids.insert(ids.begin(), bos);
+  }
+  return ids;
 }
 
 std::string Engine::Detokenize(const std::vector<int32_t>& ids) const {
@@ -362,6 +371,10 @@ ModelInfo Engine::info() const {
   info.weight_bytes = device_model_->weight_bytes();
   info.cpu_nodes = nodes_->size();
   info.tokenizer_kind = std::string(tokenizer_->kind());
+  info.chat_template = chat_.chat_template;
+  info.bos_token = chat_.bos_token;
+  info.eos_token = chat_.eos_token;
+  info.eos_token_ids = eos_sorted_;
   return info;
 }
 

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/request_validation.h"
 
 namespace tandem::gpu_worker {
@@ -93,7 +94,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   }
   std::vector<int32_t> prompt = request.prompt_ids;
   if (prompt.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(prompt, tokenizer_->Encode(request.prompt_text, !continuing));
+    TANDEM_ASSIGN_OR_RETURN(prompt, Tokenize(request.prompt_text, /*add_bos=*/!continuing));
     if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
   }
   TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
@@ -245,7 +246,10 @@ absl::Status Engine::SampleNext(Generation& g, const float* logits) {
   summary.completion_tokens = i + 1;
   const std::vector<int32_t>& eos = tokenizer_->eos_ids();
   const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
-  TokenEvent event{token, "", i};
+  TokenEvent event;
+  event.token_id = token;
+  event.index = i;
+  if (g.request.logprobs) TANDEM_RETURN_IF_ERROR(AddLogprobs(g, logits, &event));
   std::optional<FinishReason> reason;
   if (is_eos && !g.request.ignore_eos) {
     reason = FinishReason::kEos;
@@ -274,6 +278,24 @@ absl::Status Engine::SampleNext(Generation& g, const float* logits) {
     g.feed.assign(1, token);
     g.fed = 0;
     g.seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::AddLogprobs(const Generation& g, const float* logits, TokenEvent* event) {
+  const int64_t vocab = model_->config.vocab_size;
+  logits_host_.resize(static_cast<size_t>(vocab));
+  TANDEM_RETURN_IF_ERROR(
+      backend_->CopyToHost(logits_host_.data(), logits, logits_host_.size() * sizeof(float)));
+  TANDEM_ASSIGN_OR_RETURN(StepLogprobs step,
+                          ComputeStepLogprobs(logits_host_.data(), vocab, event->token_id,
+                                              g.request.top_logprobs));
+  event->logprob = step.sampled;
+  event->top_logprobs.reserve(step.top.size());
+  for (const LogprobCandidate& c : step.top) {
+    TokenPiece piece = DescribeToken(*tokenizer_, c.token_id);
+    event->top_logprobs.push_back(
+        TokenAlternative{c.token_id, c.logprob, std::move(piece.raw), std::move(piece.text)});
   }
   return absl::OkStatus();
 }

@@ -60,6 +60,8 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
   if (request.has_seed()) dst.sampling.seed = request.seed();
   dst.stop.assign(request.stop().begin(), request.stop().end());
   dst.ignore_eos = request.ignore_eos();
+  dst.logprobs = request.logprobs();
+  dst.top_logprobs = request.top_logprobs();
 
   if (!request.mode().empty()) {
     absl::StatusOr<AttentionMode> mode = ParseAttentionMode(request.mode());
@@ -129,6 +131,14 @@ void ToProto(const TokenEvent& token, v1::TokenDelta* dst) {
   dst->set_token_id(token.token_id);
   dst->set_text(token.text);
   dst->set_index(token.index);
+  if (token.logprob.has_value()) dst->set_logprob(*token.logprob);
+  for (const TokenAlternative& alternative : token.top_logprobs) {
+    v1::TokenLogprob* top = dst->add_top_logprobs();
+    top->set_token_id(alternative.token_id);
+    top->set_text(alternative.text);
+    top->set_raw(alternative.raw);
+    top->set_logprob(alternative.logprob);
+  }
 }
 
 void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst) {
@@ -167,6 +177,10 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
   dst->set_weight_bytes(info.weight_bytes);
   dst->set_cpu_nodes(info.cpu_nodes);
   dst->set_tokenizer_kind(info.tokenizer_kind);
+  dst->set_chat_template(info.chat_template);
+  dst->set_bos_token(info.bos_token);
+  dst->set_eos_token(info.eos_token);
+  dst->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
 }
 
 // One Generate call. The scheduler produces its messages through the callbacks (Enqueue) and

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/gpu_worker/logprobs.h"
 
 namespace tandem::gpu_worker {
 
@@ -57,6 +58,13 @@ absl::Status ValidateGenerateRequest(const GenerateRequest& request, int64_t max
       return absl::InvalidArgumentError(absl::StrCat("stop[", i, "] must be 1..",
                                                      kMaxRequestStopBytes, " bytes, got ", bytes));
     }
+  }
+  if (request.top_logprobs < 0 || request.top_logprobs > kMaxTopLogprobs) {
+    return absl::InvalidArgumentError(absl::StrCat("top_logprobs must be in 0..", kMaxTopLogprobs,
+                                                   ", got ", request.top_logprobs));
+  }
+  if (request.top_logprobs > 0 && !request.logprobs) {
+    return absl::InvalidArgumentError("top_logprobs > 0 requires logprobs");
   }
   if (request.beta.has_value() && !(std::isfinite(*request.beta) && *request.beta >= 0)) {
     return absl::InvalidArgumentError(

@@ -19,20 +19,6 @@ absl::Status FieldError(const std::filesystem::path& file, const char* field,
       absl::StrCat(file.string(), ": \"", field, "\" ", std::string(what)));
 }
 
-// A token written as a string or as an AddedToken object {"content": ...}; nullopt for null or
-// absent.
-absl::StatusOr<std::optional<std::string>> TokenText(const json& object, const char* field,
-                                                     const std::filesystem::path& file) {
-  const auto it = object.find(field);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (it->is_string()) return it->get<std::string>();
-  if (it->is_object()) {
-    const auto content = it->find("content");
-    if (content != it->end() && content->is_string()) return content->get<std::string>();
-  }
-  return FieldError(file, field, "is neither a string, an object with \"content\" nor null");
-}
-
 // An id or a list of ids; empty for null or absent.
 absl::StatusOr<std::vector<int64_t>> TokenIds(const json& object, const char* field,
                                               const std::filesystem::path& file) {
@@ -54,7 +40,24 @@ absl::StatusOr<std::vector<int64_t>> TokenIds(const json& object, const char* fi
   return FieldError(file, field, "is neither an int, a list of ints nor null");
 }
 
-// The file parsed as a JSON object, or nullopt when it does not exist.
+void AppendUnique(int32_t id, std::vector<int32_t>* ids) {
+  if (std::find(ids->begin(), ids->end(), id) == ids->end()) ids->push_back(id);
+}
+
+}  // namespace
+
+absl::StatusOr<std::optional<std::string>> TokenText(const json& object, const char* field,
+                                                     const std::filesystem::path& file) {
+  const auto it = object.find(field);
+  if (it == object.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object()) {
+    const auto content = it->find("content");
+    if (content != it->end() && content->is_string()) return content->get<std::string>();
+  }
+  return FieldError(file, field, "is neither a string, an object with \"content\" nor null");
+}
+
 absl::StatusOr<std::optional<json>> ReadOptionalJsonObject(const std::filesystem::path& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return std::nullopt;
@@ -64,12 +67,6 @@ absl::StatusOr<std::optional<json>> ReadOptionalJsonObject(const std::filesystem
   }
   return parsed;
 }
-
-void AppendUnique(int32_t id, std::vector<int32_t>* ids) {
-  if (std::find(ids->begin(), ids->end(), id) == ids->end()) ids->push_back(id);
-}
-
-}  // namespace
 
 absl::StatusOr<std::string> ReadFileBytes(const std::filesystem::path& path) {
   std::error_code ec;

@@ -27,6 +27,17 @@ absl::StatusOr<std::string> ReadFileBytes(const std::filesystem::path& path);
 // is not JSON.
 absl::StatusOr<nlohmann::json> ReadJsonFile(const std::filesystem::path& path);
 
+// A token written as a string or as an AddedToken object {"content": ...} in field `field` of
+// `object`; nullopt for null or absent. INVALID_ARGUMENT naming `file` and the field otherwise.
+absl::StatusOr<std::optional<std::string>> TokenText(const nlohmann::json& object,
+                                                     const char* field,
+                                                     const std::filesystem::path& file);
+
+// `path` parsed as a JSON object, or nullopt when it does not exist. INVALID_ARGUMENT naming the
+// file when it is not JSON or not an object.
+absl::StatusOr<std::optional<nlohmann::json>> ReadOptionalJsonObject(
+    const std::filesystem::path& path);
+
 // What the model directory's JSON files say about special tokens, before resolution.
 struct SpecialTokenConfig {
   std::optional<bool> add_bos_token;     // tokenizer_config.json

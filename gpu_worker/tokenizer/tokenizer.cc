@@ -1,4 +1,5 @@
 // LoadTokenizer: picks the tokenizer file of a model directory and its special-token settings.
+// DescribeToken: one token's bytes and text for log-probability candidates.
 #include "tandem/gpu_worker/tokenizer.h"
 
 #include <system_error>
@@ -8,6 +9,7 @@
 #include "bpe_tokenizer.h"
 #include "sentencepiece_tokenizer.h"
 #include "special_tokens.h"
+#include "utf8.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -42,6 +44,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> sp,
                           SentencePieceTokenizer::Load(model_path, config));
   return std::unique_ptr<Tokenizer>(std::move(sp));
+}
+
+TokenPiece DescribeToken(const Tokenizer& tokenizer, int32_t id) {
+  TokenPiece piece;
+  if (id < 0 || id >= tokenizer.vocab_size()) return piece;
+  piece.raw = tokenizer.IsSpecial(id) ? tokenizer.Decode({id}, /*skip_special=*/false)
+                                      : tokenizer.TokenBytes(id);
+  piece.text = tokenizer_internal::ToValidUtf8(piece.raw);
+  return piece;
 }
 
 }  // namespace tandem::gpu_worker

@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/chat_config.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/generate_request.h"
 #include "tandem/gpu_worker/generation.h"
@@ -128,6 +129,13 @@ struct ModelInfo {
   size_t weight_bytes = 0;
   size_t cpu_nodes = 0;
   std::string tokenizer_kind;
+  // chat_config.h: the chat template and the BOS / EOS token texts ("" when absent).
+  std::string chat_template;
+  std::string bos_token;
+  std::string eos_token;
+  // The ids generation stops at, ascending: config.json's and generation_config.json's
+  // eos_token_id and tokenizer_config.json's eos_token (tokenizer.h LoadTokenizer).
+  std::vector<int32_t> eos_token_ids;
 };
 
 class Engine {
@@ -166,6 +174,10 @@ class Engine {
   bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
 
   absl::StatusOr<EvaluateResult> Evaluate(const EvaluateRequest& request);
+  // Special tokens written literally in `text` ("<|im_start|>", "<|eot_id|>") become their ids,
+  // as Hugging Face's tokenizers do by default (a rendered chat template relies on it). add_bos
+  // prepends BOS when the tokenizer adds one and the text does not already start with it (a
+  // rendered template often writes it), so a prompt never starts with two.
   absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_bos) const;
   std::string Detokenize(const std::vector<int32_t>& ids) const;
   // Frees a kept session's device window and CPU node shards. NOT_FOUND if unknown.
@@ -205,6 +217,10 @@ class Engine {
   absl::Status CheckDeviceKv(size_t more) const;
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
   absl::Status SampleNext(Generation& g, const float* logits);
+  // The sampled token's log-probability and the request's top candidates (logprobs.h) into
+  // `event`, from `logits` (device, [vocab]). NOTE: copies the row to the host (vocab · 4 bytes,
+  // 512 KiB for a 128K vocabulary); called only for requests that ask for logprobs.
+  absl::Status AddLogprobs(const Generation& g, const float* logits, TokenEvent* event);
   // INVALID_ARGUMENT when page_tokens does not divide block_tokens (pages start at blocks).
   absl::Status CheckPagesUsable() const;
   // INVALID_ARGUMENT for a budget policy out of range.
@@ -219,6 +235,9 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  ChatConfig chat_;
+  std::vector<int32_t> eos_sorted_;   // tokenizer_->eos_ids(), ascending (ModelInfo)
+  std::vector<float> logits_host_;    // [vocab]: one logits row for AddLogprobs, reused
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<DeviceModel> device_model_;
   std::unique_ptr<ModelRunner> runner_;

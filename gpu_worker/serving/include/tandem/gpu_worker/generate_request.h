@@ -36,6 +36,11 @@ struct GenerateRequest {
   SamplingOptions sampling;
   std::vector<std::string> stop;   // stop strings (at most 16, each 1..256 bytes)
   bool ignore_eos = false;
+  // Report each token's log-probability (logprobs.h: log-softmax of the raw logits, before
+  // temperature / top_k / top_p) and, with top_logprobs in 1..kMaxTopLogprobs, that many most
+  // likely tokens of the step. top_logprobs > 0 requires logprobs. Off: nothing is computed.
+  bool logprobs = false;
+  int32_t top_logprobs = 0;
   // tandem's fields; unset = the engine's defaults. A continued session keeps its mode, window
   // and sink (a different value is INVALID_ARGUMENT); a new beta re-selects its CPU entries.
   std::optional<AttentionMode> mode;
@@ -58,10 +63,20 @@ struct PrefillProgress {
   double elapsed_s = 0.0;
 };
 
+// A log-probability candidate with its text (tokenizer.h DescribeToken).
+struct TokenAlternative {
+  int32_t token_id = 0;
+  float logprob = 0.0f;            // natural log, <= 0
+  std::string raw;                 // the token's exact bytes (may be a partial character)
+  std::string text;                // raw as valid UTF-8 (U+FFFD for ill-formed bytes)
+};
+
 struct TokenEvent {
   int32_t token_id = 0;
   std::string text;                // UTF-8 text completed by this token (may be empty)
   int64_t index = 0;               // 0 for the first generated token
+  std::optional<float> logprob;    // set iff the request asked for logprobs
+  std::vector<TokenAlternative> top_logprobs;   // the request's top_logprobs, most likely first
 };
 
 enum class FinishReason { kLength, kStop, kEos, kContext, kCancelled };

@@ -25,7 +25,8 @@ inline constexpr size_t kMaxSessionIdLength = 96;
 // INVALID_ARGUMENT naming the field: an empty prompt, max_tokens outside
 // 1..min(kMaxRequestTokens, max_context) (max_context <= 0: no context bound), temperature
 // outside [0, kMaxRequestTemperature] or not finite, top_p outside (0, 1], top_k < 0, too many
-// or bad stop strings, beta not finite or < 0, window / sink < 0, select_tokens < 1,
+// or bad stop strings, top_logprobs outside 0..kMaxTopLogprobs or > 0 without logprobs, beta
+// not finite or < 0, window / sink < 0, select_tokens < 1,
 // dense_layers < 0, a malformed session id.
 absl::Status ValidateGenerateRequest(const GenerateRequest& request, int64_t max_context);
 

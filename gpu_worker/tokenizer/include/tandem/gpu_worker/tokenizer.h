@@ -70,6 +70,16 @@ class Tokenizer {
 // Whether BOS is added: tokenizer_config.json add_bos_token when present, else as in Encode.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::path& model_dir);
 
+// Token `id` on its own, as log-probability candidates report it (OpenAI's `token` and `bytes`).
+struct TokenPiece {
+  // The bytes the token contributes after other text (TokenBytes; SentencePiece "▁the" is
+  // " the"), or a special token's text ("<|eot_id|>"). May be a partial UTF-8 character.
+  std::string raw;
+  std::string text;   // raw with each ill-formed UTF-8 sequence replaced by U+FFFD
+};
+// Out-of-range ids give two empty strings.
+TokenPiece DescribeToken(const Tokenizer& tokenizer, int32_t id);
+
 // Turns a stream of token ids into valid UTF-8 text deltas. Push returns the text that became
 // complete: bytes of an unfinished UTF-8 sequence are held back until a later Push completes them;
 // bytes that can never become valid are written as U+FFFD at once. Flush returns what is held back
