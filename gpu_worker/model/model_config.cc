@@ -1,5 +1,6 @@
 #include "tandem/gpu_worker/model_config.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <fstream>
@@ -106,14 +107,20 @@ absl::StatusOr<std::vector<int32_t>> ReadTokenIds(const json& value, absl::strin
   return ids;
 }
 
-// Overrides config->bos_token_id / eos_token_ids with the non-null ones in `obj`.
+// Overrides config->bos_token_id with the non-null one in `obj` and adds its eos_token_id(s)
+// to config->eos_token_ids (kept in order of first appearance, without repeats): chat models
+// list their turn-end tokens in generation_config.json beside config.json's single EOS.
 absl::Status ReadSpecialTokens(const json& obj, absl::string_view source, ModelConfig* config) {
   if (const json* bos = FindField(obj, "bos_token_id")) {
     TANDEM_ASSIGN_OR_RETURN(config->bos_token_id, ReadTokenId(*bos, Where(source, "bos_token_id")));
   }
   if (const json* eos = FindField(obj, "eos_token_id")) {
-    TANDEM_ASSIGN_OR_RETURN(config->eos_token_ids,
+    TANDEM_ASSIGN_OR_RETURN(const std::vector<int32_t> ids,
                             ReadTokenIds(*eos, Where(source, "eos_token_id")));
+    for (const int32_t id : ids) {
+      std::vector<int32_t>& set = config->eos_token_ids;
+      if (std::find(set.begin(), set.end(), id) == set.end()) set.push_back(id);
+    }
   }
   return absl::OkStatus();
 }

@@ -59,7 +59,8 @@ struct ModelConfig {
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json);
 
 // Reads model_dir/config.json; if model_dir/generation_config.json exists, its non-null
-// bos_token_id and eos_token_id (an int or a list) override the config's.
+// bos_token_id overrides the config's and its eos_token_id (an int or a list) is added to the
+// config's (the EOS set is the union, config.json's first).
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_dir);
 
 // RoPE inverse frequencies, [head_dim / 2] f32, bit-for-bit the computation of transformers
