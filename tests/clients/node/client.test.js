@@ -1,0 +1,242 @@
+'use strict';
+// The Node SDK (clients/node) against a real tandem-gpu-worker (cpu backend, stories260k, gpu
+// mode: exact greedy), one worker for the file: greedy generation equals the model's golden
+// continuation (../shared/models/stories260k/golden.json), tokenize, a two-turn session equal to
+// the one-shot generation over the same ids, close then NotFound, refusals as typed errors naming
+// the field, deadlines, an unreachable worker, cancellation by breaking the loop and by an
+// AbortSignal, and the README example run as written. Run through run.js (ctest clients.node).
+
+const { test, before, after } = require('node:test');
+const assert = require('node:assert/strict');
+const { spawnSync } = require('node:child_process');
+const fs = require('node:fs');
+const net = require('node:net');
+const path = require('node:path');
+
+const tandem = require('../../../clients/node');
+const { startWorker } = require('./worker_process');
+
+const SHARED_DIR = process.env.TANDEM_SHARED_DIR || path.resolve(__dirname, '../../../../shared');
+const MODEL_DIR = path.join(SHARED_DIR, 'models', 'stories260k');
+const GOLDEN = JSON.parse(fs.readFileSync(path.join(MODEL_DIR, 'golden.json'), 'utf8'));
+const PROMPT = GOLDEN.prompt_text_equivalent;                           // "Once upon a time"
+const PROMPT_IDS = GOLDEN.prompt_text_equivalent_ids;                   // its ids, BOS first
+const CONTINUATION_IDS = GOLDEN.greedy_ids.slice(PROMPT_IDS.length);    // 56 greedy tokens
+const CONTINUATION_TEXT = GOLDEN.greedy_text.slice(PROMPT.length);
+
+let worker;
+let client;
+
+before(async () => {
+  const binary = process.env.TANDEM_GPU_WORKER_BIN;
+  assert.ok(binary && fs.existsSync(binary),
+    `TANDEM_GPU_WORKER_BIN=${binary} is not a file (build the tandem-gpu-worker target)`);
+  worker = await startWorker(binary, MODEL_DIR);
+  client = new tandem.Client(worker.address, { timeoutMs: 60_000 });
+});
+
+after(() => {
+  client?.close();
+  worker?.stop();
+});
+
+test('greedy stream is the golden continuation', async () => {
+  const events = [];
+  for await (const event of client.generate(PROMPT, { maxTokens: CONTINUATION_IDS.length })) {
+    events.push(event);
+  }
+  const prefills = events.filter((e) => e.type === 'prefill');
+  const tokens = events.filter((e) => e.type === 'token');
+  assert.ok(prefills.length > 0);
+  assert.deepEqual([prefills.at(-1).processed, prefills.at(-1).total], [5, 5]);
+  assert.deepEqual(tokens.map((t) => t.id), CONTINUATION_IDS);
+  assert.deepEqual(tokens.map((t) => t.index), CONTINUATION_IDS.map((_, i) => i));
+  assert.equal(tokens.map((t) => t.text).join(''), CONTINUATION_TEXT);
+  assert.ok(tokens.every((t) => t.logprob === undefined && t.topLogprobs.length === 0));
+
+  const final = events.at(-1);
+  assert.equal(final.type, 'final');
+  const r = final.result;
+  assert.equal(r.text, CONTINUATION_TEXT);
+  assert.deepEqual(r.tokenIds, CONTINUATION_IDS);
+  assert.deepEqual(r.usage, { promptTokens: 5, completionTokens: 56, totalTokens: 61 });
+  assert.equal(r.finishReason, 'length');
+  assert.equal(r.mode, 'gpu');
+  assert.equal(r.sessionId, '');
+  assert.equal(r.deviceKvEntries, 60);   // prompt + tokens fed back (not the last)
+  assert.equal(r.degraded, false);
+  assert.ok(r.timeToFirstTokenSeconds > 0);
+  assert.ok(r.totalSeconds >= r.timeToFirstTokenSeconds);
+});
+
+test('complete from prompt ids, snake_case options, stop strings', async () => {
+  const r = await client.complete(PROMPT_IDS, { max_tokens: CONTINUATION_IDS.length });
+  assert.equal(r.text, CONTINUATION_TEXT);
+  assert.equal(r.usage.promptTokens, PROMPT_IDS.length);
+  const stopped = await client.complete(PROMPT, { maxTokens: 56, stop: 'Lily' });
+  assert.equal(stopped.finishReason, 'stop');
+  assert.equal(stopped.text, CONTINUATION_TEXT.slice(0, CONTINUATION_TEXT.indexOf('Lily')));
+});
+
+test('logprobs of greedy tokens', async () => {
+  const r = await client.complete(PROMPT, { maxTokens: 8, logprobs: true, topLogprobs: 3 });
+  assert.deepEqual(r.tokenIds, CONTINUATION_IDS.slice(0, 8));
+  for (const token of r.tokens) {
+    assert.equal(typeof token.logprob, 'number');
+    assert.ok(token.logprob <= 0);
+    assert.equal(token.topLogprobs.length, 3);
+    // Greedy: the sampled token is the likeliest one.
+    assert.equal(token.topLogprobs[0].id, token.id);
+    assert.ok(Math.abs(token.topLogprobs[0].logprob - token.logprob) < 1e-5);
+    const lps = token.topLogprobs.map((t) => t.logprob);
+    assert.deepEqual(lps, [...lps].sort((a, b) => b - a));
+    assert.equal(Buffer.from(token.topLogprobs[0].bytes).toString(), token.topLogprobs[0].text);
+  }
+});
+
+test('tokenize, detokenize, model info', async () => {
+  assert.deepEqual(await client.tokenize(PROMPT, { addBos: true }), PROMPT_IDS);
+  assert.equal((await client.tokenize(PROMPT)).length, PROMPT_IDS.length - 1);
+  assert.equal(await client.detokenize(PROMPT_IDS.slice(1)), PROMPT);
+  const info = await client.modelInfo();
+  assert.equal(info.modelType, 'llama');
+  assert.equal(info.backend, 'cpu');
+  assert.deepEqual([info.vocabSize, info.maxContext, info.numLayers], [512, 512, 5]);
+});
+
+test('a session of two turns continues the KV', async () => {
+  const [first, second] = await client.withSession('node-two-turns', async (session) => [
+    await session.complete(PROMPT, { maxTokens: 8 }),
+    await session.complete(' The end', { maxTokens: 8 }),
+  ]);
+  assert.equal(first.sessionId, 'node-two-turns');
+  assert.deepEqual(first.tokenIds, CONTINUATION_IDS.slice(0, 8));
+  const secondPrompt = await client.tokenize(' The end');   // a continued turn gets no BOS
+  assert.equal(second.usage.promptTokens, secondPrompt.length);
+  // The second turn continues exactly as one request over all the ids would.
+  const oneShot = await client.complete([...PROMPT_IDS, ...first.tokenIds, ...secondPrompt], { maxTokens: 8 });
+  assert.deepEqual(second.tokenIds, oneShot.tokenIds);
+  assert.equal(second.deviceKvEntries, first.usage.totalTokens + second.usage.totalTokens - 1);
+  // withSession closed it.
+  await assert.rejects(client.closeSession('node-two-turns'), tandem.NotFound);
+});
+
+test('close then NotFound', async () => {
+  const session = client.session('node-close');
+  await session.complete(PROMPT, { maxTokens: 2 });
+  await session.close();
+  await assert.rejects(session.close(), (err) => {
+    assert.ok(err instanceof tandem.NotFound);
+    assert.ok(err instanceof tandem.TandemError);
+    assert.equal(err.code, 5);
+    assert.equal(err.codeName, 'NOT_FOUND');
+    assert.match(err.details, /node-close/);
+    return true;
+  });
+});
+
+test('invalid requests are InvalidArgument naming the field; the worker keeps serving', async () => {
+  const cases = [
+    [{ maxTokens: 0 }, /max_tokens/],
+    [{ maxTokens: 4, temperature: -1 }, /temperature/],
+    [{ maxTokens: 4, topLogprobs: 2 }, /logprobs/],
+    [{ maxTokens: 4, sessionId: 'not a valid id!' }, /session_id/],
+  ];
+  for (const [opts, field] of cases) {
+    await assert.rejects(client.complete(PROMPT, opts), (err) => {
+      assert.ok(err instanceof tandem.InvalidArgument, `${JSON.stringify(opts)}: ${err}`);
+      assert.equal(err.code, 3);
+      assert.match(err.details, field);
+      return true;
+    });
+  }
+  await assert.rejects(client.detokenize([9999]), tandem.InvalidArgument);
+  assert.deepEqual((await client.complete(PROMPT, { maxTokens: 3 })).tokenIds, CONTINUATION_IDS.slice(0, 3));
+});
+
+test('bad arguments are refused before sending', () => {
+  assert.throws(() => client.generate(PROMPT, { maxToken: 4 }), { name: 'TypeError', message: /maxToken/ });
+  assert.throws(() => client.generate(42, { maxTokens: 4 }), { name: 'TypeError', message: /prompt/ });
+  assert.throws(() => client.generate(PROMPT, { maxTokens: 4, temperature: 'hot' }),
+    { name: 'TypeError', message: /temperature/ });
+});
+
+test('deadline exceeded', async () => {
+  await assert.rejects(client.complete(PROMPT, { maxTokens: 4, timeoutMs: 0 }), tandem.DeadlineExceeded);
+});
+
+test('an unreachable worker is Unavailable', async () => {
+  const port = await new Promise((resolve) => {   // a port nobody listens on
+    const server = net.createServer().listen(0, '127.0.0.1', () => {
+      const { port: p } = server.address();
+      server.close(() => resolve(p));
+    });
+  });
+  const nowhere = new tandem.Client(`127.0.0.1:${port}`, { timeoutMs: 5000 });
+  try {
+    await assert.rejects(nowhere.tokenize(PROMPT), tandem.Unavailable);
+  } finally {
+    nowhere.close();
+  }
+});
+
+// 480 tokens: all the context but the prompt (512) would be filled if the worker did not stop;
+// it does after the current token once the call is cancelled. Hybrid attention (window 16, the
+// rest on the worker's embedded CPU node, exact with maw and beta 0) costs ~1 ms a token here, so
+// the whole 480 would take ~0.5 s: far longer than the cancel takes to arrive.
+const LONG = 480;
+const HYBRID = { mode: 'hybrid', window: 16, sink: 4, selection: 'maw', beta: 0 };
+
+// Tokens the cancelled turn generated, read from the next turn's KV size.
+async function generatedBeforeCancel(session) {
+  const after = await session.complete(' The end', { maxTokens: 1 });
+  assert.equal(after.mode, 'hybrid');
+  const positions = after.deviceKvEntries + after.cpuKvEntries;
+  return positions - PROMPT_IDS.length - after.usage.totalTokens + 1;
+}
+
+test('breaking the loop cancels the call', async () => {
+  const session = client.session('node-cancel-break');
+  const seen = [];
+  const stream = session.generate(PROMPT, { maxTokens: LONG, ignoreEos: true, ...HYBRID });
+  for await (const event of stream) {
+    if (event.type === 'token') {
+      seen.push(event.id);
+      if (seen.length === 3) break;
+    }
+  }
+  assert.deepEqual(seen, CONTINUATION_IDS.slice(0, 3));
+  assert.equal(stream.cancelled, true);
+  const generated = await generatedBeforeCancel(session);
+  assert.ok(generated >= 3 && generated < LONG, `generated ${generated}`);
+  await session.close();
+});
+
+test('an AbortSignal cancels the call; the loop throws Cancelled', async () => {
+  const session = client.session('node-cancel-signal');
+  const controller = new AbortController();
+  let seen = 0;
+  await assert.rejects(async () => {
+    for await (const event of session.generate(PROMPT, { maxTokens: LONG, ignoreEos: true, signal: controller.signal, ...HYBRID })) {
+      if (event.type === 'token' && ++seen === 2) controller.abort();
+    }
+  }, (err) => {
+    assert.ok(err instanceof tandem.Cancelled, String(err));
+    assert.equal(err.codeName, 'CANCELLED');
+    return true;
+  });
+  assert.equal(seen, 2);   // nothing buffered is yielded after the abort
+  const generated = await generatedBeforeCancel(session);
+  assert.ok(generated >= 2 && generated < LONG, `generated ${generated}`);
+  await session.close();
+});
+
+test('the README example runs as written', () => {
+  const example = path.resolve(__dirname, '../../../clients/node/examples/example.mjs');
+  const r = spawnSync(process.execPath, [example, worker.address], { encoding: 'utf8', timeout: 60_000 });
+  assert.equal(r.status, 0, r.stderr);
+  assert.match(r.stdout, /^32 tokens, finish: length, TTFT/m);
+  assert.match(r.stdout, /\[ 1, 403, 407, 261, 378 \]/);
+  assert.match(r.stdout, /^CANCELLED$/m);
+  assert.match(r.stdout, /^INVALID_ARGUMENT max_tokens must be in 1\.\.512, got 0$/m);
+});
