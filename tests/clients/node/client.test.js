@@ -53,6 +53,7 @@ test('greedy stream is the golden continuation', async () => {
   assert.deepEqual(tokens.map((t) => t.index), CONTINUATION_IDS.map((_, i) => i));
   assert.equal(tokens.map((t) => t.text).join(''), CONTINUATION_TEXT);
   assert.ok(tokens.every((t) => t.logprob === undefined && t.topLogprobs.length === 0));
+  assert.deepEqual(tokens.map((t) => t.raw.tokenId), CONTINUATION_IDS);
 
   const final = events.at(-1);
   assert.equal(final.type, 'final');
@@ -102,6 +103,7 @@ test('tokenize, detokenize, model info', async () => {
   assert.equal(info.modelType, 'llama');
   assert.equal(info.backend, 'cpu');
   assert.deepEqual([info.vocabSize, info.maxContext, info.numLayers], [512, 512, 5]);
+  assert.deepEqual(info.eosTokenIds, [2]);   // config.json and generation_config.json
 });
 
 test('a session of two turns continues the KV', async () => {

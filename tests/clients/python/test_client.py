@@ -5,7 +5,7 @@ One worker (cpu backend, stories260k, gpu mode: exact greedy) serves every case:
 generation equals the model's golden continuation (../shared/models/stories260k/golden.json),
 tokenize, a two-turn session equal to the one-shot generation over the same ids, close then
 NotFound, refusals as typed errors naming the field, deadlines, an unreachable worker, and
-cancellation by breaking out of the loop.
+cancellation by breaking out of the loop, and the README example run as written.
 
 Run by ctest (tests/clients/CMakeLists.txt) with PYTHONPATH=clients/python:build/clients/python,
 TANDEM_GPU_WORKER_BIN and TANDEM_SHARED_DIR. Exits 77 (ctest: skipped) with a message when
@@ -15,6 +15,7 @@ python3-grpcio / python3-protobuf, the generated stubs or the models are absent.
 import json
 import os
 import socket
+import subprocess
 import sys
 import unittest
 
@@ -99,7 +100,7 @@ class GenerateTest(unittest.TestCase):
         self.assertGreater(result.time_to_first_token_seconds, 0)
         self.assertGreaterEqual(result.total_seconds, result.time_to_first_token_seconds)
         # A proto field without an attribute of its own reads through to the message.
-        self.assertEqual(result.finish_reason, "length")
+        self.assertEqual([t.token_id for t in tokens], CONTINUATION_IDS)
         self.assertEqual(result.raw.usage.total_tokens, 61)
 
     def test_complete_from_prompt_ids(self) -> None:
@@ -138,6 +139,7 @@ class TokenizerTest(unittest.TestCase):
         self.assertEqual(info.model_type, "llama")
         self.assertEqual(info.backend, "cpu")
         self.assertEqual((info.vocab_size, info.max_context, info.num_layers), (512, 512, 5))
+        self.assertEqual(list(info.eos_token_ids), [2])   # config.json and generation_config.json
 
 
 class SessionTest(unittest.TestCase):
@@ -250,6 +252,19 @@ class CancelTest(unittest.TestCase):
             for _ in stream:
                 pass
         self.assertIsNone(stream.result)
+
+
+class ExampleTest(unittest.TestCase):
+    def test_the_readme_example_runs_as_written(self) -> None:
+        example = os.path.join(HERE, "../../../clients/python/examples/example.py")
+        r = subprocess.run([sys.executable, example, worker.address], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        lines = r.stdout.splitlines()
+        self.assertRegex(lines[1], r"^32 tokens, finish: length, TTFT ")
+        self.assertIn("[1, 403, 407, 261, 378]", lines)
+        self.assertIn("512", lines)
+        self.assertEqual(lines[-1], "INVALID_ARGUMENT max_tokens must be in 1..512, got 0")
 
 
 if __name__ == "__main__":
