@@ -3,7 +3,7 @@
 
 const grpc = require('@grpc/grpc-js');
 const { loadGeneration } = require('./proto');
-const { buildGenerateRequest, camel } = require('./request');
+const { buildGenerateRequest } = require('./request');
 const { GenerateStream } = require('./stream');
 const { NotFound, fromGrpcError } = require('./errors');
 
@@ -19,7 +19,7 @@ function toMetadata(...sources) {
   for (const source of sources) {
     if (!source) continue;
     if (source instanceof grpc.Metadata) {
-      for (const [key, values] of Object.entries(source.getMap())) metadata.set(key, values);
+      metadata.merge(source);
     } else {
       for (const [key, value] of Object.entries(source)) metadata.set(key, String(value));
     }
@@ -27,13 +27,9 @@ function toMetadata(...sources) {
   return metadata;
 }
 
-// A decoded message with camelCase keys as a plain object (the `raw` of nothing: model info is
-// all fields).
-function plain(msg) {
-  const out = {};
-  for (const [key, value] of Object.entries(msg)) out[camel(key)] = value;
-  return out;
-}
+// A decoded message as a plain object. Its keys are camelCase already (proto-loader's
+// keepCase: false), and every field is present (defaults: true), new ones included.
+const plain = (msg) => ({ ...msg });
 
 class Client {
   /**

@@ -76,4 +76,4 @@ function buildGenerateRequest(definition, prompt, opts = {}) {
   return request;
 }
 
-module.exports = { buildGenerateRequest, camel };
+module.exports = { buildGenerateRequest };
