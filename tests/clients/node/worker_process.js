@@ -16,6 +16,7 @@ function startWorker(binary, modelDir, { extraFlags = [], timeoutMs = 60_000 } =
     env: { ...process.env, OMP_WAIT_POLICY: 'passive' },
   });
   const stop = () => { if (child.exitCode === null && child.signalCode === null) child.kill('SIGKILL'); };
+  process.on('exit', stop);   // no worker outlives a test file that failed or bailed out
   return new Promise((resolve, reject) => {
     let out = '';
     const timer = setTimeout(() => { stop(); reject(new Error(`${binary}: no LISTENING after ${timeoutMs} ms`)); },

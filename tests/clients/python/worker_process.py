@@ -4,11 +4,21 @@ The worker prints "LISTENING <port>" on stdout once it serves (--address=127.0.0
 port); its logs (stderr) go to the test's output.
 """
 
+import ctypes
 import os
 import select
+import signal
 import subprocess
 import time
 from typing import List, Optional
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # In the child before exec: SIGKILL it when the test process dies (a ctest timeout kills
+    # only the test), so no worker outlives its suite.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class WorkerProcess:
@@ -31,7 +41,8 @@ class WorkerProcess:
                 "--log_level=warn"] + self.extra_flags
         # Passive OpenMP threads: the worker shares the CI's cores with the test (README).
         env = dict(os.environ, OMP_WAIT_POLICY="passive")
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env)
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, env=env,
+                                        preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout_s
         buffer = b""
         fd = self.process.stdout.fileno()
