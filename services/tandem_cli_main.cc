@@ -41,6 +41,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -95,6 +96,9 @@ ABSL_FLAG(int32_t, top_k, 0, "generate: sample among the top k tokens; 0 = all")
 ABSL_FLAG(std::vector<std::string>, stop, {},
           "generate: stop strings; repeat the flag or give a comma list (\\, for a comma)");
 ABSL_FLAG(bool, ignore_eos, false, "generate: keep going past the end-of-sequence token");
+ABSL_FLAG(std::optional<int32_t>, logprobs, std::nullopt,
+          "generate: after the text, list each token's log-probability (of the raw logits) and "
+          "the N most likely tokens of its step, N in 0..20");
 ABSL_FLAG(std::string, mode, "", "generate: gpu, hybrid or offload; empty = the engine's default");
 ABSL_FLAG(std::optional<int64_t>, window, std::nullopt, "generate: hybrid device window, tokens");
 ABSL_FLAG(std::optional<int64_t>, sink, std::nullopt, "generate: hybrid sink tokens");
@@ -519,6 +523,10 @@ absl::StatusOr<v1::GenerateRequest> GenerateRequestFromFlags(
   if (const std::optional<uint64_t> seed = absl::GetFlag(FLAGS_seed)) r.set_seed(*seed);
   for (const std::string& stop : stops) r.add_stop(stop);
   r.set_ignore_eos(absl::GetFlag(FLAGS_ignore_eos));
+  if (const std::optional<int32_t> n = absl::GetFlag(FLAGS_logprobs)) {
+    r.set_logprobs(true);
+    r.set_top_logprobs(*n);
+  }
   r.set_mode(absl::GetFlag(FLAGS_mode));
   if (const std::optional<double> beta = absl::GetFlag(FLAGS_beta)) {
     r.set_beta(static_cast<float>(*beta));
@@ -568,14 +576,17 @@ class StreamPrinter {
     std::fflush(stderr);
   }
 
-  void Token(const std::string& text) {
+  // Writes the token's text; keeps the token for the logprobs table when it carries a logprob.
+  void Token(const v1::TokenDelta& token) {
     CloseBar();
-    std::fwrite(text.data(), 1, text.size(), stdout);
+    std::fwrite(token.text().data(), 1, token.text().size(), stdout);
     std::fflush(stdout);
+    if (token.has_logprob()) logprobs_.push_back(token);
   }
 
   void Final(const v1::GenerateFinal& f) {
     CloseBar();
+    if (!logprobs_.empty()) PrintLogprobs();
     // Decode rate: tokens after the first over the time after the first.
     const int64_t n = f.usage().completion_tokens();
     const double decode_s = f.total_seconds() - f.time_to_first_token_seconds();
@@ -593,6 +604,22 @@ class StreamPrinter {
   }
 
  private:
+  // One line per token: index, id, logprob, then its step's most likely tokens (each alone,
+  // C-escaped) with theirs.
+  void PrintLogprobs() const {
+    std::printf("\n[logprobs] index token_id logprob | top tokens\n");
+    for (const v1::TokenDelta& t : logprobs_) {
+      std::string line =
+          absl::StrFormat("%5d %7d %10.5f |", t.index(), t.token_id(), t.logprob());
+      for (int k = 0; k < t.top_logprobs_size(); ++k) {
+        const v1::TokenLogprob& c = t.top_logprobs(k);
+        absl::StrAppend(&line, absl::StrFormat(" \"%s\" %.4f", absl::Utf8SafeCEscape(c.text()),
+                                               c.logprob()));
+      }
+      std::printf("%s\n", line.c_str());
+    }
+  }
+
   void CloseBar() {
     if (!bar_open_) return;
     std::fputc('\n', stderr);
@@ -602,6 +629,7 @@ class StreamPrinter {
   const bool stderr_tty_ = isatty(STDERR_FILENO) != 0;
   int64_t chunk_ = 0;
   bool bar_open_ = false;
+  std::vector<v1::TokenDelta> logprobs_;   // tokens that carried logprobs, for the table
 };
 
 std::shared_ptr<grpc::Channel> WorkerChannel() {
@@ -622,7 +650,9 @@ absl::Status RunGenerate(const std::vector<std::string>& stops) {
       printer.Prefill(p.total, p.processed, p.elapsed_s);
     };
     callbacks.on_token = [&](const gw::TokenEvent& token) {
-      printer.Token(token.text);
+      v1::TokenDelta delta;
+      gw::ToProto(token, &delta);
+      printer.Token(delta);
       return true;
     };
     TANDEM_ASSIGN_OR_RETURN(const gw::GenerateSummary summary,
@@ -647,7 +677,7 @@ absl::Status RunGenerate(const std::vector<std::string>& stops) {
                         message.prefill().elapsed_seconds());
         break;
       case v1::GenerateResponse::kToken:
-        printer.Token(message.token().text());
+        printer.Token(message.token());
         break;
       case v1::GenerateResponse::kFinal:
         printer.Final(message.final());
@@ -670,7 +700,7 @@ absl::Status RunTokenize() {
     const std::string model = absl::GetFlag(FLAGS_model);
     if (model.empty()) return absl::InvalidArgumentError("--model is required without --server");
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gw::Tokenizer> tokenizer, gw::LoadTokenizer(model));
-    TANDEM_ASSIGN_OR_RETURN(ids, tokenizer->Encode(text, add_bos));
+    TANDEM_ASSIGN_OR_RETURN(ids, gw::EncodePrompt(*tokenizer, text, add_bos));
   } else {
     auto stub = v1::Generation::NewStub(WorkerChannel());
     v1::TokenizeRequest request;

@@ -329,13 +329,7 @@ absl::StatusOr<EvaluateResult> Engine::Evaluate(const EvaluateRequest& request) 
 
 absl::StatusOr<std::vector<int32_t>> Engine::Tokenize(const std::string& text,
                                                       bool add_bos) const {
-  TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
-                          tokenizer_->Encode(text, /*add_bos=*/false, /*parse_special=*/true));
-  const int32_t bos = tokenizer_->bos_id();
-  if (add_bos && tokenizer_->adds_bos() && (ids.empty() || ids.front() != bos)) {
-    ids.insert(ids.begin(), bos);
-  }
-  return ids;
+  return EncodePrompt(*tokenizer_, text, add_bos);
 }
 
 std::string Engine::Detokenize(const std::vector<int32_t>& ids) const {

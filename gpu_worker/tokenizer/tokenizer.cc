@@ -1,5 +1,6 @@
 // LoadTokenizer: picks the tokenizer file of a model directory and its special-token settings.
-// DescribeToken: one token's bytes and text for log-probability candidates.
+// EncodePrompt: prompt text to ids as the worker does; DescribeToken: one token's bytes and text
+// for log-probability candidates.
 #include "tandem/gpu_worker/tokenizer.h"
 
 #include <system_error>
@@ -44,6 +45,17 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<SentencePieceTokenizer> sp,
                           SentencePieceTokenizer::Load(model_path, config));
   return std::unique_ptr<Tokenizer>(std::move(sp));
+}
+
+absl::StatusOr<std::vector<int32_t>> EncodePrompt(const Tokenizer& tokenizer,
+                                                  std::string_view text, bool add_bos) {
+  TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                          tokenizer.Encode(text, /*add_bos=*/false, /*parse_special=*/true));
+  const int32_t bos = tokenizer.bos_id();
+  if (add_bos && tokenizer.adds_bos() && (ids.empty() || ids.front() != bos)) {
+    ids.insert(ids.begin(), bos);
+  }
+  return ids;
 }
 
 TokenPiece DescribeToken(const Tokenizer& tokenizer, int32_t id) {

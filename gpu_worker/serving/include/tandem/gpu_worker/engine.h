@@ -174,10 +174,8 @@ class Engine {
   bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
 
   absl::StatusOr<EvaluateResult> Evaluate(const EvaluateRequest& request);
-  // Special tokens written literally in `text` ("<|im_start|>", "<|eot_id|>") become their ids,
-  // as Hugging Face's tokenizers do by default (a rendered chat template relies on it). add_bos
-  // prepends BOS when the tokenizer adds one and the text does not already start with it (a
-  // rendered template often writes it), so a prompt never starts with two.
+  // tokenizer.h EncodePrompt: special tokens written in `text` become their ids; BOS is
+  // prepended (add_bos) unless the text already starts with it.
   absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_bos) const;
   std::string Detokenize(const std::vector<int32_t>& ids) const;
   // Frees a kept session's device window and CPU node shards. NOT_FOUND if unknown.

@@ -70,6 +70,13 @@ class Tokenizer {
 // Whether BOS is added: tokenizer_config.json add_bos_token when present, else as in Encode.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::path& model_dir);
 
+// A prompt's ids as the worker tokenizes prompt_text: special tokens written in `text`
+// ("<|im_start|>", "<s>") become their ids, as Hugging Face's tokenizers do by default (a rendered
+// chat template relies on it), and add_bos prepends BOS when the tokenizer adds one and the text
+// does not already start with it (templates often write it), so a prompt never starts with two.
+absl::StatusOr<std::vector<int32_t>> EncodePrompt(const Tokenizer& tokenizer,
+                                                  std::string_view text, bool add_bos);
+
 // Token `id` on its own, as log-probability candidates report it (OpenAI's `token` and `bytes`).
 struct TokenPiece {
   // The bytes the token contributes after other text (TokenBytes; SentencePiece "▁the" is
