@@ -1,0 +1,203 @@
+// Python's arithmetic, concatenation, comparison and membership on template values.
+#include <cmath>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "builtins.h"
+#include "interpreter.h"
+
+namespace tandem::chat_template::internal {
+namespace {
+
+absl::Status Unsupported(absl::string_view op, const Value& a, const Value& b) {
+  return absl::InvalidArgumentError(absl::StrCat("unsupported operand type(s) for ", op, ": '",
+                                                 a.TypeName(), "' and '", b.TypeName(), "'"));
+}
+
+absl::Status Overflow() { return absl::InvalidArgumentError("integer overflow"); }
+
+bool IsIntLike(const Value& v) { return v.is_int() || v.is_bool(); }
+
+absl::StatusOr<Value> Repeat(Interpreter& in, const Value& seq, int64_t times) {
+  if (times <= 0) return seq.is_string() ? Value::String("") : Value::MakeList({});
+  if (seq.is_string()) {
+    auto status = in.CheckSize(static_cast<uint64_t>(seq.str().size()) * static_cast<uint64_t>(times));
+    if (!status.ok()) return status;
+    std::string out;
+    for (int64_t i = 0; i < times; ++i) out += seq.str();
+    return Value::String(std::move(out));
+  }
+  auto status = in.CountIterations(static_cast<int64_t>(seq.list().size()) * times);
+  if (!status.ok()) return status;
+  List out;
+  for (int64_t i = 0; i < times; ++i) out.insert(out.end(), seq.list().begin(), seq.list().end());
+  return Value::MakeList(std::move(out));
+}
+
+absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
+  switch (container.kind()) {
+    case Value::Kind::kUndefined:
+      return false;
+    case Value::Kind::kString:
+      if (!item.is_string()) {
+        return absl::InvalidArgumentError(absl::StrCat("'in <string>' requires string as left operand, not ",
+                                                       item.TypeName()));
+      }
+      return absl::StrContains(container.str(), item.str());
+    case Value::Kind::kList:
+      for (const Value& x : container.list()) {
+        if (PyEquals(x, item)) return true;
+      }
+      return false;
+    case Value::Kind::kDict:
+      return item.is_string() && container.dict().Find(item.str()) != nullptr;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("argument of type '", container.TypeName(), "' is not iterable"));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<bool> LessThan(const Value& a, const Value& b) {
+  if (a.is_undefined()) return UndefinedError(a);
+  if (b.is_undefined()) return UndefinedError(b);
+  if (a.is_number() && b.is_number()) {
+    if (a.is_float() || b.is_float()) return a.float_value() < b.float_value();
+    return a.int_value() < b.int_value();
+  }
+  if (a.is_string() && b.is_string()) return a.str() < b.str();  // UTF-8 order = code points
+  if (a.is_list() && b.is_list()) {
+    const List& x = a.list();
+    const List& y = b.list();
+    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+      if (PyEquals(x[i], y[i])) continue;
+      return LessThan(x[i], y[i]);
+    }
+    return x.size() < y.size();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("'<' not supported between instances of '",
+                                                 a.TypeName(), "' and '", b.TypeName(), "'"));
+}
+
+absl::StatusOr<Value> Negate(const Value& v) {
+  if (v.is_undefined()) return UndefinedError(v);
+  if (v.is_float()) return Value::Float(-v.float_value());
+  if (IsIntLike(v)) {
+    if (v.int_value() == INT64_MIN) return Overflow();
+    return Value::Int(-v.int_value());
+  }
+  return absl::InvalidArgumentError(absl::StrCat("bad operand type for unary -: '", v.TypeName(), "'"));
+}
+
+absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Value& a,
+                               const Value& b) {
+  if (op == "==") return Value::Bool(PyEquals(a, b));
+  if (op == "!=") return Value::Bool(!PyEquals(a, b));
+  if (op == "in" || op == "notin") {
+    auto hit = Contains(b, a);
+    if (!hit.ok()) return hit.status();
+    return Value::Bool(op == "in" ? *hit : !*hit);
+  }
+  if (op == "~") {
+    std::string out = ToPyString(a);
+    out += ToPyString(b);
+    auto status = in.CheckSize(out.size());
+    if (!status.ok()) return status;
+    return Value::String(std::move(out));
+  }
+  if (op == "<" || op == ">" || op == "<=" || op == ">=") {
+    bool swap = op == ">" || op == "<=";
+    auto less = swap ? LessThan(b, a) : LessThan(a, b);
+    if (!less.ok()) return less.status();
+    bool result = (op == "<" || op == ">") ? *less : !*less;
+    return Value::Bool(result);
+  }
+  // Arithmetic: an undefined operand raises its UndefinedError.
+  if (a.is_undefined()) return UndefinedError(a);
+  if (b.is_undefined()) return UndefinedError(b);
+  if (op == "+") {
+    if (a.is_string() && b.is_string()) {
+      auto status = in.CheckSize(a.str().size() + b.str().size());
+      if (!status.ok()) return status;
+      return Value::String(a.str() + b.str());
+    }
+    if (a.is_list() && b.is_list()) {
+      auto status = in.CountIterations(static_cast<int64_t>(a.list().size() + b.list().size()));
+      if (!status.ok()) return status;
+      List out = a.list();
+      out.insert(out.end(), b.list().begin(), b.list().end());
+      return Value::MakeList(std::move(out));
+    }
+    if (a.is_string() && !b.is_string()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("can only concatenate str (not \"", b.TypeName(), "\") to str"));
+    }
+    if (a.is_list() && !b.is_list()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("can only concatenate list (not \"", b.TypeName(), "\") to list"));
+    }
+  }
+  if (op == "*") {
+    if ((a.is_string() || a.is_list()) && IsIntLike(b)) return Repeat(in, a, b.int_value());
+    if (IsIntLike(a) && (b.is_string() || b.is_list())) return Repeat(in, b, a.int_value());
+  }
+  if (!a.is_number() || !b.is_number()) return Unsupported(op, a, b);
+  bool as_float = a.is_float() || b.is_float() || op == "/";
+  if (as_float) {
+    double x = a.float_value(), y = b.float_value();
+    if (op == "+") return Value::Float(x + y);
+    if (op == "-") return Value::Float(x - y);
+    if (op == "*") return Value::Float(x * y);
+    if (op == "**") return Value::Float(std::pow(x, y));
+    if (y == 0) return absl::InvalidArgumentError("float division by zero");
+    if (op == "/") return Value::Float(x / y);
+    if (op == "//") return Value::Float(std::floor(x / y));
+    if (op == "%") {
+      double r = std::fmod(x, y);
+      if (r != 0 && ((r < 0) != (y < 0))) r += y;
+      return Value::Float(r);
+    }
+    return Unsupported(op, a, b);
+  }
+  int64_t x = a.int_value(), y = b.int_value(), r = 0;
+  if (op == "+") {
+    if (__builtin_add_overflow(x, y, &r)) return Overflow();
+    return Value::Int(r);
+  }
+  if (op == "-") {
+    if (__builtin_sub_overflow(x, y, &r)) return Overflow();
+    return Value::Int(r);
+  }
+  if (op == "*") {
+    if (__builtin_mul_overflow(x, y, &r)) return Overflow();
+    return Value::Int(r);
+  }
+  if (op == "**") {
+    if (y < 0) return Value::Float(std::pow(static_cast<double>(x), static_cast<double>(y)));
+    if (x == 0) return Value::Int(y == 0 ? 1 : 0);
+    if (x == 1) return Value::Int(1);
+    if (x == -1) return Value::Int(y % 2 == 1 ? -1 : 1);
+    r = 1;  // |x| >= 2 overflows within 63 steps
+    for (int64_t i = 0; i < y; ++i) {
+      if (__builtin_mul_overflow(r, x, &r)) return Overflow();
+    }
+    return Value::Int(r);
+  }
+  if (y == 0) {
+    return absl::InvalidArgumentError(op == "%" ? "integer modulo by zero"
+                                                : "integer division or modulo by zero");
+  }
+  if (x == INT64_MIN && y == -1) return Overflow();
+  int64_t q = x / y, m = x % y;
+  if (m != 0 && ((m < 0) != (y < 0))) {  // Python floors toward negative infinity
+    q -= 1;
+    m += y;
+  }
+  if (op == "//") return Value::Int(q);
+  if (op == "%") return Value::Int(m);
+  return Unsupported(op, a, b);
+}
+
+}  // namespace tandem::chat_template::internal

@@ -1,0 +1,258 @@
+#include "text_util.h"
+
+namespace tandem::chat_template::internal {
+
+uint32_t DecodeCodePoint(std::string_view s, size_t pos, size_t* len) {
+  unsigned char c = static_cast<unsigned char>(s[pos]);
+  int n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+  if (n <= 1 || pos + n > s.size()) {
+    *len = 1;
+    return c;
+  }
+  uint32_t cp = c & (0x7F >> n);
+  for (int i = 1; i < n; ++i) {
+    unsigned char cc = static_cast<unsigned char>(s[pos + i]);
+    if ((cc >> 6) != 0x2) {
+      *len = 1;
+      return c;
+    }
+    cp = (cp << 6) | (cc & 0x3F);
+  }
+  *len = n;
+  return cp;
+}
+
+void AppendCodePoint(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+std::vector<size_t> CodePointOffsets(std::string_view s) {
+  std::vector<size_t> offsets;
+  offsets.reserve(s.size() + 1);
+  size_t pos = 0;
+  while (pos < s.size()) {
+    offsets.push_back(pos);
+    size_t len = 0;
+    DecodeCodePoint(s, pos, &len);
+    pos += len;
+  }
+  offsets.push_back(s.size());
+  return offsets;
+}
+
+int64_t CodePointCount(std::string_view s) {
+  int64_t n = 0;
+  for (unsigned char c : s) {
+    if ((c & 0xC0) != 0x80) ++n;
+  }
+  return n;
+}
+
+bool IsPyWhitespace(uint32_t cp) {
+  return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 ||
+         cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
+         cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+namespace {
+
+struct CodePoints {
+  std::vector<uint32_t> cps;
+  std::vector<size_t> offsets;  // byte offset of each, plus the end
+};
+
+CodePoints Decode(std::string_view s) {
+  CodePoints out;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t len = 0;
+    out.offsets.push_back(pos);
+    out.cps.push_back(DecodeCodePoint(s, pos, &len));
+    pos += len;
+  }
+  out.offsets.push_back(s.size());
+  return out;
+}
+
+}  // namespace
+
+std::string PyStrip(std::string_view s, const std::optional<std::string>& chars, bool left,
+                    bool right) {
+  CodePoints text = Decode(s);
+  std::vector<uint32_t> strip_set;
+  if (chars) {
+    CodePoints c = Decode(*chars);
+    strip_set = c.cps;
+  }
+  auto strips = [&](uint32_t cp) {
+    if (!chars) return IsPyWhitespace(cp);
+    for (uint32_t x : strip_set) {
+      if (x == cp) return true;
+    }
+    return false;
+  };
+  size_t begin = 0, end = text.cps.size();
+  if (left) {
+    while (begin < end && strips(text.cps[begin])) ++begin;
+  }
+  if (right) {
+    while (end > begin && strips(text.cps[end - 1])) --end;
+  }
+  return std::string(s.substr(text.offsets[begin], text.offsets[end] - text.offsets[begin]));
+}
+
+std::vector<std::string> PySplit(std::string_view s, const std::optional<std::string>& sep,
+                                 int64_t maxsplit) {
+  std::vector<std::string> parts;
+  if (sep) {
+    size_t start = 0;
+    while (maxsplit < 0 || static_cast<int64_t>(parts.size()) < maxsplit) {
+      size_t hit = s.find(*sep, start);
+      if (hit == std::string_view::npos) break;
+      parts.emplace_back(s.substr(start, hit - start));
+      start = hit + sep->size();
+    }
+    parts.emplace_back(s.substr(start));
+    return parts;
+  }
+  // Runs of whitespace separate; leading and trailing whitespace give no empty parts.
+  CodePoints text = Decode(s);
+  size_t i = 0, n = text.cps.size();
+  while (true) {
+    while (i < n && IsPyWhitespace(text.cps[i])) ++i;
+    if (i == n) break;
+    if (maxsplit >= 0 && static_cast<int64_t>(parts.size()) == maxsplit) {
+      size_t end = n;
+      while (end > i && IsPyWhitespace(text.cps[end - 1])) --end;
+      parts.emplace_back(s.substr(text.offsets[i], text.offsets[end] - text.offsets[i]));
+      break;
+    }
+    size_t start = i;
+    while (i < n && !IsPyWhitespace(text.cps[i])) ++i;
+    parts.emplace_back(s.substr(text.offsets[start], text.offsets[i] - text.offsets[start]));
+  }
+  return parts;
+}
+
+size_t PyReplaceSize(std::string_view s, std::string_view old_text, std::string_view new_text,
+                     int64_t count) {
+  int64_t hits = 0;
+  if (old_text.empty()) {
+    hits = CodePointCount(s) + 1;
+  } else {
+    size_t pos = 0;
+    while ((pos = s.find(old_text, pos)) != std::string_view::npos) {
+      ++hits;
+      pos += old_text.size();
+    }
+  }
+  if (count >= 0 && hits > count) hits = count;
+  return s.size() + static_cast<size_t>(hits) * new_text.size() -
+         static_cast<size_t>(hits) * old_text.size();
+}
+
+std::string PyReplace(std::string_view s, std::string_view old_text, std::string_view new_text,
+                      int64_t count) {
+  std::string out;
+  int64_t done = 0;
+  if (old_text.empty()) {
+    // Python inserts `new` before every code point and at the end.
+    std::vector<size_t> offsets = CodePointOffsets(s);
+    for (size_t i = 0; i + 1 < offsets.size(); ++i) {
+      if (count < 0 || done < count) {
+        out += new_text;
+        ++done;
+      }
+      out += s.substr(offsets[i], offsets[i + 1] - offsets[i]);
+    }
+    if (count < 0 || done < count) out += new_text;
+    return out;
+  }
+  size_t pos = 0;
+  while (count < 0 || done < count) {
+    size_t hit = s.find(old_text, pos);
+    if (hit == std::string_view::npos) break;
+    out += s.substr(pos, hit - pos);
+    out += new_text;
+    pos = hit + old_text.size();
+    ++done;
+  }
+  out += s.substr(pos);
+  return out;
+}
+
+std::string AsciiUpper(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) {
+    if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
+  }
+  return out;
+}
+
+std::string AsciiLower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) {
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  }
+  return out;
+}
+
+std::string PyCapitalize(std::string_view s) {
+  std::string out = AsciiLower(s);
+  if (!out.empty() && out[0] >= 'a' && out[0] <= 'z') out[0] = static_cast<char>(out[0] - 32);
+  return out;
+}
+
+namespace {
+bool IsAsciiAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+}  // namespace
+
+std::string PyTitle(std::string_view s) {
+  // A letter is upper-cased when the previous character is not a letter (non-ASCII bytes count
+  // as letters, so multi-byte words are left alone).
+  std::string out(s);
+  bool prev_letter = false;
+  for (char& c : out) {
+    bool letter = IsAsciiAlpha(c) || (static_cast<unsigned char>(c) >= 0x80);
+    if (IsAsciiAlpha(c)) {
+      c = prev_letter ? AsciiLower(std::string_view(&c, 1))[0] : AsciiUpper(std::string_view(&c, 1))[0];
+    }
+    prev_letter = letter;
+  }
+  return out;
+}
+
+std::string JinjaTitle(std::string_view s) {
+  // Jinja's do_title: split at runs of [-\s({\[<], then item[0].upper() + item[1:].lower().
+  std::string out;
+  bool word_start = true;
+  for (char c : s) {
+    bool sep = c == '-' || c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' ||
+               c == '\v' || c == '(' || c == '{' || c == '[' || c == '<';
+    if (sep) {
+      out.push_back(c);
+      word_start = true;
+      continue;
+    }
+    out.push_back(word_start ? AsciiUpper(std::string_view(&c, 1))[0]
+                             : AsciiLower(std::string_view(&c, 1))[0]);
+    word_start = false;
+  }
+  return out;
+}
+
+}  // namespace tandem::chat_template::internal

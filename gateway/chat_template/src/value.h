@@ -1,0 +1,137 @@
+// The values a chat template computes with: Python's None/bool/int/float/str/list/dict as Jinja2
+// sees them, plus jinja2.Undefined, namespace() objects and callables (globals, macros, bound
+// methods such as "abc".strip). Lists and dicts are immutable and shared (copying a Value is
+// O(1)); a namespace is the only mutable object and has reference semantics, as in Python.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem::chat_template::internal {
+
+class Value;
+class Interpreter;
+
+using List = std::vector<Value>;
+
+// A Python dict with string keys, in insertion order (json.dumps and iteration show that order).
+class Dict {
+ public:
+  const Value* Find(absl::string_view key) const;
+  void Set(std::string key, Value value);  // replaces an existing key in place, else appends
+  size_t size() const { return entries_.size(); }
+  const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
+
+ private:
+  std::vector<std::pair<std::string, Value>> entries_;
+  absl::flat_hash_map<std::string, size_t> index_;
+};
+
+struct CallArgs {
+  std::vector<Value> positional;
+  std::vector<std::pair<std::string, Value>> keyword;
+};
+
+// A callable value. Errors it returns are reported at the calling node's line.
+struct Callable {
+  std::string name;
+  std::function<absl::StatusOr<Value>(Interpreter&, CallArgs&)> fn;
+};
+
+class Value {
+ public:
+  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace,
+                    kCallable };
+
+  Value() : kind_(Kind::kNone) {}
+  static Value Undefined(std::string message);  // message: why, e.g. "'x' is undefined"
+  static Value None() { return Value(); }
+  static Value Bool(bool b);
+  static Value Int(int64_t i);
+  static Value Float(double f);
+  static Value String(std::string s);
+  static Value MakeList(List items);
+  static Value MakeDict(Dict dict);
+  static Value MakeNamespace(Dict attributes);
+  static Value MakeCallable(std::string name,
+                            std::function<absl::StatusOr<Value>(Interpreter&, CallArgs&)> fn);
+  // nlohmann JSON -> Value (objects keep their key order). Depth is bounded by the parser.
+  static Value FromJson(const nlohmann::ordered_json& json);
+
+  Kind kind() const { return kind_; }
+  bool is_undefined() const { return kind_ == Kind::kUndefined; }
+  bool is_none() const { return kind_ == Kind::kNone; }
+  bool is_bool() const { return kind_ == Kind::kBool; }
+  bool is_int() const { return kind_ == Kind::kInt; }
+  bool is_float() const { return kind_ == Kind::kFloat; }
+  bool is_number() const { return kind_ == Kind::kBool || kind_ == Kind::kInt || is_float(); }
+  bool is_string() const { return kind_ == Kind::kString; }
+  bool is_list() const { return kind_ == Kind::kList; }
+  bool is_dict() const { return kind_ == Kind::kDict; }
+  bool is_namespace() const { return kind_ == Kind::kNamespace; }
+  bool is_callable() const { return kind_ == Kind::kCallable; }
+
+  bool bool_value() const { return int_; }
+  int64_t int_value() const { return int_; }  // also for bool (Python: True == 1)
+  double float_value() const { return is_float() ? float_ : static_cast<double>(int_); }
+  const std::string& str() const { return *str_; }  // string, or an undefined's message
+  const List& list() const { return *list_; }
+  const Dict& dict() const { return *dict_; }       // dict or namespace attributes
+  Dict& namespace_attributes() const { return *dict_; }
+  const Callable& callable() const { return *callable_; }
+
+  // Python's type name as used in error messages: "str", "int", "dict", "NoneType", ...
+  absl::string_view TypeName() const;
+
+ private:
+  Kind kind_;
+  int64_t int_ = 0;
+  double float_ = 0;
+  std::shared_ptr<const std::string> str_;
+  std::shared_ptr<const List> list_;
+  std::shared_ptr<Dict> dict_;  // shared but never changed once built, except a namespace's
+  std::shared_ptr<const Callable> callable_;
+};
+
+// bool(value): empty str/list/dict, 0, None and undefined are false.
+bool Truthy(const Value& value);
+
+// Python str(value), as {{ value }} prints it: undefined -> "", None -> "None", True -> "True",
+// floats as repr (1.0, 1e-05), lists and dicts as their repr with single-quoted strings.
+std::string ToPyString(const Value& value);
+
+// Python repr(value) (strings quoted).
+std::string ToPyRepr(const Value& value);
+
+// Python ==: numbers compare by value across bool/int/float, lists elementwise, dicts as maps,
+// undefined equals only undefined, namespaces and callables by identity.
+bool PyEquals(const Value& a, const Value& b);
+
+// Options of json.dumps as transformers' tojson passes them (ensure_ascii defaults to False).
+struct JsonDumpOptions {
+  int indent = -1;  // -1: none (one line)
+  std::string item_separator;  // empty: ", " without indent, "," with it
+  std::string key_separator = ": ";
+  bool sort_keys = false;
+  bool ensure_ascii = false;
+  bool separators_set = false;
+};
+
+// json.dumps(value, ...). Undefined, namespaces and callables are not serializable (error, as
+// Python's TypeError). Output above max_bytes is an error (RESOURCE_EXHAUSTED).
+absl::StatusOr<std::string> DumpJson(const Value& value, const JsonDumpOptions& options,
+                                     int64_t max_bytes);
+
+// repr of a float as Python prints it: shortest round-trip digits, "1.0", "1e+16", "1e-05".
+std::string PyFloatRepr(double f);
+
+}  // namespace tandem::chat_template::internal
