@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
+#include "request_parsing.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -190,7 +191,7 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
 // touches `this` and OnDone deletes it. NOTE: the queue is not bounded by the client's pace: a
 // slow reader costs at most max_tokens small messages of memory, never a blocked scheduler.
 class GenerationService::GenerateReactor final
-    : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+    : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   // Submits the request; finishes with its error if the scheduler does not take it.
   void Start(Scheduler& scheduler, GenerateRequest request) {
@@ -238,10 +239,17 @@ class GenerationService::GenerateReactor final
   void OnDone() override { delete this; }
 
  private:
-  void Enqueue(v1::GenerateResponse message) {
+  void Enqueue(const v1::GenerateResponse& message) {
+    grpc::ByteBuffer bytes;
+    const absl::Status serialized = SerializeReply(message, &bytes);
     std::unique_lock<std::mutex> lock(mu_);
-    if (write_failed_) return;
-    queue_.push_back(std::move(message));
+    if (!serialized.ok()) {   // the stream cannot go on: stop generating, end with the error
+      if (broken_.ok()) broken_ = serialized;
+      cancelled_.store(true);
+      return;
+    }
+    if (write_failed_ || !broken_.ok()) return;
+    queue_.push_back(std::move(bytes));
     Pump(std::move(lock));
   }
 
@@ -268,19 +276,22 @@ class GenerationService::GenerateReactor final
     if (!job_ended_) return;
     finished_ = true;
     const grpc::Status status =
-        write_failed_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away") : status_;
+        write_failed_ ? grpc::Status(grpc::StatusCode::CANCELLED, "the client went away")
+        : !broken_.ok() ? ToGrpcStatus(broken_)
+                        : status_;
     lock.unlock();
     Finish(status);  // `this` may be gone from here on
   }
 
   std::mutex mu_;
-  std::deque<v1::GenerateResponse> queue_;  // guarded by mu_
+  std::deque<grpc::ByteBuffer> queue_;      // serialized v1::GenerateResponse, guarded by mu_
   bool writing_ = false;                    // a StartWrite of current_ is outstanding
   bool job_ended_ = false;
   bool write_failed_ = false;
   bool finished_ = false;               // Finish was called
   grpc::Status status_;                 // the job's result, valid once job_ended_
-  v1::GenerateResponse current_;        // the message being written
+  absl::Status broken_;                 // a message could not be serialized (guarded by mu_)
+  grpc::ByteBuffer current_;            // the message being written
   std::atomic<bool> cancelled_{false};  // client cancelled or went away
 };
 
@@ -289,10 +300,13 @@ GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info
 
 GenerationService::~GenerationService() = default;
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes) {
   auto* reactor = new GenerateReactor();
-  absl::StatusOr<GenerateRequest> converted = ToEngineRequest(*request, max_context_);
+  v1::GenerateRequest request;
+  const absl::Status parsed = ParseRequest(*request_bytes, &request);
+  absl::StatusOr<GenerateRequest> converted =
+      parsed.ok() ? ToEngineRequest(request, max_context_) : parsed;
   if (!converted.ok()) {
     reactor->Finish(ToGrpcStatus(converted.status()));
   } else {
@@ -309,14 +323,21 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
 }
 
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
-                                                      const v1::TokenizeRequest* request,
-                                                      v1::TokenizeResponse* response) {
-  return RunUnary(*scheduler_, context, [request, response](Engine& engine) -> absl::Status {
+                                                      const grpc::ByteBuffer* request_bytes,
+                                                      grpc::ByteBuffer* response_bytes) {
+  auto request = std::make_shared<v1::TokenizeRequest>();
+  if (absl::Status parsed = ParseRequest(*request_bytes, request.get()); !parsed.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(parsed));
+    return reactor;
+  }
+  return RunUnary(*scheduler_, context, [request, response_bytes](Engine& engine) {
     absl::StatusOr<std::vector<int32_t>> ids = engine.Tokenize(request->text(), request->add_bos());
     if (!ids.ok()) return ids.status();
-    response->mutable_token_ids()->Add(ids->begin(), ids->end());
-    response->set_count(static_cast<int64_t>(ids->size()));
-    return absl::OkStatus();
+    v1::TokenizeResponse response;
+    response.mutable_token_ids()->Add(ids->begin(), ids->end());
+    response.set_count(static_cast<int64_t>(ids->size()));
+    return SerializeReply(response, response_bytes);
   });
 }
 

@@ -2,8 +2,9 @@
 // (stories260k on the cpu backend, in a copy of its directory given a tokenizer_config.json with a
 // chat template and a generation_config.json with a second EOS id): logprobs and top_logprobs in
 // TokenDelta, their validation, ModelInfo's chat template / BOS / EOS texts and EOS id set, special
-// tokens in text, and invalid UTF-8 in prompt_text.
+// tokens in text, and requests that are not UTF-8 or not a message at all.
 #include <gmock/gmock.h>
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -186,18 +187,69 @@ TEST_F(WorkerApiTest, SpecialTokenTextIsParsedAndBosNotDoubled) {
   EXPECT_EQ(tokens.token_ids(tokens.token_ids_size() - 1), 2);
 }
 
-// proto3 strings must be UTF-8: gRPC's parser refuses such a request before the worker sees it.
-// The worker keeps serving; prompt_ids carries arbitrary bytes' tokens instead.
-TEST_F(WorkerApiTest, InvalidUtf8PromptIsRefusedAndTheWorkerKeepsServing) {
+// proto3 strings must be UTF-8. The service parses Generate's and Tokenize's bytes itself, so
+// such a request is INVALID_ARGUMENT naming the field (gRPC's own parser answers UNIMPLEMENTED
+// with no message); the worker keeps serving.
+TEST_F(WorkerApiTest, InvalidUtf8IsInvalidArgumentNamingTheField) {
   v1::GenerateRequest r = Request(2);
   r.set_prompt_text("Once \xff\xfe upon");
   grpc::Status status;
   Tokens(r, &status);
-  EXPECT_FALSE(status.ok());
-  std::cerr << "invalid UTF-8 prompt_text: code " << status.error_code() << " message '"
-            << status.error_message() << "'\n";
-  Tokens(Request(2), &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("prompt_text is not valid UTF-8"));
+  EXPECT_THAT(status.error_message(), HasSubstr("prompt_ids"));
+
+  r = Request(2);
+  r.add_stop("ok");
+  r.add_stop("\xc3(");
+  Tokens(r, &status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("stop is not valid UTF-8"));
+
+  v1::TokenizeRequest tokenize;
+  tokenize.set_text("a\x80 b");
+  v1::TokenizeResponse tokens;
+  status = stub_->Tokenize(testing::Deadline().get(), tokenize, &tokens);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("text is not valid UTF-8"));
+
+  // The same text as token ids is fine, and a valid request still streams.
+  r = Request(2);
+  r.mutable_prompt_ids()->add_ids(1);
+  r.mutable_prompt_ids()->add_ids(403);
+  EXPECT_EQ(Tokens(r, &status).size(), 2u);
   EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(Tokens(Request(2), &status).size(), 2u);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+}
+
+// Bytes that are no GenerateRequest at all: INVALID_ARGUMENT, not a crash or UNIMPLEMENTED.
+TEST_F(WorkerApiTest, MalformedRequestBytesAreInvalidArgument) {
+  grpc::GenericStub generic(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
+                                                grpc::InsecureChannelCredentials()));
+  const std::string garbage = "\x12\xff\xff\xff\xff\x0f";   // field 2, length past the end
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer request(&slice, 1);
+  auto ctx = testing::Deadline();
+  grpc::CompletionQueue cq;
+  std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+      generic.PrepareCall(ctx.get(), "/tandem.v1.Generation/Generate", &cq);
+  void* tag = nullptr;
+  bool ok = false;
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  call->Write(request, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(cq.Next(&tag, &ok));
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("not a valid tandem.v1.GenerateRequest"));
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
 }
 
 }  // namespace

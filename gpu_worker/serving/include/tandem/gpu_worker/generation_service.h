@@ -36,7 +36,12 @@ void ToProto(const TokenEvent& token, v1::TokenDelta* dst);
 void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst);
 void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst);
 
-class GenerationService final : public v1::Generation::CallbackService {
+// Generate and Tokenize are raw-callback methods: their request bytes are parsed by the service
+// (request_parsing.h), so text that is not UTF-8 is INVALID_ARGUMENT naming the field instead of
+// gRPC's bare UNIMPLEMENTED. The wire format is the proto's.
+class GenerationService final
+    : public v1::Generation::WithRawCallbackMethod_Tokenize<
+          v1::Generation::WithRawCallbackMethod_Generate<v1::Generation::CallbackService>> {
  public:
   // `scheduler` must outlive the service and keep accepting work until the gRPC server that
   // serves this service has shut down (calls in flight finish from the scheduler thread).
@@ -44,11 +49,13 @@ class GenerationService final : public v1::Generation::CallbackService {
   GenerationService(Scheduler* scheduler, const ModelInfo& info);
   ~GenerationService() override;
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  // request: a serialized v1::GenerateRequest; the stream carries v1::GenerateResponse.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request) override;
+  // request / response: serialized v1::TokenizeRequest / v1::TokenizeResponse.
   grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
-                                     const v1::TokenizeRequest* request,
-                                     v1::TokenizeResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
                                        const v1::DetokenizeRequest* request,
                                        v1::DetokenizeResponse* response) override;
