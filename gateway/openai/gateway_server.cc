@@ -1,0 +1,190 @@
+#include "tandem/gateway/gateway_server.h"
+
+#include <httplib.h>
+
+#include <ctime>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "generation_handler.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gateway/sse.h"
+#include "tandem/metrics/registry.h"
+
+namespace tandem::gateway {
+namespace {
+
+void SendJson(httplib::Response& res, int status, const nlohmann::json& body) {
+  res.status = status;
+  res.set_content(DumpJson(body), "application/json");
+}
+
+nlohmann::json ModelJson(const std::string& id, const v1::ModelInfoResponse& info,
+                         int64_t created) {
+  return {{"id", id},
+          {"object", "model"},
+          {"created", created},
+          {"owned_by", "tandem"},
+          {"root", info.model_dir()},
+          {"parent", nullptr},
+          {"max_model_len", info.max_context()}};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const GatewayOptions& options) {
+  if (options.max_concurrent_requests < 1 || options.request_timeout_s < 1 ||
+      options.read_timeout_s < 1 || options.write_timeout_s < 1 || options.keep_alive_s < 1 ||
+      options.max_body_bytes < 1024 || options.http_threads < 0) {
+    return absl::InvalidArgumentError(
+        "max_concurrent_requests, request/read/write timeouts and keep_alive must be >= 1, "
+        "max_body_bytes >= 1 KiB, http_threads >= 0");
+  }
+  std::unique_ptr<GatewayServer> server(new GatewayServer());
+  auto shared = std::make_unique<Shared>();
+  shared->options = options;
+  shared->templates = std::make_unique<ChatTemplateSource>(options.chat_template);
+  TANDEM_RETURN_IF_ERROR(shared->templates->CheckOverride());
+  shared->registry = metrics::NewRegistry();
+  TANDEM_ASSIGN_OR_RETURN(shared->metrics, GatewayMetrics::Create(*shared->registry));
+  TANDEM_ASSIGN_OR_RETURN(shared->pool, WorkerPool::Create(options.workers));
+  shared->watcher = std::make_unique<DisconnectWatcher>(options.disconnect_poll_ms);
+  server->shared_ = std::move(shared);
+
+  server->http_ = std::make_unique<httplib::Server>();
+  httplib::Server& http = *server->http_;
+  // Generations hold their connection's thread while they run: enough threads for the cap plus
+  // the cheap endpoints (health, metrics, models) and idle keep-alive connections.
+  const size_t threads = options.http_threads > 0
+                             ? static_cast<size_t>(options.http_threads)
+                             : static_cast<size_t>(options.max_concurrent_requests) + 16;
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  http.set_payload_max_length(options.max_body_bytes);
+  http.set_read_timeout(options.read_timeout_s, 0);
+  http.set_write_timeout(options.write_timeout_s, 0);
+  http.set_keep_alive_timeout(options.keep_alive_s);
+  http.set_tcp_nodelay(true);
+  server->AddRoutes();
+
+  const int port = options.port == 0
+                       ? http.bind_to_any_port(options.host)
+                       : (http.bind_to_port(options.host, options.port) ? options.port : -1);
+  if (port <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot bind ", options.host, ":", options.port, " (in use?)"));
+  }
+  server->port_ = port;
+  server->listener_ = std::thread([s = server.get()] {
+    if (!s->http_->listen_after_bind()) spdlog::error("the HTTP listener stopped with an error");
+  });
+  return server;
+}
+
+GatewayServer::~GatewayServer() { Stop(); }
+
+WorkerPool& GatewayServer::workers() { return *shared_->pool; }
+
+void GatewayServer::Stop() {
+  if (stopped_.exchange(true)) return;
+  if (http_ != nullptr) http_->stop();
+  if (listener_.joinable()) listener_.join();
+}
+
+void GatewayServer::AddRoutes() {
+  httplib::Server& http = *http_;
+  Shared* s = shared_.get();
+
+  http.Post("/v1/completions", [s](const httplib::Request& req, httplib::Response& res) {
+    HandleGeneration(*s, Endpoint::kCompletions, req, res);
+  });
+  http.Post("/v1/chat/completions", [s](const httplib::Request& req, httplib::Response& res) {
+    HandleGeneration(*s, Endpoint::kChatCompletions, req, res);
+  });
+
+  http.Get("/v1/models", [s](const httplib::Request&, httplib::Response& res) {
+    absl::StatusOr<v1::ModelInfoResponse> info = s->pool->ModelInfo();
+    if (!info.ok()) return SendError(*s, "/v1/models", info.status(), res);
+    SendJson(
+        res, 200,
+        {{"object", "list"},
+         {"data", nlohmann::json::array({ModelJson(ServedModelName(*s, *info), *info,
+                                                   static_cast<int64_t>(std::time(nullptr)))})}});
+    s->metrics.CountRequest("/v1/models", 200);
+  });
+  http.Get(R"(/v1/models/(.+))", [s](const httplib::Request& req, httplib::Response& res) {
+    absl::StatusOr<v1::ModelInfoResponse> info = s->pool->ModelInfo();
+    if (!info.ok()) return SendError(*s, "/v1/models", info.status(), res);
+    const std::string id = ServedModelName(*s, *info);
+    if (req.matches[1] != id) {
+      ApiError e{404, absl::StrCat("The model `", req.matches[1].str(), "` does not exist"),
+                 "not_found_error", "model", "model_not_found"};
+      SendJson(res, 404, ErrorJson(e));
+      s->metrics.CountRequest("/v1/models", 404);
+      return;
+    }
+    SendJson(res, 200, ModelJson(id, *info, static_cast<int64_t>(std::time(nullptr))));
+    s->metrics.CountRequest("/v1/models", 200);
+  });
+
+  http.Get("/health", [s](const httplib::Request&, httplib::Response& res) {
+    const size_t serving = s->pool->ServingCount();
+    nlohmann::json workers = nlohmann::json::array();
+    for (const WorkerState& w : s->pool->States()) {
+      workers.push_back(
+          {{"address", w.address}, {"serving", w.serving}, {"outstanding", w.outstanding}});
+    }
+    const int code = serving > 0 ? 200 : 503;
+    SendJson(res, code,
+             {{"status", serving > 0 ? "ok" : "unavailable"},
+              {"workers_serving", serving},
+              {"workers", std::move(workers)}});
+    s->metrics.CountRequest("/health", code);
+  });
+
+  http.Get("/metrics", [s](const httplib::Request&, httplib::Response& res) {
+    s->metrics.workers_serving->Set(static_cast<double>(s->pool->ServingCount()));
+    res.status = 200;
+    res.set_content(metrics::SerializeText(*s->registry), std::string(metrics::kTextContentType));
+  });
+
+  // Unknown routes, bodies over the limit, methods not allowed: OpenAI's error shape. Handlers'
+  // own errors already have a body and pass through.
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [s](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty() || res.is_chunked_content_provider_ || res.content_length_ > 0 ||
+            res.status == 499) {
+          return httplib::Server::HandlerResponse::Unhandled;
+        }
+        ApiError e;
+        e.http_status = res.status;
+        if (res.status == 404) {
+          e.message = absl::StrCat("no route ", req.method, " ", req.path);
+          e.type = "not_found_error";
+        } else if (res.status == 413) {
+          e.message = absl::StrCat("the request body is over ", s->options.max_body_bytes,
+                                   " bytes (--max_body_bytes)");
+          e.type = "invalid_request_error";
+        } else {
+          e.message = absl::StrCat("HTTP ", res.status);
+          e.type = res.status < 500 ? "invalid_request_error" : "internal_server_error";
+        }
+        res.set_content(DumpJson(ErrorJson(e)), "application/json");
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  http.set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        spdlog::error("{} {}: {}", req.method, req.path, what);
+        ApiError e{500, absl::StrCat("internal error: ", what), "internal_server_error", "", ""};
+        SendJson(res, 500, ErrorJson(e));
+      });
+}
+
+}  // namespace tandem::gateway

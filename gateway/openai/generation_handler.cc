@@ -1,0 +1,349 @@
+#include "generation_handler.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <ctime>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/grpc_status.h"
+#include "tandem/gateway/openai_response.h"
+#include "tandem/gateway/sse.h"
+
+namespace tandem::gateway {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// A generation admitted under --max_concurrent_requests: counted in flight (and in the running
+// gauge) until destroyed.
+class Slot {
+ public:
+  explicit Slot(GatewayServer::Shared& shared) : shared_(shared) {
+    shared_.in_flight.fetch_add(1);
+    shared_.metrics.requests_running->Increment();
+  }
+  ~Slot() {
+    shared_.in_flight.fetch_sub(1);
+    shared_.metrics.requests_running->Decrement();
+  }
+  void CountDisconnect() { shared_.metrics.client_disconnects->Increment(); }
+  Slot(const Slot&) = delete;
+  Slot& operator=(const Slot&) = delete;
+
+ private:
+  GatewayServer::Shared& shared_;
+};
+
+// One Generate call on a worker. ClientGone() may be called from any thread (the disconnect
+// watcher); everything else from the request's thread. Destroying an unfinished call cancels it
+// and waits for gRPC to end it.
+class GenerateCall {
+ public:
+  GenerateCall(std::unique_ptr<Slot> slot, WorkerPool::Lease lease,
+               const v1::GenerateRequest& request, int timeout_s)
+      : slot_(std::move(slot)), lease_(std::move(lease)) {
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(timeout_s));
+    reader_ = lease_.stub().Generate(&ctx_, request);
+  }
+
+  ~GenerateCall() {
+    watch_.reset();  // no ClientGone() from the watcher past this point
+    if (!finished_) {
+      ctx_.TryCancel();
+      v1::GenerateResponse ignored;
+      while (reader_->Read(&ignored)) {
+      }
+      reader_->Finish();
+    }
+  }
+
+  GenerateCall(const GenerateCall&) = delete;
+  GenerateCall& operator=(const GenerateCall&) = delete;
+
+  bool Read(v1::GenerateResponse* message) { return reader_->Read(message); }
+
+  // The call's status (once, after Read returned false). An UNAVAILABLE worker is routed
+  // around until its health check passes again.
+  absl::Status Finish() {
+    finished_ = true;
+    const absl::Status status = FromGrpcStatus(reader_->Finish());
+    if (status.code() == absl::StatusCode::kUnavailable && !cancelled_.load()) {
+      lease_.MarkUnavailable();
+    }
+    return status;
+  }
+
+  // The client went away: cancels the call; counted once (the watcher and a failed write may
+  // both notice).
+  void ClientGone() {
+    if (!cancelled_.exchange(true)) slot_->CountDisconnect();
+    ctx_.TryCancel();
+  }
+  bool cancelled() const { return cancelled_.load(); }
+  v1::Generation::Stub& stub() const { return lease_.stub(); }
+  void set_watch(std::unique_ptr<DisconnectWatcher::Watch> watch) { watch_ = std::move(watch); }
+
+ private:
+  std::unique_ptr<Slot> slot_;
+  WorkerPool::Lease lease_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  bool finished_ = false;
+  std::atomic<bool> cancelled_{false};
+  std::unique_ptr<DisconnectWatcher::Watch> watch_;
+};
+
+// What a streamed answer needs after the handler has returned (the content provider runs on
+// the connection's thread after it).
+struct StreamState {
+  std::unique_ptr<GenerateCall> call;
+  std::optional<ResponseBuilder> builder;
+  v1::GenerateResponse first;  // read before answering: a request the worker refuses gets
+                               // its HTTP status, not a 200 with an error event
+  bool return_progress = false;
+  bool include_usage = false;
+  bool logprobs = false;
+  std::string endpoint;
+  Clock::time_point arrival;
+};
+
+TokenPiece PieceOf(GatewayServer::Shared& shared, const GenerateCall& call, bool logprobs,
+                   const v1::TokenDelta& delta) {
+  if (!logprobs) return {};
+  return shared.pieces.Sampled(delta, call.stub(), shared.options.workers.rpc_timeout_ms);
+}
+
+void RecordSuccess(GatewayServer::Shared& shared, const v1::GenerateFinal& final,
+                   Clock::time_point arrival) {
+  shared.metrics.e2e_request_latency->Observe(SecondsSince(arrival));
+  shared.metrics.prompt_tokens->Increment(static_cast<double>(final.usage().prompt_tokens()));
+  shared.metrics.generation_tokens->Increment(
+      static_cast<double>(final.usage().completion_tokens()));
+}
+
+// The SSE body of a streamed answer; false when the client is gone (the call is cancelled).
+bool WriteStream(GatewayServer::Shared& shared, StreamState& st, httplib::DataSink& sink) {
+  auto write = [&](const std::string& text) {
+    if (sink.write(text.data(), text.size())) return true;
+    st.call->ClientGone();
+    return false;
+  };
+  ResponseBuilder& builder = *st.builder;
+  if (builder.meta().endpoint == Endpoint::kChatCompletions &&
+      !write(SseData(builder.RoleChunk()))) {
+    return false;
+  }
+  std::optional<v1::GenerateFinal> final;
+  bool first_token = true;
+  v1::GenerateResponse message = std::move(st.first);
+  do {
+    switch (message.event_case()) {
+      case v1::GenerateResponse::kPrefill: {
+        const v1::PrefillProgress& p = message.prefill();
+        if (!write(SseComment(absl::StrCat("prefill ", p.processed(), "/", p.total())))) {
+          return false;
+        }
+        if (st.return_progress && !write(SseData(builder.ProgressChunk(p)))) return false;
+        break;
+      }
+      case v1::GenerateResponse::kToken: {
+        const v1::TokenDelta& delta = message.token();
+        std::optional<nlohmann::json> chunk =
+            builder.TokenChunk(delta, PieceOf(shared, *st.call, st.logprobs, delta));
+        if (chunk.has_value() && !write(SseData(*chunk))) return false;
+        if (first_token) {
+          shared.metrics.time_to_first_token->Observe(SecondsSince(st.arrival));
+          first_token = false;
+        }
+        break;
+      }
+      case v1::GenerateResponse::kFinal:
+        final = message.final();
+        break;
+      case v1::GenerateResponse::EVENT_NOT_SET:
+        break;
+    }
+  } while (st.call->Read(&message));
+  absl::Status status = st.call->Finish();
+  if (st.call->cancelled()) return false;
+  if (status.ok() && !final.has_value()) {
+    status = absl::InternalError("the worker's stream ended without its final message");
+  }
+  if (!status.ok()) {
+    // Headers are sent: the error goes as an event, then the stream ends (as vLLM does).
+    spdlog::warn("{}: stream failed after it started: {}", st.endpoint, status.ToString());
+    write(SseData(ErrorJson(FromStatus(status))));
+    write(SseDone());
+    sink.done();
+    return true;
+  }
+  if (!write(SseData(builder.FinishChunk(final->finish_reason())))) return false;
+  if (st.include_usage && !write(SseData(builder.UsageChunk(final->usage())))) return false;
+  if (!write(SseDone())) return false;
+  sink.done();
+  RecordSuccess(shared, *final, st.arrival);
+  return true;
+}
+
+void AnswerWhole(GatewayServer::Shared& shared, const std::string& endpoint, GenerateCall& call,
+                 ResponseBuilder& builder, bool logprobs, Clock::time_point arrival,
+                 httplib::Response& res) {
+  std::optional<v1::GenerateFinal> final;
+  v1::GenerateResponse message;
+  while (call.Read(&message)) {
+    if (message.has_token()) {
+      builder.Append(message.token(), PieceOf(shared, call, logprobs, message.token()));
+    } else if (message.has_final()) {
+      final = message.final();
+    }
+  }
+  absl::Status status = call.Finish();
+  if (call.cancelled()) {
+    res.status = 499;  // nobody reads it: the client is gone
+    return;
+  }
+  if (status.ok() && !final.has_value()) {
+    status = absl::InternalError("the worker's stream ended without its final message");
+  }
+  if (!status.ok()) return SendError(shared, endpoint, status, res);
+  res.status = 200;
+  res.set_content(DumpJson(builder.Aggregate(*final)), "application/json");
+  shared.metrics.CountRequest(endpoint, 200);
+  RecordSuccess(shared, *final, arrival);
+}
+
+}  // namespace
+
+std::string ServedModelName(const GatewayServer::Shared& shared,
+                            const v1::ModelInfoResponse& info) {
+  if (!shared.options.served_model_name.empty()) return shared.options.served_model_name;
+  std::string dir = info.model_dir();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  const size_t slash = dir.rfind('/');
+  return slash == std::string::npos ? dir : dir.substr(slash + 1);
+}
+
+void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
+               const absl::Status& status, httplib::Response& res) {
+  const ApiError error = FromStatus(status);
+  res.status = error.http_status;
+  res.set_content(DumpJson(ErrorJson(error)), "application/json");
+  shared.metrics.CountRequest(endpoint, error.http_status);
+}
+
+void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
+                      httplib::Response& res) {
+  const Clock::time_point arrival = Clock::now();
+  const std::string name =
+      endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions";
+  absl::StatusOr<OpenAiRequest> parsed = endpoint == Endpoint::kChatCompletions
+                                             ? ParseChatRequest(req.body)
+                                             : ParseCompletionRequest(req.body);
+  if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
+  OpenAiRequest& r = *parsed;
+  if (!r.ignored_fields.empty()) {
+    spdlog::debug("{}: ignored fields: {}", name, absl::StrJoin(r.ignored_fields, ", "));
+  }
+  absl::StatusOr<v1::ModelInfoResponse> info = shared.pool->ModelInfo();
+  if (!info.ok()) return SendError(shared, name, info.status(), res);
+  const std::string model = ServedModelName(shared, *info);
+  if (!r.model.empty() && r.model != model) {
+    ApiError e{
+        404,
+        absl::StrCat("The model `", r.model, "` does not exist; this gateway serves `", model, "`"),
+        "not_found_error", "model", "model_not_found"};
+    res.status = 404;
+    res.set_content(DumpJson(ErrorJson(e)), "application/json");
+    shared.metrics.CountRequest(name, 404);
+    return;
+  }
+  const int64_t context_cap = std::min<int64_t>(std::max<int64_t>(info->max_context(), 1), 1 << 20);
+  r.generate.set_max_tokens(r.max_tokens.value_or(
+      endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, context_cap) : context_cap));
+
+  std::optional<RenderedPrompt> prompt;
+  if (endpoint == Endpoint::kChatCompletions) {
+    absl::StatusOr<std::shared_ptr<const chat_template::Template>> tmpl =
+        shared.templates->Get(*info);
+    if (!tmpl.ok()) return SendError(shared, name, tmpl.status(), res);
+    absl::StatusOr<RenderedPrompt> rendered = RenderChatPrompt(**tmpl, r, *info);
+    if (!rendered.ok()) return SendError(shared, name, rendered.status(), res);
+    prompt = std::move(*rendered);
+  }
+
+  if (shared.in_flight.load() >= shared.options.max_concurrent_requests) {
+    return SendError(shared, name,
+                     absl::ResourceExhaustedError(absl::StrCat(
+                         "the gateway has ", shared.options.max_concurrent_requests,
+                         " requests in flight (--max_concurrent_requests); retry later")),
+                     res);
+  }
+  auto slot = std::make_unique<Slot>(shared);
+  absl::StatusOr<WorkerPool::Lease> lease = shared.pool->Acquire(r.generate.session_id());
+  if (!lease.ok()) return SendError(shared, name, lease.status(), res);
+  if (prompt.has_value()) {
+    const absl::Status s =
+        SetChatPrompt(*prompt, lease->stub(), shared.options.workers.rpc_timeout_ms, &r.generate);
+    if (!s.ok()) {
+      if (s.code() == absl::StatusCode::kUnavailable) lease->MarkUnavailable();
+      return SendError(shared, name, s, res);
+    }
+  }
+
+  auto call = std::make_unique<GenerateCall>(std::move(slot), std::move(*lease), r.generate,
+                                             shared.options.request_timeout_s);
+  const int fd = FindRequestSocket(req.local_port, req.remote_addr, req.remote_port);
+  if (fd >= 0) {
+    GenerateCall* c = call.get();
+    call->set_watch(shared.watcher->Add(fd, [c] { c->ClientGone(); }));
+  } else {
+    spdlog::warn(
+        "{}: the connection's socket was not found; a hang-up is noticed only when a "
+        "write fails",
+        name);
+  }
+
+  ResponseBuilder builder(ResponseMeta{endpoint, NewResponseId(endpoint),
+                                       static_cast<int64_t>(std::time(nullptr)), model},
+                          r.logprobs, r.top_logprobs, r.include_usage);
+  if (!r.stream) return AnswerWhole(shared, name, *call, builder, r.logprobs, arrival, res);
+
+  auto st = std::make_shared<StreamState>();
+  st->call = std::move(call);
+  if (!st->call->Read(&st->first)) {
+    const absl::Status status = st->call->Finish();
+    if (st->call->cancelled()) {
+      res.status = 499;
+      return;
+    }
+    return SendError(shared, name,
+                     status.ok() ? absl::InternalError("the worker's stream ended empty") : status,
+                     res);
+  }
+  st->builder.emplace(std::move(builder));
+  st->return_progress = r.return_progress;
+  st->include_usage = r.include_usage;
+  st->logprobs = r.logprobs;
+  st->endpoint = name;
+  st->arrival = arrival;
+  shared.metrics.CountRequest(name, 200);
+  res.status = 200;
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  GatewayServer::Shared* sh = &shared;
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [sh, st](size_t /*offset*/, httplib::DataSink& sink) { return WriteStream(*sh, *st, sink); });
+}
+
+}  // namespace tandem::gateway

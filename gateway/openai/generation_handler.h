@@ -1,0 +1,46 @@
+// The generation endpoints (POST /v1/completions, /v1/chat/completions) and the state every
+// handler of GatewayServer shares. Private to tandem::gateway.
+#pragma once
+
+#include <httplib.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "prometheus/registry.h"
+#include "tandem/gateway/api_error.h"
+#include "tandem/gateway/chat_prompt.h"
+#include "tandem/gateway/disconnect_watcher.h"
+#include "tandem/gateway/gateway_metrics.h"
+#include "tandem/gateway/gateway_server.h"
+#include "tandem/gateway/openai_request.h"
+#include "tandem/gateway/token_pieces.h"
+#include "tandem/gateway/worker_pool.h"
+
+namespace tandem::gateway {
+
+struct GatewayServer::Shared {
+  GatewayOptions options;
+  std::unique_ptr<WorkerPool> pool;
+  std::unique_ptr<DisconnectWatcher> watcher;
+  std::unique_ptr<ChatTemplateSource> templates;
+  TokenPieces pieces;
+  std::shared_ptr<prometheus::Registry> registry;
+  GatewayMetrics metrics;
+  std::atomic<int> in_flight{0};  // generations admitted and not finished
+};
+
+// The model id clients see: --served_model_name, else the basename of the worker's model_dir.
+std::string ServedModelName(const GatewayServer::Shared& shared, const v1::ModelInfoResponse& info);
+
+// Answers `res` with the OpenAI error of `status` and counts it under `endpoint`.
+void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
+               const absl::Status& status, httplib::Response& res);
+
+// One completions / chat completions request, streamed or not.
+void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
+                      httplib::Response& res);
+
+}  // namespace tandem::gateway

@@ -1,0 +1,76 @@
+// tandem-gateway's HTTP server (cpp-httplib): OpenAI-compatible endpoints in front of GPU
+// workers.
+//   POST /v1/completions, POST /v1/chat/completions   streamed (SSE) or not
+//   GET  /v1/models, /v1/models/{id}                   the served model (OpenAI list shape)
+//   GET  /health                                       200 when a worker is SERVING, else 503
+//   GET  /metrics                                      Prometheus text (gateway_metrics.h)
+// Every error is OpenAI's JSON error object (api_error.h), unknown routes included.
+//
+// Bounds: request bodies over max_body_bytes -> 413; more than max_concurrent_requests
+// generations in flight -> 429; each generation has a deadline of request_timeout_s on the
+// worker; a client that stops reading for write_timeout_s is dropped (and its generation
+// cancelled); a client that hangs up is noticed within disconnect_poll_ms and its generation
+// cancelled (disconnect_watcher.h).
+//
+// Thread-safe: Stop() may be called from any thread (e.g. a signal-waiting main thread).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "tandem/gateway/worker_pool.h"
+
+namespace httplib {
+class Server;
+}  // namespace httplib
+
+namespace tandem::gateway {
+
+struct GatewayOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                // 0 = any free port (port() tells which)
+  std::string served_model_name;  // "" = the worker's model directory's basename
+  std::string chat_template;      // template source that overrides the worker's
+  size_t max_body_bytes = 32 << 20;
+  int max_concurrent_requests = 256;  // generations in flight; more -> 429
+  int http_threads = 0;               // 0 = max_concurrent_requests + 16
+  int request_timeout_s = 3600;       // deadline of one generation on the worker
+  int read_timeout_s = 60;            // reading one request
+  int write_timeout_s = 60;           // a client that reads nothing for this long is dropped
+  int keep_alive_s = 5;               // idle keep-alive connections are closed after this
+  int disconnect_poll_ms = 50;
+  WorkerPoolOptions workers;
+};
+
+class GatewayServer {
+ public:
+  // Connects to the workers (WorkerPool::Create; workers that are down join later), binds and
+  // starts serving on a background thread. INVALID_ARGUMENT for bad options or a
+  // chat_template that does not parse; UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<GatewayServer>> Start(const GatewayOptions& options);
+  ~GatewayServer();  // Stop()
+
+  // Stops accepting connections and waits for the listener; generations in flight end with
+  // their connections. Idempotent.
+  void Stop();
+
+  int port() const { return port_; }
+  WorkerPool& workers();
+
+  struct Shared;  // what the handlers use (generation_handler.h)
+
+ private:
+  GatewayServer() = default;
+  void AddRoutes();
+
+  std::unique_ptr<Shared> shared_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread listener_;
+  int port_ = 0;
+  std::atomic<bool> stopped_{false};
+};
+
+}  // namespace tandem::gateway

@@ -1,0 +1,86 @@
+// The JSON bodies of one OpenAI answer, built from a worker's Generate stream: streamed chunks
+// ("chat.completion.chunk" / "text_completion" objects) and the non-streamed aggregate
+// ("chat.completion" / "text_completion"), in OpenAI's shapes:
+//   chat:        choices[0].delta {role, content} | message {role, content};
+//                logprobs {content: [{token, logprob, bytes, top_logprobs: [...]}]}
+//   completions: choices[0].text; logprobs {tokens, token_logprobs, top_logprobs, text_offset}
+//   usage {prompt_tokens, completion_tokens, total_tokens}; with include_usage every chunk has
+//   "usage": null and the last chunk has empty choices and the usage.
+// finish_reason: max_tokens -> "length", EOS and stop strings -> "stop", a full context ->
+// "length" (the model could not go on). Log-probabilities of -inf become -9999.0 (JSON has no
+// infinity; OpenAI and vLLM use the same floor).
+//
+// Not thread-safe: one builder per request.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "nlohmann/json.hpp"
+#include "tandem/gateway/openai_request.h"
+#include "tandem/v1/generation.pb.h"
+
+namespace tandem::gateway {
+
+// A sampled token decoded alone: its text (U+FFFD for a partial UTF-8 character) and exact bytes.
+struct TokenPiece {
+  std::string text;
+  std::string bytes;
+};
+
+struct ResponseMeta {
+  Endpoint endpoint = Endpoint::kCompletions;
+  std::string id;       // NewResponseId
+  int64_t created = 0;  // Unix seconds
+  std::string model;    // the served model name
+};
+
+// "cmpl-" / "chatcmpl-" + 24 random hex digits.
+std::string NewResponseId(Endpoint endpoint);
+// "length" / "stop"; "" for FINISH_REASON_CANCELLED / UNSPECIFIED (no OpenAI equivalent).
+std::string FinishReasonName(v1::FinishReason reason);
+
+class ResponseBuilder {
+ public:
+  // `logprobs` / `top_logprobs`: as the request asked (OpenAiRequest).
+  ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs, bool include_usage);
+
+  // Streaming. Chat's first chunk: delta {role: "assistant", content: ""}.
+  nlohmann::json RoleChunk() const;
+  // One token's chunk; nullopt when it carries nothing (empty text and no logprobs). A delta
+  // whose index was seen already (the worker's held-back text) adds text only.
+  std::optional<nlohmann::json> TokenChunk(const v1::TokenDelta& delta, const TokenPiece& sampled);
+  // Empty delta / text with the finish_reason.
+  nlohmann::json FinishChunk(v1::FinishReason reason) const;
+  // include_usage: empty choices and the usage.
+  nlohmann::json UsageChunk(const v1::Usage& usage) const;
+  // return_progress: llama.cpp's prompt_progress {total, cache, processed, time_ms}, no choices.
+  nlohmann::json ProgressChunk(const v1::PrefillProgress& progress) const;
+
+  // Non-streamed: accumulate each token, then the whole answer.
+  void Append(const v1::TokenDelta& delta, const TokenPiece& sampled);
+  nlohmann::json Aggregate(const v1::GenerateFinal& final) const;
+
+  const ResponseMeta& meta() const { return meta_; }
+
+ private:
+  nlohmann::json Envelope(bool chunk) const;
+  // Adds one token's log-probabilities to `logprobs` (the endpoint's shape; created when null).
+  void AddLogprobs(const v1::TokenDelta& delta, const TokenPiece& sampled,
+                   nlohmann::json* logprobs) const;
+
+  ResponseMeta meta_;
+  bool logprobs_;
+  int top_logprobs_;
+  bool include_usage_;
+  int64_t last_index_ = -1;  // highest TokenDelta.index seen (a repeat only adds text)
+  int64_t text_offset_ = 0;  // bytes of generated text before the next token (text_offset)
+  std::string text_;         // Append: the text so far
+  nlohmann::json aggregate_logprobs_;  // Append: the logprobs so far (null without)
+};
+
+// The usage object of `usage`.
+nlohmann::json UsageJson(const v1::Usage& usage);
+
+}  // namespace tandem::gateway

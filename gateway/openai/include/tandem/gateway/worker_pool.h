@@ -1,0 +1,135 @@
+// The GPU workers behind the gateway: one gRPC channel each (tandem.v1.Generation), their health
+// (grpc.health.v1 Check of "tandem.v1.Generation", polled by a background thread, and failed
+// calls), their model info, and the routing of requests:
+// - a request with a session_id goes to the worker that already holds that session (a sticky
+//   map, least recently used entries forgotten past `max_sticky_sessions`); a new session goes
+//   where a one-shot request would;
+// - otherwise the serving worker with the fewest outstanding requests (ties: round-robin).
+//
+// Thread-safe. Leases must not outlive the pool.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/v1/generation.grpc.pb.h"
+
+namespace tandem::gateway {
+
+struct WorkerPoolOptions {
+  std::vector<std::string> addresses;    // host:port of each tandem-gpu-worker
+  int health_interval_ms = 2000;         // between health rounds
+  int rpc_timeout_ms = 10000;            // deadline of unary calls (health, info, tokenize)
+  int max_message_bytes = 64 << 20;      // as the workers' --max_message_bytes
+  size_t max_sticky_sessions = 1 << 16;  // session -> worker entries remembered
+};
+
+struct WorkerState {
+  std::string address;
+  bool serving = false;
+  int64_t outstanding = 0;  // requests routed to it and not finished
+};
+
+class WorkerPool {
+ private:
+  struct Worker;
+
+ public:
+  // One request's hold on a worker: counted as outstanding until destroyed. Movable.
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&& other) noexcept;
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease();
+
+    v1::Generation::Stub& stub() const;
+    const std::string& address() const;
+    size_t index() const { return index_; }
+    // A call through this lease failed with UNAVAILABLE: the worker takes no new requests until
+    // a health check finds it SERVING again.
+    void MarkUnavailable() const;
+
+   private:
+    friend class WorkerPool;
+    Lease(Worker* worker, size_t index) : worker_(worker), index_(index) {}
+    Worker* worker_ = nullptr;
+    size_t index_ = 0;
+  };
+
+  // INVALID_ARGUMENT without addresses. Runs one health round before returning (workers that
+  // are down are fine: they join when they answer), then keeps polling in the background.
+  static absl::StatusOr<std::unique_ptr<WorkerPool>> Create(const WorkerPoolOptions& options);
+  ~WorkerPool();  // stops the health thread
+
+  // The worker for a request (see the header). UNAVAILABLE when no worker is serving, or when
+  // the worker holding `session_id` is not.
+  absl::StatusOr<Lease> Acquire(const std::string& session_id);
+
+  // The model info of the first serving worker that has answered GetModelInfo; UNAVAILABLE
+  // when none has.
+  absl::StatusOr<v1::ModelInfoResponse> ModelInfo() const;
+
+  // Runs a health round now (tests; the background thread does it every health_interval_ms).
+  void CheckHealthNow();
+
+  std::vector<WorkerState> States() const;
+  size_t ServingCount() const;
+  size_t size() const { return workers_.size(); }
+  const WorkerPoolOptions& options() const { return options_; }
+
+ private:
+  struct Worker {
+    std::string address;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<v1::Generation::Stub> stub;
+    std::atomic<bool> serving{false};
+    std::atomic<int64_t> outstanding{0};
+    std::optional<v1::ModelInfoResponse> info;  // guarded by WorkerPool::info_mu_
+  };
+
+  explicit WorkerPool(const WorkerPoolOptions& options);
+  void HealthLoop();
+  void CheckOne(Worker& worker);
+  // Least outstanding among serving workers (ties: round-robin); nullopt when none serves.
+  std::optional<size_t> LeastLoaded();
+  void Remember(const std::string& session_id, size_t index);  // needs sticky_mu_
+
+  WorkerPoolOptions options_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::atomic<size_t> next_start_{0};  // where the next least-loaded scan starts
+
+  mutable std::mutex info_mu_;
+
+  std::mutex sticky_mu_;
+  std::list<std::string> sticky_lru_;  // most recently used first
+  struct StickyEntry {
+    size_t worker;
+    std::list<std::string>::iterator lru;
+  };
+  std::unordered_map<std::string, StickyEntry> sticky_;
+
+  std::mutex stop_mu_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;  // guarded by stop_mu_
+  std::thread health_thread_;
+};
+
+// Channel arguments for a worker: message limits as the worker's, keepalive pings.
+grpc::ChannelArguments WorkerChannelArguments(int max_message_bytes);
+
+}  // namespace tandem::gateway

@@ -1,0 +1,196 @@
+#include "tandem/gateway/openai_response.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace tandem::gateway {
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr double kLogprobFloor = -9999.0;
+
+double Floor(float logprob) {
+  return std::isfinite(logprob) ? std::max<double>(logprob, kLogprobFloor) : kLogprobFloor;
+}
+
+Json ByteList(const std::string& bytes) {
+  Json list = Json::array();
+  for (unsigned char c : bytes) list.push_back(static_cast<int>(c));
+  return list;
+}
+
+}  // namespace
+
+std::string NewResponseId(Endpoint endpoint) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string id = endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-";
+  for (int i = 0; i < 24; ++i) id.push_back(kHex[rng() & 15]);
+  return id;
+}
+
+std::string FinishReasonName(v1::FinishReason reason) {
+  switch (reason) {
+    case v1::FINISH_REASON_LENGTH:
+    case v1::FINISH_REASON_CONTEXT:
+      return "length";
+    case v1::FINISH_REASON_STOP:
+    case v1::FINISH_REASON_EOS:
+      return "stop";
+    default:
+      return "";
+  }
+}
+
+Json UsageJson(const v1::Usage& usage) {
+  return {{"prompt_tokens", usage.prompt_tokens()},
+          {"completion_tokens", usage.completion_tokens()},
+          {"total_tokens", usage.total_tokens()}};
+}
+
+ResponseBuilder::ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs,
+                                 bool include_usage)
+    : meta_(std::move(meta)),
+      logprobs_(logprobs),
+      top_logprobs_(top_logprobs),
+      include_usage_(include_usage) {}
+
+Json ResponseBuilder::Envelope(bool chunk) const {
+  const bool chat = meta_.endpoint == Endpoint::kChatCompletions;
+  Json j = {
+      {"id", meta_.id},
+      {"object", chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion"},
+      {"created", meta_.created},
+      {"model", meta_.model},
+      {"system_fingerprint", nullptr}};
+  if (chunk && include_usage_) j["usage"] = nullptr;
+  return j;
+}
+
+void ResponseBuilder::AddLogprobs(const v1::TokenDelta& delta, const TokenPiece& sampled,
+                                  Json* logprobs) const {
+  const double logprob = Floor(delta.has_logprob() ? delta.logprob() : 0.0f);
+  if (meta_.endpoint == Endpoint::kChatCompletions) {
+    if (logprobs->is_null()) *logprobs = {{"content", Json::array()}};
+    Json top = Json::array();
+    for (const v1::TokenLogprob& t : delta.top_logprobs()) {
+      if (static_cast<int>(top.size()) >= top_logprobs_) break;
+      top.push_back(
+          {{"token", t.text()}, {"logprob", Floor(t.logprob())}, {"bytes", ByteList(t.raw())}});
+    }
+    (*logprobs)["content"].push_back({{"token", sampled.text},
+                                      {"logprob", logprob},
+                                      {"bytes", ByteList(sampled.bytes)},
+                                      {"top_logprobs", std::move(top)}});
+    return;
+  }
+  if (logprobs->is_null()) {
+    *logprobs = {{"tokens", Json::array()},
+                 {"token_logprobs", Json::array()},
+                 {"top_logprobs", Json::array()},
+                 {"text_offset", Json::array()}};
+  }
+  Json top = Json::object();
+  for (const v1::TokenLogprob& t : delta.top_logprobs()) {
+    if (static_cast<int>(top.size()) >= top_logprobs_) break;
+    if (!top.contains(t.text())) top[t.text()] = Floor(t.logprob());
+  }
+  (*logprobs)["tokens"].push_back(sampled.text);
+  (*logprobs)["token_logprobs"].push_back(logprob);
+  (*logprobs)["top_logprobs"].push_back(std::move(top));
+  (*logprobs)["text_offset"].push_back(text_offset_);
+}
+
+Json ResponseBuilder::RoleChunk() const {
+  Json j = Envelope(true);
+  j["choices"] = Json::array({{{"index", 0},
+                               {"delta", {{"role", "assistant"}, {"content", ""}}},
+                               {"logprobs", nullptr},
+                               {"finish_reason", nullptr}}});
+  return j;
+}
+
+std::optional<Json> ResponseBuilder::TokenChunk(const v1::TokenDelta& delta,
+                                                const TokenPiece& sampled) {
+  // A repeated index adds held-back text to a token already sent: no logprobs entry again.
+  const bool new_token = delta.index() > last_index_;
+  last_index_ = std::max(last_index_, delta.index());
+  if (delta.text().empty() && !(logprobs_ && new_token)) return std::nullopt;
+  Json logprobs;
+  if (logprobs_ && new_token) AddLogprobs(delta, sampled, &logprobs);
+  text_offset_ += static_cast<int64_t>(delta.text().size());
+  Json choice = {{"index", 0}};
+  if (meta_.endpoint == Endpoint::kChatCompletions) {
+    choice["delta"] = {{"content", delta.text()}};
+  } else {
+    choice["text"] = delta.text();
+  }
+  choice["logprobs"] = std::move(logprobs);
+  choice["finish_reason"] = nullptr;
+  Json j = Envelope(true);
+  j["choices"] = Json::array({std::move(choice)});
+  return j;
+}
+
+Json ResponseBuilder::FinishChunk(v1::FinishReason reason) const {
+  Json choice = {{"index", 0}};
+  if (meta_.endpoint == Endpoint::kChatCompletions) {
+    choice["delta"] = Json::object();
+  } else {
+    choice["text"] = "";
+  }
+  choice["logprobs"] = nullptr;
+  const std::string name = FinishReasonName(reason);
+  choice["finish_reason"] = name.empty() ? Json(nullptr) : Json(name);
+  Json j = Envelope(true);
+  j["choices"] = Json::array({std::move(choice)});
+  return j;
+}
+
+Json ResponseBuilder::UsageChunk(const v1::Usage& usage) const {
+  Json j = Envelope(true);
+  j["choices"] = Json::array();
+  j["usage"] = UsageJson(usage);
+  return j;
+}
+
+Json ResponseBuilder::ProgressChunk(const v1::PrefillProgress& progress) const {
+  Json j = Envelope(true);
+  j["choices"] = Json::array();
+  j["prompt_progress"] = {{"total", progress.total()},
+                          {"cache", 0},
+                          {"processed", progress.processed()},
+                          {"time_ms", static_cast<int64_t>(progress.elapsed_seconds() * 1000.0)}};
+  return j;
+}
+
+void ResponseBuilder::Append(const v1::TokenDelta& delta, const TokenPiece& sampled) {
+  const bool new_token = delta.index() > last_index_;
+  last_index_ = std::max(last_index_, delta.index());
+  if (logprobs_ && new_token) AddLogprobs(delta, sampled, &aggregate_logprobs_);
+  text_offset_ += static_cast<int64_t>(delta.text().size());
+  text_ += delta.text();
+}
+
+Json ResponseBuilder::Aggregate(const v1::GenerateFinal& final) const {
+  Json choice = {{"index", 0}};
+  if (meta_.endpoint == Endpoint::kChatCompletions) {
+    choice["message"] = {{"role", "assistant"}, {"content", text_}};
+  } else {
+    choice["text"] = text_;
+  }
+  choice["logprobs"] = aggregate_logprobs_;
+  const std::string name = FinishReasonName(final.finish_reason());
+  choice["finish_reason"] = name.empty() ? Json(nullptr) : Json(name);
+  Json j = Envelope(false);
+  j["choices"] = Json::array({std::move(choice)});
+  j["usage"] = UsageJson(final.usage());
+  return j;
+}
+
+}  // namespace tandem::gateway

@@ -1,0 +1,156 @@
+// tandem-gateway: OpenAI-compatible HTTP (completions, chat completions, models, health,
+// metrics) in front of one or more tandem-gpu-workers, until SIGINT or SIGTERM.
+//
+//   tandem-gateway --workers=localhost:50051,otherhost:50051 --address=127.0.0.1:8000
+//
+// Exit status: 0 after a signal, 1 when it cannot start (address in use, a chat template that
+// does not parse), 2 for a bad command line.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "parse_flags.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/byte_size.h"
+#include "tandem/gateway/gateway_server.h"
+
+ABSL_FLAG(std::vector<std::string>, workers, {},
+          "tandem-gpu-workers to route to, comma-separated host:port (all serving one model)");
+ABSL_FLAG(std::string, address, "127.0.0.1:8000",
+          "host:port to serve HTTP on (port 0: any free; 0.0.0.0 to accept other hosts)");
+ABSL_FLAG(std::string, served_model_name, "",
+          "model id clients use and /v1/models lists; empty = the worker's model directory name");
+ABSL_FLAG(std::string, chat_template, "",
+          "Jinja chat template file used instead of the model's tokenizer_config.json one");
+ABSL_FLAG(tandem::ByteSize, max_body_bytes, tandem::ByteSize{32ull << 20},
+          "largest request body accepted (413 beyond)");
+ABSL_FLAG(int, max_concurrent_requests, 256, "generations in flight at most; more get 429");
+ABSL_FLAG(int, http_threads, 0, "HTTP connection threads; 0 = max_concurrent_requests + 16");
+ABSL_FLAG(int, request_timeout_s, 3600, "deadline of one generation on its worker, seconds");
+ABSL_FLAG(int, read_timeout_s, 60, "seconds to read one HTTP request");
+ABSL_FLAG(int, write_timeout_s, 60,
+          "seconds a client may stop reading before it is dropped (its generation cancelled)");
+ABSL_FLAG(int, keep_alive_s, 5, "idle keep-alive connections are closed after this, seconds");
+ABSL_FLAG(int, disconnect_poll_ms, 50,
+          "how often running requests' connections are checked for a client that hung up");
+ABSL_FLAG(int, health_interval_ms, 2000, "between health checks of the workers");
+ABSL_FLAG(int, rpc_timeout_ms, 10000,
+          "deadline of the unary calls to workers (health, info, tokenize)");
+ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
+          "largest gRPC message to or from a worker (as the workers' flag)");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+
+namespace {
+
+absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
+  tandem::gateway::GatewayOptions o;
+  for (const std::string& w : absl::GetFlag(FLAGS_workers)) {
+    if (!w.empty()) o.workers.addresses.push_back(w);
+  }
+  if (o.workers.addresses.empty()) return UsageError("--workers is required (host:port,...)");
+  const std::string address = absl::GetFlag(FLAGS_address);
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 ||
+      !absl::SimpleAtoi(address.substr(colon + 1), &o.port) || o.port < 0 || o.port > 65535) {
+    return UsageError(absl::StrCat("--address must be host:port, got '", address, "'"));
+  }
+  o.host = address.substr(0, colon);
+  if (o.host.size() > 2 && o.host.front() == '[' && o.host.back() == ']') {
+    o.host = o.host.substr(1, o.host.size() - 2);
+  }
+  o.served_model_name = absl::GetFlag(FLAGS_served_model_name);
+  const std::string template_file = absl::GetFlag(FLAGS_chat_template);
+  if (!template_file.empty()) {
+    std::ifstream in(template_file, std::ios::binary);
+    if (!in) return UsageError(absl::StrCat("--chat_template: cannot read '", template_file, "'"));
+    std::stringstream text;
+    text << in.rdbuf();
+    o.chat_template = text.str();
+    if (o.chat_template.empty()) {
+      return UsageError(absl::StrCat("--chat_template: '", template_file, "' is empty"));
+    }
+  }
+  o.max_body_bytes = absl::GetFlag(FLAGS_max_body_bytes).bytes;
+  o.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
+  o.http_threads = absl::GetFlag(FLAGS_http_threads);
+  o.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);
+  o.read_timeout_s = absl::GetFlag(FLAGS_read_timeout_s);
+  o.write_timeout_s = absl::GetFlag(FLAGS_write_timeout_s);
+  o.keep_alive_s = absl::GetFlag(FLAGS_keep_alive_s);
+  o.disconnect_poll_ms = absl::GetFlag(FLAGS_disconnect_poll_ms);
+  o.workers.health_interval_ms = absl::GetFlag(FLAGS_health_interval_ms);
+  o.workers.rpc_timeout_ms = absl::GetFlag(FLAGS_rpc_timeout_ms);
+  const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
+  if (max_message < (1u << 20) || max_message > (1u << 30)) {
+    return UsageError("--max_message_bytes must be in 1MiB..1GiB");
+  }
+  o.workers.max_message_bytes = static_cast<int>(max_message);
+  if (o.disconnect_poll_ms < 1 || o.workers.health_interval_ms < 1 ||
+      o.workers.rpc_timeout_ms < 1) {
+    return UsageError(
+        "--disconnect_poll_ms, --health_interval_ms and --rpc_timeout_ms must be >= 1");
+  }
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "tandem-gateway: OpenAI-compatible HTTP API in front of tandem GPU workers.\n"
+      "  tandem-gateway --workers=localhost:50051 --address=127.0.0.1:8000");
+  const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gateway"));
+  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
+    std::fprintf(stderr,
+                 "tandem-gateway: --log_level must be trace, debug, info, warn, error or off\n");
+    return 2;
+  }
+  spdlog::set_level(level);
+  if (positional.size() > 1) {
+    std::fprintf(stderr, "tandem-gateway: unexpected argument '%s'\n", positional[1]);
+    return 2;
+  }
+  absl::StatusOr<tandem::gateway::GatewayOptions> options = OptionsFromFlags();
+  if (!options.ok()) {
+    std::fprintf(stderr, "tandem-gateway: %s\n", std::string(options.status().message()).c_str());
+    return 2;
+  }
+
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // A client that hangs up mid-write must not kill the process.
+  std::signal(SIGPIPE, SIG_IGN);
+
+  auto server = tandem::gateway::GatewayServer::Start(*options);
+  if (!server.ok()) {
+    spdlog::error("cannot start: {}", server.status().ToString());
+    return 1;
+  }
+  spdlog::info("tandem-gateway on http://{}:{} -> {} worker(s), {} serving", options->host,
+               (*server)->port(), (*server)->workers().size(), (*server)->workers().ServingCount());
+  std::printf("LISTENING %d\n", (*server)->port());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  spdlog::info("signal {}: stopping", sig);
+  (*server)->Stop();
+  server->reset();
+  spdlog::info("stopped");
+  return 0;
+}

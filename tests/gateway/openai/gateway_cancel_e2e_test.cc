@@ -1,0 +1,144 @@
+// A client that hangs up cancels its generation on the worker, streamed or not: gutenberg-14m on
+// the cpu backend (about 2 ms a token on one thread) is asked for 8000 tokens in a kept session;
+// the client goes away early, and the session then holds far fewer positions than a finished
+// request would have left (8000+), the gateway counts the disconnect and runs nothing.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "child_process.h"
+#include "http_test_client.h"
+#include "service_test_util.h"
+
+namespace tandem::gateway {
+namespace {
+
+using test_process::ChildProcess;
+using Json = nlohmann::json;
+
+constexpr int64_t kMaxTokens = 8000;
+
+std::filesystem::path GutenbergDir() {
+  return std::filesystem::path(TANDEM_SHARED_DIR) / "models" / "gutenberg-14m";
+}
+
+class GatewayCancelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(GutenbergDir() / "config.json")) {
+      GTEST_SKIP() << "gutenberg-14m not found under " << GutenbergDir();
+    }
+    auto worker = ChildProcess::Start({TANDEM_GPU_WORKER_BIN, "--model=" + GutenbergDir().string(),
+                                       "--address=127.0.0.1:0", "--backend=cpu", "--cpu_threads=1",
+                                       "--mode=gpu", "--log_level=warn"});
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    worker_ = std::move(*worker);
+    absl::StatusOr<int> worker_port = worker_->WaitListening();
+    ASSERT_TRUE(worker_port.ok()) << worker_port.status();
+    const std::string address = absl::StrCat("127.0.0.1:", *worker_port);
+    stub_ =
+        v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    auto gateway =
+        ChildProcess::Start({TANDEM_GATEWAY_BIN, "--workers=" + address, "--address=127.0.0.1:0",
+                             "--disconnect_poll_ms=20", "--log_level=warn"});
+    ASSERT_TRUE(gateway.ok()) << gateway.status();
+    gateway_ = std::move(*gateway);
+    absl::StatusOr<int> port = gateway_->WaitListening();
+    ASSERT_TRUE(port.ok()) << port.status();
+    port_ = *port;
+  }
+
+  // Positions the kept session holds now: a one-token turn through the worker itself, whose
+  // final message counts the session's KV entries (gpu mode: all on the device).
+  int64_t SessionPositions(const std::string& session_id) {
+    v1::GenerateRequest r;
+    r.set_session_id(session_id);
+    r.mutable_prompt_ids()->add_ids(100);
+    r.set_max_tokens(1);
+    const gpu_worker::testing::Stream s = gpu_worker::testing::Generate(*stub_, r);
+    EXPECT_TRUE(s.status.ok()) << s.status.error_message();
+    return s.final.device_kv_entries() + s.final.cpu_kv_entries();
+  }
+
+  // The gateway's metric `name` (a series without labels), or -1.
+  double Metric(const std::string& name) {
+    httplib::Client http("127.0.0.1", port_);
+    auto res = http.Get("/metrics");
+    if (!res) return -1;
+    const std::string prefix = name + " ";
+    const size_t at = res->body.find("\n" + prefix);
+    if (at == std::string::npos) return -1;
+    return std::stod(res->body.substr(at + 1 + prefix.size()));
+  }
+
+  // Waits up to `ms` for the gateway to run no generation.
+  bool WaitIdle(int ms) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (Metric("tandem:gateway_requests_running") == 0) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  }
+
+  Json Body(const std::string& session_id, bool stream) {
+    return {{"prompt", "It was a dark and stormy night"},
+            {"max_tokens", kMaxTokens},
+            {"ignore_eos", true},
+            {"temperature", 0},
+            {"session_id", session_id},
+            {"stream", stream}};
+  }
+
+  std::unique_ptr<ChildProcess> worker_, gateway_;
+  std::unique_ptr<v1::Generation::Stub> stub_;
+  int port_ = 0;
+};
+
+TEST_F(GatewayCancelTest, HangingUpAStreamCancelsTheGeneration) {
+  testing::RawHttpConnection client(port_);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(client.Post("/v1/completions", Body("cancel-stream", true).dump()));
+  // Some tokens arrive, then the client goes away.
+  ASSERT_TRUE(client.ReadUntil("\"text\":", 30000)) << client.received();
+  EXPECT_EQ(Metric("tandem:gateway_requests_running"), 1);
+  const auto hang_up = std::chrono::steady_clock::now();
+  client.Close();
+  ASSERT_TRUE(WaitIdle(5000)) << "the generation still runs 5 s after the client left";
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - hang_up).count();
+  EXPECT_LT(seconds, 2.0);
+  EXPECT_EQ(Metric("tandem:gateway_client_disconnects_total"), 1);
+  const int64_t positions = SessionPositions("cancel-stream");
+  EXPECT_GT(positions, 8);               // the prompt and some tokens ran
+  EXPECT_LT(positions, kMaxTokens / 4);  // far from the 8000 a finished request leaves
+}
+
+TEST_F(GatewayCancelTest, HangingUpANonStreamedRequestCancelsTheGeneration) {
+  testing::RawHttpConnection client(port_);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(client.Post("/v1/completions", Body("cancel-whole", false).dump()));
+  // Nothing arrives before the end; wait until the gateway runs it, then leave.
+  const auto start = std::chrono::steady_clock::now();
+  while (Metric("tandem:gateway_requests_running") != 1 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  client.Close();
+  ASSERT_TRUE(WaitIdle(5000)) << "the generation still runs 5 s after the client left";
+  EXPECT_EQ(Metric("tandem:gateway_client_disconnects_total"), 1);
+  const int64_t positions = SessionPositions("cancel-whole");
+  EXPECT_GT(positions, 8);
+  EXPECT_LT(positions, kMaxTokens / 4);
+}
+
+}  // namespace
+}  // namespace tandem::gateway

@@ -1,0 +1,201 @@
+// OpenAI request bodies -> GenerateRequest: every accepted field lands where the worker reads
+// it, defaults are OpenAI's, and each bad input is INVALID_ARGUMENT naming its field.
+#include "tandem/gateway/openai_request.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "tandem/gateway/api_error.h"
+
+namespace tandem::gateway {
+namespace {
+
+TEST(CompletionRequest, MapsEveryFieldToTheGenerateRequest) {
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({
+    "model": "stories", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.5,
+    "top_p": 0.9, "stop": ["\n", "The end"], "seed": 7, "n": 1, "user": "u1",
+    "stream": true, "stream_options": {"include_usage": true}, "logprobs": 3,
+    "mode": "hybrid", "beta": 0.5, "window": 64, "sink": 4, "selection": "pages",
+    "select_tokens": 128, "dense_layers": 1, "session_id": "s-1", "ignore_eos": true,
+    "top_k": -1, "return_progress": true, "some_future_field": {"x": 1}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->endpoint, Endpoint::kCompletions);
+  EXPECT_EQ(r->model, "stories");
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+  EXPECT_TRUE(r->return_progress);
+  EXPECT_EQ(r->max_tokens, 32);
+  EXPECT_TRUE(r->logprobs);
+  EXPECT_EQ(r->top_logprobs, 3);
+  const v1::GenerateRequest& g = r->generate;
+  EXPECT_EQ(g.prompt_text(), "Once upon a time");
+  EXPECT_FLOAT_EQ(g.temperature(), 0.5f);
+  EXPECT_FLOAT_EQ(g.top_p(), 0.9f);
+  ASSERT_EQ(g.stop_size(), 2);
+  EXPECT_EQ(g.stop(0), "\n");
+  EXPECT_EQ(g.stop(1), "The end");
+  EXPECT_EQ(g.seed(), 7u);
+  EXPECT_EQ(g.mode(), "hybrid");
+  EXPECT_FLOAT_EQ(g.beta(), 0.5f);
+  EXPECT_EQ(g.window(), 64);
+  EXPECT_EQ(g.sink(), 4);
+  EXPECT_EQ(g.selection(), "pages");
+  EXPECT_EQ(g.select_tokens(), 128);
+  EXPECT_EQ(g.dense_layers(), 1);
+  EXPECT_EQ(g.session_id(), "s-1");
+  EXPECT_TRUE(g.ignore_eos());
+  EXPECT_EQ(g.top_k(), 0);  // -1 = no limit, as vLLM
+  EXPECT_TRUE(g.logprobs());
+  EXPECT_EQ(g.top_logprobs(), 3);
+  EXPECT_EQ(g.max_tokens(), 0);  // filled by the handler (it knows the context)
+  EXPECT_EQ(r->ignored_fields, std::vector<std::string>{"some_future_field"});
+}
+
+TEST(CompletionRequest, DefaultsAreOpenAis) {
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({"prompt": "Hi", "stop": null})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->stream);
+  EXPECT_FALSE(r->max_tokens.has_value());
+  EXPECT_FLOAT_EQ(r->generate.temperature(), 1.0f);  // OpenAI samples at 1 by default
+  EXPECT_FALSE(r->generate.has_seed());
+  EXPECT_FALSE(r->generate.has_beta());
+  EXPECT_FALSE(r->generate.logprobs());
+  EXPECT_EQ(r->generate.stop_size(), 0);
+  EXPECT_EQ(r->generate.mode(), "");
+}
+
+TEST(CompletionRequest, PromptAsTokenIdsAndOneElementLists) {
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({"prompt": [1, 403, 407]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->generate.has_prompt_ids());
+  EXPECT_EQ(r->generate.prompt_ids().ids_size(), 3);
+  EXPECT_EQ(r->generate.prompt_ids().ids(1), 403);
+
+  r = ParseCompletionRequest(R"({"prompt": ["one prompt"]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generate.prompt_text(), "one prompt");
+
+  r = ParseCompletionRequest(R"({"prompt": [[5, 6]], "max_tokens": 16.0})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->generate.prompt_ids().ids_size(), 2);
+  EXPECT_EQ(r->max_tokens, 16);
+}
+
+// Each bad body: INVALID_ARGUMENT whose param names the field, with a message that says what
+// is wrong.
+struct BadBody {
+  const char* body;
+  const char* param;
+  const char* message_part;
+};
+
+class CompletionRequestErrors : public ::testing::TestWithParam<BadBody> {};
+
+TEST_P(CompletionRequestErrors, NameTheField) {
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(GetParam().body);
+  ASSERT_FALSE(r.ok()) << GetParam().body;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParamOf(r.status()), GetParam().param) << r.status();
+  EXPECT_NE(r.status().message().find(GetParam().message_part), std::string::npos) << r.status();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Bodies, CompletionRequestErrors,
+    ::testing::Values(
+        BadBody{R"({"prompt": "x", "n": 2})", "n", "'n' must be 1"},
+        BadBody{R"({"prompt": "x", "max_tokens": "16"})", "max_tokens", "must be an integer"},
+        BadBody{R"({"prompt": "x", "max_tokens": 0})", "max_tokens", "must be in 1.."},
+        BadBody{R"({"prompt": "x", "max_tokens": 1.5})", "max_tokens", "must be an integer"},
+        BadBody{R"({"prompt": "x", "temperature": "hot"})", "temperature", "must be a number"},
+        BadBody{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
+        BadBody{R"({"prompt": "x", "stop": 3})", "stop", "string or a list"},
+        BadBody{R"({"prompt": "x", "stop": ["a", 1]})", "stop", "string or a list"},
+        BadBody{R"({"prompt": "x", "seed": -1})", "seed", ">= 0"},
+        BadBody{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
+        BadBody{R"({"prompt": "x", "logprobs": 6})", "logprobs", "0..5"},
+        BadBody{R"({"prompt": "x", "logprobs": true})", "logprobs", "0..5"},
+        BadBody{R"({"prompt": "x", "best_of": 2})", "best_of", "not supported"},
+        BadBody{R"({"prompt": "x", "presence_penalty": 0.5})", "presence_penalty", "not supported"},
+        BadBody{R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias", "not supported"},
+        BadBody{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
+                "only allowed with stream"},
+        BadBody{R"({"prompt": "x", "stream": true, "stream_options": {"include_usage": 1}})",
+                "stream_options.include_usage", "boolean"},
+        BadBody{R"({"prompt": "x", "window": "big"})", "window", "must be an integer"},
+        BadBody{R"({"prompt": "x", "mode": 1})", "mode", "must be a string"},
+        BadBody{R"({"prompt": "x", "top_k": -2})", "top_k", "-1"},
+        BadBody{R"({"max_tokens": 4})", "prompt", "'prompt' is required"},
+        BadBody{R"({"prompt": ""})", "prompt", "must not be empty"},
+        BadBody{R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
+        BadBody{R"({"prompt": [1, -2]})", "prompt", "token ids"},
+        BadBody{R"({"prompt": {"text": "x"}})", "prompt", "a string or a list"}));
+
+TEST(CompletionRequest, BadJsonAndNonObjects) {
+  for (const char* body : {"", "{", "[1, 2]", "\"text\"", "{\"prompt\": \"x\",}"}) {
+    absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(body);
+    ASSERT_FALSE(r.ok()) << body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << body;
+  }
+  EXPECT_NE(ParseCompletionRequest("{").status().message().find("not valid JSON"),
+            std::string::npos);
+}
+
+TEST(ChatRequest, MapsMessagesLogprobsAndMaxCompletionTokens) {
+  absl::StatusOr<OpenAiRequest> r = ParseChatRequest(R"({
+    "model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+    "max_tokens": 100, "max_completion_tokens": 20, "logprobs": true, "top_logprobs": 2,
+    "tools": [], "tool_choice": "auto", "response_format": {"type": "text"},
+    "chat_template_kwargs": {"enable_thinking": false}, "temperature": 0})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->endpoint, Endpoint::kChatCompletions);
+  EXPECT_EQ(r->max_tokens, 20);  // max_completion_tokens wins
+  ASSERT_EQ(r->messages.size(), 2u);
+  EXPECT_EQ(r->messages[0]["content"], "Be brief.");
+  // Key order is kept (templates print messages with tojson).
+  EXPECT_EQ(r->messages[0].begin().key(), "role");
+  EXPECT_TRUE(r->tools.is_null());  // an empty list is no tools
+  EXPECT_EQ(r->template_kwargs["enable_thinking"], false);
+  EXPECT_TRUE(r->add_generation_prompt);
+  EXPECT_TRUE(r->generate.logprobs());
+  EXPECT_EQ(r->generate.top_logprobs(), 2);
+  EXPECT_FLOAT_EQ(r->generate.temperature(), 0.0f);
+  EXPECT_FALSE(r->generate.has_prompt_ids());
+  EXPECT_TRUE(r->generate.prompt_text().empty());  // rendered later with the template
+}
+
+TEST(ChatRequest, Errors) {
+  const BadBody cases[] = {
+      {R"({"model": "m"})", "messages", "'messages' is required"},
+      {R"({"messages": []})", "messages", "non-empty list"},
+      {R"({"messages": ["hi"]})", "messages[0]", "must be an object"},
+      {R"({"messages": [{"content": "hi"}]})", "messages[0].role", "must be a string"},
+      {R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content",
+       "a string, a list of parts or null"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs",
+       "needs 'logprobs': true"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true,
+           "top_logprobs": 21})",
+       "top_logprobs", "0..20"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", "n", "'n' must be 1"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+       "tool_choice", "not supported"},
+      {R"({"messages": [{"role": "user", "content": "x"}],
+           "response_format": {"type": "json_object"}})",
+       "response_format", "not supported"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})",
+       "max_completion_tokens", "1.."},
+  };
+  for (const BadBody& c : cases) {
+    absl::StatusOr<OpenAiRequest> r = ParseChatRequest(c.body);
+    ASSERT_FALSE(r.ok()) << c.body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.body;
+    EXPECT_EQ(ParamOf(r.status()), c.param) << r.status();
+    EXPECT_NE(r.status().message().find(c.message_part), std::string::npos) << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace tandem::gateway
