@@ -287,9 +287,10 @@ absl::Status Engine::AddLogprobs(const Generation& g, const float* logits, Token
   logits_host_.resize(static_cast<size_t>(vocab));
   TANDEM_RETURN_IF_ERROR(
       backend_->CopyToHost(logits_host_.data(), logits, logits_host_.size() * sizeof(float)));
-  TANDEM_ASSIGN_OR_RETURN(StepLogprobs step,
-                          ComputeStepLogprobs(logits_host_.data(), vocab, event->token_id,
-                                              g.request.top_logprobs));
+  // A vocabulary smaller than the request's top_logprobs (toy models) lists every token.
+  const int32_t top_n = static_cast<int32_t>(std::min<int64_t>(g.request.top_logprobs, vocab));
+  TANDEM_ASSIGN_OR_RETURN(StepLogprobs step, ComputeStepLogprobs(logits_host_.data(), vocab,
+                                                                 event->token_id, top_n));
   event->logprob = step.sampled;
   event->top_logprobs.reserve(step.top.size());
   for (const LogprobCandidate& c : step.top) {
