@@ -11,11 +11,13 @@
 namespace tandem::chat_template::internal {
 namespace {
 
-// Jinja's object_type_repr: "'None'" or "'dict object'".
-std::string TypeRepr(const Value& obj) {
-  if (obj.is_none()) return "'None'";
-  return absl::StrCat("'", obj.TypeName(), " object'");
+// Jinja's object_type_repr: "None" or "dict object" (quoted in attribute messages, not in
+// element messages, as jinja2.Undefined words them).
+std::string TypeName(const Value& obj) {
+  if (obj.is_none()) return "None";
+  return absl::StrCat(obj.TypeName(), " object");
 }
+std::string TypeRepr(const Value& obj) { return absl::StrCat("'", TypeName(obj), "'"); }
 
 Value MissingAttribute(const Value& obj, absl::string_view name) {
   return Value::Undefined(absl::StrCat(TypeRepr(obj), " has no attribute '", name, "'"));
@@ -60,8 +62,8 @@ absl::StatusOr<Value> CallStrMethod(Interpreter& in, const std::string& self,
   if (name == "upper" || name == "lower" || name == "title" || name == "capitalize") {
     auto bound = BindArgs(name, args, {}, 0);
     if (!bound.ok()) return bound.status();
-    if (name == "upper") return Value::String(AsciiUpper(self));
-    if (name == "lower") return Value::String(AsciiLower(self));
+    if (name == "upper") return Value::String(PyUpper(self));
+    if (name == "lower") return Value::String(PyLower(self));
     if (name == "title") return Value::String(PyTitle(self));
     return Value::String(PyCapitalize(self));
   }
@@ -221,14 +223,14 @@ absl::StatusOr<Value> GetItem(const Value& obj, const Value& key) {
         return Value::String(obj.str().substr(offsets[i], offsets[i + 1] - offsets[i]));
       }
     }
-    return Value::Undefined(absl::StrCat(TypeRepr(obj), " has no element ", key.int_value()));
+    return Value::Undefined(absl::StrCat(TypeName(obj), " has no element ", key.int_value()));
   }
   if ((obj.is_dict() || obj.is_namespace()) && key.is_string()) {
     const Value* found = obj.dict().Find(key.str());
     if (found != nullptr) return *found;
   }
   if (key.is_string()) return GetAttribute(obj, key.str());
-  return Value::Undefined(absl::StrCat(TypeRepr(obj), " has no element ", ToPyRepr(key)));
+  return Value::Undefined(absl::StrCat(TypeName(obj), " has no element ", ToPyRepr(key)));
 }
 
 absl::StatusOr<Value> GetSlice(Interpreter& in, const Value& obj, const Value& start,

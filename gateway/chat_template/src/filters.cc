@@ -288,8 +288,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
     if (!bound.ok()) return bound.status();
     if (name == "safe") return subject;
     std::string s = ToPyString(subject);
-    if (name == "upper") return Value::String(AsciiUpper(s));
-    if (name == "lower") return Value::String(AsciiLower(s));
+    if (name == "upper") return Value::String(PyUpper(s));
+    if (name == "lower") return Value::String(PyLower(s));
     if (name == "capitalize") return Value::String(PyCapitalize(s));
     if (name == "title") return Value::String(JinjaTitle(s));
     return Value::String(std::move(s));
@@ -332,7 +332,7 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
         bool seen = false;
         for (const Value& kept : out) {
           seen = item.is_string() && kept.is_string()
-                     ? AsciiLower(item.str()) == AsciiLower(kept.str())
+                     ? PyLower(item.str()) == PyLower(kept.str())
                      : PyEquals(item, kept);
           if (seen) break;
         }

@@ -126,11 +126,14 @@ absl::Status Interpreter::Assign(const Node& node, const std::vector<std::string
     return AtLine(node.line, absl::InvalidArgumentError(absl::StrCat(
                                  "cannot unpack non-iterable ", value.TypeName(), " object")));
   }
-  if (items->size() != targets.size()) {
-    return AtLine(node.line,
-                  absl::InvalidArgumentError(absl::StrCat(
-                      items->size() < targets.size() ? "not enough" : "too many",
-                      " values to unpack (expected ", targets.size(), ", got ", items->size(), ")")));
+  if (items->size() > targets.size()) {
+    return AtLine(node.line, absl::InvalidArgumentError(absl::StrCat(
+                                 "too many values to unpack (expected ", targets.size(), ")")));
+  }
+  if (items->size() < targets.size()) {
+    return AtLine(node.line, absl::InvalidArgumentError(
+                                 absl::StrCat("not enough values to unpack (expected ",
+                                              targets.size(), ", got ", items->size(), ")")));
   }
   for (size_t i = 0; i < targets.size(); ++i) frame->vars[targets[i]] = (*items)[i];
   return absl::OkStatus();

@@ -17,7 +17,10 @@ namespace tandem::chat_template::internal {
 struct Token {
   enum class Type { kText, kVarBegin, kVarEnd, kBlockBegin, kBlockEnd, kName, kString, kInt,
                     kFloat, kOp, kEof };
-  Type type;
+  Token() = default;
+  explicit Token(Type t) : type(t) {}
+
+  Type type = Type::kEof;
   std::string text;  // text data, name, decoded string literal, operator
   int64_t int_value = 0;
   double float_value = 0;

@@ -151,7 +151,13 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
     if (op == "-") return Value::Float(x - y);
     if (op == "*") return Value::Float(x * y);
     if (op == "**") return Value::Float(std::pow(x, y));
-    if (y == 0) return absl::InvalidArgumentError("float division by zero");
+    if (y == 0) {
+      // Python's wording: int / int says "division by zero", a float operand names its operation.
+      bool ints = !a.is_float() && !b.is_float();
+      return absl::InvalidArgumentError(op == "/"  ? (ints ? "division by zero" : "float division by zero")
+                                        : op == "//" ? "float floor division by zero"
+                                                     : "float modulo");
+    }
     if (op == "/") return Value::Float(x / y);
     if (op == "//") return Value::Float(std::floor(x / y));
     if (op == "%") {

@@ -195,44 +195,123 @@ std::string PyReplace(std::string_view s, std::string_view old_text, std::string
   return out;
 }
 
-std::string AsciiUpper(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) {
-    if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
+namespace {
+
+// Simple case pairs of the scripts chat text commonly uses (Latin-1, Latin Extended-A, Greek,
+// Cyrillic); other code points have no case here. Python's special cases (final sigma, dotted
+// I) are not reproduced.
+uint32_t LowerOf(uint32_t cp) {
+  if (cp >= 'A' && cp <= 'Z') return cp + 32;
+  if (cp < 0xC0) return cp;
+  if ((cp >= 0xC0 && cp <= 0xDE && cp != 0xD7)) return cp + 32;
+  if (cp == 0x178) return 0xFF;
+  if ((cp >= 0x100 && cp <= 0x137) || (cp >= 0x14A && cp <= 0x177)) return cp | 1;
+  if ((cp >= 0x139 && cp <= 0x148) || (cp >= 0x179 && cp <= 0x17E)) return (cp & 1) ? cp + 1 : cp;
+  if (cp == 0x386) return 0x3AC;
+  if (cp >= 0x388 && cp <= 0x38A) return cp + 37;
+  if (cp == 0x38C) return 0x3CC;
+  if (cp == 0x38E || cp == 0x38F) return cp + 63;
+  if ((cp >= 0x391 && cp <= 0x3A1) || (cp >= 0x3A3 && cp <= 0x3AB)) return cp + 32;
+  if (cp >= 0x400 && cp <= 0x40F) return cp + 80;
+  if (cp >= 0x410 && cp <= 0x42F) return cp + 32;
+  if ((cp >= 0x460 && cp <= 0x481) || (cp >= 0x48A && cp <= 0x4BF)) return cp | 1;
+  return cp;
+}
+
+uint32_t UpperOf(uint32_t cp) {
+  if (cp >= 'a' && cp <= 'z') return cp - 32;
+  if (cp < 0xB5) return cp;
+  if (cp == 0xB5) return 0x39C;
+  if (cp >= 0xE0 && cp <= 0xFE && cp != 0xF7) return cp - 32;
+  if (cp == 0xFF) return 0x178;
+  if ((cp >= 0x100 && cp <= 0x137) || (cp >= 0x14A && cp <= 0x177)) return cp & ~1u;
+  if ((cp >= 0x139 && cp <= 0x148) || (cp >= 0x179 && cp <= 0x17E)) return (cp & 1) ? cp : cp - 1;
+  if (cp == 0x131) return 'I';
+  if (cp == 0x17F) return 'S';
+  if (cp == 0x3AC) return 0x386;
+  if (cp >= 0x3AD && cp <= 0x3AF) return cp - 37;
+  if (cp == 0x3CC) return 0x38C;
+  if (cp == 0x3CD || cp == 0x3CE) return cp - 63;
+  if (cp == 0x3C2) return 0x3A3;
+  if ((cp >= 0x3B1 && cp <= 0x3C1) || (cp >= 0x3C3 && cp <= 0x3CB)) return cp - 32;
+  if (cp >= 0x430 && cp <= 0x44F) return cp - 32;
+  if (cp >= 0x450 && cp <= 0x45F) return cp - 80;
+  if ((cp >= 0x460 && cp <= 0x481) || (cp >= 0x48A && cp <= 0x4BF)) return cp & ~1u;
+  return cp;
+}
+
+bool IsCased(uint32_t cp) { return LowerOf(cp) != cp || UpperOf(cp) != cp || cp == 0xDF; }
+
+void AppendUpper(uint32_t cp, std::string* out) {
+  if (cp == 0xDF) {  // ß
+    *out += "SS";
+    return;
   }
+  AppendCodePoint(UpperOf(cp), out);
+}
+
+template <typename F>
+void ForEachCodePoint(std::string_view s, F f) {
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t len = 0;
+    uint32_t cp = DecodeCodePoint(s, pos, &len);
+    // An invalid byte stays as it is.
+    if (len == 1 && cp >= 0x80) {
+      f(cp, s.substr(pos, 1), false);
+    } else {
+      f(cp, s.substr(pos, len), true);
+    }
+    pos += len;
+  }
+}
+
+}  // namespace
+
+std::string PyUpper(std::string_view s) {
+  std::string out;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
+    if (valid) AppendUpper(cp, &out);
+    else out += raw;
+  });
   return out;
 }
 
-std::string AsciiLower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) {
-    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-  }
+std::string PyLower(std::string_view s) {
+  std::string out;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
+    if (valid) AppendCodePoint(LowerOf(cp), &out);
+    else out += raw;
+  });
   return out;
 }
 
 std::string PyCapitalize(std::string_view s) {
-  std::string out = AsciiLower(s);
-  if (!out.empty() && out[0] >= 'a' && out[0] <= 'z') out[0] = static_cast<char>(out[0] - 32);
+  std::string out;
+  bool first = true;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
+    if (!valid) out += raw;
+    else if (first) AppendUpper(cp, &out);
+    else AppendCodePoint(LowerOf(cp), &out);
+    first = false;
+  });
   return out;
 }
 
-namespace {
-bool IsAsciiAlpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
-}  // namespace
-
 std::string PyTitle(std::string_view s) {
-  // A letter is upper-cased when the previous character is not a letter (non-ASCII bytes count
-  // as letters, so multi-byte words are left alone).
-  std::string out(s);
-  bool prev_letter = false;
-  for (char& c : out) {
-    bool letter = IsAsciiAlpha(c) || (static_cast<unsigned char>(c) >= 0x80);
-    if (IsAsciiAlpha(c)) {
-      c = prev_letter ? AsciiLower(std::string_view(&c, 1))[0] : AsciiUpper(std::string_view(&c, 1))[0];
+  // Python: a cased character is title-cased after an uncased one, lower-cased after a cased one.
+  std::string out;
+  bool previous_cased = false;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
+    if (!valid) {
+      out += raw;
+      previous_cased = false;
+      return;
     }
-    prev_letter = letter;
-  }
+    if (previous_cased) AppendCodePoint(LowerOf(cp), &out);
+    else AppendUpper(cp, &out);
+    previous_cased = IsCased(cp);
+  });
   return out;
 }
 
@@ -240,18 +319,18 @@ std::string JinjaTitle(std::string_view s) {
   // Jinja's do_title: split at runs of [-\s({\[<], then item[0].upper() + item[1:].lower().
   std::string out;
   bool word_start = true;
-  for (char c : s) {
-    bool sep = c == '-' || c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' ||
-               c == '\v' || c == '(' || c == '{' || c == '[' || c == '<';
-    if (sep) {
-      out.push_back(c);
-      word_start = true;
-      continue;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
+    bool sep = cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' ||
+               (valid && IsPyWhitespace(cp));
+    if (sep || !valid) {
+      out += raw;
+      word_start = sep;
+      return;
     }
-    out.push_back(word_start ? AsciiUpper(std::string_view(&c, 1))[0]
-                             : AsciiLower(std::string_view(&c, 1))[0]);
+    if (word_start) AppendUpper(cp, &out);
+    else AppendCodePoint(LowerOf(cp), &out);
     word_start = false;
-  }
+  });
   return out;
 }
 

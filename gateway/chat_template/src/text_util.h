@@ -1,6 +1,6 @@
 // Python str semantics over UTF-8 bytes: lengths, indices and slices count code points, strip
-// and split use Python's whitespace set, case changes are ASCII-only (non-ASCII letters are kept
-// as they are; a documented difference from Python for e.g. "é".upper()).
+// and split use Python's whitespace set, case changes cover ASCII, Latin-1, Latin Extended-A,
+// Greek and Cyrillic (not Python's final-sigma and dotted-I special cases, nor other scripts).
 #pragma once
 
 #include <cstdint>
@@ -34,8 +34,8 @@ std::string PyReplace(std::string_view s, std::string_view old_text, std::string
 size_t PyReplaceSize(std::string_view s, std::string_view old_text, std::string_view new_text,
                      int64_t count);
 
-std::string AsciiUpper(std::string_view s);
-std::string AsciiLower(std::string_view s);
+std::string PyUpper(std::string_view s);        // str.upper / the upper filter
+std::string PyLower(std::string_view s);        // str.lower / the lower filter
 std::string PyCapitalize(std::string_view s);   // str.capitalize / the capitalize filter
 std::string PyTitle(std::string_view s);        // str.title()
 std::string JinjaTitle(std::string_view s);     // the title filter (words split at [-\s({\[<])

@@ -46,8 +46,9 @@ TEMPLATES = {
     },
     "llama3": {
         "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "tools": False,
-        "source": "Meta-Llama-3-8B-Instruct (first release), ggerganov/llama.cpp "
-                  "tests/test-chat-template.cpp @037af53bfa603770fd93c91508df4379e4b7d6e2 (\"Llama-3\")",
+        "source": "meta-llama/Meta-Llama-3-8B-Instruct, as quoted (with that tokenizer_config.json "
+                  "URL) in abetlen/llama-cpp-python llama_cpp/llama_chat_format.py "
+                  "@001fbb467a5fb22302b7e02ca40910aa3c18b885 (LLAMA3_INSTRUCT_CHAT_TEMPLATE)",
     },
     "qwen2_5": {
         "bos_token": "", "eos_token": "<|im_end|>", "tools": True,
@@ -62,14 +63,17 @@ TEMPLATES = {
     },
     "mistral_v0_1": {
         "bos_token": "<s>", "eos_token": "</s>", "tools": False,
-        "source": "TheBloke/Mistral-7B-Instruct-v0.1-GPTQ (Mistral-7B-Instruct-v0.1), "
-                  "huggingface/huggingface.js packages/jinja/test/e2e.test.js "
-                  "@029db6baefd46bedd8900dd2ba4aa1eb03a9ef3d",
+        "source": "mistralai/Mistral-7B-Instruct-v0.1, abetlen/llama-cpp-python "
+                  "llama_cpp/llama_chat_format.py @001fbb467a5fb22302b7e02ca40910aa3c18b885 "
+                  "(MISTRAL_INSTRUCT_CHAT_TEMPLATE); the same text is in huggingface/huggingface.js "
+                  "packages/jinja/test/e2e.test.js @029db6baefd46bedd8900dd2ba4aa1eb03a9ef3d",
     },
     "mistral_v0_2": {
         "bos_token": "<s>", "eos_token": "</s>", "tools": False,
         "source": "mistralai/Mistral-7B-Instruct-v0.2, ggerganov/llama.cpp "
-                  "tests/test-chat-template.cpp @037af53bfa603770fd93c91508df4379e4b7d6e2",
+                  "tests/test-chat-template.cpp @037af53bfa603770fd93c91508df4379e4b7d6e2; the same "
+                  "text is Mixtral-8x7B-Instruct-v0.1's in abetlen/llama-cpp-python "
+                  "llama_cpp/llama_chat_format.py @001fbb467a5fb22302b7e02ca40910aa3c18b885",
     },
     "mistral_nemo_2407": {
         "bos_token": "<s>", "eos_token": "</s>", "tools": True,
@@ -194,6 +198,32 @@ SNIPPETS = [
  ("string_escapes", "{{ 'a\\tb\\\\n\\x41\\u00e9' }}|{{ \"q'\" }}|{{ 'x' 'y' }}", {}),
  ("dict_literal", "{% set d = {'a': 1, 'b': [1, 2]} %}{{ d.b[1] }}{{ dict(x=1, y=2) | tojson }}", {}),
  ("crlf_and_trailing", "a\r\nb{% if true %}\r\nc{% endif %}\n", {}),
+ ("ws_block_at_start", "  {% if true %}\n  x\n  {% endif %}\n  y", {}),
+ ("ws_dash_var", "a\n\n  {{- 'b' -}}\n\n  c\n{{ 'd' -}}   \n e", {}),
+ ("ws_comment_line", "a\n    {#- c #}\n    {# d -#}\n\nb", {}),
+ ("ws_nested_blocks", "{% for m in ms %}\n    {%- if m %}\n        <{{ m }}>\n    {%- endif %}\n{% endfor %}\n", {"ms": ["a", "", "b"]}),
+ ("ws_text_only_newlines", "\n\n{% if true %}\n\n{% endif %}\n\n", {}),
+ ("loop_more", "{% for x in [1, 2, 3] %}{{ loop.revindex0 }}{% if not loop.last %}{{ loop.nextitem }}{% endif %}{{ loop.depth }},{% endfor %}", {}),
+ ("tuple_set", "{% set a, b = [1, 2] %}{% set (c, d) = 'xy' %}{{ a }}{{ b }}{{ c }}{{ d }}", {}),
+ ("float_repr", "{{ 1e100 }} {{ -0.0 }} {{ 1.0 }} {{ 3.14 }} {{ 123456789012345678.0 }} {{ 0.0001 }} {{ 2.5e-7 }} {{ [1.5, 2.0] | tojson }} {{ 1e16 | tojson }}", {}),
+ ("dict_filters", "{{ d | length }} {{ d | list }} {{ d | first }} {{ d is sequence }} {{ 5 is iterable }} {{ d is mapping }} {{ 'x' is sequence }}", {"d": {"k1": 1, "k2": 2}}),
+ ("macro_namespace", "{% macro count(xs) %}{% set ns = namespace(n=0) %}{% for x in xs %}{% set ns.n = ns.n + x %}{% endfor %}{{ ns.n }}{% endmacro %}{{ count([1, 2, 3]) }}|{{ count([]) }}", {}),
+ ("unicode_compare", "{{ 'é' > 'z' }} {{ 'ab' < 'abc' }} {{ ['b'] > ['a', 'z'] }} {{ 'ÄbC' | lower }} {{ 'x' | center if false else 'ok' }}", {}),
+ ("content_checks", "{% for m in ms %}{{ m.content is string }}{{ m.content is none }}{{ m.get('name', 'anon') }};{% endfor %}", {"ms": [{"content": "a"}, {"content": None, "name": "n"}]}),
+ ("neg_index_slices", "{{ l[-1] }}{{ l[:-1] }}{{ l[1:] }}{{ l[::-1] }}{{ l[10:] }}{{ l[-10:2] }}{{ 'abc'[1:] }}{{ 'abc'[::-2] }}", {"l": [1, 2, 3]}),
+ ("int_filters", "{{ '  12 ' | int }} {{ '3.9' | int }} {{ 4.7 | int }} {{ true | int }} {{ 'x' | int(-1) }} {{ '2.5' | float }} {{ 3 | float }} {{ -3 | abs }}", {}),
+ ("join_attr", "{{ ms | join(', ', attribute='role') }}|{{ [1, none, 'a'] | join('-') }}", {"ms": [{"role": "user"}, {"role": "assistant"}]}),
+ ("err_div_zero", "{{ 1 // 0 }}", {}),
+ ("err_truediv_zero", "{{ 1 / 0 }}", {}),
+ ("err_mod_zero", "{{ 1 % 0 }}", {}),
+ ("err_none_plus", "{{ none + 1 }}", {}),
+ ("err_list_plus_str", "{{ [1] + 'a' }}", {}),
+ ("err_in_none", "{{ 'a' in none }}", {}),
+ ("err_compare", "{{ 'a' < 1 }}", {}),
+ ("err_empty_index", "{{ messages[-1].role }}", {"messages": []}),
+ ("err_unpack", "{% for a, b in [[1, 2, 3]] %}{% endfor %}", {}),
+ ("err_undefined_call", "{{ nothing() }}", {}),
+ ("err_not_callable", "{{ 'abc'() }}", {}),
  # Errors: jinja2's message must appear in tandem's error (syntax errors: any syntax error).
  ("err_concat", "{{ 'a' + 1 }}", {}),
  ("err_undefined_attr", "line1\n{{ foo.bar }}", {}),
