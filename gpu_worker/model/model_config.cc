@@ -73,6 +73,21 @@ absl::Status ReadSize(const json& obj, absl::string_view key, bool required, int
   return absl::OkStatus();
 }
 
+// Reads integer field `key` (0 <= value <= kMaxLayers) into *out, which keeps its value when
+// the field is absent or null.
+absl::Status ReadNonNegativeSize(const json& obj, absl::string_view key, absl::string_view source,
+                                 int64_t* out) {
+  const json* field = FindField(obj, key);
+  if (field == nullptr) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(int64_t value, JsonToInt64(*field, Where(source, key)));
+  if (value < 0 || value > kMaxLayers) {
+    return Invalid(source,
+                   absl::StrCat(key, " = ", value, " is out of range [0, ", kMaxLayers, "]"));
+  }
+  *out = value;
+  return absl::OkStatus();
+}
+
 // Reads a positive finite number field; *out keeps its value when absent.
 absl::Status ReadPositive(const json& obj, absl::string_view key, absl::string_view source,
                           double* out) {
@@ -125,9 +140,88 @@ absl::Status ReadSpecialTokens(const json& obj, absl::string_view source, ModelC
   return absl::OkStatus();
 }
 
+// Reads a non-negative number field into *out, which keeps its value when the field is absent
+// or null. transformers treats 0 as "not set" for beta_fast, beta_slow, mscale, mscale_all_dim
+// (`x or default`), so the caller's default of 0 or the field's default carries that meaning.
+absl::Status ReadNonNegative(const json& obj, absl::string_view key, absl::string_view source,
+                             double* out) {
+  const json* field = FindField(obj, key);
+  if (field == nullptr) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(double value, JsonToDouble(*field, Where(source, key)));
+  if (!(value >= 0) || !std::isfinite(value)) {
+    return Invalid(source, absl::StrCat(key, " = ", value, " must be a finite number >= 0"));
+  }
+  *out = value;
+  return absl::OkStatus();
+}
+
+// The "yarn" fields of transformers 5's _compute_yarn_parameters / _validate_yarn_rope_parameters.
+absl::Status ReadYarn(const json& params, absl::string_view source, absl::string_view name,
+                      int64_t max_positions, RopeScaling* scaling) {
+  const std::string where = Where(source, name);
+  scaling->type = RopeScaling::Type::kYarn;
+  if (FindField(params, "factor") == nullptr) {
+    return Invalid(source, absl::StrCat("rope type \"yarn\" needs ", name, ".factor"));
+  }
+  TANDEM_RETURN_IF_ERROR(ReadPositive(params, "factor", where, &scaling->factor));
+  // Absent: the config's max_position_embeddings (transformers' standardize_rope_params).
+  scaling->original_max_position_embeddings = max_positions;
+  TANDEM_RETURN_IF_ERROR(ReadSize(params, "original_max_position_embeddings", false, kMaxPositions,
+                                  where, &scaling->original_max_position_embeddings));
+  TANDEM_RETURN_IF_ERROR(
+      ReadPositive(params, "attention_factor", where, &scaling->attention_factor));
+  double beta_fast = 0, beta_slow = 0;
+  TANDEM_RETURN_IF_ERROR(ReadNonNegative(params, "beta_fast", where, &beta_fast));
+  TANDEM_RETURN_IF_ERROR(ReadNonNegative(params, "beta_slow", where, &beta_slow));
+  if (beta_fast > 0) scaling->beta_fast = beta_fast;
+  if (beta_slow > 0) scaling->beta_slow = beta_slow;
+  TANDEM_RETURN_IF_ERROR(ReadNonNegative(params, "mscale", where, &scaling->mscale));
+  TANDEM_RETURN_IF_ERROR(
+      ReadNonNegative(params, "mscale_all_dim", where, &scaling->mscale_all_dim));
+  if (const json* truncate = FindField(params, "truncate")) {
+    TANDEM_ASSIGN_OR_RETURN(scaling->truncate, JsonToBool(*truncate, Where(where, "truncate")));
+  }
+  if (const json* partial = FindField(params, "partial_rotary_factor")) {
+    TANDEM_ASSIGN_OR_RETURN(double value,
+                            JsonToDouble(*partial, Where(where, "partial_rotary_factor")));
+    if (value != 1.0) return Invalid(source, "partial_rotary_factor != 1 is not supported");
+  }
+  return absl::OkStatus();
+}
+
+// Sets config->sliding_window from Mistral's `sliding_window` (transformers' MistralConfig
+// default 4096 when the key is absent, none when null) or Qwen2's (only with
+// use_sliding_window true, and only when some layer, those from max_window_layers on, uses it).
+absl::Status ReadSlidingWindow(const json& obj, absl::string_view source, ModelConfig* config) {
+  config->sliding_window = 0;
+  if (config->model_type == "llama") return absl::OkStatus();
+  int64_t window = 0;
+  const bool present = obj.is_object() && obj.contains("sliding_window");
+  if (config->model_type == "mistral") {
+    if (!present) window = 4096;
+  } else {  // qwen2
+    const json* use = FindField(obj, "use_sliding_window");
+    bool used = false;
+    if (use != nullptr) {
+      TANDEM_ASSIGN_OR_RETURN(used, JsonToBool(*use, Where(source, "use_sliding_window")));
+    }
+    if (!used) return absl::OkStatus();
+    int64_t first_layer = 28;  // Qwen2Config's max_window_layers default
+    TANDEM_RETURN_IF_ERROR(ReadNonNegativeSize(obj, "max_window_layers", source, &first_layer));
+    if (first_layer >= config->num_layers) return absl::OkStatus();
+    if (!present) window = 4096;
+  }
+  if (FindField(obj, "sliding_window") != nullptr) {
+    TANDEM_RETURN_IF_ERROR(ReadSize(obj, "sliding_window", true, kMaxPositions, source, &window));
+  }
+  config->sliding_window = window;
+  return absl::OkStatus();
+}
+
 // `params` is a rope_scaling or rope_parameters object: {rope_type|type, factor, ...}.
+// `max_positions` is the config's max_position_embeddings (yarn's default original length).
 absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl::string_view name,
-                             RopeScaling* scaling) {
+                             int64_t max_positions, RopeScaling* scaling) {
   if (!params.is_object()) {
     return internal::TypeError(Where(source, name), "an object", params);
   }
@@ -150,6 +244,11 @@ absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl:
     scaling->type = RopeScaling::Type::kLinear;
     return require_positive("factor", &scaling->factor);
   }
+  if (type == "dynamic") {
+    scaling->type = RopeScaling::Type::kDynamic;
+    return require_positive("factor", &scaling->factor);
+  }
+  if (type == "yarn") return ReadYarn(params, source, name, max_positions, scaling);
   if (type == "llama3") {
     scaling->type = RopeScaling::Type::kLlama3;
     TANDEM_RETURN_IF_ERROR(require_positive("factor", &scaling->factor));
@@ -169,7 +268,7 @@ absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl:
     return absl::OkStatus();
   }
   return Invalid(source, absl::StrCat("unsupported rope type \"", type, "\" in ", name,
-                                      " (supported: default, linear, llama3)"));
+                                      " (supported: default, linear, llama3, yarn, dynamic)"));
 }
 
 absl::StatusOr<DType> ReadDType(const json& obj, absl::string_view source) {
@@ -286,12 +385,13 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
   config.rope_theta = 10000.0;
   TANDEM_RETURN_IF_ERROR(ReadPositive(obj, "rope_theta", source, &config.rope_theta));
   if (const json* params = FindField(obj, "rope_parameters")) {
-    TANDEM_RETURN_IF_ERROR(
-        ReadRopeScaling(*params, source, "rope_parameters", &config.rope_scaling));
+    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*params, source, "rope_parameters",
+                                           config.max_position_embeddings, &config.rope_scaling));
     TANDEM_RETURN_IF_ERROR(
         ReadPositive(*params, "rope_theta", Where(source, "rope_parameters"), &config.rope_theta));
   } else if (const json* scaling = FindField(obj, "rope_scaling")) {
-    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, source, "rope_scaling", &config.rope_scaling));
+    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, source, "rope_scaling",
+                                           config.max_position_embeddings, &config.rope_scaling));
   }
 
   if (const json* tie = FindField(obj, "tie_word_embeddings")) {
@@ -309,6 +409,7 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
   }
   TANDEM_RETURN_IF_ERROR(ReadSpecialTokens(obj, source, &config));
   TANDEM_ASSIGN_OR_RETURN(config.weight_dtype, ReadDType(obj, source));
+  TANDEM_RETURN_IF_ERROR(ReadSlidingWindow(obj, source, &config));
   return config;
 }
 
@@ -353,40 +454,154 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_d
   return config;
 }
 
-std::vector<float> RopeInvFreq(const ModelConfig& config) {
-  // Mirrors transformers' float32 tensor math: Python scalars meet f32 tensors as f32.
-  const int64_t half = config.head_dim / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
-  const float base = static_cast<float>(config.rope_theta);
-  const float dim = static_cast<float>(config.head_dim);
-  for (int64_t i = 0; i < half; ++i) {
+namespace {
+
+// 1 / theta^(2i / dim) for i < dim / 2, in f32 as torch computes `base ** (arange(0, dim, 2) /
+// dim)` (Python scalars meet f32 tensors as f32).
+std::vector<float> PlainInvFreq(float base, int64_t head_dim) {
+  std::vector<float> inv_freq(static_cast<size_t>(head_dim / 2));
+  const float dim = static_cast<float>(head_dim);
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
     const float exponent = static_cast<float>(2 * i) / dim;
     inv_freq[i] = 1.0f / std::pow(base, exponent);
   }
-  const RopeScaling& s = config.rope_scaling;
-  if (s.type == RopeScaling::Type::kLinear) {
-    for (float& f : inv_freq) f /= static_cast<float>(s.factor);
-  } else if (s.type == RopeScaling::Type::kLlama3) {
-    // _compute_llama3_parameters; the wavelength thresholds are Python floats (f64).
-    const double old_context = static_cast<double>(s.original_max_position_embeddings);
-    const float low_freq_wavelen = static_cast<float>(old_context / s.low_freq_factor);
-    const float high_freq_wavelen = static_cast<float>(old_context / s.high_freq_factor);
-    const float factor = static_cast<float>(s.factor);
-    const float low = static_cast<float>(s.low_freq_factor);
-    const float span = static_cast<float>(s.high_freq_factor - s.low_freq_factor);
-    const float two_pi = static_cast<float>(2 * std::numbers::pi);
-    for (float& f : inv_freq) {
-      const float wavelen = two_pi / f;
-      float scaled = wavelen > low_freq_wavelen ? f / factor : f;
-      const bool is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
-      if (is_medium) {
-        const float smooth = (static_cast<float>(old_context) / wavelen - low) / span;
-        scaled = (1 - smooth) * scaled / factor + smooth * scaled;
-      }
-      f = scaled;
+  return inv_freq;
+}
+
+// _compute_llama3_parameters; the wavelength thresholds are Python floats (f64).
+void ApplyLlama3(const RopeScaling& s, std::vector<float>& inv_freq) {
+  const double old_context = static_cast<double>(s.original_max_position_embeddings);
+  const float low_freq_wavelen = static_cast<float>(old_context / s.low_freq_factor);
+  const float high_freq_wavelen = static_cast<float>(old_context / s.high_freq_factor);
+  const float factor = static_cast<float>(s.factor);
+  const float low = static_cast<float>(s.low_freq_factor);
+  const float span = static_cast<float>(s.high_freq_factor - s.low_freq_factor);
+  const float two_pi = static_cast<float>(2 * std::numbers::pi);
+  for (float& f : inv_freq) {
+    const float wavelen = two_pi / f;
+    float scaled = wavelen > low_freq_wavelen ? f / factor : f;
+    const bool is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+    if (is_medium) {
+      const float smooth = (static_cast<float>(old_context) / wavelen - low) / span;
+      scaled = (1 - smooth) * scaled / factor + smooth * scaled;
     }
+    f = scaled;
+  }
+}
+
+// _compute_yarn_parameters: the correction range is Python f64 math, the tensors f32.
+std::vector<float> YarnInvFreq(const ModelConfig& config) {
+  const RopeScaling& s = config.rope_scaling;
+  const double base = config.rope_theta;
+  const int64_t dim = config.head_dim;
+  // The (fractional) dimension whose wavelength fits num_rotations times in the original
+  // context: dim · ln(L / (2π·rotations)) / (2 ln base).
+  auto correction_dim = [&](double num_rotations) {
+    const double context = static_cast<double>(s.original_max_position_embeddings);
+    return (static_cast<double>(dim) * std::log(context / (num_rotations * 2 * std::numbers::pi))) /
+           (2 * std::log(base));
+  };
+  double low = correction_dim(s.beta_fast);
+  double high = correction_dim(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // transformers: "prevent singularity"
+  const float ramp_low = static_cast<float>(low);
+  const float ramp_span = static_cast<float>(high - low);
+  const float factor = static_cast<float>(s.factor);
+  std::vector<float> inv_freq(static_cast<size_t>(dim / 2));
+  const float fdim = static_cast<float>(dim);
+  const float fbase = static_cast<float>(base);
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    const float pos_freq = std::pow(fbase, static_cast<float>(2 * i) / fdim);
+    const float extrapolation = 1.0f / pos_freq;
+    const float interpolation = 1.0f / (factor * pos_freq);
+    const float ramp = std::clamp((static_cast<float>(i) - ramp_low) / ramp_span, 0.0f, 1.0f);
+    const float extrapolation_factor = 1.0f - ramp;
+    inv_freq[i] =
+        interpolation * (1.0f - extrapolation_factor) + extrapolation * extrapolation_factor;
   }
   return inv_freq;
+}
+
+// transformers' get_mscale.
+double YarnMscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+
+}  // namespace
+
+std::vector<float> RopeInvFreq(const ModelConfig& config, int64_t seq_len) {
+  const RopeScaling& s = config.rope_scaling;
+  float base = static_cast<float>(config.rope_theta);
+  switch (s.type) {
+    case RopeScaling::Type::kNone:
+      return PlainInvFreq(base, config.head_dim);
+    case RopeScaling::Type::kLinear: {
+      std::vector<float> inv_freq = PlainInvFreq(base, config.head_dim);
+      for (float& f : inv_freq) f /= static_cast<float>(s.factor);
+      return inv_freq;
+    }
+    case RopeScaling::Type::kLlama3: {
+      std::vector<float> inv_freq = PlainInvFreq(base, config.head_dim);
+      ApplyLlama3(s, inv_freq);
+      return inv_freq;
+    }
+    case RopeScaling::Type::kYarn:
+      return YarnInvFreq(config);
+    case RopeScaling::Type::kDynamic:
+      if (seq_len > config.max_position_embeddings) {
+        // _compute_dynamic_ntk_parameters with seq_len an int64 tensor: every step in f32.
+        const float ratio = static_cast<float>(s.factor) * static_cast<float>(seq_len) /
+                            static_cast<float>(config.max_position_embeddings);
+        const float growth = ratio - static_cast<float>(s.factor - 1);
+        const float exponent = static_cast<float>(static_cast<double>(config.head_dim) /
+                                                  static_cast<double>(config.head_dim - 2));
+        base = base * std::pow(growth, exponent);
+      }
+      return PlainInvFreq(base, config.head_dim);
+  }
+  return PlainInvFreq(base, config.head_dim);
+}
+
+float RopeAttentionScaling(const ModelConfig& config) {
+  const RopeScaling& s = config.rope_scaling;
+  if (s.type != RopeScaling::Type::kYarn) return 1.0f;
+  if (s.attention_factor > 0) return static_cast<float>(s.attention_factor);
+  if (s.mscale > 0 && s.mscale_all_dim > 0) {
+    return static_cast<float>(YarnMscale(s.factor, s.mscale) /
+                              YarnMscale(s.factor, s.mscale_all_dim));
+  }
+  return static_cast<float>(YarnMscale(s.factor, 1.0));
+}
+
+bool RopeDependsOnLength(const ModelConfig& config) {
+  return config.rope_scaling.type == RopeScaling::Type::kDynamic;
+}
+
+int64_t ModelContextLimit(const ModelConfig& config) {
+  const RopeScaling& s = config.rope_scaling;
+  double limit = static_cast<double>(config.max_position_embeddings);
+  switch (s.type) {
+    case RopeScaling::Type::kLinear:
+    case RopeScaling::Type::kDynamic:
+      limit *= s.factor;
+      break;
+    case RopeScaling::Type::kYarn:
+      limit = std::max(limit, static_cast<double>(s.original_max_position_embeddings) * s.factor);
+      break;
+    case RopeScaling::Type::kNone:
+    case RopeScaling::Type::kLlama3:
+      break;
+  }
+  limit = std::clamp(std::floor(limit), 1.0, static_cast<double>(kMaxPositions));
+  int64_t positions = static_cast<int64_t>(limit);
+  if (config.sliding_window > 0) positions = std::min(positions, config.sliding_window);
+  return positions;
 }
 
 }  // namespace tandem::gpu_worker

@@ -74,6 +74,18 @@ struct Preset {
 };
 constexpr Preset kPresets[] = {{"llama3-8b", &Llama3_8B}, {"tiny", &Tiny}};
 
+// Fields a parsed config leaves at their defaults for the other rope types compare equal too.
+bool SameRope(const RopeScaling& a, const RopeScaling& b) {
+  return a.type == b.type &&
+         (a.type == RopeScaling::Type::kNone ||
+          (a.factor == b.factor && a.low_freq_factor == b.low_freq_factor &&
+           a.high_freq_factor == b.high_freq_factor &&
+           a.original_max_position_embeddings == b.original_max_position_embeddings &&
+           a.beta_fast == b.beta_fast && a.beta_slow == b.beta_slow &&
+           a.attention_factor == b.attention_factor && a.mscale == b.mscale &&
+           a.mscale_all_dim == b.mscale_all_dim && a.truncate == b.truncate));
+}
+
 // The fields a config.json carries; two configs equal here describe the same model.
 bool SameGeometry(const ModelConfig& a, const ModelConfig& b) {
   return a.model_type == b.model_type && a.hidden_size == b.hidden_size &&
@@ -82,13 +94,7 @@ bool SameGeometry(const ModelConfig& a, const ModelConfig& b) {
          a.head_dim == b.head_dim && a.vocab_size == b.vocab_size &&
          a.max_position_embeddings == b.max_position_embeddings &&
          a.rms_norm_eps == b.rms_norm_eps && a.rope_theta == b.rope_theta &&
-         a.rope_scaling.type == b.rope_scaling.type &&
-         (a.rope_scaling.type == RopeScaling::Type::kNone ||
-          (a.rope_scaling.factor == b.rope_scaling.factor &&
-           a.rope_scaling.low_freq_factor == b.rope_scaling.low_freq_factor &&
-           a.rope_scaling.high_freq_factor == b.rope_scaling.high_freq_factor &&
-           a.rope_scaling.original_max_position_embeddings ==
-               b.rope_scaling.original_max_position_embeddings)) &&
+         SameRope(a.rope_scaling, b.rope_scaling) && a.sliding_window == b.sliding_window &&
          a.tie_word_embeddings == b.tie_word_embeddings && a.qkv_bias == b.qkv_bias &&
          a.bos_token_id == b.bos_token_id && a.eos_token_ids == b.eos_token_ids &&
          a.weight_dtype == b.weight_dtype;
@@ -231,6 +237,22 @@ absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& c) {
           {"high_freq_factor", s.high_freq_factor},
           {"original_max_position_embeddings", s.original_max_position_embeddings}};
       break;
+    case RopeScaling::Type::kDynamic:
+      j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", s.factor}};
+      break;
+    case RopeScaling::Type::kYarn: {
+      json yarn = {{"rope_type", "yarn"},
+                   {"factor", s.factor},
+                   {"original_max_position_embeddings", s.original_max_position_embeddings},
+                   {"beta_fast", s.beta_fast},
+                   {"beta_slow", s.beta_slow},
+                   {"truncate", s.truncate}};
+      if (s.attention_factor > 0) yarn["attention_factor"] = s.attention_factor;
+      if (s.mscale > 0) yarn["mscale"] = s.mscale;
+      if (s.mscale_all_dim > 0) yarn["mscale_all_dim"] = s.mscale_all_dim;
+      j["rope_scaling"] = std::move(yarn);
+      break;
+    }
   }
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1) {

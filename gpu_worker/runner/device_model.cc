@@ -152,6 +152,7 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
     dm->layers_.push_back(std::move(layer));
   }
   const std::vector<float> inv_freq = RopeInvFreq(config);
+  dm->rope_attention_scaling_ = RopeAttentionScaling(config);
   TANDEM_ASSIGN_OR_RETURN(dm->inv_freq_, backend.Allocate(inv_freq.size() * 4));
   TANDEM_RETURN_IF_ERROR(
       backend.CopyToDevice(dm->inv_freq_.data(), inv_freq.data(), inv_freq.size() * 4));
@@ -194,6 +195,7 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& mo
     dm->layers_.push_back(std::move(layer));
   }
   const std::vector<float> inv_freq = RopeInvFreq(model.config);
+  dm->rope_attention_scaling_ = RopeAttentionScaling(model.config);
   TANDEM_ASSIGN_OR_RETURN(dm->inv_freq_, backend.Allocate(inv_freq.size() * 4));
   TANDEM_RETURN_IF_ERROR(
       backend.CopyToDevice(dm->inv_freq_.data(), inv_freq.data(), inv_freq.size() * 4));

@@ -65,6 +65,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.slots, C));
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.targets, C));
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.logprobs, C));
+  if (RopeDependsOnLength(c)) {
+    TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.rope_inv_freq, C * (D / 2)));
+  }
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, runner->logits_, c.vocab_size));
   runner->logits_rows_ = 1;
   a.q_host.resize(C * Hq * D);
@@ -239,6 +242,7 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   TANDEM_RETURN_IF_ERROR(
       backend_.CopyToDevice(act_.positions.data(), positions_host_.data(), n * 4));
   TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.slots.data(), slots_host_.data(), n * 4));
+  TANDEM_RETURN_IF_ERROR(PrepareRope(segments, n));
   tiers_.BeginPass(segments.size());
   for (size_t i = 0; i < segments.size(); ++i) {
     if (segments[i].attends) TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->BeginPass(tiers_, i));
@@ -259,6 +263,29 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   ++profile_.passes;
   if (batches.size() > 1) ++profile_.split_passes;
   return status;
+}
+
+absl::Status ModelRunner::PrepareRope(const std::vector<Segment>& segments, int64_t rows) {
+  rope_per_row_ = false;
+  const ModelConfig& c = model_.config();
+  if (!RopeDependsOnLength(c)) return absl::OkStatus();
+  // Segments are stacked in pass order; a segment's rows end at its sequence's new length.
+  bool any_long = false;
+  for (const Segment& s : segments) {
+    any_long |= s.seq->window.next_position() > c.max_position_embeddings;
+  }
+  if (!any_long) return absl::OkStatus();
+  const size_t half = static_cast<size_t>(c.head_dim / 2);
+  rope_inv_freq_host_.resize(static_cast<size_t>(rows) * half);
+  float* dst = rope_inv_freq_host_.data();
+  for (const Segment& s : segments) {
+    const std::vector<float> inv_freq = RopeInvFreq(c, s.seq->window.next_position());
+    for (int64_t i = 0; i < s.n; ++i, dst += half) std::copy(inv_freq.begin(), inv_freq.end(), dst);
+  }
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(
+      act_.rope_inv_freq.data(), rope_inv_freq_host_.data(), rope_inv_freq_host_.size() * 4));
+  rope_per_row_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
@@ -314,6 +341,11 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   rope.row_stride = QKV;
   rope.positions = act_.positions.as<int32_t>() + mb.row0;
   rope.inv_freq = model_.inv_freq();
+  rope.attention_scaling = model_.rope_attention_scaling();
+  if (rope_per_row_) {
+    rope.inv_freq_row_stride = D / 2;
+    rope.inv_freq = act_.rope_inv_freq.as<float>() + mb.row0 * (D / 2);
+  }
   rope.num_tokens = n;
   rope.head_dim = D;
   rope.x = qkv;

@@ -94,7 +94,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         absl::StrCat("the tokenizer has ", engine->tokenizer_->vocab_size(),
                      " tokens but the model's vocabulary is ", c.vocab_size));
   }
-  engine->max_context_ = c.max_position_embeddings;
+  // The positions the model runs faithfully (model_config.h): max_position_embeddings, extended
+  // by a yarn / dynamic / linear rope scaling, capped at a sliding window.
+  engine->max_context_ = ModelContextLimit(c);
+  if (c.sliding_window > 0 && engine->max_context_ == c.sliding_window) {
+    spdlog::warn(
+        "the model uses sliding-window attention ({} tokens), which tandem runs as full "
+        "attention: the two agree up to the window, so contexts are capped at {} tokens",
+        c.sliding_window, c.sliding_window);
+  }
   if (options.max_context > 0) engine->max_context_ = std::min(engine->max_context_, options.max_context);
   if (options.kv_dtype == "auto") {
     engine->kv_dtype_ = engine->model_->weights.dtype == DType::kF32 ? DType::kF32 : DType::kBF16;

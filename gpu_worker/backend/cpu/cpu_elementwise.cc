@@ -108,14 +108,20 @@ absl::Status RunRope(const RopeParams& p, ScratchBuffer& scratch) {
                         p.num_heads * p.head_dim));
   }
   const int64_t half = p.head_dim / 2;
+  if (p.inv_freq_row_stride != 0 && p.inv_freq_row_stride < half) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("Rope: inv_freq_row_stride %d is neither 0 nor >= head_dim / 2 = %d",
+                        p.inv_freq_row_stride, half));
+  }
   float* cs = scratch.Get<float>(2 * static_cast<size_t>(half));
   if (cs == nullptr) return absl::ResourceExhaustedError("Rope: out of memory for the table");
   float* sn = cs + half;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     // Angles in f32 as float(pos) · inv_freq[i] (transformers does the same), then cos/sin.
     const float pos = static_cast<float>(p.positions[t]);
+    const float* inv_freq = p.inv_freq + t * p.inv_freq_row_stride;
     for (int64_t i = 0; i < half; ++i) {
-      const float angle = pos * p.inv_freq[i];
+      const float angle = pos * inv_freq[i];
       cs[i] = std::cos(angle) * p.attention_scaling;
       sn[i] = std::sin(angle) * p.attention_scaling;
     }

@@ -433,16 +433,21 @@ absl::Status CudaBackend::Rope(const RopeParams& p) {
     return Invalid("Rope", absl::StrCat("row_stride ", p.row_stride, " < num_heads·head_dim ",
                                         p.num_heads * p.head_dim));
   }
+  if (p.inv_freq_row_stride != 0 && p.inv_freq_row_stride < p.head_dim / 2) {
+    return Invalid("Rope", absl::StrCat("inv_freq_row_stride ", p.inv_freq_row_stride,
+                                        " is neither 0 nor >= head_dim / 2"));
+  }
   TANDEM_RETURN_IF_ERROR(Activate());
-  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRope({.x = p.x,
-                                                        .row_stride = p.row_stride,
-                                                        .positions = p.positions,
-                                                        .inv_freq = p.inv_freq,
-                                                        .attention_scaling = p.attention_scaling,
-                                                        .num_tokens = p.num_tokens,
-                                                        .num_heads = p.num_heads,
-                                                        .head_dim = p.head_dim},
-                                                       stream()));
+  const cuda_backend::RopeArgs args = {.x = p.x,
+                                       .row_stride = p.row_stride,
+                                       .positions = p.positions,
+                                       .inv_freq = p.inv_freq,
+                                       .inv_freq_row_stride = p.inv_freq_row_stride,
+                                       .attention_scaling = p.attention_scaling,
+                                       .num_tokens = p.num_tokens,
+                                       .num_heads = p.num_heads,
+                                       .head_dim = p.head_dim};
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRope(args, stream()));
   return absl::OkStatus();
 }
 

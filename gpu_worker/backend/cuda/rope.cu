@@ -13,13 +13,14 @@ __global__ void RopeKernel(RopeArgs args) {
   const int64_t t = blockIdx.x;
   const int64_t half = args.head_dim / 2;
   const float pos = static_cast<float>(args.positions[t]);
+  const float* inv_freq = args.inv_freq + t * args.inv_freq_row_stride;
   float* row = args.x + t * args.row_stride;
   for (int64_t idx = threadIdx.x; idx < args.num_heads * half; idx += blockDim.x) {
     const int64_t head = idx / half;
     const int64_t i = idx % half;
     float s;
     float c;
-    sincosf(pos * args.inv_freq[i], &s, &c);
+    sincosf(pos * inv_freq[i], &s, &c);
     c *= args.attention_scaling;
     s *= args.attention_scaling;
     float* x = row + head * args.head_dim;

@@ -129,8 +129,8 @@ inline void Rope(const RopeParams& p) {
     for (int64_t h = 0; h < p.num_heads; ++h) {
       float* x = p.x + t * p.row_stride + h * p.head_dim;
       for (int64_t i = 0; i < half; ++i) {
-        const float angle =
-            static_cast<float>(p.positions[t]) * p.inv_freq[i];  // f32, as specified
+        const float angle = static_cast<float>(p.positions[t]) *
+                            p.inv_freq[t * p.inv_freq_row_stride + i];  // f32, as specified
         const double c = std::cos(static_cast<double>(angle)) * p.attention_scaling;
         const double s = std::sin(static_cast<double>(angle)) * p.attention_scaling;
         const double a = x[i], b = x[i + half];

@@ -123,8 +123,12 @@ struct RopeParams {
   float* x = nullptr;               // [num_tokens, num_heads, head_dim] rows of `row_stride`
   int64_t row_stride = 0;           // floats between token t and t+1 (>= num_heads·head_dim)
   const int32_t* positions = nullptr;   // [num_tokens]
-  const float* inv_freq = nullptr;      // [head_dim / 2] (device memory)
-  float attention_scaling = 1.0f;
+  // [head_dim / 2] (device memory) shared by every token when inv_freq_row_stride is 0, else
+  // [num_tokens, inv_freq_row_stride >= head_dim / 2]: token t uses inv_freq + t·stride (dynamic
+  // NTK RoPE, whose frequencies depend on each sequence's length).
+  const float* inv_freq = nullptr;
+  int64_t inv_freq_row_stride = 0;
+  float attention_scaling = 1.0f;   // multiplies cos and sin (yarn's attention factor)
   int64_t num_tokens = 0;
   int64_t num_heads = 0;
   int64_t head_dim = 0;             // even

@@ -3,10 +3,15 @@
 //
 // Both config generations are understood: transformers <= 4.x writes `rope_theta` at the top
 // level and an optional `rope_scaling` object; transformers 5 writes `rope_parameters`
-// {rope_theta, rope_type, ...}. Only the rope types "default", "llama3" and "linear" are supported;
-// any other (dynamic, yarn, longrope, ...) is rejected rather than silently run unscaled.
-// NOTE: `sliding_window` (Mistral v0.1, some Qwen2) is not represented: tandem runs full
-// attention, which matches such models only up to their window length.
+// {rope_theta, rope_type, ...}. The rope types "default", "linear", "llama3", "yarn" and
+// "dynamic" are supported, computed as transformers 5 does (modeling_rope_utils); any other
+// (longrope, ...) is rejected rather than silently run unscaled.
+//
+// Sliding-window attention (Mistral's `sliding_window`, Qwen2's with `use_sliding_window`) is not
+// implemented; within the window it equals full attention, so such a model gets
+// `sliding_window` set and ModelContextLimit() caps its context there (the caller logs it).
+// Mistral's `sliding_window: null` (v0.2 and later) and Qwen2's `use_sliding_window: false` mean
+// full attention, as in transformers.
 //
 // Errors: every function returns INVALID_ARGUMENT for malformed JSON, missing or mistyped fields,
 // out-of-range sizes or a model type outside the Llama family (the message names the file and
@@ -25,12 +30,22 @@
 namespace tandem::gpu_worker {
 
 struct RopeScaling {
-  enum class Type { kNone, kLlama3, kLinear };
+  enum class Type { kNone, kLlama3, kLinear, kYarn, kDynamic };
   Type type = Type::kNone;
-  double factor = 1.0;                              // llama3 / linear
+  double factor = 1.0;                              // llama3 / linear / yarn / dynamic
   double low_freq_factor = 1.0;                     // llama3
   double high_freq_factor = 4.0;                    // llama3
-  int64_t original_max_position_embeddings = 8192;  // llama3, tokens
+  int64_t original_max_position_embeddings = 8192;  // llama3, yarn: pretraining length, tokens
+  // yarn (transformers' _compute_yarn_parameters): rotations bounding the ramp between
+  // extrapolated (fast) and interpolated (slow) frequencies, the cos/sin scale (0 = derive it:
+  // from mscale / mscale_all_dim when both are non-zero, else 0.1·ln(factor) + 1), and whether
+  // the ramp's ends are rounded to whole dimensions.
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double attention_factor = 0.0;
+  double mscale = 0.0;
+  double mscale_all_dim = 0.0;
+  bool truncate = true;
 };
 
 struct ModelConfig {
@@ -51,6 +66,8 @@ struct ModelConfig {
   int32_t bos_token_id = -1;           // -1 when absent or null
   std::vector<int32_t> eos_token_ids;  // several for e.g. Llama-3 instruct; empty when absent
   DType weight_dtype = DType::kF32;    // from "dtype" / "torch_dtype"; kF32 if absent
+  // Sliding-window attention length in tokens (0: full attention); see the top of this file.
+  int64_t sliding_window = 0;
 };
 
 // Parses the text of a config.json. Fields absent from the file take transformers' defaults for
@@ -64,11 +81,36 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json);
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_dir);
 
 // RoPE inverse frequencies, [head_dim / 2] f32, bit-for-bit the computation of transformers
-// (float32 math): inv_freq[i] = 1 / theta^(2i / head_dim), then "linear" divides by factor and
+// (float32 math): inv_freq[i] = 1 / theta^(2i / head_dim), then "linear" divides by factor,
 // "llama3" applies `_compute_llama3_parameters` (keep wavelengths below
 // original_max_position_embeddings / high_freq_factor, divide those above
-// original_max_position_embeddings / low_freq_factor by factor, interpolate smoothly between).
+// original_max_position_embeddings / low_freq_factor by factor, interpolate smoothly between),
+// "yarn" `_compute_yarn_parameters` (a linear ramp over the dimensions between extrapolated
+// theta^(-2i/D) and interpolated theta^(-2i/D) / factor) and "dynamic" the NTK-aware
+// `_compute_dynamic_ntk_parameters` for a forward whose largest position is seq_len - 1:
+// theta' = theta · (factor · L / max_position_embeddings - (factor - 1))^(D / (D - 2)) with
+// L = max(seq_len, max_position_embeddings), so up to max_position_embeddings it is the plain
+// table. seq_len matters to "dynamic" only.
 // Rotation angle of pair i at position p is p * inv_freq[i].
-std::vector<float> RopeInvFreq(const ModelConfig& config);
+std::vector<float> RopeInvFreq(const ModelConfig& config, int64_t seq_len = 0);
+
+// The factor both cos and sin are multiplied by (so q·k scales by its square): yarn's
+// attention_factor (see RopeScaling), 1 for every other rope type.
+float RopeAttentionScaling(const ModelConfig& config);
+
+// True when the inverse frequencies depend on the sequence length ("dynamic"). transformers
+// recomputes them in every forward from that forward's max position + 1 while cached keys keep
+// the rotation they got; tandem does the same per sequence: each sequence's rows of a forward
+// (a prefill chunk or a decode step) use RopeInvFreq(config, its last position + 1), which is
+// exactly transformers' generate() with a cache for one sequence. (In a batch transformers uses
+// the batch's max position for every row; vLLM instead fixes the scaling for
+// max_position_embeddings · factor from the start.)
+bool RopeDependsOnLength(const ModelConfig& config);
+
+// The most positions tandem runs the model for faithfully: max_position_embeddings, times
+// factor for the context-extending rope types "linear", "dynamic" and "yarn" (yarn from
+// original_max_position_embeddings, as vLLM derives max_model_len), and at most
+// sliding_window when the model has one.
+int64_t ModelContextLimit(const ModelConfig& config);
 
 }  // namespace tandem::gpu_worker

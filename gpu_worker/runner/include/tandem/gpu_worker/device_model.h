@@ -60,7 +60,11 @@ class DeviceModel {
   const void* lm_head() const { return tied_ ? embed_.data() : lm_head_.data(); }
   DType lm_head_dtype() const { return tied_ ? embed_.dtype : lm_head_.dtype; }
   const DeviceLayer& layer(int64_t i) const { return layers_[i]; }
-  const float* inv_freq() const { return inv_freq_.as<float>(); }   // [D/2]
+  // RoPE: RopeInvFreq(config) [D/2] (for "dynamic" the table of sequences up to
+  // max_position_embeddings; longer ones need RopeInvFreq(config, length)) and the factor cos
+  // and sin are scaled by (RopeAttentionScaling).
+  const float* inv_freq() const { return inv_freq_.as<float>(); }
+  float rope_attention_scaling() const { return rope_attention_scaling_; }
   size_t weight_bytes() const { return weight_bytes_; }
 
  private:
@@ -73,6 +77,7 @@ class DeviceModel {
   bool tied_ = false;
   std::vector<DeviceLayer> layers_;
   DeviceBuffer inv_freq_;
+  float rope_attention_scaling_ = 1.0f;
   size_t weight_bytes_ = 0;
 };
 

@@ -154,6 +154,8 @@ class ModelRunner {
     DeviceBuffer ffn;            // [rows, intermediate]
     DeviceBuffer ids, positions, slots, targets;   // [rows] i32
     DeviceBuffer logprobs;       // [rows]
+    // Dynamic NTK RoPE only: [rows, D/2] inverse frequencies, each row its sequence's.
+    DeviceBuffer rope_inv_freq;
     std::vector<float> q_host, o_host, lse_host;   // host: [rows, H_q, D], .., [rows, H_q]
   };
 
@@ -170,6 +172,10 @@ class ModelRunner {
   absl::Status LayerTail(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
   absl::Status Logits(const std::vector<Segment>& segments, int64_t n, const int32_t* targets,
                       float* logprobs);
+  // For a length-dependent RoPE (dynamic NTK): uploads each segment's inverse frequencies for
+  // its last position + 1 to act_.rope_inv_freq, one row per token, and sets rope_per_row_;
+  // clears it when every segment fits max_position_embeddings (the shared table is right).
+  absl::Status PrepareRope(const std::vector<Segment>& segments, int64_t rows);
   WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
   AttendRows AttendRowsOf(const Segment& segment, size_t index, int64_t layer);
   absl::Status Evict(Sequence& sequence);
@@ -185,6 +191,8 @@ class ModelRunner {
   const float* last_logits_ = nullptr;
   RunnerProfile profile_;
   std::vector<int32_t> ids_host_, positions_host_, slots_host_;
+  bool rope_per_row_ = false;          // this pass reads act_.rope_inv_freq
+  std::vector<float> rope_inv_freq_host_;
   // Per segment of the pass: its attend of the current layer, and whether one is in flight.
   std::vector<AttendRows> attends_;
   std::vector<char> started_;
