@@ -46,8 +46,8 @@ absl::StatusOr<std::vector<std::string>> Affixes(const Value& v, absl::string_vi
     }
     if (out.size() == v.list().size()) return out;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      method, " first arg must be str or a tuple of str, not ", v.TypeName()));
+  return absl::InvalidArgumentError(
+      absl::StrCat(method, " first arg must be str or a tuple of str, not ", v.TypeName()));
 }
 
 absl::StatusOr<Value> CallStrMethod(Interpreter& in, const std::string& self,
@@ -92,7 +92,8 @@ absl::StatusOr<Value> CallStrMethod(Interpreter& in, const std::string& self,
       maxsplit = *m;
     }
     List parts;
-    for (std::string& p : PySplit(self, *sep, maxsplit)) parts.push_back(Value::String(std::move(p)));
+    for (std::string& p : PySplit(self, *sep, maxsplit))
+      parts.push_back(Value::String(std::move(p)));
     return Value::MakeList(std::move(parts));
   }
   if (name == "replace") {
@@ -135,8 +136,8 @@ absl::StatusOr<Value> CallStrMethod(Interpreter& in, const std::string& self,
     std::string out;
     for (size_t i = 0; i < items->size(); ++i) {
       if (!(*items)[i].is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat("sequence item ", i, ": expected str instance, ",
-                                                       (*items)[i].TypeName(), " found"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence item ", i, ": expected str instance, ", (*items)[i].TypeName(), " found"));
       }
       if (i > 0) out += self;
       out += (*items)[i].str();
@@ -162,17 +163,20 @@ absl::StatusOr<Value> CallDictMethod(const Value& self, const std::string& name,
   if (!bound.ok()) return bound.status();
   List out;
   for (const auto& [key, item] : self.dict().entries()) {
-    if (name == "keys") out.push_back(Value::String(key));
-    else if (name == "values") out.push_back(item);
-    else out.push_back(Value::MakeList({Value::String(key), item}));
+    if (name == "keys")
+      out.push_back(Value::String(key));
+    else if (name == "values")
+      out.push_back(item);
+    else
+      out.push_back(Value::MakeList({Value::String(key), item}));
   }
   return Value::MakeList(std::move(out));
 }
 
 bool IsStrMethod(absl::string_view name) {
-  static const char* kNames[] = {"strip", "lstrip", "rstrip", "upper", "lower", "title",
-                                 "capitalize", "startswith", "endswith", "split", "replace",
-                                 "find", "count", "join"};
+  static const char* kNames[] = {"strip",   "lstrip",     "rstrip",     "upper",    "lower",
+                                 "title",   "capitalize", "startswith", "endswith", "split",
+                                 "replace", "find",       "count",      "join"};
   return std::find(std::begin(kNames), std::end(kNames), name) != std::end(kNames);
 }
 

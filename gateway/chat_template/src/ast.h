@@ -16,28 +16,28 @@ using ExprPtr = std::unique_ptr<Expr>;
 
 struct Expr {
   enum class Kind {
-    kLiteral,   // literal
-    kName,      // name
-    kList,      // children: items (tuples are lists too)
-    kDict,      // children: key0, value0, key1, value1, ...
-    kGetAttr,   // children[0].name
-    kGetItem,   // children[0][children[1]]
-    kSlice,     // children[0][children[1]:children[2]:children[3]] (null child = omitted)
-    kCall,      // children[0](children[1..], kwargs)
-    kFilter,    // children[0] | name(children[1..], kwargs)
-    kTest,      // children[0] is [not] name(children[1..], kwargs)
-    kNeg,       // -children[0]
-    kPos,       // +children[0]
-    kNot,       // not children[0]
-    kAnd,       // children[0] and children[1]
-    kOr,        // children[0] or children[1]
-    kBinary,    // children[0] op children[1]; op in + - * / // % ** ~ == != < <= > >= in notin
-    kCond,      // children[1] if children[0] else children[2] (null child: undefined)
+    kLiteral,  // literal
+    kName,     // name
+    kList,     // children: items (tuples are lists too)
+    kDict,     // children: key0, value0, key1, value1, ...
+    kGetAttr,  // children[0].name
+    kGetItem,  // children[0][children[1]]
+    kSlice,    // children[0][children[1]:children[2]:children[3]] (null child = omitted)
+    kCall,     // children[0](children[1..], kwargs)
+    kFilter,   // children[0] | name(children[1..], kwargs)
+    kTest,     // children[0] is [not] name(children[1..], kwargs)
+    kNeg,      // -children[0]
+    kPos,      // +children[0]
+    kNot,      // not children[0]
+    kAnd,      // children[0] and children[1]
+    kOr,       // children[0] or children[1]
+    kBinary,   // children[0] op children[1]; op in + - * / // % ** ~ == != < <= > >= in notin
+    kCond,     // children[1] if children[0] else children[2] (null child: undefined)
   };
   Kind kind;
   int line = 1;
   Value literal;
-  std::string name;  // kName, kGetAttr, kFilter, kTest; the operator of kBinary
+  std::string name;      // kName, kGetAttr, kFilter, kTest; the operator of kBinary
   bool negated = false;  // kTest: "is not"
   std::vector<ExprPtr> children;
   std::vector<std::pair<std::string, ExprPtr>> kwargs;
@@ -49,16 +49,16 @@ using Body = std::vector<NodePtr>;
 
 struct Node {
   enum class Kind {
-    kText,       // text
-    kOutput,     // {{ expr }}
-    kIf,         // branches: (condition, body)...; the else branch has a null condition
-    kFor,        // for targets in expr [if condition] body [else else_body]
-    kSet,        // set targets = expr, or set targets[0].attribute = expr
-    kSetBlock,   // set targets[0] %}body{% endset
-    kMacro,      // macro name(params = defaults) body
+    kText,      // text
+    kOutput,    // {{ expr }}
+    kIf,        // branches: (condition, body)...; the else branch has a null condition
+    kFor,       // for targets in expr [if condition] body [else else_body]
+    kSet,       // set targets = expr, or set targets[0].attribute = expr
+    kSetBlock,  // set targets[0] %}body{% endset
+    kMacro,     // macro name(params = defaults) body
     kBreak,
     kContinue,
-    kScope,      // a body rendered in place ({% generation %})
+    kScope,  // a body rendered in place ({% generation %})
   };
   Kind kind;
   int line = 1;

@@ -20,9 +20,8 @@ Template::Template(std::shared_ptr<const internal::Program> program)
 
 absl::StatusOr<Template> Template::Parse(std::string_view source) {
   if (source.size() > kMaxSourceBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("chat template of ", source.size(),
-                                                   " bytes exceeds the limit of ",
-                                                   kMaxSourceBytes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chat template of ", source.size(), " bytes exceeds the limit of ", kMaxSourceBytes));
   }
   auto program = internal::ParseProgram(absl::string_view(source.data(), source.size()));
   if (!program.ok()) return program.status();
@@ -60,9 +59,10 @@ absl::StatusOr<nlohmann::ordered_json> NormalizeMessage(const nlohmann::ordered_
       auto part_text = part.is_object() ? part.find("text") : part.end();
       if (!part.is_object() || type == part.end() || *type != "text" || part_text == part.end() ||
           !part_text->is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "messages[", index, "].content: only text parts ({\"type\": \"text\", \"text\": ...}) "
-            "are supported"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("messages[", index,
+                         "].content: only text parts ({\"type\": \"text\", \"text\": ...}) "
+                         "are supported"));
       }
       if (!first) text += "\n";
       first = false;

@@ -13,9 +13,7 @@ absl::Status MarkFinal(absl::Status status) {
   return status;
 }
 
-bool IsFinal(const absl::Status& status) {
-  return status.GetPayload(kFinalPayload).has_value();
-}
+bool IsFinal(const absl::Status& status) { return status.GetPayload(kFinalPayload).has_value(); }
 
 absl::Status RaisedError(absl::string_view message) {
   return MarkFinal(absl::InvalidArgumentError(message));

@@ -12,6 +12,7 @@
 #include "builtins.h"
 #include "errors.h"
 #include "interpreter.h"
+#include "json_dump.h"
 #include "text_util.h"
 
 namespace tandem::chat_template::internal {
@@ -19,10 +20,14 @@ namespace {
 
 absl::StatusOr<int64_t> Length(const Value& v) {
   switch (v.kind()) {
-    case Value::Kind::kUndefined: return 0;
-    case Value::Kind::kString: return CodePointCount(v.str());
-    case Value::Kind::kList: return static_cast<int64_t>(v.list().size());
-    case Value::Kind::kDict: return static_cast<int64_t>(v.dict().size());
+    case Value::Kind::kUndefined:
+      return 0;
+    case Value::Kind::kString:
+      return CodePointCount(v.str());
+    case Value::Kind::kList:
+      return static_cast<int64_t>(v.list().size());
+    case Value::Kind::kDict:
+      return static_cast<int64_t>(v.dict().size());
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("object of type '", v.TypeName(), "' has no len()"));
@@ -177,9 +182,12 @@ absl::StatusOr<Value> Map(Interpreter& in, const Value& subject, CallArgs& args)
   std::optional<std::string> attribute;
   std::optional<Value> fallback;
   for (const auto& [key, value] : args.keyword) {
-    if (key == "attribute" && value.is_string()) attribute = value.str();
-    else if (key == "default") fallback = value;
-    else if (!attribute) return absl::InvalidArgumentError(absl::StrCat("map: unexpected argument '", key, "'"));
+    if (key == "attribute" && value.is_string())
+      attribute = value.str();
+    else if (key == "default")
+      fallback = value;
+    else if (!attribute)
+      return absl::InvalidArgumentError(absl::StrCat("map: unexpected argument '", key, "'"));
   }
   if (attribute) {
     for (const Value& item : *items) {
@@ -246,7 +254,8 @@ absl::StatusOr<Value> Indent(Interpreter& in, const Value& subject, CallArgs& ar
   std::string out;
   for (size_t i = 0; i < lines.size(); ++i) {
     if (i > 0) out += "\n";
-    bool indent = (i > 0 || first) && (blank || !PyStrip(lines[i], std::nullopt, true, true).empty());
+    bool indent =
+        (i > 0 || first) && (blank || !PyStrip(lines[i], std::nullopt, true, true).empty());
     if (indent) out += pad;
     out += lines[i];
     auto status = in.CheckSize(out.size());
@@ -298,7 +307,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
     auto bound = BindArgs(name, args, {}, 0);
     if (!bound.ok()) return bound.status();
     if (subject.is_undefined()) return Value::MakeList({});
-    if (!subject.is_dict()) return absl::InvalidArgumentError("Can only get item pairs from a mapping.");
+    if (!subject.is_dict())
+      return absl::InvalidArgumentError("Can only get item pairs from a mapping.");
     List out;
     for (const auto& [key, item] : subject.dict().entries()) {
       out.push_back(Value::MakeList({Value::String(key), item}));
@@ -331,9 +341,8 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
       for (const Value& item : *items) {
         bool seen = false;
         for (const Value& kept : out) {
-          seen = item.is_string() && kept.is_string()
-                     ? PyLower(item.str()) == PyLower(kept.str())
-                     : PyEquals(item, kept);
+          seen = item.is_string() && kept.is_string() ? PyLower(item.str()) == PyLower(kept.str())
+                                                      : PyEquals(item, kept);
           if (seen) break;
         }
         if (!seen) out.push_back(item);
@@ -405,8 +414,10 @@ absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const V
   if (name == "false") return unary(v.is_bool() && !v.bool_value());
   if (name == "mapping") return unary(v.is_dict());
   // Python: str, list and dict have len() and [] (as has jinja2.Undefined).
-  if (name == "sequence") return unary(v.is_string() || v.is_list() || v.is_dict() || v.is_undefined());
-  if (name == "iterable") return unary(v.is_string() || v.is_list() || v.is_dict() || v.is_undefined());
+  if (name == "sequence")
+    return unary(v.is_string() || v.is_list() || v.is_dict() || v.is_undefined());
+  if (name == "iterable")
+    return unary(v.is_string() || v.is_list() || v.is_dict() || v.is_undefined());
   if (name == "callable") return unary(v.is_callable() || v.is_undefined());
   if (name == "lower" || name == "upper") {
     std::string s = ToPyString(v);
@@ -423,9 +434,9 @@ absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const V
     if (!n.ok()) return n.status();
     return unary((*n % 2 != 0) == (name == "odd"));
   }
-  static const char* kBinaryTests[] = {"equalto", "eq", "==", "ne", "!=", "sameas", "in",
-                                       "divisibleby", "lt", "<", "le", "<=", "gt", ">", "ge",
-                                       ">=", "lessthan", "greaterthan"};
+  static const char* kBinaryTests[] = {
+      "equalto", "eq", "==", "ne", "!=", "sameas", "in", "divisibleby", "lt",
+      "<",       "le", "<=", "gt", ">",  "ge",     ">=", "lessthan",    "greaterthan"};
   if (std::find(std::begin(kBinaryTests), std::end(kBinaryTests), name) == std::end(kBinaryTests)) {
     return absl::InvalidArgumentError(absl::StrCat("no test named '", name, "'"));
   }
@@ -448,8 +459,8 @@ absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const V
     return *a % *b == 0;
   }
   static const std::pair<const char*, const char*> kComparisons[] = {
-      {"lt", "<"}, {"<", "<"}, {"le", "<="}, {"<=", "<="}, {"gt", ">"}, {">", ">"},
-      {"ge", ">="}, {">=", ">="}, {"lessthan", "<"}, {"greaterthan", ">"}};
+      {"lt", "<"}, {"<", "<"},   {"le", "<="}, {"<=", "<="},      {"gt", ">"},
+      {">", ">"},  {"ge", ">="}, {">=", ">="}, {"lessthan", "<"}, {"greaterthan", ">"}};
   for (const auto& [test, op] : kComparisons) {
     if (name == test) {
       auto r = BinaryOp(in, op, v, other);

@@ -61,7 +61,8 @@ absl::StatusOr<Value> RaiseException(Interpreter&, CallArgs& args) {
 absl::StatusOr<Value> StrftimeNow(Interpreter&, CallArgs& args) {
   auto bound = BindArgs("strftime_now", args, {"format"}, 1);
   if (!bound.ok()) return bound.status();
-  if (!(*bound)[0]->is_string()) return absl::InvalidArgumentError("strftime_now: format must be a string");
+  if (!(*bound)[0]->is_string())
+    return absl::InvalidArgumentError("strftime_now: format must be a string");
   const std::string& format = (*bound)[0]->str();
   if (format.empty()) return Value::String("");
   std::time_t now = std::time(nullptr);
@@ -81,7 +82,8 @@ absl::StatusOr<Value> StrftimeNow(Interpreter&, CallArgs& args) {
 
 absl::StatusOr<Value> Namespace(Interpreter&, CallArgs& args) {
   Dict attributes;
-  if (args.positional.size() > 1) return absl::InvalidArgumentError("namespace() takes at most 1 positional argument");
+  if (args.positional.size() > 1)
+    return absl::InvalidArgumentError("namespace() takes at most 1 positional argument");
   if (!args.positional.empty()) {
     const Value& init = args.positional[0];
     if (init.is_dict()) {
@@ -114,8 +116,10 @@ absl::StatusOr<Value> Range(Interpreter& in, CallArgs& args) {
   int64_t start = values[0], stop = values[1], step = values[2];
   if (step == 0) return absl::InvalidArgumentError("range() arg 3 must not be zero");
   // The count is bounded before anything is allocated.
-  __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
-  __int128 count = span <= 0 ? 0 : (span + (step > 0 ? step : -step) - 1) / (step > 0 ? step : -step);
+  __int128 span =
+      step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+  __int128 count =
+      span <= 0 ? 0 : (span + (step > 0 ? step : -step) - 1) / (step > 0 ? step : -step);
   if (count > in.limits().max_loop_iterations) {
     return LimitError(absl::StrCat("range() of ", static_cast<int64_t>(count),
                                    " items exceeds the loop iteration limit of ",
@@ -131,9 +135,11 @@ absl::StatusOr<Value> Range(Interpreter& in, CallArgs& args) {
 
 absl::StatusOr<Value> MakeDictGlobal(Interpreter&, CallArgs& args) {
   Dict out;
-  if (args.positional.size() > 1) return absl::InvalidArgumentError("dict() takes at most 1 positional argument");
+  if (args.positional.size() > 1)
+    return absl::InvalidArgumentError("dict() takes at most 1 positional argument");
   if (!args.positional.empty()) {
-    if (!args.positional[0].is_dict()) return absl::InvalidArgumentError("dict(): argument must be a mapping");
+    if (!args.positional[0].is_dict())
+      return absl::InvalidArgumentError("dict(): argument must be a mapping");
     for (const auto& [key, value] : args.positional[0].dict().entries()) out.Set(key, value);
   }
   for (const auto& [key, value] : args.keyword) out.Set(key, value);

@@ -123,8 +123,8 @@ absl::Status Interpreter::Assign(const Node& node, const std::vector<std::string
   }
   auto items = Iterate(value);
   if (!items.ok() || value.is_undefined()) {
-    return AtLine(node.line, absl::InvalidArgumentError(absl::StrCat(
-                                 "cannot unpack non-iterable ", value.TypeName(), " object")));
+    return AtLine(node.line, absl::InvalidArgumentError(absl::StrCat("cannot unpack non-iterable ",
+                                                                     value.TypeName(), " object")));
   }
   if (items->size() > targets.size()) {
     return AtLine(node.line, absl::InvalidArgumentError(absl::StrCat(
@@ -144,8 +144,8 @@ absl::Status Interpreter::ExecSet(const Node& node, Frame* frame) {
   if (node.attribute.empty()) return Assign(node, node.targets, value, frame);
   const Value* target = Lookup(frame, node.targets[0]);
   if (target == nullptr || !target->is_namespace()) {
-    return AtLine(node.line, absl::InvalidArgumentError(
-                                 "cannot assign attribute on non-namespace object"));
+    return AtLine(node.line,
+                  absl::InvalidArgumentError("cannot assign attribute on non-namespace object"));
   }
   target->namespace_attributes().Set(node.attribute, std::move(value));
   return absl::OkStatus();
@@ -189,11 +189,12 @@ absl::StatusOr<Interpreter::Flow> Interpreter::ExecFor(const Node& node, Frame* 
                                : Value::Undefined("there is no previous item"));
     loop.Set("nextitem", i + 1 < n ? items[static_cast<size_t>(i + 1)]
                                    : Value::Undefined("there is no next item"));
-    loop.Set("cycle", Value::MakeCallable("loop.cycle", [i](Interpreter&, CallArgs& args)
-                                                            -> absl::StatusOr<Value> {
-      if (args.positional.empty()) return absl::InvalidArgumentError("no items for cycling given");
-      return args.positional[static_cast<size_t>(i) % args.positional.size()];
-    }));
+    loop.Set("cycle", Value::MakeCallable(
+                          "loop.cycle", [i](Interpreter&, CallArgs& args) -> absl::StatusOr<Value> {
+                            if (args.positional.empty())
+                              return absl::InvalidArgumentError("no items for cycling given");
+                            return args.positional[static_cast<size_t>(i) % args.positional.size()];
+                          }));
     iteration.vars["loop"] = Value::MakeDict(std::move(loop));
     TANDEM_ASSIGN_OR_RETURN(Flow flow, Exec(node.body, &iteration, out));
     if (flow == Flow::kBreak) break;
@@ -207,44 +208,44 @@ absl::StatusOr<Interpreter::Flow> Interpreter::ExecFor(const Node& node, Frame* 
 
 Value Interpreter::MakeMacro(const Node& node) {
   const Node* macro = &node;
-  return Value::MakeCallable(node.name, [macro](Interpreter& in, CallArgs& args)
-                                            -> absl::StatusOr<Value> {
-    Frame call{{}, &in.root_};
-    if (args.positional.size() > macro->params.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("macro '", macro->name, "' takes not more than ", macro->params.size(),
-                       " argument(s)"));
-    }
-    std::vector<bool> given(macro->params.size(), false);
-    for (size_t i = 0; i < args.positional.size(); ++i) {
-      call.vars[macro->params[i]] = args.positional[i];
-      given[i] = true;
-    }
-    for (const auto& [key, value] : args.keyword) {
-      size_t i = 0;
-      while (i < macro->params.size() && macro->params[i] != key) ++i;
-      if (i == macro->params.size()) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("macro '", macro->name, "' takes no keyword argument '", key, "'"));
-      }
-      call.vars[key] = value;
-      given[i] = true;
-    }
-    for (size_t i = 0; i < macro->params.size(); ++i) {
-      if (given[i]) continue;
-      if (macro->defaults[i]) {
-        TANDEM_ASSIGN_OR_RETURN(Value value, in.Eval(*macro->defaults[i], &call));
-        call.vars[macro->params[i]] = std::move(value);
-      } else {
-        call.vars[macro->params[i]] = Value::Undefined(
-            absl::StrCat("parameter '", macro->params[i], "' was not provided"));
-      }
-    }
-    std::string out;
-    TANDEM_ASSIGN_OR_RETURN(Flow flow, in.Exec(macro->body, &call, &out));
-    (void)flow;
-    return Value::String(std::move(out));
-  });
+  return Value::MakeCallable(
+      node.name, [macro](Interpreter& in, CallArgs& args) -> absl::StatusOr<Value> {
+        Frame call{{}, &in.root_};
+        if (args.positional.size() > macro->params.size()) {
+          return absl::InvalidArgumentError(absl::StrCat("macro '", macro->name,
+                                                         "' takes not more than ",
+                                                         macro->params.size(), " argument(s)"));
+        }
+        std::vector<bool> given(macro->params.size(), false);
+        for (size_t i = 0; i < args.positional.size(); ++i) {
+          call.vars[macro->params[i]] = args.positional[i];
+          given[i] = true;
+        }
+        for (const auto& [key, value] : args.keyword) {
+          size_t i = 0;
+          while (i < macro->params.size() && macro->params[i] != key) ++i;
+          if (i == macro->params.size()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("macro '", macro->name, "' takes no keyword argument '", key, "'"));
+          }
+          call.vars[key] = value;
+          given[i] = true;
+        }
+        for (size_t i = 0; i < macro->params.size(); ++i) {
+          if (given[i]) continue;
+          if (macro->defaults[i]) {
+            TANDEM_ASSIGN_OR_RETURN(Value value, in.Eval(*macro->defaults[i], &call));
+            call.vars[macro->params[i]] = std::move(value);
+          } else {
+            call.vars[macro->params[i]] = Value::Undefined(
+                absl::StrCat("parameter '", macro->params[i], "' was not provided"));
+          }
+        }
+        std::string out;
+        TANDEM_ASSIGN_OR_RETURN(Flow flow, in.Exec(macro->body, &call, &out));
+        (void)flow;
+        return Value::String(std::move(out));
+      });
 }
 
 absl::StatusOr<CallArgs> Interpreter::EvalArgs(const Expr& expr, size_t first, Frame* frame) {
@@ -379,7 +380,8 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& expr, Frame* frame) {
       TANDEM_ASSIGN_OR_RETURN(Value condition, Eval(*expr.children[0], frame));
       if (Truthy(condition)) return Eval(*expr.children[1], frame);
       if (expr.children[2]) return Eval(*expr.children[2], frame);
-      return Value::Undefined("the inline if-expression evaluated to false and no else section was defined");
+      return Value::Undefined(
+          "the inline if-expression evaluated to false and no else section was defined");
     }
   }
   return absl::InternalError("unknown expression kind");

@@ -58,7 +58,8 @@ class Lexer {
       size_t after = tag + 2 + ((modifier == '-' || modifier == '+') ? 1 : 0);
       if (kind == '#') {
         size_t end = src_.find("#}", after);
-        if (end == std::string::npos) return SyntaxError(line_, column_, "missing end of comment tag");
+        if (end == std::string::npos)
+          return SyntaxError(line_, column_, "missing end of comment tag");
         bool strip = end > after && src_[end - 1] == '-';
         Advance(end + 2);
         ConsumeTagSuffix(strip, /*trim_newline=*/true);
@@ -170,8 +171,8 @@ class Lexer {
         }
         if (op.empty()) {
           if (absl::string_view("+-*/%~<>=()[]{},.:|").find(c) == absl::string_view::npos) {
-            return SyntaxError(line_, column_, absl::StrCat("unexpected character '",
-                                                            std::string(1, c), "'"));
+            return SyntaxError(line_, column_,
+                               absl::StrCat("unexpected character '", std::string(1, c), "'"));
           }
           op = std::string(1, c);
         }
@@ -190,8 +191,8 @@ class Lexer {
   absl::Status LexNumber(Token* t) {
     size_t p = pos_;
     auto digits = [&] {
-      while (p < src_.size() && (IsDigit(src_[p]) || (src_[p] == '_' && p + 1 < src_.size() &&
-                                                      IsDigit(src_[p + 1])))) {
+      while (p < src_.size() && (IsDigit(src_[p]) ||
+                                 (src_[p] == '_' && p + 1 < src_.size() && IsDigit(src_[p + 1])))) {
         ++p;
       }
     };
@@ -248,25 +249,50 @@ class Lexer {
       char e = src_[p + 1];
       p += 2;
       switch (e) {
-        case 'n': out.push_back('\n'); break;
-        case 't': out.push_back('\t'); break;
-        case 'r': out.push_back('\r'); break;
-        case 'a': out.push_back('\a'); break;
-        case 'b': out.push_back('\b'); break;
-        case 'f': out.push_back('\f'); break;
-        case 'v': out.push_back('\v'); break;
-        case '\\': out.push_back('\\'); break;
-        case '\'': out.push_back('\''); break;
-        case '"': out.push_back('"'); break;
-        case '\n': break;  // line continuation
-        case 'x': case 'u': case 'U': {
+        case 'n':
+          out.push_back('\n');
+          break;
+        case 't':
+          out.push_back('\t');
+          break;
+        case 'r':
+          out.push_back('\r');
+          break;
+        case 'a':
+          out.push_back('\a');
+          break;
+        case 'b':
+          out.push_back('\b');
+          break;
+        case 'f':
+          out.push_back('\f');
+          break;
+        case 'v':
+          out.push_back('\v');
+          break;
+        case '\\':
+          out.push_back('\\');
+          break;
+        case '\'':
+          out.push_back('\'');
+          break;
+        case '"':
+          out.push_back('"');
+          break;
+        case '\n':
+          break;  // line continuation
+        case 'x':
+        case 'u':
+        case 'U': {
           size_t n = e == 'x' ? 2 : e == 'u' ? 4 : 8;
           if (p + n > src_.size()) return SyntaxError(line_, column_, "truncated \\x/\\u escape");
           uint32_t cp = 0;
           for (size_t i = 0; i < n; ++i) {
             char h = src_[p + i];
-            int v = IsDigit(h) ? h - '0' : (h >= 'a' && h <= 'f') ? h - 'a' + 10
-                                         : (h >= 'A' && h <= 'F') ? h - 'A' + 10 : -1;
+            int v = IsDigit(h)               ? h - '0'
+                    : (h >= 'a' && h <= 'f') ? h - 'a' + 10
+                    : (h >= 'A' && h <= 'F') ? h - 'A' + 10
+                                             : -1;
             if (v < 0) return SyntaxError(line_, column_, "bad \\x/\\u escape");
             cp = cp * 16 + static_cast<uint32_t>(v);
           }

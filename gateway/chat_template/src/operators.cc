@@ -22,7 +22,8 @@ bool IsIntLike(const Value& v) { return v.is_int() || v.is_bool(); }
 absl::StatusOr<Value> Repeat(Interpreter& in, const Value& seq, int64_t times) {
   if (times <= 0) return seq.is_string() ? Value::String("") : Value::MakeList({});
   if (seq.is_string()) {
-    auto status = in.CheckSize(static_cast<uint64_t>(seq.str().size()) * static_cast<uint64_t>(times));
+    auto status =
+        in.CheckSize(static_cast<uint64_t>(seq.str().size()) * static_cast<uint64_t>(times));
     if (!status.ok()) return status;
     std::string out;
     for (int64_t i = 0; i < times; ++i) out += seq.str();
@@ -41,8 +42,8 @@ absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
       return false;
     case Value::Kind::kString:
       if (!item.is_string()) {
-        return absl::InvalidArgumentError(absl::StrCat("'in <string>' requires string as left operand, not ",
-                                                       item.TypeName()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("'in <string>' requires string as left operand, not ", item.TypeName()));
       }
       return absl::StrContains(container.str(), item.str());
     case Value::Kind::kList:
@@ -88,7 +89,8 @@ absl::StatusOr<Value> Negate(const Value& v) {
     if (v.int_value() == INT64_MIN) return Overflow();
     return Value::Int(-v.int_value());
   }
-  return absl::InvalidArgumentError(absl::StrCat("bad operand type for unary -: '", v.TypeName(), "'"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("bad operand type for unary -: '", v.TypeName(), "'"));
 }
 
 absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Value& a,
@@ -154,7 +156,8 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
     if (y == 0) {
       // Python's wording: int / int says "division by zero", a float operand names its operation.
       bool ints = !a.is_float() && !b.is_float();
-      return absl::InvalidArgumentError(op == "/"  ? (ints ? "division by zero" : "float division by zero")
+      return absl::InvalidArgumentError(op == "/"
+                                            ? (ints ? "division by zero" : "float division by zero")
                                         : op == "//" ? "float floor division by zero"
                                                      : "float modulo");
     }

@@ -49,12 +49,19 @@ class Parser {
   }
   static std::string Describe(const Token& t) {
     switch (t.type) {
-      case T::kEof: return "end of template";
-      case T::kVarEnd: return "end of print statement";
-      case T::kBlockEnd: return "end of statement block";
-      case T::kString: return "string";
-      case T::kInt: case T::kFloat: return "number";
-      default: return absl::StrCat("'", t.text, "'");
+      case T::kEof:
+        return "end of template";
+      case T::kVarEnd:
+        return "end of print statement";
+      case T::kBlockEnd:
+        return "end of statement block";
+      case T::kString:
+        return "string";
+      case T::kInt:
+      case T::kFloat:
+        return "number";
+      default:
+        return absl::StrCat("'", t.text, "'");
     }
   }
   absl::Status ExpectOp(absl::string_view op) {
@@ -66,8 +73,8 @@ class Parser {
   }
   absl::Status ExpectBlockEnd() {
     if (Peek().type != T::kBlockEnd) {
-      return ErrorAt(Peek(), absl::StrCat("expected end of statement block, got ",
-                                          Describe(Peek())));
+      return ErrorAt(Peek(),
+                     absl::StrCat("expected end of statement block, got ", Describe(Peek())));
     }
     Next();
     return absl::OkStatus();
@@ -110,8 +117,8 @@ class Parser {
         if (!expr.ok()) return expr.status();
         node->expr = std::move(*expr);
         if (Peek().type != T::kVarEnd) {
-          return ErrorAt(Peek(), absl::StrCat("expected end of print statement, got ",
-                                              Describe(Peek())));
+          return ErrorAt(Peek(),
+                         absl::StrCat("expected end of print statement, got ", Describe(Peek())));
         }
         Next();
         body->push_back(std::move(node));
@@ -208,7 +215,8 @@ class Parser {
   absl::Status ParseFor(Node* node) {
     node->kind = Node::Kind::kFor;
     TANDEM_RETURN_IF_ERROR(ParseTargets(&node->targets));
-    if (!IsName("in")) return ErrorAt(Peek(), absl::StrCat("expected 'in', got ", Describe(Peek())));
+    if (!IsName("in"))
+      return ErrorAt(Peek(), absl::StrCat("expected 'in', got ", Describe(Peek())));
     Next();
     auto iterable = ParseTuple(false, /*with_condexpr=*/false);
     if (!iterable.ok()) return iterable.status();
@@ -433,12 +441,16 @@ class Parser {
     return left;
   }
 
-  absl::StatusOr<ExprPtr> ParseMath1() { return ParseBinaryLevel({"+", "-"}, &Parser::ParseConcat); }
+  absl::StatusOr<ExprPtr> ParseMath1() {
+    return ParseBinaryLevel({"+", "-"}, &Parser::ParseConcat);
+  }
   absl::StatusOr<ExprPtr> ParseConcat() { return ParseBinaryLevel({"~"}, &Parser::ParseMath2); }
   absl::StatusOr<ExprPtr> ParseMath2() {
     return ParseBinaryLevel({"*", "/", "//", "%"}, &Parser::ParsePow);
   }
-  absl::StatusOr<ExprPtr> ParsePow() { return ParseBinaryLevel({"**"}, &Parser::ParseUnaryFiltered); }
+  absl::StatusOr<ExprPtr> ParsePow() {
+    return ParseBinaryLevel({"**"}, &Parser::ParseUnaryFiltered);
+  }
   absl::StatusOr<ExprPtr> ParseUnaryFiltered() { return ParseUnary(true); }
 
   absl::StatusOr<ExprPtr> ParseUnary(bool with_filter) {

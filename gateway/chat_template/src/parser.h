@@ -6,9 +6,9 @@
 #pragma once
 
 #include <memory>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ast.h"
 
 namespace tandem::chat_template::internal {

@@ -271,8 +271,10 @@ void ForEachCodePoint(std::string_view s, F f) {
 std::string PyUpper(std::string_view s) {
   std::string out;
   ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
-    if (valid) AppendUpper(cp, &out);
-    else out += raw;
+    if (valid)
+      AppendUpper(cp, &out);
+    else
+      out += raw;
   });
   return out;
 }
@@ -280,8 +282,10 @@ std::string PyUpper(std::string_view s) {
 std::string PyLower(std::string_view s) {
   std::string out;
   ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
-    if (valid) AppendCodePoint(LowerOf(cp), &out);
-    else out += raw;
+    if (valid)
+      AppendCodePoint(LowerOf(cp), &out);
+    else
+      out += raw;
   });
   return out;
 }
@@ -290,9 +294,12 @@ std::string PyCapitalize(std::string_view s) {
   std::string out;
   bool first = true;
   ForEachCodePoint(s, [&](uint32_t cp, std::string_view raw, bool valid) {
-    if (!valid) out += raw;
-    else if (first) AppendUpper(cp, &out);
-    else AppendCodePoint(LowerOf(cp), &out);
+    if (!valid)
+      out += raw;
+    else if (first)
+      AppendUpper(cp, &out);
+    else
+      AppendCodePoint(LowerOf(cp), &out);
     first = false;
   });
   return out;
@@ -308,8 +315,10 @@ std::string PyTitle(std::string_view s) {
       previous_cased = false;
       return;
     }
-    if (previous_cased) AppendCodePoint(LowerOf(cp), &out);
-    else AppendUpper(cp, &out);
+    if (previous_cased)
+      AppendCodePoint(LowerOf(cp), &out);
+    else
+      AppendUpper(cp, &out);
     previous_cased = IsCased(cp);
   });
   return out;
@@ -327,8 +336,10 @@ std::string JinjaTitle(std::string_view s) {
       word_start = sep;
       return;
     }
-    if (word_start) AppendUpper(cp, &out);
-    else AppendCodePoint(LowerOf(cp), &out);
+    if (word_start)
+      AppendUpper(cp, &out);
+    else
+      AppendCodePoint(LowerOf(cp), &out);
     word_start = false;
   });
   return out;

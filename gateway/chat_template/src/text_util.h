@@ -34,10 +34,10 @@ std::string PyReplace(std::string_view s, std::string_view old_text, std::string
 size_t PyReplaceSize(std::string_view s, std::string_view old_text, std::string_view new_text,
                      int64_t count);
 
-std::string PyUpper(std::string_view s);        // str.upper / the upper filter
-std::string PyLower(std::string_view s);        // str.lower / the lower filter
-std::string PyCapitalize(std::string_view s);   // str.capitalize / the capitalize filter
-std::string PyTitle(std::string_view s);        // str.title()
-std::string JinjaTitle(std::string_view s);     // the title filter (words split at [-\s({\[<])
+std::string PyUpper(std::string_view s);       // str.upper / the upper filter
+std::string PyLower(std::string_view s);       // str.lower / the lower filter
+std::string PyCapitalize(std::string_view s);  // str.capitalize / the capitalize filter
+std::string PyTitle(std::string_view s);       // str.title()
+std::string JinjaTitle(std::string_view s);    // the title filter (words split at [-\s({\[<])
 
 }  // namespace tandem::chat_template::internal

@@ -8,12 +8,12 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 
 namespace tandem::chat_template::internal {
@@ -49,8 +49,18 @@ struct Callable {
 
 class Value {
  public:
-  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace,
-                    kCallable };
+  enum class Kind {
+    kUndefined,
+    kNone,
+    kBool,
+    kInt,
+    kFloat,
+    kString,
+    kList,
+    kDict,
+    kNamespace,
+    kCallable
+  };
 
   Value() : kind_(Kind::kNone) {}
   static Value Undefined(std::string message);  // message: why, e.g. "'x' is undefined"
@@ -85,7 +95,7 @@ class Value {
   double float_value() const { return is_float() ? float_ : static_cast<double>(int_); }
   const std::string& str() const { return *str_; }  // string, or an undefined's message
   const List& list() const { return *list_; }
-  const Dict& dict() const { return *dict_; }       // dict or namespace attributes
+  const Dict& dict() const { return *dict_; }  // dict or namespace attributes
   Dict& namespace_attributes() const { return *dict_; }
   const Callable& callable() const { return *callable_; }
 
@@ -115,21 +125,6 @@ std::string ToPyRepr(const Value& value);
 // Python ==: numbers compare by value across bool/int/float, lists elementwise, dicts as maps,
 // undefined equals only undefined, namespaces and callables by identity.
 bool PyEquals(const Value& a, const Value& b);
-
-// Options of json.dumps as transformers' tojson passes them (ensure_ascii defaults to False).
-struct JsonDumpOptions {
-  int indent = -1;  // -1: none (one line)
-  std::string item_separator;  // empty: ", " without indent, "," with it
-  std::string key_separator = ": ";
-  bool sort_keys = false;
-  bool ensure_ascii = false;
-  bool separators_set = false;
-};
-
-// json.dumps(value, ...). Undefined, namespaces and callables are not serializable (error, as
-// Python's TypeError). Output above max_bytes is an error (RESOURCE_EXHAUSTED).
-absl::StatusOr<std::string> DumpJson(const Value& value, const JsonDumpOptions& options,
-                                     int64_t max_bytes);
 
 // repr of a float as Python prints it: shortest round-trip digits, "1.0", "1e+16", "1e-05".
 std::string PyFloatRepr(double f);

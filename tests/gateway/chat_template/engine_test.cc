@@ -63,7 +63,8 @@ TEST(ChatTemplateEngine, RuntimeErrorsNameTheLine) {
 }
 
 TEST(ChatTemplateEngine, RaiseExceptionPassesTheMessageThrough) {
-  absl::Status s = RenderError("{% for m in [1] %}\n{{ raise_exception('Roles must alternate') }}{% endfor %}");
+  absl::Status s =
+      RenderError("{% for m in [1] %}\n{{ raise_exception('Roles must alternate') }}{% endfor %}");
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "Roles must alternate");
 }
@@ -73,7 +74,8 @@ TEST(ChatTemplateEngine, OutputBound) {
   limits.max_output_bytes = 1000;
   EXPECT_EQ(Render("{% for i in range(10) %}0123456789{% endfor %}", Json::object(), limits).size(),
             100u);
-  absl::Status s = RenderError("{% for i in range(200) %}0123456789{% endfor %}", Json::object(), limits);
+  absl::Status s =
+      RenderError("{% for i in range(200) %}0123456789{% endfor %}", Json::object(), limits);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   // A single string built by an operator is bounded before it is allocated.
   s = RenderError("{{ 'ab' * 100000000000 }}", Json::object(), limits);
@@ -87,7 +89,8 @@ TEST(ChatTemplateEngine, LoopBound) {
   limits.max_loop_iterations = 1000;
   EXPECT_EQ(Render("{% for i in range(500) %}{% endfor %}ok", Json::object(), limits), "ok");
   // range() is refused before its list is built.
-  absl::Status s = RenderError("{% for i in range(1000000000000) %}{% endfor %}", Json::object(), limits);
+  absl::Status s =
+      RenderError("{% for i in range(1000000000000) %}{% endfor %}", Json::object(), limits);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
   // Nested loops count together.
   s = RenderError("{% for i in range(100) %}{% for j in range(100) %}{% endfor %}{% endfor %}",

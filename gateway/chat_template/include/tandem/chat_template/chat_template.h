@@ -35,9 +35,9 @@ struct Program;  // the parsed tree (template_ast.h)
 
 // Bounds of one rendering, so a hostile template or input cannot take unbounded memory or time.
 struct RenderLimits {
-  int64_t max_output_bytes = 16 << 20;     // rendered text, and any one string value built
-  int64_t max_loop_iterations = 1 << 20;   // all loop bodies of one rendering together
-  int32_t max_depth = 256;                 // nested expressions, statements and macro calls
+  int64_t max_output_bytes = 16 << 20;    // rendered text, and any one string value built
+  int64_t max_loop_iterations = 1 << 20;  // all loop bodies of one rendering together
+  int32_t max_depth = 256;                // nested expressions, statements and macro calls
 };
 
 class Template {
