@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <iterator>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -22,13 +24,23 @@ absl::StatusOr<StepLogprobs> ComputeStepLogprobs(const float* logits, int64_t vo
                                                    std::min<int64_t>(kMaxTopLogprobs, vocab),
                                                    ", got ", top_n));
   }
-  float max = -std::numeric_limits<float>::infinity();
+  // 8 partial maxima, so the loop vectorises; a NaN is never taken here but makes the sum NaN.
+  float partial_max[8];
+  std::fill(std::begin(partial_max), std::end(partial_max),
+            -std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < vocab; ++i) {
-    // NaN fails both comparisons: caught below through the sum.
-    if (logits[i] > max) max = logits[i];
+    const float x = logits[i];
+    partial_max[i & 7] = x > partial_max[i & 7] ? x : partial_max[i & 7];
   }
+  float max = partial_max[0];
+  for (const float m : partial_max) max = m > max ? m : max;
+  // NOTE: f32 exp (within an ulp, the precision of the f32 logits and results) into 8
+  // independent f64 partial sums: ~0.2 ms for a 128K row where one f64 chain of f64 exps takes
+  // ~0.5 ms (the per-token cost of a logprobs request on the scheduler thread).
+  double partial[8] = {};
+  for (int64_t i = 0; i < vocab; ++i) partial[i & 7] += std::exp(logits[i] - max);
   double sum = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - max);
+  for (const double p : partial) sum += p;
   const double lse = static_cast<double>(max) + std::log(sum);
   if (!std::isfinite(lse) || std::isnan(sum)) {
     return absl::InternalError("the model's logits are not finite (NaN or +inf): no logprobs");
