@@ -25,8 +25,8 @@ struct StepLogprobs {
   std::vector<LogprobCandidate> top;     // most likely first; equal logits: lower id first
 };
 
-// logits: host memory, [vocab] f32. lse = max + log Σ exp(logit - max) with the sum accumulated
-// in double; logprob(i) = logit_i - lse, rounded to f32. top: the top_n largest by one pass over
+// logits: host memory, [vocab] f32. lse = max + log Σ exp(logit - max), each exp in f32 and the
+// sum accumulated in f64; logprob(i) = logit_i - lse, rounded to f32. top: the top_n largest by one pass over
 // the row (O(vocab · top_n) worst case, O(vocab) typically; allocates O(top_n) only).
 // INVALID_ARGUMENT when vocab < 1, sampled is outside [0, vocab) or top_n is outside
 // 0..min(kMaxTopLogprobs, vocab); INTERNAL when the row has a NaN or +inf (a broken model).
