@@ -22,6 +22,9 @@
 #include "tandem/cpu_attention/server.h"
 
 ABSL_FLAG(std::string, address, "0.0.0.0:50061", "host:port to serve on (port 0: any free)");
+ABSL_FLAG(std::string, metrics_address, "",
+          "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9401; port 0: any free); "
+          "\"\" = off");
 ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process may use");
 ABSL_FLAG(tandem::ByteSize, pool_bytes, tandem::ByteSize{8ull << 30},
           "memory for KV blocks and selected copies, e.g. 64GiB");
@@ -84,6 +87,7 @@ int main(int argc, char** argv) {
 
   tandem::cpu_attention::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.node.threads = absl::GetFlag(FLAGS_threads);
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
@@ -104,8 +108,8 @@ int main(int argc, char** argv) {
       release_after_s < 0 ? -1 : static_cast<int64_t>(release_after_s * 1000));
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message > (1u << 30)) {
-    std::fprintf(stderr, "tandem-cpu-attention: --max_message_bytes %llu exceeds 1 GiB\n",
-                 static_cast<unsigned long long>(max_message));
+    std::fprintf(stderr, "tandem-cpu-attention: --max_message_bytes %s exceeds 1 GiB\n",
+                 tandem::FormatBytes(max_message).c_str());
     return 2;
   }
   options.max_message_bytes = static_cast<int>(max_message);
@@ -116,8 +120,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto stats = (*server)->node().Stats();
-  spdlog::info("tandem-cpu-attention serving on port {} ({} threads, pool {:.2f} GiB)",
-               (*server)->port(), stats.threads(), stats.capacity_bytes() / double(1ull << 30));
+  spdlog::info("tandem-cpu-attention serving on port {} ({} threads, pool {})", (*server)->port(),
+               stats.threads(), tandem::FormatBytes(stats.capacity_bytes()));
+  if ((*server)->metrics_port() != 0) {
+    spdlog::info("Prometheus metrics on port {} (GET /metrics)", (*server)->metrics_port());
+  }
   // A line scripts can wait for.
   std::printf("LISTENING %d\n", (*server)->port());
   std::fflush(stdout);

@@ -28,12 +28,17 @@ ABSL_FLAG(bool, random_weights, false,
           "serve the model directory's config.json geometry with synthetic weights made on the "
           "device (benchmarks; no weights file is read)");
 ABSL_FLAG(std::string, address, "0.0.0.0:50051", "host:port to serve on (port 0: any free)");
+ABSL_FLAG(std::string, metrics_address, "",
+          "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9400; port 0: any free); "
+          "\"\" = off");
 ABSL_FLAG(std::string, backend, "auto", "auto (cuda when a GPU is usable), cpu or cuda");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device ordinal");
 ABSL_FLAG(unsigned, cpu_threads, 0, "cpu backend threads; 0 = every core this process may use");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "prompt tokens per forward chunk");
 ABSL_FLAG(int64_t, max_context, 0,
-          "most positions of a session (all turns); 0 = the model's max_position_embeddings");
+          "most positions of a session (all turns); 0 = the model's context: "
+          "max_position_embeddings, extended by a yarn/dynamic/linear rope scaling, capped at a "
+          "sliding window");
 ABSL_FLAG(std::string, kv_dtype, "auto", "KV dtype: auto (the weights' kind), bf16 or f32");
 ABSL_FLAG(int64_t, block_tokens, 16, "tokens per evicted KV block");
 ABSL_FLAG(uint32_t, max_sessions, 64, "sessions (kept and one-shot) held at most");
@@ -95,6 +100,7 @@ absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumen
 absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   tandem::gpu_worker::WorkerServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   tandem::gpu_worker::EngineOptions& e = options.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
   if (e.model_dir.empty()) return UsageError("--model is required");
@@ -245,6 +251,19 @@ int main(int argc, char** argv) {
       "CPU node(s), port {}",
       info.model_dir, info.num_layers, info.vocab_size, info.max_context, info.backend, info.device,
       info.cpu_nodes, (*server)->port());
+  const tandem::gpu_worker::EngineOptions& engine_options = options->engine;
+  const bool embedded_node =
+      absl::GetFlag(FLAGS_cpu_nodes).empty() && absl::GetFlag(FLAGS_cpu_nodes_dns).empty();
+  spdlog::info("memory: weights {} ({}), device KV budget {}, embedded CPU node pool {}",
+               tandem::FormatBytes(info.weight_bytes), info.weight_dtype,
+               engine_options.kv_cache_bytes == 0
+                   ? std::string("all free device memory")
+                   : tandem::FormatBytes(engine_options.kv_cache_bytes),
+               embedded_node ? tandem::FormatBytes(engine_options.nodes.embedded.pool_bytes)
+                             : std::string("none (remote nodes)"));
+  if ((*server)->metrics_port() != 0) {
+    spdlog::info("Prometheus metrics on port {} (GET /metrics)", (*server)->metrics_port());
+  }
   // A line scripts can wait for.
   std::printf("LISTENING %d\n", (*server)->port());
   std::fflush(stdout);

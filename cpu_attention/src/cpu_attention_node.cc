@@ -21,6 +21,7 @@
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
+#include "tandem/metrics/node_metrics.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -321,6 +322,7 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
       &compute_micros, &bytes_scanned));
   response->set_compute_micros(compute_micros);
   response->set_bytes_scanned(bytes_scanned);
+  if (options_.metrics != nullptr) options_.metrics->attends_grpc->Increment(batch);
   return absl::OkStatus();
 }
 
@@ -372,6 +374,7 @@ absl::Status CpuAttentionNode::AttendRaw(const std::string& session_id, uint32_t
       &compute_micros, &bytes_scanned));
   out->compute_micros = compute_micros;
   out->bytes_scanned = bytes_scanned;
+  if (options_.metrics != nullptr) options_.metrics->attends_shm->Increment();
   return absl::OkStatus();
 }
 
@@ -468,6 +471,9 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   *compute_micros = static_cast<uint64_t>(seconds * 1e6);
   *bytes_scanned_out = bytes_scanned;
   RecordScan(bytes_scanned, seconds);
+  if (options_.metrics != nullptr) {
+    options_.metrics->scanned_bytes->Increment(static_cast<double>(bytes_scanned));
+  }
   return absl::OkStatus();
 }
 

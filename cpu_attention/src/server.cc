@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/metrics/registry.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -41,7 +42,23 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
         absl::StrCat("max_message_bytes must be >= 1 MiB, got ", options.max_message_bytes));
   }
   std::unique_ptr<CpuAttentionServer> server(new CpuAttentionServer());
-  TANDEM_ASSIGN_OR_RETURN(server->node_, CpuAttentionNode::Create(options.node));
+  NodeOptions node_options = options.node;
+  if (!options.metrics_address.empty()) {
+    server->registry_ = metrics::NewRegistry();
+    TANDEM_ASSIGN_OR_RETURN(metrics::NodeMetrics m,
+                            metrics::NodeMetrics::Create(*server->registry_));
+    server->node_metrics_ = std::make_unique<metrics::NodeMetrics>(m);
+    node_options.metrics = server->node_metrics_.get();
+  }
+  TANDEM_ASSIGN_OR_RETURN(server->node_, CpuAttentionNode::Create(node_options));
+  if (server->node_metrics_ != nullptr) {
+    const CpuAttentionNode* node = server->node_.get();
+    const metrics::NodeMetrics* m = server->node_metrics_.get();
+    auto before_scrape = [node, m] { SetNodeGauges(*node, *m); };
+    TANDEM_ASSIGN_OR_RETURN(
+        server->metrics_server_,
+        metrics::MetricsServer::Start(options.metrics_address, server->registry_, before_scrape));
+  }
   server->service_ =
       std::make_unique<CpuAttentionGrpcService>(server->node_.get(), options.executor_threads,
                                                 static_cast<uint64_t>(options.max_message_bytes));
@@ -77,7 +94,19 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
   return server;
 }
 
-CpuAttentionServer::~CpuAttentionServer() { Shutdown(); }
+CpuAttentionServer::~CpuAttentionServer() {
+  Shutdown();
+  metrics_server_.reset();  // no scrape may read the node while it goes away
+}
+
+void SetNodeGauges(const CpuAttentionNode& node, const metrics::NodeMetrics& metrics) {
+  const v1::StatsResponse stats = node.Stats();
+  metrics.SetGauges({.pool_used_bytes = stats.used_bytes(),
+                     .pool_total_bytes = stats.capacity_bytes(),
+                     .sessions = stats.sessions(),
+                     .attends_in_flight = stats.attend_in_flight(),
+                     .scan_bytes_per_second = stats.scan_bytes_per_second()});
+}
 
 void CpuAttentionServer::Shutdown(int grace_ms) {
   if (shut_down_ || server_ == nullptr) return;

@@ -43,8 +43,10 @@ absl::Status Scheduler::Submit(GenerateRequest request, GenerateCallbacks callba
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the worker is shutting down");
     if (static_cast<int64_t>(submitted_.size()) + stats_.waiting >= options_.max_waiting) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          options_.max_waiting, " requests are already waiting; retry later"));
+      absl::Status refused = absl::ResourceExhaustedError(
+          absl::StrCat(options_.max_waiting, " requests are already waiting; retry later"));
+      CountFailure(refused);
+      return refused;
     }
     submitted_.push_back({std::move(request), std::move(callbacks), std::move(done),
                           Generation::Clock::now()});
@@ -117,6 +119,7 @@ void Scheduler::EndFinished() {
       continue;
     }
     absl::StatusOr<GenerateSummary> summary = engine_->End(g);
+    CountEnd(summary);
     it->done(std::move(summary));
     it = running_.erase(it);
     admission_blocked_ = false;   // its memory is free
@@ -129,8 +132,11 @@ void Scheduler::EndFinished() {
       ++it;
       continue;
     }
-    it->done(expired ? absl::DeadlineExceededError("the request's deadline passed while it waited")
-                     : absl::CancelledError("cancelled before it ran"));
+    absl::Status status =
+        expired ? absl::DeadlineExceededError("the request's deadline passed while it waited")
+                : absl::CancelledError("cancelled before it ran");
+    CountFailure(status);
+    it->done(std::move(status));
     it = waiting_.erase(it);
     admission_blocked_ = false;   // the head of the queue may have changed
   }
@@ -156,9 +162,11 @@ void Scheduler::Admit() {
       break;                       // nobody overtakes it
     }
     if (!g.ok()) {
+      CountFailure(g.status());
       it->done(g.status());
     } else {
-      running_.push_back({*std::move(g), std::move(it->done), next_order_++, 0});
+      const uint64_t degraded = (*g)->seq != nullptr ? (*g)->seq->degraded_steps : 0;
+      running_.push_back({*std::move(g), std::move(it->done), next_order_++, 0, 0, degraded});
     }
     it = waiting_.erase(it);
   }
@@ -198,6 +206,7 @@ void Scheduler::StepOnce() {
   if (items.empty()) return;
   // A failure is recorded in each generation of the step; EndFinished reports it.
   (void)engine_->Step(items);
+  CountStep();
   ++local_stats_.steps;
   local_stats_.step_tokens += static_cast<uint64_t>(options_.step_tokens - budget);
 }
@@ -205,8 +214,68 @@ void Scheduler::StepOnce() {
 void Scheduler::Publish() {
   local_stats_.running = static_cast<int64_t>(running_.size());
   local_stats_.waiting = static_cast<int64_t>(waiting_.size());
+  if (const metrics::WorkerMetrics* m = options_.metrics) {
+    m->num_requests_running->Set(static_cast<double>(local_stats_.running));
+    m->num_requests_waiting->Set(static_cast<double>(local_stats_.waiting));
+    // The device KV of running requests' sequences (windows, gpu-mode KV, page summaries): what
+    // the scheduler can see. Kept sessions between turns also hold theirs (the admission check
+    // counts them) but are not reachable from here.
+    size_t bytes = 0;
+    for (const Running& r : running_) {
+      const Sequence* seq = r.generation->seq;
+      if (seq == nullptr) continue;
+      bytes += seq->window.device_bytes() + (seq->pages ? seq->pages->device_bytes() : 0);
+    }
+    m->gpu_kv_cache_used_bytes->Set(static_cast<double>(bytes));
+    const size_t budget = engine_->options().kv_cache_bytes;
+    if (m->gpu_kv_cache_usage != nullptr && budget > 0) {
+      m->gpu_kv_cache_usage->Set(static_cast<double>(bytes) / static_cast<double>(budget));
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = local_stats_;
+}
+
+void Scheduler::CountStep() {
+  const metrics::WorkerMetrics* m = options_.metrics;
+  if (m == nullptr) return;
+  int64_t sampled = 0, prompts = 0;
+  uint64_t degraded = 0;
+  for (Running& r : running_) {
+    const Generation& g = *r.generation;
+    // A step samples at most one token per generation; the loop also catches up any number.
+    for (; r.counted_tokens < g.summary.completion_tokens; ++r.counted_tokens, ++sampled) {
+      if (r.counted_tokens == 0) {
+        m->time_to_first_token->Observe(g.summary.time_to_first_token_s);
+        prompts += g.prompt_tokens;
+      } else if (static_cast<size_t>(r.counted_tokens - 1) < g.latencies.size()) {
+        m->inter_token_latency->Observe(g.latencies[r.counted_tokens - 1]);
+      }
+    }
+    if (g.seq != nullptr && g.seq->degraded_steps > r.counted_degraded) {
+      degraded += g.seq->degraded_steps - r.counted_degraded;
+      r.counted_degraded = g.seq->degraded_steps;
+    }
+  }
+  if (sampled > 0) m->generation_tokens->Increment(static_cast<double>(sampled));
+  if (prompts > 0) m->prompt_tokens->Increment(static_cast<double>(prompts));
+  if (degraded > 0) m->degraded_steps->Increment(static_cast<double>(degraded));
+}
+
+void Scheduler::CountEnd(const absl::StatusOr<GenerateSummary>& summary) {
+  const metrics::WorkerMetrics* m = options_.metrics;
+  if (m == nullptr) return;
+  if (!summary.ok()) {
+    CountFailure(summary.status());
+    return;
+  }
+  m->e2e_request_latency->Observe(summary->total_s);
+  m->RequestSuccess(FinishReasonName(summary->finish_reason)).Increment();
+}
+
+void Scheduler::CountFailure(const absl::Status& status) {
+  if (options_.metrics == nullptr || status.ok()) return;
+  options_.metrics->RequestFailure(absl::StatusCodeToString(status.code())).Increment();
 }
 
 }  // namespace tandem::gpu_worker

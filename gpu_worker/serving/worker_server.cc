@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/metrics/registry.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -33,9 +34,19 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
         absl::StrCat("max_message_bytes must be >= 1 MiB, got ", options.max_message_bytes));
   }
   std::unique_ptr<GpuWorkerServer> server(new GpuWorkerServer());
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options.engine));
+  EngineOptions engine_options = options.engine;
+  SchedulerOptions scheduler_options = options.scheduler;
+  if (!options.metrics_address.empty()) {
+    TANDEM_RETURN_IF_ERROR(
+        server->StartMetrics(options.metrics_address, &engine_options, &scheduler_options));
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
   server->info_ = engine->info();
-  TANDEM_ASSIGN_OR_RETURN(server->scheduler_, Scheduler::Create(std::move(engine), options.scheduler));
+  if (server->node_metrics_ != nullptr && engine->nodes().embedded() != nullptr) {
+    server->embedded_node_.store(&engine->nodes().embedded()->node(), std::memory_order_release);
+  }
+  TANDEM_ASSIGN_OR_RETURN(server->scheduler_,
+                          Scheduler::Create(std::move(engine), scheduler_options));
   server->service_ = std::make_unique<GenerationService>(server->scheduler_.get(), server->info_);
   server->max_message_bytes_ = options.max_message_bytes;
 
@@ -68,6 +79,31 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
     health->SetServingStatus(kServiceName, true);
   }
   return server;
+}
+
+absl::Status GpuWorkerServer::StartMetrics(const std::string& address, EngineOptions* engine,
+                                           SchedulerOptions* scheduler) {
+  registry_ = metrics::NewRegistry();
+  TANDEM_ASSIGN_OR_RETURN(metrics::WorkerMetrics w,
+                          metrics::WorkerMetrics::Create(*registry_, engine->kv_cache_bytes > 0));
+  worker_metrics_ = std::make_unique<metrics::WorkerMetrics>(w);
+  scheduler->metrics = worker_metrics_.get();
+  const bool embedded =
+      engine->nodes.addresses.empty() && engine->nodes.dns_name.empty() && !engine->nodes.discovery;
+  if (embedded) {
+    TANDEM_ASSIGN_OR_RETURN(metrics::NodeMetrics n, metrics::NodeMetrics::Create(*registry_));
+    node_metrics_ = std::make_unique<metrics::NodeMetrics>(n);
+    engine->nodes.embedded.metrics = node_metrics_.get();
+  }
+  // The embedded node's gauges come from its Stats at each scrape (none until the engine, and
+  // with it the node, exists).
+  auto before_scrape = [this] {
+    const cpu_attention::CpuAttentionNode* node = embedded_node_.load(std::memory_order_acquire);
+    if (node != nullptr) cpu_attention::SetNodeGauges(*node, *node_metrics_);
+  };
+  TANDEM_ASSIGN_OR_RETURN(metrics_server_,
+                          metrics::MetricsServer::Start(address, registry_, before_scrape));
+  return absl::OkStatus();
 }
 
 GpuWorkerServer::~GpuWorkerServer() { Shutdown(); }

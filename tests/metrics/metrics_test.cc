@@ -34,8 +34,8 @@ TEST(Registry, CountersAndGaugesReadBackWithNamesLabelsAndValues) {
       AddCounter(*registry, "tandem:node_attends_total", "Attends.", {{"transport", "shm"}});
   absl::StatusOr<prometheus::Counter*> grpc =
       AddCounter(*registry, "tandem:node_attends_total", "Attends.", {{"transport", "grpc"}});
-  absl::StatusOr<prometheus::Gauge*> gauge = AddGauge(*registry, "tandem:num_requests_running",
-                                                      "Running.");
+  absl::StatusOr<prometheus::Gauge*> gauge =
+      AddGauge(*registry, "tandem:num_requests_running", "Running.");
   ASSERT_TRUE(shm.ok() && grpc.ok() && gauge.ok());
   (*shm)->Increment(3);
   (*grpc)->Increment();
@@ -62,15 +62,13 @@ TEST(Registry, LabelValuesAreEscapedAndReadBack) {
   (*family)->Add({{"route", "/v1/models"}, {"code", "404"}}).Increment();
   const Exposition e = Parse(*registry);
   EXPECT_EQ(e.Value("tandem:http_requests_total", {{"route", odd}}), 2.0);
-  EXPECT_EQ(e.Value("tandem:http_requests_total", {{"route", "/v1/models"}, {"code", "404"}}),
-            1.0);
+  EXPECT_EQ(e.Value("tandem:http_requests_total", {{"route", "/v1/models"}, {"code", "404"}}), 1.0);
 }
 
 TEST(Registry, HistogramBucketsCountKnownObservations) {
   auto registry = NewRegistry();
-  absl::StatusOr<prometheus::Histogram*> h =
-      AddHistogram(*registry, "tandem:time_to_first_token_seconds", "TTFT.",
-                   TimeToFirstTokenBuckets());
+  absl::StatusOr<prometheus::Histogram*> h = AddHistogram(
+      *registry, "tandem:time_to_first_token_seconds", "TTFT.", TimeToFirstTokenBuckets());
   ASSERT_TRUE(h.ok());
   // 0.0005 <= 0.001; 0.003 in (0.001, 0.005]; 0.005 exactly on a bound (le is inclusive);
   // 3.0 in (2.5, 5]; 5000 above every bound (+Inf only).
@@ -162,8 +160,11 @@ TEST(NodeMetrics, GaugesFromStatsAndCounters) {
   m->attends_shm->Increment(40);
   m->attends_grpc->Increment(2);
   m->scanned_bytes->Increment(1 << 20);
-  m->SetGauges({.pool_used_bytes = 256, .pool_total_bytes = 1024, .sessions = 3,
-                .attends_in_flight = 1, .scan_bytes_per_second = 5e9});
+  m->SetGauges({.pool_used_bytes = 256,
+                .pool_total_bytes = 1024,
+                .sessions = 3,
+                .attends_in_flight = 1,
+                .scan_bytes_per_second = 5e9});
   const Exposition e = Parse(*registry);
   EXPECT_EQ(e.Value("tandem:node_attends_total", {{"transport", "shm"}}), 40.0);
   EXPECT_EQ(e.Value("tandem:node_attends_total", {{"transport", "grpc"}}), 2.0);
@@ -195,7 +196,8 @@ TEST(Promtool, AcceptsTheExpositionApartFromColons) {
   ASSERT_TRUE(w.ok() && n.ok());
   w->time_to_first_token->Observe(0.1);
   w->RequestSuccess("eos").Increment();
-  absl::StatusOr<metrics_test::PromtoolResult> r = metrics_test::RunPromtool(SerializeText(*registry));
+  absl::StatusOr<metrics_test::PromtoolResult> r =
+      metrics_test::RunPromtool(SerializeText(*registry));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->exit_code == 0 || r->exit_code == 3) << "promtool could not parse it";
   EXPECT_TRUE(r->problems.empty()) << r->problems.front();
@@ -207,8 +209,8 @@ TEST(MetricsServer, ServesTheRegistryOverHttpAndRefreshesBeforeEachScrape) {
   absl::StatusOr<prometheus::Gauge*> gauge = AddGauge(*registry, "tandem:scrapes_seen", "x");
   ASSERT_TRUE(gauge.ok());
   std::atomic<int> refreshes{0};
-  absl::StatusOr<std::unique_ptr<MetricsServer>> server = MetricsServer::Start(
-      "127.0.0.1:0", registry, [&] { (*gauge)->Set(++refreshes); });
+  absl::StatusOr<std::unique_ptr<MetricsServer>> server =
+      MetricsServer::Start("127.0.0.1:0", registry, [&] { (*gauge)->Set(++refreshes); });
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_GT((*server)->port(), 0);
 

@@ -19,14 +19,12 @@
 
 namespace tandem::metrics_test {
 
-inline bool PromtoolAvailable() {
-  return std::system("command -v promtool >/dev/null 2>&1") == 0;
-}
+inline bool PromtoolAvailable() { return std::system("command -v promtool >/dev/null 2>&1") == 0; }
 
 struct PromtoolResult {
   int exit_code = 0;
-  std::vector<std::string> colon_findings;   // the accepted lint lines
-  std::vector<std::string> problems;         // everything else it printed
+  std::vector<std::string> colon_findings;  // the accepted lint lines
+  std::vector<std::string> problems;        // everything else it printed
 };
 
 inline absl::StatusOr<PromtoolResult> RunPromtool(const std::string& exposition) {

@@ -10,7 +10,6 @@
 #include <map>
 #include <optional>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -18,6 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 
 namespace tandem::metrics_test {
 
@@ -28,8 +28,8 @@ struct Sample {
 };
 
 struct Exposition {
-  std::map<std::string, std::string> help;   // by family name
-  std::map<std::string, std::string> type;   // by family name
+  std::map<std::string, std::string> help;  // by family name
+  std::map<std::string, std::string> type;  // by family name
   std::vector<Sample> samples;
 
   // The samples named `name` whose labels include every pair of `labels`.
@@ -65,7 +65,8 @@ inline absl::StatusOr<double> ParseValue(absl::string_view text) {
   if (text == "-Inf") return -std::numeric_limits<double>::infinity();
   if (absl::AsciiStrToLower(text) == "nan") return std::numeric_limits<double>::quiet_NaN();
   double v = 0;
-  if (!absl::SimpleAtod(text, &v)) return absl::InvalidArgumentError(absl::StrCat("value '", text, "'"));
+  if (!absl::SimpleAtod(text, &v))
+    return absl::InvalidArgumentError(absl::StrCat("value '", text, "'"));
   return v;
 }
 
@@ -102,14 +103,14 @@ inline absl::StatusOr<Sample> ParseSample(absl::string_view line) {
           value += line[i];
         }
       }
-      ++i;   // the closing quote
+      ++i;  // the closing quote
       if (!s.labels.emplace(key, value).second) {
         return absl::InvalidArgumentError(absl::StrCat("label '", key, "' twice: ", line));
       }
       if (i < line.size() && line[i] == ',') ++i;
     }
     if (i >= line.size()) return absl::InvalidArgumentError(absl::StrCat("open brace: ", line));
-    ++i;   // '}'
+    ++i;  // '}'
   }
   if (i >= line.size() || line[i] != ' ') {
     return absl::InvalidArgumentError(absl::StrCat("no value: ", line));
@@ -143,7 +144,7 @@ inline absl::StatusOr<Exposition> ParseExposition(absl::string_view text) {
         if (!known) return absl::InvalidArgumentError(absl::StrCat("type: ", line));
         e.type[std::string(parts[2])] = std::string(parts[3]);
       }
-      continue;   // other comments are allowed
+      continue;  // other comments are allowed
     }
     absl::StatusOr<Sample> s = ParseSample(line);
     if (!s.ok()) return s.status();

@@ -14,7 +14,7 @@ namespace tandem::metrics {
 namespace {
 
 struct HostPort {
-  std::string host;   // without IPv6 brackets
+  std::string host;  // without IPv6 brackets
   int port = 0;
 };
 
@@ -73,8 +73,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     server->port_ = hp->port;
   }
   if (server->port_ <= 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "cannot serve metrics on '", address, "' (address in use or not of this host?)"));
+    return absl::UnavailableError(absl::StrCat("cannot serve metrics on '", address,
+                                               "' (address in use or not of this host?)"));
   }
   server->thread_ = std::thread([&http] { http.listen_after_bind(); });
   // stop() only takes effect once the loop runs: wait for it, so the destructor cannot miss it.

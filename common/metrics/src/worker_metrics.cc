@@ -9,14 +9,13 @@
 namespace tandem::metrics {
 
 absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& registry,
-                                                   bool gpu_kv_budget) {
+                                                    bool gpu_kv_budget) {
   WorkerMetrics m;
   TANDEM_ASSIGN_OR_RETURN(m.num_requests_running,
                           AddGauge(registry, "tandem:num_requests_running",
                                    "Requests admitted by the scheduler (in prefill or decode)."));
-  TANDEM_ASSIGN_OR_RETURN(m.num_requests_waiting,
-                          AddGauge(registry, "tandem:num_requests_waiting",
-                                   "Requests queued for admission."));
+  TANDEM_ASSIGN_OR_RETURN(m.num_requests_waiting, AddGauge(registry, "tandem:num_requests_waiting",
+                                                           "Requests queued for admission."));
   if (gpu_kv_budget) {
     TANDEM_ASSIGN_OR_RETURN(m.gpu_kv_cache_usage,
                             AddGauge(registry, "tandem:kv_cache_usage_perc",
@@ -32,11 +31,10 @@ absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& regist
       AddHistogram(registry, "tandem:time_to_first_token_seconds",
                    "Time from a request's arrival to its first generated token.",
                    TimeToFirstTokenBuckets()));
-  TANDEM_ASSIGN_OR_RETURN(
-      m.inter_token_latency,
-      AddHistogram(registry, "tandem:inter_token_latency_seconds",
-                   "Time between consecutive generated tokens of a request.",
-                   InterTokenLatencyBuckets()));
+  TANDEM_ASSIGN_OR_RETURN(m.inter_token_latency,
+                          AddHistogram(registry, "tandem:inter_token_latency_seconds",
+                                       "Time between consecutive generated tokens of a request.",
+                                       InterTokenLatencyBuckets()));
   TANDEM_ASSIGN_OR_RETURN(
       m.e2e_request_latency,
       AddHistogram(registry, "tandem:e2e_request_latency_seconds",
@@ -46,17 +44,16 @@ absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& regist
       m.prompt_tokens,
       AddCounter(registry, "tandem:prompt_tokens_total",
                  "Prompt tokens processed (counted when a request's prefill completes)."));
-  TANDEM_ASSIGN_OR_RETURN(m.generation_tokens,
-                          AddCounter(registry, "tandem:generation_tokens_total",
-                                     "Tokens generated."));
+  TANDEM_ASSIGN_OR_RETURN(
+      m.generation_tokens,
+      AddCounter(registry, "tandem:generation_tokens_total", "Tokens generated."));
   TANDEM_ASSIGN_OR_RETURN(
       m.degraded_steps,
       AddCounter(registry, "tandem:degraded_steps_total",
                  "Layer attends of a sequence in which some CPU node did not answer in time."));
-  TANDEM_ASSIGN_OR_RETURN(
-      m.request_success,
-      AddCounterFamily(registry, "tandem:request_success_total",
-                       "Requests that ended with a result, by finish reason."));
+  TANDEM_ASSIGN_OR_RETURN(m.request_success,
+                          AddCounterFamily(registry, "tandem:request_success_total",
+                                           "Requests that ended with a result, by finish reason."));
   TANDEM_ASSIGN_OR_RETURN(
       m.request_failure,
       AddCounterFamily(registry, "tandem:request_failure_total",

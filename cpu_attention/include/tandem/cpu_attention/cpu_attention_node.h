@@ -41,6 +41,10 @@
 #include "tandem/kv_store/kv_store.h"
 #include "tandem/v1/cpu_attention.pb.h"
 
+namespace tandem::metrics {
+struct NodeMetrics;
+}  // namespace tandem::metrics
+
 namespace tandem::cpu_attention {
 
 struct NodeOptions {
@@ -57,6 +61,10 @@ struct NodeOptions {
   // negative: never (free blocks stay resident until reused).
   std::chrono::milliseconds release_free_after{30000};
   bool huge_pages = false;   // back KV blocks with transparent huge pages (kv_store::BlockPool)
+  // Prometheus counters (tandem/metrics/node_metrics.h): attends by transport (Attend: grpc,
+  // AttendRaw: shm) and scanned bytes, counted as they are served; null: none. Not owned; must
+  // outlive the node.
+  const metrics::NodeMetrics* metrics = nullptr;
 };
 
 // Caller-owned arrays AttendRaw fills, sized for the session's owned kv heads of the layer

@@ -46,7 +46,7 @@ class MetricsServer {
   std::shared_ptr<prometheus::Registry> registry_;
   std::function<void()> before_scrape_;
   std::unique_ptr<httplib::Server> http_;
-  std::thread thread_;   // runs the listen loop until the destructor stops it
+  std::thread thread_;  // runs the listen loop until the destructor stops it
   int port_ = 0;
 };
 

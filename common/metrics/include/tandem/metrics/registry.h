@@ -59,8 +59,8 @@ absl::StatusOr<prometheus::Family<prometheus::Histogram>*> AddHistogramFamily(
 absl::StatusOr<prometheus::Counter*> AddCounter(prometheus::Registry& registry,
                                                 const std::string& name, const std::string& help,
                                                 const prometheus::Labels& labels = {});
-absl::StatusOr<prometheus::Gauge*> AddGauge(prometheus::Registry& registry,
-                                            const std::string& name, const std::string& help,
+absl::StatusOr<prometheus::Gauge*> AddGauge(prometheus::Registry& registry, const std::string& name,
+                                            const std::string& help,
                                             const prometheus::Labels& labels = {});
 absl::StatusOr<prometheus::Histogram*> AddHistogram(prometheus::Registry& registry,
                                                     const std::string& name,

@@ -39,12 +39,11 @@ struct WorkerMetrics {
   // INVALID_ARGUMENT when a family clashes with one already in `registry`. gpu_kv_budget: the
   // worker has a --kv_cache_bytes budget (else gpu_kv_cache_usage stays null and unexported:
   // a share of "the device's memory" would mislead).
-  static absl::StatusOr<WorkerMetrics> Create(prometheus::Registry& registry,
-                                              bool gpu_kv_budget);
+  static absl::StatusOr<WorkerMetrics> Create(prometheus::Registry& registry, bool gpu_kv_budget);
 
   prometheus::Gauge* num_requests_running = nullptr;
   prometheus::Gauge* num_requests_waiting = nullptr;
-  prometheus::Gauge* gpu_kv_cache_usage = nullptr;       // null without a budget
+  prometheus::Gauge* gpu_kv_cache_usage = nullptr;  // null without a budget
   prometheus::Gauge* gpu_kv_cache_used_bytes = nullptr;
   prometheus::Histogram* time_to_first_token = nullptr;
   prometheus::Histogram* inter_token_latency = nullptr;

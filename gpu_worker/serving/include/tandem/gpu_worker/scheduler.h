@@ -17,6 +17,13 @@
 //      request is not stuck behind a long one; a prefill passed over for prefill_aging_steps
 //      steps goes first, so none starves. Sequences of every mode share the step.
 //
+// Metrics (SchedulerOptions::metrics, tandem/metrics/worker_metrics.h): after each step the
+// tokens it sampled (TTFT of first tokens, inter-token latencies, prompt tokens of prefills that
+// completed) and the degraded layer attends; at each end the request's e2e latency and finish
+// reason, or its error code; running / waiting and the device KV of running sequences each
+// iteration: on the scheduler thread, O(batch) per step. Refusals of Submit are counted on the
+// caller's thread.
+//
 // Thread-safe: Submit / Post / Run / Stop from any thread; callbacks and `done` run on the
 // scheduler's thread and must not block. Destruction stops accepting work, runs what was
 // accepted to its end, then joins.
@@ -35,6 +42,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/metrics/worker_metrics.h"
 
 namespace tandem::gpu_worker {
 
@@ -43,6 +51,8 @@ struct SchedulerOptions {
   int64_t max_waiting = 4096;      // requests queued beyond the running ones; more: refused
   int64_t step_tokens = 0;         // tokens per step (decode + prefill); 0 = the engine's chunk
   int64_t prefill_aging_steps = 4;
+  // Where to count (null: nothing is counted). Not owned; must outlive the scheduler.
+  const metrics::WorkerMetrics* metrics = nullptr;
 };
 
 struct SchedulerStats {
@@ -102,6 +112,9 @@ class Scheduler {
     Done done;
     uint64_t order = 0;            // admission order (FCFS ties)
     int64_t skipped_steps = 0;     // consecutive steps its prefill got no tokens
+    // What the metrics have seen of it: tokens sampled, and its sequence's degraded_steps.
+    int64_t counted_tokens = 0;
+    uint64_t counted_degraded = 0;
   };
 
   Scheduler(std::unique_ptr<Engine> engine, const SchedulerOptions& options);
@@ -112,6 +125,11 @@ class Scheduler {
   void Admit();
   void StepOnce();
   void Publish();
+  // Metrics (no-ops without SchedulerOptions::metrics): what the last step sampled and
+  // degraded; a request's end (its summary or error); a request refused with `status`.
+  void CountStep();
+  void CountEnd(const absl::StatusOr<GenerateSummary>& summary);
+  void CountFailure(const absl::Status& status);
 
   std::unique_ptr<Engine> engine_;
   SchedulerOptions options_;
