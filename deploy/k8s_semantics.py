@@ -10,6 +10,9 @@ object) with source like "k8s/cpu-node-statefulset.yaml") and returns error stri
   * a CPU node's memory request is at least its --pool_bytes and its grace period outlasts
     --drain_timeout_s; a worker requests nvidia.com/gpu and its --cpu_nodes_dns names the
     headless Service of a CPU-node StatefulSet, and its port;
+  * a container's --metrics_address serves on a containerPort other than --address's; pods
+    annotated prometheus.io/scrape: "true" name in prometheus.io/port the port of a
+    container's --metrics_address and in prometheus.io/path (if set) /metrics;
   * with complete=True, the set holds a CPU-node StatefulSet, a worker and a PDB.
 Objects that fail the schema check may be partial; every lookup here tolerates that.
 """
@@ -250,6 +253,37 @@ def _check_worker(where, container, entries, errors):
                       f"IPs directly, so the two must be equal")
 
 
+def _check_metrics(where, pod_metadata, containers, errors):
+    metrics_ports = set()
+    for c in containers:
+        cwhere = f"{where} container {_str(c, 'name') or '?'}"
+        f = flags(c)
+        if "metrics_address" not in f:
+            continue
+        port = _address_port(f["metrics_address"])
+        if port is None:
+            errors.append(f"{cwhere}: --metrics_address={f['metrics_address']} is not host:port")
+            continue
+        metrics_ports.add(port)
+        if port not in container_ports(c):
+            errors.append(f"{cwhere}: --metrics_address={f['metrics_address']} does not serve on "
+                          f"a containerPort ({_ints(container_ports(c))})")
+        if "address" in f and _address_port(f["address"]) == port:
+            errors.append(f"{cwhere}: --metrics_address and --address share port {port}")
+    annotations = _get(pod_metadata, "annotations", default={}, kind=dict)
+    if annotations.get("prometheus.io/scrape") != "true":
+        return
+    port = annotations.get("prometheus.io/port")
+    if not (isinstance(port, str) and port.isdigit() and int(port) in metrics_ports):
+        errors.append(f"{where}: pod annotation prometheus.io/port {port!r} is not the port of a "
+                      f"container's --metrics_address ({_ints(metrics_ports)}); Prometheus would "
+                      f"scrape a port that serves no /metrics")
+    path = annotations.get("prometheus.io/path", "/metrics")
+    if path != "/metrics":
+        errors.append(f"{where}: pod annotation prometheus.io/path {path!r}: tandem serves "
+                      f"/metrics")
+
+
 def _find(entries, kind, namespace, name):
     for _, o in entries:
         if o.get("kind") == kind and _ns(o) == namespace and _str(o, "metadata", "name") == name:
@@ -338,6 +372,8 @@ def check(entries, complete=False):
         if o.get("kind") == "StatefulSet":
             _check_statefulset(where, o, entries, errors)
         pod_spec = _get(o, "spec", "template", "spec", default={}, kind=dict)
+        _check_metrics(where, _get(o, "spec", "template", "metadata", default={}, kind=dict),
+                       _dicts(pod_spec, "containers"), errors)
         for c in _dicts(pod_spec, "containers"):
             cwhere = f"{where} container {_str(c, 'name') or '?'}"
             _check_probes(cwhere, c, errors)

@@ -148,6 +148,9 @@ def check_values(v):
 
     c = v["cpuNodes"]
     need_int("cpuNodes.port", c["port"], 1, 65535)
+    need_int("cpuNodes.metricsPort", c["metricsPort"], 1, 65535)
+    if c["metricsPort"] == c["port"]:
+        problems.append("cpuNodes.metricsPort: must differ from cpuNodes.port")
     need_int("cpuNodes.replicas", c["replicas"], 0)
     need_int("cpuNodes.threads", c["threads"], 1)  # the cpu request; 0 (all cores) cannot be one
     need_int("cpuNodes.blockTokens", c["blockTokens"], 16, 256)
@@ -177,6 +180,9 @@ def check_values(v):
 
     g = v["gpuWorker"]
     need_int("gpuWorker.port", g["port"], 1, 65535)
+    need_int("gpuWorker.metricsPort", g["metricsPort"], 1, 65535)
+    if g["metricsPort"] == g["port"]:
+        problems.append("gpuWorker.metricsPort: must differ from gpuWorker.port")
     need_int("gpuWorker.replicas", g["replicas"], 0)
     need_int("gpuWorker.gpus", g["gpus"], 1)
     need_int("gpuWorker.window", g["window"], 1)
@@ -233,6 +239,30 @@ def metadata(v, name, component):
     return {"name": name, "namespace": names(v)["ns"], "labels": labels(v, component)}
 
 
+def with_metrics(v, component_values, args, ports, pod_metadata):
+    """Adds --metrics_address, the "metrics" containerPort and the scrape annotations (in
+    place) when metrics.enabled."""
+    if not v["metrics"]["enabled"]:
+        return
+    port = component_values["metricsPort"]
+    after = next((i + 1 for i, a in enumerate(args) if a.startswith("--address=")), len(args))
+    args.insert(after, f"--metrics_address=0.0.0.0:{port}")
+    ports.append({"name": "metrics", "containerPort": port, "protocol": "TCP"})
+    if v["metrics"]["annotations"]:
+        pod_metadata["annotations"] = {"prometheus.io/scrape": "true",
+                                       "prometheus.io/port": str(port),
+                                       "prometheus.io/path": "/metrics"}
+
+
+def service_ports(v, component_values):
+    ports = [{"name": "grpc", "port": component_values["port"],
+              "targetPort": component_values["port"], "protocol": "TCP"}]
+    if v["metrics"]["enabled"]:
+        ports.append({"name": "metrics", "port": component_values["metricsPort"],
+                      "targetPort": component_values["metricsPort"], "protocol": "TCP"})
+    return ports
+
+
 def grpc_probe(port, service, period, failures, timeout=5):
     return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
             "timeoutSeconds": timeout, "failureThreshold": failures}
@@ -271,8 +301,7 @@ def cpu_node_service(v):
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
             "selector": selector_labels(v, "cpu-node"),
-            "ports": [{"name": "grpc", "port": c["port"], "targetPort": c["port"],
-                       "protocol": "TCP"}],
+            "ports": service_ports(v, c),
         },
     }
 
@@ -286,12 +315,15 @@ def cpu_node_statefulset(v):
             f"--max_sessions={c['maxSessions']}", f"--drain_timeout_s={c['drainTimeoutS']}",
             f"--release_free_after_s={c['releaseFreeAfterS']}",
             f"--log_level={c['logLevel']}", *c["extraArgs"]]
+    ports = [{"name": "grpc", "containerPort": c["port"], "protocol": "TCP"}]
+    pod_metadata = {"labels": labels(v, "cpu-node")}
+    with_metrics(v, c, args, ports, pod_metadata)
     container = {
         "name": "cpu-node",
         "image": c["image"],
         "imagePullPolicy": c["imagePullPolicy"],
         "args": args,
-        "ports": [{"name": "grpc", "containerPort": c["port"], "protocol": "TCP"}],
+        "ports": ports,
         # requests == limits: Guaranteed QoS, so the node is the last to be evicted and, with
         # the kubelet's static CPU manager, gets whole cores for its attention threads.
         "resources": {"requests": {"cpu": cpu, "memory": memory},
@@ -320,8 +352,7 @@ def cpu_node_statefulset(v):
         spec["replicas"] = c["replicas"]
     spec.update({
         "selector": {"matchLabels": selector_labels(v, "cpu-node")},
-        "template": {"metadata": {"labels": labels(v, "cpu-node")},
-                     "spec": placement(pod_spec, c)},
+        "template": {"metadata": pod_metadata, "spec": placement(pod_spec, c)},
     })
     return {"apiVersion": "apps/v1", "kind": "StatefulSet",
             "metadata": metadata(v, n["cpu"], "cpu-node"), "spec": spec}
@@ -378,13 +409,16 @@ def gpu_worker_deployment(v):
             f"--cpu_nodes_refresh_s={g['cpuNodesRefreshS']}", f"--transport={g['transport']}",
             f"--mode={g['mode']}", f"--beta={g['beta']}", f"--window={g['window']}",
             f"--log_level={g['logLevel']}", *g["extraArgs"]]
+    ports = [{"name": "grpc", "containerPort": g["port"], "protocol": "TCP"}]
+    pod_metadata = {"labels": labels(v, "gpu-worker")}
+    with_metrics(v, g, args, ports, pod_metadata)
     startup_period = 10
     container = {
         "name": "gpu-worker",
         "image": g["image"],
         "imagePullPolicy": g["imagePullPolicy"],
         "args": args,
-        "ports": [{"name": "grpc", "containerPort": g["port"], "protocol": "TCP"}],
+        "ports": ports,
         "resources": {"requests": {"cpu": cpu, "memory": memory},
                       "limits": {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(g["gpus"])}},
         # The server listens only once the model is loaded: liveness waits for this.
@@ -418,8 +452,7 @@ def gpu_worker_deployment(v):
             # One GPU each: a rolling update would need a spare GPU; replace in place instead.
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": selector_labels(v, "gpu-worker")},
-            "template": {"metadata": {"labels": labels(v, "gpu-worker")},
-                         "spec": placement(pod_spec, g)},
+            "template": {"metadata": pod_metadata, "spec": placement(pod_spec, g)},
         },
     }
 
@@ -433,8 +466,7 @@ def gpu_worker_service(v):
         "spec": {
             "type": g["serviceType"],
             "selector": selector_labels(v, "gpu-worker"),
-            "ports": [{"name": "grpc", "port": g["port"], "targetPort": g["port"],
-                       "protocol": "TCP"}],
+            "ports": service_ports(v, g),
         },
     }
 
