@@ -20,9 +20,8 @@ absl::StatusOr<StepLogprobs> ComputeStepLogprobs(const float* logits, int64_t vo
         absl::StrCat("sampled token ", sampled, " is outside the vocabulary [0, ", vocab, ")"));
   }
   if (top_n < 0 || top_n > std::min<int64_t>(kMaxTopLogprobs, vocab)) {
-    return absl::InvalidArgumentError(absl::StrCat("top_logprobs must be in 0..",
-                                                   std::min<int64_t>(kMaxTopLogprobs, vocab),
-                                                   ", got ", top_n));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "top_logprobs must be in 0..", std::min<int64_t>(kMaxTopLogprobs, vocab), ", got ", top_n));
   }
   // 8 partial maxima, so the loop vectorises; a NaN is never taken here but makes the sum NaN.
   float partial_max[8];

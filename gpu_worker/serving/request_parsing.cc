@@ -39,11 +39,9 @@ absl::Status ParseRequest(const grpc::ByteBuffer& src, google::protobuf::Message
     }
     // The check protobuf's parser applies to proto3 strings.
     if (!google::protobuf::internal::IsStructurallyValidUTF8(field.length_delimited())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(known->name(), " is not valid UTF-8 (proto3 strings must be)",
-                       known->name() == "prompt_text"
-                           ? "; send other bytes as token ids in prompt_ids"
-                           : ""));
+      return absl::InvalidArgumentError(absl::StrCat(
+          known->name(), " is not valid UTF-8 (proto3 strings must be)",
+          known->name() == "prompt_text" ? "; send other bytes as token ids in prompt_ids" : ""));
     }
   }
   if (!dst->ParseFromString(bytes)) return malformed;

@@ -35,9 +35,10 @@ absl::StatusOr<std::string> ChatTemplateField(const json& config,
   for (const json& entry : *it) {
     const auto name = entry.is_object() ? entry.find("name") : entry.end();
     const auto source = entry.is_object() ? entry.find("template") : entry.end();
-    if (!entry.is_object() || name == entry.end() || !name->is_string() ||
-        source == entry.end() || !source->is_string()) {
-      return TemplateError(file, "has an entry that is not {\"name\": string, \"template\": string}");
+    if (!entry.is_object() || name == entry.end() || !name->is_string() || source == entry.end() ||
+        !source->is_string()) {
+      return TemplateError(file,
+                           "has an entry that is not {\"name\": string, \"template\": string}");
     }
     if (name->get<std::string>() == "default") return source->get<std::string>();
   }

@@ -3,6 +3,8 @@
 // config.json's eos_token_id union generation_config.json's and generation stops at any of its
 // ids; malformed files fail at load naming file and field; ModelInfo carries the chat template and
 // the BOS / EOS texts; special tokens written in prompt_text are parsed; BOS is never doubled.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,9 +14,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gmock/gmock.h>
-#include <gtest/gtest.h>
 
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/engine.h"
@@ -31,9 +30,9 @@ class ModelCopy {
  public:
   explicit ModelCopy(const std::filesystem::path& src) {
     static std::atomic<int> counter{0};
-    path_ = std::filesystem::temp_directory_path() /
-            ("tandem_eos_chat_test_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
+    path_ =
+        std::filesystem::temp_directory_path() /
+        ("tandem_eos_chat_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
     for (const auto& entry : std::filesystem::directory_iterator(src)) {
@@ -122,7 +121,7 @@ TEST_F(EosChatTest, GenerationStopsAtAnyIdOfTheUnionOfBothFiles) {
   ASSERT_TRUE(stopped.ok()) << stopped.status();
   EXPECT_EQ(stopped->finish_reason, FinishReason::kEos);
   EXPECT_THAT(stopped->token_ids, ElementsAre(first));
-  EXPECT_EQ(stopped->text, "");   // the EOS token's text is not generated text
+  EXPECT_EQ(stopped->text, "");  // the EOS token's text is not generated text
 
   GenerateRequest ignoring = Greedy(prompt, 6);
   ignoring.ignore_eos = true;
@@ -172,7 +171,7 @@ TEST_F(EosChatTest, MalformedFilesFailAtLoadNamingFileAndField) {
 TEST_F(EosChatTest, ModelInfoCarriesTheChatTemplateAndTokenTexts) {
   std::unique_ptr<Engine> plain = Create(Gutenberg());
   ASSERT_NE(plain, nullptr);
-  EXPECT_EQ(plain->info().chat_template, "");   // a base model: none
+  EXPECT_EQ(plain->info().chat_template, "");  // a base model: none
   EXPECT_EQ(plain->info().bos_token, "<|endoftext|>");
   EXPECT_EQ(plain->info().eos_token, "<|endoftext|>");
 
@@ -190,7 +189,7 @@ TEST_F(EosChatTest, ModelInfoCarriesTheChatTemplateAndTokenTexts) {
   EXPECT_EQ(chat->info().bos_token, "<|pad|>");
   EXPECT_EQ(chat->info().eos_token, "<|endoftext|>");
 
-  copy.Write("chat_template.jinja", "{{ messages[0]['content'] }}");   // preferred, as transformers
+  copy.Write("chat_template.jinja", "{{ messages[0]['content'] }}");  // preferred, as transformers
   std::unique_ptr<Engine> jinja = Create(copy.path());
   ASSERT_NE(jinja, nullptr);
   EXPECT_EQ(jinja->info().chat_template, "{{ messages[0]['content'] }}");

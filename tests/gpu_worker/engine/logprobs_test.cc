@@ -2,6 +2,10 @@
 // engine's per-token logprob / top_logprobs against an independent double-precision log-softmax of
 // the logits a separate ModelRunner computes for the same tokens (gpu mode, f32 KV on both sides),
 // for greedy and for temperature sampling (the values are those of the raw logits either way).
+#include "tandem/gpu_worker/logprobs.h"
+
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -9,11 +13,8 @@
 #include <string>
 #include <vector>
 
-#include <gtest/gtest.h>
-
 #include "runner_fixture.h"
 #include "tandem/gpu_worker/engine.h"
-#include "tandem/gpu_worker/logprobs.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -37,7 +38,7 @@ TEST(ComputeStepLogprobs, SmallRowWithTies) {
   ASSERT_TRUE(lp.ok()) << lp.status();
   EXPECT_NEAR(lp->sampled, 2.0 - lse, 1e-6);
   ASSERT_EQ(lp->top.size(), 3u);
-  EXPECT_EQ(lp->top[0].token_id, 1);   // equal logits: lower id first
+  EXPECT_EQ(lp->top[0].token_id, 1);  // equal logits: lower id first
   EXPECT_EQ(lp->top[1].token_id, 3);
   EXPECT_EQ(lp->top[2].token_id, 2);
   EXPECT_NEAR(lp->top[0].logprob, 3.0 - lse, 1e-6);
@@ -66,16 +67,14 @@ TEST(ComputeStepLogprobs, BadInputsAreErrors) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ComputeStepLogprobs(row.data(), 30, 0, kMaxTopLogprobs + 1).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ComputeStepLogprobs(row.data(), 3, 0, 4).status().code(),   // more than the vocab
+  EXPECT_EQ(ComputeStepLogprobs(row.data(), 3, 0, 4).status().code(),  // more than the vocab
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ComputeStepLogprobs(row.data(), 0, 0, 0).status().code(),
             absl::StatusCode::kInvalidArgument);
   row[7] = std::numeric_limits<float>::quiet_NaN();
-  EXPECT_EQ(ComputeStepLogprobs(row.data(), 30, 0, 2).status().code(),
-            absl::StatusCode::kInternal);
+  EXPECT_EQ(ComputeStepLogprobs(row.data(), 30, 0, 2).status().code(), absl::StatusCode::kInternal);
   row[7] = std::numeric_limits<float>::infinity();
-  EXPECT_EQ(ComputeStepLogprobs(row.data(), 30, 0, 2).status().code(),
-            absl::StatusCode::kInternal);
+  EXPECT_EQ(ComputeStepLogprobs(row.data(), 30, 0, 2).status().code(), absl::StatusCode::kInternal);
 }
 
 class EngineLogprobs : public testing::Stories260kRunnerTest {
@@ -176,7 +175,7 @@ TEST_F(EngineLogprobs, GreedyTokenIsTopOneAndValuesMatchReference) {
   ASSERT_EQ(events.size(), 8u);
   for (const TokenEvent& e : events) {
     ASSERT_FALSE(e.top_logprobs.empty());
-    EXPECT_EQ(e.top_logprobs[0].token_id, e.token_id);   // greedy = argmax = top-1
+    EXPECT_EQ(e.top_logprobs[0].token_id, e.token_id);  // greedy = argmax = top-1
     EXPECT_EQ(e.top_logprobs[0].logprob, *e.logprob);
   }
   ExpectMatchesReference(r, events);
@@ -223,7 +222,7 @@ TEST_F(EngineLogprobs, OffByDefaultAndValidated) {
     EXPECT_FALSE(e.logprob.has_value());
     EXPECT_TRUE(e.top_logprobs.empty());
   }
-  r.logprobs = true;   // logprobs alone: the sampled token's value, no candidates
+  r.logprobs = true;  // logprobs alone: the sampled token's value, no candidates
   for (const TokenEvent& e : Run(r)) {
     EXPECT_TRUE(e.logprob.has_value());
     EXPECT_TRUE(e.top_logprobs.empty());

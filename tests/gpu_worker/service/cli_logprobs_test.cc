@@ -16,9 +16,9 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using ::testing::HasSubstr;
 using test_process::CommandResult;
 using test_process::RunCommand;
+using ::testing::HasSubstr;
 
 class CliLogprobsTest : public ::testing::Test {
  protected:
@@ -53,8 +53,8 @@ TEST_F(CliLogprobsTest, GenerateListsEachTokensLogprobAndTopTokens) {
   for (size_t i = 0; i < rows.size(); ++i) {
     // "    i      id   logprob | "a" lp "b" lp "c" lp": greedy, so the first candidate's value is
     // the token's own.
-    std::vector<std::string> head = absl::StrSplit(rows[i].substr(0, rows[i].find(" |")), ' ',
-                                                   absl::SkipEmpty());
+    std::vector<std::string> head =
+        absl::StrSplit(rows[i].substr(0, rows[i].find(" |")), ' ', absl::SkipEmpty());
     ASSERT_EQ(head.size(), 3u) << rows[i];
     EXPECT_EQ(head[0], std::to_string(i));
     EXPECT_EQ(head[1], std::to_string(golden_.greedy_ids[5 + i]));
@@ -65,8 +65,8 @@ TEST_F(CliLogprobsTest, GenerateListsEachTokensLogprobAndTopTokens) {
     EXPECT_EQ(std::count(tail.begin(), tail.end(), '"'), 6) << rows[i];
   }
 
-  r = RunCommand({TANDEM_CLI_BIN, "generate", "--model", model_, "--backend=cpu",
-                  "--prompt=x", "--logprobs=21"});
+  r = RunCommand({TANDEM_CLI_BIN, "generate", "--model", model_, "--backend=cpu", "--prompt=x",
+                  "--logprobs=21"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 1);
   EXPECT_THAT(r->err, HasSubstr("INVALID_ARGUMENT: top_logprobs must be in 0..20"));
@@ -75,9 +75,8 @@ TEST_F(CliLogprobsTest, GenerateListsEachTokensLogprobAndTopTokens) {
 // The CLI's local tokenizer agrees with the worker's: "<s>" written in the text is the BOS token,
 // and --add-bos does not add a second one.
 TEST_F(CliLogprobsTest, TokenizeParsesSpecialTokenText) {
-  absl::StatusOr<CommandResult> r =
-      RunCommand({TANDEM_CLI_BIN, "tokenize", "--model=" + model_,
-                  "--text=<s>" + golden_.prompt_text, "--add-bos"});
+  absl::StatusOr<CommandResult> r = RunCommand({TANDEM_CLI_BIN, "tokenize", "--model=" + model_,
+                                                "--text=<s>" + golden_.prompt_text, "--add-bos"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
   EXPECT_EQ(r->out, "1 403 407 261 378\n5 tokens\n");

@@ -41,7 +41,8 @@ class WorkerApiTest : public ::testing::Test {
       std::filesystem::create_symlink(src / name, dir_ / name);
     }
     // config.json says eos 2 (</s>); the chat turn end is 13 here.
-    std::ofstream(dir_ / "generation_config.json") << R"({"bos_token_id": 1, "eos_token_id": [13, 2]})";
+    std::ofstream(dir_ / "generation_config.json")
+        << R"({"bos_token_id": 1, "eos_token_id": [13, 2]})";
     nlohmann::json tokenizer_config = {
         {"chat_template", kChatTemplate}, {"bos_token", "<s>"}, {"eos_token", "</s>"}};
     std::ofstream(dir_ / "tokenizer_config.json") << tokenizer_config.dump();
@@ -227,7 +228,7 @@ TEST_F(WorkerApiTest, InvalidUtf8IsInvalidArgumentNamingTheField) {
 TEST_F(WorkerApiTest, MalformedRequestBytesAreInvalidArgument) {
   grpc::GenericStub generic(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server_->port()),
                                                 grpc::InsecureChannelCredentials()));
-  const std::string garbage = "\x12\xff\xff\xff\xff\x0f";   // field 2, length past the end
+  const std::string garbage = "\x12\xff\xff\xff\xff\x0f";  // field 2, length past the end
   grpc::Slice slice(garbage);
   grpc::ByteBuffer request(&slice, 1);
   auto ctx = testing::Deadline();

@@ -1,12 +1,13 @@
 // LoadChatConfig on hand-written model directories (every form transformers writes, and the
 // errors) and on gutenberg-14m; DescribeToken on gutenberg-14m's byte-level tokens.
+#include "tandem/gpu_worker/chat_config.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <string>
 #include <vector>
 
-#include "tandem/gpu_worker/chat_config.h"
 #include "tandem/gpu_worker/tokenizer.h"
 #include "tokenizer_test_util.h"
 
@@ -53,7 +54,7 @@ TEST(ChatConfigTest, NamedTemplatesUseDefault) {
   dir.Write("tokenizer_config.json", R"({"chat_template": [{"name": "rag", "template": "R"}]})");
   chat = LoadChatConfig(dir.path());
   ASSERT_TRUE(chat.ok()) << chat.status();
-  EXPECT_EQ(chat->chat_template, "");   // no default: none for plain chat
+  EXPECT_EQ(chat->chat_template, "");  // no default: none for plain chat
 }
 
 TEST(ChatConfigTest, JinjaFileIsPreferred) {
@@ -111,11 +112,11 @@ TEST(DescribeTokenTest, BytesTextAndSpecialTokens) {
   ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
   const Tokenizer& t = **tokenizer;
 
-  TokenPiece the = DescribeToken(t, 262);   // " the" (bpe_tokenizer_test)
+  TokenPiece the = DescribeToken(t, 262);  // " the" (bpe_tokenizer_test)
   EXPECT_EQ(the.raw, " the");
   EXPECT_EQ(the.text, " the");
 
-  TokenPiece eot = DescribeToken(t, 0);   // special: its text, not ""
+  TokenPiece eot = DescribeToken(t, 0);  // special: its text, not ""
   EXPECT_EQ(eot.raw, "<|endoftext|>");
   EXPECT_EQ(eot.text, "<|endoftext|>");
 
@@ -125,7 +126,7 @@ TEST(DescribeTokenTest, BytesTextAndSpecialTokens) {
   ASSERT_EQ(lead->size(), 1u);
   TokenPiece partial = DescribeToken(t, (*lead)[0]);
   EXPECT_EQ(partial.raw, "\xE2");
-  EXPECT_EQ(partial.text, "\xEF\xBF\xBD");   // U+FFFD
+  EXPECT_EQ(partial.text, "\xEF\xBF\xBD");  // U+FFFD
 
   EXPECT_EQ(DescribeToken(t, -1).raw, "");
   EXPECT_EQ(DescribeToken(t, t.vocab_size()).text, "");

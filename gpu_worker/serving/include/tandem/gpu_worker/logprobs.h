@@ -17,17 +17,17 @@ inline constexpr int32_t kMaxTopLogprobs = 20;
 
 struct LogprobCandidate {
   int32_t token_id = 0;
-  float logprob = 0.0f;   // natural log, <= 0
+  float logprob = 0.0f;  // natural log, <= 0
 };
 
 struct StepLogprobs {
-  float sampled = 0.0f;                  // log p(the sampled token)
-  std::vector<LogprobCandidate> top;     // most likely first; equal logits: lower id first
+  float sampled = 0.0f;               // log p(the sampled token)
+  std::vector<LogprobCandidate> top;  // most likely first; equal logits: lower id first
 };
 
 // logits: host memory, [vocab] f32. lse = max + log Σ exp(logit - max), each exp in f32 and the
-// sum accumulated in f64; logprob(i) = logit_i - lse, rounded to f32. top: the top_n largest by one pass over
-// the row (O(vocab · top_n) worst case, O(vocab) typically; allocates O(top_n) only).
+// sum accumulated in f64; logprob(i) = logit_i - lse, rounded to f32. top: the top_n largest by one
+// pass over the row (O(vocab · top_n) worst case, O(vocab) typically; allocates O(top_n) only).
 // INVALID_ARGUMENT when vocab < 1, sampled is outside [0, vocab) or top_n is outside
 // 0..min(kMaxTopLogprobs, vocab); INTERNAL when the row has a NaN or +inf (a broken model).
 absl::StatusOr<StepLogprobs> ComputeStepLogprobs(const float* logits, int64_t vocab,

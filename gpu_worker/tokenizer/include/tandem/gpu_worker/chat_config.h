@@ -19,9 +19,9 @@
 namespace tandem::gpu_worker {
 
 struct ChatConfig {
-  std::string chat_template;   // Jinja source; "" when the model has none
-  std::string bos_token;       // token text, e.g. "<|begin_of_text|>"; "" when absent
-  std::string eos_token;       // token text, e.g. "<|eot_id|>"; "" when absent
+  std::string chat_template;  // Jinja source; "" when the model has none
+  std::string bos_token;      // token text, e.g. "<|begin_of_text|>"; "" when absent
+  std::string eos_token;      // token text, e.g. "<|eot_id|>"; "" when absent
 };
 
 absl::StatusOr<ChatConfig> LoadChatConfig(const std::filesystem::path& model_dir);
