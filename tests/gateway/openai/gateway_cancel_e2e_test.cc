@@ -1,7 +1,8 @@
 // A client that hangs up cancels its generation on the worker, streamed or not: gutenberg-14m on
 // the cpu backend (about 2 ms a token on one thread) is asked for 8000 tokens in a kept session;
 // the client goes away early, and the session then holds far fewer positions than a finished
-// request would have left (8000+), the gateway counts the disconnect and runs nothing.
+// request would have left (8000+), the gateway counts the disconnect and runs nothing. A worker
+// lost while an answer streams ends the stream with an SSE error event and [DONE].
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
@@ -138,6 +139,24 @@ TEST_F(GatewayCancelTest, HangingUpANonStreamedRequestCancelsTheGeneration) {
   const int64_t positions = SessionPositions("cancel-whole");
   EXPECT_GT(positions, 8);
   EXPECT_LT(positions, kMaxTokens / 4);
+}
+
+TEST_F(GatewayCancelTest, AWorkerLostMidStreamEndsTheStreamWithAnErrorEvent) {
+  testing::RawHttpConnection client(port_);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(client.Post("/v1/completions", Body("", true).dump()));
+  ASSERT_TRUE(client.ReadUntil("\"text\":", 30000)) << client.received();
+  worker_.reset();  // SIGKILL: the worker is gone while the answer streams
+  ASSERT_TRUE(client.ReadUntil("data: [DONE]", 10000)) << client.received();
+  const std::string& body = client.received();
+  EXPECT_NE(body.find("HTTP/1.1 200"), std::string::npos);
+  const size_t error = body.find("data: {\"error\":");
+  ASSERT_NE(error, std::string::npos) << body;
+  const size_t end = body.find("\n", error);
+  const Json event = Json::parse(body.substr(error + 6, end - error - 6));
+  EXPECT_EQ(event["error"]["type"], "service_unavailable_error");
+  EXPECT_LT(error, body.find("data: [DONE]"));
+  EXPECT_EQ(body.find("finish_reason\":\"length"), std::string::npos);
 }
 
 }  // namespace

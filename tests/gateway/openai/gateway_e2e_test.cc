@@ -14,8 +14,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "child_process.h"
+#include "promtool.h"
 #include "service_test_util.h"
 
 namespace tandem::gateway {
@@ -299,6 +301,13 @@ TEST_F(GatewayE2eTest, ErrorsInOpenAisShapeWithTheirHttpStatus) {
   EXPECT_THAT(metrics->body, HasSubstr("code=\"400\""));
   EXPECT_THAT(metrics->body, HasSubstr("tandem:gateway_workers_serving 1"));
   EXPECT_THAT(metrics->body, HasSubstr("tandem:gateway_requests_running 0"));
+  if (metrics_test::PromtoolAvailable()) {
+    absl::StatusOr<metrics_test::PromtoolResult> lint = metrics_test::RunPromtool(metrics->body);
+    ASSERT_TRUE(lint.ok()) << lint.status();
+    // Parsed; the only lint is the colon of vLLM-style names (tests/metrics/promtool.h).
+    EXPECT_THAT(lint->exit_code, ::testing::AnyOf(0, 3));
+    EXPECT_TRUE(lint->problems.empty()) << absl::StrJoin(lint->problems, "\n");
+  }
 }
 
 TEST_F(GatewayE2eTest, ModelsAndHealth) {
