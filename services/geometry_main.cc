@@ -15,6 +15,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_join.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/random_model_writer.h"
 
@@ -74,8 +75,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", written.status().ToString().c_str());
     return 1;
   }
-  std::printf("wrote %s: %.3f GB of %s weights in %s (seed %llu)\n", out.c_str(),
-              written->weight_bytes / 1e9, std::string(DTypeName(config->weight_dtype)).c_str(),
+  std::printf("wrote %s: %s (%llu bytes) of %s weights in %s (seed %llu)\n", out.c_str(),
+              tandem::FormatBytes(written->weight_bytes).c_str(),
+              static_cast<unsigned long long>(written->weight_bytes),
+              std::string(DTypeName(config->weight_dtype)).c_str(),
               absl::StrJoin(written->weight_files, ", ").c_str(),
               static_cast<unsigned long long>(options.seed));
   return 0;

@@ -50,6 +50,7 @@
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/reference_attention.h"
@@ -146,11 +147,12 @@ double Percentile(std::vector<double> v, double p) {
 
 void PrintStats(const char* when, const v1::StatsResponse& s) {
   std::printf(
-      "stats %-7s sessions=%u blocks=%llu used=%.1f MiB stored=%.1f MiB selected=%.1f MiB "
-      "threads=%u scan=%.2f GB/s\n",
+      "stats %-7s sessions=%u blocks=%llu used=%s stored=%s selected=%s threads=%u "
+      "scan=%.2f GB/s\n",
       when, s.sessions(), static_cast<unsigned long long>(s.blocks_in_use()),
-      s.used_bytes() / 1048576.0, s.stored_bytes() / 1048576.0,
-      s.selected_bytes() / 1048576.0, s.threads(), s.scan_bytes_per_second() / 1e9);
+      tandem::FormatBytes(s.used_bytes()).c_str(), tandem::FormatBytes(s.stored_bytes()).c_str(),
+      tandem::FormatBytes(s.selected_bytes()).c_str(), s.threads(),
+      s.scan_bytes_per_second() / 1e9);
 }
 
 // K, V of one layer: [kv_heads, tokens, head_dim] as floats already rounded to the KV dtype,
@@ -239,9 +241,9 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
     auto ctx = Context();
     TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(stub.OpenSession(ctx.get(), open, &opened)));
   }
-  std::printf("OpenSession      %8.3f ms  (block %u tokens, %llu bytes/block)\n",
+  std::printf("OpenSession      %8.3f ms  (block %u tokens, %s/block)\n",
               1e3 * Seconds(t0, Clock::now()), opened.block_size(),
-              static_cast<unsigned long long>(opened.bytes_per_block()));
+              tandem::FormatBytes(opened.bytes_per_block()).c_str());
   // On an early return (a failed or timed-out call) the node would keep the session's blocks
   // until someone closes it: close it here, best effort.
   absl::Cleanup close_on_error = [&stub, &session] {
@@ -286,11 +288,11 @@ absl::Status RunAttend(v1::CpuAttention::Stub& stub) {
     writer->WritesDone();
     TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(writer->Finish()));
   }
-  std::printf("AppendKv         %8.3f s   %llu entries (%llu selected), %.1f MiB K+V, %.2f GB/s "
+  std::printf("AppendKv         %8.3f s   %llu entries (%llu selected), %s K+V, %.2f GB/s "
               "(client encode + stream)\n",
               append_seconds, static_cast<unsigned long long>(appended.entries_appended()),
               static_cast<unsigned long long>(appended.entries_selected()),
-              append_bytes / 1048576.0, append_bytes / append_seconds / 1e9);
+              tandem::FormatBytes(append_bytes).c_str(), append_bytes / append_seconds / 1e9);
 
   // Decode-style Attend: one token's query per layer per step.
   std::mt19937 rng(absl::GetFlag(FLAGS_seed).value_or(1));
@@ -496,7 +498,7 @@ absl::StatusOr<std::string> ReadPromptFile(const std::string& path) {
     text.append(buffer, static_cast<size_t>(in.gcount()));
     if (text.size() > kMaxPromptFileBytes) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--prompt-file '", path, "' exceeds ", kMaxPromptFileBytes >> 20, " MiB"));
+          absl::StrCat("--prompt-file '", path, "' exceeds ", tandem::FormatBytes(kMaxPromptFileBytes)));
     }
   }
   return text;

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "placement_search.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -146,9 +147,10 @@ absl::StatusOr<Problem> BuildProblem(std::span<const PlacementNode> nodes,
 }
 
 absl::Status NotEnoughMemory(const Problem& p) {
-  return absl::ResourceExhaustedError(absl::StrCat("placement needs ", p.total_mem, " bytes, ",
-                                                   p.total_capacity, " bytes available on ",
-                                                   p.accepting_nodes.size(), " accepting nodes"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("placement needs ", FormatBytes(p.total_mem), ", ",
+                   FormatBytes(p.total_capacity), " available on ", p.accepting_nodes.size(),
+                   " accepting nodes"));
 }
 
 // The accepting node with room for s on which s's layer would finish earliest (ties: s's current
@@ -374,9 +376,10 @@ absl::StatusOr<std::vector<int>> BalancedCore(const Problem& p, Clock::time_poin
   }
   if (!best.has_value()) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot pack the shards: they need ", p.total_mem, " bytes of ", p.total_capacity,
-        " available on ", p.accepting_nodes.size(), " accepting nodes, but ", p.Name(unplaced),
-        " of ", p.mem[unplaced], " bytes fits on no node"));
+        "cannot pack the shards: they need ", FormatBytes(p.total_mem), " of ",
+        FormatBytes(p.total_capacity), " available on ", p.accepting_nodes.size(),
+        " accepting nodes, but ", p.Name(unplaced), " of ", FormatBytes(p.mem[unplaced]),
+        " fits on no node"));
   }
   if (p.num_shards() < 2 || p.accepting_nodes.size() < 2) return best->node_of();
   // Iterated local search: a kicked and re-searched placement replaces the current one when it
@@ -653,9 +656,10 @@ absl::StatusOr<PlacementPlan> PlanUniform(std::span<const PlacementNode> nodes,
   const int s = PlaceUniform(p, st);
   if (s >= 0) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "uniform placement: ", p.Name(s), " of ", p.mem[s],
-        " bytes fits on no accepting node (the shards need ", p.total_mem, " bytes, ",
-        p.total_capacity, " available on ", p.accepting_nodes.size(), " accepting nodes)"));
+        "uniform placement: ", p.Name(s), " of ", FormatBytes(p.mem[s]),
+        " fits on no accepting node (the shards need ", FormatBytes(p.total_mem), ", ",
+        FormatBytes(p.total_capacity), " available on ", p.accepting_nodes.size(),
+        " accepting nodes)"));
   }
   return MakePlan(nodes, shards, st.node_of(), 0);
 }

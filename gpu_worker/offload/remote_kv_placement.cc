@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
@@ -90,8 +91,8 @@ absl::Status RemoteKv::CheckCapacity(std::span<const PlacementNode> nodes,
   for (size_t n = 0; n < nodes.size(); ++n) {
     if (need[n] > nodes[n].capacity_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "CPU node ", pool_.address(n), " would need ", need[n], " bytes for this session's ",
-          "shards but has ", nodes[n].capacity_bytes, " free"));
+          "CPU node ", pool_.address(n), " would need ", FormatBytes(need[n]),
+          " for this session's shards but has ", FormatBytes(nodes[n].capacity_bytes), " free"));
     }
   }
   return absl::OkStatus();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -55,7 +56,7 @@ absl::Status PageIndex::Reserve(int64_t pages) {
     if (!buffer.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "page summaries of ", grown * page_tokens_, " offloaded tokens need ",
-          layer_bytes * geometry_.num_layers, " bytes of device memory (",
+          FormatBytes(layer_bytes * geometry_.num_layers), " of device memory (",
           page_tokens_, "-token pages): ", buffer.status().message()));
     }
     fresh[l] = std::move(*buffer);

@@ -12,6 +12,7 @@
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/node_tier.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -189,10 +190,10 @@ absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) con
   const size_t others = PageSummaryBytes() - seq.pages->device_bytes();
   if (options_.page_summary_bytes > 0 && others + need > options_.page_summary_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "page summaries for ", expected_offloaded, " offloaded tokens need ", need,
-        " bytes of device memory (", page, "-token pages), and ", others, " of the worker's ",
-        options_.page_summary_bytes,
-        " page-summary bytes are in use: ask for fewer tokens, wait for other sessions to end, "
+        "page summaries for ", expected_offloaded, " offloaded tokens need ", FormatBytes(need),
+        " of device memory (", page, "-token pages), and ", FormatBytes(others), " of the worker's ",
+        FormatBytes(options_.page_summary_bytes),
+        " for page summaries are in use: ask for fewer tokens, wait for other sessions to end, "
         "use selection=maw, or start the worker with larger --page_tokens or "
         "--page_summary_bytes"));
   }
@@ -233,9 +234,9 @@ absl::Status Engine::CheckDeviceKv(size_t more) const {
   const size_t used = DeviceKvBytes();
   if (used + more <= options_.kv_cache_bytes) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "the request needs ", more, " more bytes of device KV (window and page summaries for its "
-      "prompt + max_tokens) and ", used, " of the worker's ", options_.kv_cache_bytes,
-      " are in use: ask for fewer tokens, use a smaller window or hybrid mode, wait for other "
+      "the request needs ", FormatBytes(more), " more of device KV (window and page summaries "
+      "for its prompt + max_tokens) and ", FormatBytes(used), " of the worker's ",
+      FormatBytes(options_.kv_cache_bytes), " are in use: ask for fewer tokens, use a smaller window or hybrid mode, wait for other "
       "sessions to end, or start the worker with a larger --kv_cache_bytes"));
 }
 

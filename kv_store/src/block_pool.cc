@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::kv_store {
@@ -38,8 +39,8 @@ absl::StatusOr<std::unique_ptr<BlockPool>> BlockPool::Create(const BlockFormat& 
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
     const int err = errno;
-    return absl::InternalError(absl::StrCat("mmap of ", mapped_bytes, " bytes for ", max_blocks,
-                                            " blocks failed: ", std::strerror(err)));
+    return absl::InternalError(absl::StrCat("mmap of ", FormatBytes(mapped_bytes), " for ",
+                                            max_blocks, " blocks failed: ", std::strerror(err)));
   }
   // Best effort: without THP support the pool works the same on 4 KiB pages.
   if (huge_pages) madvise(base, mapped_bytes, MADV_HUGEPAGE);
@@ -72,9 +73,9 @@ absl::StatusOr<BlockId> BlockPool::Allocate() {
   released_cv_.wait(lock, [&] { return has_free() || releasing_ == 0; });
   if (!has_free()) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("block pool full: all ", max_blocks_, " blocks of ", format_.block_bytes(),
-                     " bytes (block_tokens ", format_.block_tokens, ", head_dim ", format_.head_dim,
-                     ") are in use"));
+        absl::StrCat("block pool full: all ", max_blocks_, " blocks of ",
+                     FormatBytes(format_.block_bytes()), " (block_tokens ", format_.block_tokens,
+                     ", head_dim ", format_.head_dim, ") are in use"));
   }
   TANDEM_RETURN_IF_ERROR(budget_->Charge(format_.block_bytes()));
   BlockId id;

@@ -3,6 +3,7 @@
 #include <cassert>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/common/byte_size.h"
 
 namespace tandem::kv_store {
 
@@ -11,9 +12,9 @@ absl::Status MemoryBudget::Charge(uint64_t bytes) {
   do {
     // Written as a subtraction so that `used + bytes` cannot overflow.
     if (bytes > capacity_ - used) {
-      return absl::ResourceExhaustedError(absl::StrCat("memory budget exhausted: charging ", bytes,
-                                                       " bytes with ", used, " of ", capacity_,
-                                                       " bytes used"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("memory budget exhausted: charging ", FormatBytes(bytes), " with ",
+                       FormatBytes(used), " of ", FormatBytes(capacity_), " used"));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed,
                                         std::memory_order_relaxed));

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::kv_store {
@@ -58,7 +59,7 @@ absl::Status BudgetedBuffer::GrowTo(size_t new_capacity) {
   if (data == nullptr) {
     budget_->Release(growth);
     return absl::ResourceExhaustedError(
-        absl::StrCat("allocating a ", new_capacity, "-byte selected-copy buffer failed"));
+        absl::StrCat("allocating a ", FormatBytes(new_capacity), " selected-copy buffer failed"));
   }
   // The buffer does not track its size, so the whole old capacity is kept (at most 2x the
   // live bytes under geometric growth).
@@ -116,8 +117,8 @@ absl::Status Shard::ReserveSelected(uint64_t rows) {
   if (!geometric && growth(false) > free) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "memory budget exhausted: the selected copy of ", rows, " rows x ", format().row_bytes(),
-        " bytes (K and V) needs ", growth(false), " more bytes with ", budget_->used(), " of ",
-        budget_->capacity(), " bytes used"));
+        " bytes (K and V) needs ", FormatBytes(growth(false)), " more with ",
+        FormatBytes(budget_->used()), " of ", FormatBytes(budget_->capacity()), " used"));
   }
   const size_t k_target = target(sel_k_, geometric);
   const size_t v_target = target(sel_v_, geometric);

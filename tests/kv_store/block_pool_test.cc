@@ -66,7 +66,7 @@ TEST(MemoryBudgetTest, ChargeNeverExceedsCapacity) {
   EXPECT_EQ(budget.free(), 0u);
   absl::Status s = budget.Charge(1);
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(s.message().find("100 of 100"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("100 B of 100 B"), std::string::npos) << s;
   EXPECT_EQ(budget.used(), 100u);
   budget.Release(30);
   EXPECT_EQ(budget.used(), 70u);

@@ -23,6 +23,7 @@
 #include "cpu_scratch.h"
 #include "cpu_vector_kernels.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
 #include "tandem/gpu_worker/backend.h"
@@ -88,15 +89,15 @@ class CpuBackend final : public Backend {
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (bytes > kMaxAllocationBytes) {
       return absl::ResourceExhaustedError(
-          absl::StrFormat("cpu backend: %d bytes requested, more than the %d-byte limit", bytes,
-                          kMaxAllocationBytes));
+          absl::StrCat("cpu backend: ", FormatBytes(bytes), " requested, more than the ",
+                       FormatBytes(kMaxAllocationBytes), " limit"));
     }
     // aligned_alloc wants a multiple of the alignment; a 0-byte buffer still gets a real block.
     const size_t rounded = bytes == 0 ? 64 : (bytes + 63) / 64 * 64;
     void* data = std::aligned_alloc(64, rounded);
     if (data == nullptr) {
       return absl::ResourceExhaustedError(
-          absl::StrFormat("cpu backend: allocation of %d bytes failed", bytes));
+          absl::StrCat("cpu backend: allocation of ", FormatBytes(bytes), " failed"));
     }
     const size_t now = counters_->in_use.fetch_add(bytes) + bytes;
     size_t peak = counters_->peak.load();

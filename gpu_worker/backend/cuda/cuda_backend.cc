@@ -30,6 +30,7 @@
 #include "rope.cuh"
 #include "sampling.cuh"
 #include "swiglu.cuh"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/backend.h"
 #include "window_attention.cuh"
@@ -275,8 +276,8 @@ absl::StatusOr<DeviceBuffer> CudaBackend::AllocateHost(size_t bytes) {
   const cudaError_t error = cudaMallocHost(&data, std::max<size_t>(bytes, 1));
   if (error != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("cudaMallocHost of ", bytes,
-                                                     " bytes failed: ", cudaGetErrorName(error)));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cudaMallocHost of ", FormatBytes(bytes), " failed: ", cudaGetErrorName(error)));
   }
   // cudaFreeHost waits for queued copies that may still read the memory.
   return DeviceBuffer(data, bytes, [](void* ptr) { cudaFreeHost(ptr); });

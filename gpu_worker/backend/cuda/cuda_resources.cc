@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "cuda_check.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker::cuda_backend {
@@ -18,9 +19,9 @@ absl::StatusOr<void*> MallocDevice(size_t bytes) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("out of device memory: cudaMalloc of ", bytes,
-                                                     " bytes failed (", free_bytes, " of ",
-                                                     total_bytes, " bytes free)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of device memory: cudaMalloc of ", FormatBytes(bytes), " failed (",
+                     FormatBytes(free_bytes), " of ", FormatBytes(total_bytes), " free)"));
   }
   TANDEM_CUDA_RETURN_IF_ERROR(error);
   return data;

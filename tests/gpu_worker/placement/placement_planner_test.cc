@@ -446,7 +446,7 @@ TEST(CapacityTest, PackingFailureNamesTheShard) {
   const std::vector<PlacementNode> nodes = {Node(1e9, 0, 100), Node(1e9, 0, 100)};
   const absl::Status status = PlanBalanced(nodes, shards).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
-  EXPECT_NE(status.message().find("60 bytes"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("60 B"), std::string::npos) << status;
   EXPECT_EQ(PlanUniform(nodes, shards).status().code(), absl::StatusCode::kResourceExhausted);
 }
 

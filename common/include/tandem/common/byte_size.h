@@ -1,9 +1,11 @@
 // A byte count for flags: "1073741824", "64M", "8GiB", "1.5G" (K/M/G/T are powers of 1024;
-// an optional "B" or "iB" suffix is accepted). Usable as an absl flag type.
+// an optional "B" or "iB" suffix is accepted). Usable as an absl flag type. FormatBytes writes a
+// count for people: "64.0 GiB".
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 
 #include "absl/strings/ascii.h"
@@ -44,6 +46,24 @@ inline bool ParseByteSize(absl::string_view text, uint64_t* bytes, std::string* 
   }
   *bytes = static_cast<uint64_t>(value * multiplier);
   return true;
+}
+
+// A byte count for logs and messages: "512 B" below 1 KiB, else one decimal of the largest
+// binary unit it reaches: "1.5 KiB", "64.0 GiB", "2.0 TiB" (up to EiB). Rounded to the nearest
+// tenth, so the exact count belongs beside it where a program reads the output.
+inline std::string FormatBytes(uint64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = static_cast<double>(bytes) / 1024;
+  int unit = 0;
+  // Move up when the value would print as "1024.0" in this unit.
+  while (unit + 1 < 6 && value >= 1023.95) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f %s", value, kUnits[unit]);
+  return text;
 }
 
 inline bool AbslParseFlag(absl::string_view text, ByteSize* size, std::string* error) {
