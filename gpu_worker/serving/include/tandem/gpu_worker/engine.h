@@ -55,8 +55,9 @@ struct EngineOptions {
   int64_t prefill_chunk = 512;     // tokens per forward chunk
   float maw_alpha = 0.1f;
   bool measure_captured_mass = false;   // RunnerOptions::measure_captured_mass (benchmarks)
-  // Most positions of a session (prompt + generated, all turns); 0 = the model's
-  // max_position_embeddings. Also sizes the device KV of `gpu` mode sessions.
+  // Most positions of a session (prompt + generated, all turns); 0 = the model's context,
+  // ModelContextLimit (max_position_embeddings, extended by a yarn / dynamic / linear rope
+  // scaling, capped at a sliding window). Also sizes the device KV of `gpu` mode sessions.
   int64_t max_context = 0;
   // KV dtype on the device and the CPU nodes: "auto" (bf16 for bf16/f16 models, f32 for f32
   // models), "bf16" or "f32".
