@@ -46,6 +46,8 @@ ABSL_FLAG(int, rpc_timeout_ms, 10000,
           "deadline of the unary calls to workers (health, info, tokenize)");
 ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
           "largest gRPC message to or from a worker (as the workers' flag)");
+ABSL_FLAG(int, shutdown_grace_ms, 5000,
+          "on SIGTERM, time generations in flight get to finish before they are cancelled");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 
 namespace {
@@ -149,7 +151,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&stop_signals, &sig);
   spdlog::info("signal {}: stopping", sig);
-  (*server)->Stop();
+  (*server)->Stop(absl::GetFlag(FLAGS_shutdown_grace_ms));
   server->reset();
   spdlog::info("stopped");
   return 0;

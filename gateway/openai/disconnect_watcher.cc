@@ -99,6 +99,15 @@ bool DisconnectWatcher::Watch::closed() const {
   return it != owner_->entries_.end() && it->second.closed;
 }
 
+void DisconnectWatcher::FireAll() {
+  std::lock_guard lock(mu_);
+  for (auto& [id, entry] : entries_) {
+    if (entry.closed) continue;
+    entry.closed = true;
+    if (entry.on_close) entry.on_close();
+  }
+}
+
 void DisconnectWatcher::Loop() {
   std::unique_lock lock(mu_);
   while (!stop_) {

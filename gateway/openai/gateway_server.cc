@@ -2,7 +2,9 @@
 
 #include <httplib.h>
 
+#include <chrono>
 #include <ctime>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -81,13 +83,23 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   return server;
 }
 
-GatewayServer::~GatewayServer() { Stop(); }
+GatewayServer::~GatewayServer() { Stop(0); }
 
 WorkerPool& GatewayServer::workers() { return *shared_->pool; }
 
-void GatewayServer::Stop() {
+void GatewayServer::Stop(int grace_ms) {
   if (stopped_.exchange(true)) return;
   if (http_ != nullptr) http_->stop();
+  // The listener thread now waits for the connections' threads; generations keep theirs.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
+  while (shared_->in_flight.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (shared_->in_flight.load() > 0) {
+    spdlog::warn("cancelling {} generation(s) still running after the shutdown grace",
+                 shared_->in_flight.load());
+    shared_->watcher->FireAll();
+  }
   if (listener_.joinable()) listener_.join();
 }
 

@@ -252,7 +252,9 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
   if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
   OpenAiRequest& r = *parsed;
   if (!r.ignored_fields.empty()) {
-    spdlog::debug("{}: ignored fields: {}", name, absl::StrJoin(r.ignored_fields, ", "));
+    // As vLLM: unknown fields are accepted, and said so.
+    spdlog::warn("{}: fields present in the request but ignored: {}", name,
+                 absl::StrJoin(r.ignored_fields, ", "));
   }
   absl::StatusOr<v1::ModelInfoResponse> info = shared.pool->ModelInfo();
   if (!info.ok()) return SendError(shared, name, info.status(), res);

@@ -15,13 +15,11 @@ TokenPiece TokenPieces::Sampled(const v1::TokenDelta& delta, v1::Generation::Stu
                                 int timeout_ms) {
   {
     std::lock_guard lock(mu_);
-    const TokenPiece* own = nullptr;
     for (const v1::TokenLogprob& t : delta.top_logprobs()) {
       Put(t.token_id(), TokenPiece{t.text(), t.raw()});
     }
     auto it = pieces_.find(delta.token_id());
-    if (it != pieces_.end()) own = &it->second;
-    if (own != nullptr) return *own;
+    if (it != pieces_.end()) return it->second;
   }
   v1::DetokenizeRequest request;
   request.add_token_ids(delta.token_id());

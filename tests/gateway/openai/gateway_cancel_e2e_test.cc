@@ -46,9 +46,9 @@ class GatewayCancelTest : public ::testing::Test {
     const std::string address = absl::StrCat("127.0.0.1:", *worker_port);
     stub_ =
         v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
-    auto gateway =
-        ChildProcess::Start({TANDEM_GATEWAY_BIN, "--workers=" + address, "--address=127.0.0.1:0",
-                             "--disconnect_poll_ms=20", "--log_level=warn"});
+    auto gateway = ChildProcess::Start({TANDEM_GATEWAY_BIN, "--workers=" + address,
+                                        "--address=127.0.0.1:0", "--disconnect_poll_ms=20",
+                                        "--shutdown_grace_ms=1000", "--log_level=warn"});
     ASSERT_TRUE(gateway.ok()) << gateway.status();
     gateway_ = std::move(*gateway);
     absl::StatusOr<int> port = gateway_->WaitListening();
@@ -157,6 +157,24 @@ TEST_F(GatewayCancelTest, AWorkerLostMidStreamEndsTheStreamWithAnErrorEvent) {
   EXPECT_EQ(event["error"]["type"], "service_unavailable_error");
   EXPECT_LT(error, body.find("data: [DONE]"));
   EXPECT_EQ(body.find("finish_reason\":\"length"), std::string::npos);
+}
+
+TEST_F(GatewayCancelTest, SigtermCancelsWhatOutlivesTheGrace) {
+  testing::RawHttpConnection client(port_);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(client.Post("/v1/completions", Body("", true).dump()));
+  ASSERT_TRUE(client.ReadUntil("\"text\":", 30000)) << client.received();
+  // The grace is 1 s; the 8000-token answer needs ~16 s more.
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<int> code = gateway_->Terminate(20000);
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GT(seconds, 0.9);
+  EXPECT_LT(seconds, 5.0);
+  client.ReadUntil("never", 2000);  // the stream ends without [DONE]
+  EXPECT_EQ(client.received().find("data: [DONE]"), std::string::npos);
 }
 
 }  // namespace

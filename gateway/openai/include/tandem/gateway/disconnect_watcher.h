@@ -56,6 +56,9 @@ class DisconnectWatcher {
   // (under its lock: keep it short and non-blocking, e.g. ClientContext::TryCancel).
   std::unique_ptr<Watch> Add(int fd, std::function<void()> on_close);
 
+  // Runs the callback of every watch that has not fired (shutdown: cancel what still runs).
+  void FireAll();
+
  private:
   struct Entry {
     int fd;

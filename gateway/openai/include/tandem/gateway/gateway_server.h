@@ -51,11 +51,12 @@ class GatewayServer {
   // starts serving on a background thread. INVALID_ARGUMENT for bad options or a
   // chat_template that does not parse; UNAVAILABLE when the address cannot be bound.
   static absl::StatusOr<std::unique_ptr<GatewayServer>> Start(const GatewayOptions& options);
-  ~GatewayServer();  // Stop()
+  ~GatewayServer();  // Stop(0)
 
-  // Stops accepting connections and waits for the listener; generations in flight end with
-  // their connections. Idempotent.
-  void Stop();
+  // Stops accepting connections, lets generations in flight finish for up to `grace_ms`,
+  // cancels the rest (their clients see the stream end early), and waits for the connections'
+  // threads. Idempotent.
+  void Stop(int grace_ms = 5000);
 
   int port() const { return port_; }
   WorkerPool& workers();
