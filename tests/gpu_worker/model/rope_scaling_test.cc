@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tandem/gpu_worker/model_config.h"
+#include "tandem/gpu_worker/model_geometry.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -140,6 +141,23 @@ TEST(RopeScalingTest, ContextLimitOfTheOtherTypes) {
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 512})"))),
             4096);
+}
+
+TEST(RopeScalingTest, GeometryConfigJsonWritesTheScalingsBack) {
+  for (const std::string& scaling :
+       {std::string(R"({"type": "dynamic", "factor": 2.5})"),
+        std::string(R"({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+          "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.2, "truncate": false})"),
+        std::string(R"({"rope_type": "yarn", "factor": 8.0, "mscale": 1.0,
+          "mscale_all_dim": 0.5})")}) {
+    const ModelConfig c = Parse(Config("llama", absl::StrCat(R"(, "rope_scaling": )", scaling)));
+    absl::StatusOr<std::string> text = GeometryConfigJson(c);
+    ASSERT_TRUE(text.ok()) << text.status();
+    const ModelConfig back = Parse(*text);
+    EXPECT_EQ(RopeInvFreq(back, 9000), RopeInvFreq(c, 9000)) << scaling;
+    EXPECT_EQ(RopeAttentionScaling(back), RopeAttentionScaling(c)) << scaling;
+    EXPECT_EQ(ModelContextLimit(back), ModelContextLimit(c)) << scaling;
+  }
 }
 
 TEST(SlidingWindowTest, MistralWindowCapsTheContext) {
