@@ -184,6 +184,10 @@ void GatewayServer::AddRoutes() {
         res.set_content(DumpJson(ErrorJson(e)), "application/json");
         return httplib::Server::HandlerResponse::Handled;
       }));
+  http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+    spdlog::debug("{} {} {} from {}:{}", req.method, req.path, res.status, req.remote_addr,
+                  req.remote_port);
+  });
   http.set_exception_handler(
       [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "unknown exception";

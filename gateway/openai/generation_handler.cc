@@ -28,9 +28,13 @@ double SecondsSince(Clock::time_point t) {
 // gauge) until destroyed.
 class Slot {
  public:
-  explicit Slot(GatewayServer::Shared& shared) : shared_(shared) {
-    shared_.in_flight.fetch_add(1);
-    shared_.metrics.requests_running->Increment();
+  // A slot, or null when max_concurrent_requests generations are in flight.
+  static std::unique_ptr<Slot> TryTake(GatewayServer::Shared& shared) {
+    if (shared.in_flight.fetch_add(1) >= shared.options.max_concurrent_requests) {
+      shared.in_flight.fetch_sub(1);
+      return nullptr;
+    }
+    return std::unique_ptr<Slot>(new Slot(shared));
   }
   ~Slot() {
     shared_.in_flight.fetch_sub(1);
@@ -41,6 +45,9 @@ class Slot {
   Slot& operator=(const Slot&) = delete;
 
  private:
+  explicit Slot(GatewayServer::Shared& shared) : shared_(shared) {
+    shared_.metrics.requests_running->Increment();
+  }
   GatewayServer::Shared& shared_;
 };
 
@@ -283,14 +290,14 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     prompt = std::move(*rendered);
   }
 
-  if (shared.in_flight.load() >= shared.options.max_concurrent_requests) {
+  std::unique_ptr<Slot> slot = Slot::TryTake(shared);
+  if (slot == nullptr) {
     return SendError(shared, name,
                      absl::ResourceExhaustedError(absl::StrCat(
                          "the gateway has ", shared.options.max_concurrent_requests,
                          " requests in flight (--max_concurrent_requests); retry later")),
                      res);
   }
-  auto slot = std::make_unique<Slot>(shared);
   absl::StatusOr<WorkerPool::Lease> lease = shared.pool->Acquire(r.generate.session_id());
   if (!lease.ok()) return SendError(shared, name, lease.status(), res);
   if (prompt.has_value()) {

@@ -43,7 +43,8 @@ class GatewayCancelTest : public ::testing::Test {
     worker_ = std::move(*worker);
     absl::StatusOr<int> worker_port = worker_->WaitListening();
     ASSERT_TRUE(worker_port.ok()) << worker_port.status();
-    const std::string address = absl::StrCat("127.0.0.1:", *worker_port);
+    worker_address_ = absl::StrCat("127.0.0.1:", *worker_port);
+    const std::string& address = worker_address_;
     stub_ =
         v1::Generation::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     auto gateway = ChildProcess::Start({TANDEM_GATEWAY_BIN, "--workers=" + address,
@@ -99,6 +100,7 @@ class GatewayCancelTest : public ::testing::Test {
   }
 
   std::unique_ptr<ChildProcess> worker_, gateway_;
+  std::string worker_address_;
   std::unique_ptr<v1::Generation::Stub> stub_;
   int port_ = 0;
 };
@@ -157,6 +159,35 @@ TEST_F(GatewayCancelTest, AWorkerLostMidStreamEndsTheStreamWithAnErrorEvent) {
   EXPECT_EQ(event["error"]["type"], "service_unavailable_error");
   EXPECT_LT(error, body.find("data: [DONE]"));
   EXPECT_EQ(body.find("finish_reason\":\"length"), std::string::npos);
+}
+
+TEST_F(GatewayCancelTest, RequestsOverTheConcurrencyCapGet429) {
+  // A second gateway on the same worker, with room for one generation.
+  auto capped = ChildProcess::Start({TANDEM_GATEWAY_BIN, "--workers=" + worker_address_,
+                                     "--address=127.0.0.1:0", "--max_concurrent_requests=1",
+                                     "--log_level=warn"});
+  ASSERT_TRUE(capped.ok()) << capped.status();
+  absl::StatusOr<int> port = (*capped)->WaitListening();
+  ASSERT_TRUE(port.ok()) << port.status();
+  testing::RawHttpConnection client(*port);
+  ASSERT_TRUE(client.ok());
+  ASSERT_TRUE(client.Post("/v1/completions", Body("", true).dump()));
+  ASSERT_TRUE(client.ReadUntil("\"text\":", 30000)) << client.received();
+  httplib::Client http("127.0.0.1", *port);
+  const std::string small = R"({"prompt": "It was", "max_tokens": 2})";
+  auto refused = http.Post("/v1/completions", small, "application/json");
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 429);
+  EXPECT_EQ(Json::parse(refused->body)["error"]["type"], "rate_limit_error");
+  client.Close();
+  // Once the first is cancelled, there is room again.
+  int status = 0;
+  for (int i = 0; i < 100 && status != 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto res = http.Post("/v1/completions", small, "application/json");
+    status = res ? res->status : -1;
+  }
+  EXPECT_EQ(status, 200);
 }
 
 TEST_F(GatewayCancelTest, SigtermCancelsWhatOutlivesTheGrace) {
