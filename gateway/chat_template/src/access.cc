@@ -168,7 +168,7 @@ absl::StatusOr<Value> CallDictMethod(const Value& self, const std::string& name,
     else if (name == "values")
       out.push_back(item);
     else
-      out.push_back(Value::MakeList({Value::String(key), item}));
+      out.push_back(Value::MakeTuple({Value::String(key), item}));
   }
   return Value::MakeList(std::move(out));
 }
@@ -284,7 +284,7 @@ absl::StatusOr<Value> GetSlice(Interpreter& in, const Value& obj, const Value& s
     List out;
     out.reserve(picks.size());
     for (int64_t i : picks) out.push_back(obj.list()[static_cast<size_t>(i)]);
-    return Value::MakeList(std::move(out));
+    return obj.is_tuple() ? Value::MakeTuple(std::move(out)) : Value::MakeList(std::move(out));
   }
   std::string out;
   for (int64_t i : picks) {

@@ -37,8 +37,9 @@ struct Expr {
   Kind kind;
   int line = 1;
   Value literal;
-  std::string name;      // kName, kGetAttr, kFilter, kTest; the operator of kBinary
-  bool negated = false;  // kTest: "is not"
+  std::string name;       // kName, kGetAttr, kFilter, kTest; the operator of kBinary
+  bool negated = false;   // kTest: "is not"
+  bool is_tuple = false;  // kList written as a tuple: (a, b) or a bare a, b
   std::vector<ExprPtr> children;
   std::vector<std::pair<std::string, ExprPtr>> kwargs;
 };

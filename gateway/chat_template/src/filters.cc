@@ -88,6 +88,7 @@ absl::StatusOr<Value> ToJson(Interpreter& in, const Value& subject, CallArgs& ar
 }
 
 absl::StatusOr<Value> ToInt(const Value& v, const std::optional<Value>& fallback) {
+  if (v.is_undefined()) return UndefinedError(v);  // jinja2.Undefined.__int__ raises
   Value dflt = fallback ? *fallback : Value::Int(0);
   if (v.is_int() || v.is_bool()) return Value::Int(v.int_value());
   if (v.is_float()) {
@@ -112,6 +113,7 @@ absl::StatusOr<Value> ToInt(const Value& v, const std::optional<Value>& fallback
 }
 
 absl::StatusOr<Value> ToFloat(const Value& v, const std::optional<Value>& fallback) {
+  if (v.is_undefined()) return UndefinedError(v);
   Value dflt = fallback ? *fallback : Value::Float(0.0);
   if (v.is_number()) return Value::Float(v.float_value());
   if (v.is_string()) {
@@ -147,6 +149,7 @@ absl::StatusOr<Value> Select(Interpreter& in, const std::string& filter, const V
   test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
                               args.positional.end());
   test_args.keyword = args.keyword;
+  if (!Truthy(subject)) return Value::MakeList({});  // Jinja iterates only "if seq"
   auto items = Iterate(subject);
   if (!items.ok()) return items.status();
   auto counted = in.CountIterations(static_cast<int64_t>(items->size()));
@@ -174,6 +177,7 @@ absl::StatusOr<Value> Select(Interpreter& in, const std::string& filter, const V
 }
 
 absl::StatusOr<Value> Map(Interpreter& in, const Value& subject, CallArgs& args) {
+  if (!Truthy(subject)) return Value::MakeList({});  // Jinja maps only "if value"
   auto items = Iterate(subject);
   if (!items.ok()) return items.status();
   auto counted = in.CountIterations(static_cast<int64_t>(items->size()));
@@ -311,7 +315,7 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
       return absl::InvalidArgumentError("Can only get item pairs from a mapping.");
     List out;
     for (const auto& [key, item] : subject.dict().entries()) {
-      out.push_back(Value::MakeList({Value::String(key), item}));
+      out.push_back(Value::MakeTuple({Value::String(key), item}));
     }
     return Value::MakeList(std::move(out));
   }
@@ -420,19 +424,15 @@ absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const V
     return unary(v.is_string() || v.is_list() || v.is_dict() || v.is_undefined());
   if (name == "callable") return unary(v.is_callable() || v.is_undefined());
   if (name == "lower" || name == "upper") {
-    std::string s = ToPyString(v);
-    bool has_cased = false, all = true;
-    for (char c : s) {
-      bool lo = c >= 'a' && c <= 'z', up = c >= 'A' && c <= 'Z';
-      has_cased = has_cased || lo || up;
-      if (name == "lower" ? up : lo) all = false;
-    }
-    return unary(has_cased && all);
+    return unary(name == "lower" ? PyIsLower(ToPyString(v)) : PyIsUpper(ToPyString(v)));
   }
   if (name == "odd" || name == "even") {
-    auto n = ToIndex(v, name);
-    if (!n.ok()) return n.status();
-    return unary((*n % 2 != 0) == (name == "odd"));
+    // Jinja: value % 2 == 1 (odd) / == 0 (even), with Python's % (floats too).
+    auto bound = BindArgs(name, args, {}, 0);
+    if (!bound.ok()) return bound.status();
+    auto rest = BinaryOp(in, "%", v, Value::Int(2));
+    if (!rest.ok()) return rest.status();
+    return PyEquals(*rest, Value::Int(name == "odd" ? 1 : 0));
   }
   static const char* kBinaryTests[] = {
       "equalto", "eq", "==", "ne", "!=", "sameas", "in", "divisibleby", "lt",
@@ -452,11 +452,9 @@ absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const V
     return r->bool_value();
   }
   if (name == "divisibleby") {
-    auto a = ToIndex(v, name), b = ToIndex(other, name);
-    if (!a.ok()) return a.status();
-    if (!b.ok()) return b.status();
-    if (*b == 0) return absl::InvalidArgumentError("integer division or modulo by zero");
-    return *a % *b == 0;
+    auto rest = BinaryOp(in, "%", v, other);
+    if (!rest.ok()) return rest.status();
+    return PyEquals(*rest, Value::Int(0));
   }
   static const std::pair<const char*, const char*> kComparisons[] = {
       {"lt", "<"}, {"<", "<"},   {"le", "<="}, {"<=", "<="},      {"gt", ">"},

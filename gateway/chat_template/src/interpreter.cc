@@ -300,7 +300,7 @@ absl::StatusOr<Value> Interpreter::EvalInner(const Expr& expr, Frame* frame) {
         TANDEM_ASSIGN_OR_RETURN(Value v, Eval(*child, frame));
         items.push_back(std::move(v));
       }
-      return Value::MakeList(std::move(items));
+      return expr.is_tuple ? Value::MakeTuple(std::move(items)) : Value::MakeList(std::move(items));
     }
     case Expr::Kind::kDict: {
       Dict dict;

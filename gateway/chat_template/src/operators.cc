@@ -6,12 +6,20 @@
 #include "absl/strings/str_cat.h"
 #include "builtins.h"
 #include "interpreter.h"
+#include "tandem/common/status_macros.h"
 
 namespace tandem::chat_template::internal {
 namespace {
 
 absl::Status Unsupported(absl::string_view op, const Value& a, const Value& b) {
-  return absl::InvalidArgumentError(absl::StrCat("unsupported operand type(s) for ", op, ": '",
+  // Python: a str/list/tuple times a non-int names the other operand's type.
+  bool a_seq = a.is_string() || a.is_list(), b_seq = b.is_string() || b.is_list();
+  if (op == "*" && (a_seq || b_seq)) {
+    return absl::InvalidArgumentError(absl::StrCat("can't multiply sequence by non-int of type '",
+                                                   (a_seq ? b : a).TypeName(), "'"));
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unsupported operand type(s) for ",
+                                                 op == "**" ? "** or pow()" : op, ": '",
                                                  a.TypeName(), "' and '", b.TypeName(), "'"));
 }
 
@@ -36,6 +44,49 @@ absl::StatusOr<Value> Repeat(Interpreter& in, const Value& seq, int64_t times) {
   return Value::MakeList(std::move(out));
 }
 
+// Python's printf-style str % args for the conversions templates use: %s %r %d %i %%, with a
+// tuple of arguments or a single one.
+absl::StatusOr<Value> FormatPercent(Interpreter& in, const std::string& format, const Value& args) {
+  List values = args.is_tuple() ? args.list() : List{args};
+  size_t next = 0;
+  std::string out;
+  for (size_t i = 0; i < format.size(); ++i) {
+    if (format[i] != '%') {
+      out.push_back(format[i]);
+      continue;
+    }
+    if (i + 1 >= format.size()) return absl::InvalidArgumentError("incomplete format");
+    char spec = format[++i];
+    if (spec == '%') {
+      out.push_back('%');
+      continue;
+    }
+    if (spec != 's' && spec != 'r' && spec != 'd' && spec != 'i') {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unsupported format character '", std::string(1, spec), "'"));
+    }
+    if (next >= values.size()) {
+      return absl::InvalidArgumentError("not enough arguments for format string");
+    }
+    const Value& v = values[next++];
+    if (spec == 's') {
+      out += ToPyString(v);
+    } else if (spec == 'r') {
+      out += ToPyRepr(v);
+    } else if (v.is_number()) {
+      out += absl::StrCat(v.is_float() ? static_cast<int64_t>(v.float_value()) : v.int_value());
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "%", std::string(1, spec), " format: a real number is required, not ", v.TypeName()));
+    }
+    TANDEM_RETURN_IF_ERROR(in.CheckSize(out.size()));
+  }
+  if (next < values.size()) {
+    return absl::InvalidArgumentError("not all arguments converted during string formatting");
+  }
+  return Value::String(std::move(out));
+}
+
 absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
   switch (container.kind()) {
     case Value::Kind::kUndefined:
@@ -52,6 +103,9 @@ absl::StatusOr<bool> Contains(const Value& container, const Value& item) {
       }
       return false;
     case Value::Kind::kDict:
+      if (item.is_list() || item.is_dict()) {  // Python hashes the key first
+        return absl::InvalidArgumentError(absl::StrCat("unhashable type: '", item.TypeName(), "'"));
+      }
       return item.is_string() && container.dict().Find(item.str()) != nullptr;
     default:
       return absl::InvalidArgumentError(
@@ -110,9 +164,16 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
     return Value::String(std::move(out));
   }
   if (op == "<" || op == ">" || op == "<=" || op == ">=") {
+    if (a.is_undefined()) return UndefinedError(a);
+    if (b.is_undefined()) return UndefinedError(b);
     bool swap = op == ">" || op == "<=";
     auto less = swap ? LessThan(b, a) : LessThan(a, b);
-    if (!less.ok()) return less.status();
+    if (!less.ok()) {
+      if (a.is_list() && b.is_list()) return less.status();  // an element pair was incomparable
+      return absl::InvalidArgumentError(absl::StrCat("'", op,
+                                                     "' not supported between instances of '",
+                                                     a.TypeName(), "' and '", b.TypeName(), "'"));
+    }
     bool result = (op == "<" || op == ">") ? *less : !*less;
     return Value::Bool(result);
   }
@@ -125,22 +186,24 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
       if (!status.ok()) return status;
       return Value::String(a.str() + b.str());
     }
-    if (a.is_list() && b.is_list()) {
+    if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple()) {
       auto status = in.CountIterations(static_cast<int64_t>(a.list().size() + b.list().size()));
       if (!status.ok()) return status;
       List out = a.list();
       out.insert(out.end(), b.list().begin(), b.list().end());
-      return Value::MakeList(std::move(out));
+      return a.is_tuple() ? Value::MakeTuple(std::move(out)) : Value::MakeList(std::move(out));
     }
     if (a.is_string() && !b.is_string()) {
       return absl::InvalidArgumentError(
           absl::StrCat("can only concatenate str (not \"", b.TypeName(), "\") to str"));
     }
-    if (a.is_list() && !b.is_list()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("can only concatenate list (not \"", b.TypeName(), "\") to list"));
+    if (a.is_list() && b.TypeName() != a.TypeName()) {
+      return absl::InvalidArgumentError(absl::StrCat("can only concatenate ", a.TypeName(),
+                                                     " (not \"", b.TypeName(), "\") to ",
+                                                     a.TypeName()));
     }
   }
+  if (op == "%" && a.is_string()) return FormatPercent(in, a.str(), b);
   if (op == "*") {
     if ((a.is_string() || a.is_list()) && IsIntLike(b)) return Repeat(in, a, b.int_value());
     if (IsIntLike(a) && (b.is_string() || b.is_list())) return Repeat(in, b, a.int_value());
@@ -152,7 +215,13 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
     if (op == "+") return Value::Float(x + y);
     if (op == "-") return Value::Float(x - y);
     if (op == "*") return Value::Float(x * y);
-    if (op == "**") return Value::Float(std::pow(x, y));
+    if (op == "**") {
+      double r = std::pow(x, y);
+      if (std::isinf(r) && std::isfinite(x) && std::isfinite(y)) {
+        return absl::InvalidArgumentError("(34, 'Numerical result out of range')");
+      }
+      return Value::Float(r);
+    }
     if (y == 0) {
       // Python's wording: int / int says "division by zero", a float operand names its operation.
       bool ints = !a.is_float() && !b.is_float();

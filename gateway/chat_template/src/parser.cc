@@ -179,7 +179,8 @@ class Parser {
   absl::Status ParseIf(Node* node) {
     node->kind = Node::Kind::kIf;
     while (true) {
-      auto condition = ParseTuple(false);
+      // As Jinja: the condition is not itself a conditional expression ("if a if b" is an error).
+      auto condition = ParseTuple(false, /*with_condexpr=*/false);
       if (!condition.ok()) return condition.status();
       TANDEM_RETURN_IF_ERROR(ExpectBlockEnd());
       Body branch;
@@ -308,6 +309,7 @@ class Parser {
     auto first = with_condexpr ? ParseExpression() : ParseOr();
     if (!first.ok() || !allow_bare_tuple || !IsOp(",")) return first;
     auto list = Make(Expr::Kind::kList, line);
+    list->is_tuple = true;
     list->children.push_back(std::move(*first));
     while (IsOp(",")) {
       Next();
@@ -502,7 +504,9 @@ class Parser {
           Next();
           if (IsOp(")")) {
             Next();
-            return Make(Expr::Kind::kList, t.line);
+            auto empty = Make(Expr::Kind::kList, t.line);
+            empty->is_tuple = true;
+            return empty;
           }
           auto inner = ParseTuple(/*allow_bare_tuple=*/true);
           if (!inner.ok()) return inner;
@@ -671,8 +675,12 @@ class Parser {
         if (IsOp("(")) {
           TANDEM_RETURN_IF_ERROR(ParseCallArgs(e.get()));
         } else if (StartsTestArgument()) {
-          // "x is divisibleby 3", "x is sameas none": one argument without parentheses.
-          auto arg = ParseUnary(false);
+          // Jinja: "x is divisibleby 3", "x is sameas none": one primary (with postfix) as the
+          // argument; "x is defined is ..." is an error, a test after an argument is not.
+          if (IsName("is")) return ErrorAt(Peek(), "you cannot chain multiple tests with 'is'");
+          auto arg = ParsePrimary();
+          if (!arg.ok()) return arg;
+          arg = ParsePostfix(std::move(*arg));
           if (!arg.ok()) return arg;
           e->children.push_back(std::move(*arg));
         }
@@ -688,14 +696,13 @@ class Parser {
     }
   }
 
+  // Jinja's rule for a test argument without parentheses: a name (but not else/or/and), a
+  // literal, a list or a dict.
   bool StartsTestArgument() const {
     const Token& t = Peek();
     if (t.type == T::kString || t.type == T::kInt || t.type == T::kFloat) return true;
-    if (t.type == T::kOp) return t.text == "[" || t.text == "{" || t.text == "-";
-    if (t.type == T::kName) {
-      return t.text != "else" && t.text != "or" && t.text != "and" && t.text != "if" &&
-             t.text != "in" && t.text != "not" && t.text != "is";
-    }
+    if (t.type == T::kOp) return t.text == "[" || t.text == "{";
+    if (t.type == T::kName) return t.text != "else" && t.text != "or" && t.text != "and";
     return false;
   }
 

@@ -242,6 +242,15 @@ uint32_t UpperOf(uint32_t cp) {
 
 bool IsCased(uint32_t cp) { return LowerOf(cp) != cp || UpperOf(cp) != cp || cp == 0xDF; }
 
+// Title case (first letter of a word): as upper case, except ß -> "Ss".
+void AppendTitle(uint32_t cp, std::string* out) {
+  if (cp == 0xDF) {
+    *out += "Ss";
+    return;
+  }
+  AppendCodePoint(UpperOf(cp), out);
+}
+
 void AppendUpper(uint32_t cp, std::string* out) {
   if (cp == 0xDF) {  // ß
     *out += "SS";
@@ -290,6 +299,26 @@ std::string PyLower(std::string_view s) {
   return out;
 }
 
+bool PyIsLower(std::string_view s) {
+  bool cased = false, ok = true;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view, bool valid) {
+    if (!valid || !IsCased(cp)) return;
+    cased = true;
+    if (LowerOf(cp) != cp) ok = false;  // an upper-case letter
+  });
+  return cased && ok;
+}
+
+bool PyIsUpper(std::string_view s) {
+  bool cased = false, ok = true;
+  ForEachCodePoint(s, [&](uint32_t cp, std::string_view, bool valid) {
+    if (!valid || !IsCased(cp)) return;
+    cased = true;
+    if (UpperOf(cp) != cp || cp == 0xDF) ok = false;  // a lower-case letter
+  });
+  return cased && ok;
+}
+
 std::string PyCapitalize(std::string_view s) {
   std::string out;
   bool first = true;
@@ -297,7 +326,7 @@ std::string PyCapitalize(std::string_view s) {
     if (!valid)
       out += raw;
     else if (first)
-      AppendUpper(cp, &out);
+      AppendTitle(cp, &out);
     else
       AppendCodePoint(LowerOf(cp), &out);
     first = false;
@@ -318,7 +347,7 @@ std::string PyTitle(std::string_view s) {
     if (previous_cased)
       AppendCodePoint(LowerOf(cp), &out);
     else
-      AppendUpper(cp, &out);
+      AppendTitle(cp, &out);
     previous_cased = IsCased(cp);
   });
   return out;

@@ -36,6 +36,8 @@ size_t PyReplaceSize(std::string_view s, std::string_view old_text, std::string_
 
 std::string PyUpper(std::string_view s);       // str.upper / the upper filter
 std::string PyLower(std::string_view s);       // str.lower / the lower filter
+bool PyIsLower(std::string_view s);            // str.islower(): cased, and no upper case
+bool PyIsUpper(std::string_view s);            // str.isupper()
 std::string PyCapitalize(std::string_view s);  // str.capitalize / the capitalize filter
 std::string PyTitle(std::string_view s);       // str.title()
 std::string JinjaTitle(std::string_view s);    // the title filter (words split at [-\s({\[<])

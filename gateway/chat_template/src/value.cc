@@ -68,6 +68,12 @@ Value Value::MakeList(List items) {
   return v;
 }
 
+Value Value::MakeTuple(List items) {
+  Value v = MakeList(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
+
 Value Value::MakeDict(Dict dict) {
   Value v;
   v.kind_ = Kind::kDict;
@@ -141,7 +147,7 @@ absl::string_view Value::TypeName() const {
     case Kind::kString:
       return "str";
     case Kind::kList:
-      return "list";
+      return tuple_ ? "tuple" : "list";
     case Kind::kDict:
       return "dict";
     case Kind::kNamespace:
@@ -270,13 +276,14 @@ std::string ToPyRepr(const Value& value) {
     case Value::Kind::kUndefined:
       return "Undefined";
     case Value::Kind::kList: {
-      std::string out = "[";
+      std::string out = value.is_tuple() ? "(" : "[";
       bool first = true;
       for (const Value& item : value.list()) {
         if (!first) out += ", ";
         first = false;
         out += ToPyRepr(item);
       }
+      if (value.is_tuple()) return out + (value.list().size() == 1 ? ",)" : ")");
       return out + "]";
     }
     case Value::Kind::kDict: {
@@ -340,7 +347,7 @@ bool PyEquals(const Value& a, const Value& b) {
     case Value::Kind::kString:
       return a.str() == b.str();
     case Value::Kind::kList: {
-      if (a.list().size() != b.list().size()) return false;
+      if (a.is_tuple() != b.is_tuple() || a.list().size() != b.list().size()) return false;
       for (size_t i = 0; i < a.list().size(); ++i) {
         if (!PyEquals(a.list()[i], b.list()[i])) return false;
       }

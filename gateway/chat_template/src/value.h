@@ -70,6 +70,7 @@ class Value {
   static Value Float(double f);
   static Value String(std::string s);
   static Value MakeList(List items);
+  static Value MakeTuple(List items);  // a list that prints as (a, b) and is never == a list
   static Value MakeDict(Dict dict);
   static Value MakeNamespace(Dict attributes);
   static Value MakeCallable(std::string name,
@@ -85,7 +86,8 @@ class Value {
   bool is_float() const { return kind_ == Kind::kFloat; }
   bool is_number() const { return kind_ == Kind::kBool || kind_ == Kind::kInt || is_float(); }
   bool is_string() const { return kind_ == Kind::kString; }
-  bool is_list() const { return kind_ == Kind::kList; }
+  bool is_list() const { return kind_ == Kind::kList; }  // lists and tuples
+  bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
   bool is_dict() const { return kind_ == Kind::kDict; }
   bool is_namespace() const { return kind_ == Kind::kNamespace; }
   bool is_callable() const { return kind_ == Kind::kCallable; }
@@ -104,6 +106,7 @@ class Value {
 
  private:
   Kind kind_;
+  bool tuple_ = false;
   int64_t int_ = 0;
   double float_ = 0;
   std::shared_ptr<const std::string> str_;

@@ -27,6 +27,7 @@ import sys
 from datetime import datetime
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
 # Where each template's text comes from (repository, path, commit); the .jinja files hold the
 # decoded text byte for byte.
@@ -333,9 +334,24 @@ def build():
                 messages=normalize(messages), tools=None, documents=None, add_generation_prompt=True,
                 bos_token=info["bos_token"], eos_token=info["eos_token"], **extra)
             cases.append(case)
+    import fuzz_snippets
+    sources, fuzz_context = fuzz_snippets.programs(seed=13, count=1500)
+    named = [(n, t, c) for n, t, c in SNIPPETS]
+    for i, source in enumerate(sources):
+        if any(skip in source for skip in fuzz_snippets.SKIP):
+            continue
+        try:
+            env.from_string(source).render(**fuzz_context)
+        except Exception:
+            continue  # error wording depends on evaluation order; the named snippets check errors
+        named.append(("random%d" % i, source, None))
     snippets = []
-    for name, source, context in SNIPPETS:
-        entry = {"name": name, "template": source, "context": context}
+    for name, source, context in named:
+        entry = {"name": name, "template": source}
+        if context is None:
+            context = fuzz_context  # stored once, as "random_context"
+        else:
+            entry["context"] = context
         try:
             entry["expected"] = env.from_string(source).render(**context)
         except Exception as e:
@@ -349,6 +365,7 @@ def build():
                       for name, info in TEMPLATES.items()},
         "cases": cases,
         "snippets": snippets,
+        "random_context": fuzz_context,
     }
 
 
