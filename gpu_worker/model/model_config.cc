@@ -156,18 +156,27 @@ absl::Status ReadNonNegative(const json& obj, absl::string_view key, absl::strin
 }
 
 // The "yarn" fields of transformers 5's _compute_yarn_parameters / _validate_yarn_rope_parameters.
-absl::Status ReadYarn(const json& params, absl::string_view source, absl::string_view name,
-                      int64_t max_positions, RopeScaling* scaling) {
+// `top` is the whole config.json, `max_positions` its max_position_embeddings.
+absl::Status ReadYarn(const json& params, const json& top, absl::string_view source,
+                      absl::string_view name, int64_t max_positions, RopeScaling* scaling) {
   const std::string where = Where(source, name);
   scaling->type = RopeScaling::Type::kYarn;
-  if (FindField(params, "factor") == nullptr) {
+  if (!params.contains("factor")) {
     return Invalid(source, absl::StrCat("rope type \"yarn\" needs ", name, ".factor"));
   }
-  TANDEM_RETURN_IF_ERROR(ReadPositive(params, "factor", where, &scaling->factor));
-  // Absent: the config's max_position_embeddings (transformers' standardize_rope_params).
+  // standardize_rope_params: a top-level original_max_position_embeddings (Phi-3 style) wins,
+  // then the scaling's own, else max_position_embeddings.
   scaling->original_max_position_embeddings = max_positions;
   TANDEM_RETURN_IF_ERROR(ReadSize(params, "original_max_position_embeddings", false, kMaxPositions,
                                   where, &scaling->original_max_position_embeddings));
+  TANDEM_RETURN_IF_ERROR(ReadSize(top, "original_max_position_embeddings", false, kMaxPositions,
+                                  source, &scaling->original_max_position_embeddings));
+  if (FindField(params, "factor") == nullptr) {  // "factor": null (DeepSeek-V3 style)
+    scaling->factor = static_cast<double>(max_positions) /
+                      static_cast<double>(scaling->original_max_position_embeddings);
+  } else {
+    TANDEM_RETURN_IF_ERROR(ReadPositive(params, "factor", where, &scaling->factor));
+  }
   TANDEM_RETURN_IF_ERROR(
       ReadPositive(params, "attention_factor", where, &scaling->attention_factor));
   double beta_fast = 0, beta_slow = 0;
@@ -219,9 +228,9 @@ absl::Status ReadSlidingWindow(const json& obj, absl::string_view source, ModelC
 }
 
 // `params` is a rope_scaling or rope_parameters object: {rope_type|type, factor, ...}.
-// `max_positions` is the config's max_position_embeddings (yarn's default original length).
-absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl::string_view name,
-                             int64_t max_positions, RopeScaling* scaling) {
+// `top` is the whole config.json, `max_positions` its max_position_embeddings (yarn's defaults).
+absl::Status ReadRopeScaling(const json& params, const json& top, absl::string_view source,
+                             absl::string_view name, int64_t max_positions, RopeScaling* scaling) {
   if (!params.is_object()) {
     return internal::TypeError(Where(source, name), "an object", params);
   }
@@ -248,7 +257,7 @@ absl::Status ReadRopeScaling(const json& params, absl::string_view source, absl:
     scaling->type = RopeScaling::Type::kDynamic;
     return require_positive("factor", &scaling->factor);
   }
-  if (type == "yarn") return ReadYarn(params, source, name, max_positions, scaling);
+  if (type == "yarn") return ReadYarn(params, top, source, name, max_positions, scaling);
   if (type == "llama3") {
     scaling->type = RopeScaling::Type::kLlama3;
     TANDEM_RETURN_IF_ERROR(require_positive("factor", &scaling->factor));
@@ -385,12 +394,12 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
   config.rope_theta = 10000.0;
   TANDEM_RETURN_IF_ERROR(ReadPositive(obj, "rope_theta", source, &config.rope_theta));
   if (const json* params = FindField(obj, "rope_parameters")) {
-    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*params, source, "rope_parameters",
+    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*params, obj, source, "rope_parameters",
                                            config.max_position_embeddings, &config.rope_scaling));
     TANDEM_RETURN_IF_ERROR(
         ReadPositive(*params, "rope_theta", Where(source, "rope_parameters"), &config.rope_theta));
   } else if (const json* scaling = FindField(obj, "rope_scaling")) {
-    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, source, "rope_scaling",
+    TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, obj, source, "rope_scaling",
                                            config.max_position_embeddings, &config.rope_scaling));
   }
 

@@ -99,6 +99,18 @@ TEST(RopeScalingTest, YarnWithoutOriginalLengthUsesMaxPositions) {
   EXPECT_EQ(ModelContextLimit(c), 8192);
 }
 
+TEST(RopeScalingTest, YarnNullFactorAndTopLevelOriginalLength) {
+  // "factor": null: max_position_embeddings / original (transformers' DeepSeek-V3 branch).
+  const ModelConfig ratio = Parse(Config("llama", R"(, "rope_scaling": {"type": "yarn",
+    "factor": null, "original_max_position_embeddings": 1024})"));
+  EXPECT_EQ(ratio.rope_scaling.factor, 4.0);
+  // A top-level original_max_position_embeddings (Phi-3 style) wins over the scaling's.
+  const ModelConfig top = Parse(Config("llama", R"(, "original_max_position_embeddings": 2048,
+    "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024})"));
+  EXPECT_EQ(top.rope_scaling.original_max_position_embeddings, 2048);
+  EXPECT_EQ(ModelContextLimit(top), 4096);
+}
+
 TEST(RopeScalingTest, YarnRampKeepsFastDimensionsAndInterpolatesSlowOnes) {
   const ModelConfig c = Parse(Config("llama", R"(, "rope_scaling": {"rope_type": "yarn",
     "factor": 8.0, "original_max_position_embeddings": 4096})"));
