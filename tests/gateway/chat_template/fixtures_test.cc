@@ -62,6 +62,13 @@ TEST(ChatTemplateFixtures, EveryCaseMatchesJinja2) {
       ++rendered;
     } else {
       ASSERT_FALSE(out.ok()) << label << " rendered where jinja2 refused: " << *out;
+      if (c["error"] == "maximum recursion depth exceeded") {
+        // Python's RecursionError (vLLM's Hermes template recurses forever on an array
+        // parameter); tandem stops at RenderLimits::max_depth instead.
+        EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted) << label;
+        ++refused;
+        continue;
+      }
       EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << label;
       EXPECT_NE(std::string(out.status().message()).find(c["error"].get<std::string>()),
                 std::string::npos)

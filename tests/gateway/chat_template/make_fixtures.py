@@ -88,6 +88,11 @@ TEMPLATES = {
         "source": "google/gemma-7b-it, ggerganov/llama.cpp tests/test-chat-template.cpp "
                   "@037af53bfa603770fd93c91508df4379e4b7d6e2",
     },
+    "hermes_vllm": {
+        "bos_token": "<s>", "eos_token": "<|im_end|>", "tools": True,
+        "source": "vLLM's Hermes-2-Pro tool-use template, vllm-project/vllm "
+                  "examples/tool_chat_template_hermes.jinja @66aa580a8fe3c6d73fdecc9abb387f5dcf33a321",
+    },
     "phi3_5_mini": {
         "bos_token": "<s>", "eos_token": "<|endoftext|>", "tools": False,
         "source": "microsoft/Phi-3.5-mini-instruct, ggerganov/llama.cpp "
@@ -109,6 +114,24 @@ WEATHER_TOOLS = [{
             },
             "required": ["location"],
         },
+    },
+}, {
+    "type": "function",
+    "function": {
+        "name": "search_notes",
+        "description": "Search the user's notes ",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "terms": {"type": "array", "items": {"type": "string"}, "description": "Words to look for"},
+                "limit": {"type": ["integer", "null"], "description": "At most this many"},
+                "filters": {"type": "object", "additionalProperties": {"type": "boolean"},
+                            "description": "Tag filters"},
+                "score": {"type": "number", "description": "Minimum score ≥ 0.5"},
+            },
+            "required": ["terms"],
+        },
+        "return": {"type": "array", "description": "The matching notes"},
     },
 }]
 
@@ -162,6 +185,18 @@ TOOL_CONVERSATIONS = {
             "function": {"name": "get_current_weather",
                          "arguments": "{\"location\": \"Oslo, Norway\", \"unit\": \"celsius\"}"}}]},
         {"role": "tool", "tool_call_id": "call12345", "content": "{\"temperature\": -3.5, \"sky\": \"snow ❄\"}"},
+    ],
+    "tools_named_results": [
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": "Checking both.", "tool_calls": [
+            {"id": "callOslo1", "type": "function",
+             "function": {"name": "get_current_weather", "arguments": "{\"location\": \"Oslo\"}"}},
+            {"id": "callBrgn2", "type": "function",
+             "function": {"name": "get_current_weather", "arguments": ""}}]},
+        {"role": "tool", "tool_call_id": "callOslo1", "name": "get_current_weather", "content": "-3 C"},
+        {"role": "tool", "tool_call_id": "callBrgn2", "name": "get_current_weather", "content": "4 C"},
+        {"role": "assistant", "content": "Oslo -3 C, Bergen 4 C."},
+        {"role": "user", "content": "Thanks"},
     ],
 }
 
@@ -292,7 +327,7 @@ def build():
             variants = [(True, None)]
             variants.append((False, None))
             if conv_name.startswith("tools_"):
-                variants = [(True, WEATHER_TOOLS), (False, WEATHER_TOOLS)]
+                variants = [(True, WEATHER_TOOLS), (False, WEATHER_TOOLS), (True, WEATHER_TOOLS[:1])]
                 if conv_name == "tools_round_trip":
                     variants.append((True, None))  # a replayed call without tools offered
             for add_generation_prompt, tools in variants:
@@ -301,7 +336,7 @@ def build():
                 case = {
                     "template": name,
                     "name": "%s/%s/%s" % (conv_name, "gen" if add_generation_prompt else "nogen",
-                                          "tools" if tools else "notools"),
+                                          ("tools%d" % len(tools)) if tools else "notools"),
                     "messages": messages,
                     "tools": tools,
                     "add_generation_prompt": add_generation_prompt,
