@@ -32,17 +32,20 @@ absl::StatusOr<RenderedPrompt> RenderChatPrompt(const chat_template::Template& c
   RenderedPrompt prompt;
   prompt.text = std::move(*text);
   if (!info.bos_token().empty() && absl::StartsWith(prompt.text, info.bos_token())) {
-    prompt.text.erase(0, info.bos_token().size());
-    prompt.bos_stripped = true;
+    prompt.bos_text_bytes = info.bos_token().size();
   }
   return prompt;
 }
 
-absl::Status SetChatPrompt(const RenderedPrompt& prompt, v1::Generation::Stub& stub, int timeout_ms,
+absl::Status SetChatPrompt(const RenderedPrompt& prompt, bool continued_session,
+                           v1::Generation::Stub& stub, int timeout_ms,
                            v1::GenerateRequest* generate) {
-  if (prompt.text.empty()) return InvalidField("messages", "the chat template rendered nothing");
-  if (prompt.bos_stripped) {
-    generate->set_prompt_text(prompt.text);
+  if (prompt.text.size() <= prompt.bos_text_bytes) {
+    return InvalidField("messages", "the chat template rendered nothing");
+  }
+  if (prompt.bos_text_bytes > 0) {
+    generate->set_prompt_text(continued_session ? prompt.text.substr(prompt.bos_text_bytes)
+                                                : prompt.text);
     return absl::OkStatus();
   }
   v1::TokenizeRequest request;

@@ -56,9 +56,12 @@ class Slot {
 // and waits for gRPC to end it.
 class GenerateCall {
  public:
-  GenerateCall(std::unique_ptr<Slot> slot, WorkerPool::Lease lease,
+  GenerateCall(std::unique_ptr<Slot> slot, WorkerPool* pool, WorkerPool::Lease lease,
                const v1::GenerateRequest& request, int timeout_s)
-      : slot_(std::move(slot)), lease_(std::move(lease)) {
+      : slot_(std::move(slot)), pool_(pool), lease_(std::move(lease)) {
+    if (!request.session_id().empty() && !lease_.continued_session()) {
+      new_session_id_ = request.session_id();
+    }
     ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(timeout_s));
     reader_ = lease_.stub().Generate(&ctx_, request);
   }
@@ -77,15 +80,24 @@ class GenerateCall {
   GenerateCall(const GenerateCall&) = delete;
   GenerateCall& operator=(const GenerateCall&) = delete;
 
-  bool Read(v1::GenerateResponse* message) { return reader_->Read(message); }
+  bool Read(v1::GenerateResponse* message) {
+    if (!reader_->Read(message)) return false;
+    saw_token_ = saw_token_ || message->has_token();
+    return true;
+  }
 
   // The call's status (once, after Read returned false). An UNAVAILABLE worker is routed
-  // around until its health check passes again.
+  // around until its health check passes again; a new session that failed before its first
+  // token does not exist on the worker (a failed request changes nothing; one stopped in
+  // prefill is closed), so the next request starts it anew.
   absl::Status Finish() {
     finished_ = true;
     const absl::Status status = FromGrpcStatus(reader_->Finish());
     if (status.code() == absl::StatusCode::kUnavailable && !cancelled_.load()) {
       lease_.MarkUnavailable();
+    }
+    if (!status.ok() && !saw_token_ && !new_session_id_.empty()) {
+      pool_->ForgetSession(new_session_id_);
     }
     return status;
   }
@@ -102,7 +114,10 @@ class GenerateCall {
 
  private:
   std::unique_ptr<Slot> slot_;
+  WorkerPool* pool_;
   WorkerPool::Lease lease_;
+  std::string new_session_id_;  // the session this call starts ("" = none)
+  bool saw_token_ = false;
   grpc::ClientContext ctx_;
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
   bool finished_ = false;
@@ -301,16 +316,16 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
   absl::StatusOr<WorkerPool::Lease> lease = shared.pool->Acquire(r.generate.session_id());
   if (!lease.ok()) return SendError(shared, name, lease.status(), res);
   if (prompt.has_value()) {
-    const absl::Status s =
-        SetChatPrompt(*prompt, lease->stub(), shared.options.workers.rpc_timeout_ms, &r.generate);
+    const absl::Status s = SetChatPrompt(*prompt, lease->continued_session(), lease->stub(),
+                                         shared.options.workers.rpc_timeout_ms, &r.generate);
     if (!s.ok()) {
       if (s.code() == absl::StatusCode::kUnavailable) lease->MarkUnavailable();
       return SendError(shared, name, s, res);
     }
   }
 
-  auto call = std::make_unique<GenerateCall>(std::move(slot), std::move(*lease), r.generate,
-                                             shared.options.request_timeout_s);
+  auto call = std::make_unique<GenerateCall>(std::move(slot), shared.pool.get(), std::move(*lease),
+                                             r.generate, shared.options.request_timeout_s);
   const int fd = FindRequestSocket(req.local_port, req.remote_addr, req.remote_port);
   if (fd >= 0) {
     GenerateCall* c = call.get();

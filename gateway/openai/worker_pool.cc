@@ -68,13 +68,16 @@ grpc::ChannelArguments WorkerChannelArguments(int max_message_bytes) {
 }
 
 WorkerPool::Lease::Lease(Lease&& other) noexcept
-    : worker_(std::exchange(other.worker_, nullptr)), index_(other.index_) {}
+    : worker_(std::exchange(other.worker_, nullptr)),
+      index_(other.index_),
+      continued_session_(other.continued_session_) {}
 
 WorkerPool::Lease& WorkerPool::Lease::operator=(Lease&& other) noexcept {
   if (this != &other) {
     if (worker_ != nullptr) worker_->outstanding.fetch_sub(1);
     worker_ = std::exchange(other.worker_, nullptr);
     index_ = other.index_;
+    continued_session_ = other.continued_session_;
   }
   return *this;
 }
@@ -203,6 +206,7 @@ void WorkerPool::Remember(const std::string& session_id, size_t index) {
 
 absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session_id) {
   size_t index;
+  bool continued = false;
   if (session_id.empty()) {
     const std::optional<size_t> best = LeastLoaded();
     if (!best.has_value()) return absl::UnavailableError("no GPU worker is serving");
@@ -218,6 +222,7 @@ absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session
                                                    ") is not serving"));
       }
       sticky_lru_.splice(sticky_lru_.begin(), sticky_lru_, it->second.lru);
+      continued = true;
     } else {
       const std::optional<size_t> best = LeastLoaded();
       if (!best.has_value()) return absl::UnavailableError("no GPU worker is serving");
@@ -227,7 +232,15 @@ absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session
   }
   Worker* w = workers_[index].get();
   w->outstanding.fetch_add(1);
-  return Lease(w, index);
+  return Lease(w, index, continued);
+}
+
+void WorkerPool::ForgetSession(const std::string& session_id) {
+  std::lock_guard lock(sticky_mu_);
+  auto it = sticky_.find(session_id);
+  if (it == sticky_.end()) return;
+  sticky_lru_.erase(it->second.lru);
+  sticky_.erase(it);
 }
 
 std::vector<WorkerState> WorkerPool::States() const {

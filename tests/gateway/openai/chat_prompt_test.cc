@@ -1,6 +1,7 @@
-// Chat rendering for the worker: the template's BOS text is cut (the worker adds the real BOS
-// id), a template without one is marked for tokenizing without BOS, template errors name
-// `messages`, and a model without a template is refused with what to do.
+// Chat rendering for the worker: a BOS-led rendering keeps its BOS as text for a one-shot request
+// and loses it for a session (the worker adds BOS on the first turn only), a template without
+// BOS is marked for tokenizing without one, template errors name `messages`, and a model without
+// a template is refused with what to do.
 #include "tandem/gateway/chat_prompt.h"
 
 #include <grpcpp/grpcpp.h>
@@ -33,7 +34,7 @@ v1::ModelInfoResponse Info(const std::string& bos, const std::string& chat_templ
   return info;
 }
 
-TEST(ChatPrompt, LeadingBosTextIsCutForTheWorkerToAddItsId) {
+TEST(ChatPrompt, BosLedRenderingKeepsItsBosOnceAndNoneMidSession) {
   ChatTemplateSource source{""};
   const v1::ModelInfoResponse info = Info("<s>", kLlamaLike);
   auto t = source.Get(info);
@@ -41,15 +42,21 @@ TEST(ChatPrompt, LeadingBosTextIsCutForTheWorkerToAddItsId) {
   absl::StatusOr<RenderedPrompt> p =
       RenderChatPrompt(**t, Chat(R"([{"role": "user", "content": "Hi"}])"), info);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_TRUE(p->bos_stripped);
-  EXPECT_EQ(p->text, "[user] Hi\n[assistant] ");
+  EXPECT_EQ(p->text, "<s>[user] Hi\n[assistant] ");
+  EXPECT_EQ(p->bos_text_bytes, 3u);
 
-  v1::GenerateRequest g;
-  // The stripped prompt goes as prompt_text without any RPC: nothing listens at port 1.
+  // Both go as prompt_text without any RPC: nothing listens at port 1.
   auto stub = v1::Generation::NewStub(
       grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials()));
-  ASSERT_TRUE(SetChatPrompt(*p, *stub, 1000, &g).ok());
-  EXPECT_EQ(g.prompt_text(), "[user] Hi\n[assistant] ");
+  // One-shot or a first turn: as rendered (the worker maps "<s>" to the BOS id, adds no other).
+  v1::GenerateRequest one_shot;
+  ASSERT_TRUE(SetChatPrompt(*p, false, *stub, 1000, &one_shot).ok());
+  EXPECT_EQ(one_shot.prompt_text(), "<s>[user] Hi\n[assistant] ");
+  // A later turn of a session: the BOS text cut (the worker adds none to a continued session).
+  v1::GenerateRequest turn;
+  turn.set_session_id("s");
+  ASSERT_TRUE(SetChatPrompt(*p, true, *stub, 1000, &turn).ok());
+  EXPECT_EQ(turn.prompt_text(), "[user] Hi\n[assistant] ");
 }
 
 TEST(ChatPrompt, TemplateWithoutBosIsTokenizedWithoutOne) {
@@ -63,7 +70,7 @@ TEST(ChatPrompt, TemplateWithoutBosIsTokenizedWithoutOne) {
   r.add_generation_prompt = false;
   absl::StatusOr<RenderedPrompt> p = RenderChatPrompt(**t, r, info);
   ASSERT_TRUE(p.ok()) << p.status();
-  EXPECT_FALSE(p->bos_stripped);
+  EXPECT_EQ(p->bos_text_bytes, 0u);
   EXPECT_EQ(p->text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 

@@ -1,14 +1,18 @@
 // Chat messages -> the prompt a worker is sent. The messages are rendered with the chat template
 // (--chat_template's file, else the worker's tokenizer_config.json chat_template) as
-// transformers' apply_chat_template does, then sent so that the sequence has exactly the BOS the
-// template wrote:
-// - the rendering starts with the tokenizer's bos_token text (Llama-3, Mistral): that text is
-//   cut and the rest goes as prompt_text, so the worker puts the real BOS id in front on a new
-//   session's first turn (its tokenizer may not map the literal "<s>" text to the BOS id, and
-//   a continued session must not get a BOS in the middle);
+// transformers' apply_chat_template does, then sent so that the sequence holds exactly the BOS
+// that Hugging Face's apply_chat_template(tokenize=True) gives (the rendering tokenized with
+// add_special_tokens=False, as vLLM does too), and never one in the middle of a session:
+// - the rendering starts with the tokenizer's bos_token text (Llama-3, Mistral, Gemma):
+//   - a one-shot request or a session's first turn: the text goes as prompt_text as rendered;
+//     the worker turns the BOS text into the BOS id and adds no other (it adds none to a text
+//     that starts with BOS);
+//   - a later turn of a session (WorkerPool::Lease::continued_session): the BOS text is cut and
+//     the rest goes as prompt_text (the worker adds no BOS to a continued session), so no BOS
+//     lands mid-sequence;
 // - otherwise (ChatML/Qwen2-style templates that write no BOS): the text is tokenized with
-//   add_bos = false on the same worker and sent as prompt_ids, so the worker adds none (it
-//   would add one to a prompt_text), as vLLM and HF do with add_special_tokens=False.
+//   add_bos = false on the same worker and sent as prompt_ids, so no BOS is added (the worker
+//   would add one to a prompt_text when its tokenizer adds one).
 // With a session_id, `messages` are the new turn's messages: earlier turns are in the
 // session's KV on the worker.
 #pragma once
@@ -24,10 +28,9 @@
 
 namespace tandem::gateway {
 
-// How a rendered chat prompt is sent (see the header).
 struct RenderedPrompt {
-  std::string text;  // the rendering, the BOS text cut when it led
-  bool bos_stripped = false;
+  std::string text;           // the rendering
+  size_t bos_text_bytes = 0;  // > 0: `text` starts with the bos_token text, this long
 };
 
 // Renders `request` (chat) with `chat_template` and the worker's special tokens. INVALID_ARGUMENT
@@ -36,9 +39,10 @@ absl::StatusOr<RenderedPrompt> RenderChatPrompt(const chat_template::Template& c
                                                 const OpenAiRequest& request,
                                                 const v1::ModelInfoResponse& info);
 
-// Sets `generate`'s prompt from `prompt`: prompt_text when the BOS was cut, else prompt_ids from
-// Tokenize(add_bos = false) through `stub` (its errors pass through).
-absl::Status SetChatPrompt(const RenderedPrompt& prompt, v1::Generation::Stub& stub, int timeout_ms,
+// Sets `generate`'s prompt from `prompt` as the header says; `continued_session`: a later turn
+// of a session. Tokenize goes through `stub` (its errors pass through).
+absl::Status SetChatPrompt(const RenderedPrompt& prompt, bool continued_session,
+                           v1::Generation::Stub& stub, int timeout_ms,
                            v1::GenerateRequest* generate);
 
 // The chat template in use: parsed once (the flag's source, or the first worker's).

@@ -60,15 +60,20 @@ class WorkerPool {
     v1::Generation::Stub& stub() const;
     const std::string& address() const;
     size_t index() const { return index_; }
+    // The request continues a session an earlier request was routed to (its worker holds it,
+    // unless that request failed before the session began: see ForgetSession).
+    bool continued_session() const { return continued_session_; }
     // A call through this lease failed with UNAVAILABLE: the worker takes no new requests until
     // a health check finds it SERVING again.
     void MarkUnavailable() const;
 
    private:
     friend class WorkerPool;
-    Lease(Worker* worker, size_t index) : worker_(worker), index_(index) {}
+    Lease(Worker* worker, size_t index, bool continued)
+        : worker_(worker), index_(index), continued_session_(continued) {}
     Worker* worker_ = nullptr;
     size_t index_ = 0;
+    bool continued_session_ = false;
   };
 
   // INVALID_ARGUMENT without addresses. Runs one health round before returning (workers that
@@ -79,6 +84,10 @@ class WorkerPool {
   // The worker for a request (see the header). UNAVAILABLE when no worker is serving, or when
   // the worker holding `session_id` is not.
   absl::StatusOr<Lease> Acquire(const std::string& session_id);
+
+  // Forgets where `session_id` lives: its first request failed before the worker created it (a
+  // failed request changes nothing there), so the next one starts it anew.
+  void ForgetSession(const std::string& session_id);
 
   // The model info of the first serving worker that has answered GetModelInfo; UNAVAILABLE
   // when none has.
