@@ -43,6 +43,9 @@ absl::StatusOr<bool> LessThan(const Value& a, const Value& b);
 // ---- filters and tests (filters.cc) ----
 absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, const Value& subject,
                                   CallArgs& args);
+// The sequence filters (sequence_filters.cc); an empty optional when `name` is not one of them.
+absl::StatusOr<std::optional<Value>> ApplySequenceFilter(Interpreter& in, const std::string& name,
+                                                         const Value& subject, CallArgs& args);
 absl::StatusOr<bool> ApplyTest(Interpreter& in, const std::string& name, const Value& subject,
                                CallArgs& args);
 

@@ -13,6 +13,7 @@
 #include "errors.h"
 #include "interpreter.h"
 #include "json_dump.h"
+#include "tandem/common/status_macros.h"
 #include "text_util.h"
 
 namespace tandem::chat_template::internal {
@@ -32,19 +33,6 @@ absl::StatusOr<int64_t> Length(const Value& v) {
       return absl::InvalidArgumentError(
           absl::StrCat("object of type '", v.TypeName(), "' has no len()"));
   }
-}
-
-// Jinja's attribute getter for selectattr/map/join: "a.b.0" looks up each part in turn.
-absl::StatusOr<Value> GetPath(const Value& item, const std::string& path) {
-  Value current = item;
-  for (absl::string_view part : absl::StrSplit(path, '.')) {
-    int64_t index = 0;
-    auto next = absl::SimpleAtoi(part, &index) ? GetItem(current, Value::Int(index))
-                                               : GetItem(current, Value::String(std::string(part)));
-    if (!next.ok()) return next.status();
-    current = std::move(*next);
-  }
-  return current;
 }
 
 absl::StatusOr<std::string> RequireString(const std::optional<Value>& v, absl::string_view what) {
@@ -123,121 +111,6 @@ absl::StatusOr<Value> ToFloat(const Value& v, const std::optional<Value>& fallba
   return dflt;
 }
 
-// select/reject/selectattr/rejectattr: items for which the test (or truthiness) holds, or not.
-absl::StatusOr<Value> Select(Interpreter& in, const std::string& filter, const Value& subject,
-                             CallArgs& args) {
-  bool by_attribute = filter == "selectattr" || filter == "rejectattr";
-  bool keep_if = filter == "select" || filter == "selectattr";
-  size_t next = 0;
-  std::string attribute;
-  if (by_attribute) {
-    if (args.positional.empty() || !args.positional[0].is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(filter, ": attribute name required"));
-    }
-    attribute = args.positional[0].str();
-    next = 1;
-  }
-  std::optional<std::string> test;
-  if (args.positional.size() > next) {
-    if (!args.positional[next].is_string()) {
-      return absl::InvalidArgumentError(absl::StrCat(filter, ": test name must be a string"));
-    }
-    test = args.positional[next].str();
-    ++next;
-  }
-  CallArgs test_args;
-  test_args.positional.assign(args.positional.begin() + static_cast<std::ptrdiff_t>(next),
-                              args.positional.end());
-  test_args.keyword = args.keyword;
-  if (!Truthy(subject)) return Value::MakeList({});  // Jinja iterates only "if seq"
-  auto items = Iterate(subject);
-  if (!items.ok()) return items.status();
-  auto counted = in.CountIterations(static_cast<int64_t>(items->size()));
-  if (!counted.ok()) return counted;
-  List out;
-  for (const Value& item : *items) {
-    Value probe = item;
-    if (by_attribute) {
-      auto got = GetPath(item, attribute);
-      if (!got.ok()) return got.status();
-      probe = std::move(*got);
-    }
-    bool holds = false;
-    if (test) {
-      CallArgs per_item = test_args;
-      auto r = ApplyTest(in, *test, probe, per_item);
-      if (!r.ok()) return r.status();
-      holds = *r;
-    } else {
-      holds = Truthy(probe);
-    }
-    if (holds == keep_if) out.push_back(item);
-  }
-  return Value::MakeList(std::move(out));
-}
-
-absl::StatusOr<Value> Map(Interpreter& in, const Value& subject, CallArgs& args) {
-  if (!Truthy(subject)) return Value::MakeList({});  // Jinja maps only "if value"
-  auto items = Iterate(subject);
-  if (!items.ok()) return items.status();
-  auto counted = in.CountIterations(static_cast<int64_t>(items->size()));
-  if (!counted.ok()) return counted;
-  List out;
-  std::optional<std::string> attribute;
-  std::optional<Value> fallback;
-  for (const auto& [key, value] : args.keyword) {
-    if (key == "attribute" && value.is_string())
-      attribute = value.str();
-    else if (key == "default")
-      fallback = value;
-    else if (!attribute)
-      return absl::InvalidArgumentError(absl::StrCat("map: unexpected argument '", key, "'"));
-  }
-  if (attribute) {
-    for (const Value& item : *items) {
-      auto got = GetPath(item, *attribute);
-      if (!got.ok()) return got.status();
-      out.push_back(got->is_undefined() && fallback ? *fallback : *got);
-    }
-    return Value::MakeList(std::move(out));
-  }
-  if (args.positional.empty() || !args.positional[0].is_string()) {
-    return absl::InvalidArgumentError("map: a filter name or attribute= is required");
-  }
-  std::string filter = args.positional[0].str();
-  CallArgs rest;
-  rest.positional.assign(args.positional.begin() + 1, args.positional.end());
-  for (const Value& item : *items) {
-    CallArgs per_item = rest;
-    auto mapped = ApplyFilter(in, filter, item, per_item);
-    if (!mapped.ok()) return mapped.status();
-    out.push_back(std::move(*mapped));
-  }
-  return Value::MakeList(std::move(out));
-}
-
-absl::StatusOr<Value> Join(Interpreter& in, const Value& subject, CallArgs& args) {
-  auto bound = BindArgs("join", args, {"d", "attribute"}, 0);
-  if (!bound.ok()) return bound.status();
-  std::string sep = (*bound)[0] ? ToPyString(*(*bound)[0]) : "";
-  auto items = Iterate(subject);
-  if (!items.ok()) return items.status();
-  std::string out;
-  for (size_t i = 0; i < items->size(); ++i) {
-    Value item = (*items)[i];
-    if ((*bound)[1] && (*bound)[1]->is_string()) {
-      auto got = GetPath(item, (*bound)[1]->str());
-      if (!got.ok()) return got.status();
-      item = std::move(*got);
-    }
-    if (i > 0) out += sep;
-    out += ToPyString(item);
-    auto status = in.CheckSize(out.size());
-    if (!status.ok()) return status;
-  }
-  return Value::String(std::move(out));
-}
-
 absl::StatusOr<Value> Indent(Interpreter& in, const Value& subject, CallArgs& args) {
   auto bound = BindArgs("indent", args, {"width", "first", "blank"}, 0);
   if (!bound.ok()) return bound.status();
@@ -272,6 +145,11 @@ absl::StatusOr<Value> Indent(Interpreter& in, const Value& subject, CallArgs& ar
 
 absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, const Value& subject,
                                   CallArgs& args) {
+  auto sequence = ApplySequenceFilter(in, name, subject, args);
+  if (!sequence.ok() || sequence->has_value()) {
+    if (!sequence.ok()) return sequence.status();
+    return **sequence;
+  }
   if (name == "default" || name == "d") {
     auto bound = BindArgs(name, args, {"default_value", "boolean"}, 0);
     if (!bound.ok()) return bound.status();
@@ -319,7 +197,6 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
     }
     return Value::MakeList(std::move(out));
   }
-  if (name == "join") return Join(in, subject, args);
   if (name == "first" || name == "last" || name == "list" || name == "reverse" ||
       name == "unique") {
     auto bound = BindArgs(name, args, {}, 0);
@@ -390,10 +267,6 @@ absl::StatusOr<Value> ApplyFilter(Interpreter& in, const std::string& name, cons
     if (!status.ok()) return status;
     return Value::String(PyReplace(s, *old_text, *new_text, count));
   }
-  if (name == "select" || name == "reject" || name == "selectattr" || name == "rejectattr") {
-    return Select(in, name, subject, args);
-  }
-  if (name == "map") return Map(in, subject, args);
   if (name == "indent") return Indent(in, subject, args);
   return absl::InvalidArgumentError(absl::StrCat("no filter named '", name, "'"));
 }

@@ -1,6 +1,7 @@
 #include "lexer.h"
 
 #include <cstdlib>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -63,6 +64,9 @@ class Lexer {
         bool strip = end > after && src_[end - 1] == '-';
         Advance(end + 2);
         ConsumeTagSuffix(strip, /*trim_newline=*/true);
+      } else if (kind == '%' && MatchRawBegin(after)) {
+        auto status = LexRaw(after);
+        if (!status.ok()) return status;
       } else {
         Token begin{kind == '{' ? Token::Type::kVarBegin : Token::Type::kBlockBegin};
         begin.line = line_;
@@ -112,6 +116,57 @@ class Lexer {
     t.line = line_;
     t.column = column_;
     tokens_.push_back(std::move(t));
+  }
+
+  // Whether "{% raw %}" (modifiers allowed) starts at the tag whose body begins at `p`.
+  bool MatchRawBegin(size_t p) const { return MatchWordTag(p, "raw", nullptr, nullptr); }
+
+  // "<spaces>word<spaces>[-+]%}" at p: *end = just past "%}", *strip = there was a "-".
+  bool MatchWordTag(size_t p, std::string_view word, size_t* end, bool* strip) const {
+    while (p < src_.size() && IsSpace(src_[p])) ++p;
+    if (src_.compare(p, word.size(), word.data(), word.size()) != 0) return false;
+    p += word.size();
+    if (p < src_.size() && (IsNameStart(src_[p]) || IsDigit(src_[p]))) return false;
+    while (p < src_.size() && IsSpace(src_[p])) ++p;
+    bool minus = p < src_.size() && src_[p] == '-';
+    if (p < src_.size() && (src_[p] == '-' || src_[p] == '+')) ++p;
+    if (src_.compare(p, 2, "%}") != 0) return false;
+    if (end != nullptr) *end = p + 2;
+    if (strip != nullptr) *strip = minus;
+    return true;
+  }
+
+  // {% raw %}...{% endraw %}: the content is text; tags in it are not interpreted. As Jinja:
+  // "-%}" after raw strips the whitespace that follows, "{%- endraw" the whitespace before it,
+  // and after endraw the usual tag-end rules apply.
+  absl::Status LexRaw(size_t after) {
+    size_t begin_end = 0;
+    bool strip_after_begin = false;
+    MatchWordTag(after, "raw", &begin_end, &strip_after_begin);
+    Advance(begin_end);
+    if (strip_after_begin) ConsumeTagSuffix(true, false);
+    size_t p = pos_;
+    while ((p = src_.find("{%", p)) != std::string::npos) {
+      size_t body = p + 2;
+      bool strip_before = body < src_.size() && src_[body] == '-';
+      if (body < src_.size() && (src_[body] == '-' || src_[body] == '+')) ++body;
+      size_t end = 0;
+      bool strip_after = false;
+      if (MatchWordTag(body, "endraw", &end, &strip_after)) {
+        std::string text = src_.substr(pos_, p - pos_);
+        if (strip_before) {
+          size_t n = text.size();
+          while (n > 0 && IsSpace(text[n - 1])) --n;
+          text.resize(n);
+        }
+        EmitText(std::move(text), pos_);
+        Advance(end);
+        ConsumeTagSuffix(strip_after, /*trim_newline=*/true);
+        return absl::OkStatus();
+      }
+      p += 2;
+    }
+    return SyntaxError(line_, column_, "missing {% endraw %} for {% raw %}");
   }
 
   // After a tag's end: "-" strips all following whitespace; else trim_blocks drops one "\n".
