@@ -7,7 +7,8 @@
 #   BUILD_DIR (default build), MODEL_DIR (default ../shared/models/gutenberg-14m),
 #   CONCURRENCY (default 1,4), REQUESTS (per row, default 16), PROMPT (256), OUTPUT (64),
 #   WAIT_POLICY (the worker's OMP_WAIT_POLICY; default passive: the gateway and the client
-#   share the cores with it)
+#   share the cores with it), WORKER_THREADS (the worker's --cpu_threads; default 0 = every
+#   core; on a small machine, one core fewer leaves the gateway and the client a core)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
@@ -36,7 +37,8 @@ start() {
 }
 
 OMP_WAIT_POLICY=${WAIT_POLICY:-passive} start worker "$build/services/tandem-gpu-worker" \
-  --model "$model" --backend cpu --mode gpu --address 127.0.0.1:0 --log_level warn
+  --model "$model" --backend cpu --cpu_threads "${WORKER_THREADS:-0}" --mode gpu \
+  --address 127.0.0.1:0 --log_level warn
 worker_port=$port
 start gateway "$build/services/tandem-gateway" --workers "127.0.0.1:$worker_port" \
   --address 127.0.0.1:0 --log_level warn

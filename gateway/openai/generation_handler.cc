@@ -232,6 +232,7 @@ void AnswerWhole(GatewayServer::Shared& shared, const std::string& endpoint, Gen
   absl::Status status = call.Finish();
   if (call.cancelled()) {
     res.status = 499;  // nobody reads it: the client is gone
+    shared.metrics.CountRequest(endpoint, 499);
     return;
   }
   if (status.ok() && !final.has_value()) {
