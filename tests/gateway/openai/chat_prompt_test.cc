@@ -34,7 +34,7 @@ v1::ModelInfoResponse Info(const std::string& bos, const std::string& chat_templ
   return info;
 }
 
-TEST(ChatPrompt, BosLedRenderingKeepsItsBosOnceAndNoneMidSession) {
+TEST(GatewayChatPrompt, BosLedRenderingKeepsItsBosOnceAndNoneMidSession) {
   ChatTemplateSource source{""};
   const v1::ModelInfoResponse info = Info("<s>", kLlamaLike);
   auto t = source.Get(info);
@@ -59,7 +59,7 @@ TEST(ChatPrompt, BosLedRenderingKeepsItsBosOnceAndNoneMidSession) {
   EXPECT_EQ(turn.prompt_text(), "[user] Hi\n[assistant] ");
 }
 
-TEST(ChatPrompt, TemplateWithoutBosIsTokenizedWithoutOne) {
+TEST(GatewayChatPrompt, TemplateWithoutBosIsTokenizedWithoutOne) {
   ChatTemplateSource source{kChatMl};  // --chat_template overrides the model's
   ASSERT_TRUE(source.CheckOverride().ok());
   const v1::ModelInfoResponse info = Info("<s>", kLlamaLike);
@@ -74,7 +74,7 @@ TEST(ChatPrompt, TemplateWithoutBosIsTokenizedWithoutOne) {
   EXPECT_EQ(p->text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
 }
 
-TEST(ChatPrompt, ErrorsNameMessages) {
+TEST(GatewayChatPrompt, ErrorsNameMessages) {
   ChatTemplateSource none{""};
   absl::StatusOr<std::shared_ptr<const chat_template::Template>> t = none.Get(Info(""));
   ASSERT_FALSE(t.ok());

@@ -53,7 +53,7 @@ bool WaitFor(const std::atomic<int>& value, int expected, int ms) {
   return value.load() == expected;
 }
 
-TEST(DisconnectWatcher, FindsTheAcceptedSocket) {
+TEST(GatewayDisconnectWatcher, FindsTheAcceptedSocket) {
   Loopback c;
   ASSERT_GE(c.accepted, 0);
   EXPECT_EQ(FindRequestSocket(c.server_port, "127.0.0.1", c.client_port), c.accepted);
@@ -63,7 +63,7 @@ TEST(DisconnectWatcher, FindsTheAcceptedSocket) {
   EXPECT_EQ(FindRequestSocket(c.server_port, "10.1.2.3", c.client_port), -1);
 }
 
-TEST(DisconnectWatcher, OpenPeerWithUnreadBytesIsNotClosed) {
+TEST(GatewayDisconnectWatcher, OpenPeerWithUnreadBytesIsNotClosed) {
   Loopback c;
   EXPECT_FALSE(PeerClosed(c.accepted));
   ASSERT_EQ(send(c.client, "GET", 3, 0), 3);
@@ -73,7 +73,7 @@ TEST(DisconnectWatcher, OpenPeerWithUnreadBytesIsNotClosed) {
   EXPECT_EQ(recv(c.accepted, buffer, 3, 0), 3);  // the peek consumed nothing
 }
 
-TEST(DisconnectWatcher, HangUpCallsBackOnce) {
+TEST(GatewayDisconnectWatcher, HangUpCallsBackOnce) {
   DisconnectWatcher watcher(5);
   Loopback c;
   std::atomic<int> calls{0};
@@ -89,7 +89,7 @@ TEST(DisconnectWatcher, HangUpCallsBackOnce) {
   EXPECT_EQ(calls.load(), 1);
 }
 
-TEST(DisconnectWatcher, DestroyedWatchNeverCallsBack) {
+TEST(GatewayDisconnectWatcher, DestroyedWatchNeverCallsBack) {
   DisconnectWatcher watcher(5);
   Loopback c;
   std::atomic<int> calls{0};

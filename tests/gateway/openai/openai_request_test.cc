@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <ostream>
 #include <string>
 
 #include "absl/status/status.h"
@@ -12,7 +14,7 @@
 namespace tandem::gateway {
 namespace {
 
-TEST(CompletionRequest, MapsEveryFieldToTheGenerateRequest) {
+TEST(GatewayCompletionRequest, MapsEveryFieldToTheGenerateRequest) {
   absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({
     "model": "stories", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.5,
     "top_p": 0.9, "stop": ["\n", "The end"], "seed": 7, "n": 1, "user": "u1",
@@ -53,7 +55,7 @@ TEST(CompletionRequest, MapsEveryFieldToTheGenerateRequest) {
   EXPECT_EQ(r->ignored_fields, std::vector<std::string>{"some_future_field"});
 }
 
-TEST(CompletionRequest, DefaultsAreOpenAis) {
+TEST(GatewayCompletionRequest, DefaultsAreOpenAis) {
   absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({"prompt": "Hi", "stop": null})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->stream);
@@ -66,7 +68,7 @@ TEST(CompletionRequest, DefaultsAreOpenAis) {
   EXPECT_EQ(r->generate.mode(), "");
 }
 
-TEST(CompletionRequest, PromptAsTokenIdsAndOneElementLists) {
+TEST(GatewayCompletionRequest, PromptAsTokenIdsAndOneElementLists) {
   absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(R"({"prompt": [1, 403, 407]})");
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE(r->generate.has_prompt_ids());
@@ -91,9 +93,11 @@ struct BadBody {
   const char* message_part;
 };
 
-class CompletionRequestErrors : public ::testing::TestWithParam<BadBody> {};
+void PrintTo(const BadBody& b, std::ostream* os) { *os << b.body; }
 
-TEST_P(CompletionRequestErrors, NameTheField) {
+class GatewayCompletionRequestErrors : public ::testing::TestWithParam<BadBody> {};
+
+TEST_P(GatewayCompletionRequestErrors, NameTheField) {
   absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(GetParam().body);
   ASSERT_FALSE(r.ok()) << GetParam().body;
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
@@ -102,7 +106,7 @@ TEST_P(CompletionRequestErrors, NameTheField) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Bodies, CompletionRequestErrors,
+    Bodies, GatewayCompletionRequestErrors,
     ::testing::Values(
         BadBody{R"({"prompt": "x", "n": 2})", "n", "'n' must be 1"},
         BadBody{R"({"prompt": "x", "max_tokens": "16"})", "max_tokens", "must be an integer"},
@@ -130,9 +134,16 @@ INSTANTIATE_TEST_SUITE_P(
         BadBody{R"({"prompt": ""})", "prompt", "must not be empty"},
         BadBody{R"({"prompt": ["a", "b"]})", "prompt", "one prompt per request"},
         BadBody{R"({"prompt": [1, -2]})", "prompt", "token ids"},
-        BadBody{R"({"prompt": {"text": "x"}})", "prompt", "a string or a list"}));
+        BadBody{R"({"prompt": {"text": "x"}})", "prompt", "a string or a list"}),
+    [](const ::testing::TestParamInfo<BadBody>& info) {
+      std::string name = std::string(info.param.param) + "_" + std::to_string(info.index);
+      for (char& c : name) {
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      }
+      return name;
+    });
 
-TEST(CompletionRequest, BadJsonAndNonObjects) {
+TEST(GatewayCompletionRequest, BadJsonAndNonObjects) {
   for (const char* body : {"", "{", "[1, 2]", "\"text\"", "{\"prompt\": \"x\",}"}) {
     absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(body);
     ASSERT_FALSE(r.ok()) << body;
@@ -142,7 +153,7 @@ TEST(CompletionRequest, BadJsonAndNonObjects) {
             std::string::npos);
 }
 
-TEST(ChatRequest, MapsMessagesLogprobsAndMaxCompletionTokens) {
+TEST(GatewayChatRequest, MapsMessagesLogprobsAndMaxCompletionTokens) {
   absl::StatusOr<OpenAiRequest> r = ParseChatRequest(R"({
     "model": "m", "messages": [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
@@ -166,7 +177,7 @@ TEST(ChatRequest, MapsMessagesLogprobsAndMaxCompletionTokens) {
   EXPECT_TRUE(r->generate.prompt_text().empty());  // rendered later with the template
 }
 
-TEST(ChatRequest, Errors) {
+TEST(GatewayChatRequest, Errors) {
   const BadBody cases[] = {
       {R"({"model": "m"})", "messages", "'messages' is required"},
       {R"({"messages": []})", "messages", "non-empty list"},

@@ -47,7 +47,7 @@ v1::GenerateFinal Final(v1::FinishReason reason, int64_t prompt, int64_t complet
   return f;
 }
 
-TEST(ResponseIds, PrefixAndLength) {
+TEST(GatewayResponseIds, PrefixAndLength) {
   const std::string chat = NewResponseId(Endpoint::kChatCompletions);
   EXPECT_EQ(chat.rfind("chatcmpl-", 0), 0u);
   EXPECT_EQ(chat.size(), 9u + 24u);
@@ -56,7 +56,7 @@ TEST(ResponseIds, PrefixAndLength) {
   EXPECT_NE(NewResponseId(Endpoint::kCompletions), completion);
 }
 
-TEST(FinishReason, MapsToOpenAisNames) {
+TEST(GatewayFinishReason, MapsToOpenAisNames) {
   EXPECT_EQ(FinishReasonName(v1::FINISH_REASON_LENGTH), "length");
   EXPECT_EQ(FinishReasonName(v1::FINISH_REASON_CONTEXT), "length");
   EXPECT_EQ(FinishReasonName(v1::FINISH_REASON_STOP), "stop");
@@ -64,7 +64,7 @@ TEST(FinishReason, MapsToOpenAisNames) {
   EXPECT_EQ(FinishReasonName(v1::FINISH_REASON_CANCELLED), "");
 }
 
-TEST(ChatChunks, RoleTokensFinishAndUsage) {
+TEST(GatewayChatChunks, RoleTokensFinishAndUsage) {
   ResponseBuilder b(Meta(Endpoint::kChatCompletions), false, 0, true);
   const Json role = b.RoleChunk();
   EXPECT_EQ(role["object"], "chat.completion.chunk");
@@ -93,7 +93,7 @@ TEST(ChatChunks, RoleTokensFinishAndUsage) {
             Json({{"prompt_tokens", 7}, {"completion_tokens", 2}, {"total_tokens", 9}}));
 }
 
-TEST(ChatAggregate, MessageUsageAndFinish) {
+TEST(GatewayChatAggregate, MessageUsageAndFinish) {
   ResponseBuilder b(Meta(Endpoint::kChatCompletions), false, 0, false);
   b.Append(Delta(5, "Once", 0), {});
   b.Append(Delta(6, " upon", 1), {});
@@ -106,7 +106,7 @@ TEST(ChatAggregate, MessageUsageAndFinish) {
   EXPECT_EQ(j["usage"]["total_tokens"], 5);
 }
 
-TEST(ChatLogprobs, ContentEntriesWithTopCandidatesAndBytes) {
+TEST(GatewayChatLogprobs, ContentEntriesWithTopCandidatesAndBytes) {
   ResponseBuilder b(Meta(Endpoint::kChatCompletions), true, 2, false);
   v1::TokenDelta d = Delta(7, "Hi", 0);
   d.set_logprob(-0.25f);
@@ -137,7 +137,7 @@ TEST(ChatLogprobs, ContentEntriesWithTopCandidatesAndBytes) {
   EXPECT_TRUE((*chunk)["choices"][0]["logprobs"].is_null());
 }
 
-TEST(CompletionChunks, TextAndLegacyLogprobs) {
+TEST(GatewayCompletionChunks, TextAndLegacyLogprobs) {
   ResponseBuilder b(Meta(Endpoint::kCompletions), true, 1, false);
   v1::TokenDelta d0 = Delta(5, "Once", 0);
   d0.set_logprob(-0.5f);
@@ -159,7 +159,7 @@ TEST(CompletionChunks, TextAndLegacyLogprobs) {
   EXPECT_EQ(b.FinishChunk(v1::FINISH_REASON_LENGTH)["choices"][0]["text"], "");
 }
 
-TEST(CompletionAggregate, TextLogprobsAndUsage) {
+TEST(GatewayCompletionAggregate, TextLogprobsAndUsage) {
   ResponseBuilder b(Meta(Endpoint::kCompletions), true, 0, false);
   v1::TokenDelta d0 = Delta(5, "Once", 0);
   d0.set_logprob(-0.5f);
@@ -180,7 +180,7 @@ TEST(CompletionAggregate, TextLogprobsAndUsage) {
             Json({{"prompt_tokens", 4}, {"completion_tokens", 2}, {"total_tokens", 6}}));
 }
 
-TEST(Progress, LlamaCppShape) {
+TEST(GatewayProgress, LlamaCppShape) {
   ResponseBuilder b(Meta(Endpoint::kChatCompletions), false, 0, false);
   v1::PrefillProgress p;
   p.set_total(2048);
@@ -192,7 +192,7 @@ TEST(Progress, LlamaCppShape) {
             Json({{"total", 2048}, {"cache", 0}, {"processed", 512}, {"time_ms", 250}}));
 }
 
-TEST(Sse, Framing) {
+TEST(GatewaySse, Framing) {
   EXPECT_EQ(SseData(Json({{"a", 1}})), "data: {\"a\":1}\n\n");
   EXPECT_EQ(SseComment("prefill 512/2048"), ": prefill 512/2048\n\n");
   EXPECT_EQ(SseDone(), "data: [DONE]\n\n");
@@ -200,7 +200,7 @@ TEST(Sse, Framing) {
   EXPECT_EQ(SseData(Json({{"t", std::string("a\xFF")}})), "data: {\"t\":\"a\xEF\xBF\xBD\"}\n\n");
 }
 
-TEST(Errors, HttpStatusAndShapePerCode) {
+TEST(GatewayErrors, HttpStatusAndShapePerCode) {
   struct Case {
     absl::Status status;
     int http;
