@@ -60,6 +60,10 @@ absl::StatusOr<std::vector<std::optional<Value>>> BindArgs(
     absl::string_view function, const CallArgs& args, const std::vector<absl::string_view>& names,
     size_t required);
 
+// What a namespace attribute may hold: no namespace (so no reference cycle can form) and
+// nothing deeper than kMaxNamespaceValueDepth.
+absl::Status CheckNamespaceValue(const Value& value);
+
 // Python int(x) where x must be an int or bool (indices, counts); TypeError otherwise.
 absl::StatusOr<int64_t> ToIndex(const Value& v, absl::string_view what);
 

@@ -33,8 +33,10 @@ absl::StatusOr<std::string> Template::Render(const nlohmann::ordered_json& conte
   if (!context.is_object() && !context.is_null()) {
     return absl::InvalidArgumentError("chat template context must be a JSON object");
   }
+  auto values = internal::Value::FromJson(context);
+  if (!values.ok()) return values.status();
   internal::Interpreter interpreter(limits);
-  return interpreter.Render(*program_, internal::Value::FromJson(context));
+  return interpreter.Render(*program_, *values);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 #include "builtins.h"
 #include "errors.h"
 #include "interpreter.h"
+#include "tandem/common/status_macros.h"
 
 namespace tandem::chat_template::internal {
 
@@ -47,6 +48,17 @@ absl::StatusOr<int64_t> ToIndex(const Value& v, absl::string_view what) {
   if (v.is_int() || v.is_bool()) return v.int_value();
   return absl::InvalidArgumentError(
       absl::StrCat(what, " must be an integer, not '", v.TypeName(), "'"));
+}
+
+absl::Status CheckNamespaceValue(const Value& value) {
+  if (value.holds_namespace()) {
+    return absl::InvalidArgumentError("a namespace attribute cannot hold a namespace");
+  }
+  if (value.depth() > kMaxNamespaceValueDepth) {
+    return LimitError(absl::StrCat("a namespace attribute cannot hold a value nested deeper than ",
+                                   kMaxNamespaceValueDepth, " levels"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -100,6 +112,9 @@ absl::StatusOr<Value> Namespace(Interpreter&, CallArgs& args) {
     }
   }
   for (const auto& [key, value] : args.keyword) attributes.Set(key, value);
+  for (const auto& entry : attributes.entries()) {
+    TANDEM_RETURN_IF_ERROR(CheckNamespaceValue(entry.second));
+  }
   return Value::MakeNamespace(std::move(attributes));
 }
 

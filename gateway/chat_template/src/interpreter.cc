@@ -147,6 +147,7 @@ absl::Status Interpreter::ExecSet(const Node& node, Frame* frame) {
     return AtLine(node.line,
                   absl::InvalidArgumentError("cannot assign attribute on non-namespace object"));
   }
+  TANDEM_RETURN_IF_ERROR(AtLine(node.line, CheckNamespaceValue(value)));
   target->namespace_attributes().Set(node.attribute, std::move(value));
   return absl::OkStatus();
 }
@@ -281,6 +282,11 @@ absl::StatusOr<Value> Interpreter::Eval(const Expr& expr, Frame* frame) {
   auto result = EvalInner(expr, frame);
   --depth_;
   if (!result.ok()) return AtLine(expr.line, result.status());
+  // A few levels of slack above the input bound for the values the loop object wraps.
+  if (result->depth() > kMaxValueDepth + 4) {
+    return LimitError(absl::StrCat("chat template builds a value nested deeper than ",
+                                   kMaxValueDepth, " levels (line ", expr.line, ")"));
+  }
   return result;
 }
 

@@ -1,5 +1,6 @@
 #include "value.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -64,6 +65,11 @@ Value Value::String(std::string s) {
 Value Value::MakeList(List items) {
   Value v;
   v.kind_ = Kind::kList;
+  for (const Value& item : items) {
+    v.depth_ = std::max(v.depth_, item.depth_ + 1);
+    v.holds_namespace_ = v.holds_namespace_ || item.holds_namespace_;
+  }
+  if (v.depth_ == 0) v.depth_ = 1;
   v.list_ = std::make_shared<const List>(std::move(items));
   return v;
 }
@@ -77,6 +83,11 @@ Value Value::MakeTuple(List items) {
 Value Value::MakeDict(Dict dict) {
   Value v;
   v.kind_ = Kind::kDict;
+  v.depth_ = 1;
+  for (const auto& entry : dict.entries()) {
+    v.depth_ = std::max(v.depth_, entry.second.depth_ + 1);
+    v.holds_namespace_ = v.holds_namespace_ || entry.second.holds_namespace_;
+  }
   v.dict_ = std::make_shared<Dict>(std::move(dict));
   return v;
 }
@@ -84,6 +95,8 @@ Value Value::MakeDict(Dict dict) {
 Value Value::MakeNamespace(Dict attributes) {
   Value v;
   v.kind_ = Kind::kNamespace;
+  v.depth_ = kMaxNamespaceValueDepth + 1;
+  v.holds_namespace_ = true;
   v.dict_ = std::make_shared<Dict>(std::move(attributes));
   return v;
 }
@@ -96,40 +109,61 @@ Value Value::MakeCallable(std::string name,
   return v;
 }
 
-Value Value::FromJson(const nlohmann::ordered_json& json) {
+namespace {
+
+// Recursion bounded by `depth` (checked against kMaxValueDepth before descending).
+absl::StatusOr<Value> FromJsonAt(const nlohmann::ordered_json& json, uint32_t depth) {
+  if (depth > kMaxValueDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("chat template input is nested deeper than ", kMaxValueDepth, " levels"));
+  }
   switch (json.type()) {
     case nlohmann::ordered_json::value_t::null:
     case nlohmann::ordered_json::value_t::discarded:
-      return None();
+      return Value::None();
     case nlohmann::ordered_json::value_t::boolean:
-      return Bool(json.get<bool>());
+      return Value::Bool(json.get<bool>());
     case nlohmann::ordered_json::value_t::number_integer:
-      return Int(json.get<int64_t>());
+      return Value::Int(json.get<int64_t>());
     case nlohmann::ordered_json::value_t::number_unsigned: {
       uint64_t u = json.get<uint64_t>();
       // Python ints are unbounded; beyond int64 the value is kept as a float (documented limit).
-      if (u > static_cast<uint64_t>(INT64_MAX)) return Float(static_cast<double>(u));
-      return Int(static_cast<int64_t>(u));
+      if (u > static_cast<uint64_t>(INT64_MAX)) return Value::Float(static_cast<double>(u));
+      return Value::Int(static_cast<int64_t>(u));
     }
     case nlohmann::ordered_json::value_t::number_float:
-      return Float(json.get<double>());
+      return Value::Float(json.get<double>());
     case nlohmann::ordered_json::value_t::string:
-      return String(json.get<std::string>());
+      return Value::String(json.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
       List items;
       items.reserve(json.size());
-      for (const auto& item : json) items.push_back(FromJson(item));
-      return MakeList(std::move(items));
+      for (const auto& item : json) {
+        auto value = FromJsonAt(item, depth + 1);
+        if (!value.ok()) return value.status();
+        items.push_back(std::move(*value));
+      }
+      return Value::MakeList(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
       Dict dict;
-      for (const auto& [key, item] : json.items()) dict.Set(key, FromJson(item));
-      return MakeDict(std::move(dict));
+      for (const auto& [key, item] : json.items()) {
+        auto value = FromJsonAt(item, depth + 1);
+        if (!value.ok()) return value.status();
+        dict.Set(key, std::move(*value));
+      }
+      return Value::MakeDict(std::move(dict));
     }
     case nlohmann::ordered_json::value_t::binary:
-      return None();
+      return Value::None();
   }
-  return None();
+  return Value::None();
+}
+
+}  // namespace
+
+absl::StatusOr<Value> Value::FromJson(const nlohmann::ordered_json& json) {
+  return FromJsonAt(json, 0);
 }
 
 absl::string_view Value::TypeName() const {

@@ -23,6 +23,14 @@ class Interpreter;
 
 using List = std::vector<Value>;
 
+// Nesting bounds. Every algorithm over values (printing, ==, <, tojson, destruction) recurses
+// over their nesting, so the interpreter refuses values nested deeper than kMaxValueDepth (from
+// the context or built by the template). Namespaces are the only mutable values: they may not
+// hold a namespace (so no reference cycle can form) nor values deeper than
+// kMaxNamespaceValueDepth, and count as that deep plus one wherever they are held.
+inline constexpr uint32_t kMaxValueDepth = 512;
+inline constexpr uint32_t kMaxNamespaceValueDepth = 256;
+
 // A Python dict with string keys, in insertion order (json.dumps and iteration show that order).
 class Dict {
  public:
@@ -75,8 +83,14 @@ class Value {
   static Value MakeNamespace(Dict attributes);
   static Value MakeCallable(std::string name,
                             std::function<absl::StatusOr<Value>(Interpreter&, CallArgs&)> fn);
-  // nlohmann JSON -> Value (objects keep their key order). Depth is bounded by the parser.
-  static Value FromJson(const nlohmann::ordered_json& json);
+  // nlohmann JSON -> Value (objects keep their key order). INVALID_ARGUMENT when the JSON is
+  // nested deeper than kMaxValueDepth.
+  static absl::StatusOr<Value> FromJson(const nlohmann::ordered_json& json);
+
+  // 0 for scalars, 1 + the deepest element for lists and dicts (see kMaxValueDepth).
+  uint32_t depth() const { return depth_; }
+  // Whether a namespace is this value or inside it.
+  bool holds_namespace() const { return holds_namespace_; }
 
   Kind kind() const { return kind_; }
   bool is_undefined() const { return kind_ == Kind::kUndefined; }
@@ -107,6 +121,8 @@ class Value {
  private:
   Kind kind_;
   bool tuple_ = false;
+  bool holds_namespace_ = false;
+  uint32_t depth_ = 0;
   int64_t int_ = 0;
   double float_ = 0;
   std::shared_ptr<const std::string> str_;

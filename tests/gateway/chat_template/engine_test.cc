@@ -114,6 +114,30 @@ TEST(ChatTemplateEngine, DepthBound) {
   EXPECT_EQ(Render("{{ v | tojson | length }}", Json{{"v", v}}), "202");
 }
 
+TEST(ChatTemplateEngine, ValueNestingBound) {
+  // A template cannot build a value so deep that printing, comparing or freeing it would
+  // exhaust the stack.
+  absl::Status s = RenderError(
+      "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
+      "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  // Nor a reference cycle through a namespace.
+  s = RenderError("{% set ns = namespace(a=1) %}{% set ns.self = [ns] %}{{ ns }}");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("cannot hold a namespace"), std::string::npos) << s;
+  // Input JSON deeper than the bound is refused before rendering.
+  Json deep = Json::array();
+  for (int i = 0; i < 600; ++i) deep = Json::array({deep});
+  auto t = Template::Parse("{{ x | length }}");
+  ASSERT_TRUE(t.ok());
+  auto out = t->Render(Json{{"x", deep}});
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInvalidArgument) << out.status();
+  // A namespace may hold lists of namespaces' neighbours, and lists may hold namespaces.
+  EXPECT_EQ(Render("{% set ns = namespace(l=[]) %}{% set ns.l = ns.l + [1] %}{{ [ns][0].l }}"),
+            "[1]");
+}
+
 TEST(ChatTemplateEngine, SourceSizeBound) {
   auto t = Template::Parse(std::string((1 << 20) + 1, 'x'));
   ASSERT_FALSE(t.ok());
