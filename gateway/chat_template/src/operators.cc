@@ -81,7 +81,9 @@ absl::StatusOr<Value> FormatPercent(Interpreter& in, const std::string& format, 
     }
     TANDEM_RETURN_IF_ERROR(in.CheckSize(out.size()));
   }
-  if (next < values.size()) {
+  // Python leaves an unused non-tuple argument alone when it supports [] (a list or dict).
+  bool mapping_like = !args.is_tuple() && (args.is_list() || args.is_dict());
+  if (next < values.size() && !mapping_like) {
     return absl::InvalidArgumentError("not all arguments converted during string formatting");
   }
   return Value::String(std::move(out));
@@ -231,11 +233,26 @@ absl::StatusOr<Value> BinaryOp(Interpreter& in, absl::string_view op, const Valu
                                                      : "float modulo");
     }
     if (op == "/") return Value::Float(x / y);
-    if (op == "//") return Value::Float(std::floor(x / y));
-    if (op == "%") {
-      double r = std::fmod(x, y);
-      if (r != 0 && ((r < 0) != (y < 0))) r += y;
-      return Value::Float(r);
+    if (op == "//" || op == "%") {
+      // CPython's float_divmod, so 2 // 0.1 is 19.0 as in Python.
+      double mod = std::fmod(x, y);
+      double div = (x - mod) / y;
+      if (mod != 0) {
+        if ((y < 0) != (mod < 0)) {
+          mod += y;
+          div -= 1.0;
+        }
+      } else {
+        mod = std::copysign(0.0, y);
+      }
+      double floordiv = 0;
+      if (div != 0) {
+        floordiv = std::floor(div);
+        if (div - floordiv > 0.5) floordiv += 1.0;
+      } else {
+        floordiv = std::copysign(0.0, x / y);
+      }
+      return Value::Float(op == "//" ? floordiv : mod);
     }
     return Unsupported(op, a, b);
   }

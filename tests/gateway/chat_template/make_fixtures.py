@@ -263,6 +263,8 @@ SNIPPETS = [
  ("raw_blocks", "a {% raw %}{{ not rendered }} {% if %}{% endraw %} b\n  {%- raw -%}  x  {%- endraw %}\nc{% raw %}\n{{ y }}\n{% endraw %}\nd", {}),
  ("sort_filters", "{{ [3, 1, 2] | sort }} {{ ['b', 'A', 'c'] | sort }} {{ ['b', 'A', 'c'] | sort(case_sensitive=true) }} {{ [1, 3, 2] | sort(reverse=true) }} {{ ms | sort(attribute='n') | map(attribute='n') | list }} {{ d | dictsort }} {{ d | dictsort(by='value', reverse=true) }}", {"ms": [{"n": 2}, {"n": 1}, {"n": 3}], "d": {"b": 1, "a": 3, "C": 2}}),
  ("min_max_sum", "{{ [3, 1, 2] | min }} {{ [3, 1, 2] | max }} {{ ['b', 'A'] | max }} {{ ms | max(attribute='n') }} {{ [1, 2.5] | sum }} {{ ms | sum(attribute='n', start=10) }} [{{ [] | min }}]", {"ms": [{"n": 2}, {"n": 1}, {"n": 3}]}),
+ ("float_floordiv", "{{ 2 // 0.1 }} {{ 2 % 0.1 }} {{ -7.5 // 2 }} {{ 7.5 % -2 }} {{ -0.0 // 1 }} {{ 5 // -2.0 }}", {}),
+ ("percent_format", "{{ '%s-%d %r %%' % ('a', 3.9, 'q') }} {{ '%s!' % 5 }} {{ 'none' % [1] }}", {}),
  # Errors: jinja2's message must appear in tandem's error (syntax errors: any syntax error).
  ("err_concat", "{{ 'a' + 1 }}", {}),
  ("err_undefined_attr", "line1\n{{ foo.bar }}", {}),
