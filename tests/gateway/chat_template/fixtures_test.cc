@@ -1,6 +1,8 @@
 // Renders every case of fixtures.json (made by make_fixtures.py with python3-jinja2, as
 // transformers' apply_chat_template renders) through RenderChat and requires the same bytes, or
 // an error carrying jinja2's message for conversations the template refuses.
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -120,6 +122,35 @@ TEST(ChatTemplateFixtures, EverySnippetMatchesJinja2) {
     }
   }
   EXPECT_GE(checked, 35);
+}
+
+// A long conversation renders in well under a millisecond per message (the gateway renders the
+// template on every chat request). The bound is loose; the time is printed for reference.
+TEST(ChatTemplateFixtures, LongConversationRendersQuickly) {
+  auto t = Template::Parse(ReadFile(TestDir() + "/templates/llama3_1.jinja"));
+  ASSERT_TRUE(t.ok()) << t.status();
+  Json messages = Json::array();
+  messages.push_back({{"role", "system"}, {"content", "You are a helpful assistant."}});
+  for (int i = 0; i < 500; ++i) {
+    messages.push_back({{"role", i % 2 == 0 ? "user" : "assistant"},
+                        {"content", "Message number " + std::to_string(i) + " with some text."}});
+  }
+  ChatOptions options;
+  options.bos_token = "<|begin_of_text|>";
+  auto start = std::chrono::steady_clock::now();
+  constexpr int kRounds = 20;
+  size_t bytes = 0;
+  for (int r = 0; r < kRounds; ++r) {
+    auto out = RenderChat(*t, messages, options);
+    ASSERT_TRUE(out.ok()) << out.status();
+    bytes = out->size();
+  }
+  double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
+      kRounds;
+  std::printf("llama3_1, 501 messages: %.3f ms per render, %zu bytes\n", ms, bytes);
+  EXPECT_GT(bytes, 20000u);
+  EXPECT_LT(ms, 500.0);
 }
 
 }  // namespace
