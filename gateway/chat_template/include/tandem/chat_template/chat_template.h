@@ -1,12 +1,22 @@
-// Chat templates: the subset of Jinja2 that the chat_template of Hugging Face models uses
-// (Llama-3/3.1, Qwen2/2.5, Mistral v0.1-v0.3, ChatML, Gemma, Phi-3), rendered the way
-// transformers' apply_chat_template does: trim_blocks and lstrip_blocks on, jinja2.Undefined
-// (falsy, renders as "", iterates as empty; attribute of it is an error), loop controls
-// (break/continue), `{% generation %}` blocks, the globals raise_exception(msg), strftime_now(fmt)
-// and namespace(), and tojson as json.dumps(ensure_ascii=False) (key order kept).
+// Chat templates: the subset of Jinja2 that the chat_template of Hugging Face models uses,
+// rendered the way transformers' apply_chat_template does: trim_blocks and lstrip_blocks on,
+// jinja2.Undefined (falsy, renders as "", iterates as empty; an attribute of it is an error),
+// loop controls (break/continue), `{% generation %}` blocks, the globals raise_exception(msg),
+// strftime_now(fmt), namespace(), range(), dict(), and tojson as json.dumps(ensure_ascii=False)
+// (key order kept). Checked byte for byte against python3-jinja2 on the real templates of
+// Llama-3/3.1/3.2, Qwen2.5, Mistral v0.1/v0.2/Nemo, ChatML, Gemma, Phi-3.5 and vLLM's Hermes
+// (tests/gateway/chat_template).
+//
+// Statements: if/elif/else, for (tuple targets, "if" filter, else, loop.*), set (names, tuples,
+// namespace attributes, blocks), macro, raw, break/continue, generation. Not supported (a syntax
+// error names them): call, filter blocks, include/import/extends, recursive loops, *args.
+// Differences from Python that templates do not meet in practice: case mapping covers Latin,
+// Greek and Cyrillic only; range() is a list; dict keys are strings; "| items" on a non-mapping
+// fails at once rather than when iterated.
 //
 // Values are JSON (nlohmann::ordered_json keeps the key order of objects, which tojson shows;
-// a nlohmann::json argument converts implicitly, with its keys already sorted).
+// a nlohmann::json argument converts implicitly, with its keys already sorted). Input nested
+// deeper than 512 levels is refused.
 //
 // Thread safety: a parsed Template is immutable; Render and RenderChat may be called from any
 // number of threads at once. Copies share the parsed tree.
@@ -15,8 +25,8 @@
 //   Parse: INVALID_ARGUMENT "chat template syntax error at line L, column C: ..." (1-based).
 //   Render: INVALID_ARGUMENT with the template's own message for raise_exception(msg) (the text
 //   is exactly msg), and "chat template error at line L: ..." for runtime errors (type errors,
-//   unknown filters, calls on undefined values); RESOURCE_EXHAUSTED when a RenderLimits bound is
-//   reached. The process is never affected by a bad template or input.
+//   unknown filters, calls on undefined values, with Python's wording); RESOURCE_EXHAUSTED when
+//   a RenderLimits bound is reached. The process is never affected by a bad template or input.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +40,7 @@
 namespace tandem::chat_template {
 
 namespace internal {
-struct Program;  // the parsed tree (template_ast.h)
+struct Program;  // the parsed tree (src/ast.h)
 }  // namespace internal
 
 // Bounds of one rendering, so a hostile template or input cannot take unbounded memory or time.
