@@ -93,6 +93,12 @@ TEMPLATES = {
         "source": "vLLM's Hermes-2-Pro tool-use template, vllm-project/vllm "
                   "examples/tool_chat_template_hermes.jinja @66aa580a8fe3c6d73fdecc9abb387f5dcf33a321",
     },
+    "deepseek_r1_distill": {
+        "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>", "tools": True,
+        "source": "deepseek-ai/DeepSeek-R1-Distill-Qwen-32B, ggerganov/llama.cpp "
+                  "models/templates/deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja "
+                  "@db502ddd0edeca9bcde774b3a4cac4b6ec45d02f",
+    },
     "phi3_5_mini": {
         "bos_token": "<s>", "eos_token": "<|endoftext|>", "tools": False,
         "source": "microsoft/Phi-3.5-mini-instruct, ggerganov/llama.cpp "
@@ -166,6 +172,11 @@ CONVERSATIONS = {
     "ends_with_assistant": [
         {"role": "user", "content": "Say hi"},
         {"role": "assistant", "content": "Hi!"},
+    ],
+    "reasoning_history": [
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "<think>Add them.</think>\n\n4"},
+        {"role": "user", "content": "And 3 + 3?"},
     ],
     "not_alternating": [
         {"role": "user", "content": "one"},
