@@ -25,6 +25,8 @@ namespace tandem::gateway {
 
 // The socket of the connection local_port <- remote_addr:remote_port (numeric address as httplib
 // reports it), or -1 when none of this process' sockets matches.
+// NOTE: one getpeername per open descriptor of the process (/proc/self/fd), once per
+// generation request: ~0.5 us each, well under a millisecond at a few hundred connections.
 int FindRequestSocket(int local_port, const std::string& remote_addr, int remote_port);
 
 // True when the peer of `fd` has closed the connection (or it failed); false while it is open,
