@@ -117,7 +117,7 @@ TEST_F(GatewayCancelTest, HangingUpAStreamCancelsTheGeneration) {
   ASSERT_TRUE(WaitIdle(5000)) << "the generation still runs 5 s after the client left";
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - hang_up).count();
-  EXPECT_LT(seconds, 2.0);
+  EXPECT_LT(seconds, 3.0);
   EXPECT_EQ(Metric("tandem:gateway_client_disconnects_total"), 1);
   const int64_t positions = SessionPositions("cancel-stream");
   EXPECT_GT(positions, 8);               // the prompt and some tokens ran
