@@ -1,6 +1,6 @@
 // ShmSessionServer: serves one session's shared-memory channel (shm_channel.h, messages in
 // shm_protocol.h) on a thread of its own: waits for a request (spinning briefly, then sleeping in
-// a futex), runs it through CpuAttentionNode::AttendRaw / AppendKvRaw, and writes the answer
+// a futex), runs it through ServeShmRequest (shm_request_handler.h), which writes the answer
 // into the response area. Attend output is computed straight into the response area.
 //
 // Owned by the CpuAttentionNode; destroying it stops and joins the thread and unmaps the
@@ -15,22 +15,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "shm_request_handler.h"
 #include "tandem/cpu_attention/shm_channel.h"
 
 namespace tandem::cpu_attention {
 
 class CpuAttentionNode;
-struct ShmRequestView;
-
-// What the channel thread needs to know about the session to lay out messages. The owned kv
-// heads are not here: ReshardSession changes them, so an Attend answer is laid out for the
-// heads the node finds under the session's lock (CpuAttentionNode::AttendRaw's output_for).
-struct ShmSessionGeometry {
-  uint32_t num_q_heads = 0;
-  uint32_t head_dim = 0;
-  uint32_t group = 0;                 // G = H_q / H_kv
-  uint32_t kv_row_bytes = 0;          // D * bytes of the kv dtype
-};
 
 class ShmSessionServer {
  public:
@@ -44,11 +34,6 @@ class ShmSessionServer {
  private:
   ShmSessionServer() = default;
   void Loop();
-  // Handles one request; returns the bytes of the response written.
-  uint64_t Serve(std::span<const std::byte> request);
-  uint64_t ServeAttend(const ShmRequestView& request);
-  uint64_t ServeAppend(const ShmRequestView& request);
-  uint64_t Error(const absl::Status& status);
 
   CpuAttentionNode* node_ = nullptr;
   std::string session_id_;

@@ -194,17 +194,32 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   }
   file->map_ = map;
   file->map_bytes_ = file_size;
-  const uint8_t* base = static_cast<const uint8_t*>(map);
+  TANDEM_RETURN_IF_ERROR(file->Parse(static_cast<const uint8_t*>(map), file_size));
+  return file;
+}
+
+absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::FromBytes(
+    std::string_view bytes, const std::filesystem::path& name) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = name;
+  TANDEM_RETURN_IF_ERROR(file->Parse(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  return file;
+}
+
+absl::Status SafetensorsFile::Parse(const uint8_t* base, uint64_t file_size) {
+  if (file_size < 8) {
+    return FileError(path_, absl::StrCat("only ", file_size, " bytes: too short for a header"));
+  }
 
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | base[i];  // little-endian
   if (header_bytes > file_size - 8 || header_bytes > kMaxHeaderBytes) {
-    return FileError(path, absl::StrCat("header length ", header_bytes, " exceeds the file (",
-                                        file_size, " bytes) or the 100 MB limit"));
+    return FileError(path_, absl::StrCat("header length ", header_bytes, " exceeds the file (",
+                                         file_size, " bytes) or the 100 MB limit"));
   }
   const std::string_view header_text(reinterpret_cast<const char*>(base + 8), header_bytes);
-  TANDEM_ASSIGN_OR_RETURN(
-      json header, internal::ParseJsonObject(header_text, absl::StrCat(path.string(), ": header")));
+  TANDEM_ASSIGN_OR_RETURN(json header, internal::ParseJsonObject(
+                                           header_text, absl::StrCat(path_.string(), ": header")));
   const uint8_t* data = base + 8 + header_bytes;
   const uint64_t data_size = file_size - 8 - header_bytes;
 
@@ -212,21 +227,21 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   for (auto it = header.begin(); it != header.end(); ++it) {
     if (it.key() == kMetadataKey) {
       if (it->is_null()) continue;
-      if (!it->is_object()) return FileError(path, "__metadata__ is not an object");
+      if (!it->is_object()) return FileError(path_, "__metadata__ is not an object");
       for (auto m = it->begin(); m != it->end(); ++m) {
         if (!m->is_string()) {
-          return FileError(path,
+          return FileError(path_,
                            absl::StrCat("__metadata__ value of \"", m.key(), "\" is not a string"));
         }
-        file->metadata_[m.key()] = m->get<std::string>();
+        metadata_[m.key()] = m->get<std::string>();
       }
       continue;
     }
     TensorView view;
     uint64_t begin = 0;
-    TANDEM_RETURN_IF_ERROR(ParseTensorEntry(path, it.key(), *it, data, data_size, &view, &begin));
-    order.emplace_back(begin, file->tensors_.size());
-    file->tensors_.push_back(std::move(view));
+    TANDEM_RETURN_IF_ERROR(ParseTensorEntry(path_, it.key(), *it, data, data_size, &view, &begin));
+    order.emplace_back(begin, tensors_.size());
+    tensors_.push_back(std::move(view));
   }
 
   // Order by offset and reject overlapping byte ranges (empty tensors overlap nothing).
@@ -236,20 +251,20 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(
   uint64_t covered_end = 0;
   const TensorView* covered_by = nullptr;
   for (const auto& [begin, index] : order) {
-    TensorView& view = file->tensors_[index];
+    TensorView& view = tensors_[index];
     if (view.bytes > 0) {
       if (covered_by != nullptr && begin < covered_end) {
-        return TensorError(path, view.name,
+        return TensorError(path_, view.name,
                            absl::StrCat("byte range overlaps tensor \"", covered_by->name, "\""));
       }
       covered_end = begin + view.bytes;
       covered_by = &view;
     }
   }
-  for (const auto& [begin, index] : order) sorted.push_back(std::move(file->tensors_[index]));
-  file->tensors_ = std::move(sorted);
-  for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_[file->tensors_[i].name] = i;
-  return file;
+  for (const auto& [begin, index] : order) sorted.push_back(std::move(tensors_[index]));
+  tensors_ = std::move(sorted);
+  for (size_t i = 0; i < tensors_.size(); ++i) index_[tensors_[i].name] = i;
+  return absl::OkStatus();
 }
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept { *this = std::move(other); }

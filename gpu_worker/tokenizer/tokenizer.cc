@@ -47,6 +47,21 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::
   return std::unique_ptr<Tokenizer>(std::move(sp));
 }
 
+absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(std::string_view tokenizer_json) {
+  if (tokenizer_json.size() > tokenizer_internal::kMaxTokenizerFileBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("tokenizer.json is ", tokenizer_json.size(),
+                                                   " bytes, more than the limit of ",
+                                                   tokenizer_internal::kMaxTokenizerFileBytes));
+  }
+  nlohmann::json parsed =
+      nlohmann::json::parse(tokenizer_json, nullptr, /*allow_exceptions=*/false);
+  if (parsed.is_discarded()) return absl::InvalidArgumentError("tokenizer.json is not valid JSON");
+  TANDEM_ASSIGN_OR_RETURN(
+      std::unique_ptr<tokenizer_internal::BpeTokenizer> bpe,
+      tokenizer_internal::BpeTokenizer::Create(parsed, tokenizer_internal::SpecialTokenConfig{}));
+  return std::unique_ptr<Tokenizer>(std::move(bpe));
+}
+
 absl::StatusOr<std::vector<int32_t>> EncodePrompt(const Tokenizer& tokenizer,
                                                   std::string_view text, bool add_bos) {
   TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> ids,

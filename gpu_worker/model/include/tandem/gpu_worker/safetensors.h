@@ -50,6 +50,11 @@ struct TensorView {
 class SafetensorsFile {
  public:
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::filesystem::path& path);
+  // The same parse of a whole file's bytes already in memory (tests and the fuzz target of
+  // tests/fuzz): nothing is mapped, the views point into `bytes`, which must outlive the result.
+  // `name` stands for the path in messages. Errors as Open's, less NOT_FOUND.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> FromBytes(
+      std::string_view bytes, const std::filesystem::path& name);
 
   SafetensorsFile(SafetensorsFile&& other) noexcept;
   SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
@@ -68,6 +73,8 @@ class SafetensorsFile {
  private:
   SafetensorsFile() = default;
   void Unmap();
+  // Reads the header of the `file_size` bytes at `base` into tensors_, index_ and metadata_.
+  absl::Status Parse(const uint8_t* base, uint64_t file_size);
 
   std::filesystem::path path_;
   int fd_ = -1;

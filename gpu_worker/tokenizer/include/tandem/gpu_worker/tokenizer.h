@@ -70,6 +70,13 @@ class Tokenizer {
 // Whether BOS is added: tokenizer_config.json add_bos_token when present, else as in Encode.
 absl::StatusOr<std::unique_ptr<Tokenizer>> LoadTokenizer(const std::filesystem::path& model_dir);
 
+// The byte-level BPE tokenizer of a tokenizer.json's text alone, as LoadTokenizer builds it for a
+// directory holding only that file (no tokenizer_config / config / generation_config: BOS only
+// from a TemplateProcessing post-processor, no EOS). For tests and the fuzz target of
+// tests/fuzz. Errors as LoadTokenizer's for tokenizer.json (INVALID_ARGUMENT "tokenizer.json is
+// not valid JSON" for text that does not parse, UNIMPLEMENTED for unsupported features).
+absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(std::string_view tokenizer_json);
+
 // A prompt's ids as the worker tokenizes prompt_text: special tokens written in `text`
 // ("<|im_start|>", "<s>") become their ids, as Hugging Face's tokenizers do by default (a rendered
 // chat template relies on it), and add_bos prepends BOS when the tokenizer adds one and the text
