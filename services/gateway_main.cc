@@ -109,7 +109,7 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "tandem-gateway: OpenAI-compatible HTTP API in front of tandem GPU workers.\n"
+      "OpenAI-compatible HTTP API in front of tandem GPU workers.\n"
       "  tandem-gateway --workers=localhost:50051 --address=127.0.0.1:8000");
   const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gateway"));
