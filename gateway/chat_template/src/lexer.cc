@@ -19,7 +19,12 @@ namespace {
 bool IsSpace(char c) {
   return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
 }
-bool IsNameStart(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
+// Names are Python identifiers; any non-ASCII byte counts as part of one (Jinja 3 accepts
+// Unicode names such as "é").
+bool IsNameStart(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' ||
+         static_cast<unsigned char>(c) >= 0x80;
+}
 bool IsDigit(char c) { return c >= '0' && c <= '9'; }
 
 class Lexer {
@@ -59,6 +64,10 @@ class Lexer {
       size_t after = tag + 2 + ((modifier == '-' || modifier == '+') ? 1 : 0);
       if (kind == '#') {
         size_t end = src_.find("#}", after);
+        if (end == std::string::npos && after >= src_.size()) {
+          Advance(src_.size());  // Jinja drops a "{#" that ends the source
+          break;
+        }
         if (end == std::string::npos)
           return SyntaxError(line_, column_, "missing end of comment tag");
         bool strip = end > after && src_[end - 1] == '-';

@@ -157,6 +157,7 @@ class Parser {
     } else if (name == "macro") {
       status = ParseMacro(node.get());
     } else if (name == "break" || name == "continue") {
+      if (loop_depth_ == 0) return ErrorAt(tag, absl::StrCat("'", name, "' outside loop"));
       node->kind = name == "break" ? Node::Kind::kBreak : Node::Kind::kContinue;
       status = ExpectBlockEnd();
     } else if (name == "generation") {
@@ -231,7 +232,10 @@ class Parser {
     if (IsName("recursive")) return ErrorAt(Peek(), "recursive loops are not supported");
     TANDEM_RETURN_IF_ERROR(ExpectBlockEnd());
     std::string end;
-    TANDEM_RETURN_IF_ERROR(ParseBody({"endfor", "else"}, &node->body, &end));
+    ++loop_depth_;
+    absl::Status body = ParseBody({"endfor", "else"}, &node->body, &end);
+    --loop_depth_;
+    TANDEM_RETURN_IF_ERROR(body);
     if (end == "else") {
       TANDEM_RETURN_IF_ERROR(ExpectBlockEnd());
       TANDEM_RETURN_IF_ERROR(ParseBody({"endfor"}, &node->else_body, &end));
@@ -289,7 +293,11 @@ class Parser {
     Next();
     TANDEM_RETURN_IF_ERROR(ExpectBlockEnd());
     std::string end;
-    TANDEM_RETURN_IF_ERROR(ParseBody({"endmacro"}, &node->body, &end));
+    int outer_loops = loop_depth_;
+    loop_depth_ = 0;  // a macro body is not inside the loop it is defined in
+    absl::Status body = ParseBody({"endmacro"}, &node->body, &end);
+    loop_depth_ = outer_loops;
+    TANDEM_RETURN_IF_ERROR(body);
     if (Peek().type == T::kName && Peek().text == node->name) Next();
     return ExpectBlockEnd();
   }
@@ -720,6 +728,7 @@ class Parser {
   std::vector<Token> tokens_;
   size_t pos_ = 0;
   int nesting_ = 0;
+  int loop_depth_ = 0;  // enclosing for-loop bodies (break/continue are allowed inside one)
 };
 
 }  // namespace

@@ -276,6 +276,8 @@ SNIPPETS = [
  ("min_max_sum", "{{ [3, 1, 2] | min }} {{ [3, 1, 2] | max }} {{ ['b', 'A'] | max }} {{ ms | max(attribute='n') }} {{ [1, 2.5] | sum }} {{ ms | sum(attribute='n', start=10) }} [{{ [] | min }}]", {"ms": [{"n": 2}, {"n": 1}, {"n": 3}]}),
  ("float_floordiv", "{{ 2 // 0.1 }} {{ 2 % 0.1 }} {{ -7.5 // 2 }} {{ 7.5 % -2 }} {{ -0.0 // 1 }} {{ 5 // -2.0 }}", {}),
  ("percent_format", "{{ '%s-%d %r %%' % ('a', 3.9, 'q') }} {{ '%s!' % 5 }} {{ 'none' % [1] }}", {}),
+ ("unicode_names", "{% set é = 'accent' %}{{ é }}{% for ü in [1] %}{{ ü }}{% endfor %}", {}),
+ ("comment_at_end", "text{#", {}),
  # Errors: jinja2's message must appear in tandem's error (syntax errors: any syntax error).
  ("err_concat", "{{ 'a' + 1 }}", {}),
  ("err_undefined_attr", "line1\n{{ foo.bar }}", {}),
