@@ -151,7 +151,7 @@ struct Row {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "tandem-gateway-bench: TTFT and tokens/s through tandem-gateway "
+      "TTFT and tokens/s through tandem-gateway "
       "(HTTP SSE) vs directly over gRPC");
   tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   const std::string worker = absl::GetFlag(FLAGS_worker), gateway = absl::GetFlag(FLAGS_gateway);
