@@ -50,6 +50,15 @@ TEST(ChatTemplateEngine, SyntaxErrorsNameLineAndColumn) {
             std::string::npos)
       << t.status();
 
+  // As jinja2 (which fails compiling it): loop controls only inside a loop, not in a macro.
+  t = Template::Parse("{% if true %}{% break %}{% endif %}");
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(std::string(t.status().message()).find("'break' outside loop"), std::string::npos);
+  t = Template::Parse("{% for x in y %}{% macro m() %}{% continue %}{% endmacro %}{% endfor %}");
+  ASSERT_FALSE(t.ok());
+  EXPECT_TRUE(
+      Template::Parse("{% for x in y %}{% if x %}{% continue %}{% endif %}{% endfor %}").ok());
+
   t = Template::Parse("{{ 'unterminated }}");
   ASSERT_FALSE(t.ok());
   EXPECT_NE(std::string(t.status().message()).find("unterminated string"), std::string::npos);
