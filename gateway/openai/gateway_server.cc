@@ -139,6 +139,16 @@ void GatewayServer::AddRoutes() {
     s->metrics.CountRequest("/v1/models", 200);
   });
 
+  // tandem's extra: DELETE /v1/sessions/{id} frees a kept session (its KV on the worker and the
+  // CPU nodes), as Generation.CloseSession does. OpenAI's delete shape {id, object, deleted}.
+  http.Delete(R"(/v1/sessions/(.+))", [s](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    const absl::Status closed = s->pool->CloseSession(id);
+    if (!closed.ok()) return SendError(*s, "/v1/sessions", closed, res);
+    SendJson(res, 200, {{"id", id}, {"object", "session"}, {"deleted", true}});
+    s->metrics.CountRequest("/v1/sessions", 200);
+  });
+
   http.Get("/health", [s](const httplib::Request&, httplib::Response& res) {
     const size_t serving = s->pool->ServingCount();
     nlohmann::json workers = nlohmann::json::array();

@@ -235,6 +235,39 @@ absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session
   return Lease(w, index, continued);
 }
 
+absl::Status WorkerPool::CloseSession(const std::string& session_id) {
+  std::optional<size_t> known;
+  {
+    std::lock_guard lock(sticky_mu_);
+    auto it = sticky_.find(session_id);
+    if (it != sticky_.end()) known = it->second.worker;
+  }
+  if (known.has_value() && !workers_[*known]->serving.load()) {
+    return absl::UnavailableError(absl::StrCat("the GPU worker holding session '", session_id,
+                                               "' (", workers_[*known]->address,
+                                               ") is not serving"));
+  }
+  std::vector<size_t> order;
+  if (known.has_value()) order.push_back(*known);
+  for (size_t i = 0; i < workers_.size(); ++i) {
+    if (i != known && workers_[i]->serving.load()) order.push_back(i);
+  }
+  for (size_t i : order) {
+    v1::CloseGenerationSessionRequest request;
+    request.set_session_id(session_id);
+    v1::CloseGenerationSessionResponse response;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(DeadlineIn(options_.rpc_timeout_ms));
+    const absl::Status s =
+        FromGrpcStatus(workers_[i]->stub->CloseSession(&ctx, request, &response));
+    if (s.code() == absl::StatusCode::kNotFound) continue;  // not there: ask the next one
+    if (s.ok()) ForgetSession(session_id);
+    return s;
+  }
+  ForgetSession(session_id);
+  return absl::NotFoundError(absl::StrCat("no GPU worker holds session '", session_id, "'"));
+}
+
 void WorkerPool::ForgetSession(const std::string& session_id) {
   std::lock_guard lock(sticky_mu_);
   auto it = sticky_.find(session_id);

@@ -1,6 +1,7 @@
 // Several workers behind one gateway: new sessions and one-shot requests spread over the
 // workers, every turn of a session reaches the worker that holds it, and a worker that dies is
-// routed around (its sessions answer 503 naming it; /health counts the rest).
+// routed around (its sessions answer 503 naming it; /health counts the rest); DELETE
+// /v1/sessions/{id} frees a kept session.
 #include <gmock/gmock.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -117,6 +118,29 @@ TEST_F(GatewayRoutingTest, SessionsStickToTheirWorkerAndADeadWorkerIsRoutedAroun
   EXPECT_EQ(served, 3);
   EXPECT_EQ(unavailable, 3);
   EXPECT_EQ(OpenSessions(0), 3u);
+
+  // DELETE /v1/sessions/{id} frees the sessions the live worker holds; those of the dead one
+  // are 503 naming it; a session nobody holds is 404.
+  int deleted = 0, unreachable = 0;
+  for (int i = 0; i < 6; ++i) {
+    auto res = http_->Delete(absl::StrCat("/v1/sessions/s", i));
+    ASSERT_TRUE(res);
+    if (res->status == 200) {
+      EXPECT_EQ(Json::parse(res->body),
+                Json({{"id", absl::StrCat("s", i)}, {"object", "session"}, {"deleted", true}}));
+      ++deleted;
+    } else {
+      EXPECT_EQ(res->status, 503) << res->body;
+      ++unreachable;
+    }
+  }
+  EXPECT_EQ(deleted, 3);
+  EXPECT_EQ(unreachable, 3);
+  auto unknown = http_->Delete("/v1/sessions/never-opened");
+  ASSERT_TRUE(unknown);
+  EXPECT_EQ(unknown->status, 404) << unknown->body;
+  EXPECT_EQ(Json::parse(unknown->body)["error"]["type"], "not_found_error");
+  EXPECT_EQ(OpenSessions(0), 0u);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // workers.
 //   POST /v1/completions, POST /v1/chat/completions   streamed (SSE) or not
 //   GET  /v1/models, /v1/models/{id}                   the served model (OpenAI list shape)
+//   DELETE /v1/sessions/{id}                           frees a kept session (tandem's extra)
 //   GET  /health                                       200 when a worker is SERVING, else 503
 //   GET  /metrics                                      Prometheus text (gateway_metrics.h)
 // Every error is OpenAI's JSON error object (api_error.h), unknown routes included.

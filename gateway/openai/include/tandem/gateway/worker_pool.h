@@ -85,6 +85,11 @@ class WorkerPool {
   // the worker holding `session_id` is not.
   absl::StatusOr<Lease> Acquire(const std::string& session_id);
 
+  // Closes a kept session (Generation.CloseSession) on the worker holding it: the remembered
+  // one (UNAVAILABLE when it is not serving), else every serving worker in turn (the entry may
+  // have been forgotten). NOT_FOUND when no worker holds it; other errors pass through.
+  absl::Status CloseSession(const std::string& session_id);
+
   // Forgets where `session_id` lives: its first request failed before the worker created it (a
   // failed request changes nothing there), so the next one starts it anew.
   void ForgetSession(const std::string& session_id);
