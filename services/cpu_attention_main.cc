@@ -20,8 +20,21 @@
 #include "tandem/common/byte_size.h"
 #include "parse_flags.h"
 #include "tandem/cpu_attention/server.h"
+#include "tandem/security/authenticator.h"
 
-ABSL_FLAG(std::string, address, "0.0.0.0:50061", "host:port to serve on (port 0: any free)");
+ABSL_FLAG(std::string, address, "127.0.0.1:50061",
+          "host:port to serve on (port 0: any free); 0.0.0.0:50061 serves every interface");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this node (with --tls_key: TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA of client certificates: with it every client must present a certificate "
+          "signed by it (mutual TLS)");
+ABSL_FLAG(std::string, allowed_peers, "",
+          "comma-separated certificate identities (SAN or CN) that may call anything but "
+          "health, e.g. the GPU worker's; others get PERMISSION_DENIED. Needs --tls_ca; empty = "
+          "every client the CA verified");
+ABSL_FLAG(unsigned, max_sessions_per_principal, 0,
+          "sessions one caller identity may hold; 0 = only --max_sessions bounds them");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9401; port 0: any free); "
           "\"\" = off");
@@ -93,6 +106,10 @@ int main(int argc, char** argv) {
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   options.node.huge_pages = absl::GetFlag(FLAGS_huge_pages);
   options.node.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.node.max_sessions_per_principal = absl::GetFlag(FLAGS_max_sessions_per_principal);
+  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                 absl::GetFlag(FLAGS_tls_ca)};
+  options.allowed_peers = tandem::security::ParsePeerList(absl::GetFlag(FLAGS_allowed_peers));
   options.node.max_query_tokens = absl::GetFlag(FLAGS_max_query_tokens);
   options.node.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.executor_threads = absl::GetFlag(FLAGS_executor_threads);
@@ -120,8 +137,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   const auto stats = (*server)->node().Stats();
-  spdlog::info("tandem-cpu-attention serving on port {} ({} threads, pool {})", (*server)->port(),
-               stats.threads(), tandem::FormatBytes(stats.capacity_bytes()));
+  spdlog::info("tandem-cpu-attention serving on port {} ({} threads, pool {}, {})",
+               (*server)->port(), stats.threads(), tandem::FormatBytes(stats.capacity_bytes()),
+               options.tls.ca.empty()
+                   ? (options.tls.enabled() ? "TLS" : "plaintext, no authentication")
+                   : (options.allowed_peers.empty() ? "mutual TLS, any certificate of the CA"
+                                                    : "mutual TLS, --allowed_peers only"));
   if ((*server)->metrics_port() != 0) {
     spdlog::info("Prometheus metrics on port {} (GET /metrics)", (*server)->metrics_port());
   }

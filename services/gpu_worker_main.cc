@@ -21,13 +21,38 @@
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
+#include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/worker_server.h"
+#include "tandem/security/credentials.h"
+#include "tandem/security/token_file.h"
 
 ABSL_FLAG(std::string, model, "", "model directory (config.json, *.safetensors, tokenizer)");
 ABSL_FLAG(bool, random_weights, false,
           "serve the model directory's config.json geometry with synthetic weights made on the "
           "device (benchmarks; no weights file is read)");
-ABSL_FLAG(std::string, address, "0.0.0.0:50051", "host:port to serve on (port 0: any free)");
+ABSL_FLAG(std::string, address, "127.0.0.1:50051",
+          "host:port to serve on (port 0: any free); 0.0.0.0:50051 serves every interface");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this worker (with --tls_key: TLS)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA of client certificates: with it every client must present a certificate "
+          "signed by it (mutual TLS); its identity is the client's principal unless a token "
+          "names one");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "file of bearer tokens clients must send ('authorization: Bearer <token>'), one per "
+          "line, optionally 'token principal'; needs TLS. Health checks stay open");
+ABSL_FLAG(uint32_t, max_sessions_per_principal, 0,
+          "kept sessions one client principal may hold; 0 = only --max_sessions bounds them");
+ABSL_FLAG(std::string, node_tls_cert, "",
+          "PEM certificate of this worker towards the CPU nodes (their --allowed_peers names "
+          "its identity)");
+ABSL_FLAG(std::string, node_tls_key, "", "PEM private key of --node_tls_cert");
+ABSL_FLAG(std::string, node_tls_ca, "",
+          "PEM CA the CPU nodes' certificates are verified against (any --node_tls_* flag "
+          "makes the node channels TLS)");
+ABSL_FLAG(std::string, node_tls_server_name, "",
+          "name the CPU nodes' certificates must carry, when nodes are dialled by IP "
+          "(--cpu_nodes_dns); \"\" = the host of each address");
 ABSL_FLAG(std::string, metrics_address, "",
           "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9400; port 0: any free); "
           "\"\" = off");
@@ -104,10 +129,33 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   tandem::gpu_worker::EngineOptions& e = options.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
   if (e.model_dir.empty()) return UsageError("--model is required");
+// TLS, tokens and the per-principal bound of the port; the credentials of the node channels.
+absl::Status SecurityFromFlags(tandem::gpu_worker::WorkerServerOptions* options) {
+  options->tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                  absl::GetFlag(FLAGS_tls_ca)};
+  if (const std::string path = absl::GetFlag(FLAGS_auth_token_file); !path.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(tandem::security::TokenTable tokens,
+                            tandem::security::TokenTable::Load(path));
+    options->tokens = std::move(tokens);
+  }
+  options->max_sessions_per_principal = absl::GetFlag(FLAGS_max_sessions_per_principal);
+  const tandem::security::TlsFiles node_tls = {absl::GetFlag(FLAGS_node_tls_cert),
+                                               absl::GetFlag(FLAGS_node_tls_key),
+                                               absl::GetFlag(FLAGS_node_tls_ca)};
+  if (node_tls.enabled()) {
+    TANDEM_ASSIGN_OR_RETURN(
+        options->engine.nodes.credentials,
+        tandem::security::ChannelCredentialsFromFiles(node_tls, "", "--node_tls_"));
+  }
+  options->engine.nodes.tls_server_name = absl::GetFlag(FLAGS_node_tls_server_name);
+  return absl::OkStatus();
+}
+
   e.backend = absl::GetFlag(FLAGS_backend);
   if (e.backend != "auto" && e.backend != "cpu" && e.backend != "cuda") {
     return UsageError(absl::StrCat("--backend must be auto, cpu or cuda, got '", e.backend, "'"));
   }
+  TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&options));
   e.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   e.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);

@@ -59,6 +59,8 @@
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/generation_service.h"
 #include "tandem/gpu_worker/tokenizer.h"
+#include "tandem/security/credentials.h"
+#include "tandem/security/token_file.h"
 #include "tandem/gpu_worker/worker_server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 #include "tandem/v1/generation.grpc.pb.h"
@@ -67,6 +69,16 @@
 ABSL_FLAG(std::string, server, "",
           "attend/stats: CPU attention node host:port; generate/tokenize: tandem-gpu-worker "
           "host:port; empty = in-process");
+ABSL_FLAG(std::string, tls_ca, "",
+          "with --server: PEM CA the server's certificate is verified against (TLS)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "with --server: PEM client certificate for a mutual-TLS server (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "name the server's certificate must carry when it differs from --server's host");
+ABSL_FLAG(std::string, token_file, "",
+          "generate/tokenize with --server: file whose first line is the bearer token to send "
+          "(needs TLS; a file, so the token is not visible in the process list)");
 ABSL_FLAG(std::optional<double>, beta, std::nullopt,
           "selection threshold (>= 0, 0 = dense, exact); attend: default 0; generate: default "
           "the engine's");
@@ -634,9 +646,24 @@ class StreamPrinter {
   std::vector<v1::TokenDelta> logprobs_;   // tokens that carried logprobs, for the table
 };
 
-std::shared_ptr<grpc::Channel> WorkerChannel() {
-  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server), grpc::InsecureChannelCredentials(),
-                                   gw::GenerationChannelArguments());
+// The channel to --server with the TLS and token flags' credentials.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> ServerChannel(grpc::ChannelArguments args) {
+  std::string token;
+  if (const std::string path = absl::GetFlag(FLAGS_token_file); !path.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(token, tandem::security::ReadClientToken(path));
+  }
+  TANDEM_ASSIGN_OR_RETURN(
+      std::shared_ptr<grpc::ChannelCredentials> credentials,
+      tandem::security::ChannelCredentialsFromFiles(
+          {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+           absl::GetFlag(FLAGS_tls_ca)},
+          token));
+  tandem::security::SetTlsServerName(absl::GetFlag(FLAGS_tls_server_name), &args);
+  return grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server), credentials, args);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> WorkerChannel() {
+  return ServerChannel(gw::GenerationChannelArguments());
 }
 
 absl::Status RunGenerate(const std::vector<std::string>& stops) {
@@ -665,7 +692,8 @@ absl::Status RunGenerate(const std::vector<std::string>& stops) {
     return absl::OkStatus();
   }
 
-  auto stub = v1::Generation::NewStub(WorkerChannel());
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, WorkerChannel());
+  auto stub = v1::Generation::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::seconds(absl::GetFlag(FLAGS_generate_deadline_s)));
@@ -704,7 +732,8 @@ absl::Status RunTokenize() {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gw::Tokenizer> tokenizer, gw::LoadTokenizer(model));
     TANDEM_ASSIGN_OR_RETURN(ids, gw::EncodePrompt(*tokenizer, text, add_bos));
   } else {
-    auto stub = v1::Generation::NewStub(WorkerChannel());
+    TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, WorkerChannel());
+    auto stub = v1::Generation::NewStub(channel);
     v1::TokenizeRequest request;
     request.set_text(text);
     request.set_add_bos(add_bos);
@@ -785,8 +814,14 @@ int main(int argc, char** argv) {
     channel = embedded->InProcessChannel();
     std::printf("embedded CPU attention node (in-process)\n");
   } else {
-    channel = grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(),
-                                        tandem::cpu_attention::CpuAttentionChannelArguments());
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> remote =
+        ServerChannel(tandem::cpu_attention::CpuAttentionChannelArguments());
+    if (!remote.ok()) {
+      std::fprintf(stderr, "tandem %s: %s\n", command.c_str(),
+                   std::string(remote.status().message()).c_str());
+      return 2;
+    }
+    channel = *std::move(remote);
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10))) {
       std::fprintf(stderr, "cannot connect to %s within 10 s\n", server.c_str());
       return 1;

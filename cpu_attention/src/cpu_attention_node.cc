@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "node_requests.h"
 #include "paged_plan.h"
+#include "session_owners.h"
 #include "shm_session_server.h"
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
@@ -89,10 +90,12 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
                     ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
                                                                      options.release_free_after)
                     : nullptr),
-      pool_(options.threads) {}
+      pool_(options.threads),
+      owners_(std::make_unique<internal::SessionOwners>(options.max_sessions_per_principal)) {}
 
 absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request,
-                                           v1::OpenSessionResponse* response) {
+                                           v1::OpenSessionResponse* response,
+                                           const std::string& caller) {
   if (draining()) return Draining("a new session");
   if (!request.has_geometry()) return absl::InvalidArgumentError("geometry is required");
   kv_store::SessionOptions options;
@@ -111,17 +114,40 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
                                                    max_shards));
   }
   for (const v1::ShardId& s : request.shards()) options.shards.push_back({s.layer(), s.kv_head()});
-
-  std::shared_ptr<Session> session;
   if (request.has_fork_from()) {
-    TANDEM_ASSIGN_OR_RETURN(
-        session, store_.ForkSession(request.session_id(), std::move(options),
-                                    request.fork_from().parent_session_id(),
-                                    request.fork_from().prefix_tokens()));
-    response->set_shared_entries(request.fork_from().prefix_tokens());
-  } else {
-    TANDEM_ASSIGN_OR_RETURN(session, store_.OpenSession(request.session_id(), std::move(options)));
+    // Another principal's parent reads as an unknown one: fork_from is no oracle of ids.
+    TANDEM_RETURN_IF_ERROR(
+        owners_->Check(request.fork_from().parent_session_id(), caller, /*parent=*/true));
   }
+
+  // The session's bookkeeping is charged to the pool before it is allocated (the store bounds
+  // the shard count; the charge bounds the bytes).
+  // Capped at the store's 65536 shards per session: a larger request is refused there.
+  const uint64_t shards = std::min<uint64_t>(
+      request.shards_size() > 0 ? static_cast<uint64_t>(request.shards_size())
+                                : uint64_t{g.num_layers()} * g.num_kv_heads(),
+      65536);
+  const uint64_t charge = internal::SessionMetadataBytes(g.num_layers(), shards);
+  TANDEM_RETURN_IF_ERROR(owners_->Reserve(caller));
+  if (absl::Status charged = Budget().Charge(charge); !charged.ok()) {
+    owners_->Unreserve(caller);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session metadata (", shards, " shards): ", charged.message()));
+  }
+  absl::StatusOr<std::shared_ptr<Session>> opened =
+      request.has_fork_from()
+          ? store_.ForkSession(request.session_id(), std::move(options),
+                               request.fork_from().parent_session_id(),
+                               request.fork_from().prefix_tokens())
+          : store_.OpenSession(request.session_id(), std::move(options));
+  if (!opened.ok()) {
+    Budget().Release(charge);
+    owners_->Unreserve(caller);
+    return opened.status();
+  }
+  owners_->Add(request.session_id(), caller, charge);
+  std::shared_ptr<Session> session = *std::move(opened);
+  if (request.has_fork_from()) response->set_shared_entries(request.fork_from().prefix_tokens());
   response->set_block_size(session->format().block_tokens);
   response->set_bytes_per_block(session->format().block_bytes());
   response->set_free_bytes(store_.budget().free());
@@ -207,7 +233,8 @@ absl::Status CpuAttentionNode::ApplyAppend(AppendTarget& target, uint32_t layer,
 }
 
 absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
-                                        v1::AppendKvResponse* totals) {
+                                        v1::AppendKvResponse* totals, const std::string& caller) {
+  TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
   TANDEM_ASSIGN_OR_RETURN(
       AppendTarget target,
       ResolveAppend(request.session_id(), request.layer(),
@@ -273,7 +300,7 @@ struct CpuAttentionNode::AttendItem {
 };
 
 absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
-                                      v1::AttendResponse* response) {
+                                      v1::AttendResponse* response, const std::string& caller) {
   const int batch = request.queries_size();
   if (batch < 1 || static_cast<uint32_t>(batch) > options_.max_batch) {
     return absl::InvalidArgumentError(
@@ -289,6 +316,7 @@ absl::Status CpuAttentionNode::Attend(const v1::AttendRequest& request,
                                                      query.session_id(),
                                                      "' appears more than once"));
     }
+    TANDEM_RETURN_IF_ERROR(owners_->Check(query.session_id(), caller));
     TANDEM_ASSIGN_OR_RETURN(items[i].session, store_.Find(query.session_id()));
     TANDEM_RETURN_IF_ERROR(CheckLayer(*items[i].session, request.layer()));
     TANDEM_RETURN_IF_ERROR(DecodeQueries(query.q(), absl::StrCat("queries[", i, "].q"),
@@ -478,7 +506,9 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
 }
 
 absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
-                                        v1::ReselectResponse* response) {
+                                        v1::ReselectResponse* response,
+                                        const std::string& caller) {
+  TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
   TANDEM_RETURN_IF_ERROR(CheckLayer(*session, request.layer()));
   if (request.has_beta()) TANDEM_RETURN_IF_ERROR(CheckBeta(request.beta()));
@@ -529,7 +559,10 @@ absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
 }
 
 absl::Status CpuAttentionNode::CloseSession(const v1::CloseSessionRequest& request,
-                                            v1::CloseSessionResponse* response) {
+                                            v1::CloseSessionResponse* response,
+                                            const std::string& caller) {
+  // Before anything is torn down: another principal must not stop the owner's shm channel.
+  TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
   std::unique_ptr<ShmSessionServer> shm;   // joined outside the lock
   {
     std::lock_guard lock(shm_mu_);
@@ -541,6 +574,7 @@ absl::Status CpuAttentionNode::CloseSession(const v1::CloseSessionRequest& reque
   }
   shm.reset();
   TANDEM_ASSIGN_OR_RETURN(uint64_t released, store_.CloseSession(request.session_id()));
+  Budget().Release(owners_->Remove(request.session_id()));
   response->set_blocks_released(released);
   return absl::OkStatus();
 }
@@ -573,14 +607,34 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
 }
 
 absl::Status CpuAttentionNode::ReshardSession(const v1::ReshardSessionRequest& request,
-                                              v1::ReshardSessionResponse* response) {
+                                              v1::ReshardSessionResponse* response,
+                                              const std::string& caller) {
+  TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, store_.Find(request.session_id()));
   if (request.add_size() > 0 && draining()) return Draining("adding shards");
   TANDEM_ASSIGN_OR_RETURN(const std::vector<kv_store::ShardKey> add,
                           ShardKeys(request.add(), "add", session->geometry()));
   TANDEM_ASSIGN_OR_RETURN(const std::vector<kv_store::ShardKey> drop,
                           ShardKeys(request.drop(), "drop", session->geometry()));
-  TANDEM_ASSIGN_OR_RETURN(const kv_store::ReshardStats stats, store_.Reshard(*session, add, drop));
+  // Added shards are charged before they exist; the charge is then set to the owned count.
+  const uint64_t extra = internal::SessionMetadataBytes(0, add.size()) -
+                         internal::SessionMetadataBytes(0, 0);
+  TANDEM_RETURN_IF_ERROR(Budget().Charge(extra));
+  absl::StatusOr<kv_store::ReshardStats> resharded = store_.Reshard(*session, add, drop);
+  if (!resharded.ok()) {
+    Budget().Release(extra);
+    return resharded.status();
+  }
+  const kv_store::ReshardStats& stats = *resharded;
+  const uint64_t before = owners_->charged(request.session_id());
+  if (before > 0) {   // sessions opened through OpenSession (the store's own ones are not charged)
+    const uint64_t now =
+        internal::SessionMetadataBytes(session->geometry().num_layers, stats.shards);
+    Budget().Release(before + extra - now);
+    owners_->SetCharged(request.session_id(), now);
+  } else {
+    Budget().Release(extra);
+  }
   response->set_free_bytes(store_.budget().free());
   response->set_blocks_released(stats.blocks_released);
   response->set_shards(static_cast<uint32_t>(stats.shards));
@@ -588,7 +642,9 @@ absl::Status CpuAttentionNode::ReshardSession(const v1::ReshardSessionRequest& r
 }
 
 absl::StatusOr<ShardExport> CpuAttentionNode::StartExport(const v1::ExportShardRequest& request,
-                                                          uint64_t max_chunk_bytes) {
+                                                          uint64_t max_chunk_bytes,
+                                                          const std::string& caller) {
+  TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
   constexpr uint32_t kDefaultChunkEntries = 4096;
   constexpr uint32_t kMaxChunkEntries = 65536;
   if (request.max_chunk_entries() > kMaxChunkEntries) {
@@ -691,6 +747,12 @@ CpuAttentionNode::~CpuAttentionNode() {
     servers.swap(shm_servers_);
   }
   servers.clear();   // stops and joins every channel thread while the store is alive
+}
+
+kv_store::MemoryBudget& CpuAttentionNode::Budget() {
+  // KvStore exposes its budget read-only; the node is the one other party that charges it (for
+  // session metadata), and the budget object itself is not const (atomics, thread-safe).
+  return const_cast<kv_store::MemoryBudget&>(store_.budget());
 }
 
 void CpuAttentionNode::RecordScan(uint64_t bytes, double seconds) {

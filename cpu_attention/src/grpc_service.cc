@@ -27,6 +27,21 @@ grpc::ServerUnaryReactor* RunUnary(RequestExecutor& executor,
   return reactor;
 }
 
+// Finishes a reactor at once with `status` (a caller refused before any work).
+template <typename Reactor>
+Reactor* Refused(Reactor* reactor, const absl::Status& status) {
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+// A reactor that only reports a refusal (a caller that failed authentication).
+template <typename Base>
+class RefusedReactor final : public Base {
+ public:
+  explicit RefusedReactor(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
 }  // namespace
 
 // Reads the stream one message at a time: the next read starts only after the previous message
@@ -36,8 +51,8 @@ class CpuAttentionGrpcService::AppendKvReactor final
     : public grpc::ServerReadReactor<v1::AppendKvRequest> {
  public:
   AppendKvReactor(CpuAttentionNode* node, RequestExecutor* executor,
-                  v1::AppendKvResponse* response)
-      : node_(node), executor_(executor), response_(response) {
+                  v1::AppendKvResponse* response, std::string caller)
+      : node_(node), executor_(executor), response_(response), caller_(std::move(caller)) {
     StartRead(&request_);
   }
 
@@ -47,7 +62,7 @@ class CpuAttentionGrpcService::AppendKvReactor final
       return;
     }
     executor_->Submit([this] {
-      absl::Status s = node_->AppendKv(request_, response_);
+      absl::Status s = node_->AppendKv(request_, response_, caller_);
       if (!s.ok()) {
         Finish(ToGrpcStatus(absl::Status(
             s.code(), absl::StrCat("message ", response_->messages(), ": ", s.message()))));
@@ -63,6 +78,7 @@ class CpuAttentionGrpcService::AppendKvReactor final
   CpuAttentionNode* node_;
   RequestExecutor* executor_;
   v1::AppendKvResponse* response_;
+  const std::string caller_;
   v1::AppendKvRequest request_;
 };
 
@@ -74,14 +90,14 @@ class CpuAttentionGrpcService::ExportShardReactor final
  public:
   ExportShardReactor(CpuAttentionNode* node, RequestExecutor* executor,
                      grpc::CallbackServerContext* context, const v1::ExportShardRequest* request,
-                     uint64_t max_chunk_bytes)
+                     uint64_t max_chunk_bytes, std::string caller)
       : node_(node), executor_(executor), context_(context) {
-    executor_->Submit([this, request, max_chunk_bytes] {
+    executor_->Submit([this, request, max_chunk_bytes, caller = std::move(caller)] {
       if (context_->IsCancelled()) {
         Finish(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled before it ran"));
         return;
       }
-      absl::StatusOr<ShardExport> started = node_->StartExport(*request, max_chunk_bytes);
+      absl::StatusOr<ShardExport> started = node_->StartExport(*request, max_chunk_bytes, caller);
       if (!started.ok()) {
         Finish(ToGrpcStatus(started.status()));
         return;
@@ -128,8 +144,10 @@ class CpuAttentionGrpcService::ExportShardReactor final
 };
 
 CpuAttentionGrpcService::CpuAttentionGrpcService(CpuAttentionNode* node, unsigned executor_threads,
-                                                 uint64_t max_message_bytes)
+                                                 uint64_t max_message_bytes,
+                                                 security::Authenticator authenticator)
     : node_(node),
+      authenticator_(std::move(authenticator)),
       // Room for the chunk's framing (first_entry, held, tensor shapes and tags).
       max_chunk_bytes_(std::min<uint64_t>(
           CpuAttentionNode::kMaxExportChunkBytes,
@@ -141,34 +159,49 @@ CpuAttentionGrpcService::~CpuAttentionGrpcService() = default;
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::OpenSession(
     grpc::CallbackServerContext* context, const v1::OpenSessionRequest* request,
     v1::OpenSessionResponse* response) {
-  return RunUnary(*executor_, context,
-                  [this, request, response] { return node_->OpenSession(*request, response); });
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunUnary(*executor_, context, [this, request, response, caller = *std::move(caller)] {
+    return node_->OpenSession(*request, response, caller);
+  });
 }
 
 grpc::ServerReadReactor<v1::AppendKvRequest>* CpuAttentionGrpcService::AppendKv(
     grpc::CallbackServerContext* context, v1::AppendKvResponse* response) {
-  return new AppendKvReactor(node_, executor_.get(), response);
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) {
+    return new RefusedReactor<grpc::ServerReadReactor<v1::AppendKvRequest>>(caller.status());
+  }
+  return new AppendKvReactor(node_, executor_.get(), response, *std::move(caller));
 }
 
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::Attend(grpc::CallbackServerContext* context,
                                                           const v1::AttendRequest* request,
                                                           v1::AttendResponse* response) {
-  return RunUnary(*executor_, context,
-                  [this, request, response] { return node_->Attend(*request, response); });
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunUnary(*executor_, context, [this, request, response, caller = *std::move(caller)] {
+    return node_->Attend(*request, response, caller);
+  });
 }
 
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::Reselect(
     grpc::CallbackServerContext* context, const v1::ReselectRequest* request,
     v1::ReselectResponse* response) {
-  return RunUnary(*executor_, context,
-                  [this, request, response] { return node_->Reselect(*request, response); });
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunUnary(*executor_, context, [this, request, response, caller = *std::move(caller)] {
+    return node_->Reselect(*request, response, caller);
+  });
 }
 
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::CloseSession(
     grpc::CallbackServerContext* context, const v1::CloseSessionRequest* request,
     v1::CloseSessionResponse* response) {
-  return RunUnary(*executor_, context, [this, request, response] {
-    return node_->CloseSession(*request, response);
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunUnary(*executor_, context, [this, request, response, caller = *std::move(caller)] {
+    return node_->CloseSession(*request, response, caller);
   });
 }
 
@@ -176,6 +209,8 @@ grpc::ServerUnaryReactor* CpuAttentionGrpcService::Stats(grpc::CallbackServerCon
                                                          const v1::StatsRequest* request,
                                                          v1::StatsResponse* response) {
   // Stats only reads counters: answered inline on the gRPC thread.
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
   *response = node_->Stats();
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(grpc::Status::OK);
@@ -185,13 +220,21 @@ grpc::ServerUnaryReactor* CpuAttentionGrpcService::Stats(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::ReshardSession(
     grpc::CallbackServerContext* context, const v1::ReshardSessionRequest* request,
     v1::ReshardSessionResponse* response) {
-  return RunUnary(*executor_, context,
-                  [this, request, response] { return node_->ReshardSession(*request, response); });
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunUnary(*executor_, context, [this, request, response, caller = *std::move(caller)] {
+    return node_->ReshardSession(*request, response, caller);
+  });
 }
 
 grpc::ServerWriteReactor<v1::ExportShardChunk>* CpuAttentionGrpcService::ExportShard(
     grpc::CallbackServerContext* context, const v1::ExportShardRequest* request) {
-  return new ExportShardReactor(node_, executor_.get(), context, request, max_chunk_bytes_);
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) {
+    return new RefusedReactor<grpc::ServerWriteReactor<v1::ExportShardChunk>>(caller.status());
+  }
+  return new ExportShardReactor(node_, executor_.get(), context, request, max_chunk_bytes_,
+                                *std::move(caller));
 }
 
 }  // namespace tandem::cpu_attention

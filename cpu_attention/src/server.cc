@@ -41,6 +41,13 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("max_message_bytes must be >= 1 MiB, got ", options.max_message_bytes));
   }
+  if (!options.allowed_peers.empty() && options.tls.ca.empty()) {
+    return absl::InvalidArgumentError(
+        "--allowed_peers needs mutual TLS (--tls_cert, --tls_key and --tls_ca): without client "
+        "certificates there is no identity to check");
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          security::ServerCredentialsFromFiles(options.tls));
   std::unique_ptr<CpuAttentionServer> server(new CpuAttentionServer());
   NodeOptions node_options = options.node;
   if (!options.metrics_address.empty()) {
@@ -59,9 +66,10 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
         server->metrics_server_,
         metrics::MetricsServer::Start(options.metrics_address, server->registry_, before_scrape));
   }
-  server->service_ =
-      std::make_unique<CpuAttentionGrpcService>(server->node_.get(), options.executor_threads,
-                                                static_cast<uint64_t>(options.max_message_bytes));
+  server->service_ = std::make_unique<CpuAttentionGrpcService>(
+      server->node_.get(), options.executor_threads,
+      static_cast<uint64_t>(options.max_message_bytes),
+      security::Authenticator(std::nullopt, options.allowed_peers, !options.tls.ca.empty()));
   server->max_message_bytes_ = options.max_message_bytes;
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -70,8 +78,7 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
 
   grpc::ServerBuilder builder;
   if (!options.address.empty()) {
-    builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(),
-                             &server->port_);
+    builder.AddListeningPort(options.address, credentials, &server->port_);
   }
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/security/credentials.h"
 
 namespace tandem::gpu_worker {
 
@@ -167,7 +168,11 @@ size_t NodePool::AddLocked(const std::string& address) {
   node->state.reachable = false;   // until it answers Stats
   grpc::ChannelArguments args =
       cpu_attention::CpuAttentionChannelArguments(options_.max_message_bytes);
-  node->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  security::SetTlsServerName(options_.tls_server_name, &args);
+  node->channel = grpc::CreateCustomChannel(
+      address,
+      options_.credentials != nullptr ? options_.credentials : grpc::InsecureChannelCredentials(),
+      args);
   node->stub = v1::CpuAttention::NewStub(node->channel);
   nodes_.push_back(std::move(node));
   generation_.fetch_add(1, std::memory_order_acq_rel);

@@ -3,12 +3,14 @@
 #include <atomic>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
 #include "request_parsing.h"
+#include "session_ownership.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -193,8 +195,10 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
 class GenerationService::GenerateReactor final
     : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  // Submits the request; finishes with its error if the scheduler does not take it.
-  void Start(Scheduler& scheduler, GenerateRequest request) {
+  // Submits the request; finishes with its error if the scheduler does not take it. `on_end`
+  // (may be empty) runs once with whether the call succeeded and its session stays open.
+  void Start(Scheduler& scheduler, GenerateRequest request,
+             std::function<void(bool kept)> on_end = {}) {
     GenerateCallbacks callbacks;
     callbacks.on_prefill = [this](const PrefillProgress& progress) {
       v1::GenerateResponse message;
@@ -211,7 +215,8 @@ class GenerationService::GenerateReactor final
     callbacks.cancelled = [this] { return cancelled_.load(); };
     const absl::Status submitted = scheduler.Submit(
         std::move(request), std::move(callbacks),
-        [this](absl::StatusOr<GenerateSummary> summary) {
+        [this, on_end](absl::StatusOr<GenerateSummary> summary) {
+          if (on_end) on_end(summary.ok() && !summary->session_id.empty());
           if (!summary.ok()) {
             EndJob(ToGrpcStatus(summary.status()));
             return;
@@ -221,7 +226,10 @@ class GenerationService::GenerateReactor final
           Enqueue(std::move(message));
           EndJob(grpc::Status::OK);
         });
-    if (!submitted.ok()) EndJob(ToGrpcStatus(submitted));
+    if (!submitted.ok()) {
+      if (on_end) on_end(false);
+      EndJob(ToGrpcStatus(submitted));
+    }
   }
 
   void OnWriteDone(bool ok) override {
@@ -295,14 +303,42 @@ class GenerationService::GenerateReactor final
   std::atomic<bool> cancelled_{false};  // client cancelled or went away
 };
 
-GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info)
-    : scheduler_(scheduler), max_context_(info.max_context), vocab_size_(info.vocab_size) {}
+GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info,
+                                     ServiceSecurity security)
+    : scheduler_(scheduler),
+      max_context_(info.max_context),
+      vocab_size_(info.vocab_size),
+      authenticator_(std::move(security.authenticator)),
+      owners_(authenticator_.identifies_callers() || security.max_sessions_per_principal > 0
+                  ? std::make_unique<internal::SessionOwnership>(
+                        security.max_sessions_per_principal)
+                  : nullptr) {}
+
+absl::StatusOr<std::function<void(bool kept)>> GenerationService::ClaimSession(
+    const std::string& id, const std::string& principal) {
+  TANDEM_RETURN_IF_ERROR(owners_->Claim(id, principal).status());
+  internal::SessionOwnership* owners = owners_.get();
+  Scheduler* scheduler = scheduler_;
+  return std::function<void(bool)>([owners, scheduler, id](bool kept) {
+    if (!owners->Finished(id, kept)) return;
+    // Never kept: whatever the failed first request left in the engine goes too, so the
+    // forgotten id cannot be continued by another caller.
+    scheduler->Post([id](Engine& engine) {
+      if (!engine.SessionBusy(id)) engine.CloseSession(id).IgnoreError();
+    });
+  });
+}
 
 GenerationService::~GenerationService() = default;
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes) {
   auto* reactor = new GenerateReactor();
+  absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+  if (!principal.ok()) {
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
   v1::GenerateRequest request;
   const absl::Status parsed = ParseRequest(*request_bytes, &request);
   absl::StatusOr<GenerateRequest> converted =
@@ -317,7 +353,17 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                 deadline - std::chrono::system_clock::now());
     }
-    reactor->Start(*scheduler_, *std::move(converted));
+    std::function<void(bool)> on_end;
+    if (owners_ != nullptr && !converted->session_id.empty()) {
+      absl::StatusOr<std::function<void(bool)>> claimed =
+          ClaimSession(converted->session_id, *principal);
+      if (!claimed.ok()) {
+        reactor->Finish(ToGrpcStatus(claimed.status()));
+        return reactor;
+      }
+      on_end = *std::move(claimed);
+    }
+    reactor->Start(*scheduler_, *std::move(converted), std::move(on_end));
   }
   return reactor;
 }
@@ -325,6 +371,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
                                                       const grpc::ByteBuffer* request_bytes,
                                                       grpc::ByteBuffer* response_bytes) {
+  if (absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+      !principal.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
   auto request = std::make_shared<v1::TokenizeRequest>();
   if (absl::Status parsed = ParseRequest(*request_bytes, request.get()); !parsed.ok()) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -344,6 +396,12 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
                                                         const v1::DetokenizeRequest* request,
                                                         v1::DetokenizeResponse* response) {
+  if (absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+      !principal.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
   for (int i = 0; i < request->token_ids_size(); ++i) {
     const int32_t id = request->token_ids(i);
     if (id < 0 || id >= vocab_size_) {
@@ -363,18 +421,38 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GenerationService::CloseSession(
     grpc::CallbackServerContext* context, const v1::CloseGenerationSessionRequest* request,
     v1::CloseGenerationSessionResponse* response) {
-  if (request->session_id().empty()) {
+  absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+  absl::Status refused = principal.status();
+  if (refused.ok() && request->session_id().empty()) {
+    refused = absl::InvalidArgumentError("session_id: empty");
+  }
+  if (refused.ok() && owners_ != nullptr) {
+    refused = owners_->CheckOwner(request->session_id(), *principal);
+  }
+  if (!refused.ok()) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(absl::InvalidArgumentError("session_id: empty")));
+    reactor->Finish(ToGrpcStatus(refused));
     return reactor;
   }
-  return RunUnary(*scheduler_, context,
-                  [request](Engine& engine) { return engine.CloseSession(request->session_id()); });
+  internal::SessionOwnership* owners = owners_.get();
+  return RunUnary(*scheduler_, context, [request, owners](Engine& engine) {
+    absl::Status closed = engine.CloseSession(request->session_id());
+    if (owners != nullptr && (closed.ok() || absl::IsNotFound(closed))) {
+      owners->Forget(request->session_id());
+    }
+    return closed;
+  });
 }
 
 grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerContext* context,
                                                           const v1::GetModelInfoRequest* request,
                                                           v1::ModelInfoResponse* response) {
+  if (absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+      !principal.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
   return RunUnary(*scheduler_, context, [response](Engine& engine) {
     ToProto(engine.info(), response);
     response->set_open_sessions(engine.open_sessions());

@@ -33,6 +33,13 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("max_message_bytes must be >= 1 MiB, got ", options.max_message_bytes));
   }
+  if (options.tokens.has_value() && (options.tls.cert.empty() || options.tls.key.empty())) {
+    return absl::InvalidArgumentError(
+        "--auth_token_file needs TLS (--tls_cert and --tls_key): a bearer token sent in "
+        "plaintext could be read and replayed");
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          security::ServerCredentialsFromFiles(options.tls));
   std::unique_ptr<GpuWorkerServer> server(new GpuWorkerServer());
   EngineOptions engine_options = options.engine;
   SchedulerOptions scheduler_options = options.scheduler;
@@ -47,7 +54,11 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
   }
   TANDEM_ASSIGN_OR_RETURN(server->scheduler_,
                           Scheduler::Create(std::move(engine), scheduler_options));
-  server->service_ = std::make_unique<GenerationService>(server->scheduler_.get(), server->info_);
+  ServiceSecurity security{
+      security::Authenticator(options.tokens, /*allowed_peers=*/{}, !options.tls.ca.empty()),
+      options.max_sessions_per_principal};
+  server->service_ = std::make_unique<GenerationService>(server->scheduler_.get(), server->info_,
+                                                         std::move(security));
   server->max_message_bytes_ = options.max_message_bytes;
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -56,7 +67,7 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
 
   grpc::ServerBuilder builder;
   if (!options.address.empty()) {
-    builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &server->port_);
+    builder.AddListeningPort(options.address, credentials, &server->port_);
   }
   builder.RegisterService(server->service_.get());
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);

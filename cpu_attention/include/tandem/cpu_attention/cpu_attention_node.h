@@ -39,6 +39,7 @@
 #include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/kv_store/free_memory_releaser.h"
 #include "tandem/kv_store/kv_store.h"
+#include "tandem/security/authenticator.h"
 #include "tandem/v1/cpu_attention.pb.h"
 
 namespace tandem::metrics {
@@ -52,6 +53,9 @@ struct NodeOptions {
   uint32_t block_tokens = 64;        // default block size (16..256)
   unsigned threads = 0;              // attention threads; 0 = cores this process may use
   uint32_t max_sessions = 4096;
+  // Sessions one principal (caller identity, see "Ownership" above) may hold; 0 = no bound
+  // but max_sessions.
+  uint32_t max_sessions_per_principal = 0;
   uint32_t max_query_tokens = 4096;     // per AttendQuery / ReselectRequest
   uint32_t max_batch = 256;             // queries per AttendRequest
   uint32_t chunk_keys = 2048;           // keys per matmul chunk (see sparse_attention.h)
@@ -81,6 +85,9 @@ struct RawAttendOutput {
 
 class ShmSessionServer;
 class CpuAttentionNode;
+namespace internal {
+class SessionOwners;
+}  // namespace internal
 
 // An ExportShard in progress: the validated range and the next entry to read. Made by
 // CpuAttentionNode::StartExport; each Next() reads one chunk under the session's shared lock
@@ -117,17 +124,23 @@ class CpuAttentionNode {
   static absl::StatusOr<std::unique_ptr<CpuAttentionNode>> Create(const NodeOptions& options);
 
   absl::Status OpenSession(const v1::OpenSessionRequest& request,
-                           v1::OpenSessionResponse* response);
+                           v1::OpenSessionResponse* response,
+                           const std::string& caller = security::kAnonymous);
   // Applies one message of the AppendKv stream and adds its counts to `totals`.
-  absl::Status AppendKv(const v1::AppendKvRequest& request, v1::AppendKvResponse* totals);
-  absl::Status Attend(const v1::AttendRequest& request, v1::AttendResponse* response);
-  absl::Status Reselect(const v1::ReselectRequest& request, v1::ReselectResponse* response);
+  absl::Status AppendKv(const v1::AppendKvRequest& request, v1::AppendKvResponse* totals,
+                        const std::string& caller = security::kAnonymous);
+  absl::Status Attend(const v1::AttendRequest& request, v1::AttendResponse* response,
+                      const std::string& caller = security::kAnonymous);
+  absl::Status Reselect(const v1::ReselectRequest& request, v1::ReselectResponse* response,
+                        const std::string& caller = security::kAnonymous);
   absl::Status CloseSession(const v1::CloseSessionRequest& request,
-                            v1::CloseSessionResponse* response);
+                            v1::CloseSessionResponse* response,
+                            const std::string& caller = security::kAnonymous);
   v1::StatsResponse Stats() const;
   // Adds empty shards and drops owned ones (see the proto for the errors). Atomic.
   absl::Status ReshardSession(const v1::ReshardSessionRequest& request,
-                              v1::ReshardSessionResponse* response);
+                              v1::ReshardSessionResponse* response,
+                              const std::string& caller = security::kAnonymous);
 
   // Most bytes of one ExportShardChunk (K + V + MAW + flags) by default.
   static constexpr uint64_t kMaxExportChunkBytes = 16ull << 20;
@@ -135,7 +148,8 @@ class CpuAttentionNode {
   // the shard's held count now). A chunk holds at most max_chunk_entries entries and at most
   // `max_chunk_bytes` bytes of K + V + MAW + flags (at least one entry).
   absl::StatusOr<ShardExport> StartExport(const v1::ExportShardRequest& request,
-                                          uint64_t max_chunk_bytes = kMaxExportChunkBytes);
+                                          uint64_t max_chunk_bytes = kMaxExportChunkBytes,
+                                          const std::string& caller = security::kAnonymous);
   // The whole export in the calling thread: `emit` gets each chunk in order. Stops at the first
   // error of the export or of `emit`, and returns it.
   absl::Status ExportShard(const v1::ExportShardRequest& request,
@@ -183,6 +197,8 @@ class CpuAttentionNode {
  private:
   explicit CpuAttentionNode(const NodeOptions& options);
   void RecordScan(uint64_t bytes, double seconds);
+  // The store's pool budget, which session metadata is charged to as well.
+  kv_store::MemoryBudget& Budget();
 
   // The parts the proto and raw paths share.
   struct AttendItem;
@@ -220,6 +236,7 @@ class CpuAttentionNode {
   std::unique_ptr<kv_store::FreeMemoryReleaser> releaser_;   // null: release_free_after < 0
   ThreadPool pool_;
   std::atomic<bool> draining_{false};
+  std::unique_ptr<internal::SessionOwners> owners_;
 
   std::atomic<uint64_t> attend_calls_{0};
   std::atomic<uint32_t> attend_in_flight_{0};

@@ -3,12 +3,17 @@
 // blocks on attention. Every failure becomes a grpc::Status with the node's message.
 // ExportShard reads each chunk on the executor and writes it before reading the next, so a
 // stream holds one chunk in memory and the session's lock only while a chunk is read.
+// Every method but the health service (separate, open) first authenticates its caller
+// (security::Authenticator: with --allowed_peers only those certificate identities pass,
+// PERMISSION_DENIED otherwise) and passes the principal to the node, which keys session
+// ownership by it.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 
 #include "tandem/cpu_attention/cpu_attention_node.h"
+#include "tandem/security/authenticator.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 
 namespace tandem::cpu_attention {
@@ -18,9 +23,11 @@ class RequestExecutor;
 class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
  public:
   // `node` must outlive the service. executor_threads >= 1. `max_message_bytes` is the server's
-  // send limit: ExportShard chunks stay below it (and below 16 MiB).
+  // send limit: ExportShard chunks stay below it (and below 16 MiB). `authenticator` decides
+  // who may call (default: everyone, as security::kAnonymous).
   CpuAttentionGrpcService(CpuAttentionNode* node, unsigned executor_threads,
-                          uint64_t max_message_bytes = 64 << 20);
+                          uint64_t max_message_bytes = 64 << 20,
+                          security::Authenticator authenticator = {});
   ~CpuAttentionGrpcService() override;
 
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
@@ -51,6 +58,7 @@ class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
   class ExportShardReactor;
 
   CpuAttentionNode* node_;
+  const security::Authenticator authenticator_;
   uint64_t max_chunk_bytes_;
   std::unique_ptr<RequestExecutor> executor_;
 };

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -24,11 +25,12 @@
 #include "tandem/cpu_attention/grpc_service.h"
 #include "tandem/metrics/metrics_server.h"
 #include "tandem/metrics/node_metrics.h"
+#include "tandem/security/credentials.h"
 
 namespace tandem::cpu_attention {
 
 struct ServerOptions {
-  std::string address = "0.0.0.0:50061";  // host:port; port 0 picks a free one; "" = no port
+  std::string address = "127.0.0.1:50061";  // host:port; port 0 picks a free one; "" = no port
   NodeOptions node;
   unsigned executor_threads = 4;
   // Largest message accepted or sent. Bulk KV must come as many AppendKv messages, never one
@@ -37,12 +39,19 @@ struct ServerOptions {
   // host:port of GET /metrics (port 0 picks a free one); "" = none (node.metrics, if set, is
   // then counted into and served by its owner, e.g. the GPU worker for its embedded node).
   std::string metrics_address;
+  // TLS of the port (tandem/security/credentials.h): cert + key = TLS, + ca = mutual TLS
+  // (clients must present a certificate of that CA). None: plaintext.
+  security::TlsFiles tls;
+  // Certificate identities (SAN or CN) that may call anything but health; empty = every
+  // client the CA verified (or everyone without TLS). Needs tls.ca.
+  std::set<std::string> allowed_peers;
 };
 
 class CpuAttentionServer {
  public:
   // Builds the node and starts serving. INVALID_ARGUMENT for bad options (a metrics address
-  // that is not host:port included), UNAVAILABLE if the address or the metrics address cannot
+  // that is not host:port, allowed_peers without tls.ca, half-given TLS files included);
+  // the TLS files' read errors; UNAVAILABLE if the address or the metrics address cannot
   // be bound.
   static absl::StatusOr<std::unique_ptr<CpuAttentionServer>> Start(const ServerOptions& options);
   ~CpuAttentionServer();  // Shutdown()

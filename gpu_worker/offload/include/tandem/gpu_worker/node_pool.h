@@ -50,6 +50,12 @@ struct NodePoolOptions {
   std::string dns_name;                 // "name:port": every address the name resolves to
   cpu_attention::NodeOptions embedded;  // the in-process node, used when both are empty
   int max_message_bytes = 64 << 20;
+  // Credentials of the channels to remote nodes (tandem/security/credentials.h: TLS with the
+  // worker's own certificate for nodes that require mutual TLS); null = plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Name the nodes' certificates are checked against instead of the dialled host (nodes found
+  // by DNS are dialled by IP); "" = the host of each address.
+  std::string tls_server_name;
   int connect_timeout_ms = 5000;        // Create waits this long for every listed node
   int stats_deadline_ms = 2000;         // deadline of the Stats calls of Refresh
   // Period of discovery + Stats (ms); 0 = only at Create and on explicit Refresh() calls.

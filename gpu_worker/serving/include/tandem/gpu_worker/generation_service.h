@@ -12,15 +12,32 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
 #include <string_view>
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/request_validation.h"
 #include "tandem/gpu_worker/scheduler.h"
+#include "tandem/security/authenticator.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
 namespace tandem::gpu_worker {
+
+namespace internal {
+class SessionOwnership;
+}  // namespace internal
+
+// Who may call and how many kept sessions one caller may hold.
+struct ServiceSecurity {
+  // Tokens and client certificates (tandem/security/authenticator.h); the default lets every
+  // caller in as security::kAnonymous.
+  security::Authenticator authenticator;
+  // Kept sessions one principal may hold; 0 = only EngineOptions::max_sessions bounds them.
+  uint32_t max_sessions_per_principal = 0;
+};
 
 // Converts and validates (ValidateGenerateRequest with max_context: the one validator the
 // engine also runs). INVALID_ARGUMENT with a message naming the field for an unknown mode or
@@ -39,6 +56,11 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst);
 // Generate and Tokenize are raw-callback methods: their request bytes are parsed by the service
 // (request_parsing.h), so text that is not UTF-8 is INVALID_ARGUMENT naming the field instead of
 // gRPC's bare UNIMPLEMENTED. The wire format is the proto's.
+//
+// Security: every method authenticates its caller first (UNAUTHENTICATED without a valid
+// bearer token when the worker has --auth_token_file). A kept session belongs to the principal
+// that created it; another principal's Generate or CloseSession on it is PERMISSION_DENIED
+// (internal/session_ownership.h). The health service is separate and stays open.
 class GenerationService final
     : public v1::Generation::WithRawCallbackMethod_Tokenize<
           v1::Generation::WithRawCallbackMethod_Generate<v1::Generation::CallbackService>> {
@@ -46,7 +68,7 @@ class GenerationService final
   // `scheduler` must outlive the service and keep accepting work until the gRPC server that
   // serves this service has shut down (calls in flight finish from the scheduler thread).
   // `info` is the engine's: max_context bounds max_tokens, vocab_size the ids to detokenize.
-  GenerationService(Scheduler* scheduler, const ModelInfo& info);
+  GenerationService(Scheduler* scheduler, const ModelInfo& info, ServiceSecurity security = {});
   ~GenerationService() override;
 
   // request: a serialized v1::GenerateRequest; the stream carries v1::GenerateResponse.
@@ -69,9 +91,19 @@ class GenerationService final
  private:
   class GenerateReactor;
 
+  // Generate's ownership step for a kept session: claims `id` for the caller; returns the
+  // callback the call runs at its end (forgets a never-kept session and closes it in the
+  // engine), or the refusal.
+  absl::StatusOr<std::function<void(bool kept)>> ClaimSession(const std::string& id,
+                                                              const std::string& principal);
+
   Scheduler* scheduler_;
   int64_t max_context_;
   int64_t vocab_size_;
+  const security::Authenticator authenticator_;
+  // Null when callers cannot be told apart and sessions per principal are unbounded (the
+  // insecure default: nothing to enforce).
+  std::unique_ptr<internal::SessionOwnership> owners_;
 };
 
 }  // namespace tandem::gpu_worker

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -26,11 +27,13 @@
 #include "tandem/metrics/metrics_server.h"
 #include "tandem/metrics/node_metrics.h"
 #include "tandem/metrics/worker_metrics.h"
+#include "tandem/security/credentials.h"
+#include "tandem/security/token_file.h"
 
 namespace tandem::gpu_worker {
 
 struct WorkerServerOptions {
-  std::string address = "0.0.0.0:50051";  // host:port; port 0 picks a free one; "" = no port
+  std::string address = "127.0.0.1:50051";  // host:port; port 0 picks a free one; "" = no port
   EngineOptions engine;
   SchedulerOptions scheduler;
   // Largest message accepted or sent (>= 1 MiB). Generate streams one small message per
@@ -39,6 +42,13 @@ struct WorkerServerOptions {
   // host:port of GET /metrics (port 0 picks a free one); "" = none. Bound before the model
   // loads, so a taken port fails at once.
   std::string metrics_address;
+  // TLS of the port: cert + key = TLS, + ca = mutual TLS (clients must present a certificate
+  // of that CA; its identity is their principal unless a token names one). None: plaintext.
+  security::TlsFiles tls;
+  // Bearer tokens clients must send (--auth_token_file); none = no token needed. Needs TLS.
+  std::optional<security::TokenTable> tokens;
+  // Kept sessions one principal may hold; 0 = only engine.max_sessions bounds them.
+  uint32_t max_sessions_per_principal = 0;
 };
 
 class GpuWorkerServer {
@@ -46,7 +56,8 @@ class GpuWorkerServer {
   // Loads the model (Engine::Create), starts the scheduler and serves. The Engine's errors
   // pass through (INVALID_ARGUMENT for a bad model or option, UNAVAILABLE for unreachable CPU
   // nodes); UNAVAILABLE if the address or the metrics address cannot be bound,
-  // INVALID_ARGUMENT for a metrics address that is not host:port.
+  // INVALID_ARGUMENT for a metrics address that is not host:port, tokens without TLS or
+  // half-given TLS files; the files' read errors.
   static absl::StatusOr<std::unique_ptr<GpuWorkerServer>> Start(const WorkerServerOptions& options);
   ~GpuWorkerServer();  // Shutdown(), then stops the scheduler and frees the engine
 
