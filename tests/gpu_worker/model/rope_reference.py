@@ -11,12 +11,8 @@ The checked-in fixtures (tests/gpu_worker/model/rope_fixtures/) are these output
 rope_reference_test.cc runs tandem's forward on the same weights and compares with both.
 python-reference first checks its own rope tables and logits against reference.json
 (transformers) and stops if they differ, so it is transformers' semantics on a second prompt.
-NOTE: the checked-in reference.json files were made when write-models drew a constant prompt
-(every token 31; fixed since): they still pin the rope tables, the attention factor and the
-whole-model plumbing (biases, tied embeddings, norms) to transformers, but a constant prompt
-makes attention position-blind; python_reference.json's random prompt is what tests the
-rotations. Rerunning `reference` on a machine with transformers replaces them with the random
-prompt (the test reads the prompt from the file).
+The checked-in reference.json files were made by `reference` with transformers 5.17 on the GPU
+host (scripts/gpu_host_gateway.sh, part rope) from the random prompts in prompt.json.
 
 Models (f32, 2 layers, hidden 32, head_dim 16, prompts of 100 tokens > 64 original positions):
   qwen2_yarn     Qwen2.5-style: rope_scaling {type yarn, factor 4, original 64}, max 64,

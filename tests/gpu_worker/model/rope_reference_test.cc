@@ -3,13 +3,11 @@
 // (rope_fixtures/<model>/, written by rope_reference.py; 100-token prompts past the 64
 // original positions):
 //   reference.json         transformers 5.17 (LlamaForCausalLM / Qwen2ForCausalLM /
-//                          MistralForCausalLM, f32, eager attention) on its prompt; the
-//                          checked-in one is constant (see the NOTE in rope_reference.py), so
-//                          it pins the model plumbing but not the rotations
-//   python_reference.json  the script's plain-Python f64 forward on a random prompt (its rope
-//                          tables and its logits were checked against transformers' first):
-//                          the test of the rotations (dropping yarn's attention factor or
-//                          dynamic's per-sequence frequencies fails it)
+//                          MistralForCausalLM, f32, eager attention) on the random prompt of
+//                          prompt.json, computed on the GPU host
+//   python_reference.json  the script's plain-Python f64 forward on the same prompt (its rope
+//                          tables and its logits were checked against transformers' first)
+// (dropping yarn's attention factor or dynamic's per-sequence frequencies fails both)
 // each as one forward of the whole prompt ("single") and as a DynamicCache-style run in chunks
 // 48, 32, then one token at a time ("chunked"): dynamic NTK recomputes the frequencies of every
 // forward from its last position + 1 while cached keys keep theirs.
