@@ -44,7 +44,7 @@ start gateway "$build/services/tandem-gateway" --workers "127.0.0.1:$worker_port
   --address 127.0.0.1:0 --log_level warn
 gateway_port=$port
 
-"$build/gateway/openai/tandem-gateway-bench" --worker "127.0.0.1:$worker_port" \
+"$build/bench/tandem-gateway-bench" --worker "127.0.0.1:$worker_port" \
   --gateway "127.0.0.1:$gateway_port" --concurrency "${CONCURRENCY:-1,4}" \
   --num_requests "${REQUESTS:-16}" --warmup 2 --prompt_tokens "${PROMPT:-256}" \
   --output_tokens "${OUTPUT:-64}" | tee "$out/result.txt"
