@@ -34,6 +34,7 @@ KINDS = {
     ("apps/v1", "StatefulSet"): ("V1StatefulSet",),
     ("apps/v1", "Deployment"): ("V1Deployment",),
     ("policy/v1", "PodDisruptionBudget"): ("V1PodDisruptionBudget",),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("V1NetworkPolicy",),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): ("V2HorizontalPodAutoscaler",
                                                      "V2beta2HorizontalPodAutoscaler"),
 }

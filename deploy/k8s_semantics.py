@@ -6,7 +6,10 @@ object) with source like "k8s/cpu-node-statefulset.yaml") and returns error stri
     not-ready addresses) in its namespace whose selector matches the pod labels;
   * every Service, PodDisruptionBudget and HPA selects or targets a workload of the set;
   * every probe is a grpc probe on a port of its container; the readiness probe asks for the
-    component's service (tandem.v1.CpuAttention / tandem.v1.Generation);
+    component's service (tandem.v1.CpuAttention / tandem.v1.Generation); a container serving
+    TLS (--tls_cert) has TCP probes instead (the kubelet's grpc probe cannot speak TLS);
+  * a CPU node with --tls_ca names --allowed_peers (else any certificate of the CA may read
+    every session's KV), and --allowed_peers without --tls_ca is an error (nothing to check);
   * a CPU node's memory request is at least its --pool_bytes and its grace period outlasts
     --drain_timeout_s; a worker requests nvidia.com/gpu and its --cpu_nodes_dns names the
     headless Service of a CPU-node StatefulSet, and its port;
@@ -132,8 +135,23 @@ def _address_port(address):
     return int(port) if host and port.isdigit() else None
 
 
+def _check_tls_probe(where, probe_name, probe, ports, errors):
+    others = [k for k in ("grpc", "httpGet", "exec") if k in probe]
+    tcp = probe.get("tcpSocket")
+    if others or not isinstance(tcp, dict):
+        kind = others[0] if others else "no handler"
+        errors.append(f"{where}: {probe_name} is not a tcpSocket probe ({kind}); the container "
+                      f"serves TLS (--tls_cert) and the kubelet's grpc probe cannot speak TLS")
+        return
+    port = tcp.get("port")
+    if isinstance(port, int) and not isinstance(port, bool) and port not in ports:
+        errors.append(f"{where}: {probe_name} tcpSocket port {port} is not a "
+                      f"containerPort of the container ({_ints(ports)})")
+
+
 def _check_probes(where, container, errors):
     ports = container_ports(container)
+    tls = "tls_cert" in flags(container)
     expected_ready = {"cpu-node": CPU_NODE_SERVICE, "gpu-worker": GPU_WORKER_SERVICE}.get(
         role(container))
     for probe_name in ("livenessProbe", "readinessProbe"):
@@ -144,6 +162,9 @@ def _check_probes(where, container, errors):
         probe = _get(container, probe_name, kind=dict)
         if probe is None:
             continue  # missing (reported above) or not a mapping (the schema check's)
+        if tls:
+            _check_tls_probe(where, probe_name, probe, ports, errors)
+            continue
         others = [k for k in ("httpGet", "tcpSocket", "exec") if k in probe]
         grpc = probe.get("grpc")
         if others or not isinstance(grpc, dict):
@@ -350,6 +371,16 @@ def _check_selectors(entries, errors):
                               f"CPU nodes hold KV and must scale down slowly")
 
 
+def _check_node_peers(where, container, errors):
+    f = flags(container)
+    if "tls_ca" in f and not f.get("allowed_peers"):
+        errors.append(f"{where}: --tls_ca without --allowed_peers lets any certificate of the CA "
+                      f"read and change every session's KV; name the worker's identity")
+    if f.get("allowed_peers") and "tls_ca" not in f:
+        errors.append(f"{where}: --allowed_peers needs --tls_ca (mutual TLS): without client "
+                      f"certificates the node refuses to start")
+
+
 def check(entries, complete=False):
     """Error strings for a manifest set; entries: list of (source, object dict)."""
     errors = []
@@ -385,6 +416,7 @@ def check(entries, complete=False):
             roles.add((o.get("kind"), r))
             if r == "cpu-node":
                 _check_cpu_node(cwhere, pod_spec, c, errors)
+                _check_node_peers(cwhere, c, errors)
             elif r == "gpu-worker":
                 _check_worker(cwhere, c, entries, errors)
     if complete:

@@ -33,6 +33,8 @@ DEFAULT_OUT = os.path.join(DEPLOY_DIR, "k8s")
 CPU_NODE_HEALTH_SERVICE = "tandem.v1.CpuAttention"
 GPU_WORKER_HEALTH_SERVICE = "tandem.v1.Generation"
 MODELS_MOUNT = "/models"
+TLS_MOUNT = "/etc/tandem/tls"
+TOKENS_MOUNT = "/etc/tandem/tokens"
 HEADER = "# Rendered by deploy/render.py from deploy/values.yaml: edit those, not this file.\n"
 
 
@@ -155,6 +157,7 @@ def check_values(v):
     need_int("cpuNodes.threads", c["threads"], 1)  # the cpu request; 0 (all cores) cannot be one
     need_int("cpuNodes.blockTokens", c["blockTokens"], 16, 256)
     need_int("cpuNodes.maxSessions", c["maxSessions"], 1)
+    need_int("cpuNodes.maxSessionsPerPrincipal", c["maxSessionsPerPrincipal"], 0)
     need_int("cpuNodes.drainTimeoutS", c["drainTimeoutS"], 0)
     need_int("cpuNodes.terminationMarginS", c["terminationMarginS"], 1)
     need_int("cpuNodes.releaseFreeAfterS", c["releaseFreeAfterS"], -1, 86400)
@@ -208,6 +211,17 @@ def check_values(v):
                         f"{MODELS_MOUNT}")
     if not _dns_label(g["model"]["pvc"]):
         problems.append(f"gpuWorker.model.pvc: {g['model']['pvc']!r} is not a valid claim name")
+    t = v["tls"]
+    if t["enabled"]:
+        for key in ("workerSecret", "nodeSecret"):
+            if not _dns_label(t[key]):
+                problems.append(f"tls.{key}: {t[key]!r} is not a valid Secret name")
+        for key in ("workerIdentity", "nodeServerName"):
+            if not t[key] or "," in t[key] or " " in t[key]:
+                problems.append(f"tls.{key}: {t[key]!r} must be one certificate name")
+    if t["workerTokensSecret"] and (not t["enabled"] or not _dns_label(t["workerTokensSecret"])):
+        problems.append("tls.workerTokensSecret: needs tls.enabled (a token in plaintext can be "
+                        "replayed) and a valid Secret name")
     for comp in ("cpuNodes", "gpuWorker"):
         extra = v[comp]["extraArgs"]
         if not all(isinstance(a, str) and a.startswith("--") for a in extra):
@@ -263,14 +277,27 @@ def service_ports(v, component_values):
     return ports
 
 
-def grpc_probe(port, service, period, failures, timeout=5):
-    return {"grpc": {"port": port, "service": service}, "periodSeconds": period,
-            "timeoutSeconds": timeout, "failureThreshold": failures}
+def grpc_probe(v, port, service, period, failures, timeout=5):
+    """A grpc.health.v1 probe; a TCP connect with TLS on (the kubelet's grpc probe has no TLS)."""
+    handler = ({"tcpSocket": {"port": port}} if v["tls"]["enabled"]
+               else {"grpc": {"port": port, "service": service}})
+    return {**handler, "periodSeconds": period, "timeoutSeconds": timeout,
+            "failureThreshold": failures}
+
+
+def tls_volume(name, secret):
+    return {"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}}
+
+
+def tls_flags(prefix):
+    return [f"--{prefix}cert={TLS_MOUNT}/tls.crt", f"--{prefix}key={TLS_MOUNT}/tls.key",
+            f"--{prefix}ca={TLS_MOUNT}/ca.crt"]
 
 
 def pod_security(v):
+    # fsGroup: Secret volumes (the TLS keys, mode 0440) are readable by the pod's group only.
     return {"runAsNonRoot": True, "runAsUser": v["runAsUser"], "runAsGroup": v["runAsUser"],
-            "seccompProfile": {"type": "RuntimeDefault"}}
+            "fsGroup": v["runAsUser"], "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -314,7 +341,13 @@ def cpu_node_statefulset(v):
             f"--threads={c['threads']}", f"--block_tokens={c['blockTokens']}",
             f"--max_sessions={c['maxSessions']}", f"--drain_timeout_s={c['drainTimeoutS']}",
             f"--release_free_after_s={c['releaseFreeAfterS']}",
-            f"--log_level={c['logLevel']}", *c["extraArgs"]]
+            f"--log_level={c['logLevel']}"]
+    if c["maxSessionsPerPrincipal"]:
+        args.append(f"--max_sessions_per_principal={c['maxSessionsPerPrincipal']}")
+    if v["tls"]["enabled"]:
+        # Mutual TLS; only the worker's identity may call anything but health.
+        args += [*tls_flags("tls_"), f"--allowed_peers={v['tls']['workerIdentity']}"]
+    args += c["extraArgs"]
     ports = [{"name": "grpc", "containerPort": c["port"], "protocol": "TCP"}]
     pod_metadata = {"labels": labels(v, "cpu-node")}
     with_metrics(v, c, args, ports, pod_metadata)
@@ -328,13 +361,15 @@ def cpu_node_statefulset(v):
         # the kubelet's static CPU manager, gets whole cores for its attention threads.
         "resources": {"requests": {"cpu": cpu, "memory": memory},
                       "limits": {"cpu": cpu, "memory": memory}},
-        "livenessProbe": grpc_probe(c["port"], "", period=10, failures=3),
+        "livenessProbe": grpc_probe(v, c["port"], "", period=10, failures=3),
         # The node sets tandem.v1.CpuAttention NOT_SERVING when it drains after SIGTERM while
         # it keeps serving its sessions: it leaves the Service's DNS answer, not the network.
-        "readinessProbe": grpc_probe(c["port"], CPU_NODE_HEALTH_SERVICE, period=5, failures=2,
-                                     timeout=2),
+        "readinessProbe": grpc_probe(v, c["port"], CPU_NODE_HEALTH_SERVICE, period=5,
+                                     failures=2, timeout=2),
         "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
+    if v["tls"]["enabled"]:
+        container["volumeMounts"] = [{"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True}]
     pod_spec = {
         "terminationGracePeriodSeconds": c["drainTimeoutS"] + c["terminationMarginS"],
         "enableServiceLinks": False,
@@ -347,6 +382,8 @@ def cpu_node_statefulset(v):
         }]}},
         "containers": [container],
     }
+    if v["tls"]["enabled"]:
+        pod_spec["volumes"] = [tls_volume("tls", v["tls"]["nodeSecret"])]
     spec = {"serviceName": n["cpu"], "podManagementPolicy": "Parallel"}
     if not c["hpa"]["enabled"]:
         spec["replicas"] = c["replicas"]
@@ -408,7 +445,16 @@ def gpu_worker_deployment(v):
             f"--backend={g['backend']}", f"--cpu_nodes_dns={cpu_nodes_dns(v)}",
             f"--cpu_nodes_refresh_s={g['cpuNodesRefreshS']}", f"--transport={g['transport']}",
             f"--mode={g['mode']}", f"--beta={g['beta']}", f"--window={g['window']}",
-            f"--log_level={g['logLevel']}", *g["extraArgs"]]
+            f"--log_level={g['logLevel']}"]
+    t = v["tls"]
+    if t["enabled"]:
+        # TLS to clients (server certificate only; tokens if configured) and mutual TLS to the
+        # nodes with the same certificate, checked against the nodes' certificate name.
+        args += [f"--tls_cert={TLS_MOUNT}/tls.crt", f"--tls_key={TLS_MOUNT}/tls.key",
+                 *tls_flags("node_tls_"), f"--node_tls_server_name={t['nodeServerName']}"]
+    if t["workerTokensSecret"]:
+        args.append(f"--auth_token_file={TOKENS_MOUNT}/tokens")
+    args += g["extraArgs"]
     ports = [{"name": "grpc", "containerPort": g["port"], "protocol": "TCP"}]
     pod_metadata = {"labels": labels(v, "gpu-worker")}
     with_metrics(v, g, args, ports, pod_metadata)
@@ -422,11 +468,11 @@ def gpu_worker_deployment(v):
         "resources": {"requests": {"cpu": cpu, "memory": memory},
                       "limits": {"cpu": cpu, "memory": memory, "nvidia.com/gpu": str(g["gpus"])}},
         # The server listens only once the model is loaded: liveness waits for this.
-        "startupProbe": grpc_probe(g["port"], "", period=startup_period,
+        "startupProbe": grpc_probe(v, g["port"], "", period=startup_period,
                                    failures=-(-g["startupTimeoutS"] // startup_period)),
-        "livenessProbe": grpc_probe(g["port"], "", period=10, failures=3),
-        "readinessProbe": grpc_probe(g["port"], GPU_WORKER_HEALTH_SERVICE, period=5, failures=2,
-                                     timeout=2),
+        "livenessProbe": grpc_probe(v, g["port"], "", period=10, failures=3),
+        "readinessProbe": grpc_probe(v, g["port"], GPU_WORKER_HEALTH_SERVICE, period=5,
+                                     failures=2, timeout=2),
         # The root filesystem is read-only; CUDA's JIT cache (PTX of GPUs newer than
         # TANDEM_CUDA_ARCHS) goes to a scratch volume.
         "env": [{"name": "CUDA_CACHE_PATH", "value": "/tmp/cuda-cache"}],
@@ -443,6 +489,13 @@ def gpu_worker_deployment(v):
                          "claimName": g["model"]["pvc"], "readOnly": True}},
                     {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}],
     }
+    if t["enabled"]:
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        pod_spec["volumes"].append(tls_volume("tls", t["workerSecret"]))
+    if t["workerTokensSecret"]:
+        container["volumeMounts"].append({"name": "tokens", "mountPath": TOKENS_MOUNT,
+                                          "readOnly": True})
+        pod_spec["volumes"].append(tls_volume("tokens", t["workerTokensSecret"]))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -471,6 +524,37 @@ def gpu_worker_service(v):
     }
 
 
+def network_policy(v, component, ingress):
+    n = names(v)
+    name = n["cpu"] if component == "cpu-node" else n["gpu"]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(v, name, component),
+            "spec": {"podSelector": {"matchLabels": selector_labels(v, component)},
+                     "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
+def metrics_ingress(v, component_values):
+    """Prometheus scrapes from anywhere in the cluster (its namespace is not known here)."""
+    if not v["metrics"]["enabled"]:
+        return []
+    return [{"ports": [{"port": component_values["metricsPort"], "protocol": "TCP"}]}]
+
+
+def cpu_node_network_policy(v):
+    c = v["cpuNodes"]
+    # Only the worker pods reach the nodes' gRPC port (the kubelet's probes are not subject
+    # to NetworkPolicy).
+    worker_only = {"from": [{"podSelector": {"matchLabels": selector_labels(v, "gpu-worker")}}],
+                   "ports": [{"port": c["port"], "protocol": "TCP"}]}
+    return network_policy(v, "cpu-node", [worker_only, *metrics_ingress(v, c)])
+
+
+def gpu_worker_network_policy(v):
+    g = v["gpuWorker"]
+    clients = {"ports": [{"port": g["port"], "protocol": "TCP"}]}
+    return network_policy(v, "gpu-worker", [clients, *metrics_ingress(v, g)])
+
+
 def namespace(v):
     return {"apiVersion": "v1", "kind": "Namespace",
             "metadata": {"name": v["namespace"]["name"],
@@ -489,6 +573,9 @@ def objects(v):
         out["cpu-node-hpa.yaml"] = cpu_node_hpa(v)
     out["gpu-worker-service.yaml"] = gpu_worker_service(v)
     out["gpu-worker-deployment.yaml"] = gpu_worker_deployment(v)
+    if v["networkPolicy"]["enabled"]:
+        out["cpu-node-networkpolicy.yaml"] = cpu_node_network_policy(v)
+        out["gpu-worker-networkpolicy.yaml"] = gpu_worker_network_policy(v)
     return out
 
 
