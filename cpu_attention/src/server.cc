@@ -74,7 +74,11 @@ absl::StatusOr<std::unique_ptr<CpuAttentionServer>> CpuAttentionServer::Start(
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::channelz::experimental::InitChannelzService();
+  // channelz lists peers and sockets to any caller (it is not behind --allowed_peers), so a
+  // node that restricts its callers does not serve it; nor does an in-process-only node.
+  if (options.allowed_peers.empty() && !options.address.empty()) {
+    grpc::channelz::experimental::InitChannelzService();
+  }
 
   grpc::ServerBuilder builder;
   if (!options.address.empty()) {

@@ -63,7 +63,9 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::channelz::experimental::InitChannelzService();
+  // channelz lists peers and sockets to any caller (no token needed), so a worker that
+  // authenticates its clients does not serve it.
+  if (!options.tokens.has_value()) grpc::channelz::experimental::InitChannelzService();
 
   grpc::ServerBuilder builder;
   if (!options.address.empty()) {
