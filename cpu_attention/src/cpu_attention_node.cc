@@ -749,6 +749,10 @@ CpuAttentionNode::~CpuAttentionNode() {
   servers.clear();   // stops and joins every channel thread while the store is alive
 }
 
+uint64_t CpuAttentionNode::SessionMetadataBytes(uint64_t num_layers, uint64_t num_shards) {
+  return internal::SessionMetadataBytes(num_layers, num_shards);
+}
+
 kv_store::MemoryBudget& CpuAttentionNode::Budget() {
   // KvStore exposes its budget read-only; the node is the one other party that charges it (for
   // session metadata), and the budget object itself is not const (atomics, thread-safe).

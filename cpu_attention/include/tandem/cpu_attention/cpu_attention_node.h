@@ -163,6 +163,10 @@ class CpuAttentionNode {
   // Random 16 hex digits chosen when the node was created (StatsResponse.node_id).
   const std::string& node_id() const { return node_id_; }
 
+  // Pool bytes a session's bookkeeping is charged (OpenSession; kept in step with the owned
+  // shards by ReshardSession): `num_layers` of the geometry, `num_shards` owned.
+  static uint64_t SessionMetadataBytes(uint64_t num_layers, uint64_t num_shards);
+
   ~CpuAttentionNode();   // stops every shm channel thread first
 
   // Raw-pointer forms of Attend (one query) and AppendKv for the shared-memory transport: no
