@@ -9,7 +9,7 @@
 // for a client certificate the node does not allow and for another principal's kept session on
 // the worker; NOT_FOUND, worded as for an unknown id, for another principal's session on a
 // node (node session ids are no oracle); UNAVAILABLE where the TLS handshake fails.
-// Skipped without openssl or ../shared/models/stories260k (worker test only).
+// Skipped without openssl or ../shared/models/stories260k (worker tests only).
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -485,6 +485,46 @@ TEST_F(SecurityE2eTest, WorkerNeedsTokensAndKeepsSessionsToTheirOwner) {
       test_health::HealthStatus(Channel(*port, server_ca), "tandem.v1.Generation");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, test_health::kServing);
+}
+
+TEST_F(SecurityE2eTest, WorkerKeysSessionsByClientCertificate) {
+  if (!fs::exists(Stories260kDir() / "config.json")) {
+    GTEST_SKIP() << "stories260k not found under " << Stories260kDir();
+  }
+  // Mutual TLS to the clients, no tokens: each client's certificate identity is its principal.
+  // The node is embedded (no --cpu_nodes).
+  auto started = ChildProcess::Start(
+      {TANDEM_GPU_WORKER_BIN, "--model=" + Stories260kDir().string(), "--backend=cpu",
+       "--cpu_threads=2", "--address=127.0.0.1:0", "--block_tokens=16", "--log_level=warn",
+       "--tls_cert=" + File("tandem-worker.pem"), "--tls_key=" + File("tandem-worker.key"),
+       "--tls_ca=" + File("ca.pem")});
+  ASSERT_TRUE(started.ok()) << started.status();
+  absl::StatusOr<int> port = (*started)->WaitListening();
+  ASSERT_TRUE(port.ok()) << port.status();
+  auto a = v1::Generation::NewStub(Channel(*port, Identity("client-a")));
+  auto b = v1::Generation::NewStub(Channel(*port, Identity("client-b")));
+  auto rogue = v1::Generation::NewStub(
+      Channel(*port, {File("rogue.pem"), File("rogue.key"), File("ca.pem")}));
+  auto no_cert = v1::Generation::NewStub(Channel(*port, {"", "", File("ca.pem")}));
+
+  int tokens = 0;
+  Expect("worker (mTLS): client-a opens 'cert-chat'", grpc::StatusCode::OK,
+         Generate(*a, "cert-chat", &tokens));
+  Expect("worker (mTLS): client-b continues client-a's 'cert-chat'",
+         grpc::StatusCode::PERMISSION_DENIED, Generate(*b, "cert-chat", &tokens));
+  v1::CloseGenerationSessionRequest close;
+  close.set_session_id("cert-chat");
+  v1::CloseGenerationSessionResponse closed;
+  Expect("worker (mTLS): client-b closes client-a's 'cert-chat'",
+         grpc::StatusCode::PERMISSION_DENIED, b->CloseSession(Deadline().get(), close, &closed));
+  Expect("worker (mTLS): rogue cert (other CA) Generate", grpc::StatusCode::UNAVAILABLE,
+         Generate(*rogue, "", &tokens));
+  Expect("worker (mTLS): no client certificate Generate", grpc::StatusCode::UNAVAILABLE,
+         Generate(*no_cert, "", &tokens));
+  Expect("worker (mTLS): client-a continues 'cert-chat'", grpc::StatusCode::OK,
+         Generate(*a, "cert-chat", &tokens));
+  Expect("worker (mTLS): client-a closes 'cert-chat'", grpc::StatusCode::OK,
+         a->CloseSession(Deadline().get(), close, &closed));
 }
 
 }  // namespace
