@@ -110,7 +110,14 @@ ABSL_FLAG(std::string, placement, "balanced",
 ABSL_FLAG(int, replan_every_steps, 16, "decode steps between placement re-plans (0 = never)");
 ABSL_FLAG(double, replan_min_gain, 0.05,
           "modelled step-time gain (fraction) that justifies migrating shards");
-ABSL_FLAG(int, attend_deadline_ms, 2000, "deadline of each Attend call to a CPU node");
+ABSL_FLAG(int, attend_deadline_ms, 2000,
+          "deadline of each Attend call to a CPU node; a node that misses it is out of "
+          "placement until it answers again, its shards rebuilt on the others");
+ABSL_FLAG(int, control_deadline_ms, 30000,
+          "deadline of a CPU node's OpenSession, AppendKv, Reselect and CloseSession calls");
+ABSL_FLAG(int, cpu_nodes_probe_ms, 250,
+          "period of the health probe (Stats) of CPU nodes that failed a call; they rejoin "
+          "placement once they answer; 0 = only at --cpu_nodes_refresh_s");
 ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
           "KV memory of the embedded CPU node, e.g. 16GiB");
 ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
@@ -236,6 +243,12 @@ absl::Status SecurityFromFlags(tandem::gpu_worker::WorkerServerOptions* options)
   e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
   e.attend_deadline_ms = absl::GetFlag(FLAGS_attend_deadline_ms);
   if (e.attend_deadline_ms < 1) return UsageError("--attend_deadline_ms must be >= 1");
+  e.control_deadline_ms = absl::GetFlag(FLAGS_control_deadline_ms);
+  if (e.control_deadline_ms < 1) return UsageError("--control_deadline_ms must be >= 1");
+  e.nodes.probe_ms = absl::GetFlag(FLAGS_cpu_nodes_probe_ms);
+  if (e.nodes.probe_ms < 0 || e.nodes.probe_ms > 60000) {
+    return UsageError("--cpu_nodes_probe_ms must be in 0..60000");
+  }
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message < (1u << 20) || max_message > (1u << 30)) {
     return UsageError("--max_message_bytes must be in 1MiB..1GiB");

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -10,6 +11,7 @@
 #include <atomic>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -23,6 +25,8 @@ constexpr uint32_t kVersion = 1;
 constexpr uint64_t kAreaAlign = 4096;
 // A server sleeping for requests wakes at least this often to notice Stop().
 constexpr auto kStopSlice = std::chrono::milliseconds(50);
+// A client waiting on a watched server checks that it still runs this often.
+constexpr auto kPeerCheckSlice = std::chrono::milliseconds(2);
 
 uint64_t AlignUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
@@ -178,11 +182,14 @@ absl::StatusOr<std::unique_ptr<ShmChannel>> ShmChannel::Attach(const std::string
     return absl::InvalidArgumentError(
         absl::StrCat("shm segment '", name, "' has areas outside the segment or overlapping"));
   }
+  std::atomic_ref<int32_t>(h->server_pid)
+      .store(static_cast<int32_t>(getpid()), std::memory_order_release);
   Store(&h->attached, 1);
   return ch;
 }
 
 ShmChannel::~ShmChannel() {
+  if (pidfd_ >= 0) close(pidfd_);
   if (base_ != nullptr) munmap(base_, segment_bytes_);
   Unlink();
 }
@@ -196,6 +203,38 @@ void ShmChannel::Unlink() {
 
 bool ShmChannel::PeerAttached() const { return Load(&header()->attached) != 0; }
 
+bool ShmChannel::WatchPeer() {
+  if (!creator_ || pidfd_ >= 0 || !PeerAttached()) return pidfd_ >= 0;
+  // Written by the peer: only a hint until /proc confirms that this process maps our segment
+  // (pids of another pid namespace may name an unrelated process here).
+  const int32_t pid =
+      std::atomic_ref<int32_t>(header()->server_pid).load(std::memory_order_acquire);
+  if (pid <= 0) return false;
+  const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return false;
+  bool maps_segment = false;
+  if (FILE* maps = std::fopen(absl::StrCat("/proc/", pid, "/maps").c_str(), "re")) {
+    const std::string needle = absl::StrCat("/dev/shm", name_);
+    char line[4096];
+    while (!maps_segment && std::fgets(line, sizeof(line), maps) != nullptr) {
+      maps_segment = std::strstr(line, needle.c_str()) != nullptr;
+    }
+    std::fclose(maps);
+  }
+  if (!maps_segment) {
+    close(fd);
+    return false;
+  }
+  pidfd_ = fd;
+  return true;
+}
+
+bool ShmChannel::PeerExited() const {
+  if (pidfd_ < 0) return false;
+  pollfd p{pidfd_, POLLIN, 0};  // a pidfd becomes readable when its process exits
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP | POLLERR)) != 0;
+}
+
 bool ShmChannel::WaitChange(uint32_t* word, uint32_t old, uint32_t* waiting,
                             Clock::time_point until, bool* stop_flag) {
   auto stopped = [stop_flag] {
@@ -207,13 +246,16 @@ bool ShmChannel::WaitChange(uint32_t* word, uint32_t old, uint32_t* waiting,
   for (uint32_t i = 0;; ++i) {
     if (Load(word) != old) return true;
     if ((i & 63) == 63) {
-      if (stopped()) return false;
+      if (stopped() || PeerExited()) return false;
       if (Clock::now() >= spin_until) break;
     }
     CpuRelax();
   }
+  const Clock::duration slice =
+      pidfd_ >= 0 ? Clock::duration(kPeerCheckSlice) : Clock::duration(kStopSlice);
   for (;;) {
     if (stopped()) return false;
+    if (PeerExited()) return Load(word) != old;
     const Clock::time_point now = Clock::now();
     if (now >= until) return Load(word) != old;
     // Announce the sleep before the last check: the peer stores the word, then reads `waiting`
@@ -223,7 +265,7 @@ bool ShmChannel::WaitChange(uint32_t* word, uint32_t old, uint32_t* waiting,
       Store(waiting, 0);
       return true;
     }
-    FutexWait(word, old, std::min<Clock::duration>(until - now, kStopSlice));
+    FutexWait(word, old, std::min<Clock::duration>(until - now, slice));
     Store(waiting, 0);
     if (Load(word) != old) return true;
   }
@@ -253,6 +295,9 @@ absl::StatusOr<std::span<const std::byte>> ShmChannel::WaitResponse(Clock::time_
     const uint32_t seen = Load(&h->response_seq);
     if (seen == last_sent_) break;
     if (!WaitChange(&h->response_seq, seen, &h->client_waiting, deadline, nullptr)) {
+      if (PeerExited()) {
+        return absl::UnavailableError("the shm peer process exited without answering");
+      }
       return absl::DeadlineExceededError("the shm peer did not answer before the deadline");
     }
   }

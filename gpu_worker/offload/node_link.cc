@@ -259,9 +259,12 @@ ShmLink::Start ShmLink::StartAttend(const NodeQuery& query) {
 
 std::optional<NodeAnswer> ShmLink::FinishAttend(Clock::time_point deadline) {
   absl::StatusOr<std::span<const std::byte>> message = channel_->WaitResponse(deadline);
+  error_ = message.status();
   if (!message.ok()) return std::nullopt;
   shm::ResponseHeader h;
-  if (!ShmStatus(*message, &h).ok()) return std::nullopt;
+  error_ = ShmStatus(*message, &h);
+  if (!error_.ok()) return std::nullopt;
+  error_ = absl::DataLossError("malformed shm Attend answer");
   // Everything below was written by the node: check it against what was asked.
   const int64_t G = session_.num_q_heads / session_.num_kv_heads;
   if (h.num_tokens != tokens_ || h.group != G || h.head_dim != session_.head_dim ||
@@ -284,6 +287,7 @@ std::optional<NodeAnswer> ShmLink::FinishAttend(Clock::time_point deadline) {
       std::span<const uint64_t>(reinterpret_cast<const uint64_t*>(base + layout->held), h.num_heads);
   answer.compute_micros = h.compute_micros;
   answer.bytes_scanned = h.bytes_scanned;
+  error_ = absl::OkStatus();
   return answer;
 }
 

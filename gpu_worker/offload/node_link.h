@@ -26,6 +26,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/status/status.h"
+#include "tandem/common/grpc_status.h"
 #include "tandem/cpu_attention/shm_channel.h"
 #include "tandem/gpu_worker/dtype.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -90,6 +91,8 @@ class GrpcLink {
   std::optional<NodeAnswer> FinishAttend();
   // Waits for a call in flight, if any (nothing of it may outlive the link).
   void Join();
+  // The status of the last Attend (after FinishAttend).
+  absl::Status status() const { return FromGrpcStatus(status_); }
 
  private:
   NodePool& pool_;
@@ -112,7 +115,9 @@ class ShmLink {
   // `channel`: the session's channel, mapped by the node. address: for error messages.
   ShmLink(std::unique_ptr<cpu_attention::ShmChannel> channel, std::string address,
           const LinkSession& session)
-      : channel_(std::move(channel)), address_(std::move(address)), session_(session) {}
+      : channel_(std::move(channel)), address_(std::move(address)), session_(session) {
+    channel_->WatchPeer();   // a node process that exits ends our waits at once
+  }
 
   // GrpcLink::Append over the channel; adds the chunks sent to *chunks.
   absl::Status Append(int64_t layer, std::span<const uint32_t> heads, const void* k,
@@ -122,14 +127,17 @@ class ShmLink {
   // answered the previous request yet (it missed a deadline).
   enum class Start { kSent, kBusy, kTooLarge };
   Start StartAttend(const NodeQuery& query);
-  // Waits for the answer until `deadline`; nullopt when it is missing or malformed.
+  // Waits for the answer until `deadline`; nullopt when it is missing or malformed (error()
+  // says why: DEADLINE_EXCEEDED, UNAVAILABLE when the node process exited, DATA_LOSS).
   std::optional<NodeAnswer> FinishAttend(Clock::time_point deadline);
+  const absl::Status& error() const { return error_; }
 
  private:
   std::unique_ptr<cpu_attention::ShmChannel> channel_;
   std::string address_;
   LinkSession session_;
   int64_t tokens_ = 0;
+  absl::Status error_;
 };
 
 }  // namespace tandem::gpu_worker

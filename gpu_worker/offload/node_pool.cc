@@ -80,12 +80,15 @@ NodePool::~NodePool() {
   }
   stop_cv_.notify_all();
   if (refresher_.joinable()) refresher_.join();
+  if (prober_.joinable()) prober_.join();
 }
 
 absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions& options) {
-  if (options.refresh_ms < 0 || options.stats_deadline_ms <= 0 || options.connect_timeout_ms < 0) {
-    return absl::InvalidArgumentError("node pool: refresh_ms, stats_deadline_ms and "
-                                      "connect_timeout_ms must be >= 0 (stats deadline > 0)");
+  if (options.refresh_ms < 0 || options.stats_deadline_ms <= 0 || options.connect_timeout_ms < 0 ||
+      options.probe_ms < 0 || options.probe_deadline_ms <= 0) {
+    return absl::InvalidArgumentError(
+        "node pool: refresh_ms, stats_deadline_ms, connect_timeout_ms, probe_ms and "
+        "probe_deadline_ms must be >= 0 (deadlines > 0)");
   }
   auto pool = std::unique_ptr<NodePool>(new NodePool(options));
   const bool remote = options.discovery != nullptr || !options.addresses.empty() ||
@@ -103,6 +106,10 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
     node->stub = v1::CpuAttention::NewStub(node->channel);
     pool->nodes_.push_back(std::move(node));
     (void)pool->Refresh();   // capacity and rate of the embedded node
+    if (options.probe_ms > 0) {   // (a node that misses a deadline is out until it answers)
+      NodePool* p = pool.get();
+      pool->prober_ = std::thread([p] { p->ProbeLoop(); });
+    }
     return pool;
   }
   absl::StatusOr<std::vector<std::string>> addresses = pool->Discover();
@@ -134,6 +141,10 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
   if (options.refresh_ms > 0) {
     NodePool* p = pool.get();
     pool->refresher_ = std::thread([p] { p->RefreshLoop(); });
+  }
+  if (options.probe_ms > 0) {
+    NodePool* p = pool.get();
+    pool->prober_ = std::thread([p] { p->ProbeLoop(); });
   }
   return pool;
 }
@@ -168,6 +179,11 @@ size_t NodePool::AddLocked(const std::string& address) {
   node->state.reachable = false;   // until it answers Stats
   grpc::ChannelArguments args =
       cpu_attention::CpuAttentionChannelArguments(options_.max_message_bytes);
+  // A node that restarts on its address must be reachable again within a probe or two: gRPC's
+  // default reconnect backoff grows to 120 s.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   security::SetTlsServerName(options_.tls_server_name, &args);
   node->channel = grpc::CreateCustomChannel(
       address,
@@ -219,31 +235,36 @@ absl::Status NodePool::Refresh() {
     v1::StatsResponse stats;
     const grpc::Status s = stub(i).Stats(&ctx, request, &stats);
     std::lock_guard<std::mutex> lock(mu_);
-    NodeState& st = nodes_[i]->state;
-    const bool was_accepting = st.accepting();
-    st.reachable = s.ok();
-    if (s.ok()) {
-      if (!st.node_id.empty() && st.node_id != stats.node_id()) {
-        spdlog::warn("CPU node {} restarted (id {} -> {}): its shards are lost", st.address,
-                     st.node_id, stats.node_id());
-      }
-      st.node_id = stats.node_id();
-      st.draining = stats.draining();
-      st.capacity_bytes = stats.capacity_bytes();
-      st.free_bytes = stats.capacity_bytes() > stats.used_bytes()
-                          ? stats.capacity_bytes() - stats.used_bytes()
-                          : 0;
-      st.scan_bytes_per_second = stats.scan_bytes_per_second();
-      st.threads = stats.threads();
-      st.sessions = stats.sessions();
-    }
-    if (st.accepting() != was_accepting) {
-      generation_.fetch_add(1, std::memory_order_acq_rel);
-      spdlog::info("CPU node {} {} new shards", st.address,
-                   st.accepting() ? "accepts" : "no longer accepts");
-    }
+    ApplyStatsLocked(i, s, stats);
   }
+  NotifyAccepting();
   return discovery_status;
+}
+
+bool NodePool::ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats) {
+  NodeState& st = nodes_[i]->state;
+  const bool was_accepting = st.accepting();
+  st.reachable = s.ok();
+  if (s.ok()) {
+    if (!st.node_id.empty() && st.node_id != stats.node_id()) {
+      spdlog::warn("CPU node {} restarted (id {} -> {}): its shards are lost", st.address,
+                   st.node_id, stats.node_id());
+    }
+    st.node_id = stats.node_id();
+    st.draining = stats.draining();
+    st.capacity_bytes = stats.capacity_bytes();
+    st.free_bytes = stats.capacity_bytes() > stats.used_bytes()
+                        ? stats.capacity_bytes() - stats.used_bytes()
+                        : 0;
+    st.scan_bytes_per_second = stats.scan_bytes_per_second();
+    st.threads = stats.threads();
+    st.sessions = stats.sessions();
+  }
+  if (st.accepting() == was_accepting) return false;
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  spdlog::info("CPU node {} {} new shards", st.address,
+               st.accepting() ? "accepts" : "no longer accepts");
+  return true;
 }
 
 void NodePool::RefreshLoop() {

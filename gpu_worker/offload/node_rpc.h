@@ -34,4 +34,22 @@ inline absl::Status NodeError(const std::string& address, const char* what,
   return NodeError(address, what, FromGrpcStatus(status));
 }
 
+// Whether a failed call says the node itself is unwell (gone, unreachable, too slow, answering
+// garbage), as opposed to refusing this request (NOT_FOUND after a restart, a full pool, a bad
+// argument): such a node is taken out of placement until it answers again.
+inline bool IsNodeFailure(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kAborted:
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace tandem::gpu_worker

@@ -89,6 +89,15 @@ absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
       });
 }
 
+absl::Status NodeTier::Rebuild() {
+  if (recompute_ == nullptr || !remote_->needs_rebuild() || Clock::now() < next_rebuild_) {
+    return absl::OkStatus();
+  }
+  const absl::Status s = remote_->RebuildLost(recompute_);
+  if (!s.ok()) next_rebuild_ = Clock::now() + kRebuildRetry;
+  return s;
+}
+
 absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
   const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;

@@ -42,6 +42,8 @@ void RemoteKv::GrowNodeSlots() {
   if (opened_.size() >= n) return;
   opened_.resize(n, false);
   lost_.resize(n, false);
+  suspect_.resize(n, false);
+  node_ids_.resize(n);
   shm_.resize(n);
   grpc_.resize(n);
   node_rate_.resize(n, 0.0);
@@ -102,6 +104,21 @@ v1::OpenSessionRequest RemoteKv::OpenRequest(
 
 absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
                                                          const RemoteKvOptions& options) {
+  // A node that fails its OpenSession leaves placement (OpenOn reports it): plan again over the
+  // others, at most once per node.
+  absl::StatusOr<std::unique_ptr<RemoteKv>> kv = OpenOnce(pool, options);
+  for (size_t attempt = 0; attempt < pool.size() && !kv.ok() && IsNodeFailure(kv.status()) &&
+                           pool.accepting_count() > 0;
+       ++attempt) {
+    spdlog::warn("session {}: {}; placing it again on the other nodes", options.session_id,
+                 std::string(kv.status().message()));
+    kv = OpenOnce(pool, options);
+  }
+  return kv;
+}
+
+absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::OpenOnce(NodePool& pool,
+                                                             const RemoteKvOptions& options) {
   if (options.kv_dtype != DType::kBF16 && options.kv_dtype != DType::kF32) {
     return absl::InvalidArgumentError("offloaded KV must be bf16 or f32");
   }
@@ -121,7 +138,7 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
   }
   auto kv = std::unique_ptr<RemoteKv>(new RemoteKv(pool, options));
   kv->transport_ = options.transport.value_or(pool.transport());
-  kv->pool_generation_ = pool.generation();
+  kv->pool_generation_ = kv->synced_generation_ = pool.generation();
   // Plan before sending anything: a session that does not fit is refused untouched.
   const std::vector<PlacementNode> nodes = kv->PlannerNodes();
   const std::vector<PlacementShard> shards = kv->PlannerShards(kv->expected_tokens_);
@@ -187,8 +204,14 @@ absl::Status RemoteKv::OpenOn(size_t n, NodeTransport transport,
   v1::OpenSessionResponse response;
   const grpc::Status s = pool_.stub(n).OpenSession(&ctx, request, &response);
   if (channel != nullptr) channel->Unlink();   // the node has mapped it, or never will
-  if (!s.ok()) return NodeError(pool_.address(n), "OpenSession", s);
+  if (!s.ok()) {
+    const absl::Status error = NodeError(pool_.address(n), "OpenSession", s);
+    if (IsNodeFailure(error)) pool_.ReportFailure(n, error);
+    return error;
+  }
   opened_[n] = true;
+  lost_[n] = suspect_[n] = false;
+  node_ids_[n] = pool_.state(n).node_id;
   if (channel != nullptr && response.transport() == v1::TRANSPORT_SHM) {
     shm_[n] = std::make_unique<ShmLink>(std::move(channel), pool_.address(n), Session());
   } else if (transport == NodeTransport::kShm) {
@@ -219,15 +242,19 @@ absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const
     if (!opened_[n] || lost_[n]) continue;
     const std::vector<uint32_t> heads = HeadsOf(n, layer);
     if (heads.empty()) continue;
+    if (suspect_[n]) {   // it would miss these entries: rebuilt elsewhere instead
+      MarkLost(n, absl::UnavailableError(absl::StrCat(
+                      "CPU node ", pool_.address(n), " is out of placement (a missed deadline) "
+                      "while evicted KV must be appended")));
+      continue;
+    }
     const absl::Status s =
         shm_[n] != nullptr
             ? shm_[n]->Append(layer, heads, k, v, maw, num_tokens, window_entries,
                               &shm_append_chunks_)
             : Grpc(n).Append(layer, heads, k, v, maw, num_tokens, window_entries);
-    if (!s.ok()) {
-      lost_[n] = true;
-      return s;
-    }
+    // The node's shards miss these entries now: they are rebuilt elsewhere (RebuildLost).
+    if (!s.ok()) MarkLost(n, s);
   }
   if (layer == options_.num_layers - 1) offloaded_tokens_ += num_tokens;
   return absl::OkStatus();
@@ -252,12 +279,13 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
     }
     if (pages->per_head == 0) pages = nullptr;   // no ids: dense, as without pages
   }
+  SyncWithPool();
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
   NodeQuery query{layer, q, num_tokens, pages, 0};
   for (size_t n = 0; n < opened_.size(); ++n) {
-    if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
+    if (!opened_[n] || lost_[n] || suspect_[n] || HeadsOf(n, layer).empty()) continue;
     if (shm_[n] != nullptr) {
       // The node answers for every head it holds, shards still migrating in included.
       query.answer_heads = static_cast<int64_t>(HeadsOf(n, layer).size());
@@ -342,10 +370,13 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
   // for.
   std::vector<bool> answered(opened_.size(), false);
   LayerSelection selection;
+  std::vector<std::pair<size_t, absl::Status>> failed;
   for (size_t n : shm_calls_) {
     if (std::optional<NodeAnswer> answer = shm_[n]->FinishAttend(attend_deadline_)) {
       TakeAnswer(n, *answer, o, lse, &selection);
       answered[n] = true;
+    } else {
+      failed.emplace_back(n, shm_[n]->error());
     }
   }
   shm_calls_.clear();
@@ -353,9 +384,14 @@ absl::StatusOr<bool> RemoteKv::FinishAttend(float* o, float* lse) {
     if (std::optional<NodeAnswer> answer = grpc_[n]->FinishAttend()) {
       TakeAnswer(n, *answer, o, lse, &selection);
       answered[n] = true;
+    } else {
+      const absl::Status s = grpc_[n]->status();
+      failed.emplace_back(n, s.ok() ? absl::DataLossError("malformed Attend answer") : s);
     }
   }
   grpc_calls_.clear();
+  // (Every call has been joined: the failed nodes' links may go.)
+  for (const auto& [n, why] : failed) NodeFailed(n, NodeError(pool_.address(n), "Attend", why));
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!HeadsOf(n, layer).empty() && !answered[n]) degraded = true;
   }
@@ -381,6 +417,12 @@ absl::Status RemoteKv::Reselect(int64_t layer, const float* q, int64_t num_token
   const size_t q_bytes = num_tokens * options_.num_q_heads * options_.head_dim * sizeof(float);
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n] || lost_[n] || HeadsOf(n, layer).empty()) continue;
+    if (suspect_[n]) {   // its salience would stay stale: rebuilt elsewhere instead
+      MarkLost(n, absl::UnavailableError(absl::StrCat("CPU node ", pool_.address(n),
+                                                      " is out of placement (a missed deadline) "
+                                                      "at a new turn's Reselect")));
+      continue;
+    }
     v1::ReselectRequest request;
     request.set_session_id(options_.session_id);
     request.set_layer(layer);
@@ -395,7 +437,7 @@ absl::Status RemoteKv::Reselect(int64_t layer, const float* q, int64_t num_token
     SetDeadline(ctx, options_.control_deadline_ms);
     v1::ReselectResponse response;
     const grpc::Status s = pool_.stub(n).Reselect(&ctx, request, &response);
-    if (!s.ok()) return NodeError(pool_.address(n), "Reselect", s);
+    if (!s.ok()) MarkLost(n, NodeError(pool_.address(n), "Reselect", s));
   }
   if (beta.has_value()) options_.beta = *beta;
   return absl::OkStatus();
@@ -456,16 +498,33 @@ absl::Status RemoteKv::Reshard(size_t node, const std::vector<size_t>& add,
 
 absl::Status RemoteKv::CloseOn(size_t node) {
   if (!opened_[node]) return absl::OkStatus();
+  if (suspect_[node]) {   // it may not answer for a while: closed once it does
+    pool_.DeferClose(node, options_.session_id, node_ids_[node]);
+    opened_[node] = false;
+    shm_[node].reset();
+    return absl::OkStatus();
+  }
   // CloseSession stops the node's channel thread before the worker unmaps its side.
   v1::CloseSessionRequest request;
   request.set_session_id(options_.session_id);
   grpc::ClientContext ctx;
-  SetDeadline(ctx, options_.control_deadline_ms);
+  // Freeing a session is quick on a healthy node; a node that does not answer within the attend
+  // deadline (stopped, overloaded) frees it later (DeferClose): the executor does not wait.
+  SetDeadline(ctx,
+              std::min(options_.control_deadline_ms, std::max(options_.attend_deadline_ms, 50)));
   v1::CloseSessionResponse response;
   const grpc::Status s = pool_.stub(node).CloseSession(&ctx, request, &response);
   opened_[node] = false;
   shm_[node].reset();
-  if (!s.ok()) return NodeError(pool_.address(node), "CloseSession", s);
+  if (!s.ok()) {
+    const absl::Status error = NodeError(pool_.address(node), "CloseSession", s);
+    // A node that is gone or stopped frees the session when it answers again.
+    if (IsNodeFailure(error)) {
+      pool_.ReportFailure(node, error);
+      pool_.DeferClose(node, options_.session_id, node_ids_[node]);
+    }
+    return error;
+  }
   return absl::OkStatus();
 }
 

@@ -44,7 +44,12 @@ std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
     }
   }
   for (size_t n = 0; n < states.size(); ++n) {
-    const bool lost = n < lost_.size() && lost_[n];
+    // A node lost for this session takes no shards of it while our old session may linger
+    // there (closed when it answers: NodePool::DeferClose); a restarted one (new node id) has
+    // none left and takes them again.
+    const bool restarted = n < node_ids_.size() && !node_ids_[n].empty() &&
+                           !states[n].node_id.empty() && states[n].node_id != node_ids_[n];
+    const bool lost = n < lost_.size() && lost_[n] && !restarted;
     nodes[n].accepting = states[n].accepting() && !lost;
     const double measured = n < node_rate_.size() ? node_rate_[n] : 0.0;
     nodes[n].scan_bytes_per_second = measured > 0 ? measured : states[n].scan_bytes_per_second;
@@ -243,6 +248,7 @@ absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
 absl::Status RemoteKv::Maintain() {
   if (closed_ || attend_layer_ >= 0) return absl::OkStatus();
   GrowNodeSlots();
+  SyncWithPool();
   for (const ShardMigrator::Finished& f : migrator_->TakeFinished()) {
     (void)CompleteMigration(f);   // a failed migration leaves the shard where it was
   }

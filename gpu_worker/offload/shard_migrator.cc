@@ -26,6 +26,7 @@ ShardMigrator::~ShardMigrator() {
     stop_ = true;
     cancel_ = true;
     queue_.clear();
+    CancelActiveLocked();
   }
   cv_.notify_all();
   thread_.join();
@@ -54,11 +55,17 @@ uint64_t ShardMigrator::bytes_copied() const {
   return bytes_copied_;
 }
 
+void ShardMigrator::CancelActiveLocked() {
+  if (active_export_ != nullptr) active_export_->TryCancel();
+  if (active_append_ != nullptr) active_append_->TryCancel();
+}
+
 std::vector<MigrationJob> ShardMigrator::CancelAll() {
   std::unique_lock<std::mutex> lock(mu_);
   std::vector<MigrationJob> dropped(queue_.begin(), queue_.end());
   queue_.clear();
   cancel_ = true;
+  CancelActiveLocked();
   idle_cv_.wait(lock, [this] { return !busy_; });
   cancel_ = false;
   // The interrupted job reported itself as finished with an error: hand it back here instead.
@@ -111,6 +118,20 @@ absl::StatusOr<uint64_t> ShardMigrator::CopyRange(const MigrationJob& job, uint6
   SetDeadline(append_ctx, options_.deadline_ms);
   v1::AppendKvResponse append_response;
   std::unique_ptr<grpc::ClientWriter<v1::AppendKvRequest>> writer;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_export_ = &export_ctx;
+    active_append_ = &append_ctx;
+    if (cancel_) CancelActiveLocked();
+  }
+  // Unregisters the contexts before they go out of scope, whatever path returns.
+  struct Unregister {
+    ShardMigrator* self;
+    ~Unregister() {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      self->active_export_ = self->active_append_ = nullptr;
+    }
+  } unregister{this};
 
   uint64_t next = from_entry;
   uint64_t bytes = 0;
@@ -166,6 +187,10 @@ absl::StatusOr<uint64_t> ShardMigrator::CopyRange(const MigrationJob& job, uint6
     }
   }
   const grpc::Status read_status = reader->Finish();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled = cancelled || cancel_;
+  }
   grpc::Status write_status;
   if (writer != nullptr) {
     writer->WritesDone();

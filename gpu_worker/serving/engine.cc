@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/host_tier.h"
+#include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
@@ -275,6 +276,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
                           ? static_cast<uint32_t>(options_.block_tokens)
                           : 0;
     ro.attend_deadline_ms = options_.attend_deadline_ms;
+    ro.control_deadline_ms = options_.control_deadline_ms;
     ro.expected_tokens = expected_offloaded;
     ro.placement = options_.placement;
     ro.replan_every_steps = options_.replan_every_steps;
@@ -282,7 +284,11 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     ro.selection = seq->selection;
     ro.page_tokens = static_cast<uint32_t>(options_.page_tokens);
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(*nodes_, ro));
-    seq->offload = std::make_unique<NodeTier>(std::move(remote), std::move(pages));
+    auto tier = std::make_unique<NodeTier>(std::move(remote), std::move(pages));
+    // Shards lost with a CPU node are rebuilt from K/V recomputed here (kv_recompute.h).
+    tier->set_recompute(MakeRecomputeKv(*runner_, *seq, options_.prefill_chunk,
+                                        [this](size_t bytes) { return CheckDeviceKv(bytes); }));
+    seq->offload = std::move(tier);
   }
   if (mode == AttentionMode::kOffload) {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> kv,

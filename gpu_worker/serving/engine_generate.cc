@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/request_validation.h"
@@ -141,6 +142,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
                                                                  seq->window.options().sink)));
     }
+    RebuildLostKv(*seq);   // a new turn starts with the shards a lost CPU node held
     TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
         offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
   } else {
@@ -216,6 +218,11 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
       g.failure = s;
       if (first_failure.ok()) first_failure = s;
     }
+  }
+  // After sampling (a rebuild runs a forward pass of its own): shards lost with a CPU node,
+  // one sequence per step.
+  for (const StepItem& item : items) {
+    if (item.generation->seq != nullptr && RebuildLostKv(*item.generation->seq)) break;
   }
   return first_failure;
 }

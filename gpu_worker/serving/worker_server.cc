@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
   if (server->node_metrics_ != nullptr && engine->nodes().embedded() != nullptr) {
     server->embedded_node_.store(&engine->nodes().embedded()->node(), std::memory_order_release);
   }
+  NodePool& nodes = engine->nodes();   // (lives with the engine, in the scheduler)
   TANDEM_ASSIGN_OR_RETURN(server->scheduler_,
                           Scheduler::Create(std::move(engine), scheduler_options));
   ServiceSecurity security{
@@ -91,6 +92,8 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
     health->SetServingStatus(true);
     health->SetServingStatus(kServiceName, true);
   }
+  server->readiness_ =
+      PlacementReadiness::Watch(nodes, server->server_->GetHealthCheckService(), kServiceName);
   return server;
 }
 

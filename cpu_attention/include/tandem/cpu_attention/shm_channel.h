@@ -69,6 +69,7 @@ class ShmChannel {
     uint32_t client_waiting;            // 1 while the client sleeps on response_seq
     uint64_t response_bytes;            // size of the answer
     alignas(64) uint32_t attached;      // server stores 1 once it has mapped the segment
+    int32_t server_pid;                 // server's getpid() at Attach (peer liveness)
   };
 
   // Client side: creates and maps a new segment "/tandem-<pid>-<counter>". INVALID_ARGUMENT
@@ -93,6 +94,14 @@ class ShmChannel {
   void Unlink();
   // Client: whether the server has mapped the segment.
   bool PeerAttached() const;
+  // Client, once the server has attached: watches the server process so that a wait for its
+  // answer ends within milliseconds when it exits (SIGKILL, crash) instead of at the deadline.
+  // Uses a pidfd of the pid the server wrote at Attach, kept only when that process maps this
+  // segment (a server in another pid namespace is not watched: waits end at their deadline).
+  // Returns whether the peer is watched.
+  bool WatchPeer();
+  // Client: true once a watched server process has exited.
+  bool PeerExited() const;
 
   // ---- client side
   std::span<std::byte> request_area() { return {base_ + request_offset_, request_capacity_}; }
@@ -103,7 +112,8 @@ class ShmChannel {
   // True when a sent request has no answer yet.
   bool Busy() const;
   // Waits until the server answers the last Send or `deadline` passes (DEADLINE_EXCEEDED; the
-  // request stays outstanding and Busy() stays true until its late answer arrives). DATA_LOSS
+  // request stays outstanding and Busy() stays true until its late answer arrives), or a
+  // watched server exits (UNAVAILABLE, noticed within kPeerCheckSlice). DATA_LOSS
   // when the server wrote a response size beyond the area. The span stays valid until the next
   // Send.
   absl::StatusOr<std::span<const std::byte>> WaitResponse(Clock::time_point deadline);
@@ -138,6 +148,7 @@ class ShmChannel {
   uint64_t response_offset_ = 0, response_capacity_ = 0;
   uint32_t spin_us_ = 10;
 
+  int pidfd_ = -1;             // client: the watched server process (WatchPeer), or -1
   uint32_t last_sent_ = 0;     // client: sequence of the last request sent
   uint32_t last_request_ = 0;  // server: sequence of the last request received
   bool stop_ = false;          // server: accessed through std::atomic_ref

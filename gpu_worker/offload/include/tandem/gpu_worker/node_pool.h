@@ -13,6 +13,12 @@
 // stops accepting (RemoteKv::Maintain) and place new sessions on accepting nodes only.
 // generation() changes whenever the set of nodes or one's accepting state changes.
 //
+// Membership (issue 14): a node whose call fails (a session reports it with ReportFailure) is
+// out of placement at once (not reachable); a health watch probes such nodes with Stats every
+// probe_ms and takes one back as soon as it answers (within probe_ms + its reconnect backoff,
+// which is capped at 500 ms). Sessions a failed node still held are closed there when it answers
+// again with the same node id (DeferClose): a node that was only stopped or cut off frees them.
+//
 // Thread-safe: Refresh may run on its own thread while sessions use stubs and snapshots.
 #pragma once
 
@@ -61,6 +67,10 @@ struct NodePoolOptions {
   // Period of discovery + Stats (ms); 0 = only at Create and on explicit Refresh() calls.
   int refresh_ms = 0;
   NodeTransport transport = NodeTransport::kAuto;   // RemoteKv's default for these nodes
+  // Health watch of nodes that failed a call (or sessions waiting to be closed on them): Stats
+  // every probe_ms, each with probe_deadline_ms. 0 = no watch (nodes come back at Refresh).
+  int probe_ms = 250;
+  int probe_deadline_ms = 500;
   // Replaces the address list and the DNS name as the source of nodes (tests; other discovery
   // systems). Called at Create and on every Refresh.
   NodeDiscovery discovery;
@@ -104,6 +114,20 @@ class NodePool {
   // error, if any (the known nodes stay as they were).
   absl::Status Refresh();
 
+  // A call to node i failed with `why`: it stops accepting until the health watch (or Refresh)
+  // hears from it again. Thread-safe; cheap when it is already marked.
+  void ReportFailure(size_t i, const absl::Status& why);
+  // Closes `session_id` on node i once it answers again with node id `node_id` (a session left
+  // behind on a node that failed; a restarted node lost it anyway). Thread-safe.
+  void DeferClose(size_t i, const std::string& session_id, const std::string& node_id);
+  // Calls `on_change(any_accepting)` now and whenever accepting_count() moves between 0 and
+  // more (from the thread that saw the change; keep it short, never call back into the pool).
+  // The pool holds it until destroyed or Unwatch. One watcher.
+  void WatchAccepting(std::function<void(bool)> on_change);
+  void UnwatchAccepting();
+  // Sessions waiting to be closed on nodes that failed (DeferClose), all nodes together.
+  size_t deferred_closes() const;
+
   // The in-process node, or nullptr when the nodes are remote.
   cpu_attention::CpuAttentionServer* embedded() const { return embedded_.get(); }
   NodeTransport transport() const { return transport_; }
@@ -119,6 +143,14 @@ class NodePool {
   // Adds a node for `address` (not yet reachable-checked); returns its index. Needs mu_.
   size_t AddLocked(const std::string& address);
   void RefreshLoop();
+  void ProbeLoop();
+  // One pass of the health watch: Stats of unreachable nodes, deferred closes of reachable ones.
+  void ProbeOnce();
+  // Stores a Stats answer (or failure) into node i's state; returns whether accepting changed.
+  // Needs mu_.
+  bool ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats);
+  // Calls the accepting watcher if any_accepting changed since its last call.
+  void NotifyAccepting();
 
   const NodePoolOptions options_;
   std::unique_ptr<cpu_attention::CpuAttentionServer> embedded_;
@@ -130,10 +162,22 @@ class NodePool {
   std::atomic<uint64_t> generation_{0};
   std::mutex refresh_mu_;   // one Refresh at a time
 
+  struct PendingClose {
+    size_t node;
+    std::string session_id;
+    std::string node_id;
+  };
+  std::vector<PendingClose> pending_closes_;   // guarded by mu_
+
+  std::mutex watch_mu_;   // the watcher and its last value; never held while calling the pool
+  std::function<void(bool)> on_accepting_;
+  int last_accepting_ = -1;   // -1 = not told yet
+
   std::mutex stop_mu_;
   std::condition_variable stop_cv_;
   bool stop_ = false;
   std::thread refresher_;
+  std::thread prober_;
 };
 
 // Resolves "name:port" to "ip:port" strings (IPv6 as "[ip]:port"), sorted and deduplicated.

@@ -13,6 +13,7 @@
 // Not thread-safe: the engine's executor thread owns it with its sequence.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -42,6 +43,13 @@ class NodeTier final : public OffloadTier {
   absl::Status Append(TierContext& context, WindowCache& window,
                       const std::vector<EvictedBlock>& blocks) override;
 
+  // Lost shards (remote_kv.h, "Failure model") are rebuilt from K/V that `recompute` produces
+  // (the engine's GPU prefill of the sequence's tokens); without one they stay degraded.
+  void set_recompute(RecomputeKv recompute) { recompute_ = std::move(recompute); }
+  bool needs_rebuild() const override { return remote_->needs_rebuild(); }
+  // RemoteKv::RebuildLost; after a failure the next attempt waits kRebuildRetry.
+  absl::Status Rebuild() override;
+
   absl::Status Reserve(int64_t tokens) override { return remote_->Reserve(tokens); }
   absl::Status Maintain() override { return remote_->Maintain(); }
   absl::Status Close() override { return remote_->Close(); }
@@ -67,8 +75,12 @@ class NodeTier final : public OffloadTier {
   // run batched; each queued one holds its scratch until the flush.
   static constexpr size_t kMaxBatchedSelectScratchBytes = size_t{4} << 20;
 
+  static constexpr std::chrono::milliseconds kRebuildRetry{200};
+
   std::unique_ptr<RemoteKv> remote_;
   std::unique_ptr<PageIndex> pages_;
+  RecomputeKv recompute_;
+  std::chrono::steady_clock::time_point next_rebuild_{};
   bool paged_ = false;                     // the attend in flight names pages
   DeviceBuffer selected_;                  // chosen page ids [n, H_kv, per_head] (device)
   std::vector<int32_t> page_ids_;          // their host copy

@@ -14,10 +14,20 @@
 // the session (shard_migrator.h: copy in the background, then between two steps copy the tail,
 // switch the shard's traffic, free it on the old node).
 //
-// Failure model (DESIGN.md): every call has a deadline. A node that misses an Attend deadline or
-// fails it leaves its heads' partial state empty (LSE -inf, valid by the merge): the step is
-// degraded and counted. A node whose AppendKv fails has lost entries, so it is marked lost for
-// this sequence and every later Attend of its heads is degraded too.
+// Failure model (DESIGN.md, issue 14): every call has a deadline. A node that fails a call
+// leaves its heads' partial state empty (LSE -inf, valid by the merge): the step is degraded
+// and counted, and the request goes on. A node that misses an Attend deadline is *suspect*:
+// the pool takes it out of placement (NodePool::ReportFailure) and this session skips it
+// (degraded steps) until the pool's health watch hears from it again; if an eviction must be
+// appended meanwhile, it becomes lost. A node that fails otherwise (connection lost, shm peer
+// process gone: noticed within ~2 ms, its session gone after a restart) is *lost* for this
+// session at once: nothing more is sent to it, and the session it held there is closed when it
+// answers again (NodePool::DeferClose). The lost node's shards are rebuilt on the nodes that remain by
+// RebuildLost(): new nodes are planned for them, and K/V of every offloaded position is
+// recomputed by the caller (a GPU prefill of the session's tokens) and appended there; steps
+// are degraded until then and not after. A request fails only when no node can hold its KV
+// (Open: UNAVAILABLE / RESOURCE_EXHAUSTED naming why); Open retries without a node that fails
+// its OpenSession.
 //
 // Transport (per node, chosen at Open; see NodeTransport): the data path goes through a node
 // link (src/node_link.h): over shared memory (a node on this host) StartAttend writes q into the
@@ -34,6 +44,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -79,7 +90,7 @@ struct RemoteKvOptions {
   SelectionRule selection = SelectionRule::kMaw;
   uint32_t page_tokens = 16;      // kPages: entries per page, 1..4096
   int attend_deadline_ms = 1000;
-  int control_deadline_ms = 30000;   // OpenSession, AppendKv, Reselect, CloseSession
+  int control_deadline_ms = 30000;   // OpenSession, AppendKv, Reselect, CloseSession (ms)
   // Unset: the pool's transport (NodePoolOptions::transport).
   std::optional<NodeTransport> transport;
   // Shared-memory channel per node (reserved in /dev/shm while the session is open): the
@@ -126,9 +137,20 @@ struct PlacementCounters {
   uint64_t migrations_done = 0;     // switched to the new node
   uint64_t migrations_failed = 0;   // abandoned (the shard stayed where it was)
   uint64_t bytes_migrated = 0;
+  uint64_t nodes_lost = 0;          // nodes this session lost (a failed call, a restart)
+  uint64_t shards_rebuilt = 0;      // shards re-created on other nodes by RebuildLost
+  double last_rebuild_ms = 0;       // wall time of the last RebuildLost that rebuilt shards
   double modelled_step_seconds = 0;   // of the current placement (the planner's model)
   double last_plan_ms = 0;            // wall time of the last plan
 };
+
+// Receives the recomputed K/V of one layer for RemoteKv::RebuildLost, head-major as Append:
+//   k, v: [num_kv_heads, tokens, head_dim] of kv_dtype (tokens = the offloaded entries per shard)
+using RebuiltLayerSink =
+    std::function<absl::Status(int64_t layer, const void* k, const void* v, int64_t tokens)>;
+// Recomputes K/V of the first `tokens` offloaded positions and calls sink once per layer, in
+// layer order.
+using RecomputeKv = std::function<absl::Status(int64_t tokens, const RebuiltLayerSink& sink)>;
 
 // Selection counters of one layer, summed over its kv heads.
 struct LayerSelection {
@@ -175,6 +197,15 @@ class RemoteKv {
   // Between decode steps (never while an Attend is in flight): completes finished migrations,
   // re-plans when due or when the node set changed, starts migrations. Cheap when idle.
   absl::Status Maintain();
+  // Shards placed on a node this session lost (their entries are gone; their attends are
+  // degraded) wait for RebuildLost.
+  bool needs_rebuild() const;
+  // Between decode steps: plans accepting nodes for the lost shards, opens them there and
+  // appends the K/V `recompute` produces for all offloaded_tokens() entries (MAW selection:
+  // every rebuilt entry selected, as with beta 0, until the next turn's Reselect). Afterwards
+  // those shards attend normally. UNAVAILABLE / RESOURCE_EXHAUSTED when no node can take them
+  // (the shards stay lost; call again later), or the recompute's error (likewise).
+  absl::Status RebuildLost(const RecomputeKv& recompute);
   // Runs Maintain until no migration is pending or `timeout` passes (tests, benchmarks).
   absl::Status SettleMigrations(std::chrono::milliseconds timeout);
   // Forces a cost re-plan at the next Maintain() that ignores the copy's payback (not the
@@ -248,6 +279,16 @@ class RemoteKv {
   // Counts a node's shards (placed or arriving by migration).
   size_t ShardsOn(size_t node) const;
   absl::Status OpenOn(size_t node, NodeTransport transport, v1::OpenSessionRequest& request);
+  // Open() once over the accepting nodes (Open retries it without nodes that fail).
+  static absl::StatusOr<std::unique_ptr<RemoteKv>> OpenOnce(NodePool& pool,
+                                                            const RemoteKvOptions& options);
+  // Node `node` failed `why` (or left the pool): see "Failure model". No call may be in flight
+  // on its links except a gRPC Attend (joined here).
+  void MarkLost(size_t node, const absl::Status& why);
+  // A call to `node` failed: DEADLINE_EXCEEDED makes it suspect, anything else lost.
+  void NodeFailed(size_t node, const absl::Status& why);
+  // Marks lost the opened nodes the pool took out of placement or that restarted.
+  void SyncWithPool();
   // The gRPC link to `node` (made on first use), and what links know of the session.
   GrpcLink& Grpc(size_t node);
   LinkSession Session() const;
@@ -264,7 +305,11 @@ class RemoteKv {
   NodePool& pool_;
   RemoteKvOptions options_;
   std::vector<bool> opened_;    // per node: OpenSession succeeded
-  std::vector<bool> lost_;      // per node: an AppendKv failed, its entries are incomplete
+  // Per node: lost (see "Failure model"): shards placed there have no entries until rebuilt.
+  std::vector<bool> lost_;
+  std::vector<bool> suspect_;   // per node: missed a deadline, out of placement (skipped)
+  std::vector<std::string> node_ids_;   // per node: Stats.node_id when our session was opened
+  uint64_t synced_generation_ = 0;      // pool generation SyncWithPool last looked at
   // Per node: its shared-memory link, or null when it is served over gRPC; its gRPC link (for
   // appends and attends without shm, and attends too large for the channel).
   std::vector<std::unique_ptr<ShmLink>> shm_;

@@ -84,6 +84,11 @@ class ShardMigrator {
   bool busy_ = false;                   // a job is being copied; guarded by mu_
   bool cancel_ = false;                 // abandon the job in progress; guarded by mu_
   bool stop_ = false;                   // guarded by mu_
+  // The calls of the copy in progress: cancelled at once by CancelAll and the destructor (a
+  // node that stopped answering must not hold them until the deadline). Guarded by mu_.
+  grpc::ClientContext* active_export_ = nullptr;
+  grpc::ClientContext* active_append_ = nullptr;
+  void CancelActiveLocked();
   std::vector<Finished> finished_;      // guarded by mu_
   uint64_t bytes_copied_ = 0;           // guarded by mu_
   std::thread thread_;

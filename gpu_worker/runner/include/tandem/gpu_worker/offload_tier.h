@@ -237,6 +237,13 @@ class OffloadTier {
   virtual absl::Status Reserve(int64_t tokens) = 0;
   // Between steps (never while an attend is in flight): placement re-plans, migrations.
   virtual absl::Status Maintain() = 0;
+  // Whether part of the tier's KV was lost with a CPU node (its attends are degraded) and can
+  // be rebuilt by Rebuild(); the base tier never loses any.
+  virtual bool needs_rebuild() const { return false; }
+  // Between passes (the runner's buffers, logits included, may be overwritten: it may run a
+  // forward pass of its own): re-creates the lost part. An error leaves it lost (degraded) and
+  // may be retried later; it does not fail the sequence.
+  virtual absl::Status Rebuild() { return absl::OkStatus(); }
   virtual absl::Status Close() = 0;
   // Mean selected/held share per layer over the tier's life; empty when it attends everything.
   virtual std::vector<double> MeanSelectedShare() const = 0;

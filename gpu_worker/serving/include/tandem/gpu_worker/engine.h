@@ -87,6 +87,7 @@ struct EngineOptions {
   // CPU attention nodes (empty addresses and dns_name: one node in-process).
   NodePoolOptions nodes;
   int attend_deadline_ms = 2000;
+  int control_deadline_ms = 30000;   // OpenSession, AppendKv, Reselect, CloseSession (ms)
   // Placement of hybrid sessions' shards on the nodes (remote_kv.h): cost-balanced with live
   // re-planning every replan_every_steps decode steps, or the cost-blind uniform spread.
   PlacementPolicy placement = PlacementPolicy::kBalanced;

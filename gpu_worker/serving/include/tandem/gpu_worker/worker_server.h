@@ -23,6 +23,7 @@
 #include "tandem/cpu_attention/server.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/generation_service.h"
+#include "tandem/gpu_worker/placement_readiness.h"
 #include "tandem/gpu_worker/scheduler.h"
 #include "tandem/metrics/metrics_server.h"
 #include "tandem/metrics/node_metrics.h"
@@ -94,6 +95,8 @@ class GpuWorkerServer {
   std::unique_ptr<GenerationService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<metrics::MetricsServer> metrics_server_;
+  // Health follows whether hybrid sessions can be placed; gone before server_ and the pool.
+  std::unique_ptr<PlacementReadiness> readiness_;
   // The engine's embedded CPU node (null: none, or no metrics); read by scrapes.
   std::atomic<const cpu_attention::CpuAttentionNode*> embedded_node_{nullptr};
   ModelInfo info_;

@@ -1,0 +1,50 @@
+// Recomputing a hybrid sequence's offloaded K/V on the device from its token ids: what rebuilds
+// the shards a lost CPU node held (remote_kv.h, "Failure model"; issue 14).
+//
+// The whole offloaded range is recomputed at once: a gpu-mode prefill of positions
+// [0, sink + tokens) of the sequence's tokens into a temporary device window, whose K/V of
+// positions [sink, sink + tokens) go to the sink layer by layer. The K/V are those of exact
+// attention (the sequence's own were computed with its selected CPU part), so layers above the
+// first may differ from the lost ones within the hybrid approximation; entries keep their
+// positions' order, so page numbers (and the page index's summaries) still name the same
+// positions. Not thread-safe: the engine's executor thread, between passes (it overwrites the
+// runner's buffers, logits included).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "absl/status/status.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/remote_kv.h"
+#include "tandem/gpu_worker/sequence.h"
+
+namespace tandem::gpu_worker {
+
+// Device bytes the temporary window of a recompute of `tokens` entries takes.
+size_t RecomputeWindowBytes(const Sequence& seq, int64_t tokens, int64_t max_chunk);
+
+// Runs the prefill and calls sink(layer, k, v, tokens) per layer with
+//   k, v: [num_kv_heads, tokens, head_dim] of the window dtype (host; valid during the call).
+// INVALID_ARGUMENT when the sequence has fewer than sink + tokens tokens; RESOURCE_EXHAUSTED
+// when the temporary window does not fit the device; the sink's error.
+absl::Status RecomputeOffloadedKv(ModelRunner& runner, const Sequence& seq, int64_t tokens,
+                                  int64_t max_chunk, const RebuiltLayerSink& sink);
+
+}  // namespace tandem::gpu_worker
+
+namespace tandem::gpu_worker {
+
+// The recompute a NodeTier of `seq` rebuilds lost shards with (NodeTier::set_recompute): checks
+// the temporary window's device bytes with `check_device` (RESOURCE_EXHAUSTED: try later), then
+// RecomputeOffloadedKv. `runner` and `seq` must outlive the tier.
+RecomputeKv MakeRecomputeKv(ModelRunner& runner, const Sequence& seq, int64_t max_chunk,
+                            std::function<absl::Status(size_t bytes)> check_device);
+
+// Between passes: rebuilds what `seq`'s tier lost with a CPU node, if anything (a failure is
+// logged; the sequence stays degraded and a later call retries). Returns whether it tried (a
+// prefill ran or failed): callers rebuild one sequence per step so that a node lost under many
+// sessions does not stall every stream at once.
+bool RebuildLostKv(Sequence& seq);
+
+}  // namespace tandem::gpu_worker
