@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -32,6 +33,8 @@
 #include "child_process.h"
 #include "health_check.h"
 #include "nlohmann/json.hpp"
+#include "spdlog/sinks/ringbuffer_sink.h"
+#include "spdlog/spdlog.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/gpu_worker/worker_server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
@@ -54,6 +57,16 @@ std::filesystem::path ModelDir() {
 
 double Ms(Clock::time_point from, Clock::time_point to) {
   return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+// Local seconds since midnight, as spdlog's timestamps print them.
+double SecondsOfDay(std::chrono::system_clock::time_point t) {
+  const std::time_t secs = std::chrono::system_clock::to_time_t(t);
+  std::tm local{};
+  localtime_r(&secs, &local);
+  const double frac =
+      std::chrono::duration<double>(t - std::chrono::system_clock::from_time_t(secs)).count();
+  return local.tm_hour * 3600.0 + local.tm_min * 60.0 + local.tm_sec + frac;
 }
 
 std::unique_ptr<grpc::ClientContext> Deadline(int ms) {
@@ -90,7 +103,13 @@ Outcome Generate(v1::Generation::Stub& stub, const v1::GenerateRequest& request,
   return out;
 }
 
-class ChaosTest : public ::testing::Test {
+// The node transport and the sessions' selection rule.
+struct ChaosCase {
+  NodeTransport transport;
+  const char* selection;
+};
+
+class ChaosTest : public ::testing::TestWithParam<ChaosCase> {
  protected:
   void SetUp() override {
     std::ifstream golden(ModelDir() / "golden.json");
@@ -140,6 +159,7 @@ class ChaosTest : public ::testing::Test {
     options.engine.attend_deadline_ms = kAttendDeadlineMs;
     options.engine.control_deadline_ms = 1500;
     options.engine.nodes.probe_ms = 250;
+    options.engine.nodes.transport = GetParam().transport;
     auto worker = GpuWorkerServer::Start(options);
     ASSERT_TRUE(worker.ok()) << worker.status();
     worker_ = std::move(*worker);
@@ -157,6 +177,7 @@ class ChaosTest : public ::testing::Test {
     r.set_window(32);
     r.set_sink(4);
     r.set_ignore_eos(true);
+    r.set_selection(GetParam().selection);
     if (!session.empty()) r.set_session_id(session);
     return r;
   }
@@ -188,7 +209,11 @@ class ChaosTest : public ::testing::Test {
   std::unique_ptr<v1::Generation::Stub> stub_;
 };
 
-TEST_F(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
+TEST_P(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
+  // The worker logs each rebuild ("session S: rebuilt N shards (E entries each) on K node(s) in
+  // T ms"): kept for the printed summary.
+  auto log = std::make_shared<spdlog::sinks::ringbuffer_sink_mt>(4096);
+  spdlog::default_logger()->sinks().push_back(log);
   StartWorker();
   const auto t_start = Clock::now();
   std::mutex mu;
@@ -218,6 +243,7 @@ TEST_F(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
   // --- SIGKILL node 1; a new request must be served within 2 s.
   const int killed_port = std::stoi(addresses_[1].substr(addresses_[1].rfind(':') + 1));
   const auto t_kill = Clock::now();
+  const double kill_wall = SecondsOfDay(std::chrono::system_clock::now());
   nodes_[1]->Signal(SIGKILL);
   const Outcome fresh = Generate(*stub_, Request(8));
   const double served_ms = Ms(t_kill, fresh.end);
@@ -241,6 +267,7 @@ TEST_F(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
 
   // --- SIGSTOP node 0 past the attend deadline, then SIGCONT.
   const auto t_stop = Clock::now();
+  const double stop_wall = SecondsOfDay(std::chrono::system_clock::now());
   nodes_[0]->Signal(SIGSTOP);
   std::this_thread::sleep_for(std::chrono::milliseconds(kStopMs));
   nodes_[0]->Signal(SIGCONT);
@@ -267,6 +294,17 @@ TEST_F(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
     }
   }
   EXPECT_GT(degraded, 0u) << "a node was killed and another stopped mid-decode";
+  // Both events left degraded steps in the requests decoding through them.
+  auto degraded_across = [&](Clock::time_point t) {
+    uint64_t n = 0;
+    for (const Outcome& o : outcomes) {
+      if (o.start < t && o.end > t) n += o.final.degraded_steps();
+    }
+    return n;
+  };
+  EXPECT_GT(degraded_across(t_kill), 0u) << "requests decoding through the SIGKILL";
+  EXPECT_GT(degraded_across(t_stop + std::chrono::milliseconds(kAttendDeadlineMs)), 0u)
+      << "requests decoding through the SIGSTOP";
   if (std::getenv("CHAOS_DEBUG") != nullptr) {
     std::printf("kill %.0f restart %.0f stop %.0f cont %.0f\n", Ms(t_start, t_kill),
                 Ms(t_start, t_restart), Ms(t_start, t_stop), Ms(t_start, t_cont));
@@ -312,15 +350,57 @@ TEST_F(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
   }
   EXPECT_TRUE(clean) << "node 0: " << why[0] << "; node 1: " << why[1];
 
+  spdlog::default_logger()->sinks().pop_back();
+  std::vector<double> rebuild_ms;
+  // Detection: the first "failed a call" line after each event (its log timestamp).
+  double kill_detect_ms = -1, stop_detect_ms = -1;
+  for (const std::string& line : log->last_formatted()) {
+    if (line.find("failed a call") != std::string::npos && line.size() > 24 && line[0] == '[') {
+      const double at = std::atoi(line.substr(12, 2).c_str()) * 3600.0 +
+                        std::atoi(line.substr(15, 2).c_str()) * 60.0 +
+                        std::atof(line.substr(18, 6).c_str());
+      if (kill_detect_ms < 0 && at >= kill_wall - 0.001 && at < stop_wall) {
+        kill_detect_ms = (at - kill_wall) * 1000;
+      }
+      if (stop_detect_ms < 0 && at >= stop_wall - 0.001) stop_detect_ms = (at - stop_wall) * 1000;
+    }
+    const size_t at = line.find(" shards (");
+    const size_t in = line.rfind(" in ");
+    if (line.find(": rebuilt ") == std::string::npos || at == std::string::npos ||
+        in == std::string::npos) {
+      continue;
+    }
+    rebuild_ms.push_back(std::atof(line.c_str() + in + 4));
+  }
+  std::sort(rebuild_ms.begin(), rebuild_ms.end());
+  EXPECT_FALSE(rebuild_ms.empty()) << "no session rebuilt lost shards";
+  if (!rebuild_ms.empty()) {
+    std::printf(
+        "chaos: %zu session rebuilds, median %.1f ms, max %.1f ms; failure noticed %.0f ms "
+        "after the SIGKILL, %.0f ms after the SIGSTOP\n",
+        rebuild_ms.size(), rebuild_ms[rebuild_ms.size() / 2], rebuild_ms.back(), kill_detect_ms,
+        stop_detect_ms);
+  }
   std::printf(
-      "chaos: %zu requests completed (%d clients), %llu degraded layer steps; SIGKILL: new "
+      "chaos (%s, %s): %zu requests completed (%d clients), %llu degraded layer steps; SIGKILL: "
+      "new "
       "request served in %.0f ms, longest token gap %.0f ms, restarted node rejoined in %.0f ms; "
       "SIGSTOP %d ms (attend deadline %d ms): longest token gap %.0f ms; kept-session turns "
       "after rebuild: 0 degraded; nodes clean %.0f ms after the last close; total %.1f s\n",
-      outcomes.size(), kClients, static_cast<unsigned long long>(degraded), served_ms, kill_gap_ms,
-      rejoin_ms, kStopMs, kAttendDeadlineMs, stop_gap_ms, Ms(t_clean, Clock::now()),
-      Ms(t_start, Clock::now()) / 1000);
+      NodeTransportName(GetParam().transport), GetParam().selection, outcomes.size(), kClients,
+      static_cast<unsigned long long>(degraded), served_ms, kill_gap_ms, rejoin_ms, kStopMs,
+      kAttendDeadlineMs, stop_gap_ms, Ms(t_clean, Clock::now()), Ms(t_start, Clock::now()) / 1000);
 }
+
+// Shared memory with MAW selection (the shm peer's death is seen through its pid), gRPC with
+// page selection (the page index must keep naming the rebuilt entries).
+INSTANTIATE_TEST_SUITE_P(Transports, ChaosTest,
+                         ::testing::Values(ChaosCase{NodeTransport::kShm, "maw"},
+                                           ChaosCase{NodeTransport::kGrpc, "pages"}),
+                         [](const ::testing::TestParamInfo<ChaosCase>& info) {
+                           return absl::StrCat(NodeTransportName(info.param.transport), "_",
+                                               info.param.selection);
+                         });
 
 }  // namespace
 }  // namespace tandem::gpu_worker
