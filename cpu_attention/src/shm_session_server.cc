@@ -34,8 +34,9 @@ void ShmSessionServer::Loop() {
     const uint64_t bytes = request.ok()
                                ? ServeShmRequest(*node_, session_id_, geometry_, *request, area)
                                : ShmErrorReply(request.status(), area);
-    channel_->Reply(bytes);
+    // Counted before the answer is released, so a client that has its answer sees it counted.
     requests_served_->fetch_add(1, std::memory_order_relaxed);
+    channel_->Reply(bytes);
   }
 }
 

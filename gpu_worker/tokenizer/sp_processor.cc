@@ -14,6 +14,21 @@
 #include <filesystem>
 #include <mutex>
 
+// RTLD_DEEPBIND keeps the module's protobuf-lite to itself (sp_shim.cc). AddressSanitizer cannot
+// run a deep-bound library (it would bypass the sanitizer's malloc; google/sanitizers#611), so
+// the sanitizer build loads it without; whether libsentencepiece then still works is what the
+// tokenizer tests of scripts/sanitize.sh check.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TANDEM_SP_NO_DEEPBIND 1
+#endif
+#endif
+#ifdef TANDEM_SP_NO_DEEPBIND
+constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL;
+#else
+constexpr int kDlopenFlags = RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND;
+#endif
+
 namespace tandem::gpu_worker::tokenizer_internal {
 namespace {
 
@@ -55,7 +70,7 @@ const ShimApi& Api() {
     std::string tried;
     for (const std::string& path : candidates) {
       if (path.find('/') != std::string::npos && !std::filesystem::exists(path)) continue;
-      handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      handle = dlopen(path.c_str(), kDlopenFlags);
       if (handle != nullptr) break;
       const char* e = dlerror();
       tried += "\n  " + path + ": " + (e ? e : "?");

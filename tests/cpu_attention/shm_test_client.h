@@ -73,7 +73,8 @@ class ShmClient {
       // The pages start at the next 64-byte boundary after q (shm_protocol.h).
       const uint64_t at = shm::Align64(shm::kPayloadOffset + q.size() * 4) - shm::kPayloadOffset;
       payload.resize(at + pages.size() * 4);
-      std::memcpy(payload.data() + at, pages.data(), pages.size() * 4);
+      // (No memcpy of an empty list: its data() may be null, undefined even for 0 bytes.)
+      if (!pages.empty()) std::memcpy(payload.data() + at, pages.data(), pages.size() * 4);
     }
     shm::ResponseHeader r;
     if (absl::Status s = Call(h, payload.data(), payload.size(), &r); !s.ok()) return s;
