@@ -131,6 +131,8 @@ class ShmLink {
   // says why: DEADLINE_EXCEEDED, UNAVAILABLE when the node process exited, DATA_LOSS).
   std::optional<NodeAnswer> FinishAttend(Clock::time_point deadline);
   const absl::Status& error() const { return error_; }
+  // Whether the node's process is known to have exited (ShmChannel::WatchPeer).
+  bool peer_exited() const { return channel_->PeerExited(); }
 
  private:
   std::unique_ptr<cpu_attention::ShmChannel> channel_;

@@ -89,13 +89,16 @@ absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
       });
 }
 
-absl::Status NodeTier::Rebuild() {
+absl::StatusOr<bool> NodeTier::Rebuild() {
   if (recompute_ == nullptr || !remote_->needs_rebuild() || Clock::now() < next_rebuild_) {
-    return absl::OkStatus();
+    return false;
   }
-  const absl::Status s = remote_->RebuildLost(recompute_);
-  if (!s.ok()) next_rebuild_ = Clock::now() + kRebuildRetry;
-  return s;
+  const uint64_t before = remote_->placement_counters().shards_rebuilt;
+  if (absl::Status s = remote_->RebuildLost(recompute_); !s.ok()) {
+    next_rebuild_ = Clock::now() + kRebuildRetry;
+    return s;
+  }
+  return remote_->placement_counters().shards_rebuilt != before;
 }
 
 absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {

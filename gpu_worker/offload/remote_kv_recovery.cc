@@ -84,7 +84,28 @@ void RemoteKv::SyncWithPool() {
   }
 }
 
+void RemoteKv::CheckNodes() {
+  GrowNodeSlots();
+  for (size_t n = 0; n < opened_.size(); ++n) {
+    if (!opened_[n] || lost_[n] || ShardsOn(n) == 0) continue;
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, options_.attend_deadline_ms);
+    v1::StatsResponse stats;
+    const grpc::Status s = pool_.stub(n).Stats(&ctx, v1::StatsRequest(), &stats);
+    if (!s.ok()) {
+      NodeFailed(n, NodeError(pool_.address(n), "Stats", s));
+    } else if (!node_ids_[n].empty() && stats.node_id() != node_ids_[n]) {
+      MarkLost(n, absl::NotFoundError(absl::StrCat("CPU node ", pool_.address(n),
+                                                   " restarted: its sessions are gone")));
+    }
+  }
+}
+
 bool RemoteKv::needs_rebuild() const {
+  if (pool_.generation() != synced_generation_) return true;
+  for (const std::unique_ptr<ShmLink>& link : shm_) {
+    if (link != nullptr && link->peer_exited()) return true;
+  }
   for (int node : placement_) {
     if (node >= 0 && static_cast<size_t>(node) < lost_.size() && lost_[node]) return true;
   }
@@ -94,6 +115,12 @@ bool RemoteKv::needs_rebuild() const {
 absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
   if (closed_ || attend_layer_ >= 0) return absl::OkStatus();
   SyncWithPool();
+  for (size_t n = 0; n < shm_.size(); ++n) {
+    if (shm_[n] != nullptr && shm_[n]->peer_exited()) {
+      MarkLost(n, absl::UnavailableError(
+                      absl::StrCat("CPU node ", pool_.address(n), ": the shm peer process exited")));
+    }
+  }
   if (!needs_rebuild()) return absl::OkStatus();
   const auto t0 = Clock::now();
   if (migrator_ != nullptr && !migrating_.empty()) {

@@ -142,9 +142,9 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
                                                                  seq->window.options().sink)));
     }
-    RebuildLostKv(*seq);   // a new turn starts with the shards a lost CPU node held
     TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
         offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
+    RebuildLostKv(*seq);   // a new turn starts with the shards a lost CPU node held
   } else {
     const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
     size_t need = WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned));

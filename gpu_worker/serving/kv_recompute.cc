@@ -70,11 +70,13 @@ RecomputeKv MakeRecomputeKv(ModelRunner& runner, const Sequence& seq, int64_t ma
 
 bool RebuildLostKv(Sequence& seq) {
   if (seq.offload == nullptr || !seq.offload->needs_rebuild()) return false;
-  if (absl::Status s = seq.offload->Rebuild(); !s.ok()) {
+  absl::StatusOr<bool> rebuilt = seq.offload->Rebuild();
+  if (!rebuilt.ok()) {
     spdlog::warn("session {}: {} (its steps stay degraded; retrying)", seq.id,
-                 std::string(s.message()));
+                 std::string(rebuilt.status().message()));
+    return true;
   }
-  return true;
+  return *rebuilt;
 }
 
 }  // namespace tandem::gpu_worker

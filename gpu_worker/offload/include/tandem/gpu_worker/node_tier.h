@@ -47,10 +47,15 @@ class NodeTier final : public OffloadTier {
   // (the engine's GPU prefill of the sequence's tokens); without one they stay degraded.
   void set_recompute(RecomputeKv recompute) { recompute_ = std::move(recompute); }
   bool needs_rebuild() const override { return remote_->needs_rebuild(); }
-  // RemoteKv::RebuildLost; after a failure the next attempt waits kRebuildRetry.
-  absl::Status Rebuild() override;
+  // RemoteKv::RebuildLost; true when shards were rebuilt. After a failure the next attempt
+  // waits kRebuildRetry.
+  absl::StatusOr<bool> Rebuild() override;
 
-  absl::Status Reserve(int64_t tokens) override { return remote_->Reserve(tokens); }
+  // (A new turn: first finds nodes an idle session lost, RemoteKv::CheckNodes.)
+  absl::Status Reserve(int64_t tokens) override {
+    remote_->CheckNodes();
+    return remote_->Reserve(tokens);
+  }
   absl::Status Maintain() override { return remote_->Maintain(); }
   absl::Status Close() override { return remote_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }

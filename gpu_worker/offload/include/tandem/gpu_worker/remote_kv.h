@@ -198,8 +198,14 @@ class RemoteKv {
   // re-plans when due or when the node set changed, starts migrations. Cheap when idle.
   absl::Status Maintain();
   // Shards placed on a node this session lost (their entries are gone; their attends are
-  // degraded) wait for RebuildLost.
+  // degraded) wait for RebuildLost; also true when the pool's view of the nodes changed or a
+  // shm peer process exited since the session last looked (RebuildLost looks, cheaply), so that
+  // an idle session's next turn starts with its shards rebuilt.
   bool needs_rebuild() const;
+  // At a new turn of a kept session (an idle session may have lost a node unnoticed): Stats of
+  // each node holding its shards, with the attend deadline; a node that fails it or restarted
+  // meanwhile is suspect / lost (RebuildLost then rebuilds before the turn's first pass).
+  void CheckNodes();
   // Between decode steps: plans accepting nodes for the lost shards, opens them there and
   // appends the K/V `recompute` produces for all offloaded_tokens() entries (MAW selection:
   // every rebuilt entry selected, as with beta 0, until the next turn's Reselect). Afterwards

@@ -242,8 +242,8 @@ class OffloadTier {
   virtual bool needs_rebuild() const { return false; }
   // Between passes (the runner's buffers, logits included, may be overwritten: it may run a
   // forward pass of its own): re-creates the lost part. An error leaves it lost (degraded) and
-  // may be retried later; it does not fail the sequence.
-  virtual absl::Status Rebuild() { return absl::OkStatus(); }
+  // may be retried later; it does not fail the sequence. True when it recomputed something.
+  virtual absl::StatusOr<bool> Rebuild() { return false; }
   virtual absl::Status Close() = 0;
   // Mean selected/held share per layer over the tier's life; empty when it attends everything.
   virtual std::vector<double> MeanSelectedShare() const = 0;

@@ -42,8 +42,8 @@ RecomputeKv MakeRecomputeKv(ModelRunner& runner, const Sequence& seq, int64_t ma
                             std::function<absl::Status(size_t bytes)> check_device);
 
 // Between passes: rebuilds what `seq`'s tier lost with a CPU node, if anything (a failure is
-// logged; the sequence stays degraded and a later call retries). Returns whether it tried (a
-// prefill ran or failed): callers rebuild one sequence per step so that a node lost under many
+// logged; the sequence stays degraded and a later call retries). Returns whether it rebuilt or
+// failed trying (a prefill may have run): callers rebuild one sequence per step so that a node lost under many
 // sessions does not stall every stream at once.
 bool RebuildLostKv(Sequence& seq);
 
