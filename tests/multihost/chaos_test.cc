@@ -47,8 +47,8 @@ using Clock = std::chrono::steady_clock;
 using test_process::ChildProcess;
 
 constexpr int kClients = 8;
-constexpr int kAttendDeadlineMs = 400;
-constexpr int kStopMs = 1500;  // SIGSTOP: well past the attend deadline
+constexpr int kAttendDeadlineMs = 1000;
+constexpr int kStopMs = 2500;  // SIGSTOP: well past the attend deadline
 constexpr int kTokens = 480;   // per request (stories260k's context is 512)
 
 std::filesystem::path ModelDir() {
@@ -157,7 +157,7 @@ class ChaosTest : public ::testing::TestWithParam<ChaosCase> {
     options.engine.block_tokens = 16;
     options.engine.nodes.addresses = addresses_;
     options.engine.attend_deadline_ms = kAttendDeadlineMs;
-    options.engine.control_deadline_ms = 1500;
+    options.engine.control_deadline_ms = 3000;
     options.engine.nodes.probe_ms = 250;
     options.engine.nodes.transport = GetParam().transport;
     auto worker = GpuWorkerServer::Start(options);
