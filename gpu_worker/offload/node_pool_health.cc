@@ -68,7 +68,9 @@ void NodePool::ProbeLoop() {
 }
 
 void NodePool::ProbeOnce() {
-  // Which nodes to ask: listed ones out of placement, and reachable ones with sessions to close.
+  // Which nodes to ask: listed ones out of placement, reachable ones with sessions to close,
+  // and reachable ones whose connection is not up (a node that died while nobody called it:
+  // its channel left READY when the connection closed).
   std::vector<size_t> probe;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -76,7 +78,10 @@ void NodePool::ProbeOnce() {
       const NodeState& st = nodes_[i]->state;
       const bool closes = std::any_of(pending_closes_.begin(), pending_closes_.end(),
                                       [i](const PendingClose& c) { return c.node == i; });
-      if (st.listed && (!st.reachable || closes)) probe.push_back(i);
+      const bool connected =
+          embedded_ != nullptr ||
+          nodes_[i]->channel->GetState(/*try_to_connect=*/false) == GRPC_CHANNEL_READY;
+      if (st.listed && (!st.reachable || closes || !connected)) probe.push_back(i);
     }
   }
   if (probe.empty()) return;

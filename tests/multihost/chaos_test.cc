@@ -417,6 +417,49 @@ TEST_P(ChaosTest, KillRestartAndStopANodeUnderEightHybridDecodes) {
       kAttendDeadlineMs, stop_gap_ms, Ms(t_clean, Clock::now()), Ms(t_start, Clock::now()) / 1000);
 }
 
+// Readiness follows whether hybrid sessions can be placed, also when the nodes die while the
+// worker is idle: NOT_SERVING once both are gone, SERVING again within 2 s of one's restart.
+TEST_P(ChaosTest, ReadinessFollowsTheNodesOfAnIdleWorker) {
+  StartWorker();
+  EXPECT_EQ(test_health::HealthStatus(channel_, "").value_or(0), test_health::kServing);
+  std::vector<int> ports;
+  for (const std::string& a : addresses_) ports.push_back(std::stoi(a.substr(a.rfind(':') + 1)));
+  const auto t_kill = Clock::now();
+  for (auto& node : nodes_) {
+    node->Signal(SIGKILL);
+    (void)node->Wait(5000);
+  }
+  auto wait_status = [&](int want, Clock::time_point since) {
+    while (Ms(since, Clock::now()) < 5000) {
+      if (test_health::HealthStatus(channel_, "").value_or(0) == want &&
+          test_health::HealthStatus(channel_, "tandem.v1.Generation").value_or(0) == want) {
+        return Ms(since, Clock::now());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return -1.0;
+  };
+  const double down_ms = wait_status(test_health::kNotServing, t_kill);
+  EXPECT_GE(down_ms, 0) << "still SERVING with no node";
+  EXPECT_LT(down_ms, 2000.0);
+  // A hybrid request now fails clearly (no node can hold its KV).
+  const Outcome refused = Generate(*stub_, Request(8));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << refused.status.error_message();
+  StartNode(0, ports[0]);
+  ASSERT_FALSE(HasFatalFailure());
+  const auto t_restart = Clock::now();
+  const double up_ms = wait_status(test_health::kServing, t_restart);
+  EXPECT_GE(up_ms, 0) << "not SERVING again after a node restarted";
+  EXPECT_LT(up_ms, 2000.0);
+  const Outcome served = Generate(*stub_, Request(8));
+  EXPECT_TRUE(served.status.ok()) << served.status.error_message();
+  std::printf(
+      "readiness (%s): NOT_SERVING %.0f ms after both nodes died, SERVING %.0f ms after "
+      "one restarted\n",
+      NodeTransportName(GetParam().transport), down_ms, up_ms);
+}
+
 // Shared memory with MAW selection (the shm peer's death is seen through its pid), gRPC with
 // page selection (the page index must keep naming the rebuilt entries).
 INSTANTIATE_TEST_SUITE_P(Transports, ChaosTest,

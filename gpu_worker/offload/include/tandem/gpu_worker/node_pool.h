@@ -16,7 +16,8 @@
 // Membership (issue 14): a node whose call fails (a session reports it with ReportFailure) is
 // out of placement at once (not reachable); a health watch probes such nodes with Stats every
 // probe_ms and takes one back as soon as it answers (within probe_ms + its reconnect backoff,
-// which is capped at 500 ms). Sessions a failed node still held are closed there when it answers
+// which is capped at 500 ms); the watch also asks nodes whose connection is not up, so a node
+// that dies while no session calls it leaves placement (and readiness) within a probe. Sessions a failed node still held are closed there when it answers
 // again with the same node id (DeferClose): a node that was only stopped or cut off frees them.
 //
 // Thread-safe: Refresh may run on its own thread while sessions use stubs and snapshots.
