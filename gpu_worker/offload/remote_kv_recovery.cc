@@ -117,8 +117,8 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
   SyncWithPool();
   for (size_t n = 0; n < shm_.size(); ++n) {
     if (shm_[n] != nullptr && shm_[n]->peer_exited()) {
-      MarkLost(n, absl::UnavailableError(
-                      absl::StrCat("CPU node ", pool_.address(n), ": the shm peer process exited")));
+      MarkLost(n, absl::UnavailableError(absl::StrCat("CPU node ", pool_.address(n),
+                                                      ": the shm peer process exited")));
     }
   }
   if (!needs_rebuild()) return absl::OkStatus();
@@ -168,17 +168,25 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
   }
   // Undoes the switch of the shards whose rebuild did not complete: they stay lost.
   auto undo = [&](const absl::Status& why) {
+    std::vector<bool> source(lost_.size(), false);
+    for (size_t s = 0; s < from.size(); ++s) {
+      if (from[s] >= 0) {
+        placement_[s] = from[s];
+        source[from[s]] = true;
+      }
+    }
     for (const auto& [to, list] : to_node) {
-      for (size_t s : list) placement_[s] = from[s];
       if (!opened_[to] || lost_[to]) continue;
-      if (ShardsOn(to) == 0) {
+      if (source[to]) {  // a restarted node rebuilt onto: lost again, session closed there
+        MarkLost(to, why);
+      } else if (ShardsOn(to) == 0) {
         CloseEmptyOn(to);
       } else if (absl::Status st = Reshard(to, {}, list); !st.ok()) {
         MarkLost(to, st);
       }
     }
-    for (size_t s = 0; s < from.size(); ++s) {
-      if (from[s] >= 0) lost_[from[s]] = true;
+    for (size_t n = 0; n < source.size(); ++n) {
+      if (source[n]) lost_[n] = true;
     }
     return why;
   };
@@ -207,8 +215,10 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
                                                        kRebuiltWindowEntries, &shm_append_chunks_)
                                     : Grpc(to).Append(layer, heads, k, v, maw.data(), tokens,
                                                       kRebuiltWindowEntries);
+            // A node failure loses the node; a refusal (RESOURCE_EXHAUSTED: the rebuilt
+            // shards select every entry) only drops the partial copies (undo below).
             if (!s.ok()) {
-              MarkLost(to, s);
+              if (IsNodeFailure(s)) MarkLost(to, s);
               return s;
             }
           }

@@ -231,9 +231,24 @@ TEST_F(NodeLossTest, LostNodeDegradesThenShardsAreRebuiltAndExactAgain) {
   for (size_t n : (*fresh)->nodes_in_use()) EXPECT_NE(n, lost);
   ASSERT_TRUE((*fresh)->Close().ok());
 
+  // A recompute that fails halfway leaves the shards lost (still degraded) and nothing behind.
+  const RecomputeKv full = history.Recompute();
+  const absl::Status failed =
+      (*kv)->RebuildLost([&](int64_t tokens, const RebuiltLayerSink& sink) -> absl::Status {
+        return full(tokens, [&](int64_t layer, const void* k, const void* v, int64_t n) {
+          if (layer == 1) return absl::ResourceExhaustedError("device memory (test)");
+          return sink(layer, k, v, n);
+        });
+      });
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  EXPECT_TRUE((*kv)->needs_rebuild());
+  still = 0;
+  for (int64_t l = 0; l < kLayers; ++l) still += Attend(**kv, l, history.Query()).degraded;
+  EXPECT_EQ(still, degraded);
+
   // Rebuild: afterwards every attend equals the single-node reference again.
   ASSERT_TRUE((*kv)->RebuildLost(history.Recompute()).ok());
-  EXPECT_EQ(history.recomputes, 1);
+  EXPECT_EQ(history.recomputes, 2);
   EXPECT_FALSE((*kv)->needs_rebuild());
   // Uniform placement: 2 of the 6 shards were on each node.
   EXPECT_EQ((*kv)->placement_counters().shards_rebuilt, 2u);
