@@ -20,7 +20,10 @@
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
+#include "tandem/common/status_macros.h"
 #include "tandem/gateway/gateway_server.h"
+#include "tandem/security/credentials.h"
+#include "tandem/security/token_file.h"
 
 ABSL_FLAG(std::vector<std::string>, workers, {},
           "tandem-gpu-workers to route to, comma-separated host:port (all serving one model)");
@@ -49,10 +52,54 @@ ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
 ABSL_FLAG(int, shutdown_grace_ms, 5000,
           "on SIGTERM, time generations in flight get to finish before they are cancelled");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve HTTPS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, api_key_file, "",
+          "API keys clients must send ('Authorization: Bearer <key>'), one per line, optionally "
+          "'key name'; others get 401. /health and /metrics stay open");
+ABSL_FLAG(std::string, worker_tls_ca, "",
+          "PEM CA the workers' certificates are verified against (TLS to the workers)");
+ABSL_FLAG(std::string, worker_tls_cert, "",
+          "PEM client certificate for workers that require mutual TLS (with --worker_tls_key)");
+ABSL_FLAG(std::string, worker_tls_key, "", "PEM private key of --worker_tls_cert");
+ABSL_FLAG(std::string, worker_tls_server_name, "",
+          "name the workers' certificate carries when it differs from --workers' hosts");
+ABSL_FLAG(std::string, worker_token_file, "",
+          "file whose first line is the bearer token sent to the workers (their "
+          "--auth_token_file); needs --worker_tls_ca");
 
 namespace {
 
 absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+// HTTPS and API keys of the HTTP side; TLS and the token of the channels to the workers.
+absl::Status SecurityFromFlags(tandem::gateway::GatewayOptions* o) {
+  o->tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  o->tls_key = absl::GetFlag(FLAGS_tls_key);
+  if (o->tls_cert.empty() != o->tls_key.empty()) {
+    return UsageError("--tls_cert and --tls_key go together (HTTPS)");
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_api_key_file); !path.empty()) {
+    absl::StatusOr<tandem::security::TokenTable> keys = tandem::security::TokenTable::Load(path);
+    if (!keys.ok()) return UsageError(absl::StrCat("--api_key_file: ", keys.status().message()));
+    o->api_keys = *std::move(keys);
+  }
+  std::string token;
+  if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
+    absl::StatusOr<std::string> read = tandem::security::ReadClientToken(path);
+    if (!read.ok()) return UsageError(read.status().message());
+    token = *std::move(read);
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      tandem::security::ChannelCredentialsFromFiles(
+          {absl::GetFlag(FLAGS_worker_tls_cert), absl::GetFlag(FLAGS_worker_tls_key),
+           absl::GetFlag(FLAGS_worker_tls_ca)},
+          token, "--worker_tls_");
+  if (!credentials.ok()) return UsageError(credentials.status().message());
+  o->workers.credentials = *std::move(credentials);
+  o->workers.tls_server_name = absl::GetFlag(FLAGS_worker_tls_server_name);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
   tandem::gateway::GatewayOptions o;
@@ -97,6 +144,7 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
     return UsageError("--max_message_bytes must be in 1MiB..1GiB");
   }
   o.workers.max_message_bytes = static_cast<int>(max_message);
+  TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&o));
   if (o.disconnect_poll_ms < 1 || o.workers.health_interval_ms < 1 ||
       o.workers.rpc_timeout_ms < 1) {
     return UsageError(
@@ -143,7 +191,8 @@ int main(int argc, char** argv) {
     spdlog::error("cannot start: {}", server.status().ToString());
     return 1;
   }
-  spdlog::info("tandem-gateway on http://{}:{} -> {} worker(s), {} serving", options->host,
+  spdlog::info("tandem-gateway on {}://{}:{} -> {} worker(s), {} serving",
+               options->tls_cert.empty() ? "http" : "https", options->host,
                (*server)->port(), (*server)->workers().size(), (*server)->workers().ServingCount());
   std::printf("LISTENING %d\n", (*server)->port());
   std::fflush(stdout);

@@ -59,6 +59,15 @@ ApiError FromStatus(const absl::Status& status) {
       e.http_status = 499;
       e.type = "cancelled_error";
       break;
+    case absl::StatusCode::kUnauthenticated:  // OpenAI's answer to a missing or bad API key
+      e.http_status = 401;
+      e.type = "invalid_request_error";
+      e.code = "invalid_api_key";
+      break;
+    case absl::StatusCode::kPermissionDenied:  // e.g. another principal's session
+      e.http_status = 403;
+      e.type = "permission_error";
+      break;
     case absl::StatusCode::kUnimplemented:
       e.http_status = 501;
       e.type = "not_implemented_error";

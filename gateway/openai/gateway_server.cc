@@ -54,7 +54,21 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   shared->watcher = std::make_unique<DisconnectWatcher>(options.disconnect_poll_ms);
   server->shared_ = std::move(shared);
 
-  server->http_ = std::make_unique<httplib::Server>();
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key go together (HTTPS)");
+  }
+  if (options.tls_cert.empty()) {
+    server->http_ = std::make_unique<httplib::Server>();
+  } else {
+    auto https = std::make_unique<httplib::SSLServer>(options.tls_cert.c_str(),
+                                                      options.tls_key.c_str());
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("cannot serve HTTPS with --tls_cert '",
+                                                     options.tls_cert, "' and --tls_key '",
+                                                     options.tls_key, "' (unreadable or no PEM?)"));
+    }
+    server->http_ = std::move(https);
+  }
   httplib::Server& http = *server->http_;
   // Generations hold their connection's thread while they run: enough threads for the cap plus
   // the cheap endpoints (health, metrics, models) and idle keep-alive connections.
@@ -67,6 +81,28 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   http.set_write_timeout(options.write_timeout_s, 0);
   http.set_keep_alive_timeout(options.keep_alive_s);
   http.set_tcp_nodelay(true);
+  if (options.api_keys.has_value()) {
+    // Every route but health and metrics needs a listed key (OpenAI's 401 otherwise).
+    http.set_pre_routing_handler([s = server->shared_.get()](const httplib::Request& req,
+                                                             httplib::Response& res) {
+      if (req.path == "/health" || req.path == "/metrics") {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      const std::string header = req.get_header_value("Authorization");
+      const std::string key = header.size() > 7 && (header.compare(0, 7, "Bearer ") == 0 ||
+                                                    header.compare(0, 7, "bearer ") == 0)
+                                  ? header.substr(7)
+                                  : "";
+      if (!key.empty() && s->options.api_keys->Lookup(key).has_value()) {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      const ApiError e = FromStatus(absl::UnauthenticatedError(
+          key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                      : "incorrect API key provided"));
+      SendJson(res, e.http_status, ErrorJson(e));
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
   server->AddRoutes();
 
   const int port = options.port == 0

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/grpc_status.h"
+#include "tandem/security/credentials.h"
 
 namespace tandem::gateway {
 namespace {
@@ -109,8 +110,12 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const WorkerPoolO
   for (const std::string& address : options.addresses) {
     auto w = std::make_unique<Worker>();
     w->address = address;
-    w->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                           WorkerChannelArguments(options.max_message_bytes));
+    grpc::ChannelArguments args = WorkerChannelArguments(options.max_message_bytes);
+    security::SetTlsServerName(options.tls_server_name, &args);
+    w->channel = grpc::CreateCustomChannel(
+        address,
+        options.credentials != nullptr ? options.credentials : grpc::InsecureChannelCredentials(),
+        args);
     w->stub = v1::Generation::NewStub(w->channel);
     pool->workers_.push_back(std::move(w));
   }

@@ -18,10 +18,12 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "tandem/security/token_file.h"
 #include "tandem/gateway/worker_pool.h"
 
 namespace httplib {
@@ -44,6 +46,12 @@ struct GatewayOptions {
   int keep_alive_s = 5;               // idle keep-alive connections are closed after this
   int disconnect_poll_ms = 50;
   WorkerPoolOptions workers;
+  // HTTPS: PEM certificate chain and key; both empty = plain HTTP.
+  std::string tls_cert;
+  std::string tls_key;
+  // API keys clients must send ("Authorization: Bearer <key>", security::TokenTable); none =
+  // no key needed. /health and /metrics stay open.
+  std::optional<security::TokenTable> api_keys;
 };
 
 class GatewayServer {

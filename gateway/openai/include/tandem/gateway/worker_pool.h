@@ -34,6 +34,11 @@ struct WorkerPoolOptions {
   int rpc_timeout_ms = 10000;            // deadline of unary calls (health, info, tokenize)
   int max_message_bytes = 64 << 20;      // as the workers' --max_message_bytes
   size_t max_sticky_sessions = 1 << 16;  // session -> worker entries remembered
+  // Credentials of the channels to the workers (tandem/security/credentials.h: TLS, a client
+  // certificate, a bearer token); null = plaintext.
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  // Name the workers' certificate is checked against instead of each address's host; "" = it.
+  std::string tls_server_name;
 };
 
 struct WorkerState {
