@@ -129,13 +129,6 @@ namespace {
 
 absl::Status UsageError(absl::string_view message) { return absl::InvalidArgumentError(message); }
 
-absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
-  tandem::gpu_worker::WorkerServerOptions options;
-  options.address = absl::GetFlag(FLAGS_address);
-  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  tandem::gpu_worker::EngineOptions& e = options.engine;
-  e.model_dir = absl::GetFlag(FLAGS_model);
-  if (e.model_dir.empty()) return UsageError("--model is required");
 // TLS, tokens and the per-principal bound of the port; the credentials of the node channels.
 absl::Status SecurityFromFlags(tandem::gpu_worker::WorkerServerOptions* options) {
   options->tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
@@ -158,11 +151,18 @@ absl::Status SecurityFromFlags(tandem::gpu_worker::WorkerServerOptions* options)
   return absl::OkStatus();
 }
 
+absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
+  tandem::gpu_worker::WorkerServerOptions options;
+  options.address = absl::GetFlag(FLAGS_address);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&options));
+  tandem::gpu_worker::EngineOptions& e = options.engine;
+  e.model_dir = absl::GetFlag(FLAGS_model);
+  if (e.model_dir.empty()) return UsageError("--model is required");
   e.backend = absl::GetFlag(FLAGS_backend);
   if (e.backend != "auto" && e.backend != "cpu" && e.backend != "cuda") {
     return UsageError(absl::StrCat("--backend must be auto, cpu or cuda, got '", e.backend, "'"));
   }
-  TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&options));
   e.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   e.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   e.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
