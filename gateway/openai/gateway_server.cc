@@ -52,6 +52,9 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   TANDEM_ASSIGN_OR_RETURN(shared->metrics, GatewayMetrics::Create(*shared->registry));
   TANDEM_ASSIGN_OR_RETURN(shared->pool, WorkerPool::Create(options.workers));
   shared->watcher = std::make_unique<DisconnectWatcher>(options.disconnect_poll_ms);
+  if (options.api_keys.has_value()) {
+    shared->owners = std::make_unique<SessionOwners>(options.workers.max_sticky_sessions);
+  }
   server->shared_ = std::move(shared);
 
   if (options.tls_cert.empty() != options.tls_key.empty()) {
@@ -179,7 +182,12 @@ void GatewayServer::AddRoutes() {
   // CPU nodes), as Generation.CloseSession does. OpenAI's delete shape {id, object, deleted}.
   http.Delete(R"(/v1/sessions/(.+))", [s](const httplib::Request& req, httplib::Response& res) {
     const std::string id = req.matches[1];
+    if (s->owners != nullptr) {
+      const absl::Status mine = s->owners->Check(id, ApiKeyPrincipal(*s, req));
+      if (!mine.ok()) return SendError(*s, "/v1/sessions", mine, res);
+    }
     const absl::Status closed = s->pool->CloseSession(id);
+    if (s->owners != nullptr && (closed.ok() || absl::IsNotFound(closed))) s->owners->Forget(id);
     if (!closed.ok()) return SendError(*s, "/v1/sessions", closed, res);
     SendJson(res, 200, {{"id", id}, {"object", "session"}, {"deleted", true}});
     s->metrics.CountRequest("/v1/sessions", 200);

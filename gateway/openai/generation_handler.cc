@@ -256,6 +256,13 @@ std::string ServedModelName(const GatewayServer::Shared& shared,
   return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
+std::string ApiKeyPrincipal(const GatewayServer::Shared& shared, const httplib::Request& req) {
+  if (!shared.options.api_keys.has_value()) return "";
+  const std::string header = req.get_header_value("Authorization");
+  if (header.size() <= 7) return "";
+  return shared.options.api_keys->Lookup(header.substr(7)).value_or("");
+}
+
 void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
                const absl::Status& status, httplib::Response& res) {
   const ApiError error = FromStatus(status);
@@ -306,6 +313,11 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     prompt = std::move(*rendered);
   }
 
+  if (shared.owners != nullptr && !r.generate.session_id().empty()) {
+    const absl::Status claimed =
+        shared.owners->Claim(r.generate.session_id(), ApiKeyPrincipal(shared, req));
+    if (!claimed.ok()) return SendError(shared, name, claimed, res);
+  }
   std::unique_ptr<Slot> slot = Slot::TryTake(shared);
   if (slot == nullptr) {
     return SendError(shared, name,

@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "prometheus/registry.h"
+#include "session_owners.h"
 #include "tandem/gateway/api_error.h"
 #include "tandem/gateway/chat_prompt.h"
 #include "tandem/gateway/disconnect_watcher.h"
@@ -30,7 +31,13 @@ struct GatewayServer::Shared {
   std::shared_ptr<prometheus::Registry> registry;
   GatewayMetrics metrics;
   std::atomic<int> in_flight{0};  // generations admitted and not finished
+  // Session owners by API key (null without --api_key_file).
+  std::unique_ptr<SessionOwners> owners;
 };
+
+// The principal of the request's API key ("" without --api_key_file; the pre-routing check
+// has already refused requests without a listed key).
+std::string ApiKeyPrincipal(const GatewayServer::Shared& shared, const httplib::Request& req);
 
 // The model id clients see: --served_model_name, else the basename of the worker's model_dir.
 std::string ServedModelName(const GatewayServer::Shared& shared, const v1::ModelInfoResponse& info);

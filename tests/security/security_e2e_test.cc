@@ -540,7 +540,8 @@ TEST_F(SecurityE2eTest, GatewayServesHttpsWithApiKeysToATokenWorker) {
     std::ofstream worker_tokens(File("worker-tokens"));
     worker_tokens << "gateway-token-0123456789abcdef tandem-gateway\n";
     std::ofstream api_keys(File("api-keys"));
-    api_keys << "sk-alice-0123456789abcdef alice\n";
+    api_keys << "sk-alice-0123456789abcdef alice\n"
+             << "sk-bob-0123456789abcdef00 bob\n";
   }
   auto worker = ChildProcess::Start(
       {TANDEM_GPU_WORKER_BIN, "--model=" + Stories260kDir().string(), "--backend=cpu",
@@ -592,6 +593,22 @@ TEST_F(SecurityE2eTest, GatewayServesHttpsWithApiKeysToATokenWorker) {
   expect("gateway: POST /v1/completions with alice's key (worker over TLS + token)", 200,
          status_of(ok));
   if (ok) EXPECT_NE(ok->body.find("\"completion_tokens\":4"), std::string::npos) << ok->body;
+  // Every HTTP client reaches the worker as the gateway's principal: the gateway itself keeps
+  // kept sessions to the key that started them.
+  httplib::Headers bob = {{"Authorization", "Bearer sk-bob-0123456789abcdef00"}};
+  const std::string in_session =
+      R"({"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 4, )"
+      R"("session_id": "gw-chat"})";
+  expect("gateway: alice starts kept session 'gw-chat'", 200,
+         status_of(https.Post("/v1/completions", alice, in_session, "application/json")));
+  expect("gateway: bob continues alice's 'gw-chat'", 403,
+         status_of(https.Post("/v1/completions", bob, in_session, "application/json")));
+  expect("gateway: bob deletes alice's 'gw-chat'", 403,
+         status_of(https.Delete("/v1/sessions/gw-chat", bob)));
+  expect("gateway: alice continues 'gw-chat'", 200,
+         status_of(https.Post("/v1/completions", alice, in_session, "application/json")));
+  expect("gateway: alice deletes 'gw-chat'", 200,
+         status_of(https.Delete("/v1/sessions/gw-chat", alice)));
   httplib::Client plain("127.0.0.1", *port);
   plain.set_read_timeout(5, 0);
   expect("gateway: plain HTTP to the HTTPS port", -1, status_of(plain.Get("/health")));
