@@ -23,7 +23,8 @@ absl::Status SessionOwners::Reserve(const std::string& caller) {
   uint32_t& held = per_principal_[caller];
   if (max_per_principal_ != 0 && held >= max_per_principal_) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("this caller holds ", held, " sessions on the node, the most one principal "
+        absl::StrCat("this caller holds ", held,
+                     " sessions on the node, the most one principal "
                      "may (--max_sessions_per_principal); close one first"));
   }
   ++held;

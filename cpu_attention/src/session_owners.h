@@ -59,7 +59,7 @@ class SessionOwners {
   };
   const uint32_t max_per_principal_;
   mutable std::mutex mu_;
-  std::map<std::string, Entry> sessions_;      // by session id
+  std::map<std::string, Entry> sessions_;          // by session id
   std::map<std::string, uint32_t> per_principal_;  // open + reserved, by principal
 };
 

@@ -6,8 +6,7 @@ namespace tandem::gateway {
 namespace {
 
 absl::Status NotYours(const std::string& id) {
-  return absl::PermissionDeniedError(
-      absl::StrCat("session '", id, "' belongs to another API key"));
+  return absl::PermissionDeniedError(absl::StrCat("session '", id, "' belongs to another API key"));
 }
 
 }  // namespace

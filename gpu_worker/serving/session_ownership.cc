@@ -19,7 +19,8 @@ absl::StatusOr<bool> SessionOwnership::Claim(const std::string& id, const std::s
   if (max_per_principal_ != 0 && held >= max_per_principal_) {
     if (held == 0) per_principal_.erase(principal);
     return absl::ResourceExhaustedError(
-        absl::StrCat("this caller holds ", held, " sessions, the most one caller may "
+        absl::StrCat("this caller holds ", held,
+                     " sessions, the most one caller may "
                      "(--max_sessions_per_principal); close one first"));
   }
   ++held;

@@ -47,15 +47,24 @@ struct Attempt {
 
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    default: return "OTHER";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    default:
+      return "OTHER";
   }
 }
 
@@ -68,10 +77,9 @@ class SecurityE2eTest : public ::testing::Test {
     if (std::system("openssl version >/dev/null 2>&1") != 0) {
       GTEST_SKIP() << "openssl is not installed: no test certificates";
     }
-    dir_ = fs::temp_directory_path() / absl::StrCat("tandem-security-", getpid(), "-",
-                                                     ::testing::UnitTest::GetInstance()
-                                                         ->current_test_info()
-                                                         ->name());
+    dir_ = fs::temp_directory_path() /
+           absl::StrCat("tandem-security-", getpid(), "-",
+                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     const std::string cmd = absl::StrCat("/bin/sh ", TANDEM_MAKE_CERTS, " ", dir_.string());
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
@@ -99,10 +107,9 @@ class SecurityE2eTest : public ::testing::Test {
     grpc::ChannelArguments args;
     // A fresh connection per channel: each identity does its own handshake.
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-    return grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
-                                     credentials.ok() ? *credentials
-                                                      : grpc::InsecureChannelCredentials(),
-                                     args);
+    return grpc::CreateCustomChannel(
+        absl::StrCat("127.0.0.1:", port),
+        credentials.ok() ? *credentials : grpc::InsecureChannelCredentials(), args);
   }
 
   // Records and checks one attempt.
@@ -112,8 +119,11 @@ class SecurityE2eTest : public ::testing::Test {
   }
 
   std::unique_ptr<ChildProcess> StartNode(std::vector<std::string> extra) {
-    std::vector<std::string> argv = {TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
-                                     "--threads=1", "--executor_threads=2", "--log_level=warn",
+    std::vector<std::string> argv = {TANDEM_CPU_ATTENTION_BIN,
+                                     "--address=127.0.0.1:0",
+                                     "--threads=1",
+                                     "--executor_threads=2",
+                                     "--log_level=warn",
                                      "--tls_cert=" + File("tandem-node.pem"),
                                      "--tls_key=" + File("tandem-node.key"),
                                      "--tls_ca=" + File("ca.pem")};
@@ -337,8 +347,8 @@ TEST_F(SecurityE2eTest, NodeServesOnlyAllowedPeersAndHidesOtherPrincipalsSession
          worker->CloseSession(Deadline().get(), close, &closed));
 
   // Health carries no identity check (only the handshake): SERVING to any certificate of the CA.
-  absl::StatusOr<int> health = test_health::HealthStatus(
-      Channel(node_port_, Identity("client-b")), "tandem.v1.CpuAttention");
+  absl::StatusOr<int> health = test_health::HealthStatus(Channel(node_port_, Identity("client-b")),
+                                                         "tandem.v1.CpuAttention");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, test_health::kServing);
 }
@@ -457,8 +467,8 @@ TEST_F(SecurityE2eTest, WorkerNeedsTokensAndKeepsSessionsToTheirOwner) {
          Generate(*plaintext, "", &tokens));
 
   int64_t cpu_entries = 0;
-  Expect("worker: alice opens kept session 'chat-1' (hybrid, node over mTLS)",
-         grpc::StatusCode::OK, Generate(*alice, "chat-1", &tokens, &cpu_entries));
+  Expect("worker: alice opens kept session 'chat-1' (hybrid, node over mTLS)", grpc::StatusCode::OK,
+         Generate(*alice, "chat-1", &tokens, &cpu_entries));
   EXPECT_EQ(tokens, 4);
   EXPECT_GT(cpu_entries, 0) << "the node held none of the KV";
   Expect("worker: bob continues alice's 'chat-1'", grpc::StatusCode::PERMISSION_DENIED,
@@ -543,11 +553,11 @@ TEST_F(SecurityE2eTest, GatewayServesHttpsWithApiKeysToATokenWorker) {
     api_keys << "sk-alice-0123456789abcdef alice\n"
              << "sk-bob-0123456789abcdef00 bob\n";
   }
-  auto worker = ChildProcess::Start(
-      {TANDEM_GPU_WORKER_BIN, "--model=" + Stories260kDir().string(), "--backend=cpu",
-       "--cpu_threads=2", "--address=127.0.0.1:0", "--log_level=warn",
-       "--tls_cert=" + File("tandem-worker.pem"), "--tls_key=" + File("tandem-worker.key"),
-       "--auth_token_file=" + File("worker-tokens")});
+  auto worker = ChildProcess::Start({TANDEM_GPU_WORKER_BIN, "--model=" + Stories260kDir().string(),
+                                     "--backend=cpu", "--cpu_threads=2", "--address=127.0.0.1:0",
+                                     "--log_level=warn", "--tls_cert=" + File("tandem-worker.pem"),
+                                     "--tls_key=" + File("tandem-worker.key"),
+                                     "--auth_token_file=" + File("worker-tokens")});
   ASSERT_TRUE(worker.ok()) << worker.status();
   absl::StatusOr<int> worker_port = (*worker)->WaitListening();
   ASSERT_TRUE(worker_port.ok()) << worker_port.status();

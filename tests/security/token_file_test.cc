@@ -57,7 +57,7 @@ TEST(CredentialsTest, RefusesHalfGivenFilesAndTokensWithoutTls) {
   EXPECT_NE(missing.status().message().find("--tls_cert: cannot read '/nonexistent/cert.pem'"),
             std::string::npos)
       << missing.status();
-  EXPECT_TRUE(ServerCredentialsFromFiles({}).ok());   // plaintext
+  EXPECT_TRUE(ServerCredentialsFromFiles({}).ok());  // plaintext
   EXPECT_TRUE(ChannelCredentialsFromFiles({}).ok());
 }
 

@@ -20,7 +20,8 @@ absl::StatusOr<std::string> ReadPemFile(const std::string& path, const std::stri
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     const int err = errno;
-    const std::string reason = absl::StrCat(what, ": cannot read '", path, "': ", std::strerror(err));
+    const std::string reason =
+        absl::StrCat(what, ": cannot read '", path, "': ", std::strerror(err));
     return err == EACCES ? absl::PermissionDeniedError(reason) : absl::NotFoundError(reason);
   }
   std::string text(kMaxPemBytes + 1, '\0');
@@ -41,9 +42,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFromFi
     const TlsFiles& files, const std::string& flag_prefix) {
   if (!files.enabled()) return grpc::InsecureServerCredentials();
   if (files.cert.empty() || files.key.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        flag_prefix, "cert and ", flag_prefix, "key go together (", flag_prefix,
-        "ca on top makes it mutual TLS)"));
+    return absl::InvalidArgumentError(absl::StrCat(flag_prefix, "cert and ", flag_prefix,
+                                                   "key go together (", flag_prefix,
+                                                   "ca on top makes it mutual TLS)"));
   }
   grpc::SslServerCredentialsOptions options(
       files.ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE

@@ -17,8 +17,8 @@ constexpr size_t kMaxTokens = 65536;
 constexpr size_t kMaxFileBytes = 1 << 20;
 
 bool PrincipalChar(char c) {
-  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
-         c == ':' || c == '@' || c == '/' || c == '-';
+  return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == ':' ||
+         c == '@' || c == '/' || c == '-';
 }
 
 // Equal contents in time that depends on the lengths only.
@@ -60,28 +60,25 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
         absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     const std::string where = absl::StrCat(source, ":", line_number);
     if (fields.size() > 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": expected 'token' or 'token principal', got ", fields.size(),
-                       " fields"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": expected 'token' or 'token principal', got ", fields.size(), " fields"));
     }
     const absl::string_view token = fields[0];
     if (token.size() < kMinTokenChars || token.size() > kMaxTokenChars) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": a token must have ",
-                                                     kMinTokenChars, "..", kMaxTokenChars,
+      return absl::InvalidArgumentError(absl::StrCat(where, ": a token must have ", kMinTokenChars,
+                                                     "..", kMaxTokenChars,
                                                      " characters, this one has ", token.size()));
     }
     for (char c : token) {
       if (c < 0x21 || c > 0x7e) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": a token must be printable ASCII"));
+        return absl::InvalidArgumentError(absl::StrCat(where, ": a token must be printable ASCII"));
       }
     }
     std::string principal =
         fields.size() == 2 ? std::string(fields[1]) : absl::StrCat("token-", line_number);
-    if (principal.size() > 128 ||
-        !std::all_of(principal.begin(), principal.end(), PrincipalChar)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": a principal must be 1..128 characters of [A-Za-z0-9._:@/-]"));
+    if (principal.size() > 128 || !std::all_of(principal.begin(), principal.end(), PrincipalChar)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": a principal must be 1..128 characters of [A-Za-z0-9._:@/-]"));
     }
     if (!seen.insert(std::string(token)).second) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": this token is listed twice"));
@@ -93,9 +90,10 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text, absl::strin
     table.entries_.emplace_back(std::string(token), std::move(principal));
   }
   if (table.entries_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": no token (one per line: 'token' or 'token principal'); an empty file would "
-                "refuse every call"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source,
+                     ": no token (one per line: 'token' or 'token principal'); an empty file would "
+                     "refuse every call"));
   }
   return table;
 }
