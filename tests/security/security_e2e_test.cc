@@ -373,7 +373,7 @@ TEST_F(SecurityE2eTest, NodeChargesSessionMetadataToThePool) {
     if (!last.ok()) break;
     ++opened;
   }
-  // 32 MiB / (4096 + 256 x 64 + 65536 x 160 B) = 3.19: three fit.
+  // 32 MiB / (4096 + 256 x 64 + 65536 x 168 B) = 3.04: three fit.
   EXPECT_EQ(opened, 3);
   Expect("node: 4th OpenSession of 65536 shards in a 32 MiB pool",
          grpc::StatusCode::RESOURCE_EXHAUSTED, last);
@@ -381,7 +381,7 @@ TEST_F(SecurityE2eTest, NodeChargesSessionMetadataToThePool) {
       << last.error_message();
   v1::StatsResponse stats;
   ASSERT_TRUE(worker->Stats(Deadline().get(), v1::StatsRequest(), &stats).ok());
-  EXPECT_EQ(stats.used_bytes(), 3u * (4096 + 256 * 64 + 65536ull * 160));
+  EXPECT_EQ(stats.used_bytes(), 3u * (4096 + 256 * 64 + 65536ull * 168));
   // Closing one gives its charge back.
   v1::CloseSessionRequest close;
   close.set_session_id("big-0");
