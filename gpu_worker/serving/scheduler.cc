@@ -217,15 +217,9 @@ void Scheduler::Publish() {
   if (const metrics::WorkerMetrics* m = options_.metrics) {
     m->num_requests_running->Set(static_cast<double>(local_stats_.running));
     m->num_requests_waiting->Set(static_cast<double>(local_stats_.waiting));
-    // The device KV of running requests' sequences (windows, gpu-mode KV, page summaries): what
-    // the scheduler can see. Kept sessions between turns also hold theirs (the admission check
-    // counts them) but are not reachable from here.
-    size_t bytes = 0;
-    for (const Running& r : running_) {
-      const Sequence* seq = r.generation->seq;
-      if (seq == nullptr) continue;
-      bytes += seq->window.device_bytes() + (seq->pages ? seq->pages->device_bytes() : 0);
-    }
+    // The device KV of every open sequence (windows, gpu-mode KV, page summaries), kept
+    // sessions between turns included: what the admission check counts.
+    const size_t bytes = engine_->DeviceKvBytes();
     m->gpu_kv_cache_used_bytes->Set(static_cast<double>(bytes));
     const size_t budget = engine_->options().kv_cache_bytes;
     if (m->gpu_kv_cache_usage != nullptr && budget > 0) {

@@ -143,5 +143,46 @@ TEST_F(WorkerMetricsTest, InFlightCancelledAndRefusedRequests) {
   EXPECT_EQ(e.Value("tandem:node_sessions_open"), 0.0);
 }
 
+TEST_F(WorkerMetricsTest, KeptSessionsBetweenTurnsCountInGpuKvUsage) {
+  const int port = server_->metrics_port();
+  v1::GenerateRequest turn = Request(4);
+  turn.set_session_id("kept-1");
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub_->Generate(&ctx, turn);
+    v1::GenerateResponse message;
+    while (reader->Read(&message)) {
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  // Between turns nothing runs, but the kept session still holds its window on the device.
+  Exposition e;
+  for (int i = 0; i < 100; ++i) {
+    e = Scrape(port);
+    if (e.Value("tandem:num_requests_running") == 0.0 &&
+        e.Value("tandem:request_success_total", {{"finished_reason", "length"}}) == 1.0) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(e.Value("tandem:num_requests_running"), 0.0);
+  const double kept = e.Value("tandem:kv_cache_used_bytes", {{"tier", "gpu"}}).value_or(0);
+  EXPECT_GT(kept, 0.0);
+  EXPECT_DOUBLE_EQ(*e.Value("tandem:kv_cache_usage_perc", {{"tier", "gpu"}}),
+                   kept / double(64 << 20));
+
+  grpc::ClientContext close_ctx;
+  v1::CloseGenerationSessionRequest close;
+  close.set_session_id("kept-1");
+  v1::CloseGenerationSessionResponse closed;
+  ASSERT_TRUE(stub_->CloseSession(&close_ctx, close, &closed).ok());
+  for (int i = 0; i < 100; ++i) {
+    e = Scrape(port);
+    if (e.Value("tandem:kv_cache_used_bytes", {{"tier", "gpu"}}) == 0.0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(e.Value("tandem:kv_cache_used_bytes", {{"tier", "gpu"}}), 0.0);
+}
+
 }  // namespace
 }  // namespace tandem::gpu_worker

@@ -183,6 +183,9 @@ class Engine {
   // Frees a kept session's device window and CPU node shards. NOT_FOUND if unknown.
   absl::Status CloseSession(const std::string& session_id);
   size_t open_sessions() const { return sessions_.size(); }
+  // Device bytes of every open session's window and page summaries (running requests and kept
+  // sessions between turns): what the --kv_cache_bytes admission check counts.
+  size_t DeviceKvBytes() const;
 
   ModelInfo info() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -211,8 +214,6 @@ class Engine {
                                                         int64_t expected_offloaded);
   WindowGeometry window_geometry() const;
   WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
-  // Device bytes of every open session's window and page summaries.
-  size_t DeviceKvBytes() const;
   // RESOURCE_EXHAUSTED (saying what to change) when `more` bytes would pass kv_cache_bytes.
   absl::Status CheckDeviceKv(size_t more) const;
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
