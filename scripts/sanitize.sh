@@ -15,11 +15,11 @@
 # tokenizer needs RTLD_DEEPBIND, which ASan refuses, and without it libsentencepiece's bundled
 # protobuf fails its version check in any process that also holds gRPC's libprotobuf (see
 # gpu_worker/tokenizer/sp_processor.cc). The Gutenberg-14m (byte-level BPE) engine suites run.
-# The default subset is every CPU-side test executable but the gateway's and the multi-host
-# ones: the libraries where requests, KV memory and model files are handled (kv_store,
-# cpu_attention and its node and gRPC service, the model / tokenizer / CPU backend / engine of
-# the worker, placement, metrics). gateway/ does not build with clang yet (chat_template's
-# Value is used incomplete inside std::pair), multihost needs root and network namespaces, and
+# The default subset is every CPU-side test executable but the multi-host ones and the
+# gateway's e2e suite: the libraries where requests, KV memory and model files are handled
+# (kv_store, cpu_attention and its node and gRPC service, the model / tokenizer / CPU backend /
+# engine of the worker, placement, metrics, the chat-template engine and the gateway's request
+# and response mapping). multihost needs root and network namespaces, and
 # generation_service_test and the binaries suites run stories260k (below) in real processes.
 #
 # Env: SANITIZE_BUILD_DIR (default <repo>/build-asan), JOBS (default nproc), NICE (default 19),
@@ -45,7 +45,8 @@ default_targets="common_byte_size_test kv_store_test cpu_attention_kernel_test
   cpu_attention_service_test cpu_attention_paged_node_test metrics_test backend_cpu_test
   gpu_model_test gpu_model_rope_test gpu_worker_rope_reference_test gpu_worker_geometry_test
   gpu_worker_random_model_test tokenizer_test placement_planner_test node_loss_test
-  gpu_worker_engine_test"
+  gpu_worker_engine_test chat_template_engine_test chat_template_fixtures_test
+  gateway_openai_test"
 targets=()
 if [ "${SANITIZE_TARGETS:-}" != all ]; then
   for t in ${SANITIZE_TARGETS:-$default_targets}; do targets+=(--target "$t"); done

@@ -12,6 +12,8 @@
 
 namespace tandem::chat_template::internal {
 
+size_t Dict::size() const { return entries_.size(); }
+
 const Value* Dict::Find(absl::string_view key) const {
   auto it = index_.find(key);
   return it == index_.end() ? nullptr : &entries_[it->second].second;

@@ -36,7 +36,9 @@ class Dict {
  public:
   const Value* Find(absl::string_view key) const;
   void Set(std::string key, Value value);  // replaces an existing key in place, else appends
-  size_t size() const { return entries_.size(); }
+  // Out of line: Value is incomplete here, and clang's libstdc++ instantiation of
+  // vector<pair<string, Value>>::size() needs it complete.
+  size_t size() const;
   const std::vector<std::pair<std::string, Value>>& entries() const { return entries_; }
 
  private:
