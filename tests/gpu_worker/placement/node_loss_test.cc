@@ -282,6 +282,10 @@ TEST_F(NodeLossTest, RestartedNodeRejoinsWithinTwoSecondsAndReadinessFollows) {
   for (auto& node : nodes_) node.reset();
   for (int64_t l = 0; l < kLayers; ++l) EXPECT_TRUE(Attend(**kv, l, history.Query()).degraded);
   EXPECT_EQ(pool_->accepting_count(), 0u);
+  // The accepting watcher runs after the pool's state changes: give it a moment.
+  for (const auto t = Clock::now(); ready_.load() != 0 && MsSince(t) < 2000;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   EXPECT_EQ(ready_.load(), 0);
   auto none = RemoteKv::Open(*pool_, Options("nowhere"));
   ASSERT_FALSE(none.ok());
@@ -292,7 +296,7 @@ TEST_F(NodeLossTest, RestartedNodeRejoinsWithinTwoSecondsAndReadinessFollows) {
   nodes_[0] = StartNode(ports_[0]);
   ASSERT_NE(nodes_[0], nullptr);
   const auto t0 = Clock::now();
-  while (pool_->accepting_count() == 0 && MsSince(t0) < 5000) {
+  while ((pool_->accepting_count() == 0 || ready_.load() != 1) && MsSince(t0) < 5000) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   const double rejoin_ms = MsSince(t0);
