@@ -16,6 +16,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "log_flags.h"
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -160,14 +161,9 @@ int main(int argc, char** argv) {
       "OpenAI-compatible HTTP API in front of tandem GPU workers.\n"
       "  tandem-gateway --workers=localhost:50051 --address=127.0.0.1:8000");
   const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
-  spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gateway"));
-  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
-  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
-    std::fprintf(stderr,
-                 "tandem-gateway: --log_level must be trace, debug, info, warn, error or off\n");
+  if (!tandem::services::ConfigureStderrLogging("tandem-gateway", absl::GetFlag(FLAGS_log_level))) {
     return 2;
   }
-  spdlog::set_level(level);
   if (positional.size() > 1) {
     std::fprintf(stderr, "tandem-gateway: unexpected argument '%s'\n", positional[1]);
     return 2;
@@ -192,8 +188,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   spdlog::info("tandem-gateway on {}://{}:{} -> {} worker(s), {} serving",
-               options->tls_cert.empty() ? "http" : "https", options->host,
-               (*server)->port(), (*server)->workers().size(), (*server)->workers().ServingCount());
+               options->tls_cert.empty() ? "http" : "https", options->host, (*server)->port(),
+               (*server)->workers().size(), (*server)->workers().ServingCount());
   std::printf("LISTENING %d\n", (*server)->port());
   std::fflush(stdout);
 

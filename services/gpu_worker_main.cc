@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "log_flags.h"
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -75,7 +76,8 @@ ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
-ABSL_FLAG(std::string, mode, "hybrid", "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
+ABSL_FLAG(std::string, mode, "hybrid",
+          "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
           "device, the rest on CPU nodes) or offload (window on the device, the rest in pinned "
           "host memory streamed over PCIe every step: exact)");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
@@ -273,16 +275,10 @@ int main(int argc, char** argv) {
       "  tandem-gpu-worker --model=DIR --address=0.0.0.0:50051 --mode=hybrid "
       "--cpu_nodes=node1:50061,node2:50061");
   const std::vector<char*> positional = tandem::services::ParseCommandLineOrExitTwo(argc, argv);
-  // Logs go to stderr; stdout carries only the LISTENING line scripts wait for.
-  spdlog::set_default_logger(spdlog::stderr_color_mt("tandem-gpu-worker"));
-  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
-  if (level == spdlog::level::off && absl::GetFlag(FLAGS_log_level) != "off") {
-    std::fprintf(stderr,
-                 "tandem-gpu-worker: --log_level must be trace, debug, info, warn, "
-                 "error or off\n");
+  if (!tandem::services::ConfigureStderrLogging("tandem-gpu-worker",
+                                                absl::GetFlag(FLAGS_log_level))) {
     return 2;
   }
-  spdlog::set_level(level);
   if (positional.size() > 1) {
     std::fprintf(stderr, "tandem-gpu-worker: unexpected argument '%s'\n", positional[1]);
     return 2;
