@@ -363,7 +363,9 @@ class Bench {
         out.push_back(row);
         break;
       }
-      const double cpu_wait_ms = row["breakdown_ms"].value("cpu_wait", 0.0);
+      // Only hybrid rows have a breakdown (gpu and offload rows: no CPU wait).
+      const double cpu_wait_ms =
+          row.contains("breakdown_ms") ? row["breakdown_ms"].value("cpu_wait", 0.0) : 0.0;
       if (setting == 1) {
         serial_ms = row["decode_ms_median"].get<double>();
         serial_cpu_wait_ms = cpu_wait_ms;
