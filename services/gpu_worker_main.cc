@@ -75,6 +75,11 @@ ABSL_FLAG(int64_t, step_tokens, 0,
 ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
+ABSL_FLAG(bool, device_prefill, true,
+          "hybrid/offload prompts: keep the prompt's KV on the device while it is prefilled (a "
+          "widened window, within --kv_cache_bytes) so every chunk attends over it on the GPU; "
+          "the blocks beyond the window go to the CPU nodes / host pages after the first token. "
+          "false: each chunk attends over the evicted part through the tier");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid",
           "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
@@ -175,6 +180,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   e.random_weights = absl::GetFlag(FLAGS_random_weights);
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
+  e.device_prefill = absl::GetFlag(FLAGS_device_prefill);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);

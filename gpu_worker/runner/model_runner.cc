@@ -218,6 +218,8 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   const Clock::time_point start = Clock::now();
   const ModelConfig& c = model_.config();
   for (Segment& s : segments) {
+    // Blocks a narrowed prefill left on the device join the tier before it attends again.
+    TANDEM_RETURN_IF_ERROR(SettleEvictions(*s.seq));
     s.attends = s.seq->offload != nullptr && s.seq->offload->offloaded_tokens() > 0;
   }
   const std::vector<MicroBatch> batches = Split(segments);
@@ -255,8 +257,15 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   absl::Status status = Layers(segments, batches);
   if (status.ok()) status = Logits(segments, n, targets, logprobs);
   for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
-    segments[i].seq->reselect_pending = false;
-    status = Evict(*segments[i].seq);
+    Sequence& seq = *segments[i].seq;
+    seq.reselect_pending = false;
+    if (seq.window.widened() && seq.window.next_position() >= seq.prefill_end) {
+      // The prompt is in: back to the configured window. The blocks beyond it leave later
+      // (SettleEvictions), so the first token does not wait for them.
+      status = seq.window.Narrow();
+    } else {
+      status = Evict(seq);
+    }
   }
   static_cast<OffloadProfile&>(profile_) = tiers_.profile();
   profile_.pass_s += Seconds(start);
@@ -573,6 +582,15 @@ AttendRows ModelRunner::AttendRowsOf(const Segment& s, size_t index, int64_t lay
   a.policy.captured_mass = &s.seq->captured_mass;
   a.stream = index;
   return a;
+}
+
+absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
+  if (!seq.window.relaid()) return absl::OkStatus();
+  // MAW of these entries: a widened prefill kept each prompt entry on the device while every
+  // later prompt row attended, so its MAW is the moving average over all the later chunks of
+  // the prompt (not only over the window's span as for entries evicted one window after their
+  // arrival); the selection threshold uses the configured window (eviction_entries).
+  return Evict(seq);
 }
 
 absl::Status ModelRunner::Evict(Sequence& seq) {

@@ -145,8 +145,9 @@ absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<Evi
   evict_k_.resize(kv_bytes);
   evict_v_.resize(kv_bytes);
   evict_maw_.resize(g.num_kv_heads * total);
-  // n_gpu of the selection threshold: the entries on the device when these leave it.
-  const int64_t window_entries = window.entries();
+  // n_gpu of the selection threshold: the entries on the device when these leave it (at most
+  // the configured sink + window after a widened prefill: WindowCache::eviction_entries).
+  const int64_t window_entries = window.eviction_entries();
   for (int64_t l = 0; l < g.num_layers; ++l) {
     TANDEM_RETURN_IF_ERROR(
         window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));

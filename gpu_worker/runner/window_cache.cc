@@ -83,6 +83,71 @@ size_t WindowCache::BytesFor(const WindowGeometry& geometry, const WindowOptions
          capacity * 4;   // + the slot -> position table
 }
 
+absl::Status WindowCache::Relayout(const WindowOptions& target) {
+  TANDEM_ASSIGN_OR_RETURN(WindowCache dst, Create(*backend_, geometry_, target));
+  if (dst.options_.sink != options_.sink || dst.options_.block != options_.block) {
+    return absl::InternalError("window cache: a re-layout keeps the sink and the block");
+  }
+  // Empty slots below scan_slots are read by the attention (with weight 0): they must hold
+  // finite values, and the new ring may leave gaps (0 bits are 0 in f32 and bf16).
+  TANDEM_RETURN_IF_ERROR(backend_->Fill(dst.kv_.as<float>(), 0.0f, dst.kv_.bytes() / 4));
+  // The positions on the device: the sink, then the recent ones. Each maps to a run of slots
+  // in both rings; consecutive positions whose slots are consecutive in both join one run
+  // (a ring has at most one wrap, so a few runs cover everything).
+  struct Run {
+    int64_t src = 0, dst = 0, count = 0;
+  };
+  std::vector<Run> runs;
+  auto add = [&](int64_t first_pos, int64_t count) {
+    const int64_t src = SlotOf(first_pos), dst_slot = dst.SlotOf(first_pos);
+    if (!runs.empty() && runs.back().src + runs.back().count == src &&
+        runs.back().dst + runs.back().count == dst_slot) {
+      runs.back().count += count;
+    } else {
+      runs.push_back({src, dst_slot, count});
+    }
+  };
+  const int64_t sink = options_.sink, block = options_.block;
+  if (next_pos_ > 0 && sink > 0) add(0, std::min(sink, next_pos_));
+  for (int64_t p = sink + evicted_tokens_; p < next_pos_;) {
+    // Up to the end of p's block: a block is contiguous in every ring.
+    const int64_t count = std::min(block - (p - sink) % block, next_pos_ - p);
+    add(p, count);
+    p += count;
+  }
+  const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
+  int64_t scan = 0;
+  for (const Run& r : runs) {
+    for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+      for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
+        const size_t src_off = (h * capacity_ + r.src) * row_bytes;
+        const size_t dst_off = (h * dst.capacity_ + r.dst) * row_bytes;
+        TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(dst.k(l)) + dst_off,
+                                                      static_cast<const char*>(k(l)) + src_off,
+                                                      r.count * row_bytes));
+        TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(dst.v(l)) + dst_off,
+                                                      static_cast<const char*>(v(l)) + src_off,
+                                                      r.count * row_bytes));
+        TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(dst.maw(l) + h * dst.capacity_ + r.dst,
+                                                      maw(l) + h * capacity_ + r.src,
+                                                      r.count * sizeof(float)));
+      }
+    }
+    std::copy_n(slot_pos_.begin() + r.src, r.count, dst.slot_pos_.begin() + r.dst);
+    scan = std::max(scan, r.dst + r.count);
+  }
+  TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(dst.slot_pos_dev_.data(), dst.slot_pos_.data(),
+                                                dst.slot_pos_.size() * 4));
+  dst.scan_slots_ = scan;
+  dst.next_pos_ = next_pos_;
+  dst.evicted_tokens_ = evicted_tokens_;
+  dst.configured_window_ = configured_window_;
+  // The copies are queued on the device; the old buffers are freed when `dst` replaces them
+  // (the backend's free waits for queued work that may still read them).
+  *this = std::move(dst);
+  return absl::OkStatus();
+}
+
 absl::Status WindowCache::Grow(int64_t max_context) {
   if (max_context <= options_.max_context) return absl::OkStatus();
   if (options_.window != WindowOptions::kUnlimited) {
@@ -90,31 +155,43 @@ absl::Status WindowCache::Grow(int64_t max_context) {
   }
   WindowOptions grown = options_;
   grown.max_context = max_context;
-  TANDEM_ASSIGN_OR_RETURN(WindowCache bigger, Create(*backend_, geometry_, grown));
-  // Unlimited windows never wrap (slot = position), so each (layer, K|V, head) row block and
-  // each MAW row moves as one copy of the old capacity's prefix.
-  const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
-  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
-      const size_t old_off = h * capacity_ * row_bytes, new_off = h * bigger.capacity_ * row_bytes;
-      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(bigger.k(l)) + new_off,
-                                                    static_cast<const char*>(k(l)) + old_off,
-                                                    capacity_ * row_bytes));
-      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(static_cast<char*>(bigger.v(l)) + new_off,
-                                                    static_cast<const char*>(v(l)) + old_off,
-                                                    capacity_ * row_bytes));
-      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(bigger.maw(l) + h * bigger.capacity_,
-                                                    maw(l) + h * capacity_,
-                                                    capacity_ * sizeof(float)));
-    }
+  return Relayout(grown);
+}
+
+absl::Status WindowCache::Widen(int64_t recent_tokens) {
+  if (options_.window == WindowOptions::kUnlimited) {
+    return absl::FailedPreconditionError("window cache: an unlimited window does not widen");
   }
-  std::copy(slot_pos_.begin(), slot_pos_.end(), bigger.slot_pos_.begin());
-  TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(bigger.slot_pos_dev_.data(),
-                                                bigger.slot_pos_.data(), capacity_ * 4));
-  bigger.scan_slots_ = scan_slots_;
-  bigger.next_pos_ = next_pos_;
-  bigger.evicted_tokens_ = evicted_tokens_;
-  *this = std::move(bigger);
+  if (!PendingEvictions().empty()) {
+    return absl::FailedPreconditionError("window cache: evictions are pending");
+  }
+  const int64_t block = options_.block;
+  const int64_t wanted = std::min(CeilDiv(recent_tokens, block) * block,
+                                  CeilDiv(options_.max_context, block) * block);
+  if (wanted <= options_.window) return absl::OkStatus();
+  const int64_t configured = configured_window();
+  WindowOptions wide = options_;
+  wide.window = wanted;
+  TANDEM_RETURN_IF_ERROR(Relayout(wide));
+  configured_window_ = configured;
+  return absl::OkStatus();
+}
+
+absl::Status WindowCache::Narrow() {
+  if (configured_window_ == 0) return absl::OkStatus();
+  options_.window = configured_window_;
+  if (!PendingEvictions().empty()) return absl::OkStatus();   // the last Release shrinks
+  return Shrink();
+}
+
+absl::Status WindowCache::Shrink() {
+  WindowOptions configured = options_;
+  configured.window = configured_window_;
+  configured_window_ = 0;
+  if (absl::Status s = Relayout(configured); !s.ok()) {
+    configured_window_ = configured.window;
+    return s;
+  }
   return absl::OkStatus();
 }
 
@@ -183,6 +260,11 @@ absl::Status WindowCache::Skip(int64_t count) {
   return absl::OkStatus();
 }
 
+int64_t WindowCache::eviction_entries() const {
+  if (configured_window_ == 0) return entries();
+  return std::min(entries(), options_.sink + configured_window_);
+}
+
 std::vector<EvictedBlock> WindowCache::PendingEvictions() const {
   std::vector<EvictedBlock> blocks;
   if (options_.window == WindowOptions::kUnlimited) return blocks;
@@ -247,6 +329,11 @@ absl::Status WindowCache::Release(const std::vector<EvictedBlock>& blocks) {
     TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + b.first_slot,
                                                   slot_pos_.data() + b.first_slot, b.count * 4));
     evicted_tokens_ += b.count;
+  }
+  // After Narrow(): once the blocks beyond the configured window have left, the ring shrinks.
+  if (configured_window_ > 0 && options_.window == configured_window_ &&
+      PendingEvictions().empty()) {
+    return Shrink();
   }
   return absl::OkStatus();
 }

@@ -176,6 +176,13 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     seq->reselect_pending = true;
     seq->reselect_beta = g->request.beta;
   }
+  // Blocks a previous turn's prompt left unsettled (a failed settle) go first, then the window
+  // widens for this prompt (device prefill).
+  if (absl::Status s = runner_->SettleEvictions(*seq); !s.ok()) {
+    if (!continuing) sessions_.erase(id);
+    return s;
+  }
+  WidenForPrefill(*seq, static_cast<int64_t>(g->feed.size()));
   g->rng.seed(seed);
   g->degraded_before = seq->degraded_steps;
   g->last_token = arrival;
@@ -215,6 +222,16 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
     }
     if (g.remaining() > 0) continue;
     if (absl::Status s = SampleNext(g, runner_->batch_logits() + b * vocab); !s.ok()) {
+      g.failure = s;
+      if (first_failure.ok()) first_failure = s;
+    }
+  }
+  // Device prefill: the blocks a narrowed window still holds go to the tier now that the first
+  // token is out (the next step would append them anyway, before it attends).
+  for (const StepItem& item : items) {
+    Generation& g = *item.generation;
+    if (g.seq == nullptr || !g.seq->window.relaid() || g.seq->window.widened()) continue;
+    if (absl::Status s = runner_->SettleEvictions(*g.seq); !s.ok()) {
       g.failure = s;
       if (first_failure.ok()) first_failure = s;
     }

@@ -205,7 +205,10 @@ void Scheduler::StepOnce() {
   }
   if (items.empty()) return;
   // A failure is recorded in each generation of the step; EndFinished reports it.
+  const size_t kv_before = admission_blocked_ ? engine_->DeviceKvBytes() : 0;
   (void)engine_->Step(items);
+  // A device prefill's window shrinks after its first token: a refused request may fit now.
+  if (admission_blocked_ && engine_->DeviceKvBytes() < kv_before) admission_blocked_ = false;
   CountStep();
   ++local_stats_.steps;
   local_stats_.step_tokens += static_cast<uint64_t>(options_.step_tokens - budget);

@@ -132,7 +132,7 @@ TEST_P(WindowCacheTest, UnlimitedWindowNeverEvictsAndStopsAtTheContext) {
   EXPECT_EQ(cache->entries(), 100);
 }
 
-// Grow moves an unlimited window into larger buffers: positions and every K/V row survive, and
+// Grow moves an unlimited window into larger buffers: positions and their K/V rows survive, and
 // BytesFor predicts the bytes before and after (the engine's device-KV budget relies on it).
 TEST_P(WindowCacheTest, GrowKeepsTheKvAndBytesForPredictsTheSize) {
   const WindowGeometry geometry{2, 2, 8, GetParam()};
@@ -165,7 +165,8 @@ TEST_P(WindowCacheTest, GrowKeepsTheKvAndBytesForPredictsTheSize) {
   EXPECT_EQ(cache->next_position(), 40);
   for (int64_t l = 0; l < 2; ++l) {
     for (int64_t h = 0; h < 2; ++h) {
-      std::vector<uint8_t> got(old_capacity * row);
+      // The rows of the 40 positions (slot = position); the other slots hold no token.
+      std::vector<uint8_t> got(40 * row);
       ASSERT_TRUE(backend_->CopyToHost(got.data(),
                                        static_cast<const char*>(cache->k(l)) +
                                            h * cache->capacity() * row,

@@ -111,6 +111,14 @@ class ModelRunner {
   absl::Status Decode(const std::vector<Sequence*>& seqs, const int32_t* ids);
   const float* batch_logits() const { return logits_.as<float>(); }
 
+  // Device prefill (WindowCache::Widen): a sequence whose window was widened for a prompt
+  // (Sequence::prefill_end) narrows after the pass that feeds the prompt's last token; the
+  // blocks beyond the configured window then still sit on the device, and its tier does not
+  // hold them yet. This appends them to the tier and shrinks the window. The engine calls it
+  // once the first token is out; every pass calls it first for its sequences (a sequence never
+  // attends through its tier without them). No-op when nothing is pending.
+  absl::Status SettleEvictions(Sequence& sequence);
+
   const float* last_logits() const { return last_logits_; }   // device, [vocab]
   absl::StatusOr<std::vector<float>> LastLogitsToHost();
 

@@ -47,6 +47,9 @@ struct Sequence {
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
+  // Device prefill: the position after the current prompt's last token. While the window is
+  // widened (WindowCache::Widen) the runner narrows it after the pass that reaches it.
+  int64_t prefill_end = 0;
   // Set when a new turn appends a prompt: its first forward pass re-selects the offloaded
   // entries of every layer with the new queries (HGCA Alg. 1 line 21), with this beta if set.
   bool reselect_pending = false;

@@ -14,6 +14,14 @@
 // (ReadBlocks) for every layer, hands them over, then calls Release(). With `window` =
 // kUnlimited nothing is ever evicted (the `gpu` mode: all KV on the device).
 //
+// Device prefill (Widen / Narrow): a bounded window can hold more recent tokens for a while,
+// e.g. a whole prompt, so that every prefill chunk attends over the prompt's earlier KV on the
+// device, exactly; afterwards Narrow() returns to the configured window: the oldest blocks then
+// become PendingEvictions() and, once they are released, the ring shrinks back to its
+// configured capacity (its device memory is returned). Widen, Narrow, Grow and that shrink
+// re-lay the ring into new buffers: each position keeps its KV and MAW, at the slot the new
+// ring gives it (sink slots unchanged, ring blocks in position order modulo the new ring).
+//
 // Not thread-safe; used by the engine's executor thread only.
 #pragma once
 
@@ -81,9 +89,33 @@ class WindowCache {
   // device memory does not suffice (the cache is then unchanged).
   absl::Status Grow(int64_t max_context);
 
+  // Makes room for `recent_tokens` recent tokens (rounded up to the block; at most the context
+  // limit) before the next eviction: the ring is re-laid into larger buffers holding that many
+  // plus one pass (the rule of Create with window = recent_tokens). No-op when the window is
+  // already that large. FAILED_PRECONDITION for an unlimited window or with evictions pending;
+  // RESOURCE_EXHAUSTED when the device memory does not suffice (the cache is then unchanged).
+  absl::Status Widen(int64_t recent_tokens);
+  // Goes back to the configured window after Widen(): the recent tokens beyond it become
+  // PendingEvictions(); the Release() that leaves none shrinks the ring to its configured
+  // capacity (at once when none are pending). No-op when not widened. Errors as Widen's (a
+  // failed shrink keeps the larger ring, which stays correct).
+  absl::Status Narrow();
+  // Whether Widen() holds a larger window than the configured one, and whether a ring larger
+  // than the configured one is held (widened, or narrowed with evictions still pending).
+  bool widened() const { return configured_window_ > 0 && options_.window > configured_window_; }
+  bool relaid() const { return configured_window_ > 0; }
+  // The window the cache was created with (options().window is the widened one while widened).
+  int64_t configured_window() const {
+    return configured_window_ > 0 ? configured_window_ : options_.window;
+  }
+
   // The oldest recent blocks that must leave so that at most `window` recent tokens remain.
   // They stay readable until Release().
   std::vector<EvictedBlock> PendingEvictions() const;
+  // n_gpu of the MAW selection threshold (β / n_gpu) for blocks that leave now: the entries on
+  // the device, but at most the configured sink + window when the ring is re-laid (a widened
+  // prefill's blocks are judged as if the window had its configured size).
+  int64_t eviction_entries() const;
 
   // Copies K, V and MAW of `blocks` for `layer` to host memory, head-major:
   //   k_host, v_host: [num_kv_heads, total, head_dim] of the cache dtype
@@ -93,6 +125,7 @@ class WindowCache {
                           void* v_host, float* maw_host);
 
   // Frees the slots of the blocks returned by PendingEvictions() (empties them on the device).
+  // After Narrow(), the Release that leaves no eviction pending shrinks the ring (see Narrow).
   absl::Status Release(const std::vector<EvictedBlock>& blocks);
 
   // Device pointers for the attention of `layer`.
@@ -106,12 +139,19 @@ class WindowCache {
   int64_t next_position() const { return next_pos_; }
   int64_t entries() const { return next_pos_ - evicted_tokens_; }   // tokens on the device
   int64_t evicted_tokens() const { return evicted_tokens_; }
+  int64_t recent_tokens() const { return RecentTokens(); }   // entries past the sink
   const WindowGeometry& geometry() const { return geometry_; }
   const WindowOptions& options() const { return options_; }
   size_t device_bytes() const;
 
  private:
   WindowCache() = default;
+  // Moves the cache into a new one made with `target` options (same sink and block): each
+  // position's K, V and MAW are copied to its slot in the new ring, a run of slots contiguous
+  // in both rings per copy. RESOURCE_EXHAUSTED leaves the cache unchanged.
+  absl::Status Relayout(const WindowOptions& target);
+  // Relayout to the configured window (its ring), ending the re-laid state.
+  absl::Status Shrink();
   int64_t SlotOf(int64_t pos) const;
   int64_t RecentTokens() const;
 
@@ -123,6 +163,7 @@ class WindowCache {
   int64_t scan_slots_ = 0;
   int64_t next_pos_ = 0;          // positions [0, next_pos_) have been appended
   int64_t evicted_tokens_ = 0;    // recent positions [sink, sink + evicted_tokens_) have left
+  int64_t configured_window_ = 0; // while re-laid by Widen (until the shrink): the created one
   DeviceBuffer kv_;               // per layer: K then V, [layers][2][num_kv_heads][capacity][D]
   DeviceBuffer maw_;              // [layers][num_kv_heads][capacity] f32
   DeviceBuffer slot_pos_dev_;     // [capacity] i32

@@ -80,6 +80,13 @@ struct EngineOptions {
   // the device's memory. A request that does not fit waits in the scheduler's queue while others
   // run (RESOURCE_EXHAUSTED when it could not fit even alone).
   size_t kv_cache_bytes = 0;
+  // Device prefill: a Generate prompt of a bounded-window sequence (hybrid, offload) is fed
+  // with its window widened to hold the whole prompt (WindowCache::Widen), as far as
+  // kv_cache_bytes and the device allow, so each chunk attends over the prompt's earlier KV on
+  // the device; the blocks beyond the configured window go to the tier after the first token.
+  // false: the window keeps its size and each chunk attends over the evicted part through the
+  // tier. Evaluate always takes the latter path (it measures the selection's approximation).
+  bool device_prefill = true;
   // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
   // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
   // RESOURCE_EXHAUSTED before anything runs.
@@ -216,6 +223,10 @@ class Engine {
   WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
   // RESOURCE_EXHAUSTED (saying what to change) when `more` bytes would pass kv_cache_bytes.
   absl::Status CheckDeviceKv(size_t more) const;
+  // Device prefill (EngineOptions::device_prefill): widens `seq`'s window for `prompt_tokens`
+  // more tokens, as far as the free part of kv_cache_bytes and the device allow (none: the
+  // window keeps its size), and sets its prefill_end. Never fails the request.
+  void WidenForPrefill(Sequence& seq, int64_t prompt_tokens);
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
   absl::Status SampleNext(Generation& g, const float* logits);
   // The sampled token's log-probability and the request's top candidates (logprobs.h) into

@@ -1,0 +1,286 @@
+// Device prefill (issue 15 item 1) on stories260k: a prompt many windows long in hybrid (MAW
+// and pages, beta > 0) and offload mode is prefilled with the window widened, so the first
+// token's distribution equals gpu mode's (exact: every chunk attends over the whole prompt on
+// the device, the CPU node attends nothing), and the KV beyond the window reaches the tier
+// after the first token (the node holds it, decode goes on through it). Also: the old path with
+// --device_prefill off; a budget that holds only part of the prompt (still exact in offload
+// mode, never over the budget); two concurrent long prompts under a small budget (no
+// over-commit, both finish with their solo results).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+#include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/logprobs.h"
+#include "tandem/gpu_worker/scheduler.h"
+#include "tandem/gpu_worker/window_cache.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+constexpr float kLogprobTolerance = 1e-4f;
+constexpr int64_t kWindow = 16, kSink = 4, kChunk = 64, kPrompt = 300;
+
+// A prompt of `n` token ids from the model's vocabulary (BOS first).
+std::vector<int32_t> Prompt(int64_t n, int32_t salt) {
+  std::vector<int32_t> ids{1};
+  for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
+  return ids;
+}
+
+EngineOptions Options(bool device_prefill, size_t kv_cap) {
+  EngineOptions options;
+  options.model_dir = testing::ModelDir("stories260k").string();
+  options.backend = testing::TestBackendName();
+  options.nodes.embedded.pool_bytes = 64ull << 20;
+  options.default_window = kWindow;
+  options.default_sink = kSink;
+  options.prefill_chunk = kChunk;
+  options.offload_page_tokens = 16;
+  options.device_prefill = device_prefill;
+  options.kv_cache_bytes = kv_cap;
+  return options;
+}
+
+std::unique_ptr<Engine> MakeEngine(bool device_prefill, size_t kv_cap = 0) {
+  auto engine = Engine::Create(Options(device_prefill, kv_cap));
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
+GenerateRequest Request(AttentionMode mode, const std::vector<int32_t>& prompt) {
+  GenerateRequest r;
+  r.prompt_ids = prompt;
+  r.max_tokens = 6;
+  r.ignore_eos = true;
+  r.mode = mode;
+  r.logprobs = true;
+  r.top_logprobs = kMaxTopLogprobs;
+  return r;
+}
+
+// The first token's top log-probabilities by token id.
+struct FirstToken {
+  std::map<int32_t, float> top;
+};
+
+// Runs `r` on `engine`, recording the first token's top log-probabilities and the largest
+// DeviceKvBytes seen after any prefill chunk.
+absl::StatusOr<GenerateSummary> RunRequest(Engine& engine, const GenerateRequest& r, FirstToken* first,
+                                           size_t* peak_kv = nullptr) {
+  GenerateCallbacks callbacks;
+  callbacks.on_token = [first](const TokenEvent& e) {
+    if (e.index == 0) {
+      for (const TokenAlternative& a : e.top_logprobs) first->top[a.token_id] = a.logprob;
+    }
+    return true;
+  };
+  callbacks.on_prefill = [&engine, peak_kv](const PrefillProgress&) {
+    if (peak_kv != nullptr) *peak_kv = std::max(*peak_kv, engine.DeviceKvBytes());
+  };
+  return engine.Generate(r, callbacks);
+}
+
+void ExpectSameFirstToken(const FirstToken& got, const FirstToken& want, const char* what) {
+  ASSERT_EQ(got.top.size(), want.top.size()) << what;
+  for (const auto& [id, logprob] : want.top) {
+    auto it = got.top.find(id);
+    ASSERT_NE(it, got.top.end()) << what << ": token " << id << " not among the top";
+    EXPECT_NEAR(it->second, logprob, kLogprobTolerance) << what << ": token " << id;
+  }
+}
+
+class DevicePrefill : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+    TANDEM_SKIP_WITHOUT_BACKEND();
+  }
+  static v1::StatsResponse NodeStats(Engine& e) { return e.nodes().embedded()->node().Stats(); }
+};
+
+TEST_F(DevicePrefill, FirstTokenEqualsGpuModeInHybridAndOffload) {
+  std::unique_ptr<Engine> engine = MakeEngine(true);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> prompt = Prompt(kPrompt, 11);
+  FirstToken gpu;
+  auto reference = RunRequest(*engine, Request(AttentionMode::kGpu, prompt), &gpu);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_EQ(gpu.top.size(), static_cast<size_t>(kMaxTopLogprobs));
+
+  struct Case {
+    const char* name;
+    AttentionMode mode;
+    SelectionRule selection;
+  };
+  for (const Case& c : {Case{"hybrid maw", AttentionMode::kHybrid, SelectionRule::kMaw},
+                        Case{"hybrid pages", AttentionMode::kHybrid, SelectionRule::kPages},
+                        Case{"offload", AttentionMode::kOffload, SelectionRule::kMaw}}) {
+    GenerateRequest r = Request(c.mode, prompt);
+    r.session_id = std::string("s-") + (c.selection == SelectionRule::kPages ? "pages" : "maw") +
+                   (c.mode == AttentionMode::kOffload ? "-offload" : "");
+    if (c.mode == AttentionMode::kHybrid) {
+      r.selection = c.selection;
+      if (c.selection == SelectionRule::kMaw) r.beta = 1.0f;   // a real selection, not all
+      if (c.selection == SelectionRule::kPages) r.select_tokens = 32;
+    }
+    const uint64_t attends_before = NodeStats(*engine).attend_calls();
+    size_t peak = 0;
+    FirstToken first;
+    GenerateRequest one = r;
+    one.max_tokens = 1;   // the prefill pass only
+    auto summary = RunRequest(*engine, one, &first, &peak);
+    ASSERT_TRUE(summary.ok()) << c.name << ": " << summary.status();
+    ExpectSameFirstToken(first, gpu, c.name);
+    // The prompt was whole on the device (a widened window) and the CPU node attended nothing;
+    // the blocks beyond the window reached the tier after the first token.
+    WindowOptions configured;
+    configured.sink = kSink;
+    configured.window = kWindow;
+    configured.block = 16;
+    configured.max_chunk = kChunk;
+    configured.max_context = 512;
+    EXPECT_GT(peak, WindowCache::BytesFor({5, 4, 8, DType::kF32}, configured)) << c.name;
+    EXPECT_EQ(NodeStats(*engine).attend_calls(), attends_before) << c.name;
+    EXPECT_LE(summary->device_kv_entries, kSink + kWindow) << c.name;
+    EXPECT_EQ(summary->device_kv_entries + summary->cpu_kv_entries, kPrompt) << c.name;
+    if (c.mode == AttentionMode::kHybrid) EXPECT_GT(NodeStats(*engine).blocks_in_use(), 0u);
+    // The next turn decodes through the tier (the node attends now).
+    GenerateRequest next = r;
+    next.prompt_ids = {403, 407};
+    auto turn = engine->Generate(next);
+    ASSERT_TRUE(turn.ok()) << c.name << ": " << turn.status();
+    EXPECT_EQ(turn->completion_tokens, 6);
+    EXPECT_EQ(turn->device_kv_entries + turn->cpu_kv_entries, kPrompt + 1 + 2 + 5) << c.name;
+    if (c.mode == AttentionMode::kHybrid) {
+      EXPECT_GT(NodeStats(*engine).attend_calls(), attends_before) << c.name;
+    }
+    ASSERT_TRUE(engine->CloseSession(r.session_id).ok());
+  }
+  EXPECT_EQ(NodeStats(*engine).blocks_in_use(), 0u);
+
+  // One-shot offload with decode steps: the following tokens are gpu mode's (exact tiers).
+  FirstToken first;
+  auto offload = RunRequest(*engine, Request(AttentionMode::kOffload, prompt), &first);
+  ASSERT_TRUE(offload.ok()) << offload.status();
+  EXPECT_EQ(offload->token_ids, reference->token_ids);
+}
+
+// --device_prefill=false: the window keeps its size, so the chunks attend over the evicted
+// part through the tier (the CPU node attends during the prefill); offload stays exact.
+TEST_F(DevicePrefill, OffKeepsTheOldPath) {
+  std::unique_ptr<Engine> engine = MakeEngine(false);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> prompt = Prompt(kPrompt, 5);
+  FirstToken gpu, offload;
+  ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kGpu, prompt), &gpu).ok());
+  ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kOffload, prompt), &offload).ok());
+  ExpectSameFirstToken(offload, gpu, "offload, device prefill off");
+  GenerateRequest r = Request(AttentionMode::kHybrid, prompt);
+  r.max_tokens = 1;
+  r.beta = 0.0f;
+  FirstToken hybrid;
+  size_t peak = 0;
+  ASSERT_TRUE(RunRequest(*engine, r, &hybrid, &peak).ok());
+  ExpectSameFirstToken(hybrid, gpu, "hybrid beta 0, device prefill off");
+  EXPECT_GT(NodeStats(*engine).attend_calls(), 0u);
+}
+
+// A budget that holds only part of the prompt: the window widens as far as it fits, the older
+// blocks leave during the prefill and later chunks attend over them through the tier. Offload
+// stays exact; hybrid completes; the device KV never passes the budget.
+TEST_F(DevicePrefill, APartlyFittingPromptStaysWithinTheBudget) {
+  std::unique_ptr<Engine> reference = MakeEngine(true);
+  ASSERT_NE(reference, nullptr);
+  const std::vector<int32_t> prompt = Prompt(kPrompt, 23);
+  FirstToken gpu;
+  ASSERT_TRUE(RunRequest(*reference, Request(AttentionMode::kGpu, prompt), &gpu).ok());
+  reference.reset();
+
+  constexpr size_t kCap = 300 << 10;   // ~220 tokens of stories260k's f32 KV (1364 B a token)
+  std::unique_ptr<Engine> engine = MakeEngine(true, kCap);
+  ASSERT_NE(engine, nullptr);
+  size_t peak = 0;
+  FirstToken offload;
+  auto summary = RunRequest(*engine, Request(AttentionMode::kOffload, prompt), &offload, &peak);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  ExpectSameFirstToken(offload, gpu, "offload, partly widened");
+  EXPECT_LE(peak, kCap);
+  EXPECT_GT(peak, kCap / 2);   // it did widen
+  GenerateRequest r = Request(AttentionMode::kHybrid, prompt);
+  r.beta = 1.0f;
+  peak = 0;
+  FirstToken hybrid;
+  summary = RunRequest(*engine, r, &hybrid, &peak);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->completion_tokens, 6);
+  EXPECT_LE(peak, kCap);
+  EXPECT_GT(NodeStats(*engine).attend_calls(), 0u);   // the later chunks used the tier
+}
+
+// Two long prompts at once under a budget that holds one widened prompt: the widened bytes
+// count while held, so the two never over-commit, and both finish with their solo tokens.
+TEST_F(DevicePrefill, ConcurrentLongPromptsDoNotOverCommit) {
+  const std::vector<int32_t> prompts[2] = {Prompt(kPrompt, 3), Prompt(kPrompt - 40, 7)};
+  std::vector<int32_t> solo[2];
+  {
+    std::unique_ptr<Engine> engine = MakeEngine(true);
+    ASSERT_NE(engine, nullptr);
+    for (int i = 0; i < 2; ++i) {
+      FirstToken first;
+      auto s = RunRequest(*engine, Request(AttentionMode::kGpu, prompts[i]), &first);
+      ASSERT_TRUE(s.ok()) << s.status();
+      solo[i] = s->token_ids;
+    }
+  }
+  constexpr size_t kCap = 600 << 10;
+  auto engine = Engine::Create(Options(true, kCap));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Engine* raw = engine->get();   // read on the scheduler's thread only (its callbacks)
+  auto scheduler = Scheduler::Create(std::move(*engine), SchedulerOptions{});
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t peak = 0;
+  int done = 0;
+  absl::StatusOr<GenerateSummary> results[2];
+  for (int i = 0; i < 2; ++i) {
+    GenerateCallbacks callbacks;
+    callbacks.on_prefill = [raw, &mu, &peak](const PrefillProgress&) {
+      std::lock_guard<std::mutex> lock(mu);
+      peak = std::max(peak, raw->DeviceKvBytes());
+    };
+    GenerateRequest r = Request(AttentionMode::kOffload, prompts[i]);
+    r.logprobs = false;
+    r.top_logprobs = 0;
+    ASSERT_TRUE((*scheduler)
+                    ->Submit(r, callbacks,
+                             [&, i](absl::StatusOr<GenerateSummary> s) {
+                               std::lock_guard<std::mutex> lock(mu);
+                               results[i] = std::move(s);
+                               ++done;
+                               cv.notify_all();
+                             })
+                    .ok());
+  }
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done == 2; }));
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    EXPECT_EQ(results[i]->token_ids, solo[i]) << "request " << i;
+  }
+  EXPECT_LE(peak, kCap);
+  EXPECT_GT(peak, kCap / 2);
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
