@@ -47,6 +47,8 @@ ABSL_FLAG(std::string, pages, "256,512", "hybrid pages: budgets, TOKENS or TOKEN
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
 ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16",
+          "embedded CPU node KV storage: bf16 (as sent) or int8 (8-bit rows, per-row scale)");
 
 namespace tandem::gpu_worker {
 namespace {
@@ -139,6 +141,14 @@ int Main() {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.nodes.embedded.pool_bytes = 2ull << 30;
   options.nodes.embedded.threads = absl::GetFlag(FLAGS_node_threads);
+  {
+    auto kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+    if (!kv_dtype.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(kv_dtype.status().message()).c_str());
+      return 2;
+    }
+    options.nodes.embedded.kv_dtype = *kv_dtype;
+  }
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);

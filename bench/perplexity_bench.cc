@@ -47,6 +47,8 @@ ABSL_FLAG(std::string, betas, "0.5,1,2", "hybrid: comma-separated betas");
 ABSL_FLAG(int64_t, chunk, 1, "tokens per forward pass");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
 ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16",
+          "embedded CPU node KV storage: bf16 (as sent) or int8 (8-bit rows, per-row scale)");
 ABSL_FLAG(float, maw_alpha, 0.1f, "MAW moving-average factor");
 ABSL_FLAG(bool, skip_full, false, "skip the full-attention reference run");
 ABSL_FLAG(std::string, pages, "",
@@ -91,6 +93,14 @@ int Main() {
   options.measure_captured_mass = absl::GetFlag(FLAGS_captured_mass);
   options.nodes.embedded.pool_bytes = 2ull << 30;
   options.nodes.embedded.threads = absl::GetFlag(FLAGS_node_threads);
+  {
+    auto kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+    if (!kv_dtype.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(kv_dtype.status().message()).c_str());
+      return 2;
+    }
+    options.nodes.embedded.kv_dtype = *kv_dtype;
+  }
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);

@@ -78,6 +78,7 @@ ABSL_FLAG(int64_t, prefill_chunk, 4096, "tokens per forward pass in prefill");
 ABSL_FLAG(float, prefill_beta, 1.0f, "TTFT: hybrid beta");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
 ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16", "embedded CPU node KV storage: bf16 or int8");
 ABSL_FLAG(std::string, transport, "auto", "CPU node transport: auto, shm or grpc");
 ABSL_FLAG(double, host_fraction, 0.85, "use at most this share of MemAvailable for KV");
 ABSL_FLAG(bool, skip_probes, false, "skip the bandwidth probes (limits become 0)");
@@ -253,6 +254,12 @@ class Bench {
     const double off = std::max<double>(cfg.context - absl::GetFlag(FLAGS_window), 0);
     const double copy =
         cfg.mode == AttentionMode::kHybrid && cfg.select_tokens == 0 ? 1.0 + cfg.share : 1.0;
+    if (cfg.mode == AttentionMode::kHybrid && absl::GetFlag(FLAGS_node_kv_dtype) == "int8") {
+      // int8 node rows: head_dim codes + an f32 scale for K and for V, and the f32 MAW.
+      const ModelConfig& c = model_.config();
+      const double entry = 2.0 * (c.head_dim + 4) + 4;
+      return cfg.batch * off * c.num_layers * c.num_kv_heads * entry * copy * 1.03;
+    }
     return cfg.batch * off * KvBytesPerToken() * copy * 1.03;
   }
 
@@ -710,6 +717,12 @@ int Main() {
         absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
     po.embedded.threads = node_threads;
     po.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
+    auto node_kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+    if (!node_kv_dtype.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(node_kv_dtype.status().message()).c_str());
+      return 2;
+    }
+    po.embedded.kv_dtype = *node_kv_dtype;
     po.embedded.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(absl::GetFlag(FLAGS_block), 16, 256));
     auto transport = gpu_worker::ParseNodeTransport(absl::GetFlag(FLAGS_transport));
     if (!transport.ok()) {

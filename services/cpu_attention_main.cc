@@ -45,6 +45,9 @@ ABSL_FLAG(unsigned, block_tokens, 64, "default tokens per KV block (16..256)");
 ABSL_FLAG(bool, huge_pages, false,
           "back KV blocks with transparent huge pages (fewer TLB misses when pages are scanned "
           "scattered, selection=pages)");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16",
+          "how KV is stored: bf16 (as the worker sends it) or int8 (8-bit rows with one scale "
+          "per token and kv head: about half the memory and scan bytes; quantised on arrival)");
 ABSL_FLAG(unsigned, max_sessions, 4096, "sessions the node holds at most");
 ABSL_FLAG(unsigned, max_query_tokens, 4096, "query tokens per Attend item / Reselect");
 ABSL_FLAG(unsigned, max_batch, 256, "queries per Attend request");
@@ -105,6 +108,14 @@ int main(int argc, char** argv) {
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   options.node.huge_pages = absl::GetFlag(FLAGS_huge_pages);
+  absl::StatusOr<tandem::kv_store::KvDType> kv_dtype =
+      tandem::cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "tandem-cpu-attention: --%s\n",
+                 std::string(kv_dtype.status().message()).c_str());
+    return 2;
+  }
+  options.node.kv_dtype = *kv_dtype;
   options.node.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.node.max_sessions_per_principal = absl::GetFlag(FLAGS_max_sessions_per_principal);
   options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),

@@ -127,6 +127,9 @@ ABSL_FLAG(int, cpu_nodes_probe_ms, 250,
           "placement once they answer; 0 = only at --cpu_nodes_refresh_s");
 ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
           "KV memory of the embedded CPU node, e.g. 16GiB");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16",
+          "how the embedded CPU node stores KV: bf16 (as sent) or int8 (8-bit, about half the "
+          "memory; see tandem-cpu-attention --node_kv_dtype)");
 ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
           "largest gRPC message accepted or sent");
 ABSL_FLAG(int, shutdown_grace_ms, 5000, "time calls in flight get to finish on shutdown");
@@ -249,6 +252,12 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     return UsageError("--replan_every_steps must be >= 0 and --replan_min_gain in [0, 1]");
   }
   e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
+  absl::StatusOr<tandem::kv_store::KvDType> node_kv_dtype =
+      tandem::cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+  if (!node_kv_dtype.ok()) {
+    return UsageError(absl::StrCat("--", node_kv_dtype.status().message()));
+  }
+  e.nodes.embedded.kv_dtype = *node_kv_dtype;
   e.attend_deadline_ms = absl::GetFlag(FLAGS_attend_deadline_ms);
   if (e.attend_deadline_ms < 1) return UsageError("--attend_deadline_ms must be >= 1");
   e.control_deadline_ms = absl::GetFlag(FLAGS_control_deadline_ms);

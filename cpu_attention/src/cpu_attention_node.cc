@@ -22,6 +22,7 @@
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
+#include "tandem/kv_store/int8_rows.h"
 #include "tandem/metrics/node_metrics.h"
 
 namespace tandem::cpu_attention {
@@ -61,6 +62,14 @@ AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, uint32_t 
 
 }  // namespace
 
+absl::StatusOr<KvDType> ParseNodeKvDType(absl::string_view name) {
+  if (name == "bf16") return KvDType::kBf16;
+  if (name == "int8") return KvDType::kInt8;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "node_kv_dtype must be bf16 (store KV as the worker sends it) or int8 (8-bit rows with a "
+      "per-row scale), got '", name, "'"));
+}
+
 absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
     const NodeOptions& options) {
   if (options.pool_bytes == 0) return absl::InvalidArgumentError("pool_bytes must be > 0");
@@ -77,6 +86,11 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
   if (options.chunk_keys < 16 || options.chunk_keys > 65536) {
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_keys must be in 16..65536, got ", options.chunk_keys));
+  }
+  if (options.kv_dtype != KvDType::kBf16 && options.kv_dtype != KvDType::kInt8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_dtype must be bf16 (as sent) or int8, got ",
+                     kv_store::KvDTypeName(options.kv_dtype)));
   }
   return std::unique_ptr<CpuAttentionNode>(new CpuAttentionNode(options));
 }
@@ -103,6 +117,7 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
   options.geometry = {g.num_layers(), g.num_q_heads(), g.num_kv_heads(), g.head_dim()};
   options.block_tokens = request.block_size();
   TANDEM_ASSIGN_OR_RETURN(options.dtype, KvDTypeFromProto(request.kv_dtype()));
+  options.int8_storage = options_.kv_dtype == KvDType::kInt8;
   TANDEM_RETURN_IF_ERROR(CheckBeta(request.beta()));
   options.beta = request.beta();
   TANDEM_ASSIGN_OR_RETURN(options.page_tokens, PageTokensOf(request));
@@ -168,7 +183,7 @@ void CpuAttentionNode::StartShm(const std::shared_ptr<Session>& session,
   geometry.num_q_heads = g.num_q_heads;
   geometry.head_dim = g.head_dim;
   geometry.group = g.group();
-  geometry.kv_row_bytes = static_cast<uint32_t>(session->format().row_bytes());
+  geometry.kv_row_bytes = static_cast<uint32_t>(session->options().input_row_bytes());
   absl::StatusOr<std::unique_ptr<ShmSessionServer>> server = ShmSessionServer::Start(
       this, session->id(), std::move(geometry), spec.name(), spec.segment_bytes(), spec.nonce(),
       options_.shm_spin_us, &shm_requests_);
@@ -250,7 +265,7 @@ absl::Status CpuAttentionNode::AppendKv(const v1::AppendKvRequest& request,
   const int64_t kv_shape[] = {static_cast<int64_t>(target.heads.size()), n,
                               target.session->geometry().head_dim};
   const int64_t maw_shape[] = {static_cast<int64_t>(target.heads.size()), n};
-  const v1::DType dtype = ProtoDType(target.session->format().dtype);
+  const v1::DType dtype = ProtoDType(target.session->options().dtype);
   TANDEM_RETURN_IF_ERROR(CheckTensor(k, "k", dtype, kv_shape));
   TANDEM_RETURN_IF_ERROR(CheckTensor(request.v(), "v", dtype, kv_shape));
   TANDEM_RETURN_IF_ERROR(CheckTensor(request.maw(), "maw", v1::DTYPE_F32, maw_shape));
@@ -280,7 +295,7 @@ absl::Status CpuAttentionNode::AppendKvRaw(const std::string& session_id, uint32
   TANDEM_ASSIGN_OR_RETURN(AppendTarget target, ResolveAppend(session_id, layer, kv_heads));
   TANDEM_RETURN_IF_ERROR(CheckAppendTokens(n));
   const uint64_t entries = uint64_t{n} * target.heads.size();
-  const uint64_t kv_bytes = entries * target.session->format().row_bytes();
+  const uint64_t kv_bytes = entries * target.session->options().input_row_bytes();
   if (k.size() != kv_bytes || v.size() != kv_bytes || maw.size() != entries * sizeof(float)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "k, v, maw: ", k.size(), ", ", v.size(), ", ", maw.size(), " bytes, expected ", kv_bytes,
@@ -597,6 +612,7 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   r.set_draining(draining());
   r.set_free_bytes(s.capacity_bytes - std::min(s.used_bytes, s.capacity_bytes));
   r.set_node_id(node_id_);
+  r.set_kv_storage(kv_store::KvDTypeName(options_.kv_dtype));
   {
     std::lock_guard lock(shm_mu_);
     r.set_shm_channels(static_cast<uint32_t>(shm_servers_.size()));
@@ -679,8 +695,9 @@ absl::StatusOr<ShardExport> CpuAttentionNode::StartExport(const v1::ExportShardR
     e.next_ = request.from_entry();
     e.end_ = to;
   }
-  // Bytes per entry in a chunk: K and V rows, the MAW float, the flag.
-  const uint64_t entry_bytes = 2 * session.format().row_bytes() + sizeof(float) + 1;
+  // Bytes per entry in a chunk: K and V rows (of the session's kv_dtype, as AppendKv takes
+  // them), the MAW float, the flag.
+  const uint64_t entry_bytes = 2 * session.options().input_row_bytes() + sizeof(float) + 1;
   const uint64_t by_bytes = std::max<uint64_t>(1, max_chunk_bytes / entry_bytes);
   const uint32_t wanted =
       request.max_chunk_entries() == 0 ? kDefaultChunkEntries : request.max_chunk_entries();
@@ -701,8 +718,8 @@ absl::Status ShardExport::Next(v1::ExportShardChunk* chunk) {
   }
   const uint64_t n = std::min<uint64_t>(chunk_entries_, end_ - next_);
   const auto& g = session.geometry();
-  const v1::DType dtype = ProtoDType(session.format().dtype);
-  const size_t row = session.format().row_bytes();
+  const v1::DType dtype = ProtoDType(session.options().dtype);
+  const size_t row = session.options().input_row_bytes();
   chunk->Clear();
   chunk->set_first_entry(next_);
   chunk->set_num_entries(static_cast<uint32_t>(n));
@@ -722,8 +739,20 @@ absl::Status ShardExport::Next(v1::ExportShardChunk* chunk) {
       init(chunk->mutable_maw(), v1::DTYPE_F32, {rows}, n * sizeof(float)));
   std::string* flags = chunk->mutable_selected();
   flags->resize(n);
-  TANDEM_RETURN_IF_ERROR(
-      shard->ReadEntries(next_, n, k, v, maw, reinterpret_cast<uint8_t*>(flags->data())));
+  uint8_t* selected = reinterpret_cast<uint8_t*>(flags->data());
+  if (!session.options().int8_storage) {
+    TANDEM_RETURN_IF_ERROR(shard->ReadEntries(next_, n, k, v, maw, selected));
+  } else {
+    // Stored rows out, dequantised to the session's kv_dtype: the importing node quantises
+    // again (an int8 node gets the same codes back: see int8_rows.h) or keeps them as sent.
+    const size_t stored = shard->format().row_bytes();
+    std::vector<std::byte> rows(2 * n * stored);
+    TANDEM_RETURN_IF_ERROR(
+        shard->ReadEntries(next_, n, rows.data(), rows.data() + n * stored, maw, selected));
+    kv_store::ConvertRows(rows.data(), KvDType::kInt8, n, g.head_dim, k, session.options().dtype);
+    kv_store::ConvertRows(rows.data() + n * stored, KvDType::kInt8, n, g.head_dim, v,
+                          session.options().dtype);
+  }
   next_ += n;
   return absl::OkStatus();
 }

@@ -15,6 +15,7 @@
 #include "tandem/common/exp2_approx.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
+#include "tandem/kv_store/int8_rows.h"
 
 // The library is built without -march and runs on other hosts than the build: the scan is
 // compiled for AVX-512, AVX2 and baseline x86-64 and the loader picks one (target_clones).
@@ -58,6 +59,8 @@ using U32x16 = uint32_t __attribute__((vector_size(64)));
 using U32x8 = uint32_t __attribute__((vector_size(32)));
 using U16x16 = uint16_t __attribute__((vector_size(32)));
 using U16x8 = uint16_t __attribute__((vector_size(16)));
+using I8x16 = int8_t __attribute__((vector_size(16)));
+using I8x8 = int8_t __attribute__((vector_size(8)));
 
 template <typename V>
 TANDEM_ALWAYS_INLINE V Load(const float* p) {
@@ -87,6 +90,17 @@ TANDEM_ALWAYS_INLINE V16 Row16(const uint16_t* p) {
   return (V16)(__builtin_convertvector(h, U32x16) << 16);
 }
 TANDEM_ALWAYS_INLINE V16 Row16(const float* p) { return Load<V16>(p); }
+// int8 codes widened to f32 (the row's scale is applied to the scores and probabilities).
+TANDEM_ALWAYS_INLINE V16 Row16(const int8_t* p) {
+  I8x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, V16);
+}
+TANDEM_ALWAYS_INLINE V8 Row8(const int8_t* p) {
+  I8x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, V8);
+}
 TANDEM_ALWAYS_INLINE V8 Row8(const uint16_t* p) {
   U16x8 h;
   std::memcpy(&h, p, sizeof(h));
@@ -197,15 +211,18 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
   }
 }
 
-template <bool kBf16>
+// Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
+// row [D codes][f32 scale], kv_store/int8_rows.h: s = scale_k * (q · codes) and the V scale is
+// folded into p after the softmax sums, so the row's scales cost two multiplies per key).
+template <typename Elem>
 TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
+  constexpr bool kInt8 = std::is_same_v<Elem, int8_t>;
   const size_t D = a.D, G = a.G, R = size_t{a.T} * G;
   float* qs = a.work;                                       // [R, D]
   float* acc = qs + R * D;                                  // [R, D]
   float* m = acc + R * D;                                   // [R]
   float* l = m + R;                                         // [R]
   float* s = l + R;                                         // [R, kChunk]
-  using Elem = std::conditional_t<kBf16, uint16_t, float>;  // one element of a K or V row
   // Scores are kept in base 2 (q pre-multiplied by scale · log2(e)): 2^(s2 - m2) = e^(s - m).
   const float scale2 = a.scale * kLog2e;
   for (size_t t = 0; t < a.T; ++t) {
@@ -219,13 +236,14 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   std::fill_n(m, R, kNegInf);
   std::fill_n(l, R, 0.0f);
 
-  const size_t elem = kBf16 ? 2 : 4;
-  const size_t row_bytes = D * elem;
+  const size_t row_bytes = D * sizeof(Elem) + (kInt8 ? kv_store::kInt8ScaleBytes : 0);
   const KvRun* run = a.runs;
   uint64_t in_run = a.skip;  // next entry inside *run
   uint64_t left = a.count;
   const std::byte* kp[kChunk];
   const std::byte* vp[kChunk];
+  float k_scale[kChunk];  // int8: the rows' scales
+  float v_scale[kChunk];
   RunCursor ahead{a.runs, a.skip, a.count};
   PrefetchRows(ahead, kPrefetchEntries, row_bytes);
   while (left > 0) {
@@ -246,18 +264,25 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       left -= take;
     }
     PrefetchRows(ahead, c_n, row_bytes);
+    if constexpr (kInt8) {
+      for (size_t c = 0; c < c_n; ++c) {
+        k_scale[c] = kv_store::Int8RowScale(kp[c], a.D);
+        v_scale[c] = kv_store::Int8RowScale(vp[c], a.D);
+      }
+    }
     // Scores s[r, c] = scale * q_r · k_c.
     for (size_t c = 0; c < c_n; ++c) {
       const Elem* k = reinterpret_cast<const Elem*>(kp[c]);
       float out[4];
       size_t r = 0;
+      const float ks = kInt8 ? k_scale[c] : 1.0f;
       for (; r + 4 <= R; r += 4) {
         DotRows<4>(qs + r * D, k, D, out);
-        for (size_t i = 0; i < 4; ++i) s[(r + i) * kChunk + c] = out[i];
+        for (size_t i = 0; i < 4; ++i) s[(r + i) * kChunk + c] = kInt8 ? out[i] * ks : out[i];
       }
       for (; r < R; ++r) {
         DotRows<1>(qs + r * D, k, D, out);
-        s[r * kChunk + c] = out[0];
+        s[r * kChunk + c] = kInt8 ? out[0] * ks : out[0];
       }
     }
     // Online softmax: rescale the accumulators to the new row maximum, p = exp(s - m).
@@ -285,6 +310,9 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       V16 sum = Load<V16>(sr);
       for (size_t c = 16; c < kChunk; c += 16) sum += Load<V16>(sr + c);
       l[r] += HSum(sum);
+      if constexpr (kInt8) {
+        for (size_t c = 0; c < c_n; ++c) sr[c] *= v_scale[c];
+      }
     }
     // acc[r] += p[r, c] * v_c.
     size_t r = 0;
@@ -303,8 +331,9 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   }
 }
 
-TANDEM_PAGED_CLONES void ComputePieceBf16(const PieceArgs& a) { ComputePieceImpl<true>(a); }
-TANDEM_PAGED_CLONES void ComputePieceF32(const PieceArgs& a) { ComputePieceImpl<false>(a); }
+TANDEM_PAGED_CLONES void ComputePieceBf16(const PieceArgs& a) { ComputePieceImpl<uint16_t>(a); }
+TANDEM_PAGED_CLONES void ComputePieceF32(const PieceArgs& a) { ComputePieceImpl<float>(a); }
+TANDEM_PAGED_CLONES void ComputePieceInt8(const PieceArgs& a) { ComputePieceImpl<int8_t>(a); }
 
 // Entries [begin, end) of problem `problem` (in the concatenation of its runs), computed by one
 // task. slot < 0: writes the problem's output rows; else partial state `slot`, merged into
@@ -320,6 +349,10 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
   if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("paged attention: head_dim ", p.head_dim, " not in 8..256 step 8"));
+  }
+  if (p.dtype != kv_store::KvDType::kBf16 && p.dtype != kv_store::KvDType::kF32 &&
+      p.dtype != kv_store::KvDType::kInt8) {
+    return absl::InvalidArgumentError("paged attention: dtype must be bf16, f32 or int8");
   }
   if (p.group < 1 || p.tasks_per_thread < 1) {
     return absl::InvalidArgumentError("paged attention: group and tasks_per_thread must be >= 1");
@@ -433,6 +466,8 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
         a.work = work_buffer.Get<float>(WorkFloats(rows, D));
         if (params.dtype == kv_store::KvDType::kBf16) {
           ComputePieceBf16(a);
+        } else if (params.dtype == kv_store::KvDType::kInt8) {
+          ComputePieceInt8(a);
         } else {
           ComputePieceF32(a);
         }

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_format.h"
 #include "tandem/common/bf16.h"
+#include "tandem/kv_store/int8_rows.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -43,6 +44,9 @@ void BlockKeys(const kv_store::Shard& shard, size_t b, uint32_t entries, float* 
   if (shard.format().dtype == KvDType::kF32) {
     const float* k = reinterpret_cast<const float*>(shard.block_k(b));
     std::copy_n(k, n, out);
+  } else if (shard.format().dtype == KvDType::kInt8) {
+    kv_store::DequantizeRowsInt8(shard.block_k(b), entries, shard.format().head_dim, KvDType::kF32,
+                                 reinterpret_cast<std::byte*>(out));
   } else {
     const bf16_t* k = reinterpret_cast<const bf16_t*>(shard.block_k(b));
     for (size_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(k[i]);

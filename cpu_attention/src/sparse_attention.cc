@@ -17,6 +17,7 @@
 #include "softmax_kernels.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
+#include "tandem/kv_store/int8_rows.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -43,6 +44,9 @@ constexpr size_t kMaxScoreBytes = size_t{1} << 20;
 // head_dim, dtype). (oneDNN 2.6 serves runtime sizes with its generic gemm, ~2x slower here.)
 constexpr uint32_t kTailShapes = 16;
 constexpr uint32_t kPadShapes = 4;
+// int8 KV is dequantised chunk by chunk into bf16 K and V tiles that the matmuls then read:
+// this many keys keep both tiles (2 x 128 KiB at head_dim 128) in L2.
+constexpr uint32_t kInt8ChunkKeys = 512;
 
 // Derived sizes of one call. Matmul row 2r holds the bf16 hi part of query row r and row 2r + 1
 // its lo part (split); with f32 KV, matmul row r is query row r.
@@ -51,9 +55,11 @@ struct Plan {
   uint32_t G = 0;      // group
   uint32_t M = 0;      // query rows = T * G
   uint32_t R = 0;      // matmul rows: 2M (bf16 split) or M (f32)
-  bool split = false;  // bf16 KV: hi/lo split of Q and P
+  bool split = false;  // bf16 (or int8) KV: hi/lo split of Q and P
+  bool int8 = false;   // int8 KV rows, dequantised per chunk into bf16 tiles
   MmType type = MmType::kF32;
-  size_t elem = 4;  // bytes per KV element
+  size_t elem = 4;      // bytes per element of the matmul's K and V operands
+  size_t src_row = 0;   // bytes per stored K or V row (BlockFormat::row_bytes)
   float scale = 0.0f;
   float scale2 = 0.0f;  // scale * log2(e): scores in the base-2 domain
   const internal::SoftmaxKernels* kernels = nullptr;
@@ -82,6 +88,8 @@ struct Workspace {
   AlignedBuffer reps;   // [3, W] per-row vectors replicated with period M
   AlignedBuffer pad_k;  // [granule, D] zero-padded copy of a short head's remainder
   AlignedBuffer pad_v;  // [granule, D]
+  AlignedBuffer deq_k;  // [chunk, D] bf16 K tile dequantised from int8 rows
+  AlignedBuffer deq_v;  // [chunk, D] bf16 V tile
 };
 
 // hi = bf16(x), lo = bf16(x - hi): hi + lo carries ~16 significant bits of x.
@@ -125,8 +133,8 @@ Workspace& ThreadWorkspace() {
 }
 
 absl::Status Validate(const AttentionParams& p, std::span<const HeadProblem> heads) {
-  if (p.dtype != KvDType::kBf16 && p.dtype != KvDType::kF32) {
-    return absl::InvalidArgumentError("attention: dtype must be bf16 or f32");
+  if (p.dtype != KvDType::kBf16 && p.dtype != KvDType::kF32 && p.dtype != KvDType::kInt8) {
+    return absl::InvalidArgumentError("attention: dtype must be bf16, f32 or int8");
   }
   if (p.head_dim < 8 || p.head_dim > 256 || p.head_dim % 8 != 0) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -175,15 +183,18 @@ Plan MakePlan(const AttentionParams& p) {
   plan.D = p.head_dim;
   plan.G = p.group;
   plan.M = p.group * p.num_tokens;
-  plan.split = p.dtype == KvDType::kBf16;
+  plan.int8 = p.dtype == KvDType::kInt8;
+  plan.split = p.dtype != KvDType::kF32;
   plan.R = plan.split ? 2 * plan.M : plan.M;
   plan.type = plan.split ? MmType::kBf16 : MmType::kF32;
-  plan.elem = kv_store::DTypeBytes(p.dtype);
+  plan.elem = plan.split ? 2 : 4;
+  plan.src_row = kv_store::BlockFormat{16, p.head_dim, p.dtype}.row_bytes();
   plan.scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(p.head_dim));
   plan.scale2 = plan.scale * std::numbers::log2e_v<float>;
   plan.kernels = &internal::GetSoftmaxKernels();
   const size_t cap = std::max<size_t>(16, kMaxScoreBytes / (size_t{plan.R} * sizeof(float)));
   plan.chunk = static_cast<uint32_t>(std::min<size_t>(p.chunk_keys, cap / 16 * 16));
+  if (plan.int8) plan.chunk = std::min(plan.chunk, kInt8ChunkKeys);
   plan.granule = std::max<uint32_t>(16, plan.chunk / kTailShapes / 16 * 16);
   plan.pad = std::max<uint32_t>(16, plan.granule / kPadShapes / 16 * 16);
   // Block length of the flat softmax loops: a multiple of lcm(M, kLanes), at least 256.
@@ -232,7 +243,7 @@ absl::Status ComputePiece(const Plan& plan, const AttentionParams& params, const
   std::fill_n(row_m, M, kNegInf);
   std::fill_n(row_l, M, 0.0f);
 
-  const size_t row_bytes = size_t{D} * plan.elem;
+  const size_t row_bytes = plan.src_row;
   bool first = true;
   for (uint64_t off = begin; off < end;) {
     // The window of this step: nc keys from kc/vc, of which [v0, v0 + valid) are new.
@@ -262,6 +273,15 @@ absl::Status ComputePiece(const Plan& plan, const AttentionParams& params, const
         kc = pk;
         vc = pv;
       }
+    }
+    if (plan.int8) {
+      // The window's rows as bf16 (q * scale rounded to nearest-even); zero rows pad as zeros.
+      std::byte* dk = ws.deq_k.Get<std::byte>(nc * D * plan.elem);
+      std::byte* dv = ws.deq_v.Get<std::byte>(nc * D * plan.elem);
+      kv_store::DequantizeRowsInt8(kc, nc, D, KvDType::kBf16, dk);
+      kv_store::DequantizeRowsInt8(vc, nc, D, KvDType::kBf16, dv);
+      kc = dk;
+      vc = dv;
     }
 
     // St [nc, R] = K [nc, D] · Qsᵀ [D, R]: K is the big operand and already in the row-major

@@ -4,6 +4,18 @@
 
 namespace tandem::kv_store {
 
+const char* KvDTypeName(KvDType t) {
+  switch (t) {
+    case KvDType::kF32:
+      return "f32";
+    case KvDType::kBf16:
+      return "bf16";
+    case KvDType::kInt8:
+      return "int8";
+  }
+  return "unknown";
+}
+
 absl::Status BlockFormat::Validate() const {
   if (block_tokens < 16 || block_tokens > 256) {
     return absl::InvalidArgumentError(
@@ -14,9 +26,9 @@ absl::Status BlockFormat::Validate() const {
         absl::StrCat("head_dim must be in 8..256 and a multiple of 8, got ", head_dim));
   }
   // The enum may hold any byte when it arrives from a wire format cast.
-  if (dtype != KvDType::kF32 && dtype != KvDType::kBf16) {
+  if (dtype != KvDType::kF32 && dtype != KvDType::kBf16 && dtype != KvDType::kInt8) {
     return absl::InvalidArgumentError(
-        absl::StrCat("dtype must be kF32 or kBf16, got ", static_cast<int>(dtype)));
+        absl::StrCat("dtype must be kF32, kBf16 or kInt8, got ", static_cast<int>(dtype)));
   }
   return absl::OkStatus();
 }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/kv_store/int8_rows.h"
 
 namespace tandem::kv_store {
 namespace {
@@ -39,7 +40,7 @@ absl::Status ValidateSessionId(const std::string& id) {
 }
 
 BlockFormat FormatOf(const SessionOptions& options) {
-  return BlockFormat{options.block_tokens, options.geometry.head_dim, options.dtype};
+  return BlockFormat{options.block_tokens, options.geometry.head_dim, options.storage_dtype()};
 }
 
 }  // namespace
@@ -231,6 +232,11 @@ absl::Status KvStore::ValidateOptions(SessionOptions& options) const {
   TANDEM_RETURN_IF_ERROR(options.geometry.Validate());
   if (options.block_tokens == 0) options.block_tokens = options_.default_block_tokens;
   TANDEM_RETURN_IF_ERROR(FormatOf(options).Validate());
+  if (options.dtype != KvDType::kF32 && options.dtype != KvDType::kBf16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session dtype must be f32 or bf16 (int8 is a storage choice: int8_storage), got ",
+        KvDTypeName(options.dtype)));
+  }
   if (!std::isfinite(options.beta) || options.beta < 0.0f) {
     return absl::InvalidArgumentError(
         absl::StrCat("beta must be finite and >= 0, got ", options.beta));
@@ -342,9 +348,11 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::ForkSession(const std::string&
     return absl::InvalidArgumentError(
         absl::StrCat("fork '", id, "': selection differs from parent '", parent_id, "'"));
   }
-  if (options.dtype != po.dtype) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("fork '", id, "': dtype differs from parent '", parent_id, "'"));
+  if (options.dtype != po.dtype || options.int8_storage != po.int8_storage) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fork '", id, "': dtype ", KvDTypeName(options.dtype), " (stored as ",
+        KvDTypeName(options.storage_dtype()), ") differs from parent '", parent_id, "' (",
+        KvDTypeName(po.dtype), ", stored as ", KvDTypeName(po.storage_dtype()), ")"));
   }
 
   std::shared_ptr<Session> child;
@@ -463,6 +471,18 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
     }
   }
 
+  // int8 storage: quantise every head's rows once, outside the lock and before the shards
+  // change (the shards copy the quantised rows; Append stays all-or-nothing).
+  const size_t row = session.format().row_bytes();
+  std::vector<std::byte> quantised;
+  if (session.options().int8_storage) {
+    quantised.resize(2 * total * row);
+    QuantizeRowsInt8(k, session.options().dtype, total, g.head_dim, quantised.data());
+    QuantizeRowsInt8(v, session.options().dtype, total, g.head_dim, quantised.data() + total * row);
+    k = quantised.data();
+    v = quantised.data() + total * row;
+  }
+
   std::unique_lock<std::shared_mutex> lock(session.mu_);
   TANDEM_RETURN_IF_ERROR(session.CheckNotClosed());
   std::vector<Shard*> shards;
@@ -485,7 +505,6 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
                    : with_flags ? 0.0f
                                 : session.beta_ / static_cast<float>(window_entries);
 
-  const size_t row = session.format().row_bytes();
   AppendStats stats;
   std::vector<uint64_t> old_held;
   old_held.reserve(shards.size());

@@ -36,6 +36,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/kv_store/free_memory_releaser.h"
 #include "tandem/kv_store/kv_store.h"
@@ -65,11 +66,20 @@ struct NodeOptions {
   // negative: never (free blocks stay resident until reused).
   std::chrono::milliseconds release_free_after{30000};
   bool huge_pages = false;   // back KV blocks with transparent huge pages (kv_store::BlockPool)
+  // How KV blocks are stored (--node_kv_dtype): kBf16 = as each session sends it (its kv_dtype,
+  // bf16 or f32); kInt8 = 8-bit rows with a per-row scale (kv_store/int8_rows.h), quantised on
+  // AppendKv and dequantised to the session's kv_dtype by ExportShard, so the wire and the
+  // worker are unchanged and a shard migrates between int8 and bf16 nodes either way.
+  kv_store::KvDType kv_dtype = kv_store::KvDType::kBf16;
   // Prometheus counters (tandem/metrics/node_metrics.h): attends by transport (Attend: grpc,
   // AttendRaw: shm) and scanned bytes, counted as they are served; null: none. Not owned; must
   // outlive the node.
   const metrics::NodeMetrics* metrics = nullptr;
 };
+
+// The value of a --node_kv_dtype flag: "bf16" -> kBf16, "int8" -> kInt8; INVALID_ARGUMENT
+// naming the accepted values otherwise.
+absl::StatusOr<kv_store::KvDType> ParseNodeKvDType(absl::string_view name);
 
 // Caller-owned arrays AttendRaw fills, sized for the session's owned kv heads of the layer
 // (H_own of them) and the query's T tokens; rows are ordered as in v1::AttendResult.
@@ -188,7 +198,7 @@ class CpuAttentionNode {
   absl::Status AttendRaw(const std::string& session_id, uint32_t layer, std::span<const float> q,
                          uint32_t num_tokens, RawOutputFor output_for,
                          std::span<const int32_t> pages = {}, uint32_t pages_per_head = 0);
-  // k, v: [kv_heads.size(), n, D] of the session's kv dtype; maw: [kv_heads.size(), n] f32
+  // k, v: [kv_heads.size(), n, D] of the session's kv dtype (as sent, also on an int8 node); maw: [kv_heads.size(), n] f32
   // bytes (any alignment). Empty kv_heads = all owned kv heads of the layer.
   absl::Status AppendKvRaw(const std::string& session_id, uint32_t layer,
                            std::span<const uint32_t> kv_heads, std::span<const std::byte> k,

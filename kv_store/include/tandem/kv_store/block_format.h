@@ -5,8 +5,13 @@
 //   [ V: block_tokens x head_dim elements of dtype ]
 //   [ MAW: block_tokens floats ]                         moving-average attention weight
 //
-// Entry t of the block has its key at K + t * head_dim. Entries past the shard's held count
+// Entry t of the block has its key at K + t * row_bytes(). Entries past the shard's held count
 // in its last block are unused (not zeroed).
+//
+// kInt8 rows (8-bit node KV, int8_rows.h) are head_dim int8 values followed by their f32
+// scale: [ q: head_dim x int8 ][ scale: f32 ], value x = q * scale, symmetric per row (per
+// token and kv head, for K and V alike). A row is self-contained, so appends into partial
+// blocks, the selected copy, copy-on-write and migration move rows as bytes, as for bf16.
 #pragma once
 
 #include <cstddef>
@@ -16,16 +21,27 @@
 
 namespace tandem::kv_store {
 
-enum class KvDType : uint8_t { kF32, kBf16 };
+enum class KvDType : uint8_t { kF32, kBf16, kInt8 };
 
-inline size_t DTypeBytes(KvDType t) { return t == KvDType::kF32 ? 4 : 2; }
+// Bytes of one element (the int8 row's scale is counted by BlockFormat::row_bytes).
+inline size_t DTypeBytes(KvDType t) {
+  return t == KvDType::kF32 ? 4 : t == KvDType::kBf16 ? 2 : 1;
+}
+// The f32 scale that ends every kInt8 row.
+inline constexpr size_t kInt8ScaleBytes = sizeof(float);
+// "f32", "bf16", "int8" (for messages and flags).
+const char* KvDTypeName(KvDType t);
 
 struct BlockFormat {
   uint32_t block_tokens = 64;  // 16..256
   uint32_t head_dim = 128;     // 8..256, multiple of 8
   KvDType dtype = KvDType::kBf16;
 
-  size_t row_bytes() const { return size_t{head_dim} * DTypeBytes(dtype); }
+  // One K or V row: head_dim elements (+ the f32 scale for kInt8: head_dim 128 stores 132
+  // bytes, 51.6% of bf16).
+  size_t row_bytes() const {
+    return size_t{head_dim} * DTypeBytes(dtype) + (dtype == KvDType::kInt8 ? kInt8ScaleBytes : 0);
+  }
   size_t k_bytes() const { return size_t{block_tokens} * row_bytes(); }
   size_t k_offset() const { return 0; }
   size_t v_offset() const { return k_bytes(); }

@@ -52,7 +52,15 @@ struct ShardKey {
 struct SessionOptions {
   Geometry geometry;
   uint32_t block_tokens = 0;  // 0 = the store's default
+  // The dtype Append takes and ReadEntries gives through the node (the wire dtype): kF32 or
+  // kBf16.
   KvDType dtype = KvDType::kBf16;
+  // Store the blocks as kInt8 rows (int8_rows.h): Append quantises, exports dequantise to
+  // `dtype`. A fork must match its parent.
+  bool int8_storage = false;
+  KvDType storage_dtype() const { return int8_storage ? KvDType::kInt8 : dtype; }
+  // Bytes of one K or V row as Append takes it: head_dim elements of `dtype`.
+  size_t input_row_bytes() const { return size_t{geometry.head_dim} * DTypeBytes(dtype); }
   float beta = 0.0f;             // >= 0, finite; 0 = dense
   // 0: MAW selection (the salience index: flags and the selected copy). 1..4096: query-aware
   // `pages` selection with pages of page_tokens entries: no salience index is kept, every
@@ -79,6 +87,7 @@ class Session {
   // without the lock. `shards` is empty (see SessionOptions::shards).
   const SessionOptions& options() const { return options_; }
   const Geometry& geometry() const { return options_.geometry; }
+  // The block format: its dtype is options().storage_dtype(), which the kernels read.
   const BlockFormat& format() const { return pool_->format(); }
 
   // beta is read under the session mutex (shared or exclusive) and written under exclusive.
@@ -194,7 +203,8 @@ class KvStore {
   absl::StatusOr<uint64_t> CloseSession(const std::string& id);
 
   // Appends n entries to each listed kv head of `layer`: k, v are [kv_heads.size(), n, D] of
-  // the session dtype, maw [kv_heads.size(), n]. A session without a selection index selects
+  // the session dtype (options().dtype; quantised here when the session stores int8), maw
+  // [kv_heads.size(), n]. A session without a selection index selects
   // nothing (window_entries may be 0; any flag != 0 is INVALID_ARGUMENT). Else the selection
   // threshold is beta / window_entries, unless `selected` is given: then it is [kv_heads.size(), n] flags (each 0 or 1) that decide
   // the selection of the entries (a migration keeps the flags an entry had on the old node) and
