@@ -23,6 +23,8 @@
 #include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/memory_plan.h"
+#include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/worker_server.h"
 #include "tandem/security/credentials.h"
 #include "tandem/security/token_file.h"
@@ -134,6 +136,22 @@ ABSL_FLAG(tandem::ByteSize, max_message_bytes, tandem::ByteSize{64ull << 20},
           "largest gRPC message accepted or sent");
 ABSL_FLAG(int, shutdown_grace_ms, 5000, "time calls in flight get to finish on shutdown");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error");
+ABSL_FLAG(bool, plan, false,
+          "print the memory plan (device, host, CPU nodes) of --plan_context tokens x "
+          "--plan_batch sequences in --plan_mode for this model and these options, without "
+          "loading weights, and exit: 0 if it fits, 1 if not");
+ABSL_FLAG(int64_t, plan_context, 0, "--plan: positions per sequence; 0 = the context limit");
+ABSL_FLAG(int64_t, plan_prompt, 0, "--plan: prompt tokens of them; 0 = all");
+ABSL_FLAG(int64_t, plan_batch, 1, "--plan: sequences held at once");
+ABSL_FLAG(std::string, plan_mode, "", "--plan: gpu, hybrid or offload; \"\" = --mode");
+ABSL_FLAG(bool, plan_json, false, "--plan: print JSON instead of the table");
+ABSL_FLAG(tandem::ByteSize, plan_device_bytes, tandem::ByteSize{0},
+          "--plan: device memory to plan for; 0 = the device's (or the host's, cpu backend)");
+ABSL_FLAG(std::vector<std::string>, plan_node_bytes, {},
+          "--plan: pools of planned CPU nodes instead of asking --cpu_nodes, e.g. 64GiB,64GiB");
+ABSL_FLAG(std::string, preset, "",
+          "--plan: a geometry preset (tandem-geometry: llama3-8b, tiny) instead of --model");
+ABSL_FLAG(std::string, preset_set, "", "--plan: key=value overrides of --preset");
 
 namespace {
 
@@ -168,7 +186,9 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&options));
   tandem::gpu_worker::EngineOptions& e = options.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
-  if (e.model_dir.empty()) return UsageError("--model is required");
+  if (e.model_dir.empty() && !(absl::GetFlag(FLAGS_plan) && !absl::GetFlag(FLAGS_preset).empty())) {
+    return UsageError("--model is required (or --plan --preset=NAME)");
+  }
   e.backend = absl::GetFlag(FLAGS_backend);
   if (e.backend != "auto" && e.backend != "cpu" && e.backend != "cuda") {
     return UsageError(absl::StrCat("--backend must be auto, cpu or cuda, got '", e.backend, "'"));
@@ -275,6 +295,81 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   return options;
 }
 
+// --plan: the memory plan of these options (memory_plan.h); exit 0 if it fits, 1 if not or on
+// an error, 2 for a bad --plan_* value.
+int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
+  namespace gw = tandem::gpu_worker;
+  absl::StatusOr<gw::ModelConfig> preset = absl::NotFoundError("no --preset");
+  if (const std::string name = absl::GetFlag(FLAGS_preset); !name.empty()) {
+    preset = gw::GeometryPreset(name);
+    if (preset.ok()) {
+      if (absl::Status s = gw::ApplyGeometryOverrides(absl::GetFlag(FLAGS_preset_set), *preset);
+          !s.ok()) {
+        preset = s;
+      }
+    }
+    if (!preset.ok()) {
+      std::fprintf(stderr, "tandem-gpu-worker: --preset: %s\n",
+                   std::string(preset.status().message()).c_str());
+      return 2;
+    }
+  }
+  gw::EngineOptions planned = options;
+  const std::vector<std::string> node_bytes = absl::GetFlag(FLAGS_plan_node_bytes);
+  if (!node_bytes.empty()) {   // planned nodes (set below): nobody to ask
+    planned.nodes.addresses.clear();
+    planned.nodes.dns_name.clear();
+  }
+  absl::StatusOr<gw::MemoryPlanSetup> setup =
+      gw::PlanSetupFromOptions(planned, preset.ok() ? &*preset : nullptr);
+  if (!setup.ok()) {
+    std::fprintf(stderr, "tandem-gpu-worker: --plan: %s\n", setup.status().ToString().c_str());
+    return 1;
+  }
+  if (!node_bytes.empty()) {
+    setup->nodes.clear();
+    setup->embedded_node = false;
+    for (size_t i = 0; i < node_bytes.size(); ++i) {
+      uint64_t bytes = 0;
+      std::string error;
+      if (!tandem::ParseByteSize(node_bytes[i], &bytes, &error)) {
+        std::fprintf(stderr, "tandem-gpu-worker: --plan_node_bytes: %s\n", error.c_str());
+        return 2;
+      }
+      setup->nodes.push_back({absl::StrCat("planned-", i), bytes, bytes});
+    }
+  }
+  if (const uint64_t device = absl::GetFlag(FLAGS_plan_device_bytes).bytes; device > 0) {
+    setup->device_total_bytes = device;
+  }
+  gw::MemoryPlanRequest request = gw::MemoryPlanRequest::Defaults(options);
+  request.context = absl::GetFlag(FLAGS_plan_context);
+  if (request.context == 0) request.context = setup->max_context;
+  request.prompt = absl::GetFlag(FLAGS_plan_prompt);
+  request.batch = absl::GetFlag(FLAGS_plan_batch);
+  if (const std::string mode = absl::GetFlag(FLAGS_plan_mode); !mode.empty()) {
+    absl::StatusOr<gw::AttentionMode> parsed = gw::ParseAttentionMode(mode);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "tandem-gpu-worker: --plan_mode: %s\n",
+                   std::string(parsed.status().message()).c_str());
+      return 2;
+    }
+    request.mode = *parsed;
+  }
+  absl::StatusOr<gw::MemoryPlan> plan = gw::EstimateMemory(*setup, request);
+  absl::StatusOr<int64_t> largest =
+      plan.ok() ? gw::LargestFittingContext(*setup, request) : plan.status();
+  if (!largest.ok()) {
+    std::fprintf(stderr, "tandem-gpu-worker: --plan: %s\n", largest.status().ToString().c_str());
+    return absl::IsInvalidArgument(largest.status()) ? 2 : 1;
+  }
+  plan->largest_context = *largest;
+  const std::string text =
+      absl::GetFlag(FLAGS_plan_json) ? gw::MemoryPlanJson(*plan) + "\n" : gw::FormatMemoryPlan(*plan);
+  std::fputs(text.c_str(), stdout);
+  return plan->fits ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -304,6 +399,8 @@ int main(int argc, char** argv) {
                  std::string(options.status().message()).c_str());
     return 2;
   }
+
+  if (absl::GetFlag(FLAGS_plan)) return RunPlan(options->engine);
 
   // Block the stop signals in every thread; the main thread waits for them below.
   sigset_t stop_signals;

@@ -1,6 +1,7 @@
 #include "session_owners.h"
 
 #include "absl/strings/str_cat.h"
+#include "tandem/cpu_attention/node_memory.h"
 
 namespace tandem::cpu_attention::internal {
 namespace {
@@ -78,3 +79,11 @@ uint64_t SessionOwners::Remove(const std::string& id) {
 }
 
 }  // namespace tandem::cpu_attention::internal
+
+namespace tandem::cpu_attention {
+
+uint64_t SessionMetadataBytes(uint64_t num_layers, uint64_t num_shards) {
+  return internal::SessionMetadataBytes(num_layers, num_shards);
+}
+
+}  // namespace tandem::cpu_attention

@@ -101,6 +101,21 @@ absl::StatusOr<bool> NodeTier::Rebuild() {
   return remote_->placement_counters().shards_rebuilt != before;
 }
 
+int64_t NodeTier::SelectRowsPerCall(int64_t n, int64_t num_kv_heads, int64_t num_pages) {
+  const size_t row_bytes = SelectPagesScratchBytes(1, num_kv_heads, num_pages);
+  return std::clamp<int64_t>(static_cast<int64_t>(kMaxSelectScratchBytes / row_bytes), 1, n);
+}
+
+size_t NodeTier::SelectionBytesFor(int64_t num_tokens, int64_t num_kv_heads, int64_t num_pages,
+                                   int64_t per_head) {
+  // ChoosePages: the ids buffer, and the scratch of a batched (queued) or a split selection.
+  const size_t ids = static_cast<size_t>(num_tokens) * num_kv_heads * per_head * 4;
+  const size_t whole = SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages);
+  if (whole <= kMaxBatchedSelectScratchBytes) return ids + (whole + 255) / 256 * 256;
+  return ids + SelectPagesScratchBytes(SelectRowsPerCall(num_tokens, num_kv_heads, num_pages),
+                                       num_kv_heads, num_pages);
+}
+
 absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
   const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;
@@ -133,9 +148,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
   }
   // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
   // (a long prefill chunk over a long context is cut into several calls).
-  const size_t row_bytes = SelectPagesScratchBytes(1, Hkv, num_pages);
-  const int64_t rows_per_call =
-      std::clamp<int64_t>(static_cast<int64_t>(kMaxSelectScratchBytes / row_bytes), 1, n);
+  const int64_t rows_per_call = SelectRowsPerCall(n, Hkv, num_pages);
   TANDEM_ASSIGN_OR_RETURN(void* const scratch,
                           context.SelectScratch(SelectPagesScratchBytes(rows_per_call, Hkv,
                                                                         num_pages)));

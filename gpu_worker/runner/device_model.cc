@@ -123,6 +123,30 @@ absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
 
 }  // namespace
 
+size_t DeviceModel::WeightBytes(const ModelWeights& w) {
+  // Upload's tensors: embed, final norm, lm_head unless tied, then per layer its norms and
+  // matrices as stored and the qkv biases converted to f32 (AppendAsFloat).
+  size_t bytes = w.embed->bytes + w.final_norm->bytes;
+  if (w.lm_head != w.embed) bytes += w.lm_head->bytes;
+  for (const LayerWeights& lw : w.layers) {
+    for (const TensorView* t : {lw.attn_norm, lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj,
+                                lw.ffn_norm, lw.gate_proj, lw.up_proj, lw.down_proj}) {
+      bytes += t->bytes;
+    }
+    for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) {
+      if (b != nullptr) bytes += static_cast<size_t>(b->numel()) * 4;
+    }
+  }
+  return bytes;
+}
+
+absl::StatusOr<size_t> DeviceModel::WeightBytes(const ModelConfig& config) {
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<RandomTensorSpec> specs, RandomModelTensors(config, 0));
+  size_t bytes = 0;
+  for (const RandomTensorSpec& s : specs) bytes += s.bytes();   // CreateStacked's sum
+  return bytes;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const ModelConfig& config,
                                                                        Backend& backend,
                                                                        uint64_t seed) {

@@ -8,6 +8,22 @@
 
 namespace tandem::gpu_worker {
 
+namespace {
+
+// One staging slot: K and V of one page of every kv head.
+size_t StagingPageBytes(const WindowGeometry& geometry, int64_t page_tokens) {
+  return 2 * geometry.num_kv_heads * page_tokens * geometry.head_dim * DTypeBytes(geometry.dtype);
+}
+
+}  // namespace
+
+size_t KvStreamer::DeviceBytesFor(const WindowGeometry& geometry, int64_t page_tokens,
+                                  int64_t num_q_heads, int64_t max_rows, int slots) {
+  // Create's buffers: the slots, zero_pos_ [page_tokens] i32, part_o_ and part_lse_ (f32).
+  return slots * StagingPageBytes(geometry, page_tokens) + page_tokens * 4 +
+         max_rows * num_q_heads * (geometry.head_dim + 1) * 4;
+}
+
 absl::StatusOr<std::unique_ptr<KvStreamer>> KvStreamer::Create(Backend& backend,
                                                                const WindowGeometry& geometry,
                                                                int64_t page_tokens,
@@ -23,8 +39,7 @@ absl::StatusOr<std::unique_ptr<KvStreamer>> KvStreamer::Create(Backend& backend,
   }
   auto streamer = std::unique_ptr<KvStreamer>(
       new KvStreamer(backend, geometry, page_tokens, num_q_heads, max_rows, slots));
-  const size_t page_bytes =
-      2 * geometry.num_kv_heads * page_tokens * geometry.head_dim * DTypeBytes(geometry.dtype);
+  const size_t page_bytes = StagingPageBytes(geometry, page_tokens);
   for (int s = 0; s < slots; ++s) {
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer buffer, backend.Allocate(page_bytes));
     streamer->staging_.push_back(std::move(buffer));

@@ -48,25 +48,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   }
   auto runner = std::unique_ptr<ModelRunner>(new ModelRunner(backend, model, options));
   const ModelConfig& c = model.config();
-  const int64_t C = options.max_chunk, H = c.hidden_size, D = c.head_dim;
-  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads, I = c.intermediate_size;
+  const int64_t C = options.max_chunk, Hq = c.num_q_heads, D = c.head_dim;
   Activations& a = runner->act_;
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.x, C * H));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.xn, C * H));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.qkv, C * (Hq + 2 * Hkv) * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.attn, C * Hq * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.lse, C * Hq));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.part_o, C * Hq * D));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.part_lse, C * Hq));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.gate_up, C * 2 * I));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.ffn, C * I));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.ids, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.positions, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.slots, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.targets, C));
-  TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.logprobs, C));
-  if (RopeDependsOnLength(c)) {
-    TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.rope_inv_freq, C * (D / 2)));
+  for (const auto& [buffer, count] : ActivationBuffers(c, C)) {
+    TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.*buffer, count));
   }
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, runner->logits_, c.vocab_size));
   runner->logits_rows_ = 1;
@@ -74,6 +59,32 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   a.o_host.resize(C * Hq * D);
   a.lse_host.resize(C * Hq);
   return runner;
+}
+
+ModelRunner::ActivationTable ModelRunner::ActivationBuffers(const ModelConfig& c, int64_t C) {
+  const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
+  const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  ActivationTable table = {
+      {&Activations::x, C * H},           {&Activations::xn, C * H},
+      {&Activations::qkv, C * (Hq + 2 * Hkv) * D},
+      {&Activations::attn, C * Hq * D},   {&Activations::lse, C * Hq},
+      {&Activations::part_o, C * Hq * D}, {&Activations::part_lse, C * Hq},
+      {&Activations::gate_up, C * 2 * I}, {&Activations::ffn, C * I},
+      {&Activations::ids, C},             {&Activations::positions, C},
+      {&Activations::slots, C},           {&Activations::targets, C},
+      {&Activations::logprobs, C}};
+  if (RopeDependsOnLength(c)) table.push_back({&Activations::rope_inv_freq, C * (D / 2)});
+  return table;
+}
+
+size_t ModelRunner::ActivationBytes(const ModelConfig& c, const RunnerOptions& options,
+                                    bool batched) {
+  int64_t floats = 0;
+  for (const auto& [buffer, count] : ActivationBuffers(c, options.max_chunk)) floats += count;
+  // logits_: one row from Create; a batched pass (Logits) replaces it by max_chunk rows and
+  // may gather the segments' last rows into last_rows_.
+  floats += batched ? options.max_chunk * (c.vocab_size + c.hidden_size) : c.vocab_size;
+  return static_cast<size_t>(floats) * 4;
 }
 
 absl::Status ModelRunner::SetMicroBatches(int micro_batches) {

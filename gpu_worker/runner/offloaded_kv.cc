@@ -27,9 +27,20 @@ OffloadedKv::OffloadedKv(Backend& backend, const WindowGeometry& geometry, int64
       geometry_(geometry),
       page_tokens_(page_tokens),
       row_bytes_(geometry.head_dim * DTypeBytes(geometry.dtype)),
-      half_page_bytes_(geometry.num_kv_heads * page_tokens * row_bytes_),
+      half_page_bytes_(HalfPageBytes(geometry, page_tokens)),
       layers_(geometry.num_layers),
       tokens_(geometry.num_layers, 0) {}
+
+size_t OffloadedKv::HostBytesFor(const WindowGeometry& geometry, int64_t page_tokens,
+                                 int64_t tokens) {
+  if (page_tokens < 1 || tokens <= 0) return 0;
+  const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
+  return static_cast<size_t>(geometry.num_layers) * pages * 2 * HalfPageBytes(geometry, page_tokens);
+}
+
+size_t OffloadedKv::HalfPageBytes(const WindowGeometry& geometry, int64_t page_tokens) {
+  return geometry.num_kv_heads * page_tokens * geometry.head_dim * DTypeBytes(geometry.dtype);
+}
 
 OffloadedKv::Page OffloadedKv::page(int64_t layer, int64_t index) const {
   const DeviceBuffer& buffer = layers_[layer][index];

@@ -12,19 +12,13 @@
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
+#include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
 namespace {
-
-// Positions a gpu-mode window is sized for: what the request plans to reach, rounded up to
-// 256 so that a later turn often fits without Grow, within the engine's context.
-int64_t GpuWindowPositions(int64_t planned, int64_t max_context) {
-  constexpr int64_t kGranule = 256;
-  return std::min(max_context, (planned + kGranule - 1) / kGranule * kGranule);
-}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const EngineOptions& options) {
   if (options.backend == "cpu") return CreateCpuBackend(options.cpu_threads);
@@ -106,17 +100,15 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
         c.sliding_window, c.sliding_window);
   }
   if (options.max_context > 0) engine->max_context_ = std::min(engine->max_context_, options.max_context);
-  if (options.kv_dtype == "auto") {
-    engine->kv_dtype_ = engine->model_->weights.dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
-  } else if (options.kv_dtype == "bf16") {
-    engine->kv_dtype_ = DType::kBF16;
-  } else if (options.kv_dtype == "f32") {
-    engine->kv_dtype_ = DType::kF32;
-  } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv_dtype must be auto, bf16 or f32, got '", options.kv_dtype, "'"));
-  }
+  TANDEM_ASSIGN_OR_RETURN(engine->kv_dtype_,
+                          ResolveKvDType(options.kv_dtype, engine->model_->weights.dtype));
   TANDEM_ASSIGN_OR_RETURN(engine->backend_, MakeBackend(options));
+  {
+    // Refuse what cannot fit the device before the weights go up (memory_plan.h).
+    TANDEM_ASSIGN_OR_RETURN(const MemoryPlanSetup setup,
+                            SetupBeforeLoad(options, *engine->model_, *engine->backend_));
+    TANDEM_RETURN_IF_ERROR(CheckWorkerFits(setup));
+  }
   if (options.random_weights) {
     TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
                             DeviceModel::CreateRandom(c, *engine->backend_, options.random_seed));
@@ -207,19 +199,8 @@ WindowGeometry Engine::window_geometry() const {
 }
 
 WindowOptions Engine::WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const {
-  WindowOptions wo;
-  wo.block = options_.block_tokens;
-  wo.max_chunk = options_.prefill_chunk;
-  wo.max_context = max_context_;
-  if (spec.mode == AttentionMode::kGpu) {
-    wo.window = WindowOptions::kUnlimited;
-    wo.sink = 0;
-    wo.max_context = GpuWindowPositions(planned_positions, max_context_);
-  } else {
-    wo.window = spec.window;
-    wo.sink = spec.sink;
-  }
-  return wo;
+  return SequenceWindowOptions(options_, max_context_, spec.mode, spec.window, spec.sink,
+                               planned_positions);
 }
 
 size_t Engine::DeviceKvBytes() const {

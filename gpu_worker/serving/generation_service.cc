@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
+#include "tandem/gpu_worker/memory_plan.h"
 #include "request_parsing.h"
 #include "session_ownership.h"
 #include "tandem/common/status_macros.h"
@@ -457,6 +458,20 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
     ToProto(engine.info(), response);
     response->set_open_sessions(engine.open_sessions());
     return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* GenerationService::GetCapacity(grpc::CallbackServerContext* context,
+                                                         const v1::GetCapacityRequest* request,
+                                                         v1::GetCapacityResponse* response) {
+  if (absl::StatusOr<std::string> principal = authenticator_.Authenticate(*context);
+      !principal.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(ToGrpcStatus(principal.status()));
+    return reactor;
+  }
+  return RunUnary(*scheduler_, context, [request, response](Engine& engine) {
+    return AnswerCapacity(engine, *request, response);
   });
 }
 

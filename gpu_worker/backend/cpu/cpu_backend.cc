@@ -2,6 +2,7 @@
 // synchronously on the calling thread (oneDNN and the attention kernels use an OpenMP team of
 // `threads`). See backend.h for the contract of each operation.
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -148,6 +149,13 @@ class CpuBackend final : public Backend {
   absl::Status Synchronize() override { return absl::OkStatus(); }  // every op is synchronous
 
   absl::StatusOr<size_t> DeviceMemoryUsed() override { return bytes_in_use(); }
+  absl::StatusOr<size_t> DeviceMemoryTotal() override {
+    const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page_bytes <= 0) {
+      return absl::InternalError("sysconf(_SC_PHYS_PAGES) failed");
+    }
+    return static_cast<size_t>(pages) * static_cast<size_t>(page_bytes);
+  }
   absl::StatusOr<DeviceBuffer> AllocateHost(size_t bytes) override { return Allocate(bytes); }
 
   absl::Status UploadAsync(const UploadParams& p, int slot) override {

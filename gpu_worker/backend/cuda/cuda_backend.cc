@@ -119,6 +119,7 @@ class CudaBackend final : public Backend {
   size_t bytes_in_use() const override { return stats_->in_use.load(); }
   size_t peak_bytes_in_use() const override { return stats_->peak; }
   absl::StatusOr<size_t> DeviceMemoryUsed() override;
+  absl::StatusOr<size_t> DeviceMemoryTotal() override;
   absl::StatusOr<DeviceBuffer> AllocateHost(size_t bytes) override;
   absl::Status UploadAsync(const UploadParams& p, int slot) override;
   absl::Status WaitUpload(int slot) override;
@@ -268,6 +269,14 @@ absl::StatusOr<size_t> CudaBackend::DeviceMemoryUsed() {
   size_t total_bytes = 0;
   TANDEM_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
   return total_bytes - free_bytes;
+}
+
+absl::StatusOr<size_t> CudaBackend::DeviceMemoryTotal() {
+  TANDEM_RETURN_IF_ERROR(Activate());
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes;
 }
 
 absl::StatusOr<DeviceBuffer> CudaBackend::AllocateHost(size_t bytes) {

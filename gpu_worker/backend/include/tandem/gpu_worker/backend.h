@@ -328,6 +328,9 @@ class Backend {
   // Device memory in use by the whole process as the device reports it (cuda: total − free,
   // which includes the context and library workspaces; cpu: bytes_in_use()).
   virtual absl::StatusOr<size_t> DeviceMemoryUsed() = 0;
+  // Device memory the device has in all (cuda: cudaMemGetInfo's total; cpu: the host's
+  // physical memory, which the cpu backend's "device" memory is).
+  virtual absl::StatusOr<size_t> DeviceMemoryTotal() = 0;
 
   // Host memory that uploads stream from: page-locked on cuda (copies run at PCIe speed and
   // asynchronously), ordinary 64-byte-aligned memory on cpu. RESOURCE_EXHAUSTED when it cannot

@@ -60,6 +60,12 @@ class NodeTier final : public OffloadTier {
   absl::Status Close() override { return remote_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }
 
+  // Device bytes page selection takes for a pass of `num_tokens` query rows over `num_pages`
+  // pages per (layer, kv head), `per_head` chosen: this tier's page ids plus the scoring
+  // scratch (the TierContext's, one per pass). The memory estimator's; no allocation.
+  static size_t SelectionBytesFor(int64_t num_tokens, int64_t num_kv_heads, int64_t num_pages,
+                                  int64_t per_head);
+
   RemoteKv& remote() { return *remote_; }
   const RemoteKv& remote() const { return *remote_; }
   PageIndex* page_index() { return pages_.get(); }   // null unless selection = pages
@@ -72,6 +78,10 @@ class NodeTier final : public OffloadTier {
   // measure_captured_mass: the share of the offloaded softmax mass the chosen pages captured;
   // selected_lse [n, H_q] of the pages just attended.
   absl::Status MeasureCapturedMass(const AttendRows& rows, const float* selected_lse);
+
+  // Query rows per SelectPages call of an unbatched selection, so that its scores stay within
+  // kMaxSelectScratchBytes.
+  static int64_t SelectRowsPerCall(int64_t num_tokens, int64_t num_kv_heads, int64_t num_pages);
 
   // Scores of one SelectPages call stay below this (a prefill chunk over a long context is
   // split into several calls).

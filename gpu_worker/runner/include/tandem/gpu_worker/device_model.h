@@ -53,6 +53,13 @@ class DeviceModel {
                                                                    Backend& backend,
                                                                    uint64_t seed);
 
+  // Device bytes Upload() / CreateRandom() allocate for the weights (weight_bytes() after
+  // them), without allocating: every tensor as stored, qkv biases as f32. The memory estimator
+  // (memory_plan.h) reads them before any weight is loaded. CreateRandom's form fails as it
+  // does for an unsupported config.
+  static size_t WeightBytes(const ModelWeights& weights);
+  static absl::StatusOr<size_t> WeightBytes(const ModelConfig& config);
+
   const ModelConfig& config() const { return config_; }
   const DeviceTensor& embed() const { return embed_; }
   const DeviceTensor& final_norm() const { return final_norm_; }

@@ -30,6 +30,10 @@ class KvStreamer {
                                                             int64_t num_q_heads,
                                                             int64_t max_rows, int slots = 2);
 
+  // Device bytes Create() allocates for these arguments (the memory estimator's; no allocation).
+  static size_t DeviceBytesFor(const WindowGeometry& geometry, int64_t page_tokens,
+                               int64_t num_q_heads, int64_t max_rows, int slots = 2);
+
   // Plans one forward pass over `kvs` (one per sequence of the pass, in the order the pass
   // attends them; nullptr for a sequence without offloaded KV) and queues the first uploads.
   absl::Status Begin(const std::vector<const OffloadedKv*>& kvs);

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -90,6 +91,13 @@ class ModelRunner {
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(Backend& backend,
                                                              const DeviceModel& model,
                                                              const RunnerOptions& options);
+
+  // Device bytes of the runner's activations for `options` (max_chunk rows; what Create
+  // allocates, from the same table), plus, with `batched`, the [max_chunk, vocab] logits and
+  // [max_chunk, hidden] gathered rows a pass of several sequences (or with log-probs) grows
+  // to. The memory estimator (memory_plan.h) reads it; no allocation.
+  static size_t ActivationBytes(const ModelConfig& config, const RunnerOptions& options,
+                                bool batched);
 
   // Feeds ids[0..n) (each in [0, vocab); the caller validates) through the model. Afterwards
   // last_logits() holds the logits of the last token. Errors leave the sequence unusable
@@ -166,6 +174,10 @@ class ModelRunner {
     DeviceBuffer rope_inv_freq;
     std::vector<float> q_host, o_host, lse_host;   // host: [rows, H_q, D], .., [rows, H_q]
   };
+
+  // Every activation buffer of Create and its f32 count for chunks of `max_chunk` rows.
+  using ActivationTable = std::vector<std::pair<DeviceBuffer Activations::*, int64_t>>;
+  static ActivationTable ActivationBuffers(const ModelConfig& config, int64_t max_chunk);
 
   // One pass over `segments` (Σ n <= max_chunk, distinct sequences). targets/logprobs only with
   // one segment. Segments may be reordered (micro-batches are contiguous).

@@ -27,6 +27,10 @@ class OffloadedKv {
                                                              const WindowGeometry& geometry,
                                                              int64_t page_tokens);
 
+  // Host bytes the pages of `tokens` entries per (layer, kv head) take (whole pages, every
+  // layer): what Append allocates for them (the memory estimator's; no allocation).
+  static size_t HostBytesFor(const WindowGeometry& geometry, int64_t page_tokens, int64_t tokens);
+
   // Appends `n` entries of every kv head of `layer`, head-major: k, v [num_kv_heads, n, head_dim]
   // of the window dtype, in host memory (Append) or backend memory (AppendFromDevice).
   absl::Status Append(int64_t layer, const void* k_host, const void* v_host, int64_t n);
@@ -49,6 +53,8 @@ class OffloadedKv {
 
  private:
   OffloadedKv(Backend& backend, const WindowGeometry& geometry, int64_t page_tokens);
+  // K (or V) of one page: num_kv_heads · page_tokens · head_dim · dtype bytes.
+  static size_t HalfPageBytes(const WindowGeometry& geometry, int64_t page_tokens);
   absl::Status AppendImpl(int64_t layer, const void* k, const void* v, int64_t n,
                           bool from_device);
 

@@ -87,6 +87,10 @@ class GenerationService final
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* request,
                                          v1::ModelInfoResponse* response) override;
+  // memory_plan.h AnswerCapacity, between steps.
+  grpc::ServerUnaryReactor* GetCapacity(grpc::CallbackServerContext* context,
+                                        const v1::GetCapacityRequest* request,
+                                        v1::GetCapacityResponse* response) override;
 
  private:
   class GenerateReactor;

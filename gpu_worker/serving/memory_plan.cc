@@ -1,0 +1,510 @@
+#include "tandem/gpu_worker/memory_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/byte_size.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/cpu_attention/node_memory.h"
+#include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/node_tier.h"
+#include "tandem/gpu_worker/offloaded_kv.h"
+#include "tandem/gpu_worker/page_index.h"
+#include "tandem/gpu_worker/remote_kv.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// cuBLAS's own workspace, allocated by the library on the first GEMM (not through the backend):
+// its documented default on Hopper (4 MiB elsewhere; the larger is assumed).
+constexpr uint64_t kCublasWorkspaceBytes = uint64_t{32} << 20;
+// The node's --block_tokens default (kv_store::KvStore::Options::default_block_tokens), which a
+// session gets when the worker's block size is outside the nodes' 16..256.
+constexpr uint32_t kNodeDefaultBlockTokens = 64;
+// The most shards a node's session holds (kv_store: 65536), which its metadata charge is
+// capped at (cpu_attention_node.cc).
+constexpr uint64_t kMaxShardsPerSession = 65536;
+
+void Add(MemoryTier& tier, std::string name, uint64_t bytes, std::string detail) {
+  tier.items.push_back({std::move(name), bytes, std::move(detail)});
+  tier.total_bytes += bytes;
+}
+
+// Device bytes of the cuda backend's growable workspace at its largest: the widest GEMM input
+// converted to the weights' 16-bit dtype ([max_chunk, max(H, Q·D, I)]), doubled because
+// Workspace::Reserve grows to twice its size, rounded to its 1 MiB granule.
+uint64_t CudaWorkspaceBytes(const ModelConfig& c, DType weight_dtype, int64_t max_chunk) {
+  if (weight_dtype == DType::kF32) return 0;
+  const int64_t widest = std::max({c.hidden_size, c.num_q_heads * c.head_dim, c.intermediate_size});
+  const uint64_t convert = static_cast<uint64_t>(max_chunk) * widest * 2;
+  constexpr uint64_t kGranule = uint64_t{1} << 20;
+  return CeilDiv(2 * convert, kGranule) * kGranule;
+}
+
+// Node bytes of one shard of `entries` offloaded entries in `format`: whole blocks (the
+// node's pool granularity) and, for MAW selection, the selected copy: K + V rows of the
+// selected share, at most twice over (kv_store's BudgetedBuffer grows geometrically: its
+// capacity ends between 1x and 2x the rows, depending on the appends; a plan must fit the 2x).
+uint64_t ShardBytes(const kv_store::BlockFormat& format, int64_t entries, double selected_share) {
+  const uint64_t blocks = static_cast<uint64_t>(CeilDiv(entries, format.block_tokens));
+  const uint64_t selected = static_cast<uint64_t>(std::ceil(entries * selected_share));
+  return blocks * format.block_bytes() + 2 * selected * 2 * format.row_bytes();
+}
+
+// A node's pool bytes left after `used` (negative when overfilled).
+int64_t Room(const PlanNode& node, uint64_t used) {
+  return static_cast<int64_t>(node.capacity_bytes) - static_cast<int64_t>(used);
+}
+
+const char* NodeDTypeName(kv_store::KvDType t) {
+  return t == kv_store::KvDType::kF32 ? "f32" : t == kv_store::KvDType::kBf16 ? "bf16" : "int8";
+}
+
+// VmRSS of this process (0 when it cannot be read).
+uint64_t SelfRssBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // kB
+  }
+  return 0;
+}
+
+std::string ModelLine(const MemoryPlanSetup& s) {
+  const ModelConfig& c = s.config;
+  return absl::StrCat(c.model_type, ", ", c.num_layers, " layers, hidden ", c.hidden_size, ", ",
+                      c.num_q_heads, " q / ", c.num_kv_heads, " kv heads x ", c.head_dim,
+                      ", vocab ", c.vocab_size, ", ", std::string(DTypeName(c.weight_dtype)),
+                      " weights, ", std::string(DTypeName(s.kv_dtype)), " KV, ",
+                      NodeDTypeName(s.node_kv_dtype), " node KV");
+}
+
+absl::Status ValidateRequest(const MemoryPlanSetup& setup, const MemoryPlanRequest& r) {
+  if (r.context < 1 || r.context > setup.max_context) {
+    return absl::InvalidArgumentError(absl::StrCat("context must be in 1..", setup.max_context,
+                                                   " (the worker's max_context), got ", r.context));
+  }
+  if (r.prompt < 0 || r.prompt > r.context) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt must be in 0..context (", r.context, "), got ", r.prompt));
+  }
+  if (r.batch < 1 || r.batch > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("batch must be in 1..4096, got ", r.batch));
+  }
+  if (r.mode != AttentionMode::kGpu && r.mode != AttentionMode::kHybrid &&
+      r.mode != AttentionMode::kOffload) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no memory estimate for mode '", std::string(AttentionModeName(r.mode)), "' yet"));
+  }
+  if (r.mode != AttentionMode::kGpu && (r.window < setup.engine.block_tokens || r.sink < 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
+                                                   setup.engine.block_tokens, ") and sink >= 0"));
+  }
+  if (r.page_policy.select_tokens < 1) {
+    return absl::InvalidArgumentError("select_tokens must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+void Judge(MemoryTier& tier, const std::string& what) {
+  tier.fits = tier.total_bytes <= tier.capacity_bytes;
+  if (!tier.fits) {
+    tier.why = absl::StrCat(what, " needs ", FormatBytes(tier.total_bytes), " but has ",
+                            FormatBytes(tier.capacity_bytes));
+  }
+}
+
+// The nodes' share of a plan: every sequence's L·H_kv shards, each to the node with the most
+// room left (the placement balances memory when shards cost the same), plus each session's
+// metadata on every node it has shards on.
+void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t offloaded,
+               MemoryPlan& plan) {
+  const ModelConfig& c = setup.config;
+  const EngineOptions& e = setup.engine;
+  MemoryTier& tier = plan.nodes;
+  const kv_store::BlockFormat format{e.block_tokens >= 16 && e.block_tokens <= 256
+                                         ? static_cast<uint32_t>(e.block_tokens)
+                                         : kNodeDefaultBlockTokens,
+                                     static_cast<uint32_t>(c.head_dim), setup.node_kv_dtype};
+  const double share = r.selection == SelectionRule::kPages ? 0.0
+                       : r.beta == 0.0f                     ? 1.0
+                                        : RemoteKvOptions{}.expected_selected_share;
+  const uint64_t shard = ShardBytes(format, offloaded, share);
+  const uint64_t shards_per_seq = static_cast<uint64_t>(c.num_layers) * c.num_kv_heads;
+  const size_t n = setup.nodes.size();
+  plan.node_bytes.assign(n, 0);
+  for (const PlanNode& node : setup.nodes) tier.capacity_bytes += node.capacity_bytes;
+  if (n == 0) {
+    tier.fits = false;
+    tier.why = "hybrid mode needs CPU attention nodes and there are none";
+    return;
+  }
+  std::vector<uint64_t> mine(n);
+  uint64_t blocks_bytes = 0, selected_bytes = 0, meta_bytes = 0;
+  for (int64_t b = 0; b < r.batch; ++b) {
+    std::fill(mine.begin(), mine.end(), 0);
+    for (uint64_t s = 0; s < shards_per_seq; ++s) {
+      size_t best = 0;
+      for (size_t i = 1; i < n; ++i) {
+        if (Room(setup.nodes[i], plan.node_bytes[i]) >
+            Room(setup.nodes[best], plan.node_bytes[best])) {
+          best = i;
+        }
+      }
+      plan.node_bytes[best] += shard;
+      ++mine[best];
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (mine[i] == 0) continue;
+      const uint64_t meta = cpu_attention::SessionMetadataBytes(
+          c.num_layers, std::min(mine[i], kMaxShardsPerSession));
+      plan.node_bytes[i] += meta;
+      meta_bytes += meta;
+    }
+  }
+  const uint64_t shards = shards_per_seq * r.batch;
+  const uint64_t selected_per_shard =
+      shard - CeilDiv(offloaded, format.block_tokens) * format.block_bytes();
+  blocks_bytes = shards * (shard - selected_per_shard);
+  selected_bytes = shards * selected_per_shard;
+  Add(tier, "node KV blocks", blocks_bytes,
+      absl::StrCat(shards, " shards x ", CeilDiv(offloaded, format.block_tokens), " blocks x ",
+                   format.block_bytes(), " B (", format.block_tokens, " ",
+                   NodeDTypeName(format.dtype), " entries of K, V and MAW)"));
+  if (r.selection == SelectionRule::kMaw) {
+    Add(tier, "node selected copies", selected_bytes,
+        absl::StrCat("K + V of ", share * 100, "% of the entries (",
+                     r.beta == 0.0f ? "beta 0: all" : "the placement's projection",
+                     "), up to 2x for geometric growth"));
+  }
+  Add(tier, "node session metadata", meta_bytes,
+      absl::StrCat(r.batch, " session(s) on up to ", n, " node(s), SessionMetadataBytes"));
+  tier.fits = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (plan.node_bytes[i] > setup.nodes[i].capacity_bytes) {
+      tier.fits = false;
+      tier.why = absl::StrCat(
+          "CPU node ", setup.nodes[i].address, " would need ", FormatBytes(plan.node_bytes[i]),
+          " but its pool has ", FormatBytes(setup.nodes[i].capacity_bytes),
+          ": add nodes or --pool_bytes, use a shorter context or batch",
+          kv_store::DTypeBytes(setup.node_kv_dtype) == 1 ? "" : ", or int8 node KV");
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+WindowOptions SequenceWindowOptions(const EngineOptions& options, int64_t max_context,
+                                    AttentionMode mode, int64_t window, int64_t sink,
+                                    int64_t planned_positions) {
+  WindowOptions wo;
+  wo.block = options.block_tokens;
+  wo.max_chunk = options.prefill_chunk;
+  wo.max_context = max_context;
+  if (mode == AttentionMode::kGpu) {
+    constexpr int64_t kGranule = 256;
+    wo.window = WindowOptions::kUnlimited;
+    wo.sink = 0;
+    wo.max_context = std::min(max_context, CeilDiv(planned_positions, kGranule) * kGranule);
+  } else {
+    wo.window = window;
+    wo.sink = sink;
+  }
+  return wo;
+}
+
+absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, DType weight_dtype) {
+  if (kv_dtype == "auto") return weight_dtype == DType::kF32 ? DType::kF32 : DType::kBF16;
+  if (kv_dtype == "bf16") return DType::kBF16;
+  if (kv_dtype == "f32") return DType::kF32;
+  return absl::InvalidArgumentError(
+      absl::StrCat("kv_dtype must be auto, bf16 or f32, got '", kv_dtype, "'"));
+}
+
+MemoryPlanRequest MemoryPlanRequest::Defaults(const EngineOptions& e) {
+  MemoryPlanRequest r;
+  r.mode = e.default_mode;
+  r.window = e.default_window;
+  r.sink = e.default_sink;
+  r.selection = e.default_selection;
+  r.page_policy = e.default_page_policy;
+  r.beta = e.default_beta;
+  return r;
+}
+
+absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
+                                          const MemoryPlanRequest& r) {
+  TANDEM_RETURN_IF_ERROR(ValidateRequest(setup, r));
+  const ModelConfig& c = setup.config;
+  const EngineOptions& e = setup.engine;
+  const int64_t C = e.prefill_chunk;
+  const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, setup.kv_dtype};
+  const bool offloads = r.mode != AttentionMode::kGpu;
+  const int64_t prompt = r.prompt > 0 ? r.prompt : r.context;
+  const int64_t offloaded = offloads ? std::max<int64_t>(0, r.context - r.window - r.sink) : 0;
+  MemoryPlan plan;
+  plan.request = r;
+  plan.model = ModelLine(setup);
+  plan.device.name = "device";
+  plan.host.name = "host";
+  plan.nodes.name = "nodes";
+
+  // --- Device.
+  MemoryTier& dev = plan.device;
+  Add(dev, "weights", setup.weight_bytes, "DeviceModel::WeightBytes");
+  RunnerOptions runner;
+  runner.max_chunk = C;
+  Add(dev, "activations", ModelRunner::ActivationBytes(c, runner, r.batch > 1),
+      absl::StrCat(C, "-token chunk", r.batch > 1 ? ", batched logits" : ""));
+  const WindowOptions wo =
+      SequenceWindowOptions(e, setup.max_context, r.mode, r.window, r.sink, r.context);
+  uint64_t device_kv = WindowCache::BytesFor(geometry, wo) * r.batch;
+  Add(dev, r.mode == AttentionMode::kGpu ? "kv (all on the device)" : "kv windows", device_kv,
+      absl::StrCat(r.batch, " x ",
+                   r.mode == AttentionMode::kGpu
+                       ? absl::StrCat("all ", wo.max_context, " positions")
+                       : absl::StrCat("sink ", r.sink, " + window ", r.window, " + one chunk")));
+  // Buffers only decode steps use (made after the prompt is in), which a widened prefill's
+  // window never meets: the two phases' extras do not add up.
+  uint64_t decode_only = 0;
+  const bool pages = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kPages;
+  uint64_t summaries = 0;
+  if (pages) {
+    summaries = PageIndex::BytesFor(geometry, e.page_tokens, offloaded) * r.batch;
+    Add(dev, "page summaries", summaries,
+        absl::StrCat(r.batch, " x ", CeilDiv(offloaded, e.page_tokens), " pages of ", e.page_tokens,
+                     " tokens (min/max keys)"));
+    const int64_t num_pages = CeilDiv(offloaded, e.page_tokens);
+    const int64_t per_head = std::max<int64_t>(1, r.page_policy.select_tokens / e.page_tokens);
+    if (per_head < num_pages) {
+      // A prefill chunk's selection over the tier (the last chunk sees every page); with the
+      // device prefill a new prompt's chunks attend on the device and only decode rows select.
+      const int64_t rows = setup.device_prefill ? 1 : C;
+      const uint64_t bytes =
+          NodeTier::SelectionBytesFor(rows, c.num_kv_heads, num_pages, per_head) * r.batch;
+      Add(dev, "page selection", bytes,
+          absl::StrCat(rows, " query rows x ", num_pages, " pages, ", per_head, " chosen"));
+      decode_only += setup.device_prefill ? bytes : 0;
+    }
+  }
+  if (r.mode == AttentionMode::kOffload && offloaded > 0) {
+    const uint64_t bytes =
+        KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
+    Add(dev, "offload staging", bytes,
+        absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
+    decode_only += setup.device_prefill ? bytes : 0;
+  }
+  if (setup.device_prefill && offloads && prompt > r.window) {
+    // WindowCache::Widen(prompt): Create's rule with window = prompt. Widen and the shrink
+    // after Narrow re-lay the ring into new buffers, so for a moment the widened ring and the
+    // configured one (above) both exist.
+    WindowOptions widened = wo;
+    widened.window = prompt;
+    uint64_t bytes = WindowCache::BytesFor(geometry, widened) * r.batch;
+    if (e.kv_cache_bytes > 0) {  // the engine widens only within the budget's free part
+      const uint64_t used = device_kv + summaries;
+      bytes = std::min(bytes, e.kv_cache_bytes > used ? e.kv_cache_bytes - used : 0);
+    }
+    Add(dev, "widened prefill windows", bytes > decode_only ? bytes - decode_only : 0,
+        absl::StrCat(r.batch, " x the window widened to the ", prompt,
+                     "-token prompt while it is prefilled, less the decode-only buffers"));
+  }
+  if (setup.backend == "cuda") {
+    Add(dev, "cuda runtime", setup.device_runtime_bytes,
+        "context, streams, staging (measured on the device)");
+    Add(dev, "cuda workspace", CudaWorkspaceBytes(c, c.weight_dtype, C) + kCublasWorkspaceBytes,
+        "2 x the widest bf16 GEMM input + cuBLAS's 32 MiB");
+  }
+  dev.capacity_bytes = setup.device_total_bytes;
+  Judge(dev, absl::StrCat("the device (", setup.backend, ")"));
+  if (dev.fits && e.kv_cache_bytes > 0 && device_kv + summaries > e.kv_cache_bytes) {
+    dev.fits = false;
+    dev.why = absl::StrCat("device KV (windows and page summaries) needs ",
+                           FormatBytes(device_kv + summaries), " but --kv_cache_bytes is ",
+                           FormatBytes(e.kv_cache_bytes));
+  }
+  if (dev.fits && e.page_summary_bytes > 0 && summaries > e.page_summary_bytes) {
+    dev.fits = false;
+    dev.why = absl::StrCat("page summaries need ", FormatBytes(summaries),
+                           " but --page_summary_bytes is ", FormatBytes(e.page_summary_bytes));
+  }
+
+  // --- CPU nodes (hybrid).
+  if (r.mode == AttentionMode::kHybrid) PlanNodes(setup, r, offloaded, plan);
+
+  // --- Host.
+  MemoryTier& host = plan.host;
+  if (r.mode == AttentionMode::kOffload) {
+    Add(host, "pinned KV pages",
+        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, offloaded) * r.batch,
+        absl::StrCat(r.batch, " x ", offloaded, " offloaded tokens in ", e.offload_page_tokens,
+                     "-token pages"));
+  }
+  // The runner's host staging of q, o and lse (model_runner.cc Create).
+  Add(host, "staging", static_cast<uint64_t>(C) * c.num_q_heads * (2 * c.head_dim + 1) * 4,
+      "q, o and lse of one chunk");
+  if (setup.embedded_node && r.mode == AttentionMode::kHybrid) {
+    Add(host, "embedded node KV", plan.nodes.total_bytes, "the in-process CPU node's pool");
+  }
+  if (setup.backend == "cpu") {
+    Add(host, "device memory (cpu backend)", dev.total_bytes, "the cpu backend computes in RAM");
+  }
+  host.capacity_bytes = setup.host_available_bytes;
+  Judge(host, "host memory");
+  plan.fits = dev.fits && host.fits && plan.nodes.fits;
+  return plan;
+}
+
+absl::StatusOr<int64_t> LargestFittingContext(const MemoryPlanSetup& setup,
+                                              const MemoryPlanRequest& request) {
+  const int64_t generated = request.prompt > 0 ? request.context - request.prompt : 0;
+  auto fits = [&](int64_t context) -> absl::StatusOr<bool> {
+    MemoryPlanRequest r = request;
+    r.context = context;
+    r.prompt = request.prompt > 0 ? std::max<int64_t>(1, context - generated) : 0;
+    TANDEM_ASSIGN_OR_RETURN(const MemoryPlan plan, EstimateMemory(setup, r));
+    return plan.fits;
+  };
+  int64_t lo = 0, hi = setup.max_context;  // fits(lo) (or lo = 0), !fits(hi + 1)
+  TANDEM_ASSIGN_OR_RETURN(const bool all, fits(hi));
+  if (all) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    TANDEM_ASSIGN_OR_RETURN(const bool ok, fits(mid));
+    (ok ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+absl::Status CheckWorkerFits(const MemoryPlanSetup& setup) {
+  const ModelConfig& c = setup.config;
+  RunnerOptions runner;
+  runner.max_chunk = setup.engine.prefill_chunk;
+  const uint64_t activations = ModelRunner::ActivationBytes(c, runner, /*batched=*/true);
+  const uint64_t workspace =
+      setup.backend == "cuda"
+          ? CudaWorkspaceBytes(c, c.weight_dtype, runner.max_chunk) + kCublasWorkspaceBytes
+          : 0;
+  const uint64_t fixed = setup.weight_bytes + activations + setup.device_runtime_bytes + workspace;
+  const uint64_t kv = setup.engine.kv_cache_bytes;
+  if (fixed + kv <= setup.device_total_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the device has ", FormatBytes(setup.device_total_bytes), " but the worker needs ",
+      FormatBytes(fixed + kv), ": weights ", FormatBytes(setup.weight_bytes), ", activations ",
+      FormatBytes(activations), " (--prefill_chunk ", runner.max_chunk, "), runtime and workspace ",
+      FormatBytes(setup.device_runtime_bytes + workspace),
+      kv > 0 ? absl::StrCat(", --kv_cache_bytes ", FormatBytes(kv)) : "",
+      ": use a smaller --kv_cache_bytes or --prefill_chunk, or a larger device "
+      "(tandem-gpu-worker --plan shows the whole estimate)"));
+}
+
+uint64_t HostAvailableBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t value = 0;
+  std::string unit;
+  while (in >> key >> value) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return value * 1024;  // kB
+  }
+  return 0;
+}
+
+absl::StatusOr<MemoryPlanSetup> SetupBeforeLoad(const EngineOptions& options, const Model& model,
+                                                Backend& backend) {
+  MemoryPlanSetup s;
+  s.config = model.config;
+  if (options.random_weights || model.archive == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(s.weight_bytes, DeviceModel::WeightBytes(model.config));
+  } else {
+    s.weight_bytes = DeviceModel::WeightBytes(model.weights);
+  }
+  TANDEM_ASSIGN_OR_RETURN(s.kv_dtype, ResolveKvDType(options.kv_dtype, model.weights.dtype));
+  s.node_kv_dtype = s.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+  s.engine = options;
+  s.max_context = ModelContextLimit(model.config);
+  if (options.max_context > 0) s.max_context = std::min(s.max_context, options.max_context);
+  s.device_prefill = options.device_prefill;
+  s.backend = std::string(backend.name());
+  TANDEM_ASSIGN_OR_RETURN(s.device_total_bytes, backend.DeviceMemoryTotal());
+  if (s.backend == "cuda") {
+    TANDEM_ASSIGN_OR_RETURN(const size_t used, backend.DeviceMemoryUsed());
+    s.device_runtime_bytes = used > backend.bytes_in_use() ? used - backend.bytes_in_use() : 0;
+  }
+  s.host_available_bytes = HostAvailableBytes();
+  s.embedded_node =
+      options.nodes.addresses.empty() && options.nodes.dns_name.empty() && !options.nodes.discovery;
+  if (s.embedded_node) {
+    s.nodes.push_back(
+        {"in-process", options.nodes.embedded.pool_bytes, options.nodes.embedded.pool_bytes});
+  }
+  return s;
+}
+
+absl::StatusOr<MemoryPlanSetup> PlanSetupFromOptions(const EngineOptions& options,
+                                                     const ModelConfig* preset) {
+  Model model;
+  std::unique_ptr<Model> loaded;
+  const Model* use = &model;
+  if (preset != nullptr) {
+    model.config = *preset;
+  } else if (options.random_weights) {
+    TANDEM_ASSIGN_OR_RETURN(model.config, LoadModelConfig(options.model_dir));
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(loaded, LoadModel(options.model_dir));  // headers; weights mmap'ed
+    use = loaded.get();
+  }
+  if (use == &model) model.weights.dtype = model.config.weight_dtype;
+  // The backend as Engine::Create makes it: cuda when usable (for "auto"), else cpu.
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      options.backend == "cpu" ? CreateCpuBackend(1) : CreateCudaBackend(options.cuda_device);
+  if (!backend.ok() && options.backend == "auto") backend = CreateCpuBackend(1);
+  if (!backend.ok()) return backend.status();
+  TANDEM_ASSIGN_OR_RETURN(MemoryPlanSetup s, SetupBeforeLoad(options, *use, **backend));
+  if (!s.embedded_node) {
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<NodePool> pool, NodePool::Create(options.nodes));
+    for (const NodeState& node : pool->Snapshot()) {
+      s.nodes.push_back({node.address, node.capacity_bytes, node.free_bytes});
+    }
+  }
+  return s;
+}
+
+absl::StatusOr<MemoryPlanSetup> SetupFromEngine(Engine& engine) {
+  MemoryPlanSetup s;
+  const ModelInfo info = engine.info();
+  s.config = engine.model().config;
+  s.weight_bytes = info.weight_bytes;
+  TANDEM_ASSIGN_OR_RETURN(s.kv_dtype, ResolveKvDType(info.kv_dtype, DType::kF32));
+  s.node_kv_dtype = s.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+  s.engine = engine.options();
+  s.max_context = info.max_context;
+  s.device_prefill = s.engine.device_prefill;
+  Backend& backend = engine.backend();
+  s.backend = std::string(backend.name());
+  TANDEM_ASSIGN_OR_RETURN(s.device_total_bytes, backend.DeviceMemoryTotal());
+  if (s.backend == "cuda") {
+    // Everything on the device that is not the backend's allocations: context, libraries, the
+    // workspace as it has grown by now (so the workspace line double-counts it, on the safe side).
+    TANDEM_ASSIGN_OR_RETURN(const size_t used, backend.DeviceMemoryUsed());
+    s.device_runtime_bytes = used > backend.bytes_in_use() ? used - backend.bytes_in_use() : 0;
+  }
+  // What this worker holds now (its pinned pages, embedded node, cpu-backend buffers) is not in
+  // MemAvailable: the worker may have what is available plus what it holds.
+  s.host_available_bytes = HostAvailableBytes() + SelfRssBytes();
+  for (const NodeState& node : engine.nodes().Snapshot()) {
+    s.nodes.push_back({node.address, node.capacity_bytes, node.free_bytes});
+  }
+  s.embedded_node = engine.nodes().embedded() != nullptr;
+  return s;
+}
+
+}  // namespace tandem::gpu_worker
