@@ -11,7 +11,13 @@
 //            shared-memory transport by default), attending to --shares of it (MAW), or, for
 //            each of --select_tokens, to the pages the device picks within that budget
 //            (selection = pages: page summaries on the device, one SelectPages per layer)
-// TTFT: a real prefill of --prefill_tokens random tokens (chunks of --prefill_chunk) per mode.
+// TTFT: a real prefill of --prefill_tokens (or each of --prefill_contexts) random tokens (chunks
+// of --prefill_chunk) per mode, on the serving path: with --device_prefill (default) offload and
+// hybrid widen their window to hold the prompt (WindowCache::Widen, as far as the device allows
+// after --prefill_headroom_mb), so every chunk attends on the device; ttft_s ends at the first
+// sampled token, settled_s when the blocks beyond the window are on the tier (host pages / CPU
+// node). Hybrid runs once per --prefill_selections (maw: beta --prefill_beta; pages: budget
+// --prefill_select_tokens).
 //
 // Limits (all rates measured at the start of the run, physical_limits.h), per decode step:
 //   hbm  = (weights + B · device KV bytes read) / device copy bandwidth
@@ -35,6 +41,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +63,7 @@
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/node_tier.h"
+#include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/random_values.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
@@ -76,6 +84,17 @@ ABSL_FLAG(int, warmup, 2, "decode steps before timing");
 ABSL_FLAG(int64_t, prefill_tokens, 32768, "TTFT: prompt tokens (0 = skip)");
 ABSL_FLAG(int64_t, prefill_chunk, 4096, "tokens per forward pass in prefill");
 ABSL_FLAG(float, prefill_beta, 1.0f, "TTFT: hybrid beta");
+ABSL_FLAG(std::string, prefill_contexts, "",
+          "TTFT: prompt lengths run one after the other in this process (e.g. "
+          "32768,131072,524288); empty = --prefill_tokens");
+ABSL_FLAG(bool, device_prefill, true,
+          "TTFT: offload/hybrid widen the window to hold the prompt (the serving default); "
+          "false: chunks attend over the evicted part through the tier");
+ABSL_FLAG(int64_t, prefill_headroom_mb, 4096,
+          "TTFT: device memory (MiB) left free when the window widens (page summaries, "
+          "streaming buffers and the settle need it)");
+ABSL_FLAG(std::string, prefill_selections, "maw", "TTFT: hybrid selections: maw, pages");
+ABSL_FLAG(int64_t, prefill_select_tokens, 2048, "TTFT: hybrid pages budget (tokens)");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
 ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16", "embedded CPU node KV storage: bf16 or int8");
@@ -508,9 +527,13 @@ class Bench {
     r["traffic_bytes"] = {{"hbm", t.hbm_bytes}, {"cpu_scan", t.cpu_scan_bytes}, {"pcie", t.pcie_bytes}};
   }
 
-  json RunPrefill(AttentionMode mode, int64_t tokens) {
+  json RunPrefill(AttentionMode mode, int64_t tokens,
+                  gpu_worker::SelectionRule selection = gpu_worker::SelectionRule::kMaw) {
     json r = {{"kind", "prefill"}, {"mode", gpu_worker::AttentionModeName(mode)},
               {"context", tokens}, {"batch", 1}};
+    const bool pages = mode == AttentionMode::kHybrid &&
+                       selection == gpu_worker::SelectionRule::kPages;
+    if (mode == AttentionMode::kHybrid) r["selection"] = pages ? "pages" : "maw";
     const ModelConfig& c = model_.config();
     gpu_worker::WindowOptions wo;
     wo.block = absl::GetFlag(FLAGS_block);
@@ -523,7 +546,7 @@ class Bench {
                                        gpu_worker::DType::kBF16};
     auto window = gpu_worker::WindowCache::Create(backend_, g, wo);
     if (!window.ok()) {
-      r["skipped"] = std::string(window.status().message());
+      r["skipped"] = absl::StrCat("the KV does not fit the device: ", window.status().message());
       return r;
     }
     auto seq = std::make_unique<Sequence>(absl::StrCat("prefill-", ++session_counter_), mode,
@@ -540,12 +563,31 @@ class Bench {
       ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(wo.block, 16, 256));
       ro.attend_deadline_ms = 60000;
       ro.control_deadline_ms = 600000;
+      ro.expected_tokens = tokens;
+      std::unique_ptr<gpu_worker::PageIndex> index;
+      if (pages) {
+        const int64_t page = absl::GetFlag(FLAGS_summary_page_tokens);
+        ro.selection = gpu_worker::SelectionRule::kPages;
+        ro.page_tokens = static_cast<uint32_t>(page);
+        auto created = gpu_worker::PageIndex::Create(backend_, g, page, 0);
+        absl::Status reserved = created.ok() ? created->Reserve((tokens + page - 1) / page)
+                                             : created.status();
+        if (!reserved.ok()) {
+          r["skipped"] = absl::StrCat("page summaries: ", reserved.message());
+          return r;
+        }
+        index = std::make_unique<gpu_worker::PageIndex>(std::move(*created));
+        seq->selection = gpu_worker::SelectionRule::kPages;
+        seq->page_policy.select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
+        seq->pages = index.get();
+        r["select_tokens"] = seq->page_policy.select_tokens;
+      }
       auto remote = gpu_worker::RemoteKv::Open(*pool_, ro);
       if (!remote.ok()) {
         r["skipped"] = std::string(remote.status().message());
         return r;
       }
-      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(*remote), nullptr);
+      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(*remote), std::move(index));
     }
     if (mode == AttentionMode::kOffload) {
       auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
@@ -557,8 +599,23 @@ class Bench {
     }
     std::vector<int32_t> ids(tokens);
     for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
+    const bool device_prefill = windowed && absl::GetFlag(FLAGS_device_prefill);
+    r["device_prefill"] = device_prefill;
     const Clock::time_point t0 = Clock::now();
-    absl::Status s = runner_.Forward(*seq, ids.data(), tokens);
+    // The serving path (Engine::WidenForPrefill): the window widens for the whole prompt, here
+    // as far as the device allows with the headroom held back, and narrows after its last pass.
+    seq->prefill_end = tokens;
+    absl::Status s;
+    if (device_prefill) {
+      auto headroom = backend_.Allocate(static_cast<size_t>(
+          std::max<int64_t>(absl::GetFlag(FLAGS_prefill_headroom_mb), 1)) << 20);
+      auto widened = headroom.ok()
+                         ? seq->window.WidenWithin(tokens, std::numeric_limits<size_t>::max())
+                         : absl::StatusOr<int64_t>(headroom.status());
+      s = widened.status();
+      if (s.ok()) r["widened_window"] = *widened;
+    }
+    if (s.ok()) s = runner_.Forward(*seq, ids.data(), tokens);
     absl::StatusOr<int32_t> first = s.ok() ? backend_.Sample({runner_.last_logits(), c.vocab_size})
                                            : absl::StatusOr<int32_t>(s);
     const double ttft = Seconds(t0);
@@ -566,9 +623,22 @@ class Bench {
       r["error"] = std::string(first.status().message());
       return r;
     }
-    r["ttft_s"] = ttft;
-    r["prefill_tokens_per_s"] = tokens / ttft;
     auto used = backend_.DeviceMemoryUsed();
+    if (used.ok()) r["gpu_bytes_at_first_token"] = *used;
+    // The first token is out; the blocks beyond the window now go to the tier.
+    s = runner_.SettleEvictions(*seq);
+    if (s.ok()) s = backend_.Synchronize();
+    if (!s.ok()) {
+      r["error"] = absl::StrCat("settle: ", s.message());
+      return r;
+    }
+    const double settled = Seconds(t0);
+    r["ttft_s"] = ttft;
+    r["settled_s"] = settled;
+    r["prefill_tokens_per_s"] = tokens / ttft;
+    r["device_entries"] = seq->device_entries();
+    r["offloaded_entries"] = seq->offloaded_entries();
+    used = backend_.DeviceMemoryUsed();
     if (used.ok()) r["gpu_bytes_after"] = *used;
     return r;
   }
@@ -630,10 +700,17 @@ void PrintTable(const std::vector<json>& rows) {
   }
   for (const json& r : rows) {
     if (r["kind"] != "prefill" || !r.contains("ttft_s")) continue;
-    std::printf("prefill %-8s %lld tokens: TTFT %.2f s, %.0f tokens/s\n",
-                r["mode"].get<std::string>().c_str(),
-                static_cast<long long>(r["context"].get<int64_t>()), r["ttft_s"].get<double>(),
-                r["prefill_tokens_per_s"].get<double>());
+    const std::string mode = r["mode"].get<std::string>() +
+                             (r.contains("selection") ? "@" + r["selection"].get<std::string>() : "");
+    std::printf("prefill %-14s %lld tokens: TTFT %.2f s, %.0f tokens/s, settled %.2f s%s\n",
+                mode.c_str(), static_cast<long long>(r["context"].get<int64_t>()),
+                r["ttft_s"].get<double>(), r["prefill_tokens_per_s"].get<double>(),
+                r["settled_s"].get<double>(),
+                r.contains("widened_window")
+                    ? absl::StrFormat(" (window widened to %lld)",
+                                      static_cast<long long>(r["widened_window"].get<int64_t>()))
+                          .c_str()
+                    : "");
   }
 }
 
@@ -785,7 +862,20 @@ int Main() {
     }
   }
   // 4. TTFT, with a runner whose activations hold --prefill_chunk tokens.
-  if (absl::GetFlag(FLAGS_prefill_tokens) > 0) {
+  std::vector<int64_t> prefill_contexts = ParseList<int64_t>(absl::GetFlag(FLAGS_prefill_contexts));
+  if (prefill_contexts.empty() && absl::GetFlag(FLAGS_prefill_tokens) > 0) {
+    prefill_contexts.push_back(absl::GetFlag(FLAGS_prefill_tokens));
+  }
+  std::vector<gpu_worker::SelectionRule> prefill_selections;
+  for (const std::string& name : ParseList<std::string>(absl::GetFlag(FLAGS_prefill_selections))) {
+    if (name != "maw" && name != "pages") {
+      std::fprintf(stderr, "--prefill_selections takes maw and pages, got %s\n", name.c_str());
+      return 2;
+    }
+    prefill_selections.push_back(name == "maw" ? gpu_worker::SelectionRule::kMaw
+                                               : gpu_worker::SelectionRule::kPages);
+  }
+  if (!prefill_contexts.empty()) {
     runner->reset();
     ro.max_chunk = absl::GetFlag(FLAGS_prefill_chunk);
     auto prefill_runner = gpu_worker::ModelRunner::Create(be, **model, ro);
@@ -794,9 +884,17 @@ int Main() {
       return 1;
     }
     Bench prefill(be, **model, **prefill_runner, pool.get(), rates);
-    for (const std::string& name : modes) {
-      emit(prefill.RunPrefill(*gpu_worker::ParseAttentionMode(name),
-                              absl::GetFlag(FLAGS_prefill_tokens)));
+    for (int64_t tokens : prefill_contexts) {
+      for (const std::string& name : modes) {
+        const AttentionMode mode = *gpu_worker::ParseAttentionMode(name);
+        if (mode != AttentionMode::kHybrid) {
+          emit(prefill.RunPrefill(mode, tokens));
+          continue;
+        }
+        for (gpu_worker::SelectionRule selection : prefill_selections) {
+          emit(prefill.RunPrefill(mode, tokens, selection));
+        }
+      }
     }
   }
   PrintTable(rows);

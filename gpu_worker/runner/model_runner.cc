@@ -570,7 +570,7 @@ WindowAttentionParams ModelRunner::WindowParams(const Segment& s, int64_t layer)
   wa.scale = 1.0f / std::sqrt(static_cast<float>(D));
   wa.o = act_.attn.as<float>() + s.row0 * Hq * D;
   wa.lse = act_.lse.as<float>() + s.row0 * Hq;
-  if (s.seq->offload != nullptr && s.seq->offload->wants_maw()) {
+  if (s.seq->offload != nullptr && s.seq->offload->wants_maw() && UpdatesMaw(*s.seq)) {
     wa.maw = s.seq->window.maw(layer);
     wa.alpha = options_.maw_alpha;
   }
@@ -595,12 +595,23 @@ AttendRows ModelRunner::AttendRowsOf(const Segment& s, size_t index, int64_t lay
   return a;
 }
 
+bool ModelRunner::UpdatesMaw(const Sequence& seq) {
+  const WindowCache& w = seq.window;
+  // NOTE: a widened prefill updates MAW only in its last pass and in passes after which blocks
+  // leave (a prompt larger than the widened window): the update weighs every window slot for
+  // every row, on CUDA cores, so doing it in every pass would cost O(prompt²) more than the
+  // prefill's tensor-core attention. Called after the pass's Append (next_position includes it).
+  return !w.widened() || w.next_position() >= seq.prefill_end ||
+         w.recent_tokens() > w.options().window;
+}
+
 absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
   if (!seq.window.relaid()) return absl::OkStatus();
-  // MAW of these entries: a widened prefill kept each prompt entry on the device while every
-  // later prompt row attended, so its MAW is the moving average over all the later chunks of
-  // the prompt (not only over the window's span as for entries evicted one window after their
-  // arrival); the selection threshold uses the configured window (eviction_entries).
+  // MAW of these entries: a widened prefill kept each prompt entry on the device until the
+  // prompt was in, and updated MAW in the last pass (UpdatesMaw), so an entry's MAW is the mean
+  // attention weight the prompt's last chunk of rows gave it (normalised over the whole prompt
+  // on the device, not over a window's span), a query-aware score like SnapKV's observation
+  // window; the selection threshold β / n_gpu uses the configured window (eviction_entries).
   return Evict(seq);
 }
 

@@ -177,6 +177,33 @@ absl::Status WindowCache::Widen(int64_t recent_tokens) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> WindowCache::WidenWithin(int64_t recent_tokens, size_t max_extra_bytes) {
+  const int64_t block = options_.block;
+  auto extra = [&](int64_t window) {
+    WindowOptions o = options_;
+    o.window = window;
+    const size_t bytes = BytesFor(geometry_, o);
+    return bytes > device_bytes() ? bytes - device_bytes() : 0;
+  };
+  // The widest window (in blocks) whose extra bytes fit: BytesFor grows with the window.
+  int64_t lo = options_.window / block, hi = CeilDiv(recent_tokens, block);
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (extra(mid * block) <= max_extra_bytes) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  for (int64_t w = lo * block; w > options_.window;
+       w = options_.window + (w - options_.window) / 2 / block * block) {
+    const absl::Status s = Widen(w);
+    if (s.ok()) break;
+    if (s.code() != absl::StatusCode::kResourceExhausted) return s;
+  }
+  return options_.window;
+}
+
 absl::Status WindowCache::Narrow() {
   if (configured_window_ == 0) return absl::OkStatus();
   options_.window = configured_window_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -226,41 +227,19 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   WindowCache& window = seq.window;
   seq.prefill_end = window.next_position() + prompt_tokens;
   if (!options_.device_prefill || window.options().window == WindowOptions::kUnlimited) return;
-  const int64_t block = window.options().block;
-  const int64_t configured = window.configured_window();
   const int64_t wanted = window.recent_tokens() + prompt_tokens;
-  if (wanted <= configured) return;
-  // The widest window (whole blocks) whose extra bytes fit the free part of the budget; the
-  // widened bytes count in DeviceKvBytes while they are held, so concurrent prefills share
-  // what is left and never pass it.
-  auto extra = [&](int64_t w) {
-    WindowOptions o = window.options();
-    o.window = w;
-    const size_t bytes = WindowCache::BytesFor(window.geometry(), o);
-    return bytes > window.device_bytes() ? bytes - window.device_bytes() : 0;
-  };
-  int64_t lo = configured / block, hi = (wanted + block - 1) / block;   // in blocks
+  if (wanted <= window.configured_window()) return;
+  // Within the free part of the budget: the widened bytes count in DeviceKvBytes while they
+  // are held, so concurrent prefills share what is left and never pass it. Without a budget
+  // the device decides (WidenWithin halves the widening while allocations fail).
+  size_t free = std::numeric_limits<size_t>::max();
   if (options_.kv_cache_bytes > 0) {
     const size_t used = DeviceKvBytes();
-    const size_t free = used < options_.kv_cache_bytes ? options_.kv_cache_bytes - used : 0;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      if (extra(mid * block) <= free) {
-        lo = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-    hi = lo;
+    free = used < options_.kv_cache_bytes ? options_.kv_cache_bytes - used : 0;
   }
-  // Without a budget the device decides: halve the widening until the allocation succeeds.
-  for (int64_t w = hi * block; w > configured; w = configured + (w - configured) / 2 / block * block) {
-    const absl::Status s = window.Widen(w);
-    if (s.ok()) return;
-    if (s.code() != absl::StatusCode::kResourceExhausted) {
-      spdlog::warn("session {}: device prefill off for this prompt: {}", seq.id, s.ToString());
-      return;
-    }
+  if (absl::StatusOr<int64_t> w = window.WidenWithin(wanted, free); !w.ok()) {
+    spdlog::warn("session {}: device prefill off for this prompt: {}", seq.id,
+                 w.status().ToString());
   }
 }
 

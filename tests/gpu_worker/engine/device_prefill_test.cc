@@ -19,7 +19,9 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
+#include "runner_fixture.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/scheduler.h"
 #include "tandem/gpu_worker/window_cache.h"
@@ -280,6 +282,61 @@ TEST_F(DevicePrefill, ConcurrentLongPromptsDoNotOverCommit) {
   }
   EXPECT_LE(peak, kCap);
   EXPECT_GT(peak, kCap / 2);
+}
+
+// The runner's side: a widened hybrid (MAW, beta 1) prefill leaves the blocks beyond the window
+// on the device after its last pass (the node holds nothing yet), SettleEvictions moves them
+// with the MAW the last pass gave them, and the decode steps select part of them by that MAW
+// (a MAW of 0, i.e. never updated, would select none with beta > 0).
+class DevicePrefillRunner : public testing::Stories260kRunnerTest {};
+
+TEST_F(DevicePrefillRunner, SettledBlocksCarryTheLastPassMaw) {
+  const ModelConfig& c = model_->config;
+  WindowOptions wo;
+  wo.block = 16;
+  wo.max_chunk = 512;
+  wo.max_context = c.max_position_embeddings;
+  wo.window = 32;
+  wo.sink = 4;
+  auto cache = WindowCache::Create(*backend_, {c.num_layers, c.num_kv_heads, c.head_dim,
+                                               DType::kF32}, wo);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Sequence seq("maw", AttentionMode::kHybrid, std::move(*cache));
+  RemoteKvOptions ro;
+  ro.session_id = "maw";
+  ro.num_layers = c.num_layers;
+  ro.num_q_heads = c.num_q_heads;
+  ro.num_kv_heads = c.num_kv_heads;
+  ro.head_dim = c.head_dim;
+  ro.kv_dtype = DType::kF32;
+  ro.beta = 1.0f;
+  ro.block_tokens = 16;
+  auto remote = RemoteKv::Open(*pool_, ro);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  seq.offload = std::make_unique<NodeTier>(std::move(*remote), nullptr);
+
+  const std::vector<int32_t> prompt = Prompt(kPrompt, 31);
+  seq.prefill_end = kPrompt;
+  ASSERT_TRUE(seq.window.Widen(kPrompt).ok());
+  // Chunks of 100: passes that neither end the prompt nor evict do not update MAW.
+  for (int64_t i = 0; i < kPrompt; i += 100) {
+    const std::vector<int32_t> chunk(prompt.begin() + i, prompt.begin() + i + 100);
+    ASSERT_FALSE(Step(seq, chunk).empty());
+  }
+  EXPECT_EQ(seq.offloaded_entries(), 0);
+  EXPECT_FALSE(seq.window.widened());
+  EXPECT_FALSE(seq.window.PendingEvictions().empty());
+  ASSERT_TRUE(runner_->SettleEvictions(seq).ok());
+  EXPECT_FALSE(seq.window.relaid());
+  EXPECT_EQ(seq.offloaded_entries() + seq.device_entries(), kPrompt);
+  EXPECT_LE(seq.device_entries(), 4 + 32);
+  for (int step = 0; step < 3; ++step) ASSERT_FALSE(Step(seq, {403}).empty());
+  const std::vector<double> share = seq.MeanSelectedShare();
+  ASSERT_EQ(share.size(), static_cast<size_t>(c.num_layers));
+  for (size_t l = 0; l < share.size(); ++l) {
+    EXPECT_GT(share[l], 0.0) << "layer " << l;
+    EXPECT_LT(share[l], 1.0) << "layer " << l;
+  }
 }
 
 }  // namespace

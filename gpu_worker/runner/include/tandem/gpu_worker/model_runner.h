@@ -198,6 +198,9 @@ class ModelRunner {
   absl::Status PrepareRope(const std::vector<Segment>& segments, int64_t rows);
   WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
   AttendRows AttendRowsOf(const Segment& segment, size_t index, int64_t layer);
+  // Whether this pass's window attention of `seq` updates MAW (when its tier wants it): always,
+  // except in a widened prefill's passes that neither end the prompt nor evict.
+  static bool UpdatesMaw(const Sequence& seq);
   absl::Status Evict(Sequence& sequence);
 
   Backend& backend_;

@@ -95,6 +95,11 @@ class WindowCache {
   // already that large. FAILED_PRECONDITION for an unlimited window or with evictions pending;
   // RESOURCE_EXHAUSTED when the device memory does not suffice (the cache is then unchanged).
   absl::Status Widen(int64_t recent_tokens);
+  // Widen() as far as possible towards `recent_tokens` (whole blocks) with at most
+  // `max_extra_bytes` more device bytes than now, halving the widening while the device
+  // refuses the allocation (RESOURCE_EXHAUSTED); the window then keeps its size. Returns the
+  // window it holds afterwards. Errors other than RESOURCE_EXHAUSTED are returned.
+  absl::StatusOr<int64_t> WidenWithin(int64_t recent_tokens, size_t max_extra_bytes);
   // Goes back to the configured window after Widen(): the recent tokens beyond it become
   // PendingEvictions(); the Release() that leaves none shrinks the ring to its configured
   // capacity (at once when none are pending). No-op when not widened. Errors as Widen's (a
