@@ -15,6 +15,11 @@
 //       prints results and timings. Without --server an embedded node runs in-process.
 //   tandem stats --server=HOST:PORT
 //       Prints the node's Stats.
+//   tandem capacity --server=HOST:PORT [--context=N --prompt-tokens=N --batch=N --mode --window
+//          --sink --selection --select-tokens --beta --json]
+//       Asks a tandem-gpu-worker's GetCapacity: the device, host and CPU-node memory a context
+//       needs there, whether it fits and the largest context that fits. Exit 0 if it fits, 1 if
+//       not (or on an error).
 //
 // Flags may be spelled with hyphens or underscores (--max-tokens or --max_tokens). Exit
 // status: 0 on success, 1 when the command fails, 2 for a bad command line.
@@ -35,6 +40,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "google/protobuf/util/json_util.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -131,6 +137,10 @@ ABSL_FLAG(int64_t, prefill_chunk, 512, "in-process engine: prompt tokens per for
 ABSL_FLAG(int64_t, max_context, 0, "in-process engine: context limit; 0 = the model's");
 ABSL_FLAG(unsigned, generate_deadline_s, 3600, "generate: deadline of the Generate call");
 ABSL_FLAG(std::string, text, "", "tokenize: the text");
+ABSL_FLAG(int64_t, context, 0, "capacity: positions per sequence; 0 = the worker's max_context");
+ABSL_FLAG(int64_t, prompt_tokens, 0, "capacity: prompt tokens of them; 0 = all");
+ABSL_FLAG(int64_t, batch, 1, "capacity: sequences held at once");
+ABSL_FLAG(bool, json, false, "capacity: print the answer as JSON (proto3 JSON mapping)");
 ABSL_FLAG(bool, add_bos, false, "tokenize: prepend the BOS token");
 
 namespace {
@@ -746,6 +756,47 @@ absl::Status RunTokenize() {
   return absl::OkStatus();
 }
 
+// GetCapacity of the worker at --server (generation.proto); true when the context fits.
+absl::StatusOr<bool> RunCapacity() {
+  if (absl::GetFlag(FLAGS_server).empty()) {
+    return absl::InvalidArgumentError(
+        "capacity needs --server (a running tandem-gpu-worker; tandem-gpu-worker --plan sizes "
+        "a configuration without one)");
+  }
+  v1::GetCapacityRequest request;
+  request.set_context(absl::GetFlag(FLAGS_context));
+  request.set_prompt(absl::GetFlag(FLAGS_prompt_tokens));
+  request.set_batch(absl::GetFlag(FLAGS_batch));
+  request.set_mode(absl::GetFlag(FLAGS_mode));
+  if (const std::optional<int64_t> w = absl::GetFlag(FLAGS_window)) request.set_window(*w);
+  if (const std::optional<int64_t> k = absl::GetFlag(FLAGS_sink)) request.set_sink(*k);
+  request.set_selection(absl::GetFlag(FLAGS_selection));
+  if (const std::optional<int64_t> t = absl::GetFlag(FLAGS_select_tokens)) {
+    request.set_select_tokens(*t);
+  }
+  if (const std::optional<double> b = absl::GetFlag(FLAGS_beta)) {
+    request.set_beta(static_cast<float>(*b));
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, WorkerChannel());
+  auto stub = v1::Generation::NewStub(channel);
+  v1::GetCapacityResponse response;
+  auto ctx = Context();
+  TANDEM_RETURN_IF_ERROR(tandem::FromGrpcStatus(stub->GetCapacity(ctx.get(), request, &response)));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.preserve_proto_field_names = true;
+    if (!google::protobuf::util::MessageToJsonString(response, &json, options).ok()) {
+      return absl::InternalError("cannot print the answer as JSON");
+    }
+    std::fputs(json.c_str(), stdout);
+  } else {
+    std::fputs(response.text().c_str(), stdout);
+  }
+  return response.fits();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -764,7 +815,9 @@ int main(int argc, char** argv) {
       "  tandem tokenize --model=DIR [--server=HOST:PORT] --text=TEXT [--add-bos]\n"
       "  tandem attend [--server=HOST:PORT] [--layers --q_heads --kv_heads --head_dim --tokens "
       "--beta --dtype ...]\n"
-      "  tandem stats --server=HOST:PORT");
+      "  tandem stats --server=HOST:PORT\n"
+      "  tandem capacity --server=HOST:PORT [--context=N --prompt-tokens=N --batch=N --mode "
+      "--window --sink --selection --select-tokens --beta --json]");
   absl::StatusOr<CommandLine> command_line = NormalizeCommandLine(argc, argv);
   if (!command_line.ok()) {
     std::fprintf(stderr, "tandem: %s\n", std::string(command_line.status().message()).c_str());
@@ -791,10 +844,18 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (command == "capacity") {
+    const absl::StatusOr<bool> fits = RunCapacity();
+    if (!fits.ok()) {
+      std::fprintf(stderr, "tandem: %s\n", fits.status().ToString().c_str());
+      return 1;
+    }
+    return *fits ? 0 : 1;
+  }
   if (command != "attend" && command != "stats") {
     std::fprintf(stderr,
-                 "usage: tandem generate|tokenize|attend|stats [flags]   (tandem --help for "
-                 "flags)\n");
+                 "usage: tandem generate|tokenize|capacity|attend|stats [flags]   (tandem --help "
+                 "for flags)\n");
     return 2;
   }
 

@@ -63,6 +63,13 @@ int64_t Room(const PlanNode& node, uint64_t used) {
   return static_cast<int64_t>(node.capacity_bytes) - static_cast<int64_t>(used);
 }
 
+// How the nodes store the sessions' KV: int8 when --node_kv_dtype says so (the embedded
+// node's flag; remote nodes are assumed to match it), else the session's dtype as sent.
+kv_store::KvDType NodeKvDType(const EngineOptions& options, DType kv_dtype) {
+  if (options.nodes.embedded.kv_dtype == kv_store::KvDType::kInt8) return kv_store::KvDType::kInt8;
+  return kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+}
+
 const char* NodeDTypeName(kv_store::KvDType t) {
   return t == kv_store::KvDType::kF32 ? "f32" : t == kv_store::KvDType::kBf16 ? "bf16" : "int8";
 }
@@ -140,6 +147,7 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
   const uint64_t shards_per_seq = static_cast<uint64_t>(c.num_layers) * c.num_kv_heads;
   const size_t n = setup.nodes.size();
   plan.node_bytes.assign(n, 0);
+  for (const PlanNode& node : setup.nodes) plan.node_addresses.push_back(node.address);
   for (const PlanNode& node : setup.nodes) tier.capacity_bytes += node.capacity_bytes;
   if (n == 0) {
     tier.fits = false;
@@ -428,7 +436,7 @@ absl::StatusOr<MemoryPlanSetup> SetupBeforeLoad(const EngineOptions& options, co
     s.weight_bytes = DeviceModel::WeightBytes(model.weights);
   }
   TANDEM_ASSIGN_OR_RETURN(s.kv_dtype, ResolveKvDType(options.kv_dtype, model.weights.dtype));
-  s.node_kv_dtype = s.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+  s.node_kv_dtype = NodeKvDType(options, s.kv_dtype);
   s.engine = options;
   s.max_context = ModelContextLimit(model.config);
   if (options.max_context > 0) s.max_context = std::min(s.max_context, options.max_context);
@@ -484,8 +492,8 @@ absl::StatusOr<MemoryPlanSetup> SetupFromEngine(Engine& engine) {
   s.config = engine.model().config;
   s.weight_bytes = info.weight_bytes;
   TANDEM_ASSIGN_OR_RETURN(s.kv_dtype, ResolveKvDType(info.kv_dtype, DType::kF32));
-  s.node_kv_dtype = s.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
   s.engine = engine.options();
+  s.node_kv_dtype = NodeKvDType(s.engine, s.kv_dtype);
   s.max_context = info.max_context;
   s.device_prefill = s.engine.device_prefill;
   Backend& backend = engine.backend();

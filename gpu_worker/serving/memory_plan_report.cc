@@ -108,7 +108,7 @@ absl::Status AnswerCapacity(Engine& engine, const v1::GetCapacityRequest& reques
   ToProto(plan.nodes, response->mutable_nodes());
   for (size_t i = 0; i < plan.node_bytes.size(); ++i) {
     response->add_node_bytes(plan.node_bytes[i]);
-    response->add_node_addresses(setup.nodes[i].address);
+    response->add_node_addresses(plan.node_addresses[i]);
   }
   response->set_fits(plan.fits);
   response->set_largest_context(plan.largest_context);
@@ -123,7 +123,8 @@ std::string FormatMemoryPlan(const MemoryPlan& plan) {
   AppendTier(plan.host, out);
   AppendTier(plan.nodes, out);
   for (size_t i = 0; i < plan.node_bytes.size(); ++i) {
-    absl::StrAppendFormat(&out, "  node %-23zu %12s\n", i, FormatBytes(plan.node_bytes[i]));
+    absl::StrAppendFormat(&out, "  node %-23s %12s\n", plan.node_addresses[i],
+                          FormatBytes(plan.node_bytes[i]));
   }
   absl::StrAppend(&out, plan.fits ? "fits\n" : "DOES NOT FIT\n");
   if (plan.largest_context >= 0) {
@@ -148,6 +149,7 @@ std::string MemoryPlanJson(const MemoryPlan& plan) {
                       {"host", TierJson(plan.host)},
                       {"nodes", TierJson(plan.nodes)},
                       {"node_bytes", plan.node_bytes},
+                      {"node_addresses", plan.node_addresses},
                       {"fits", plan.fits}};
   if (plan.largest_context >= 0) j["largest_context"] = plan.largest_context;
   return j.dump(2);

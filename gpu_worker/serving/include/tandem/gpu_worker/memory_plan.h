@@ -116,9 +116,10 @@ struct MemoryPlan {
   MemoryPlanRequest request;
   std::string model;  // e.g. "llama, 32 layers, 8 kv heads x 128"
   MemoryTier device, host, nodes;
-  std::vector<uint64_t> node_bytes;  // per node of setup.nodes: its projected bytes
-  bool fits = false;                 // every tier fits
-  int64_t largest_context = -1;      // LargestFittingContext when computed; -1 = not computed
+  std::vector<uint64_t> node_bytes;         // per node of setup.nodes: its projected bytes
+  std::vector<std::string> node_addresses;  // setup.nodes' addresses, the same order
+  bool fits = false;                        // every tier fits
+  int64_t largest_context = -1;  // LargestFittingContext when computed; -1 = not computed
 };
 
 // The estimate. INVALID_ARGUMENT for a request out of range (context beyond max_context, batch
