@@ -85,8 +85,13 @@ ABSL_FLAG(bool, device_prefill, true,
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid",
           "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
-          "device, the rest on CPU nodes) or offload (window on the device, the rest in pinned "
-          "host memory streamed over PCIe every step: exact)");
+          "device, the rest on CPU nodes), offload (window on the device, the rest in pinned "
+          "host memory streamed over PCIe every step: exact) or exact (window on the device, the "
+          "rest split by a planner between host pages streamed over PCIe and CPU nodes attending "
+          "densely: exact)");
+ABSL_FLAG(double, exact_fetch_share, -1,
+          "mode=exact: force this share (0..1) of the offloaded entries into host pages streamed "
+          "over PCIe, the rest on the CPU nodes; < 0 = the planned split (measured rates)");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
 ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");
@@ -268,6 +273,8 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.placement = *placement;
   e.replan_every_steps = absl::GetFlag(FLAGS_replan_every_steps);
   e.replan_min_gain = absl::GetFlag(FLAGS_replan_min_gain);
+  e.exact_fetch_share = absl::GetFlag(FLAGS_exact_fetch_share);
+  if (!(e.exact_fetch_share <= 1)) return UsageError("--exact_fetch_share must be <= 1");
   if (e.replan_every_steps < 0 || !(e.replan_min_gain >= 0 && e.replan_min_gain <= 1)) {
     return UsageError("--replan_every_steps must be >= 0 and --replan_min_gain in [0, 1]");
   }

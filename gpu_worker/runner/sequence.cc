@@ -11,8 +11,9 @@ absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name) {
   if (absl::EqualsIgnoreCase(n, "gpu")) return AttentionMode::kGpu;
   if (absl::EqualsIgnoreCase(n, "hybrid")) return AttentionMode::kHybrid;
   if (absl::EqualsIgnoreCase(n, "offload")) return AttentionMode::kOffload;
+  if (absl::EqualsIgnoreCase(n, "exact")) return AttentionMode::kExact;
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown attention mode '", n, "'; expected gpu, hybrid or offload"));
+      absl::StrCat("unknown attention mode '", n, "'; expected gpu, hybrid, offload or exact"));
 }
 
 absl::Status Sequence::ReserveOffloaded(int64_t tokens) {
@@ -40,6 +41,8 @@ std::string_view AttentionModeName(AttentionMode mode) {
       return "hybrid";
     case AttentionMode::kOffload:
       return "offload";
+    case AttentionMode::kExact:
+      return "exact";
   }
   return "unknown";
 }

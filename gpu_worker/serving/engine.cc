@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
+#include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/memory_plan.h"
@@ -296,6 +297,36 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> kv,
                             OffloadedKv::Create(*backend_, geometry, options_.offload_page_tokens));
     seq->offload = std::make_unique<HostTier>(std::move(kv));
+  }
+  if (mode == AttentionMode::kExact) {
+    const size_t kv_bytes = DTypeBytes(kv_dtype_);
+    ExactTierOptions eo;
+    eo.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, kv_bytes, kv_bytes};
+    eo.expected_tokens = expected_offloaded;
+    eo.plan.force_fetch_share = options_.exact_fetch_share;
+    eo.replan_every_steps = options_.replan_every_steps;
+    if (exact_rates_ == nullptr) {
+      TANDEM_ASSIGN_OR_RETURN(exact_rates_,
+                              ExactRateBook::Measure(*backend_, *nodes_, eo.geometry, kv_dtype_));
+    }
+    RemoteKvOptions ro;
+    ro.session_id = absl::StrCat(id_prefix_, ".", id);
+    ro.num_layers = c.num_layers;
+    ro.num_q_heads = c.num_q_heads;
+    ro.num_kv_heads = c.num_kv_heads;
+    ro.head_dim = c.head_dim;
+    ro.kv_dtype = kv_dtype_;
+    ro.block_tokens = options_.block_tokens >= 16 && options_.block_tokens <= 256
+                          ? static_cast<uint32_t>(options_.block_tokens)
+                          : 0;
+    ro.attend_deadline_ms = options_.attend_deadline_ms;
+    ro.control_deadline_ms = options_.control_deadline_ms;
+    ro.placement = options_.placement;
+    ro.replan_every_steps = options_.replan_every_steps;
+    ro.replan_min_gain = options_.replan_min_gain;
+    TANDEM_ASSIGN_OR_RETURN(seq->offload,
+                            OpenExactTier(*backend_, *nodes_, *exact_rates_, ro, geometry,
+                                          options_.offload_page_tokens, eo));
   }
   return seq;
 }

@@ -71,7 +71,7 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
     absl::StatusOr<AttentionMode> mode = ParseAttentionMode(request.mode());
     if (!mode.ok()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("mode: unknown '", request.mode(), "' (expected gpu, hybrid or offload)"));
+          absl::StrCat("mode: unknown '", request.mode(), "' (expected gpu, hybrid, offload or exact)"));
     }
     dst.mode = *mode;
   }

@@ -23,9 +23,11 @@ enum class AttentionMode {
   kGpu,     // all KV on the device (the exact baseline)
   kHybrid,  // sink + recent window on the device, the rest on CPU nodes (HGCA)
   kOffload, // sink + recent window on the device, the rest in host memory, streamed every step
+  kExact,   // sink + recent window on the device, the rest split by a planner between host
+            // memory streamed every step and CPU nodes attending densely (ExactTier)
 };
 
-// "gpu" / "hybrid" / "offload" (case-insensitive) -> mode; INVALID_ARGUMENT otherwise.
+// "gpu" / "hybrid" / "offload" / "exact" (case-insensitive) -> mode; INVALID_ARGUMENT otherwise.
 absl::StatusOr<AttentionMode> ParseAttentionMode(std::string_view name);
 std::string_view AttentionModeName(AttentionMode mode);
 
@@ -36,7 +38,8 @@ struct Sequence {
   std::string id;
   AttentionMode mode;
   WindowCache window;
-  // The KV beyond the window: NodeTier (hybrid), HostTier (offload), null (gpu).
+  // The KV beyond the window: NodeTier (hybrid), HostTier (offload), ExactTier (exact), null
+  // (gpu).
   std::unique_ptr<OffloadTier> offload;
   // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
   // summaries of their offloaded KV on the device and choose by `page_policy`; `pages` views

@@ -31,6 +31,7 @@
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/chat_config.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/generate_request.h"
 #include "tandem/gpu_worker/generation.h"
 #include "tandem/gpu_worker/model_runner.h"
@@ -100,6 +101,9 @@ struct EngineOptions {
   PlacementPolicy placement = PlacementPolicy::kBalanced;
   int replan_every_steps = 16;
   double replan_min_gain = 0.05;
+  // `exact` mode: >= 0 forces the share of offloaded entries streamed from host pages (the rest
+  // on the CPU nodes) instead of the planned one (exact_planner.h); tests and benchmarks.
+  double exact_fetch_share = -1;
 };
 
 // Perplexity-style evaluation of a token sequence (teacher forcing).
@@ -254,6 +258,8 @@ class Engine {
   std::unique_ptr<DeviceModel> device_model_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<NodePool> nodes_;
+  // `exact` mode's path rates: probed at the first exact session, corrected by its tiers.
+  std::unique_ptr<ExactRateBook> exact_rates_;
   std::map<std::string, std::unique_ptr<Sequence>> sessions_;
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;

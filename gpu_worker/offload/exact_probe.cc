@@ -1,0 +1,217 @@
+#include "tandem/gpu_worker/exact_probe.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/remote_kv.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Best wall time of `repeats` runs of `run` after one warm-up run (seconds).
+absl::StatusOr<double> BestOf(int repeats, const std::function<absl::Status()>& run) {
+  TANDEM_RETURN_IF_ERROR(run());
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < std::max(1, repeats); ++i) {
+    const Clock::time_point t0 = Clock::now();
+    TANDEM_RETURN_IF_ERROR(run());
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return std::max(best, 1e-9);
+}
+
+}  // namespace
+
+absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeometry& g,
+                                                DType kv_dtype, const ExactProbeOptions& o) {
+  if (g.num_kv_heads < 1 || g.head_dim < 1 || g.hidden_size < 1) {
+    return absl::InvalidArgumentError("exact probe: bad geometry");
+  }
+  ExactPathRates rates;
+  // PCIe: one page-locked buffer over the upload stream (slot 0), as KvStreamer copies pages.
+  {
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer host, backend.AllocateHost(o.pcie_bytes));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer dev, backend.Allocate(o.pcie_bytes));
+    std::fill_n(static_cast<char*>(host.data()), o.pcie_bytes, char{1});
+    TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
+      UploadParams u;
+      u.dst = dev.data();
+      u.dst_pitch = o.pcie_bytes;
+      u.src_host = host.data();
+      u.src_pitch = o.pcie_bytes;
+      u.row_bytes = o.pcie_bytes;
+      u.rows = 1;
+      TANDEM_RETURN_IF_ERROR(backend.UploadAsync(u, 0));
+      TANDEM_RETURN_IF_ERROR(backend.WaitUpload(0));
+      TANDEM_RETURN_IF_ERROR(backend.ReleaseUpload(0));
+      return backend.Synchronize();
+    }));
+    rates.pcie_bytes_per_second = o.pcie_bytes / t;
+  }
+  // Device attention: one decode query row over `tokens` entries of every kv head.
+  {
+    const int64_t hkv = g.num_kv_heads, d = g.head_dim;
+    const size_t row = d * DTypeBytes(kv_dtype);
+    const int64_t tokens = std::max<int64_t>(16, o.device_kv_bytes / (2 * hkv * row));
+    const size_t half = hkv * tokens * row;
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer k, backend.Allocate(half));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer v, backend.Allocate(half));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer q, backend.Allocate(hkv * d * 4));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer out, backend.Allocate(hkv * d * 4));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer lse, backend.Allocate(hkv * 4));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer pos, backend.Allocate(tokens * 4 + 4));
+    const size_t elems = hkv * tokens * d;
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({k.data(), kv_dtype, elems, 1, 0.1f}));
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({v.data(), kv_dtype, elems, 2, 0.1f}));
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({q.data(), DType::kF32, size_t(hkv * d), 3, 0.1f}));
+    std::vector<int32_t> positions(tokens + 1, 0);
+    positions[tokens] = static_cast<int32_t>(tokens);   // the query, after every entry
+    TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(pos.data(), positions.data(), positions.size() * 4));
+    WindowAttentionParams wa;
+    wa.q = q.as<float>();
+    wa.q_row_stride = hkv * d;
+    wa.q_pos = pos.as<int32_t>() + tokens;
+    wa.k_cache = k.data();
+    wa.v_cache = v.data();
+    wa.cache_dtype = kv_dtype;
+    wa.slot_pos = pos.as<int32_t>();
+    wa.num_slots = tokens;
+    wa.capacity = tokens;
+    wa.num_tokens = 1;
+    wa.num_q_heads = hkv;
+    wa.num_kv_heads = hkv;
+    wa.head_dim = d;
+    wa.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    wa.o = out.as<float>();
+    wa.lse = lse.as<float>();
+    TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
+      TANDEM_RETURN_IF_ERROR(backend.WindowAttention(wa));
+      return backend.Synchronize();
+    }));
+    rates.device_attend_bytes_per_second = 2.0 * half / t;
+  }
+  // Recompute GEMM: x [m, hidden] f32 by W [2·H_kv·D, hidden] of the KV dtype (K and V at once).
+  {
+    const int64_t n = 2 * g.num_kv_heads * g.head_dim, k = g.hidden_size;
+    const int64_t m = std::clamp<int64_t>(
+        static_cast<int64_t>(o.gemm_flops / (2.0 * n * k)), 1, 4096);
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer x, backend.Allocate(m * k * 4));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer w, backend.Allocate(n * k * DTypeBytes(kv_dtype)));
+    TANDEM_ASSIGN_OR_RETURN(DeviceBuffer y, backend.Allocate(m * n * 4));
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({x.data(), DType::kF32, size_t(m * k), 4, 0.1f}));
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({w.data(), kv_dtype, size_t(n * k), 5, 0.1f}));
+    MatMulParams mm;
+    mm.x = x.as<float>();
+    mm.w = w.data();
+    mm.w_dtype = kv_dtype;
+    mm.y = y.as<float>();
+    mm.m = m;
+    mm.n = n;
+    mm.k = k;
+    TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
+      TANDEM_RETURN_IF_ERROR(backend.MatMul(mm));
+      return backend.Synchronize();
+    }));
+    rates.gemm_flops_per_second = 2.0 * m * n * k / t;
+  }
+  return rates;
+}
+
+absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& g, DType kv_dtype,
+                            ExactPathRates& rates, const ExactProbeOptions& o) {
+  rates.nodes = 0;
+  rates.node_bytes_per_second = 0;
+  const std::vector<NodeState> states = pool.Snapshot();
+  uint64_t least_free = std::numeric_limits<uint64_t>::max();
+  size_t accepting = 0;
+  for (const NodeState& s : states) {
+    if (!s.accepting()) continue;
+    ++accepting;
+    least_free = std::min(least_free, s.free_bytes);
+  }
+  if (accepting == 0) return absl::OkStatus();
+  const int64_t d = g.head_dim;
+  const size_t row = d * DTypeBytes(kv_dtype);
+  const size_t per_node = std::min<size_t>(o.node_bytes, least_free / 4);
+  const int64_t tokens = static_cast<int64_t>(per_node / (2 * row));
+  if (tokens < 16) {
+    return absl::ResourceExhaustedError("exact probe: the CPU nodes have no room for a probe");
+  }
+  RemoteKvOptions ro;
+  // Distinct from any other probe of this pool (the clock's ticks).
+  ro.session_id = absl::StrCat("exact-probe-", Clock::now().time_since_epoch().count());
+  ro.num_layers = 1;
+  ro.num_q_heads = static_cast<int64_t>(accepting);
+  ro.num_kv_heads = static_cast<int64_t>(accepting);
+  ro.head_dim = d;
+  ro.kv_dtype = kv_dtype;
+  ro.selection = SelectionRule::kPages;   // no selected copy; dense attends
+  ro.placement = PlacementPolicy::kUniform;   // one head per node
+  ro.expected_tokens = tokens;
+  ro.attend_deadline_ms = o.attend_deadline_ms;
+  ro.replan_every_steps = 0;
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(pool, ro));
+  // Entries whose values do not matter for the rate (zeros: a constant softmax), appended in
+  // pieces of <= 8 MiB per head so that the staging stays bounded.
+  absl::Status appended = absl::OkStatus();
+  const int64_t piece = std::max<int64_t>(16, static_cast<int64_t>((size_t{8} << 20) / row));
+  std::vector<char> kv_piece;
+  std::vector<float> maw;
+  for (int64_t at = 0; at < tokens && appended.ok(); at += piece) {
+    const int64_t count = std::min(piece, tokens - at);
+    kv_piece.assign(accepting * count * row, 0);
+    maw.assign(accepting * count, 0.0f);
+    appended = remote->Append(0, kv_piece.data(), kv_piece.data(), maw.data(), count, 0);
+  }
+  if (!appended.ok()) {
+    (void)remote->Close();
+    return appended;
+  }
+  std::vector<float> q(accepting * d, 0.01f), out(accepting * d), lse(accepting);
+  absl::StatusOr<double> t = BestOf(o.repeats, [&]() -> absl::Status {
+    TANDEM_RETURN_IF_ERROR(remote->StartAttend(0, q.data(), 1, nullptr));
+    TANDEM_ASSIGN_OR_RETURN(const bool degraded, remote->FinishAttend(out.data(), lse.data()));
+    if (degraded) return absl::DeadlineExceededError("exact probe: a node did not answer");
+    return absl::OkStatus();
+  });
+  const absl::Status closed = remote->Close();
+  TANDEM_RETURN_IF_ERROR(t.status());
+  TANDEM_RETURN_IF_ERROR(closed);
+  const double bytes = static_cast<double>(accepting) * tokens * 2 * row;
+  rates.nodes = accepting;
+  rates.node_bytes_per_second = bytes / *t;
+  rates.node_overhead_seconds = ro.attend_overhead_seconds;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ExactRateBook>> ExactRateBook::Measure(
+    Backend& backend, NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
+    const ExactProbeOptions& options) {
+  const Clock::time_point t0 = Clock::now();
+  TANDEM_ASSIGN_OR_RETURN(ExactPathRates rates,
+                          ProbeDeviceRates(backend, geometry, kv_dtype, options));
+  TANDEM_RETURN_IF_ERROR(ProbeNodeRates(pool, geometry, kv_dtype, rates, options));
+  spdlog::info("exact mode rates (probed in {:.0f} ms): {}",
+               1e3 * std::chrono::duration<double>(Clock::now() - t0).count(),
+               FormatExactRates(rates));
+  return std::make_unique<ExactRateBook>(rates);
+}
+
+void ExactRateBook::RecordNodeRate(double bytes_per_second) {
+  if (!std::isfinite(bytes_per_second) || bytes_per_second <= 0) return;
+  rates_.node_bytes_per_second = node_samples_ == 0 && rates_.node_bytes_per_second <= 0
+                                     ? bytes_per_second
+                                     : 0.8 * rates_.node_bytes_per_second + 0.2 * bytes_per_second;
+  ++node_samples_;
+}
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,244 @@
+#include "tandem/gpu_worker/exact_tier.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
+#include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/kv_streamer.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point since) {
+  return std::chrono::duration<double>(Clock::now() - since).count();
+}
+
+// Copies entries [from, from + count) of every head of a head-major block
+// [heads, tokens, row_bytes] into dst [heads, count, row_bytes].
+void CopyEntries(const void* src, int64_t heads, int64_t tokens, size_t row_bytes, int64_t from,
+                 int64_t count, char* dst) {
+  const char* s = static_cast<const char*>(src);
+  for (int64_t h = 0; h < heads; ++h) {
+    std::memcpy(dst + h * count * row_bytes, s + (h * tokens + from) * row_bytes,
+                count * row_bytes);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodePool& pool,
+                                                         ExactRateBook& rates, RemoteKvOptions ro,
+                                                         const WindowGeometry& geometry,
+                                                         int64_t page_tokens,
+                                                         const ExactTierOptions& options) {
+  if (pool.accepting_count() == 0) {
+    return absl::UnavailableError(
+        "exact mode needs CPU attention nodes and none is accepting (check --cpu_nodes and the "
+        "nodes' health); offload mode streams all offloaded KV over PCIe without them");
+  }
+  const ExactPlan plan =
+      PlanExactSplit(rates.rates(), options.geometry, options.expected_tokens, options.plan);
+  ro.selection = SelectionRule::kPages;   // dense attends (no pages named), no selected copy
+  const int64_t host_entries =
+      static_cast<int64_t>(std::floor(plan.fetch_share * options.expected_tokens));
+  ro.expected_tokens = std::max<int64_t>(0, options.expected_tokens - host_entries);
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(pool, ro));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> host,
+                          OffloadedKv::Create(backend, geometry, page_tokens));
+  return ExactTier::Create(std::move(host), std::move(remote), &rates, options);
+}
+
+absl::StatusOr<std::unique_ptr<ExactTier>> ExactTier::Create(std::unique_ptr<OffloadedKv> host,
+                                                             std::unique_ptr<RemoteKv> remote,
+                                                             ExactRateBook* rates,
+                                                             const ExactTierOptions& options) {
+  if (host == nullptr || remote == nullptr || rates == nullptr) {
+    return absl::InvalidArgumentError("exact tier: host pages, node session and rates needed");
+  }
+  if (remote->options().selection != SelectionRule::kPages) {
+    return absl::InvalidArgumentError("exact tier: the node session must be opened with pages "
+                                      "selection (dense attends, no selected copy)");
+  }
+  auto tier = std::unique_ptr<ExactTier>(
+      new ExactTier(std::move(host), std::move(remote), rates, options));
+  tier->Replan(options.expected_tokens);
+  spdlog::info("session {}: {} ({})", tier->remote_->options().session_id,
+               FormatExactPlan(tier->plan_), FormatExactRates(rates->rates()));
+  return tier;
+}
+
+ExactTier::ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv> remote,
+                     ExactRateBook* rates, const ExactTierOptions& options)
+    : host_(std::move(host)), remote_(std::move(remote)), rates_(rates), options_(options) {}
+
+int64_t ExactTier::host_tokens() const {
+  return host_->tokens(host_->geometry().num_layers - 1);
+}
+
+double ExactTier::off_device_work() const {
+  const ExactGeometry& g = options_.geometry;
+  return static_cast<double>(node_tokens()) * g.num_layers * g.kv_row_bytes();
+}
+
+void ExactTier::Replan(int64_t tokens) {
+  options_.expected_tokens = std::max(options_.expected_tokens, tokens);
+  plan_ = PlanExactSplit(rates_->rates(), options_.geometry, options_.expected_tokens,
+                         options_.plan);
+  steps_since_plan_ = 0;
+}
+
+int64_t ExactTier::HostPart(int64_t tokens) const {
+  // Keep the host's count at round(fetch_share · total) as entries arrive (recompute, when a
+  // plan has it, is not executed: its share streams as fetched pages).
+  const double share = std::clamp(plan_.fetch_share + plan_.recompute_share, 0.0, 1.0);
+  const int64_t total = offloaded_tokens() + tokens;
+  const int64_t want = static_cast<int64_t>(std::llround(share * total)) - host_tokens();
+  return std::clamp<int64_t>(want, 0, tokens);
+}
+
+absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
+  if (host_->num_pages(0) > 0) context.AddStream(stream, host_.get());
+  return absl::OkStatus();
+}
+
+absl::Status ExactTier::PrepareAttend(TierContext& context, const AttendRows& rows) {
+  if (node_tokens() == 0) return absl::OkStatus();
+  const WindowAttentionParams& w = rows.window;
+  const size_t row_bytes = w.num_q_heads * w.head_dim * 4;
+  context.QueueDownload(rows.q_host, row_bytes, w.q, w.q_row_stride * 4, row_bytes, w.num_tokens);
+  return absl::OkStatus();
+}
+
+absl::Status ExactTier::StartAttend(TierContext&, const AttendRows& rows) {
+  nodes_attending_ = false;
+  if (node_tokens() == 0) return absl::OkStatus();
+  // Dense: no pages named, every entry the nodes hold.
+  TANDEM_RETURN_IF_ERROR(remote_->StartAttend(rows.layer, rows.q_host, rows.window.num_tokens));
+  nodes_attending_ = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendRows& rows) {
+  const WindowAttentionParams& w = rows.window;
+  // The host pages first: queued on the device (cuda) while the nodes still work.
+  absl::Status streamed = absl::OkStatus();
+  if (host_->num_pages(0) > 0) {
+    KvStreamer* streamer = context.streamer();
+    streamed = streamer == nullptr
+                   ? absl::FailedPreconditionError("exact tier without a streamer")
+                   : streamer->AttendLayer(rows.layer, rows.stream, w);
+  }
+  if (!nodes_attending_) {
+    TANDEM_RETURN_IF_ERROR(streamed);
+    return false;
+  }
+  nodes_attending_ = false;
+  const Clock::time_point t0 = Clock::now();
+  absl::StatusOr<bool> degraded = remote_->FinishAttend(rows.o_host, rows.lse_host);
+  context.profile().cpu_wait_s += Seconds(t0);
+  TANDEM_RETURN_IF_ERROR(streamed);
+  TANDEM_RETURN_IF_ERROR(degraded.status());
+  ++node_attends_;
+  context.QueueMerge({rows.o_host, rows.lse_host, rows.part_o, rows.part_lse, w.o, w.lse,
+                      w.num_tokens * w.num_q_heads, w.head_dim});
+  return *degraded;
+}
+
+void ExactTier::CancelAttend(TierContext&, const AttendRows& rows) {
+  if (nodes_attending_) (void)remote_->FinishAttend(rows.o_host, rows.lse_host);
+  nodes_attending_ = false;
+}
+
+absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
+                               const std::vector<EvictedBlock>& blocks) {
+  int64_t batch = 0;
+  for (const EvictedBlock& b : blocks) batch += b.count;
+  if (batch == 0) return absl::OkStatus();
+  // The same split in every layer (decided once: the counts must agree across layers).
+  const int64_t to_host = HostPart(batch);
+  const int64_t to_nodes = batch - to_host;
+  const WindowGeometry& g = host_->geometry();
+  const int64_t heads = g.num_kv_heads;
+  const size_t row = g.head_dim * DTypeBytes(g.dtype);
+  return context.ReadEvicted(
+      window, blocks,
+      [&](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
+          int64_t) -> absl::Status {
+        if (to_nodes == 0) return host_->Append(layer, k, v, tokens);
+        if (to_host == 0) return remote_->Append(layer, k, v, maw, tokens, 0);
+        host_k_.resize(heads * to_host * row);
+        host_v_.resize(heads * to_host * row);
+        node_k_.resize(heads * to_nodes * row);
+        node_v_.resize(heads * to_nodes * row);
+        node_maw_.resize(heads * to_nodes);
+        CopyEntries(k, heads, tokens, row, 0, to_host, host_k_.data());
+        CopyEntries(v, heads, tokens, row, 0, to_host, host_v_.data());
+        CopyEntries(k, heads, tokens, row, to_host, to_nodes, node_k_.data());
+        CopyEntries(v, heads, tokens, row, to_host, to_nodes, node_v_.data());
+        CopyEntries(maw, heads, tokens, sizeof(float), to_host, to_nodes,
+                    reinterpret_cast<char*>(node_maw_.data()));
+        TANDEM_RETURN_IF_ERROR(host_->Append(layer, host_k_.data(), host_v_.data(), to_host));
+        return remote_->Append(layer, node_k_.data(), node_v_.data(), node_maw_.data(), to_nodes,
+                               0);
+      });
+}
+
+absl::Status ExactTier::Reserve(int64_t tokens) {
+  remote_->CheckNodes();
+  Replan(tokens);
+  const int64_t total = options_.expected_tokens;
+  const double host_share = std::clamp(plan_.fetch_share + plan_.recompute_share, 0.0, 1.0);
+  // Host pages come whole: the host's share rounded up to pages, per layer.
+  const int64_t page = host_->page_tokens();
+  const int64_t host_entries = static_cast<int64_t>(std::ceil(host_share * total));
+  const int64_t pages_needed = (host_entries + page - 1) / page;
+  const int64_t pages_held = host_->num_pages(0);
+  const double more_bytes = static_cast<double>(std::max<int64_t>(0, pages_needed - pages_held)) *
+                            host_->geometry().num_layers * host_->page_bytes();
+  const long avail_pages = sysconf(_SC_AVPHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
+  if (avail_pages > 0 && page_size > 0 &&
+      more_bytes > static_cast<double>(avail_pages) * static_cast<double>(page_size)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "exact mode: the host share of the offloaded KV (", host_entries,
+        " entries per (layer, kv head)) needs ", static_cast<int64_t>(more_bytes / (1 << 20)),
+        " MiB more of pinned host memory and ",
+        static_cast<int64_t>(static_cast<double>(avail_pages) * page_size / (1 << 20)),
+        " MiB are available: ask for fewer tokens or add CPU nodes"));
+  }
+  const int64_t node_entries = total - std::min(total, host_entries);
+  return remote_->Reserve(std::max(node_entries, node_tokens()));
+}
+
+absl::Status ExactTier::Maintain() {
+  absl::Status maintained = remote_->Maintain();
+  if (options_.replan_every_steps <= 0 || ++steps_since_plan_ < options_.replan_every_steps) {
+    return maintained;
+  }
+  // The nodes' aggregate rate as the placement planner models this session's step from the
+  // rates its Attend replies measured: bytes scanned per step over the modelled seconds less
+  // the per-call overheads.
+  const ExactGeometry& g = options_.geometry;
+  const double bytes = static_cast<double>(node_tokens()) * g.num_layers * g.kv_row_bytes();
+  const double overhead = g.num_layers * remote_->options().attend_overhead_seconds;
+  const double modelled = remote_->ModelledStepSeconds() - overhead;
+  if (node_attends_ >= kMinNodeSamples && bytes > 0 && modelled > 0) {
+    rates_->RecordNodeRate(bytes / modelled);
+  }
+  const ExactPlan before = plan_;
+  Replan(options_.expected_tokens);
+  if (std::fabs(plan_.fetch_share - before.fetch_share) > 0.01) {
+    spdlog::info("session {}: re-planned: {}", remote_->options().session_id,
+                 FormatExactPlan(plan_));
+  }
+  return maintained;
+}
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,68 @@
+// Start-up measurements of the rates ExactPlanner (exact_planner.h) splits by, and the book that
+// keeps them corrected online.
+//
+//   ProbeDeviceRates: PCIe host -> device (a page-locked buffer over the upload stream, as the
+//     streamer copies pages), device attention (WindowAttention over one device-resident page
+//     of K/V) and the recompute GEMM (MatMul of activations by a [2·H_kv·D, hidden] weight), each
+//     timed between Synchronize calls, best of a few runs after a warm-up.
+//   ProbeNodeRates: a probe session on every accepting CPU node (one kv head per node, one
+//     layer) holding node_bytes of K/V each; the nodes attend densely over it at once and the
+//     aggregate rate is the bytes over the slowest node's wall time (round trip included).
+//
+// ExactRateBook: the rates every exact tier of an engine plans with. Tiers feed it the node
+// rates their sessions measure (RemoteKv's moving averages of Attend replies) between steps;
+// the book keeps an exponential moving average. Not thread-safe: the engine's executor thread
+// owns it (with the tiers).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/exact_planner.h"
+#include "tandem/gpu_worker/node_pool.h"
+
+namespace tandem::gpu_worker {
+
+struct ExactProbeOptions {
+  size_t pcie_bytes = size_t{64} << 20;   // one upload of this size
+  size_t device_kv_bytes = size_t{32} << 20;   // K+V the device attends over
+  double gemm_flops = 4e9;                // flops of one probe GEMM (rows chosen to match)
+  // K+V per node; capped at a quarter of the node's free memory.
+  size_t node_bytes = size_t{64} << 20;
+  int repeats = 3;                        // timed runs after one warm-up; the best counts
+  int attend_deadline_ms = 5000;
+};
+
+// Device-side rates for a model of this geometry and KV dtype. Errors: the backend's.
+absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeometry& geometry,
+                                                DType kv_dtype,
+                                                const ExactProbeOptions& options = {});
+
+// Fills rates.nodes, node_bytes_per_second and node_overhead_seconds from a probe of the
+// accepting nodes (head_dim, kv dtype of the model). No accepting node: nodes = 0, OK.
+absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
+                            ExactPathRates& rates, const ExactProbeOptions& options = {});
+
+class ExactRateBook {
+ public:
+  explicit ExactRateBook(const ExactPathRates& measured) : rates_(measured) {}
+  // ProbeDeviceRates + ProbeNodeRates, logged. The backend's or the nodes' errors.
+  static absl::StatusOr<std::unique_ptr<ExactRateBook>> Measure(
+      Backend& backend, NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
+      const ExactProbeOptions& options = {});
+  const ExactPathRates& rates() const { return rates_; }
+  // A measured aggregate node rate (bytes/s over all nodes a session uses): EMA with weight
+  // 0.2 per sample. Ignored unless finite and > 0.
+  void RecordNodeRate(double bytes_per_second);
+  uint64_t node_samples() const { return node_samples_; }
+
+ private:
+  ExactPathRates rates_;
+  uint64_t node_samples_ = 0;
+};
+
+}  // namespace tandem::gpu_worker

@@ -1,0 +1,329 @@
+// `exact` mode (ExactTier, issue 16) equals `gpu` mode: the offloaded KV split between host pages
+// streamed to the device and a CPU node attending densely, merged by LSE, must give the logits
+// of all-KV-on-the-device attention within 1e-4 at every step, for every split the planner can
+// choose: forced all-nodes (fetch share 0), all-PCIe (1), mixed (0.37), and the split planned
+// from rates probed on this machine. Checked on stories260k, gutenberg-14m (bf16 weights: a
+// looser bound, see its test) and a random MHA geometry (tiny preset, 4 query = 4 kv heads),
+// each with a prompt several windows long fed in the same chunks to both (evictions between
+// chunks), then greedy decode steps with the same token; a decode batch mixing exact and gpu
+// sequences matches the sequences decoded alone. Also: the split lands where the plan says, a
+// request-shaped misuse (a MAW node session) is refused, and the probe measures every path.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+#include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/exact_planner.h"
+#include "tandem/gpu_worker/exact_probe.h"
+#include "tandem/gpu_worker/exact_tier.h"
+#include "tandem/gpu_worker/model_geometry.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/sequence.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+constexpr float kLogitTolerance = 1e-4f;
+constexpr int64_t kWindow = 64, kSink = 4;
+
+// A model on the test backend with its runner and one embedded CPU node.
+struct Rig {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<Model> model;   // null for random weights
+  std::unique_ptr<DeviceModel> device_model;
+  std::unique_ptr<ModelRunner> runner;
+  std::unique_ptr<NodePool> pool;
+  ModelConfig config;
+};
+
+// Loads `model_dir`, or random weights of `config` when model_dir is empty.
+absl::StatusOr<Rig> MakeRig(const std::string& model_dir, const ModelConfig& config,
+                            std::string* skip) {
+  Rig rig;
+  rig.backend = testing::MakeTestBackend(skip);
+  if (rig.backend == nullptr) return absl::UnavailableError("no backend");
+  if (model_dir.empty()) {
+    rig.config = config;
+    auto dm = DeviceModel::CreateRandom(config, *rig.backend, 7);
+    if (!dm.ok()) return dm.status();
+    rig.device_model = std::move(*dm);
+  } else {
+    auto model = LoadModel(model_dir);
+    if (!model.ok()) return model.status();
+    rig.model = std::move(*model);
+    rig.config = rig.model->config;
+    auto dm = DeviceModel::Upload(*rig.model, *rig.backend);
+    if (!dm.ok()) return dm.status();
+    rig.device_model = std::move(*dm);
+  }
+  auto runner = ModelRunner::Create(*rig.backend, *rig.device_model, {});
+  if (!runner.ok()) return runner.status();
+  rig.runner = std::move(*runner);
+  NodePoolOptions nodes;
+  nodes.embedded.pool_bytes = 64ull << 20;
+  auto pool = NodePool::Create(nodes);
+  if (!pool.ok()) return pool.status();
+  rig.pool = std::move(*pool);
+  return rig;
+}
+
+ExactGeometry GeometryOf(const ModelConfig& c) {
+  return {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 4, 4};
+}
+
+// Rates of a balanced machine (the forced splits do not depend on them).
+ExactPathRates EvenRates() {
+  ExactPathRates r;
+  r.pcie_bytes_per_second = 20e9;
+  r.device_attend_bytes_per_second = 1e12;
+  r.gemm_flops_per_second = 1e13;
+  r.node_bytes_per_second = 20e9;
+  r.node_overhead_seconds = 100e-6;
+  r.nodes = 1;
+  return r;
+}
+
+std::unique_ptr<Sequence> MakeSequence(Rig& rig, AttentionMode mode, const std::string& id,
+                                       ExactRateBook* book, double fetch_share) {
+  const ModelConfig& c = rig.config;
+  WindowOptions wo;
+  wo.block = 16;
+  wo.max_chunk = 512;
+  wo.max_context = std::min<int64_t>(c.max_position_embeddings, 2048);
+  wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : kWindow;
+  wo.sink = mode == AttentionMode::kGpu ? 0 : kSink;
+  const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
+  auto cache = WindowCache::Create(*rig.backend, geometry, wo);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return nullptr;
+  auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
+  if (mode == AttentionMode::kExact) {
+    RemoteKvOptions ro;
+    ro.session_id = id;
+    ro.num_layers = c.num_layers;
+    ro.num_q_heads = c.num_q_heads;
+    ro.num_kv_heads = c.num_kv_heads;
+    ro.head_dim = c.head_dim;
+    ro.kv_dtype = DType::kF32;
+    ro.block_tokens = 16;
+    ExactTierOptions eo;
+    eo.geometry = GeometryOf(c);
+    eo.expected_tokens = 400;
+    eo.plan.force_fetch_share = fetch_share;
+    // Small pages so that a few hundred entries span several pages and the slots cycle.
+    auto tier = OpenExactTier(*rig.backend, *rig.pool, *book, ro, geometry, 48, eo);
+    EXPECT_TRUE(tier.ok()) << tier.status();
+    if (!tier.ok()) return nullptr;
+    seq->offload = std::move(*tier);
+  }
+  return seq;
+}
+
+std::vector<float> Step(Rig& rig, Sequence& seq, const std::vector<int32_t>& ids) {
+  absl::Status s = rig.runner->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
+  EXPECT_TRUE(s.ok()) << s;
+  auto logits = rig.runner->LastLogitsToHost();
+  EXPECT_TRUE(logits.ok()) << logits.status();
+  return logits.ok() ? *logits : std::vector<float>{};
+}
+
+float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  float d = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
+  return a.empty() ? 1e30f : d;
+}
+
+// Prompt of `prompt_len` tokens in chunks of 41, then `steps` greedy decode steps: exact with
+// the forced fetch share (< 0: the book's plan) against gpu, logits compared at every step.
+void ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, double fetch_share, int prompt_len,
+                          int steps, const std::string& tag, float tolerance) {
+  auto gpu = MakeSequence(rig, AttentionMode::kGpu, "gpu-" + tag, nullptr, -1);
+  auto exact = MakeSequence(rig, AttentionMode::kExact, "exact-" + tag, &book, fetch_share);
+  ASSERT_NE(gpu, nullptr);
+  ASSERT_NE(exact, nullptr);
+  const int64_t vocab = rig.config.vocab_size;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < prompt_len; ++i) prompt.push_back(1 + (i * 53) % (vocab - 1));
+  // Both in the same chunks (the GEMMs then see the same rows: only attention differs).
+  std::vector<float> a, b;
+  for (int i = 0; i < prompt_len; i += 41) {
+    const std::vector<int32_t> chunk(prompt.begin() + i,
+                                     prompt.begin() + std::min(prompt_len, i + 41));
+    a = Step(rig, *gpu, chunk);
+    b = Step(rig, *exact, chunk);
+  }
+  float worst = MaxDiff(a, b);
+  ASSERT_LE(worst, tolerance) << tag << " after the prompt";
+  for (int step = 0; step < steps; ++step) {
+    const int32_t next = static_cast<int32_t>(std::max_element(a.begin(), a.end()) - a.begin());
+    ASSERT_EQ(next, std::max_element(b.begin(), b.end()) - b.begin()) << tag << " step " << step;
+    a = Step(rig, *gpu, {next});
+    b = Step(rig, *exact, {next});
+    const float diff = MaxDiff(a, b);
+    worst = std::max(worst, diff);
+    ASSERT_LE(diff, tolerance) << tag << " step " << step;
+  }
+  const auto& tier = static_cast<const ExactTier&>(*exact->offload);
+  const int64_t offloaded = tier.offloaded_tokens();
+  EXPECT_EQ(offloaded + exact->device_entries(), prompt_len + steps) << tag;
+  EXPECT_LE(exact->device_entries(), kSink + kWindow) << tag;
+  EXPECT_EQ(exact->degraded_steps, 0u) << tag;
+  const double share = fetch_share >= 0 ? fetch_share : tier.plan().fetch_share;
+  // Blocks are split so that the host keeps round(share · total) of all offloaded entries.
+  EXPECT_NEAR(static_cast<double>(tier.host_tokens()), share * offloaded, 1.0) << tag;
+  if (share == 0) EXPECT_EQ(tier.host_tokens(), 0) << tag;
+  if (share == 1) EXPECT_EQ(tier.node_tokens(), 0) << tag;
+  std::printf("%s: fetch share %.2f: %lld host / %lld node entries, worst logit diff %.3g\n",
+              tag.c_str(), share, static_cast<long long>(tier.host_tokens()),
+              static_cast<long long>(tier.node_tokens()), worst);
+}
+
+class ExactMode : public ::testing::Test {
+ protected:
+  // Every forced split and the probed plan on one rig.
+  void CheckAllSplits(Rig& rig, int prompt_len, int steps, const std::string& name,
+                      float tolerance = kLogitTolerance) {
+    ExactRateBook even(EvenRates());
+    for (const double share : {0.0, 1.0, 0.37}) {
+      ExpectExactEqualsGpu(rig, even, share, prompt_len, steps,
+                           name + "-" + std::to_string(share), tolerance);
+      if (HasFatalFailure()) return;
+    }
+    auto probed = ExactRateBook::Measure(*rig.backend, *rig.pool, GeometryOf(rig.config),
+                                         DType::kF32,
+                                         {.pcie_bytes = 8 << 20, .device_kv_bytes = 4 << 20,
+                                          .gemm_flops = 2e8, .node_bytes = 4 << 20});
+    ASSERT_TRUE(probed.ok()) << probed.status();
+    ExpectExactEqualsGpu(rig, **probed, -1, prompt_len, steps, name + "-planned", tolerance);
+  }
+};
+
+TEST_F(ExactMode, Stories260kEqualsGpuForEverySplit) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  std::string why;
+  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  CheckAllSplits(*rig, 300, 60, "stories260k");
+}
+
+TEST_F(ExactMode, Gutenberg14mEqualsGpuForEverySplit) {
+  TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
+  std::string why;
+  auto rig = MakeRig(testing::ModelDir("gutenberg-14m").string(), {}, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  // NOTE: gutenberg-14m has bf16 weights, and the cpu backend's MatMul rounds its f32 input
+  // rows to bf16 for them: a 1-ulp difference in an attention output (any other partition of
+  // the same entries, offload mode's pages included: 1.5e-2..4.8e-2 against gpu mode at 100
+  // tokens) can flip a bf16 rounding and moves the logits by ~1e-2. The f32 models above
+  // hold 1e-4; here the bound is 0.1 with the same greedy token at every step.
+  CheckAllSplits(*rig, 200, 8, "gutenberg-14m", 0.1f);
+}
+
+TEST_F(ExactMode, RandomMhaGeometryEqualsGpuForEverySplit) {
+  absl::StatusOr<ModelConfig> config = GeometryPreset("tiny");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,dtype=f32", *config).ok());
+  std::string why;
+  auto rig = MakeRig("", *config, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  CheckAllSplits(*rig, 300, 30, "random-mha");
+}
+
+// Exact and gpu sequences decoded in one batch match each decoded alone.
+TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  std::string why;
+  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  ExactRateBook even(EvenRates());
+  const AttentionMode modes[] = {AttentionMode::kExact, AttentionMode::kGpu,
+                                 AttentionMode::kExact};
+  const double shares[] = {0.5, -1, 0.25};
+  std::vector<std::unique_ptr<Sequence>> batched, single;
+  for (int i = 0; i < 3; ++i) {
+    batched.push_back(MakeSequence(*rig, modes[i], "b" + std::to_string(i), &even, shares[i]));
+    single.push_back(MakeSequence(*rig, modes[i], "s" + std::to_string(i), &even, shares[i]));
+    ASSERT_NE(batched.back(), nullptr);
+    ASSERT_NE(single.back(), nullptr);
+    std::vector<int32_t> prompt;
+    for (int t = 0; t < 150 + 60 * i; ++t) prompt.push_back(1 + (t * 31 + i * 7) % 500);
+    Step(*rig, *batched[i], prompt);
+    Step(*rig, *single[i], prompt);
+  }
+  const int64_t vocab = rig->config.vocab_size;
+  std::vector<int32_t> next = {5, 17, 29};
+  for (int step = 0; step < 30; ++step) {
+    std::vector<Sequence*> seqs;
+    for (auto& s : batched) seqs.push_back(s.get());
+    ASSERT_TRUE(rig->runner->Decode(seqs, next.data()).ok());
+    std::vector<float> all(3 * vocab);
+    ASSERT_TRUE(rig->backend->CopyToHost(all.data(), rig->runner->batch_logits(), all.size() * 4)
+                    .ok());
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<float> alone = Step(*rig, *single[i], {next[i]});
+      ASSERT_LE(MaxDiff(alone, std::vector<float>(all.begin() + i * vocab,
+                                                  all.begin() + (i + 1) * vocab)),
+                kLogitTolerance)
+          << "sequence " << i << " step " << step;
+      next[i] = static_cast<int32_t>(std::max_element(alone.begin(), alone.end()) -
+                                     alone.begin());
+    }
+  }
+  const auto& t0 = static_cast<const ExactTier&>(*batched[0]->offload);
+  EXPECT_GT(t0.host_tokens(), 0);
+  EXPECT_GT(t0.node_tokens(), 0);
+}
+
+TEST_F(ExactMode, ProbeMeasuresEveryPathAndRefusesBadParts) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  std::string why;
+  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  ExactPathRates rates;
+  const ExactGeometry g = GeometryOf(rig->config);
+  ExactProbeOptions small{.pcie_bytes = 4 << 20, .device_kv_bytes = 1 << 20, .gemm_flops = 1e7,
+                          .node_bytes = 1 << 20};
+  auto device = ProbeDeviceRates(*rig->backend, g, DType::kF32, small);
+  ASSERT_TRUE(device.ok()) << device.status();
+  rates = *device;
+  ASSERT_TRUE(ProbeNodeRates(*rig->pool, g, DType::kF32, rates, small).ok());
+  EXPECT_GT(rates.pcie_bytes_per_second, 1e6);
+  EXPECT_GT(rates.device_attend_bytes_per_second, 1e6);
+  EXPECT_GT(rates.gemm_flops_per_second, 1e6);
+  EXPECT_EQ(rates.nodes, 1u);
+  EXPECT_GT(rates.node_bytes_per_second, 1e6);
+  std::printf("probed: %s\n", FormatExactRates(rates).c_str());
+
+  // A node session with MAW selection keeps a selected copy: refused.
+  RemoteKvOptions ro;
+  ro.session_id = "maw";
+  ro.num_layers = rig->config.num_layers;
+  ro.num_q_heads = rig->config.num_q_heads;
+  ro.num_kv_heads = rig->config.num_kv_heads;
+  ro.head_dim = rig->config.head_dim;
+  ro.kv_dtype = DType::kF32;
+  auto remote = RemoteKv::Open(*rig->pool, ro);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  const WindowGeometry wg{ro.num_layers, ro.num_kv_heads, ro.head_dim, DType::kF32};
+  auto host = OffloadedKv::Create(*rig->backend, wg, 48);
+  ASSERT_TRUE(host.ok());
+  ExactRateBook book(rates);
+  auto tier = ExactTier::Create(std::move(*host), std::move(*remote), &book, {});
+  EXPECT_EQ(tier.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
