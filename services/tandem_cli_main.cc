@@ -118,7 +118,8 @@ ABSL_FLAG(bool, ignore_eos, false, "generate: keep going past the end-of-sequenc
 ABSL_FLAG(std::optional<int32_t>, logprobs, std::nullopt,
           "generate: after the text, list each token's log-probability (of the raw logits) and "
           "the N most likely tokens of its step, N in 0..20");
-ABSL_FLAG(std::string, mode, "", "generate: gpu, hybrid or offload; empty = the engine's default");
+ABSL_FLAG(std::string, mode, "",
+          "generate: gpu, hybrid, offload or exact; empty = the engine's default");
 ABSL_FLAG(std::optional<int64_t>, window, std::nullopt, "generate: hybrid device window, tokens");
 ABSL_FLAG(std::optional<int64_t>, sink, std::nullopt, "generate: hybrid sink tokens");
 ABSL_FLAG(std::string, selection, "",
