@@ -65,6 +65,16 @@ std::filesystem::path WriteRandomGeometry(ModelConfig config, const std::string&
   return dir;
 }
 
+// VmRSS of this process.
+uint64_t RssBytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
 EngineOptions BaseOptions(const std::filesystem::path& dir, bool random_weights) {
   EngineOptions o;
   o.model_dir = dir.string();
@@ -101,6 +111,7 @@ void CheckCase(const EngineOptions& options, const Case& c) {
   Engine& engine = **created;
   Backend& backend = engine.backend();
   const size_t in_use_before = backend.bytes_in_use();
+  const double rss_before = static_cast<double>(RssBytes());
 
   constexpr int64_t kGenerated = 8;
   GenerateRequest request;
@@ -163,6 +174,24 @@ void CheckCase(const EngineOptions& options, const Case& c) {
   EXPECT_NEAR(static_cast<double>(estimated), measured, kTolerance * measured);
   if (setup->backend == "cpu") {
     EXPECT_NEAR(static_cast<double>(estimated - fixed), grown, kTolerance * grown + 4096);
+  }
+
+  // Host memory on cuda (where device and host are apart): the growth of the process's RSS
+  // during the request vs the host items (pinned pages, the embedded node's KV), within 10%
+  // and 64 MiB for allocator arenas and thread stacks. Printed on cpu (RSS there also holds
+  // the device memory).
+  uint64_t host_estimated = 0;
+  for (const MemoryItem& item : plan->host.items) {
+    if (item.name == "pinned KV pages" || item.name == "embedded node KV") {
+      host_estimated += item.bytes;
+    }
+  }
+  const double rss_grown = static_cast<double>(RssBytes()) - rss_before;
+  std::printf("host: RSS grew %.0f B, estimated %llu B (pinned pages, node KV)\n", rss_grown,
+              static_cast<unsigned long long>(host_estimated));
+  if (setup->backend == "cuda" && host_estimated > 0) {
+    EXPECT_NEAR(static_cast<double>(host_estimated), rss_grown,
+                kTolerance * static_cast<double>(host_estimated) + (64 << 20));
   }
 
   if (c.mode == AttentionMode::kHybrid && engine.nodes().embedded() != nullptr) {
