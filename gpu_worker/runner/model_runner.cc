@@ -368,11 +368,9 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   }
   rope.num_tokens = n;
   rope.head_dim = D;
+  // q and k heads are adjacent in a qkv row ([q Hq·D][k Hkv·D][v Hkv·D]): one call rotates both.
   rope.x = qkv;
-  rope.num_heads = Hq;
-  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
-  rope.x = qkv + Hq * D;
-  rope.num_heads = Hkv;
+  rope.num_heads = Hq + Hkv;
   TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
   const size_t end = mb.first + mb.count;
   write_kv_.clear();

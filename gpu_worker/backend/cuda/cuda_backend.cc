@@ -22,6 +22,7 @@
 #include "cuda_check.h"
 #include "cuda_resources.h"
 #include "embed_norm.cuh"
+#include "gemv.cuh"
 #include "kv_write.cuh"
 #include "merge_states.cuh"
 #include "page_select.cuh"
@@ -63,6 +64,10 @@ constexpr size_t kMaxStagedCopy = size_t{256} << 10;
 // Entries per batched launch at most (the grid's y or z extent); longer batches run the rest
 // one by one.
 constexpr int64_t kMaxBatch = 65535;
+
+// Counters of the decode kernel's fused split merge (window_attention.cuh's split_counters): one
+// per (row tile or batch entry, kv head) of a launch; 256 KiB.
+constexpr int64_t kSplitCounters = 65536;
 
 // Bytes of device memory held by a backend's allocations; shared with the buffers' deleters so a
 // buffer may outlive the backend.
@@ -157,6 +162,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   // WindowAttention after CheckWindowAttention(p) and Activate().
   absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
+  // Points args at the split-merge counters (allocated and zeroed on first use, on the stream).
+  absl::Status WithSplitCounters(cuda_backend::WindowAttentionArgs& args);
 
   // Declaration order is destruction order reversed: the stream outlives what uses it.
   const int device_;
@@ -176,6 +183,7 @@ class CudaBackend final : public Backend {
   std::vector<cuda_backend::DecodeBatchSegment> batch_segments_;
   std::vector<size_t> batch_singles_;
   std::vector<cuda_backend::SelectPagesEntry> select_entries_;
+  DeviceMemory split_counters_;  // [kSplitCounters] unsigned, 0 between launches
 };
 
 absl::StatusOr<DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
@@ -401,6 +409,21 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
                                             " is not supported (f32, bf16, f16)"));
   }
   TANDEM_RETURN_IF_ERROR(Activate());
+  // Decode rows: one GEMV launch (gemv.cuh) instead of conversion + cuBLAS (+ split-K reduce,
+  // + bias), same numerics.
+  const cuda_backend::GemvArgs gemv{.x = p.x,
+                                    .w = p.w,
+                                    .w_dtype = p.w_dtype,
+                                    .bias = p.bias,
+                                    .y = p.y,
+                                    .m = p.m,
+                                    .n = p.n,
+                                    .k = p.k,
+                                    .accumulate = p.accumulate};
+  if (cuda_backend::GemvSupports(gemv)) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(gemv, stream()));
+    return absl::OkStatus();
+  }
   // x is rounded to the weight's dtype (backend.h's numerics), into the workspace.
   const void* x = p.x;
   if (p.w_dtype != DType::kF32) {
@@ -509,12 +532,25 @@ absl::Status CudaBackend::WindowAttention(const WindowAttentionParams& p) {
   return WindowAttentionChecked(p);
 }
 
+absl::Status CudaBackend::WithSplitCounters(cuda_backend::WindowAttentionArgs& args) {
+  if (split_counters_.get() == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(split_counters_,
+                            DeviceMemory::Allocate(kSplitCounters * sizeof(unsigned)));
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(split_counters_.get(), 0, split_counters_.bytes(), stream()));
+  }
+  args.split_counters = static_cast<unsigned*>(split_counters_.get());
+  args.split_counter_count = kSplitCounters;
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::WindowAttentionChecked(const WindowAttentionParams& p) {
   if (p.num_slots == 0) {  // empty window: every row is the empty state; maw has no slot
     TANDEM_RETURN_IF_ERROR(Fill(p.o, 0.0f, p.num_tokens * p.num_q_heads * p.head_dim));
     return Fill(p.lse, -INFINITY, p.num_tokens * p.num_q_heads);
   }
-  const cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
+  cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
+  TANDEM_RETURN_IF_ERROR(WithSplitCounters(args));
   cuda_backend::WindowAttentionPlan plan;
   TANDEM_CUDA_RETURN_IF_ERROR(
       cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan));
@@ -561,6 +597,9 @@ absl::Status CudaBackend::WindowAttentionBatch(const WindowAttentionParams* para
   }
   for (size_t i : batch_singles_) TANDEM_RETURN_IF_ERROR(WindowAttentionChecked(params[i]));
   if (batch_segments_.empty()) return absl::OkStatus();
+  for (cuda_backend::DecodeBatchSegment& segment : batch_segments_) {
+    TANDEM_RETURN_IF_ERROR(WithSplitCounters(segment.args));
+  }
   cuda_backend::WindowAttentionBatchPlan plan;
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::PlanWindowAttentionBatch(
       batch_segments_.data(), static_cast<int64_t>(batch_segments_.size()),

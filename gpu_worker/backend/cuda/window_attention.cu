@@ -471,6 +471,7 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
   } else if (plan.stream) {
     error = LaunchDecodeStream(a, plan.row_tiles, plan.splits, plan.slots_per_split, part_o,
                                part_lse, scores, stream);
+    if (DecodeStreamMergeCounters(a, plan.row_tiles, plan.splits) != nullptr) return error;
   } else {
     error = DispatchAttention(a.head_dim, a.cache_dtype, launcher);
   }
@@ -539,6 +540,13 @@ cudaError_t PlanWindowAttentionBatch(DecodeBatchSegment* segments, int64_t count
     plan->max_out_rows = std::max(plan->max_out_rows, out_rows);
   }
   plan->workspace_bytes = bytes;
+  // The kernel merges the splits itself when every segment has the same counters, with room for
+  // one per (segment, kv head).
+  plan->fused_merge = first.split_counters != nullptr && plan->max_splits <= kMaxFusedSplits &&
+                      count * first.num_kv_heads <= first.split_counter_count;
+  for (int64_t i = 1; i < count && plan->fused_merge; ++i) {
+    plan->fused_merge = segments[i].args.split_counters == first.split_counters;
+  }
   return cudaSuccess;
 }
 
@@ -546,9 +554,10 @@ cudaError_t LaunchWindowAttentionBatch(const WindowAttentionBatchPlan& plan, voi
                                        cudaStream_t stream) {
   if (workspace == nullptr || plan.count <= 0) return cudaErrorInvalidValue;
   const auto* table = static_cast<const DecodeBatchSegment*>(workspace);
-  cudaError_t error = LaunchDecodeStreamBatch(table, plan.count, plan.max_splits,
-                                              plan.num_kv_heads, plan.head_dim, workspace, stream);
-  if (error != cudaSuccess || plan.max_out_rows == 0) return error;
+  cudaError_t error =
+      LaunchDecodeStreamBatch(table, plan.count, plan.max_splits, plan.num_kv_heads,
+                              plan.head_dim, workspace, plan.fused_merge, stream);
+  if (error != cudaSuccess || plan.max_out_rows == 0 || plan.fused_merge) return error;
   const size_t smem =
       sizeof(float) * static_cast<size_t>(plan.max_splits + kCombineWarps * plan.head_dim);
   return LaunchAfterPrevious(

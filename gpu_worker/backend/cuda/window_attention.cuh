@@ -53,6 +53,11 @@ struct WindowAttentionArgs {
   float* lse = nullptr;  // [num_tokens, num_q_heads]; -inf = no visible slot
   float* maw = nullptr;  // [num_kv_heads, capacity] (LaunchMawUpdate only)
   float alpha = 0.0f;
+  // Optional [split_counter_count] counters, all 0, that the streaming decode kernel uses to
+  // merge its split states without a combine launch (and leaves at 0). Null: a combine launch.
+  // Launches that use the same counters must run in stream order (one stream per counter set).
+  unsigned* split_counters = nullptr;
+  int64_t split_counter_count = 0;
 };
 
 struct WindowAttentionPlan {
@@ -120,6 +125,7 @@ struct WindowAttentionBatchPlan {
   int64_t head_dim = 0;           // the largest; every segment is in its kernel bucket
   int64_t max_splits = 1;
   int64_t max_out_rows = 0;       // largest T·Hq of a segment with splits > 1 (0: no combine)
+  bool fused_merge = false;       // the attention kernel merges the splits (no combine launch)
   size_t table_bytes = 0;         // the segment table sits at workspace offset 0
   size_t workspace_bytes = 0;
 };

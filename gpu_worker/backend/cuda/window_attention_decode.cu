@@ -35,21 +35,99 @@ struct DecodeStage {
   static constexpr size_t kSmemBytes = kPipelineBytes > kMergeBytes ? kPipelineBytes : kMergeBytes;
 };
 
+// The fused split merge (flash-decoding's combine without a second launch). Every block of a
+// (row tile, kv head) has written its split's partial state; the one that counts itself last
+// on `counter` merges the `splits` states of its 16 rows into o / lse, as CombineSplitsKernel
+// does (weights e^(lse_i - m), o = Σ w_i·o_i / Σ w_i, lse = m + log Σ w_i; all splits empty:
+// o = 0, lse = -inf), then re-arms the counter to 0 for the next launch on the stream.
+// `smem`: at least 4·(kRows·(splits + 2)) bytes, free (the caller's merge is done).
+__device__ __forceinline__ void MergeSplits(const WindowAttentionArgs& a, int64_t g, int64_t row0,
+                                            int64_t splits, const float* part_o,
+                                            const float* part_lse, float* smem,
+                                            unsigned* counter) {
+  __shared__ unsigned arrived;
+  __threadfence();  // this block's partial state is visible before its arrival counts
+  __syncthreads();  // ... for every thread's stores; the caller's reads of smem are done
+  if (threadIdx.x == 0) arrived = atomicAdd(counter, 1u);
+  __syncthreads();
+  if (static_cast<int64_t>(arrived) != splits - 1) return;
+  __threadfence();  // the other blocks' partial states are visible to this one
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t group = a.num_q_heads / a.num_kv_heads;
+  const int64_t rows = a.num_tokens * group;
+  const int64_t split_stride = a.num_tokens * a.num_q_heads;  // rows of one split's state
+  float* weights = smem;                    // [kRows][splits]
+  float* row_m = weights + kRows * splits;  // [kRows]
+  float* row_l = row_m + kRows;             // [kRows]
+  for (int r = warp; r < kRows; r += kWarps) {
+    const int64_t row = row0 + r;
+    if (row >= rows) continue;
+    const int64_t out_row = (row / group) * a.num_q_heads + g * group + row % group;
+    float m = -INFINITY;
+    for (int64_t i = lane; i < splits; i += kWarpSize) {
+      m = fmaxf(m, __ldcg(part_lse + i * split_stride + out_row));
+    }
+    m = WarpMax(m);
+    float l = 0.0f;
+    for (int64_t i = lane; i < splits; i += kWarpSize) {
+      const float c = m == -INFINITY ? 0.0f : expf(__ldcg(part_lse + i * split_stride + out_row) - m);
+      weights[r * splits + i] = c;
+      l += c;
+    }
+    l = WarpSum(l);
+    if (lane == 0) {
+      row_m[r] = m;
+      row_l[r] = l;
+    }
+  }
+  __syncthreads();
+  const int head_dim = static_cast<int>(a.head_dim);
+  for (int idx = threadIdx.x; idx < kRows * head_dim; idx += kThreads) {
+    const int r = idx / head_dim;
+    const int d = idx % head_dim;
+    const int64_t row = row0 + r;
+    if (row >= rows) continue;
+    const int64_t out_row = (row / group) * a.num_q_heads + g * group + row % group;
+    const float m = row_m[r];
+    if (m == -INFINITY) {
+      a.o[out_row * a.head_dim + d] = 0.0f;
+      if (d == 0) a.lse[out_row] = -INFINITY;
+      continue;
+    }
+    const float* w = weights + r * splits;
+    const float* src = part_o + out_row * a.head_dim + d;
+    const int64_t stride = split_stride * a.head_dim;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (int64_t i = 0; i < splits; ++i) acc = fmaf(w[i], __ldcg(src + i * stride), acc);
+    const float l = row_l[r];
+    a.o[out_row * a.head_dim + d] = acc / l;
+    if (d == 0) a.lse[out_row] = m + logf(l);
+  }
+  if (threadIdx.x == 0) *counter = 0u;
+}
+
 // One block's work: the 16 query rows r = row0 .. row0 + 15 (r = t·G + j) of kv head g form
 // one m16 fragment that every warp holds (q split into bf16 hi + lo), against the slots of split
 // `split`. Warp w streams the 32-slot tiles w, w + 4, ... of the split through its own cp.async
 // pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores, the position mask, the
 // online softmax, O += P·V (P split into hi + lo). The 4 warp states are merged through shared
 // memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the batched
-// kernel, so both compute bit-identical results for the same split.
+// kernel, so both compute bit-identical results for the same split. With `counter` (split
+// partial states only), the last of the `splits` blocks of this (row tile, kv head) to finish
+// merges the partial states into o / lse (MergeSplits).
 template <int kD>
 __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, int64_t g,
                                                   int64_t row0, int64_t split,
                                                   int64_t slots_per_split, float* part_o,
                                                   float* part_lse, float* scores,
-                                                  unsigned char* smem) {
+                                                  unsigned char* smem, unsigned* counter,
+                                                  int64_t splits) {
   using T = __nv_bfloat16;
   using Stage = DecodeStage<kD>;
+  static_assert(sizeof(float) * kRows * (kMaxFusedSplits + 2) <= Stage::kSmemBytes,
+                "MergeSplits' weights fit the shared memory");
   constexpr int kKSteps = kD / 16;
   constexpr int kDimTiles = kD / 8;
   constexpr int kKeyTiles = kTile / 8;
@@ -316,26 +394,35 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
       if (d == 0) part_lse[part_row] = lse;
     }
   }
+  if (counter != nullptr && part_o != nullptr) {
+    MergeSplits(a, g, row0, splits, part_o, part_lse, reinterpret_cast<float*>(smem), counter);
+  }
 }
 
 // grid [row_tiles, num_kv_heads, splits], kThreads threads: DecodeStreamBlock for row tile
 // blockIdx.x, kv head blockIdx.y, split blockIdx.z.
+// counters: null (a combine launch follows), or [row_tiles, num_kv_heads] zeroed counters of the
+// fused split merge.
 template <int kD>
 __global__ void __launch_bounds__(kThreads)
     DecodeStreamKernel(WindowAttentionArgs a, int64_t slots_per_split, float* part_o,
-                       float* part_lse, float* scores) {
+                       float* part_lse, float* scores, unsigned* counters) {
   extern __shared__ __align__(128) unsigned char smem[];
   AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
+  unsigned* counter =
+      counters != nullptr ? counters + blockIdx.x * a.num_kv_heads + blockIdx.y : nullptr;
   DecodeStreamBlock<kD>(a, blockIdx.y, blockIdx.x * int64_t{kRows}, blockIdx.z, slots_per_split,
-                        part_o, part_lse, scores, smem);
+                        part_o, part_lse, scores, smem, counter, gridDim.z);
 }
 
 // grid [max_splits, num_kv_heads, count], kThreads threads: split blockIdx.x of kv head
 // blockIdx.y of segment blockIdx.z (its one row tile); a block past its segment's split count
-// exits at once.
+// exits at once. fused_merge: the split segments merge their states in the kernel (counters
+// [count, num_kv_heads] at args.split_counters, the same for every segment).
 template <int kD>
 __global__ void __launch_bounds__(kThreads)
-    DecodeStreamBatchKernel(const DecodeBatchSegment* segments, unsigned char* workspace) {
+    DecodeStreamBatchKernel(const DecodeBatchSegment* segments, unsigned char* workspace,
+                            bool fused_merge) {
   extern __shared__ __align__(128) unsigned char smem[];
   AllowDependentLaunch();  // the batched combine may be scheduled now (it waits for us)
   const DecodeBatchSegment& segment = segments[blockIdx.z];
@@ -348,8 +435,11 @@ __global__ void __launch_bounds__(kThreads)
     part_o = reinterpret_cast<float*>(workspace + segment.part_o_offset);
     part_lse = reinterpret_cast<float*>(workspace + segment.part_lse_offset);
   }
+  unsigned* counter = fused_merge && splits > 1
+                          ? a.split_counters + blockIdx.z * a.num_kv_heads + blockIdx.y
+                          : nullptr;
   DecodeStreamBlock<kD>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o, part_lse,
-                        nullptr, smem);
+                        nullptr, smem, counter, splits);
 }
 
 template <int kD>
@@ -368,23 +458,24 @@ cudaError_t Occupancy(int* blocks) {
 
 template <int kD>
 cudaError_t Launch(const WindowAttentionArgs& a, dim3 grid, int64_t slots_per_split,
-                   float* part_o, float* part_lse, float* scores, cudaStream_t stream) {
+                   float* part_o, float* part_lse, float* scores, unsigned* counters,
+                   cudaStream_t stream) {
   const cudaError_t error = Prepare<kD>();
   if (error != cudaSuccess) return error;
   DecodeStreamKernel<kD><<<grid, kThreads, DecodeStage<kD>::kSmemBytes, stream>>>(
-      a, slots_per_split, part_o, part_lse, scores);
+      a, slots_per_split, part_o, part_lse, scores, counters);
   return cudaGetLastError();
 }
 
 template <int kD>
 cudaError_t LaunchBatch(const DecodeBatchSegment* segments, dim3 grid, void* workspace,
-                        cudaStream_t stream) {
+                        bool fused_merge, cudaStream_t stream) {
   const cudaError_t error =
       cudaFuncSetAttribute(DecodeStreamBatchKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(DecodeStage<kD>::kSmemBytes));
   if (error != cudaSuccess) return error;
   DecodeStreamBatchKernel<kD><<<grid, kThreads, DecodeStage<kD>::kSmemBytes, stream>>>(
-      segments, static_cast<unsigned char*>(workspace));
+      segments, static_cast<unsigned char*>(workspace), fused_merge);
   return cudaGetLastError();
 }
 
@@ -405,6 +496,12 @@ cudaError_t DecodeStreamBlocksPerSm(const WindowAttentionArgs& a, int* blocks) {
   return cudaSuccess;
 }
 
+unsigned* DecodeStreamMergeCounters(const WindowAttentionArgs& a, int64_t row_tiles,
+                                    int64_t splits) {
+  if (a.split_counters == nullptr || splits <= 1 || splits > kMaxFusedSplits) return nullptr;
+  return row_tiles * a.num_kv_heads <= a.split_counter_count ? a.split_counters : nullptr;
+}
+
 cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
                                int64_t slots_per_split, float* part_o, float* part_lse,
                                float* scores, cudaStream_t stream) {
@@ -415,12 +512,13 @@ cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, 
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(splits));
   auto launch = a.head_dim <= 64 ? Launch<64> : Launch<128>;
-  return launch(a, grid, slots_per_split, part_o, part_lse, scores, stream);
+  unsigned* counters = part_o != nullptr ? DecodeStreamMergeCounters(a, row_tiles, splits) : nullptr;
+  return launch(a, grid, slots_per_split, part_o, part_lse, scores, counters, stream);
 }
 
 cudaError_t LaunchDecodeStreamBatch(const DecodeBatchSegment* segments, int64_t count,
                                     int64_t max_splits, int64_t num_kv_heads, int64_t head_dim,
-                                    void* workspace, cudaStream_t stream) {
+                                    void* workspace, bool fused_merge, cudaStream_t stream) {
   if (segments == nullptr || count <= 0 || count > 65535 || max_splits <= 0 ||
       num_kv_heads <= 0 || num_kv_heads > 65535 || head_dim > 128) {
     return cudaErrorInvalidValue;
@@ -428,7 +526,7 @@ cudaError_t LaunchDecodeStreamBatch(const DecodeBatchSegment* segments, int64_t 
   const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(num_kv_heads),
                   static_cast<unsigned>(count));
   auto launch = head_dim <= 64 ? LaunchBatch<64> : LaunchBatch<128>;
-  return launch(segments, grid, workspace, stream);
+  return launch(segments, grid, workspace, fused_merge, stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -17,6 +17,9 @@
 namespace tandem::gpu_worker::cuda_backend {
 
 inline constexpr int64_t kDecodeStreamRows = 16;  // query rows per block
+// Splits up to which the kernel merges the partial states itself (its shared memory holds the
+// merge weights of 16 rows).
+inline constexpr int64_t kMaxFusedSplits = 256;
 
 // True when the streaming kernel handles these arguments (bf16 cache, head_dim <= 128).
 bool DecodeStreamSupports(const WindowAttentionArgs& a);
@@ -28,6 +31,12 @@ cudaError_t DecodeStreamBlocksPerSm(const WindowAttentionArgs& a, int* blocks);
 // part_o / part_lse: the splits' partial states when splits > 1 (null: write o / lse);
 // scores: optional [num_kv_heads, T·G, num_slots] saved scores (-inf = not visible) for the
 // MAW update.
+// When splits > 1 and a.split_counters has room for row_tiles·num_kv_heads counters, the
+// kernel merges the splits' partial states into o / lse itself (the last block of each row tile
+// and kv head to finish; no combine launch): DecodeStreamMergeCounters says whether it will
+// (non-null), so the caller knows not to launch the combine.
+unsigned* DecodeStreamMergeCounters(const WindowAttentionArgs& a, int64_t row_tiles,
+                                    int64_t splits);
 cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
                                int64_t slots_per_split, float* part_o, float* part_lse,
                                float* scores, cudaStream_t stream);
@@ -35,9 +44,11 @@ cudaError_t LaunchDecodeStream(const WindowAttentionArgs& a, int64_t row_tiles, 
 // The batched form (window_attention.cuh's LaunchWindowAttentionBatch): grid [max_splits,
 // num_kv_heads, count]; block (x, g, i) runs split x of kv head g of segments[i] (device memory)
 // when x < its splits, writing o / lse (one split) or its partial state in `workspace`.
-// head_dim picks the kernel bucket shared by every segment.
+// head_dim picks the kernel bucket shared by every segment. fused_merge: segments with splits > 1
+// merge their partial states in the kernel, on the counters at their args.split_counters
+// (segment i, kv head g: counter i·num_kv_heads + g); else a combine launch must follow.
 cudaError_t LaunchDecodeStreamBatch(const DecodeBatchSegment* segments, int64_t count,
                                     int64_t max_splits, int64_t num_kv_heads, int64_t head_dim,
-                                    void* workspace, cudaStream_t stream);
+                                    void* workspace, bool fused_merge, cudaStream_t stream);
 
 }  // namespace tandem::gpu_worker::cuda_backend
