@@ -71,6 +71,9 @@ ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
 ABSL_FLAG(uint32_t, select_tokens, 0,
           "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
 ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
+ABSL_FLAG(std::string, node_kv_dtype, "bf16",
+          "how the node rows (node_attend, node_paged_attend) store KV: bf16 or int8 (the raw "
+          "oneDNN and sparse_attention rows stay bf16)");
 
 namespace tandem::cpu_attention {
 namespace {
@@ -89,6 +92,7 @@ struct Flags {
   uint64_t footprint_mib = 1024;
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
+  kv_store::KvDType node_kv_dtype = kv_store::KvDType::kBf16;
 };
 
 // Reads the command-line flags into f (--quick first sets small defaults that explicit flags
@@ -117,6 +121,13 @@ bool ReadFlags(Flags& f) {
   f.select_tokens = absl::GetFlag(FLAGS_select_tokens);
   f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   if (f.page_tokens < 1 || f.page_tokens > 4096) return false;
+  absl::StatusOr<kv_store::KvDType> kv_dtype =
+      ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
+  if (!kv_dtype.ok()) {
+    std::fprintf(stderr, "--%s\n", std::string(kv_dtype.status().message()).c_str());
+    return false;
+  }
+  f.node_kv_dtype = *kv_dtype;
   if (auto list = absl::GetFlag(FLAGS_n)) {
     f.n.clear();
     for (const std::string& item : *list) {
@@ -405,6 +416,7 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
   options.threads = f.threads;
   options.chunk_keys = f.chunk;
   options.block_tokens = 256;
+  options.kv_dtype = f.node_kv_dtype;
   auto node = CpuAttentionNode::Create(options);
   if (!node.ok()) {
     std::fprintf(stderr, "node: %s\n", node.status().ToString().c_str());
@@ -548,6 +560,7 @@ int Main(int argc, char** argv) {
         {"reps", f.reps},
         {"chunk", f.chunk},
         {"tasks_per_thread", f.tasks_per_thread},
+        {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
         {"dnnl_isa", IsaName(dnnl::get_effective_cpu_isa())}});
 
   const MemResult mem = MeasureMemory(pool, f.mem_mib << 20, f.reps);
@@ -591,6 +604,7 @@ int Main(int argc, char** argv) {
     const double node_s = TimeNodeAttend(kv, f, f.reps, &node_bytes);
     const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
     Emit({{"bench", "node_attend"},
+          {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
           {"n_per_head", n},
           {"total_entries", n * f.heads},
           {"kv_bytes_scanned", node_bytes},
@@ -605,6 +619,7 @@ int Main(int argc, char** argv) {
       const double paged_s = TimeNodeAttend(kv, f, f.reps, &paged_bytes, /*paged=*/true);
       const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
       Emit({{"bench", "node_paged_attend"},
+            {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
             {"n_per_head", n},
             {"select_tokens", f.select_tokens},
             {"page_tokens", f.page_tokens},

@@ -244,6 +244,7 @@ int Main() {
       per_prompt.push_back(ok);
     }
     nlohmann::json j = {{"config", config.label},
+                        {"node_kv_dtype", absl::GetFlag(FLAGS_node_kv_dtype)},
                         {"prompts", prompts.size()},
                         {"retrieved", retrieved},
                         {"mean_prompt_tokens", total_tokens / static_cast<int64_t>(prompts.size())},

@@ -213,6 +213,7 @@ int Main() {
                         {"window", absl::GetFlag(FLAGS_window)},
                         {"sink", absl::GetFlag(FLAGS_sink)},
                         {"chunk", absl::GetFlag(FLAGS_chunk)},
+                        {"node_kv_dtype", absl::GetFlag(FLAGS_node_kv_dtype)},
                         {"perplexity", r.ppl()},    {"predictions", r.predictions},
                         {"selected_share_per_layer", r.share_sum},
                         {"captured_mass_per_layer", r.captured_sum},

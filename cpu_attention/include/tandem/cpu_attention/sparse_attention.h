@@ -9,6 +9,7 @@
 //
 // Inside a range, keys are processed in chunks of `chunk_keys` with an online softmax
 // (flash-decoding): S = Q·Kᵀ (one matmul), fp32 max/exp/sum, O += P·V (one matmul).
+// int8 KV (kv_store/int8_rows.h) is dequantised chunk by chunk into f32 tiles, then as f32.
 // Precision: Q and P are split into bf16 hi + lo parts stacked as extra matmul rows, so with
 // bf16 K/V the only rounding beyond K/V themselves is fp32 accumulation (the split costs
 // compute, not memory traffic, and the scan is memory-bound).
