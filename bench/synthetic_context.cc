@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/random_values.h"
@@ -120,6 +121,50 @@ absl::Status FillHostPages(Backend& backend, gpu_worker::OffloadedKv& kv,
   return backend.Synchronize();
 }
 
+// The exact tier of `offloaded` entries per (layer, kv head): the planned (or forced) host
+// share in host pages, whole blocks, the rest appended to a pages session on the nodes.
+absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
+    Backend& backend, const gpu_worker::ModelConfig& c, gpu_worker::NodePool& pool,
+    const std::string& id, const SyntheticContextOptions& o, int64_t offloaded) {
+  if (o.exact_rates == nullptr) return absl::InvalidArgumentError("exact: no rates to plan with");
+  gpu_worker::ExactTierOptions eo;
+  eo.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 2, 2};
+  eo.expected_tokens = offloaded + o.extra_positions;
+  eo.plan.force_fetch_share = o.exact_fetch_share;
+  eo.replan_every_steps = 0;   // the plan of the start stays (the bench times it)
+  const gpu_worker::ExactPlan plan =
+      gpu_worker::PlanExactSplit(o.exact_rates->rates(), eo.geometry, offloaded, eo.plan);
+  const int64_t host = std::min(
+      offloaded, CeilTo(static_cast<int64_t>(std::llround(plan.fetch_share * offloaded)), o.block));
+  gpu_worker::RemoteKvOptions ro;
+  ro.session_id = id;
+  ro.num_layers = c.num_layers;
+  ro.num_q_heads = c.num_q_heads;
+  ro.num_kv_heads = c.num_kv_heads;
+  ro.head_dim = c.head_dim;
+  ro.kv_dtype = DType::kBF16;
+  ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
+  ro.attend_deadline_ms = 10000;
+  ro.control_deadline_ms = 600000;
+  ro.placement = o.placement;
+  ro.pool_rates_by_threads = o.pool_node_rates;
+  ro.expected_tokens = offloaded - host + o.extra_positions;
+  ro.replan_every_steps = 0;
+  ro.selection = gpu_worker::SelectionRule::kPages;
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
+                          gpu_worker::RemoteKv::Open(pool, ro));
+  if (offloaded > host) TANDEM_RETURN_IF_ERROR(FillRemote(*remote, c, o, offloaded - host));
+  const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
+                                            DType::kBF16};
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::OffloadedKv> kv,
+                          gpu_worker::OffloadedKv::Create(backend, geometry, o.page_tokens));
+  if (host > 0) TANDEM_RETURN_IF_ERROR(FillHostPages(backend, *kv, c, o, host));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::ExactTier> tier,
+                          gpu_worker::ExactTier::Create(std::move(kv), std::move(remote),
+                                                        o.exact_rates, eo));
+  return std::unique_ptr<gpu_worker::OffloadTier>(std::move(tier));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
@@ -131,8 +176,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
        static_cast<int64_t>(o.head_shares.size()) != c.num_layers * c.num_kv_heads)) {
     return absl::InvalidArgumentError("synthetic context: bad options");
   }
-  if (mode == AttentionMode::kHybrid && pool == nullptr) {
-    return absl::InvalidArgumentError("synthetic context: hybrid needs CPU nodes");
+  if ((mode == AttentionMode::kHybrid || mode == AttentionMode::kExact) && pool == nullptr) {
+    return absl::InvalidArgumentError("synthetic context: hybrid and exact need CPU nodes");
   }
   const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
                                             DType::kBF16};
@@ -167,7 +212,9 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
   if (offloaded > 0) {
     if (sink < o.sink) return absl::InvalidArgumentError("synthetic context: context too short");
     TANDEM_RETURN_IF_ERROR(seq->window.Skip(offloaded));
-    if (mode == AttentionMode::kHybrid) {
+    if (mode == AttentionMode::kExact) {
+      TANDEM_ASSIGN_OR_RETURN(seq->offload, MakeExactTier(backend, c, *pool, id, o, offloaded));
+    } else if (mode == AttentionMode::kHybrid) {
       gpu_worker::RemoteKvOptions ro;
       ro.session_id = id;
       ro.num_layers = c.num_layers;

@@ -8,6 +8,8 @@
 //            RemoteKv::Append (the real transport; a NodeTier), with MAW drawn so that a chosen share of
 //            the offloaded entries passes the node's salience threshold β / n_gpu; with
 //            selection = pages, page summaries of random keys on the device instead
+//   exact    sink + recent window on the device, the rest split as the ExactPlanner says
+//            between host pages and the CPU nodes (a pages session: dense attends; an ExactTier)
 //
 // The window's K/V are RandomFill'ed on the device; offloaded K/V come from a pool of random
 // bf16 rows reused at varying offsets (random, not zeros: METHOD.md).
@@ -20,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -49,6 +52,10 @@ struct SyntheticContextOptions {
   gpu_worker::PagePolicy page_policy;
   int64_t summary_page_tokens = 16;
   uint64_t seed = 1;
+  // exact: the rates the split is planned with (ExactPlanner; required), and >= 0 a forced
+  // share of the offloaded entries in host pages (the rest on the CPU nodes, dense).
+  gpu_worker::ExactRateBook* exact_rates = nullptr;
+  double exact_fetch_share = -1;
 };
 
 // INVALID_ARGUMENT for inconsistent options; the errors of the window, the host pages and the

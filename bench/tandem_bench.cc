@@ -7,6 +7,8 @@
 // --warmup) with a batch of --batches sequences. Modes:
 //   gpu      all KV on the device (skipped when it does not fit)
 //   offload  window on the device, the rest in pinned host pages streamed over PCIe every step
+//   exact    window on the device, the rest split by the ExactPlanner between host pages
+//            streamed over PCIe and the CPU node attending densely (the plan is in the row)
 //   hybrid   window on the device, the rest on the CPU node (embedded in this process, over the
 //            shared-memory transport by default), attending to --shares of it (MAW), or, for
 //            each of --select_tokens, to the pages the device picks within that budget
@@ -58,6 +60,7 @@
 #include "synthetic_context.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/model_runner.h"
@@ -79,7 +82,10 @@ ABSL_FLAG(int64_t, sink, 4, "offload/hybrid: sink tokens");
 ABSL_FLAG(int64_t, block, 64, "tokens per evicted block");
 ABSL_FLAG(int64_t, page_tokens, 16384, "offload: tokens per host page (one upload)");
 ABSL_FLAG(int, steps, 12, "timed decode steps per configuration");
-ABSL_FLAG(int, offload_steps, 5, "timed decode steps for offload (slow by design)");
+ABSL_FLAG(int, offload_steps, 5, "timed decode steps for offload and exact (slow by design)");
+ABSL_FLAG(double, exact_fetch_share, -1,
+          "exact: force this share of the offloaded entries into host pages (the rest on the CPU "
+          "nodes); < 0 = the ExactPlanner's split from rates probed at the first exact row");
 ABSL_FLAG(int, warmup, 2, "decode steps before timing");
 ABSL_FLAG(int64_t, prefill_tokens, 32768, "TTFT: prompt tokens (0 = skip)");
 ABSL_FLAG(int64_t, prefill_chunk, 4096, "tokens per forward pass in prefill");
@@ -250,6 +256,8 @@ class Bench {
     o.page_tokens = absl::GetFlag(FLAGS_page_tokens);
     o.share = cfg.mode == AttentionMode::kHybrid ? cfg.share : 0.1;
     o.seed = absl::GetFlag(FLAGS_seed);
+    o.exact_rates = exact_rates_.get();
+    o.exact_fetch_share = absl::GetFlag(FLAGS_exact_fetch_share);
     o.placement = cfg.placement;
     o.pool_node_rates = absl::GetFlag(FLAGS_pool_node_rates);
     if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
@@ -311,8 +319,20 @@ class Bench {
                                      avail / 1e9);
       return {r};
     }
-    const int steps = cfg.mode == AttentionMode::kOffload ? absl::GetFlag(FLAGS_offload_steps)
-                                                          : absl::GetFlag(FLAGS_steps);
+    const bool slow = cfg.mode == AttentionMode::kOffload || cfg.mode == AttentionMode::kExact;
+    const int steps = slow ? absl::GetFlag(FLAGS_offload_steps) : absl::GetFlag(FLAGS_steps);
+    if (cfg.mode == AttentionMode::kExact && exact_rates_ == nullptr) {
+      // The exact planner's rates, probed once (exact_probe.h) like the serving engine does.
+      const ModelConfig& c = model_.config();
+      auto book = gpu_worker::ExactRateBook::Measure(
+          backend_, *pool_, {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 2, 2},
+          gpu_worker::DType::kBF16);
+      if (!book.ok()) {
+        r["skipped"] = absl::StrCat("exact rates: ", book.status().message());
+        return {r};
+      }
+      exact_rates_ = std::move(*book);
+    }
     std::vector<int> settings = {2};
     if (cfg.mode == AttentionMode::kHybrid) {
       settings.clear();
@@ -465,6 +485,44 @@ class Bench {
     if (cfg.mode == AttentionMode::kOffload) {
       t.pcie_bytes = offloaded_tokens * KvBytesPerToken();
       t.hbm_bytes += offloaded_tokens * KvBytesPerToken() * 2;   // staged: written, then read
+    }
+    if (cfg.mode == AttentionMode::kExact) {
+      // The host share crosses PCIe (and is staged in HBM); the nodes scan the rest at once.
+      double host = 0, nodes = 0;
+      for (Sequence* s : batch) {
+        const auto& tier = static_cast<const gpu_worker::ExactTier&>(*s->offload);
+        host += tier.host_tokens();
+        nodes += tier.node_tokens();
+      }
+      t.pcie_bytes = host * KvBytesPerToken();
+      t.hbm_bytes += host * KvBytesPerToken() * 2;
+      t.cpu_scan_bytes = nodes * KvBytesPerToken();
+      const gpu_worker::ExactPlan& plan =
+          static_cast<const gpu_worker::ExactTier&>(*batch[0]->offload).plan();
+      r["exact_plan"] = {{"fetch_share", plan.fetch_share},
+                         {"node_share", plan.node_share},
+                         {"recompute_share", plan.recompute_share},
+                         {"modelled_step_ms", 1e3 * plan.step_seconds},
+                         {"modelled_fetch_only_ms", 1e3 * plan.fetch_only_seconds},
+                         {"recompute_pays", plan.recompute_pays},
+                         {"recompute_gain", plan.recompute_gain},
+                         {"recompute_reason", plan.recompute_reason},
+                         {"text", gpu_worker::FormatExactPlan(plan)}};
+      r["exact_rates"] = gpu_worker::FormatExactRates(exact_rates_->rates());
+      r["host_entries"] = host;
+      r["node_entries"] = nodes;
+      // The combined limit: all offloaded bytes over PCIe + CPU scan together.
+      if (rates_.pcie_bytes_per_s > 0 && rates_.cpu_scan_bytes_per_s > 0) {
+        r["combined_limit_ms"] = 1e3 * (host + nodes) * KvBytesPerToken() /
+                                 (rates_.pcie_bytes_per_s + rates_.cpu_scan_bytes_per_s);
+        r["ratio_to_combined_limit"] = median / (r["combined_limit_ms"].get<double>() / 1e3);
+      }
+      const gpu_worker::RunnerProfile& p = runner_.profile();
+      const double per_step = 1e3 / std::max<uint64_t>(p.passes, 1);
+      r["breakdown_ms"] = {{"q_download_wait_for_gpu", p.q_download_s * per_step},
+                           {"cpu_wait", p.cpu_wait_s * per_step},
+                           {"merge_upload", p.merge_upload_s * per_step},
+                           {"host_pass", p.pass_s * per_step}};
     }
     if (cfg.mode == AttentionMode::kHybrid) {
       double selected_share = 0;   // measured on the node: selected / held over the layers
@@ -650,6 +708,7 @@ class Bench {
   gpu_worker::NodePool* pool_;
   PhysicalLimits rates_;
   uint64_t session_counter_ = 0;
+  std::unique_ptr<gpu_worker::ExactRateBook> exact_rates_;   // probed at the first exact row
 };
 
 void PrintTable(const std::vector<json>& rows) {
@@ -788,7 +847,8 @@ int Main() {
   }
   const std::vector<std::string> modes = ParseList<std::string>(absl::GetFlag(FLAGS_modes));
   std::unique_ptr<gpu_worker::NodePool> pool;
-  if (std::find(modes.begin(), modes.end(), "hybrid") != modes.end()) {
+  if (std::find(modes.begin(), modes.end(), "hybrid") != modes.end() ||
+      std::find(modes.begin(), modes.end(), "exact") != modes.end()) {
     gpu_worker::NodePoolOptions po;
     po.embedded.pool_bytes = static_cast<uint64_t>(
         absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
@@ -887,6 +947,8 @@ int Main() {
     for (int64_t tokens : prefill_contexts) {
       for (const std::string& name : modes) {
         const AttentionMode mode = *gpu_worker::ParseAttentionMode(name);
+        // (exact prefills as offload does, on the device with the widened window.)
+        if (mode == AttentionMode::kExact) continue;
         if (mode != AttentionMode::kHybrid) {
           emit(prefill.RunPrefill(mode, tokens));
           continue;
