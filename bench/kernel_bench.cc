@@ -6,9 +6,11 @@
 // measured in the same run (bytes read + written by a large cudaMemcpy, over its time).
 // Prefill (many query rows, causal): a throughput, TFLOPS = 4·Hq·D·(visible (query, key) pairs)
 // / time, which bench/sdpa_reference.py measures the same way for torch's SDPA
-// (bench/run_kernel_bench.sh prints the two side by side). Prefill also times the f32 tiled
-// kernel the tensor-core one replaced, and the tensor-core kernel with bf16-rounded q and p
-// (FlashAttention's numerics; the backend keeps them split into hi + lo, f32-accurate).
+// (bench/run_kernel_bench.sh prints the two side by side). The backend's prefill kernel is the
+// fast tensor-core one (bf16 q and p, window_attention_flash.cuh); prefill also times its other
+// warp layouts, the exact tensor-core kernel (q and p split into bf16 hi + lo) and optionally
+// the f32 tiled kernel, and compares the fast kernel's o and lse with the exact kernel's on the
+// same inputs (max abs differences; every output element poisoned with NaN first).
 //
 // Timing: the kernels are launched through the backend's own launchers (window_attention.cuh)
 // on a stream of this program, with a cudaEvent pair around every repetition; the median is
@@ -54,6 +56,7 @@
 #include "tandem/gpu_worker/backend.h"
 #include "page_select.cuh"
 #include "window_attention.cuh"
+#include "window_attention_flash.cuh"
 
 ABSL_FLAG(int64_t, q_heads, 32, "query heads");
 ABSL_FLAG(int64_t, kv_heads, 8, "kv heads");
@@ -63,10 +66,11 @@ ABSL_FLAG(std::string, decode_windows, "4096,16384,65536", "decode window sizes 
 ABSL_FLAG(std::string, decode_tokens, "1,2,8",
           "decode query tokens per call (x G query rows per kv head)");
 ABSL_FLAG(bool, prefill, true, "run the prefill cases");
-ABSL_FLAG(std::string, prefill_cases, "2048:0,2048:8192,2048:32768,4096:0,16384:0",
+ABSL_FLAG(std::string, prefill_cases,
+          "2048:0,2048:8192,2048:32768,4096:0,16384:0,16384:16384",
           "prefill cases chunk:prefix (a chunk of new tokens over a cached prefix; prefix 0 = "
           "plain causal self-attention)");
-ABSL_FLAG(bool, compare_f32_kernel, true,
+ABSL_FLAG(bool, compare_f32_kernel, false,
           "prefill: also time the f32 (SIMT) tiled kernel the tensor-core kernel replaced");
 ABSL_FLAG(bool, page_selection, true, "run the page selection cases");
 ABSL_FLAG(std::string, page_contexts, "131072,524288,1048576",
@@ -158,6 +162,13 @@ absl::StatusOr<double> TimeMedian(cudaStream_t stream, int64_t reps, const Body&
   return Median(seconds);
 }
 
+// Which kernel a timing plans: the backend's choice by default.
+struct PlanChoice {
+  bool allow_tensor_cores = true;
+  bool exact_prefill = false;  // the exact (hi + lo) tensor-core kernel for prefill
+  int flash_variant = -1;      // >= 0: that warp layout of the fast kernel
+};
+
 class Bench {
  public:
   static absl::StatusOr<std::unique_ptr<Bench>> Create() {
@@ -236,18 +247,48 @@ class Bench {
     bool decode_kernel = false;
   };
 
+  absl::StatusOr<WindowAttentionPlan> Plan(const WindowAttentionArgs& a, const PlanChoice& c) {
+    WindowAttentionPlan plan;
+    BENCH_CUDA(cuda_backend::PlanWindowAttention(a, num_sms_, &plan, c.allow_tensor_cores,
+                                                 c.exact_prefill));
+    if (plan.flash && c.flash_variant >= 0) plan.flash_variant = c.flash_variant;
+    return plan;
+  }
+
+  // Runs the plan of `choice` once on `a` with o and lse poisoned (NaN) first; returns o and lse.
+  absl::Status RunOnce(const WindowAttentionArgs& a, const PlanChoice& choice,
+                       std::vector<float>* o, std::vector<float>* lse) {
+    absl::StatusOr<WindowAttentionPlan> plan = Plan(a, choice);
+    if (!plan.ok()) return plan.status();
+    DeviceBuffer workspace;
+    if (plan->workspace_bytes > 0) {
+      absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan->workspace_bytes);
+      if (!ws.ok()) return ws.status();
+      workspace = *std::move(ws);
+    }
+    const size_t rows = static_cast<size_t>(a.num_tokens * a.num_q_heads);
+    o->resize(rows * a.head_dim);
+    lse->resize(rows);
+    BENCH_CUDA(cudaMemsetAsync(a.o, 0xff, o->size() * 4, stream_.get()));  // NaN
+    BENCH_CUDA(cudaMemsetAsync(a.lse, 0xff, lse->size() * 4, stream_.get()));
+    BENCH_CUDA(cuda_backend::LaunchWindowAttention(a, *plan, workspace.data(), stream_.get()));
+    BENCH_CUDA(cudaMemcpyAsync(o->data(), a.o, o->size() * 4, cudaMemcpyDeviceToHost,
+                               stream_.get()));
+    BENCH_CUDA(cudaMemcpyAsync(lse->data(), a.lse, lse->size() * 4, cudaMemcpyDeviceToHost,
+                               stream_.get()));
+    BENCH_CUDA(cudaStreamSynchronize(stream_.get()));
+    return absl::OkStatus();
+  }
+
   // Times attention over `sets` argument sets (rotated per repetition; they differ only in
   // their K/V caches and maw).
-  // kernel_only: only the cudaEvent timing, of the plan made with allow_tensor_cores and with
-  // the tensor-core kernel's operands split (exact_operands) or rounded to bf16.
+  // kernel_only: only the cudaEvent timing (no backend-path timing), of the plan of `choice`.
   absl::StatusOr<Timing> TimeAttention(const std::vector<WindowAttentionArgs>& sets,
                                        double target_seconds, int64_t max_reps,
-                                       bool kernel_only = false, bool allow_tensor_cores = true,
-                                       bool exact_operands = true) {
-    WindowAttentionPlan plan;
-    BENCH_CUDA(
-        cuda_backend::PlanWindowAttention(sets[0], num_sms_, &plan, allow_tensor_cores));
-    plan.exact_operands = exact_operands;
+                                       bool kernel_only = false, const PlanChoice& choice = {}) {
+    absl::StatusOr<WindowAttentionPlan> planned = Plan(sets[0], choice);
+    if (!planned.ok()) return planned.status();
+    const WindowAttentionPlan plan = *planned;
     DeviceBuffer workspace;
     if (plan.workspace_bytes > 0) {
       absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
@@ -567,38 +608,76 @@ absl::Status Run() {
       absl::StatusOr<Bench::Timing> timing = bench.TimeAttention(problem->args, target, max_reps);
       if (!timing.ok()) return timing.status();
       const double tflops = flops / timing->kernel_seconds / 1e12;
-      double f32_ms = 0.0, f32_tflops = 0.0;
-      if (absl::GetFlag(FLAGS_compare_f32_kernel)) {
-        absl::StatusOr<Bench::Timing> f32_timing =
-            bench.TimeAttention(problem->args, target, max_reps, true, false);
-        if (!f32_timing.ok()) return f32_timing.status();
-        f32_ms = f32_timing->kernel_seconds * 1e3;
-        f32_tflops = flops / f32_timing->kernel_seconds / 1e12;
+      nlohmann::json row{{"bench", "prefill"},
+                         {"chunk", chunk},
+                         {"prefix", prefix},
+                         {"flops", flops},
+                         {"ms", timing->kernel_seconds * 1e3},
+                         {"tflops", tflops},
+                         {"backend_ms", timing->backend_seconds * 1e3},
+                         {"splits", timing->splits},
+                         {"flash_default", cuda_backend::kFlashDefaultVariant},
+                         {"reps", timing->reps}};
+      std::string extra;
+      auto time_choice = [&](const std::string& name,
+                             const PlanChoice& choice) -> absl::Status {
+        absl::StatusOr<Bench::Timing> t =
+            bench.TimeAttention(problem->args, target, max_reps, true, choice);
+        if (!t.ok()) return t.status();
+        row[name + "_ms"] = t->kernel_seconds * 1e3;
+        row[name + "_tflops"] = flops / t->kernel_seconds / 1e12;
+        absl::StrAppend(&extra,
+                        absl::StrFormat("; %s %.1f", name, flops / t->kernel_seconds / 1e12));
+        return absl::OkStatus();
+      };
+      for (int v = 0; v < cuda_backend::kFlashVariants; ++v) {
+        BENCH_RETURN_IF_ERROR(time_choice(absl::StrCat("flash", v), {.flash_variant = v}));
       }
-      absl::StatusOr<Bench::Timing> bf16_timing =
-          bench.TimeAttention(problem->args, target, max_reps, true, true, false);
-      if (!bf16_timing.ok()) return bf16_timing.status();
-      const double bf16_tflops = flops / bf16_timing->kernel_seconds / 1e12;
-      std::printf("%s\n", nlohmann::json{{"bench", "prefill"},
-                                         {"chunk", chunk},
-                                         {"prefix", prefix},
-                                         {"flops", flops},
-                                         {"ms", timing->kernel_seconds * 1e3},
-                                         {"tflops", tflops},
-                                         {"backend_ms", timing->backend_seconds * 1e3},
-                                         {"f32_kernel_ms", f32_ms},
-                                         {"bf16_operands_ms", bf16_timing->kernel_seconds * 1e3},
-                                         {"bf16_operands_tflops", bf16_tflops},
-                                         {"f32_kernel_tflops", f32_tflops},
-                                         {"splits", timing->splits},
-                                         {"reps", timing->reps}}
-                              .dump()
-                              .c_str());
+      BENCH_RETURN_IF_ERROR(time_choice("exact", {.exact_prefill = true}));
+      if (absl::GetFlag(FLAGS_compare_f32_kernel)) {
+        BENCH_RETURN_IF_ERROR(time_choice("f32_kernel", {.allow_tensor_cores = false}));
+      }
+      // The fast kernel's numerics at this shape: o and lse against the exact kernel's.
+      std::vector<float> exact_o, exact_lse, fast_o, fast_lse;
+      BENCH_RETURN_IF_ERROR(
+          bench.RunOnce(problem->args[0], {.exact_prefill = true}, &exact_o, &exact_lse));
+      for (int v = 0; v < cuda_backend::kFlashVariants; ++v) {
+        BENCH_RETURN_IF_ERROR(
+            bench.RunOnce(problem->args[0], {.flash_variant = v}, &fast_o, &fast_lse));
+        double o_err = 0.0, lse_err = 0.0, o_sq = 0.0, ref_sq = 0.0;
+        int64_t bad = 0;  // NaN or unwritten
+        for (size_t i = 0; i < fast_o.size(); ++i) {
+          if (!std::isfinite(fast_o[i])) {
+            ++bad;
+            continue;
+          }
+          const double d = std::abs(static_cast<double>(fast_o[i]) - exact_o[i]);
+          o_err = std::max(o_err, d);
+          o_sq += d * d;
+          ref_sq += static_cast<double>(exact_o[i]) * exact_o[i];
+        }
+        for (size_t i = 0; i < fast_lse.size(); ++i) {
+          if (!std::isfinite(fast_lse[i])) {
+            ++bad;
+            continue;
+          }
+          lse_err = std::max(lse_err, std::abs(static_cast<double>(fast_lse[i]) - exact_lse[i]));
+        }
+        const std::string name = absl::StrCat("flash", v);
+        const double o_rel_l2 = std::sqrt(o_sq / std::max(ref_sq, 1e-30));
+        row[name + "_o_max_abs"] = o_err;
+        row[name + "_o_rel_l2"] = o_rel_l2;
+        row[name + "_lse_max_abs"] = lse_err;
+        row[name + "_bad"] = bad;
+        absl::StrAppend(&extra, absl::StrFormat("; %s vs exact: o %.2e (rel l2 %.2e), lse %.2e, "
+                                                "%d bad",
+                                                name, o_err, o_rel_l2, lse_err, bad));
+      }
+      std::printf("%s\n", row.dump().c_str());
       table.push_back(absl::StrFormat(
-          "prefill chunk %6d  prefix %6d  %9.3f ms  %6.1f TFLOPS  (backend call %9.3f ms; f32 "
-          "kernel %5.1f TFLOPS; bf16-rounded operands %5.1f TFLOPS)",
+          "prefill chunk %6d  prefix %6d  %9.3f ms  %6.1f TFLOPS  (backend call %9.3f ms%s)",
           chunk, prefix, timing->kernel_seconds * 1e3, tflops, timing->backend_seconds * 1e3,
-          f32_tflops, bf16_tflops));
+          extra));
     }
   }
 

@@ -4,6 +4,8 @@
 #   cmake -S . -B build-kb -G Ninja -DTANDEM_ENABLE_CUDA=ON -DTANDEM_CUDA_ARCHS=90
 #   ninja -C build-kb tandem-kernel-bench backend_cuda_test
 #   ../shared/tools/gpu-bundle.sh build-kb .carry/kb/kb.tar.xz; git rev-parse HEAD > .carry/kb/commit
+# (or, from the shared build: copy those executables to a folder of their own, bin/, and bundle
+# that folder; issue 15's run used .carry/h2/tandem.tar.xz)
 # then, there:   bash bench/run_kernel_bench.sh [.carry/kb/kb.tar.xz]
 # Logs and JSON lines go under $OUT (or /tmp/out). SKIP_TESTS=1 skips backend_cuda_test;
 # KB_ARGS passes flags to tandem-kernel-bench, SDPA_ARGS to sdpa_reference.py.
@@ -20,7 +22,7 @@ if command -v cuobjdump > /dev/null; then  # instruction mix of the attention ke
   cuobjdump -sass "$(command -v tandem-kernel-bench)" > "$out/sass.txt" 2>&1
   awk '/Function :/{f=$3} /HMMA/{h[f]++} /LDSM/{l[f]++} /LDGSTS/{c[f]++} /LDL|STL/{s[f]++}
        END{for (f in h) printf "sass %s: HMMA %d LDSM %d LDGSTS %d local %d\n",
-       substr(f, index(f, "Kernel") - 14, 40),
+       substr(f, index(f, "Kernel") - 20, 60),
        h[f], l[f], c[f], s[f]}' "$out/sass.txt"
 fi
 tandem-kernel-bench ${KB_ARGS:-} > "$out/kernel_bench.txt" 2> "$out/kernel_bench.err"
@@ -50,25 +52,30 @@ for r in ours:
         print(f"{r['window']:>7} {r['tokens']:>6} {'on' if r['maw'] else 'off':>4} "
               f"{r['us']:>9.1f} {r['gbps']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['backend_us']:>10.1f} {r['splits']:>6}")
-print("\nPrefill attention, TFLOPS = 4*Hq*D*(visible pairs)/time. ours: exact operands (q, p split "
-      "into bf16 hi+lo); bf16ops: the same kernel with bf16-rounded q, p; f32krn: the f32 SIMT "
-      "kernel it replaced. SDPA: torch's default choice and the best of its backends.")
+print("\nPrefill attention, TFLOPS = 4*Hq*D*(visible pairs)/time. ours: the backend's plan (the "
+      "fast kernel, bf16 q and p, default warp layout); flash0/1: its two warp layouts; exact: "
+      "the hi+lo split kernel (f32-accurate). SDPA: torch's default choice and the best of its "
+      "backends. o/lse err: the fast kernel (default layout) against the exact kernel, max abs.")
 print(f"{'chunk':>6} {'prefix':>6} {'ours ms':>8} {'ours TF':>8} {'sdpa TF':>8} {'ratio':>6} "
-      f"{'best TF':>8} {'ratio':>6} {'bf16ops':>8} {'ratio':>6} {'f32krn':>7}  best backend")
+      f"{'best TF':>8} {'ratio':>6} {'flash0':>7} {'flash1':>7} {'exact':>7} {'o err':>8} "
+      f"{'lse err':>8}  best backend")
 for r in ours:
     if r["bench"] != "prefill":
         continue
     cands = [s for s in sdpa if s["bench"] == "sdpa" and s["chunk"] == r["chunk"]
              and s["prefix"] == r["prefix"] and "tflops" in s]
+    fd = f"flash{r.get('flash_default', 0)}"
+    extra = (f"{r.get('flash0_tflops', 0):>7.1f} {r.get('flash1_tflops', 0):>7.1f} "
+             f"{r.get('exact_tflops', 0):>7.1f} {r.get(fd + '_o_max_abs', -1):>8.1e} "
+             f"{r.get(fd + '_lse_max_abs', -1):>8.1e}")
     if not cands:
-        print(f"{r['chunk']:>6} {r['prefix']:>6} {r['ms']:>8.3f} {r['tflops']:>8.1f}  (no sdpa)")
+        print(f"{r['chunk']:>6} {r['prefix']:>6} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
+              f"{'-':>8} {'-':>6} {'-':>8} {'-':>6} {extra}  (no sdpa)")
         continue
     best = max(cands, key=lambda s: s["tflops"])
     default = next((s for s in cands if s["backend"] == "default"), best)
-    bf16 = r.get("bf16_operands_tflops", 0.0)
     print(f"{r['chunk']:>6} {r['prefix']:>6} {r['ms']:>8.3f} {r['tflops']:>8.1f} "
           f"{default['tflops']:>8.1f} {r['tflops'] / default['tflops']:>6.2f} "
-          f"{best['tflops']:>8.1f} {r['tflops'] / best['tflops']:>6.2f} "
-          f"{bf16:>8.1f} {bf16 / default['tflops']:>6.2f} {r.get('f32_kernel_tflops', 0):>7.1f}  "
+          f"{best['tflops']:>8.1f} {r['tflops'] / best['tflops']:>6.2f} {extra}  "
           f"{best['backend']}/{best['gqa']}/{best['mask']}")
 EOF

@@ -72,7 +72,8 @@ def time_median(fn, target_seconds, max_reps):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="2048:0,2048:8192,2048:32768,4096:0,16384:0")
+    parser.add_argument("--cases",
+                        default="2048:0,2048:8192,2048:32768,4096:0,16384:0,16384:16384")
     parser.add_argument("--q_heads", type=int, default=32)
     parser.add_argument("--kv_heads", type=int, default=8)
     parser.add_argument("--head_dim", type=int, default=128)

@@ -1,9 +1,11 @@
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "attention_common.cuh"
 #include "window_attention.cuh"
 #include "window_attention_decode.cuh"
+#include "window_attention_flash.cuh"
 #include "window_attention_mma.cuh"
 
 namespace tandem::gpu_worker::cuda_backend {
@@ -386,25 +388,39 @@ cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, bool 
   return cudaSuccess;
 }
 
+// TANDEM_EXACT_ATTENTION=1 in the environment keeps every prefill plan on the exact kernel
+// (f32-accurate scores and weights) until the backend takes an option for it. Read at each
+// tensor-core plan (prefill chunks only, so decode steps never pay the lookup).
+bool ExactAttentionRequested() {
+  const char* value = std::getenv("TANDEM_EXACT_ATTENTION");
+  return value != nullptr && value[0] == '1';
+}
+
 }  // namespace
 
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
-                                WindowAttentionPlan* plan, bool allow_tensor_cores) {
+                                WindowAttentionPlan* plan, bool allow_tensor_cores,
+                                bool exact_prefill) {
   *plan = WindowAttentionPlan();
   const int64_t rows = a.num_tokens * (a.num_q_heads / a.num_kv_heads);
   const bool stream_ok = allow_tensor_cores && DecodeStreamSupports(a);
   plan->decode = rows <= kDecodeMaxRows || (stream_ok && rows <= kDecodeStreamRows);
   plan->stream = plan->decode && stream_ok;
   plan->mma = !plan->decode && allow_tensor_cores && MmaAttentionSupports(a);
+  plan->flash =
+      plan->mma && !exact_prefill && FlashAttentionSupports(a) && !ExactAttentionRequested();
+  plan->flash_variant = kFlashDefaultVariant;
   const int64_t rows_per_block = plan->stream   ? kDecodeStreamRows
                                  : plan->decode ? kRowsPerWarp
+                                 : plan->flash  ? kFlashRowsPerBlock
                                  : plan->mma    ? kMmaRowsPerBlock
                                                 : kTiledRows;
   const int64_t slot_tile = plan->mma ? kMmaSlotTile : kSlotTile;
   plan->row_tiles = (rows + rows_per_block - 1) / rows_per_block;
   int blocks_per_sm = 0;
   const cudaError_t error =
-      ResidentBlocksPerSm(a, plan->decode, plan->mma, plan->stream, &blocks_per_sm);
+      plan->flash ? FlashAttentionBlocksPerSm(a, plan->flash_variant, &blocks_per_sm)
+                  : ResidentBlocksPerSm(a, plan->decode, plan->mma, plan->stream, &blocks_per_sm);
   if (error != cudaSuccess) return error;
   // Split the slots until one wave of resident blocks is full (a partial second wave would cost
   // as much as a full one); a split keeps at least two slot tiles per warp so the partial states
@@ -463,7 +479,12 @@ cudaError_t LaunchWindowAttention(const WindowAttentionArgs& a, const WindowAtte
       scores,
       stream};
   cudaError_t error = cudaSuccess;
-  if (plan.mma) {
+  if (plan.flash) {
+    error = LaunchFlashAttention(a, plan.flash_variant, plan.row_tiles, plan.splits,
+                                 plan.slots_per_split,
+                                 reinterpret_cast<int32_t*>(base + plan.tile_min_offset), part_o,
+                                 part_lse, stream);
+  } else if (plan.mma) {
     error = LaunchMmaAttention(a, plan.row_tiles, plan.splits, plan.slots_per_split,
                                plan.exact_operands,
                                reinterpret_cast<int32_t*>(base + plan.tile_min_offset), part_o,

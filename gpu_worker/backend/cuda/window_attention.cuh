@@ -9,9 +9,11 @@
 //     pipelines, q and p split into bf16 hi + lo);
 //   - few rows otherwise (T·G <= 8): 4 rows per block, the block's warps stream disjoint slot
 //     tiles straight from global memory and merge their states at the end;
-//   - more rows (prefill chunks), bf16 cache, head_dim <= 128: the tensor-core kernel of
-//     window_attention_mma.cuh (64 rows per block, 64-slot K/V tiles through cp.async, mma.sync
-//     with q and p split into bf16 hi + lo so the results stay f32-accurate);
+//   - more rows (prefill chunks), bf16 cache, head_dim <= 128, no MAW update: the fast
+//     tensor-core kernel of window_attention_flash.cuh (128 rows per block, bf16 q and p as in
+//     FlashAttention-2, ~1e-3 on o and lse); with a MAW update, or when the plan asks for exact
+//     operands, the kernel of window_attention_mma.cuh (64 rows per block, mma.sync with q and p
+//     split into bf16 hi + lo so the results stay f32-accurate);
 //   - more rows otherwise (f32 caches, head_dim > 128): 16 rows per block (4 per warp), K/V slot
 //     tiles of 32 slots staged in shared memory and shared by the block's warps.
 // Either way the slots may be split across `splits` blocks (flash-decoding) whose partial states
@@ -67,6 +69,10 @@ struct WindowAttentionPlan {
   // Tensor-core kernel: q and p split into bf16 hi + lo (f32-accurate). Benchmarks may clear it
   // to measure bf16-rounded operands; the backend always plans it set.
   bool exact_operands = true;
+  // The fast tensor-core kernel (window_attention_flash.cuh) instead of the exact one: planned
+  // for tensor-core plans without a MAW update unless PlanWindowAttention's exact_prefill.
+  bool flash = false;
+  int flash_variant = 0;  // its warp layout (< kFlashVariants); benchmarks compare them
   int64_t row_tiles = 0;        // blocks along the rows of one kv head
   int64_t splits = 1;           // blocks along the slots
   int64_t slots_per_split = 0;  // a multiple of 32 (of 64 for the tensor-core kernel)
@@ -82,9 +88,13 @@ struct WindowAttentionPlan {
 };
 // Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
 // resident blocks (the kernels' occupancy is queried once per process and kernel).
-// allow_tensor_cores = false keeps every plan on the f32 kernels (benchmark baseline).
+// allow_tensor_cores = false keeps every plan on the f32 kernels (benchmark baseline);
+// exact_prefill = true keeps prefill plans on the exact (hi + lo split) tensor-core kernel, as
+// does TANDEM_EXACT_ATTENTION=1 in the environment (the backend's switch for f32-accurate
+// prefill attention, read at every prefill plan).
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
-                                WindowAttentionPlan* plan, bool allow_tensor_cores = true);
+                                WindowAttentionPlan* plan, bool allow_tensor_cores = true,
+                                bool exact_prefill = false);
 
 // Computes o and lse. `workspace` holds plan.workspace_bytes (unused when splits == 1).
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,

@@ -430,6 +430,18 @@ cudaError_t MmaAttentionBlocksPerSm(const WindowAttentionArgs& a, bool exact, in
   return cudaSuccess;
 }
 
+cudaError_t LaunchMmaTileBounds(const int32_t* slot_pos, int64_t num_slots, int32_t* tile_min,
+                                cudaStream_t stream) {
+  if (slot_pos == nullptr || tile_min == nullptr || num_slots <= 0) return cudaErrorInvalidValue;
+  const int64_t tiles = (num_slots + kTile - 1) / kTile;
+  constexpr int kSummaryThreads = 256;
+  constexpr int kTilesPerBlock = kSummaryThreads / kWarpSize;
+  TileBoundsKernel<<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
+                     kSummaryThreads, 0, stream>>>(slot_pos, num_slots, tile_min,
+                                                   tile_min + tiles);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchMmaAttention(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
                                int64_t slots_per_split, bool exact, int32_t* tile_min,
                                float* part_o, float* part_lse, float* scores,
@@ -438,13 +450,7 @@ cudaError_t LaunchMmaAttention(const WindowAttentionArgs& a, int64_t row_tiles, 
       row_tiles <= 0 || splits <= 0 || a.num_slots <= 0) {
     return cudaErrorInvalidValue;
   }
-  const int64_t tiles = (a.num_slots + kTile - 1) / kTile;
-  constexpr int kSummaryThreads = 256;
-  constexpr int kTilesPerBlock = kSummaryThreads / kWarpSize;
-  TileBoundsKernel<<<static_cast<unsigned>((tiles + kTilesPerBlock - 1) / kTilesPerBlock),
-                     kSummaryThreads, 0, stream>>>(a.slot_pos, a.num_slots, tile_min,
-                                                   tile_min + tiles);
-  const cudaError_t error = cudaGetLastError();
+  const cudaError_t error = LaunchMmaTileBounds(a.slot_pos, a.num_slots, tile_min, stream);
   if (error != cudaSuccess) return error;
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(splits));

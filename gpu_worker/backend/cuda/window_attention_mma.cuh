@@ -37,6 +37,13 @@ cudaError_t MmaAttentionBlocksPerSm(const WindowAttentionArgs& a, bool exact, in
 // Bytes of the per-tile position summary (2 x [ceil(num_slots / 64)] int32) in the workspace.
 size_t MmaTileSummaryBytes(int64_t num_slots);
 
+// The per-tile position summary both tensor-core prefill kernels read: for 64-slot tile j,
+// tile_min[j] = the smallest slot_pos >= 0 in it (INT32_MAX: none) and tile_min[tiles + j] =
+// the largest (INT32_MAX when the tile has an empty slot or slots past num_slots, so that every
+// score of it needs the position mask). tile_min: MmaTileSummaryBytes(num_slots).
+cudaError_t LaunchMmaTileBounds(const int32_t* slot_pos, int64_t num_slots, int32_t* tile_min,
+                                cudaStream_t stream);
+
 // grid [row_tiles, num_kv_heads, splits]; slots_per_split a multiple of kMmaSlotTile. Writes
 // o/lse when part_o is null (one split), else the split's partial states ([splits, T·Hq,
 // head_dim] and [splits, T·Hq]). tile_min: workspace of MmaTileSummaryBytes(num_slots).
