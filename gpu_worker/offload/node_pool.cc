@@ -259,6 +259,7 @@ bool NodePool::ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::Stats
     st.scan_bytes_per_second = stats.scan_bytes_per_second();
     st.threads = stats.threads();
     st.sessions = stats.sessions();
+    st.int8_kv = stats.kv_storage() == "int8";
   }
   if (st.accepting() == was_accepting) return false;
   generation_.fetch_add(1, std::memory_order_acq_rel);

@@ -14,10 +14,11 @@
 
 namespace tandem::gpu_worker {
 
-uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share) const {
+uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share, bool int8_rows) const {
   // As the node charges it: whole blocks of K + V + MAW, plus the contiguous selected copy
   // (K + V of the selected entries).
-  const uint64_t row = options_.head_dim * DTypeBytes(options_.kv_dtype);
+  const uint64_t row =
+      int8_rows ? options_.head_dim + 4 : options_.head_dim * DTypeBytes(options_.kv_dtype);
   const uint64_t block = options_.block_tokens != 0 ? options_.block_tokens : 64;
   const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(entries, 0));
   const double share =
@@ -40,7 +41,9 @@ std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
   std::vector<uint64_t> held_here(states.size(), 0);
   for (size_t s = 0; s < placement_.size(); ++s) {
     if (placement_[s] >= 0) {
-      held_here[placement_[s]] += ShardBytes(static_cast<int64_t>(shard_held_[s]), SelectedShare(s));
+      const size_t n = static_cast<size_t>(placement_[s]);
+      held_here[n] += ShardBytes(static_cast<int64_t>(shard_held_[s]), SelectedShare(s),
+                                 n < states.size() && states[n].int8_kv);
     }
   }
   for (size_t n = 0; n < states.size(); ++n) {
@@ -67,6 +70,16 @@ std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
 }
 
 std::vector<PlacementShard> RemoteKv::PlannerShards(int64_t expected_tokens) const {
+  // Memory as the accepting nodes charge it: int8 rows when every one of them stores int8.
+  bool int8_rows = false;
+  for (const NodeState& st : pool_.Snapshot()) {
+    if (!st.accepting()) continue;
+    if (!st.int8_kv) {
+      int8_rows = false;
+      break;
+    }
+    int8_rows = true;
+  }
   const double row = static_cast<double>(options_.head_dim * DTypeBytes(options_.kv_dtype));
   std::vector<PlacementShard> shards(placement_.size());
   for (size_t s = 0; s < placement_.size(); ++s) {
@@ -74,7 +87,7 @@ std::vector<PlacementShard> RemoteKv::PlannerShards(int64_t expected_tokens) con
     shard.layer = static_cast<uint32_t>(s / options_.num_kv_heads);
     shard.kv_head = static_cast<uint32_t>(s % options_.num_kv_heads);
     const int64_t entries = std::max<int64_t>(static_cast<int64_t>(shard_held_[s]), expected_tokens);
-    shard.memory_bytes = ShardBytes(entries, SelectedShare(s));
+    shard.memory_bytes = ShardBytes(entries, SelectedShare(s), int8_rows);
     // Before the first Attend the selection is unknown: every shard costs the same.
     shard.scan_bytes = shard_held_[s] > 0 ? static_cast<double>(shard_selected_[s]) * 2 * row
                                           : static_cast<double>(std::max<int64_t>(entries, 1)) * 2 * row;

@@ -89,6 +89,7 @@ struct NodeState {
   double scan_bytes_per_second = 0;   // the node's own moving average (0 = not measured yet)
   uint32_t threads = 0;          // Stats.threads: attention threads (0 = not known yet)
   uint32_t sessions = 0;
+  bool int8_kv = false;          // Stats.kv_storage "int8": K/V rows of head_dim + 4 bytes
   bool accepting() const { return listed && reachable && !draining; }
 };
 

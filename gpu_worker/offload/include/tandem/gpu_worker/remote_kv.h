@@ -257,7 +257,8 @@ class RemoteKv {
   std::vector<PlacementShard> PlannerShards(int64_t expected_tokens) const;
   // Projected node bytes of a shard of `entries` entries of which `selected_share` are selected
   // (kPages: no selected copy, share 0).
-  uint64_t ShardBytes(int64_t entries, double selected_share) const;
+  // int8_rows: the node stores int8 rows (--node_kv_dtype=int8: head_dim + 4 bytes a row).
+  uint64_t ShardBytes(int64_t entries, double selected_share, bool int8_rows) const;
   double SelectedShare(size_t shard) const;   // measured, or the projection before any Attend
   // Re-plans and starts the migrations: forced moves only (kForcedOnly), moves that repay
   // their copy (kCost), or the best placement whatever the copy costs (kSteadyState).
