@@ -14,6 +14,7 @@
 #include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
+#include "prefill_spill_tier.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/common/byte_size.h"
@@ -238,9 +239,31 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
     const size_t used = DeviceKvBytes();
     free = used < options_.kv_cache_bytes ? options_.kv_cache_bytes - used : 0;
   }
-  if (absl::StatusOr<int64_t> w = window.WidenWithin(wanted, free); !w.ok()) {
+  absl::StatusOr<int64_t> widened = window.WidenWithin(wanted, free);
+  if (!widened.ok()) {
     spdlog::warn("session {}: device prefill off for this prompt: {}", seq.id,
-                 w.status().ToString());
+                 widened.status().ToString());
+    return;
+  }
+  // Part of the prompt leaves the device during the prefill: a new hybrid session's chunks
+  // attend over it from pinned host pages on the device instead of on the CPU nodes.
+  if (*widened < wanted && seq.mode == AttentionMode::kHybrid && seq.offload != nullptr &&
+      seq.offload->offloaded_tokens() == 0) {
+    absl::StatusOr<std::unique_ptr<OffloadedKv>> kv =
+        OffloadedKv::Create(*backend_, window.geometry(), options_.offload_page_tokens);
+    if (!kv.ok()) {
+      spdlog::warn("session {}: prefill spill to host memory off: {}", seq.id,
+                   kv.status().ToString());
+      return;
+    }
+    seq.offload = std::make_unique<PrefillSpillTier>(std::move(seq.offload),
+                                                     std::make_unique<HostTier>(std::move(*kv)));
+  }
+}
+
+void Engine::EndPrefillSpill(Sequence& seq) {
+  if (auto* spill = dynamic_cast<PrefillSpillTier*>(seq.offload.get()); spill != nullptr) {
+    seq.offload = spill->TakeInner();
   }
 }
 

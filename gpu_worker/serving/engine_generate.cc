@@ -230,7 +230,9 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
   // token is out (the next step would append them anyway, before it attends).
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
-    if (g.seq == nullptr || !g.seq->window.relaid() || g.seq->window.widened()) continue;
+    if (g.seq == nullptr || !g.first_token_sampled || g.seq->window.widened()) continue;
+    EndPrefillSpill(*g.seq);   // the host copy of a partly fitting prompt is dropped first
+    if (!g.seq->window.relaid()) continue;
     if (absl::Status s = runner_->SettleEvictions(*g.seq); !s.ok()) {
       g.failure = s;
       if (first_failure.ok()) first_failure = s;

@@ -198,8 +198,8 @@ TEST_F(DevicePrefill, OffKeepsTheOldPath) {
 }
 
 // A budget that holds only part of the prompt: the window widens as far as it fits, the older
-// blocks leave during the prefill and later chunks attend over them through the tier. Offload
-// stays exact; hybrid completes; the device KV never passes the budget.
+// blocks leave during the prefill and later chunks attend over them from host pages (offload's
+// tier; hybrid's PrefillSpillTier). Both stay exact; the device KV never passes the budget.
 TEST_F(DevicePrefill, APartlyFittingPromptStaysWithinTheBudget) {
   std::unique_ptr<Engine> reference = MakeEngine(true);
   ASSERT_NE(reference, nullptr);
@@ -218,15 +218,27 @@ TEST_F(DevicePrefill, APartlyFittingPromptStaysWithinTheBudget) {
   ExpectSameFirstToken(offload, gpu, "offload, partly widened");
   EXPECT_LE(peak, kCap);
   EXPECT_GT(peak, kCap / 2);   // it did widen
+  // Hybrid (MAW, beta 1): the part that left during the prefill is attended from host pages
+  // on the device (PrefillSpillTier), so the first token is exact too and the CPU node attends
+  // nothing until the decode steps.
   GenerateRequest r = Request(AttentionMode::kHybrid, prompt);
   r.beta = 1.0f;
+  r.max_tokens = 1;
+  r.session_id = "spill";
   peak = 0;
   FirstToken hybrid;
   summary = RunRequest(*engine, r, &hybrid, &peak);
   ASSERT_TRUE(summary.ok()) << summary.status();
-  EXPECT_EQ(summary->completion_tokens, 6);
+  ExpectSameFirstToken(hybrid, gpu, "hybrid, partly widened");
   EXPECT_LE(peak, kCap);
-  EXPECT_GT(NodeStats(*engine).attend_calls(), 0u);   // the later chunks used the tier
+  EXPECT_EQ(NodeStats(*engine).attend_calls(), 0u);
+  EXPECT_EQ(summary->device_kv_entries + summary->cpu_kv_entries, kPrompt);
+  r.prompt_ids = {403};
+  r.max_tokens = 6;
+  summary = engine->Generate(r);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->completion_tokens, 6);
+  EXPECT_GT(NodeStats(*engine).attend_calls(), 0u);   // decode attends on the node
 }
 
 // Two long prompts at once under a budget that holds one widened prompt: the widened bytes

@@ -230,7 +230,11 @@ class Engine {
   // Device prefill (EngineOptions::device_prefill): widens `seq`'s window for `prompt_tokens`
   // more tokens, as far as the free part of kv_cache_bytes and the device allow (none: the
   // window keeps its size), and sets its prefill_end. Never fails the request.
+  // When only part of the prompt fits, a new hybrid session's tier is wrapped in a
+  // PrefillSpillTier (prefill_spill_tier.h) so that the chunks attend over the part that left
+  // from pinned host pages on the device; EndPrefillSpill unwraps it once the prompt is in.
   void WidenForPrefill(Sequence& seq, int64_t prompt_tokens);
+  void EndPrefillSpill(Sequence& seq);
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
   absl::Status SampleNext(Generation& g, const float* logits);
   // The sampled token's log-probability and the request's top candidates (logprobs.h) into
