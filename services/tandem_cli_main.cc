@@ -625,6 +625,15 @@ class StreamPrinter {
         static_cast<long long>(f.device_kv_entries()), static_cast<long long>(f.cpu_kv_entries()),
         static_cast<unsigned long long>(f.degraded_steps()),
         std::string(gw::FinishReasonName(f.finish_reason())).c_str(), f.mode().c_str());
+    if (f.has_exact_split()) {
+      const v1::ExactSplit& e = f.exact_split();
+      std::printf("[tandem] exact split: fetch %.1f%% (%lld entries in host pages), nodes %.1f%% "
+                  "(%lld), recompute %.1f%%; modelled step %.4g s (fetch only %.4g s); %s\n",
+                  100 * e.fetch_share(), static_cast<long long>(e.host_entries()),
+                  100 * e.node_share(), static_cast<long long>(e.node_entries()),
+                  100 * e.recompute_share(), e.modelled_step_seconds(),
+                  e.modelled_fetch_only_seconds(), e.recompute_reason().c_str());
+    }
     std::fflush(stdout);
   }
 

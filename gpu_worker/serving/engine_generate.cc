@@ -9,6 +9,7 @@
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/request_validation.h"
 
@@ -359,6 +360,14 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
   summary.degraded = summary.degraded_steps > 0;
   summary.device_kv_entries = g.seq->device_entries();
   summary.cpu_kv_entries = g.seq->offloaded_entries();
+  if (const auto* exact = dynamic_cast<const ExactTier*>(g.seq->offload.get())) {
+    const ExactPlan& p = exact->plan();
+    summary.exact_split = ExactSplitSummary{p.fetch_share,     p.node_share,
+                                            p.recompute_share, p.step_seconds,
+                                            p.fetch_only_seconds, p.recompute_pays,
+                                            p.recompute_reason, exact->host_tokens(),
+                                            exact->node_tokens()};
+  }
   if (!g.keep_session || !consistent) {
     auto it = sessions_.find(g.session_id);
     if (it != sessions_.end()) {

@@ -162,6 +162,19 @@ void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst) {
   dst->set_cpu_kv_entries(summary.cpu_kv_entries);
   dst->set_session_id(summary.session_id);
   dst->set_mode(std::string(AttentionModeName(summary.mode)));
+  if (summary.exact_split.has_value()) {
+    const ExactSplitSummary& e = *summary.exact_split;
+    v1::ExactSplit* split = dst->mutable_exact_split();
+    split->set_fetch_share(e.fetch_share);
+    split->set_node_share(e.node_share);
+    split->set_recompute_share(e.recompute_share);
+    split->set_modelled_step_seconds(e.modelled_step_s);
+    split->set_modelled_fetch_only_seconds(e.modelled_fetch_only_s);
+    split->set_recompute_pays(e.recompute_pays);
+    split->set_recompute_reason(e.recompute_reason);
+    split->set_host_entries(e.host_entries);
+    split->set_node_entries(e.node_entries);
+  }
 }
 
 void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {

@@ -82,6 +82,15 @@ struct TokenEvent {
 enum class FinishReason { kLength, kStop, kEos, kContext, kCancelled };
 std::string_view FinishReasonName(FinishReason reason);
 
+// mode exact: the split of the session's offloaded KV (exact_planner.h; proto ExactSplit).
+struct ExactSplitSummary {
+  double fetch_share = 0, node_share = 0, recompute_share = 0;
+  double modelled_step_s = 0, modelled_fetch_only_s = 0;
+  bool recompute_pays = false;
+  std::string recompute_reason;
+  int64_t host_entries = 0, node_entries = 0;   // per (layer, kv head), at the end
+};
+
 struct GenerateSummary {
   std::string session_id;          // the session used (generated for one-shot requests)
   int64_t prompt_tokens = 0;
@@ -99,6 +108,7 @@ struct GenerateSummary {
   int64_t device_kv_entries = 0;   // per (layer, kv head), at the end
   int64_t cpu_kv_entries = 0;      // per (layer, kv head), at the end
   AttentionMode mode = AttentionMode::kHybrid;
+  std::optional<ExactSplitSummary> exact_split;   // mode exact only
 };
 
 struct GenerateCallbacks {
