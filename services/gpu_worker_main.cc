@@ -148,7 +148,7 @@ ABSL_FLAG(bool, plan, false,
 ABSL_FLAG(int64_t, plan_context, 0, "--plan: positions per sequence; 0 = the context limit");
 ABSL_FLAG(int64_t, plan_prompt, 0, "--plan: prompt tokens of them; 0 = all");
 ABSL_FLAG(int64_t, plan_batch, 1, "--plan: sequences held at once");
-ABSL_FLAG(std::string, plan_mode, "", "--plan: gpu, hybrid or offload; \"\" = --mode");
+ABSL_FLAG(std::string, plan_mode, "", "--plan: gpu, hybrid, offload or exact; \"\" = --mode");
 ABSL_FLAG(bool, plan_json, false, "--plan: print JSON instead of the table");
 ABSL_FLAG(tandem::ByteSize, plan_device_bytes, tandem::ByteSize{0},
           "--plan: device memory to plan for; 0 = the device's (or the host's, cpu backend)");

@@ -29,7 +29,30 @@ absl::StatusOr<double> BestOf(int repeats, const std::function<absl::Status()>& 
   return std::max(best, 1e-9);
 }
 
+// The probes' sizes (ProbeDeviceRates and ProbeDeviceBytes): entries of the attention probe
+// and rows of the recompute GEMM.
+int64_t AttendProbeTokens(const ExactGeometry& g, DType kv_dtype, const ExactProbeOptions& o) {
+  const size_t row = g.head_dim * DTypeBytes(kv_dtype);
+  return std::max<int64_t>(16, o.device_kv_bytes / (2 * g.num_kv_heads * row));
+}
+int64_t GemmProbeRows(const ExactGeometry& g, const ExactProbeOptions& o) {
+  const int64_t n = 2 * g.num_kv_heads * g.head_dim, k = g.hidden_size;
+  return std::clamp<int64_t>(static_cast<int64_t>(o.gemm_flops / (2.0 * n * k)), 1, 4096);
+}
+
 }  // namespace
+
+size_t ProbeDeviceBytes(const ExactGeometry& g, DType kv_dtype, bool host_is_device,
+                        const ExactProbeOptions& o) {
+  const size_t pcie = o.pcie_bytes * (host_is_device ? 2 : 1);
+  const int64_t hkv = g.num_kv_heads, d = g.head_dim;
+  const int64_t tokens = AttendProbeTokens(g, kv_dtype, o);
+  const size_t attend = 2 * hkv * tokens * d * DTypeBytes(kv_dtype) + 2 * hkv * d * 4 + hkv * 4 +
+                        tokens * 4 + 4;
+  const int64_t m = GemmProbeRows(g, o), n = 2 * hkv * d, k = g.hidden_size;
+  const size_t gemm = m * k * 4 + n * k * DTypeBytes(kv_dtype) + m * n * 4;
+  return std::max({pcie, attend, gemm});
+}
 
 absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeometry& g,
                                                 DType kv_dtype, const ExactProbeOptions& o) {
@@ -61,7 +84,7 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
   {
     const int64_t hkv = g.num_kv_heads, d = g.head_dim;
     const size_t row = d * DTypeBytes(kv_dtype);
-    const int64_t tokens = std::max<int64_t>(16, o.device_kv_bytes / (2 * hkv * row));
+    const int64_t tokens = AttendProbeTokens(g, kv_dtype, o);
     const size_t half = hkv * tokens * row;
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer k, backend.Allocate(half));
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer v, backend.Allocate(half));
@@ -102,8 +125,7 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
   // Recompute GEMM: x [m, hidden] f32 by W [2·H_kv·D, hidden] of the KV dtype (K and V at once).
   {
     const int64_t n = 2 * g.num_kv_heads * g.head_dim, k = g.hidden_size;
-    const int64_t m = std::clamp<int64_t>(
-        static_cast<int64_t>(o.gemm_flops / (2.0 * n * k)), 1, 4096);
+    const int64_t m = GemmProbeRows(g, o);
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer x, backend.Allocate(m * k * 4));
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer w, backend.Allocate(n * k * DTypeBytes(kv_dtype)));
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer y, backend.Allocate(m * n * 4));

@@ -10,6 +10,7 @@
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/node_memory.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/kv_streamer.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/node_tier.h"
@@ -106,7 +107,7 @@ absl::Status ValidateRequest(const MemoryPlanSetup& setup, const MemoryPlanReque
     return absl::InvalidArgumentError(absl::StrCat("batch must be in 1..4096, got ", r.batch));
   }
   if (r.mode != AttentionMode::kGpu && r.mode != AttentionMode::kHybrid &&
-      r.mode != AttentionMode::kOffload) {
+      r.mode != AttentionMode::kOffload && r.mode != AttentionMode::kExact) {
     return absl::InvalidArgumentError(absl::StrCat(
         "no memory estimate for mode '", std::string(AttentionModeName(r.mode)), "' yet"));
   }
@@ -132,7 +133,7 @@ void Judge(MemoryTier& tier, const std::string& what) {
 // room left (the placement balances memory when shards cost the same), plus each session's
 // metadata on every node it has shards on.
 void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t offloaded,
-               MemoryPlan& plan) {
+               const std::string& note, MemoryPlan& plan) {
   const ModelConfig& c = setup.config;
   const EngineOptions& e = setup.engine;
   MemoryTier& tier = plan.nodes;
@@ -140,8 +141,10 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
                                          ? static_cast<uint32_t>(e.block_tokens)
                                          : kNodeDefaultBlockTokens,
                                      static_cast<uint32_t>(c.head_dim), setup.node_kv_dtype};
-  const double share = r.selection == SelectionRule::kPages ? 0.0
-                       : r.beta == 0.0f                     ? 1.0
+  // Exact sessions are opened with kPages (dense attends, no selected copy).
+  const bool maw = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kMaw;
+  const double share = !maw             ? 0.0
+                       : r.beta == 0.0f ? 1.0
                                         : RemoteKvOptions{}.expected_selected_share;
   const uint64_t shard = ShardBytes(format, offloaded, share);
   const uint64_t shards_per_seq = static_cast<uint64_t>(c.num_layers) * c.num_kv_heads;
@@ -151,7 +154,7 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
   for (const PlanNode& node : setup.nodes) tier.capacity_bytes += node.capacity_bytes;
   if (n == 0) {
     tier.fits = false;
-    tier.why = "hybrid mode needs CPU attention nodes and there are none";
+    tier.why = "hybrid and exact modes need CPU attention nodes and there are none";
     return;
   }
   std::vector<uint64_t> mine(n);
@@ -185,8 +188,8 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
   Add(tier, "node KV blocks", blocks_bytes,
       absl::StrCat(shards, " shards x ", CeilDiv(offloaded, format.block_tokens), " blocks x ",
                    format.block_bytes(), " B (", format.block_tokens, " ",
-                   NodeDTypeName(format.dtype), " entries of K, V and MAW)"));
-  if (r.selection == SelectionRule::kMaw) {
+                   NodeDTypeName(format.dtype), " entries of K, V and MAW)", note));
+  if (maw) {
     Add(tier, "node selected copies", selected_bytes,
         absl::StrCat("K + V of ", share * 100, "% of the entries (",
                      r.beta == 0.0f ? "beta 0: all" : "the placement's projection",
@@ -303,12 +306,24 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       decode_only += setup.device_prefill ? bytes : 0;
     }
   }
-  if (r.mode == AttentionMode::kOffload && offloaded > 0) {
+  if ((r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) && offloaded > 0) {
     const uint64_t bytes =
         KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
     Add(dev, "offload staging", bytes,
         absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
     decode_only += setup.device_prefill ? bytes : 0;
+  }
+  if (r.mode == AttentionMode::kExact) {
+    // ExactRateBook::Measure at the engine's first exact session: transient.
+    const ExactGeometry g{c.num_layers,
+                          c.num_kv_heads,
+                          c.head_dim,
+                          c.hidden_size,
+                          DTypeBytes(setup.kv_dtype),
+                          DTypeBytes(setup.kv_dtype)};
+    Add(dev, "exact rate probe",
+        ProbeDeviceBytes(g, setup.kv_dtype, /*host_is_device=*/setup.backend == "cpu"),
+        "PCIe, attention and GEMM probes at the first exact session, one at a time");
   }
   if (setup.device_prefill && offloads && prompt > r.window) {
     // WindowCache::Widen(prompt): Create's rule with window = prompt. Widen and the shrink
@@ -345,21 +360,43 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                            " but --page_summary_bytes is ", FormatBytes(e.page_summary_bytes));
   }
 
-  // --- CPU nodes (hybrid).
-  if (r.mode == AttentionMode::kHybrid) PlanNodes(setup, r, offloaded, plan);
+  // --- CPU nodes (hybrid; exact: the entries the planner leaves to them).
+  // Exact: the split (ExactPlanner's fetch share) is made at run time from measured rates
+  // unless --exact_fetch_share forces it; unforced, each side is sized for all of the entries,
+  // the most it may be given.
+  const double fetch = e.exact_fetch_share >= 0 ? std::min(e.exact_fetch_share, 1.0) : -1.0;
+  const int64_t host_entries =
+      r.mode == AttentionMode::kOffload ? offloaded
+      : r.mode == AttentionMode::kExact
+          ? (fetch < 0 ? offloaded : static_cast<int64_t>(std::ceil(fetch * offloaded)))
+          : 0;
+  const int64_t node_entries =
+      r.mode == AttentionMode::kHybrid ? offloaded
+      : r.mode == AttentionMode::kExact
+          ? (fetch < 0 ? offloaded
+                       : offloaded - static_cast<int64_t>(std::floor(fetch * offloaded)))
+          : 0;
+  // What an exact plan assumes of the split, per side.
+  auto exact_note = [&](double share) -> std::string {
+    if (r.mode != AttentionMode::kExact) return "";
+    if (fetch < 0) return "; exact: at most, the planner splits at run time";
+    return absl::StrCat("; exact: ", share * 100, "% of them");
+  };
+  const bool uses_nodes = r.mode == AttentionMode::kHybrid || r.mode == AttentionMode::kExact;
+  if (uses_nodes) PlanNodes(setup, r, node_entries, exact_note(1 - fetch), plan);
 
   // --- Host.
   MemoryTier& host = plan.host;
-  if (r.mode == AttentionMode::kOffload) {
+  if (r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) {
     Add(host, "pinned KV pages",
-        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, offloaded) * r.batch,
-        absl::StrCat(r.batch, " x ", offloaded, " offloaded tokens in ", e.offload_page_tokens,
-                     "-token pages"));
+        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, host_entries) * r.batch,
+        absl::StrCat(r.batch, " x ", host_entries, " offloaded tokens in ", e.offload_page_tokens,
+                     "-token pages", exact_note(fetch)));
   }
   // The runner's host staging of q, o and lse (model_runner.cc Create).
   Add(host, "staging", static_cast<uint64_t>(C) * c.num_q_heads * (2 * c.head_dim + 1) * 4,
       "q, o and lse of one chunk");
-  if (setup.embedded_node && r.mode == AttentionMode::kHybrid) {
+  if (setup.embedded_node && uses_nodes) {
     Add(host, "embedded node KV", plan.nodes.total_bytes, "the in-process CPU node's pool");
   }
   if (setup.backend == "cpu") {

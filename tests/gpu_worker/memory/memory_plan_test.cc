@@ -123,7 +123,7 @@ void CheckCase(const EngineOptions& options, const Case& c) {
   request.max_tokens = kGenerated;
   request.ignore_eos = true;
   request.mode = c.mode;
-  request.selection = c.selection;
+  if (c.mode == AttentionMode::kHybrid) request.selection = c.selection;
   if (c.selection == SelectionRule::kMaw) request.beta = 0.0f;
   absl::StatusOr<GenerateSummary> summary = engine.Generate(request);
   ASSERT_TRUE(summary.ok()) << summary.status();
@@ -242,8 +242,11 @@ TEST(MemoryPlanMeasuredTest, Stories260k) {
 TEST(MemoryPlanMeasuredTest, Gutenberg14m) {
   TANDEM_SKIP_WITHOUT_BACKEND();
   TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
-  const EngineOptions options = BaseOptions(testing::ModelDir("gutenberg-14m"), false);
+  EngineOptions options = BaseOptions(testing::ModelDir("gutenberg-14m"), false);
   for (const Case& c : Cases(1024)) CheckCase(options, c);
+  // exact: host pages and node blocks for the split --exact_fetch_share forces.
+  options.exact_fetch_share = 0.5;
+  CheckCase(options, {AttentionMode::kExact, SelectionRule::kPages, 1024});
 }
 
 TEST(MemoryPlanMeasuredTest, RandomGeometry) {

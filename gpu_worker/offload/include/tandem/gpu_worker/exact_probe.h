@@ -37,6 +37,12 @@ struct ExactProbeOptions {
   int attend_deadline_ms = 5000;
 };
 
+// The most device bytes ProbeDeviceRates holds at once (its probes run one after the other),
+// counting its page-locked buffer too when `host_is_device` (the cpu backend); the memory
+// estimator's (memory_plan.h), no allocation.
+size_t ProbeDeviceBytes(const ExactGeometry& geometry, DType kv_dtype, bool host_is_device,
+                        const ExactProbeOptions& options = {});
+
 // Device-side rates for a model of this geometry and KV dtype. Errors: the backend's.
 absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeometry& geometry,
                                                 DType kv_dtype,
