@@ -67,6 +67,7 @@
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/page_index.h"
+#include "tandem/gpu_worker/prefill_spill_tier.h"
 #include "tandem/gpu_worker/random_values.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
@@ -99,6 +100,9 @@ ABSL_FLAG(bool, device_prefill, true,
 ABSL_FLAG(int64_t, prefill_headroom_mb, 4096,
           "TTFT: device memory (MiB) left free when the window widens (page summaries, "
           "streaming buffers and the settle need it)");
+ABSL_FLAG(int64_t, prefill_widen_mb, 0,
+          "TTFT: at most this many MiB more for the widened window (0 = what the device has; "
+          "a smaller value emulates --kv_cache_bytes: the rest of the prompt spills)");
 ABSL_FLAG(std::string, prefill_selections, "maw", "TTFT: hybrid selections: maw, pages");
 ABSL_FLAG(int64_t, prefill_select_tokens, 2048, "TTFT: hybrid pages budget (tokens)");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
@@ -665,13 +669,27 @@ class Bench {
     seq->prefill_end = tokens;
     absl::Status s;
     if (device_prefill) {
+      const int64_t widen_mb = absl::GetFlag(FLAGS_prefill_widen_mb);
+      const size_t widen_bytes = widen_mb > 0 ? static_cast<size_t>(widen_mb) << 20
+                                              : std::numeric_limits<size_t>::max();
       auto headroom = backend_.Allocate(static_cast<size_t>(
           std::max<int64_t>(absl::GetFlag(FLAGS_prefill_headroom_mb), 1)) << 20);
       auto widened = headroom.ok()
-                         ? seq->window.WidenWithin(tokens, std::numeric_limits<size_t>::max())
+                         ? seq->window.WidenWithin(tokens, widen_bytes)
                          : absl::StatusOr<int64_t>(headroom.status());
       s = widened.status();
       if (s.ok()) r["widened_window"] = *widened;
+      // Part of the prompt leaves the device: hybrid attends over it from host pages on the
+      // device during the prefill (the engine's PrefillSpillTier), not on the CPU node.
+      if (s.ok() && *widened < tokens && mode == AttentionMode::kHybrid) {
+        auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
+        s = kv.status();
+        if (s.ok()) {
+          seq->offload = std::make_unique<gpu_worker::PrefillSpillTier>(
+              std::move(seq->offload), std::make_unique<gpu_worker::HostTier>(std::move(*kv)));
+          r["spilled_to_host"] = true;
+        }
+      }
     }
     if (s.ok()) s = runner_.Forward(*seq, ids.data(), tokens);
     absl::StatusOr<int32_t> first = s.ok() ? backend_.Sample({runner_.last_logits(), c.vocab_size})
@@ -683,7 +701,12 @@ class Bench {
     }
     auto used = backend_.DeviceMemoryUsed();
     if (used.ok()) r["gpu_bytes_at_first_token"] = *used;
-    // The first token is out; the blocks beyond the window now go to the tier.
+    // The first token is out; the host copy is dropped and the blocks beyond the window go to
+    // the tier.
+    if (auto* spill = dynamic_cast<gpu_worker::PrefillSpillTier*>(seq->offload.get())) {
+      r["spilled_tokens"] = spill->spilled_tokens();
+      seq->offload = spill->TakeInner();
+    }
     s = runner_.SettleEvictions(*seq);
     if (s.ok()) s = backend_.Synchronize();
     if (!s.ok()) {
@@ -944,6 +967,8 @@ int Main() {
       return 1;
     }
     Bench prefill(be, **model, **prefill_runner, pool.get(), rates);
+    // Warm-up (kernel and primitive set-up, first allocations): one chunk in gpu mode, untimed.
+    (void)prefill.RunPrefill(AttentionMode::kGpu, ro.max_chunk);
     for (int64_t tokens : prefill_contexts) {
       for (const std::string& name : modes) {
         const AttentionMode mode = *gpu_worker::ParseAttentionMode(name);

@@ -14,9 +14,9 @@
 #include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
-#include "prefill_spill_tier.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/node_tier.h"
+#include "tandem/gpu_worker/prefill_spill_tier.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 

@@ -1,4 +1,4 @@
-#include "prefill_spill_tier.h"
+#include "tandem/gpu_worker/prefill_spill_tier.h"
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
