@@ -162,7 +162,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   // WindowAttention after CheckWindowAttention(p) and Activate().
   absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
-  // Points args at the split-merge counters (allocated and zeroed on first use, on the stream).
+  // Points args at the split-merge counters (allocated and zeroed on first use, on the stream);
+  // used by WindowAttentionBatch.
   absl::Status WithSplitCounters(cuda_backend::WindowAttentionArgs& args);
 
   // Declaration order is destruction order reversed: the stream outlives what uses it.
@@ -549,8 +550,11 @@ absl::Status CudaBackend::WindowAttentionChecked(const WindowAttentionParams& p)
     TANDEM_RETURN_IF_ERROR(Fill(p.o, 0.0f, p.num_tokens * p.num_q_heads * p.head_dim));
     return Fill(p.lse, -INFINITY, p.num_tokens * p.num_q_heads);
   }
-  cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
-  TANDEM_RETURN_IF_ERROR(WithSplitCounters(args));
+  // No split counters: a single launch splits into one wave of blocks that all end together, so
+  // the kernel's own merge would run as an exposed tail in one block per kv head (measured on an
+  // H100 at a 32K window: 65.9 µs against 61.9 µs with the combine kernel, whose programmatic
+  // dependent launch overlaps the attention kernel's end). Batched launches merge in the kernel.
+  const cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
   cuda_backend::WindowAttentionPlan plan;
   TANDEM_CUDA_RETURN_IF_ERROR(
       cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan));

@@ -114,6 +114,7 @@ cudaError_t LaunchAs(const GemvArgs& a, cudaStream_t stream) {
 bool GemvSupports(const GemvArgs& a) {
   static_assert(kGemvMaxRows == 2, "LaunchAs instantiates m = 1 and 2");
   return a.m >= 1 && a.m <= kGemvMaxRows && a.n >= 1 && a.k >= 8 && a.k % 8 == 0 &&
+         a.k <= kGemvMaxK &&
          (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16) && a.x != nullptr &&
          a.w != nullptr && a.y != nullptr && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && (a.n + kWarps - 1) / kWarps <= INT32_MAX;
