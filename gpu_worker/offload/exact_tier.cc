@@ -44,6 +44,15 @@ absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodeP
         "exact mode needs CPU attention nodes and none is accepting (check --cpu_nodes and the "
         "nodes' health); offload mode streams all offloaded KV over PCIe without them");
   }
+  // Exactness needs the nodes to keep K/V as sent: int8 rows (--node_kv_dtype=int8) would make
+  // the node share approximate.
+  for (const NodeState& node : pool.Snapshot()) {
+    if (node.accepting() && node.int8_kv) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "exact mode needs CPU nodes that store K/V as sent; node ", node.address,
+          " stores int8 rows (--node_kv_dtype=int8): use offload mode, or nodes with bf16"));
+    }
+  }
   const ExactPlan plan =
       PlanExactSplit(rates.rates(), options.geometry, options.expected_tokens, options.plan);
   ro.selection = SelectionRule::kPages;   // dense attends (no pages named), no selected copy

@@ -433,5 +433,32 @@ TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   EXPECT_NE(tier.status().message().find("offload"), std::string::npos) << tier.status();
 }
 
+
+// Nodes that store int8 rows would make the node share approximate: refused.
+TEST(ExactTierOpen, Int8NodesAreRefused) {
+  std::string why;
+  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
+  NodePoolOptions po;
+  po.embedded.pool_bytes = 16ull << 20;
+  po.embedded.kv_dtype = kv_store::KvDType::kInt8;
+  auto pool = NodePool::Create(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  ASSERT_EQ((*pool)->accepting_count(), 1u);
+  ExactRateBook book(EvenRates());
+  RemoteKvOptions ro;
+  ro.session_id = "int8";
+  ro.num_layers = 2;
+  ro.num_q_heads = 4;
+  ro.num_kv_heads = 2;
+  ro.head_dim = 16;
+  ro.kv_dtype = DType::kF32;
+  ExactTierOptions eo;
+  eo.geometry = {2, 2, 16, 64, 4, 4};
+  auto tier = OpenExactTier(*backend, **pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+  EXPECT_EQ(tier.status().code(), absl::StatusCode::kFailedPrecondition) << tier.status();
+  EXPECT_NE(tier.status().message().find("int8"), std::string::npos) << tier.status();
+}
+
 }  // namespace
 }  // namespace tandem::gpu_worker

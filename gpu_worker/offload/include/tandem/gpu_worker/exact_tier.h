@@ -111,7 +111,8 @@ class ExactTier final : public OffloadTier {
 // (`ro` gives its identity, geometry, deadlines and placement; selection and expected_tokens are
 // set here) and the host pages of `geometry` (pages of page_tokens), and makes the tier.
 // UNAVAILABLE when no CPU node accepts (exact mode plans over the nodes; offload mode streams
-// everything without them); RemoteKv::Open's and OffloadedKv::Create's errors otherwise.
+// everything without them); FAILED_PRECONDITION when an accepting node stores int8 rows (not
+// exact); RemoteKv::Open's and OffloadedKv::Create's errors otherwise.
 absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodePool& pool,
                                                          ExactRateBook& rates, RemoteKvOptions ro,
                                                          const WindowGeometry& geometry,
