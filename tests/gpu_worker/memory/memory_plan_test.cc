@@ -220,14 +220,14 @@ void CheckCase(const EngineOptions& options, const Case& c) {
   }
 }
 
-std::vector<Case> Cases(int64_t max_context) {
+std::vector<Case> Cases(std::vector<int64_t> contexts, int64_t maw_context) {
   std::vector<Case> all;
-  for (int64_t context : {max_context / 2, max_context}) {
+  for (int64_t context : contexts) {
     all.push_back({AttentionMode::kGpu, SelectionRule::kPages, context});
     all.push_back({AttentionMode::kHybrid, SelectionRule::kPages, context});
     all.push_back({AttentionMode::kOffload, SelectionRule::kPages, context});
   }
-  all.push_back({AttentionMode::kHybrid, SelectionRule::kMaw, max_context});
+  all.push_back({AttentionMode::kHybrid, SelectionRule::kMaw, maw_context});
   return all;
 }
 
@@ -248,7 +248,7 @@ TEST(MemoryPlanMeasuredTest, Gutenberg14m) {
   TANDEM_SKIP_WITHOUT_BACKEND();
   TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
   EngineOptions options = BaseOptions(testing::ModelDir("gutenberg-14m"), false);
-  for (const Case& c : Cases(1024)) CheckCase(options, c);
+  for (const Case& c : Cases({1024}, 1024)) CheckCase(options, c);
   // exact: host pages and node blocks for the split --exact_fetch_share forces.
   options.exact_fetch_share = 0.5;
   CheckCase(options, {AttentionMode::kExact, SelectionRule::kPages, 1024});
@@ -264,7 +264,7 @@ TEST(MemoryPlanMeasuredTest, RandomGeometry) {
                                      *config)
                   .ok());
   const std::filesystem::path dir = WriteRandomGeometry(*config, "tiny");
-  for (const Case& c : Cases(1024)) CheckCase(BaseOptions(dir, true), c);
+  for (const Case& c : Cases({512, 1024}, 1024)) CheckCase(BaseOptions(dir, true), c);
   std::filesystem::remove_all(dir);
 }
 
