@@ -419,6 +419,9 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   for (size_t i = mb.first; i < end; ++i) {
     window_attention_.push_back(segments[i].attends ? attends_[i].window
                                                     : WindowParams(segments[i], layer));
+    if (ObservesMaw(segments[i])) {
+      window_attention_.push_back(ObservationParams(segments[i], layer));
+    }
   }
   return backend_.WindowAttentionBatch(window_attention_.data(), window_attention_.size());
 }
@@ -568,7 +571,7 @@ WindowAttentionParams ModelRunner::WindowParams(const Segment& s, int64_t layer)
   wa.scale = 1.0f / std::sqrt(static_cast<float>(D));
   wa.o = act_.attn.as<float>() + s.row0 * Hq * D;
   wa.lse = act_.lse.as<float>() + s.row0 * Hq;
-  if (s.seq->offload != nullptr && s.seq->offload->wants_maw() && UpdatesMaw(*s.seq)) {
+  if (s.seq->offload != nullptr && s.seq->offload->wants_maw() && !s.seq->window.widened()) {
     wa.maw = s.seq->window.maw(layer);
     wa.alpha = options_.maw_alpha;
   }
@@ -593,23 +596,43 @@ AttendRows ModelRunner::AttendRowsOf(const Segment& s, size_t index, int64_t lay
   return a;
 }
 
-bool ModelRunner::UpdatesMaw(const Sequence& seq) {
+bool ModelRunner::ObservesMaw(const Segment& s) {
+  const Sequence& seq = *s.seq;
   const WindowCache& w = seq.window;
-  // NOTE: a widened prefill updates MAW only in its last pass and in passes after which blocks
-  // leave (a prompt larger than the widened window): the update weighs every window slot for
-  // every row, on CUDA cores, so doing it in every pass would cost O(prompt²) more than the
-  // prefill's tensor-core attention. Called after the pass's Append (next_position includes it).
-  return !w.widened() || w.next_position() >= seq.prefill_end ||
-         w.recent_tokens() > w.options().window;
+  // NOTE: the MAW update weighs every window slot for every query row, on CUDA cores: over a
+  // widened window in every pass it would add O(prompt²) to the prefill's tensor-core
+  // attention (an estimated 1-2 s at 32K on an H100, not measured). So a widened prefill leaves MAW to its last pass and
+  // to passes after which blocks leave (a prompt larger than the widened window), and there to
+  // the pass's last kMawObservationRows rows. Called after the pass's Append.
+  return seq.offload != nullptr && seq.offload->wants_maw() && w.widened() &&
+         (w.next_position() >= seq.prefill_end || w.recent_tokens() > w.options().window);
+}
+
+WindowAttentionParams ModelRunner::ObservationParams(const Segment& s, int64_t layer) const {
+  const ModelConfig& c = model_.config();
+  const int64_t D = c.head_dim, Hq = c.num_q_heads, QKV = (Hq + 2 * c.num_kv_heads) * D;
+  const int64_t rows = std::min(kMawObservationRows, s.n), skip = s.n - rows;
+  WindowAttentionParams wa = WindowParams(s, layer);
+  wa.q += skip * QKV;
+  wa.q_pos += skip;
+  wa.num_tokens = rows;
+  // The output goes to the tier's scratch rows of the same tokens: this attention is only for
+  // its MAW update (queued before any tier writes its partial state there in LayerTail).
+  wa.o = act_.part_o.as<float>() + (s.row0 + skip) * Hq * D;
+  wa.lse = act_.part_lse.as<float>() + (s.row0 + skip) * Hq;
+  wa.maw = s.seq->window.maw(layer);
+  wa.alpha = options_.maw_alpha;
+  return wa;
 }
 
 absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
   if (!seq.window.relaid()) return absl::OkStatus();
   // MAW of these entries: a widened prefill kept each prompt entry on the device until the
-  // prompt was in, and updated MAW in the last pass (UpdatesMaw), so an entry's MAW is the mean
-  // attention weight the prompt's last chunk of rows gave it (normalised over the whole prompt
-  // on the device, not over a window's span), a query-aware score like SnapKV's observation
-  // window; the selection threshold β / n_gpu uses the configured window (eviction_entries).
+  // prompt was in and updated MAW from the prompt's last kMawObservationRows query rows only
+  // (ObservesMaw), so an entry's MAW is the mean attention weight those rows gave it,
+  // normalised over the whole prompt on the device rather than over a window's span: a
+  // query-aware score like SnapKV's observation window. The selection threshold β / n_gpu uses
+  // the configured window (eviction_entries).
   return Evict(seq);
 }
 

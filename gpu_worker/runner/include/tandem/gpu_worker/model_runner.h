@@ -198,9 +198,13 @@ class ModelRunner {
   absl::Status PrepareRope(const std::vector<Segment>& segments, int64_t rows);
   WindowAttentionParams WindowParams(const Segment& segment, int64_t layer) const;
   AttendRows AttendRowsOf(const Segment& segment, size_t index, int64_t layer);
-  // Whether this pass's window attention of `seq` updates MAW (when its tier wants it): always,
-  // except in a widened prefill's passes that neither end the prompt nor evict.
-  static bool UpdatesMaw(const Sequence& seq);
+  // A widened prefill's MAW (WindowCache::Widen): the main window attention of a widened
+  // sequence updates no MAW; in its last pass and in passes after which blocks leave,
+  // ObservesMaw() is true and one more window attention of the segment's last
+  // kMawObservationRows rows (output to the tier scratch, part_o / part_lse) updates it.
+  static constexpr int64_t kMawObservationRows = 32;
+  static bool ObservesMaw(const Segment& segment);
+  WindowAttentionParams ObservationParams(const Segment& segment, int64_t layer) const;
   absl::Status Evict(Sequence& sequence);
 
   Backend& backend_;
