@@ -325,26 +325,37 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         ProbeDeviceBytes(g, setup.kv_dtype, /*host_is_device=*/setup.backend == "cpu"),
         "PCIe, attention and GEMM probes at the first exact session, one at a time");
   }
-  if (setup.device_prefill && offloads && prompt > r.window) {
-    // WindowCache::Widen(prompt): Create's rule with window = prompt. Widen and the shrink
-    // after Narrow re-lay the ring into new buffers, so for a moment the widened ring and the
-    // configured one (above) both exist.
-    WindowOptions widened = wo;
-    widened.window = prompt;
-    uint64_t bytes = WindowCache::BytesFor(geometry, widened) * r.batch;
-    if (e.kv_cache_bytes > 0) {  // the engine widens only within the budget's free part
-      const uint64_t used = device_kv + summaries;
-      bytes = std::min(bytes, e.kv_cache_bytes > used ? e.kv_cache_bytes - used : 0);
-    }
-    Add(dev, "widened prefill windows", bytes > decode_only ? bytes - decode_only : 0,
-        absl::StrCat(r.batch, " x the window widened to the ", prompt,
-                     "-token prompt while it is prefilled, less the decode-only buffers"));
-  }
   if (setup.backend == "cuda") {
     Add(dev, "cuda runtime", setup.device_runtime_bytes,
         "context, streams, staging (measured on the device)");
     Add(dev, "cuda workspace", CudaWorkspaceBytes(c, c.weight_dtype, C) + kCublasWorkspaceBytes,
         "2 x the widest bf16 GEMM input + cuBLAS's 32 MiB");
+  }
+  if (setup.device_prefill && offloads && prompt > r.window) {
+    // WindowCache::Widen(prompt): Create's rule with window = prompt. Widen and the shrink
+    // after Narrow re-lay the ring into new buffers, so for a moment the widened ring and the
+    // configured one (above) both exist. The engine widens only as far as the free part of
+    // --kv_cache_bytes and the device allow (the rest of the prompt then attends through the
+    // tier): so does the plan.
+    WindowOptions widened = wo;
+    widened.window = prompt;
+    const uint64_t full = WindowCache::BytesFor(geometry, widened) * r.batch;
+    uint64_t bytes = full;
+    if (e.kv_cache_bytes > 0) {
+      const uint64_t used = device_kv + summaries;
+      bytes = std::min(bytes, e.kv_cache_bytes > used ? e.kv_cache_bytes - used : 0);
+    }
+    // Decode-only buffers are gone while the prompt is prefilled: the widening may use them.
+    const uint64_t others = dev.total_bytes - decode_only;
+    if (setup.device_total_bytes > 0) {
+      bytes = std::min(bytes,
+                       setup.device_total_bytes > others ? setup.device_total_bytes - others : 0);
+    }
+    Add(dev, "widened prefill windows", bytes > decode_only ? bytes - decode_only : 0,
+        absl::StrCat(r.batch, " x the window widened to the ", prompt,
+                     "-token prompt while it is prefilled",
+                     bytes < full ? absl::StrCat(" (", 100 * bytes / full, "% of it fits)") : "",
+                     ", less the decode-only buffers"));
   }
   dev.capacity_bytes = setup.device_total_bytes;
   Judge(dev, absl::StrCat("the device (", setup.backend, ")"));
