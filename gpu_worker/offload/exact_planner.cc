@@ -18,9 +18,9 @@ struct Row {
 };
 
 struct Costs {
-  double k = 0;   // K+V bytes of the whole step (all layers, all entries)
-  double x = 0;   // activation bytes of the same entries
-  double flops = 0;   // recompute GEMM flops of the same entries
+  double k = 0;      // K+V bytes of the whole step (all layers, all entries)
+  double x = 0;      // activation bytes of the same entries
+  double flops = 0;  // recompute GEMM flops of the same entries
   double pcie = 0, device = 0, gemm = 0, nodes = 0, overhead = 0;
 };
 
@@ -38,8 +38,8 @@ Times TimesOf(const Costs& c, double f, double r) {
   if (c.device > 0) t.device = (f + r) * c.k / c.device;
   if (c.gemm > 0) t.device += r * c.flops / c.gemm;
   if (n > 0) {
-    t.nodes = c.nodes > 0 ? n * c.k / c.nodes + c.overhead
-                          : std::numeric_limits<double>::infinity();
+    t.nodes =
+        c.nodes > 0 ? n * c.k / c.nodes + c.overhead : std::numeric_limits<double>::infinity();
   }
   return t;
 }
@@ -87,9 +87,9 @@ bool MinimiseStep(const std::vector<Row>& rows, double& f, double& r, double& t)
         }
         if (!feasible) continue;
         const double tol = 1e-9 * (1.0 + std::fabs(t));
-        const bool better = !found || v[2] < t - tol ||
-                            (v[2] <= t + tol && (v[1] < r - 1e-9 ||
-                                                 (v[1] <= r + 1e-9 && v[0] > f + 1e-9)));
+        const bool better =
+            !found || v[2] < t - tol ||
+            (v[2] <= t + tol && (v[1] < r - 1e-9 || (v[1] <= r + 1e-9 && v[0] > f + 1e-9)));
         if (better) {
           f = v[0];
           r = v[1];
@@ -121,19 +121,19 @@ std::array<double, 2> SolveSplit(const Costs& c, bool use_nodes, bool use_recomp
     const double a = c.k / c.nodes;
     rows.push_back({{-a, -a, -1.0}, -(a + c.overhead)});
   } else {
-    rows.push_back({{-1.0, -1.0, 0.0}, -1.0});   // f + r >= 1
+    rows.push_back({{-1.0, -1.0, 0.0}, -1.0});  // f + r >= 1
   }
-  rows.push_back({{-1.0, 0.0, 0.0}, 0.0});   // f >= 0
-  rows.push_back({{0.0, -1.0, 0.0}, 0.0});   // r >= 0
-  rows.push_back({{1.0, 1.0, 0.0}, 1.0});    // f + r <= 1
-  rows.push_back({{0.0, 0.0, -1.0}, 0.0});   // T >= 0
-  if (!use_recompute || c.gemm <= 0) rows.push_back({{0.0, 1.0, 0.0}, 0.0});   // r <= 0
+  rows.push_back({{-1.0, 0.0, 0.0}, 0.0});                                    // f >= 0
+  rows.push_back({{0.0, -1.0, 0.0}, 0.0});                                    // r >= 0
+  rows.push_back({{1.0, 1.0, 0.0}, 1.0});                                     // f + r <= 1
+  rows.push_back({{0.0, 0.0, -1.0}, 0.0});                                    // T >= 0
+  if (!use_recompute || c.gemm <= 0) rows.push_back({{0.0, 1.0, 0.0}, 0.0});  // r <= 0
   double f = 0, r = 0, t = 0;
   if (!MinimiseStep(rows, f, r, t)) return {use_nodes ? 0.0 : 1.0, 0.0};
   f = std::clamp(f, 0.0, 1.0);
   r = std::clamp(r, 0.0, 1.0 - f);
   if (r < 1e-12) r = 0.0;
-  if (!use_nodes || 1.0 - f - r <= 1e-9) {   // nothing left for the nodes
+  if (!use_nodes || 1.0 - f - r <= 1e-9) {  // nothing left for the nodes
     if (r > 0) {
       r = 1.0 - f;
     } else {
@@ -225,8 +225,8 @@ std::string FormatExactPlan(const ExactPlan& p) {
       "exact plan for %d entries/(layer, kv head): fetch %.1f%%, nodes %.1f%%, recompute %.1f%%; "
       "modelled step %.4g s (pcie %.4g, device %.4g, nodes %.4g; fetch only %.4g, combined "
       "limit %.4g); %s",
-      p.tokens, 100 * p.fetch_share, 100 * p.node_share, 100 * p.recompute_share,
-      p.step_seconds, p.pcie_seconds, p.device_seconds, p.node_seconds, p.fetch_only_seconds,
+      p.tokens, 100 * p.fetch_share, 100 * p.node_share, 100 * p.recompute_share, p.step_seconds,
+      p.pcie_seconds, p.device_seconds, p.node_seconds, p.fetch_only_seconds,
       p.combined_limit_seconds, p.recompute_reason);
 }
 

@@ -47,8 +47,8 @@ size_t ProbeDeviceBytes(const ExactGeometry& g, DType kv_dtype, bool host_is_dev
   const size_t pcie = o.pcie_bytes * (host_is_device ? 2 : 1);
   const int64_t hkv = g.num_kv_heads, d = g.head_dim;
   const int64_t tokens = AttendProbeTokens(g, kv_dtype, o);
-  const size_t attend = 2 * hkv * tokens * d * DTypeBytes(kv_dtype) + 2 * hkv * d * 4 + hkv * 4 +
-                        tokens * 4 + 4;
+  const size_t attend =
+      2 * hkv * tokens * d * DTypeBytes(kv_dtype) + 2 * hkv * d * 4 + hkv * 4 + tokens * 4 + 4;
   const int64_t m = GemmProbeRows(g, o), n = 2 * hkv * d, k = g.hidden_size;
   const size_t gemm = m * k * 4 + n * k * DTypeBytes(kv_dtype) + m * n * 4;
   return std::max({pcie, attend, gemm});
@@ -66,18 +66,18 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer dev, backend.Allocate(o.pcie_bytes));
     std::fill_n(static_cast<char*>(host.data()), o.pcie_bytes, char{1});
     TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
-      UploadParams u;
-      u.dst = dev.data();
-      u.dst_pitch = o.pcie_bytes;
-      u.src_host = host.data();
-      u.src_pitch = o.pcie_bytes;
-      u.row_bytes = o.pcie_bytes;
-      u.rows = 1;
-      TANDEM_RETURN_IF_ERROR(backend.UploadAsync(u, 0));
-      TANDEM_RETURN_IF_ERROR(backend.WaitUpload(0));
-      TANDEM_RETURN_IF_ERROR(backend.ReleaseUpload(0));
-      return backend.Synchronize();
-    }));
+                              UploadParams u;
+                              u.dst = dev.data();
+                              u.dst_pitch = o.pcie_bytes;
+                              u.src_host = host.data();
+                              u.src_pitch = o.pcie_bytes;
+                              u.row_bytes = o.pcie_bytes;
+                              u.rows = 1;
+                              TANDEM_RETURN_IF_ERROR(backend.UploadAsync(u, 0));
+                              TANDEM_RETURN_IF_ERROR(backend.WaitUpload(0));
+                              TANDEM_RETURN_IF_ERROR(backend.ReleaseUpload(0));
+                              return backend.Synchronize();
+                            }));
     rates.pcie_bytes_per_second = o.pcie_bytes / t;
   }
   // Device attention: one decode query row over `tokens` entries of every kv head.
@@ -97,8 +97,9 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
     TANDEM_RETURN_IF_ERROR(backend.RandomFill({v.data(), kv_dtype, elems, 2, 0.1f}));
     TANDEM_RETURN_IF_ERROR(backend.RandomFill({q.data(), DType::kF32, size_t(hkv * d), 3, 0.1f}));
     std::vector<int32_t> positions(tokens + 1, 0);
-    positions[tokens] = static_cast<int32_t>(tokens);   // the query, after every entry
-    TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(pos.data(), positions.data(), positions.size() * 4));
+    positions[tokens] = static_cast<int32_t>(tokens);  // the query, after every entry
+    TANDEM_RETURN_IF_ERROR(
+        backend.CopyToDevice(pos.data(), positions.data(), positions.size() * 4));
     WindowAttentionParams wa;
     wa.q = q.as<float>();
     wa.q_row_stride = hkv * d;
@@ -117,9 +118,9 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
     wa.o = out.as<float>();
     wa.lse = lse.as<float>();
     TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
-      TANDEM_RETURN_IF_ERROR(backend.WindowAttention(wa));
-      return backend.Synchronize();
-    }));
+                              TANDEM_RETURN_IF_ERROR(backend.WindowAttention(wa));
+                              return backend.Synchronize();
+                            }));
     rates.device_attend_bytes_per_second = 2.0 * half / t;
   }
   // Recompute GEMM: x [m, hidden] f32 by W [2·H_kv·D, hidden] of the KV dtype (K and V at once).
@@ -140,9 +141,9 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
     mm.n = n;
     mm.k = k;
     TANDEM_ASSIGN_OR_RETURN(const double t, BestOf(o.repeats, [&]() -> absl::Status {
-      TANDEM_RETURN_IF_ERROR(backend.MatMul(mm));
-      return backend.Synchronize();
-    }));
+                              TANDEM_RETURN_IF_ERROR(backend.MatMul(mm));
+                              return backend.Synchronize();
+                            }));
     rates.gemm_flops_per_second = 2.0 * m * n * k / t;
   }
   return rates;
@@ -176,8 +177,8 @@ absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& g, DType kv_dty
   ro.num_kv_heads = static_cast<int64_t>(accepting);
   ro.head_dim = d;
   ro.kv_dtype = kv_dtype;
-  ro.selection = SelectionRule::kPages;   // no selected copy; dense attends
-  ro.placement = PlacementPolicy::kUniform;   // one head per node
+  ro.selection = SelectionRule::kPages;      // no selected copy; dense attends
+  ro.placement = PlacementPolicy::kUniform;  // one head per node
   ro.expected_tokens = tokens;
   ro.attend_deadline_ms = o.attend_deadline_ms;
   ro.replan_every_steps = 0;
@@ -230,7 +231,9 @@ absl::StatusOr<std::unique_ptr<ExactRateBook>> ExactRateBook::Measure(
 
 void ExactRateBook::RecordNodeRate(double bytes_per_second) {
   if (!std::isfinite(bytes_per_second) || bytes_per_second <= 0) return;
-  rates_.node_bytes_per_second = node_samples_ == 0 && rates_.node_bytes_per_second <= 0
+  // The first session sample replaces the probe's (an idle node, a small probe); later ones
+  // move the average by a fifth each.
+  rates_.node_bytes_per_second = node_samples_ == 0
                                      ? bytes_per_second
                                      : 0.8 * rates_.node_bytes_per_second + 0.2 * bytes_per_second;
   ++node_samples_;

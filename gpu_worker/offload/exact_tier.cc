@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
+#include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_streamer.h"
 
@@ -55,7 +56,7 @@ absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodeP
   }
   const ExactPlan plan =
       PlanExactSplit(rates.rates(), options.geometry, options.expected_tokens, options.plan);
-  ro.selection = SelectionRule::kPages;   // dense attends (no pages named), no selected copy
+  ro.selection = SelectionRule::kPages;  // dense attends (no pages named), no selected copy
   const int64_t host_entries =
       static_cast<int64_t>(std::floor(plan.fetch_share * options.expected_tokens));
   ro.expected_tokens = std::max<int64_t>(0, options.expected_tokens - host_entries);
@@ -73,11 +74,12 @@ absl::StatusOr<std::unique_ptr<ExactTier>> ExactTier::Create(std::unique_ptr<Off
     return absl::InvalidArgumentError("exact tier: host pages, node session and rates needed");
   }
   if (remote->options().selection != SelectionRule::kPages) {
-    return absl::InvalidArgumentError("exact tier: the node session must be opened with pages "
-                                      "selection (dense attends, no selected copy)");
+    return absl::InvalidArgumentError(
+        "exact tier: the node session must be opened with pages "
+        "selection (dense attends, no selected copy)");
   }
-  auto tier = std::unique_ptr<ExactTier>(
-      new ExactTier(std::move(host), std::move(remote), rates, options));
+  auto tier =
+      std::unique_ptr<ExactTier>(new ExactTier(std::move(host), std::move(remote), rates, options));
   tier->Replan(options.expected_tokens);
   spdlog::info("session {}: {} ({})", tier->remote_->options().session_id,
                FormatExactPlan(tier->plan_), FormatExactRates(rates->rates()));
@@ -88,9 +90,7 @@ ExactTier::ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv
                      ExactRateBook* rates, const ExactTierOptions& options)
     : host_(std::move(host)), remote_(std::move(remote)), rates_(rates), options_(options) {}
 
-int64_t ExactTier::host_tokens() const {
-  return host_->tokens(host_->geometry().num_layers - 1);
-}
+int64_t ExactTier::host_tokens() const { return host_->tokens(host_->geometry().num_layers - 1); }
 
 double ExactTier::off_device_work() const {
   const ExactGeometry& g = options_.geometry;
@@ -99,8 +99,8 @@ double ExactTier::off_device_work() const {
 
 void ExactTier::Replan(int64_t tokens) {
   options_.expected_tokens = std::max(options_.expected_tokens, tokens);
-  plan_ = PlanExactSplit(rates_->rates(), options_.geometry, options_.expected_tokens,
-                         options_.plan);
+  plan_ =
+      PlanExactSplit(rates_->rates(), options_.geometry, options_.expected_tokens, options_.plan);
   steps_since_plan_ = 0;
 }
 
@@ -141,9 +141,8 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   absl::Status streamed = absl::OkStatus();
   if (host_->num_pages(0) > 0) {
     KvStreamer* streamer = context.streamer();
-    streamed = streamer == nullptr
-                   ? absl::FailedPreconditionError("exact tier without a streamer")
-                   : streamer->AttendLayer(rows.layer, rows.stream, w);
+    streamed = streamer == nullptr ? absl::FailedPreconditionError("exact tier without a streamer")
+                                   : streamer->AttendLayer(rows.layer, rows.stream, w);
   }
   if (!nodes_attending_) {
     TANDEM_RETURN_IF_ERROR(streamed);
@@ -238,7 +237,11 @@ absl::Status ExactTier::Maintain() {
   const double bytes = static_cast<double>(node_tokens()) * g.num_layers * g.kv_row_bytes();
   const double overhead = g.num_layers * remote_->options().attend_overhead_seconds;
   const double modelled = remote_->ModelledStepSeconds() - overhead;
-  if (node_attends_ >= kMinNodeSamples && bytes > 0 && modelled > 0) {
+  // Only while the nodes' calls are large enough to be timed (RemoteKv measures a node's rate
+  // from replies of >= kMinTimedScanBytes; below that its model holds a default, not a rate).
+  const size_t nodes = std::max<size_t>(1, remote_->nodes_in_use().size());
+  const bool timed = bytes / g.num_layers / nodes >= static_cast<double>(kMinTimedScanBytes);
+  if (node_attends_ >= kMinNodeSamples && timed && modelled > 0) {
     rates_->RecordNodeRate(bytes / modelled);
   }
   const ExactPlan before = plan_;

@@ -8,14 +8,14 @@
 // chunks), then greedy decode steps with the same token; a decode batch mixing exact and gpu
 // sequences matches the sequences decoded alone. Also: the split lands where the plan says, a
 // request-shaped misuse (a MAW node session) is refused, and the probe measures every path.
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/device_model.h"
@@ -37,7 +37,7 @@ constexpr int64_t kWindow = 64, kSink = 4;
 // A model on the test backend with its runner and one embedded CPU node.
 struct Rig {
   std::unique_ptr<Backend> backend;
-  std::unique_ptr<Model> model;   // null for random weights
+  std::unique_ptr<Model> model;  // null for random weights
   std::unique_ptr<DeviceModel> device_model;
   std::unique_ptr<ModelRunner> runner;
   std::unique_ptr<NodePool> pool;
@@ -118,6 +118,7 @@ std::unique_ptr<Sequence> MakeSequence(Rig& rig, AttentionMode mode, const std::
     eo.geometry = GeometryOf(c);
     eo.expected_tokens = 400;
     eo.plan.force_fetch_share = fetch_share;
+    eo.replan_every_steps = 4;
     // Small pages so that a few hundred entries span several pages and the slots cycle.
     auto tier = OpenExactTier(*rig.backend, *rig.pool, *book, ro, geometry, 48, eo);
     EXPECT_TRUE(tier.ok()) << tier.status();
@@ -194,14 +195,16 @@ class ExactMode : public ::testing::Test {
                       float tolerance = kLogitTolerance) {
     ExactRateBook even(EvenRates());
     for (const double share : {0.0, 1.0, 0.37}) {
-      ExpectExactEqualsGpu(rig, even, share, prompt_len, steps,
-                           name + "-" + std::to_string(share), tolerance);
+      ExpectExactEqualsGpu(rig, even, share, prompt_len, steps, name + "-" + std::to_string(share),
+                           tolerance);
       if (HasFatalFailure()) return;
     }
-    auto probed = ExactRateBook::Measure(*rig.backend, *rig.pool, GeometryOf(rig.config),
-                                         DType::kF32,
-                                         {.pcie_bytes = 8 << 20, .device_kv_bytes = 4 << 20,
-                                          .gemm_flops = 2e8, .node_bytes = 4 << 20});
+    auto probed =
+        ExactRateBook::Measure(*rig.backend, *rig.pool, GeometryOf(rig.config), DType::kF32,
+                               {.pcie_bytes = 8 << 20,
+                                .device_kv_bytes = 4 << 20,
+                                .gemm_flops = 2e8,
+                                .node_bytes = 4 << 20});
     ASSERT_TRUE(probed.ok()) << probed.status();
     ExpectExactEqualsGpu(rig, **probed, -1, prompt_len, steps, name + "-planned", tolerance);
   }
@@ -249,8 +252,7 @@ TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   ExactRateBook even(EvenRates());
-  const AttentionMode modes[] = {AttentionMode::kExact, AttentionMode::kGpu,
-                                 AttentionMode::kExact};
+  const AttentionMode modes[] = {AttentionMode::kExact, AttentionMode::kGpu, AttentionMode::kExact};
   const double shares[] = {0.5, -1, 0.25};
   std::vector<std::unique_ptr<Sequence>> batched, single;
   for (int i = 0; i < 3; ++i) {
@@ -270,21 +272,61 @@ TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
     for (auto& s : batched) seqs.push_back(s.get());
     ASSERT_TRUE(rig->runner->Decode(seqs, next.data()).ok());
     std::vector<float> all(3 * vocab);
-    ASSERT_TRUE(rig->backend->CopyToHost(all.data(), rig->runner->batch_logits(), all.size() * 4)
-                    .ok());
+    ASSERT_TRUE(
+        rig->backend->CopyToHost(all.data(), rig->runner->batch_logits(), all.size() * 4).ok());
     for (int i = 0; i < 3; ++i) {
       const std::vector<float> alone = Step(*rig, *single[i], {next[i]});
-      ASSERT_LE(MaxDiff(alone, std::vector<float>(all.begin() + i * vocab,
-                                                  all.begin() + (i + 1) * vocab)),
+      ASSERT_LE(MaxDiff(alone,
+                        std::vector<float>(all.begin() + i * vocab, all.begin() + (i + 1) * vocab)),
                 kLogitTolerance)
           << "sequence " << i << " step " << step;
-      next[i] = static_cast<int32_t>(std::max_element(alone.begin(), alone.end()) -
-                                     alone.begin());
+      next[i] = static_cast<int32_t>(std::max_element(alone.begin(), alone.end()) - alone.begin());
     }
   }
   const auto& t0 = static_cast<const ExactTier&>(*batched[0]->offload);
   EXPECT_GT(t0.host_tokens(), 0);
   EXPECT_GT(t0.node_tokens(), 0);
+}
+
+// Online correction: a book that claims nearly free CPU nodes plans (almost) everything onto
+// them; Maintain() between steps records the nodes' measured rate (RemoteKv's model of the
+// replies it timed) and re-plans, so the book's node rate falls to the node's real one and the
+// fetch share grows.
+TEST_F(ExactMode, MaintainCorrectsTheNodeRateAndReplans) {
+  // Random weights with 2 KiB of K+V per token and layer: the nodes' share of a 1000-token
+  // prompt is over 1 MiB a layer, large enough for RemoteKv to time the nodes' replies.
+  absl::StatusOr<ModelConfig> config = GeometryPreset("tiny");
+  ASSERT_TRUE(config.ok()) << config.status();
+  ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,head_dim=64,dtype=f32", *config).ok());
+  std::string why;
+  auto rig = MakeRig("", *config, &why);
+  if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
+  ASSERT_TRUE(rig.ok()) << rig.status();
+  ExactPathRates claimed = EvenRates();
+  claimed.node_bytes_per_second = 1e15;
+  claimed.node_overhead_seconds = 0;
+  ExactRateBook book(claimed);
+  auto seq = MakeSequence(*rig, AttentionMode::kExact, "online", &book, -1);
+  ASSERT_NE(seq, nullptr);
+  const auto& tier = static_cast<const ExactTier&>(*seq->offload);
+  const double before = tier.plan().fetch_share;
+  EXPECT_LT(before, 0.01);
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 1000; ++i) prompt.push_back(1 + (i * 29) % 250);
+  std::vector<float> logits = Step(*rig, *seq, prompt);
+  for (int step = 0; step < 48; ++step) {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    logits = Step(*rig, *seq, {next});
+    seq->MaintainOffloaded();
+  }
+  EXPECT_GT(book.node_samples(), 0u);
+  EXPECT_LT(book.rates().node_bytes_per_second, 1e12);  // a real node, not the claim
+  EXPECT_GT(tier.plan().fetch_share, 0.05);
+  std::printf("online: node rate %.3g B/s after %llu samples, fetch share %.3f -> %.3f\n",
+              book.rates().node_bytes_per_second,
+              static_cast<unsigned long long>(book.node_samples()), before,
+              tier.plan().fetch_share);
 }
 
 TEST_F(ExactMode, ProbeMeasuresEveryPathAndRefusesBadParts) {
@@ -295,8 +337,8 @@ TEST_F(ExactMode, ProbeMeasuresEveryPathAndRefusesBadParts) {
   ASSERT_TRUE(rig.ok()) << rig.status();
   ExactPathRates rates;
   const ExactGeometry g = GeometryOf(rig->config);
-  ExactProbeOptions small{.pcie_bytes = 4 << 20, .device_kv_bytes = 1 << 20, .gemm_flops = 1e7,
-                          .node_bytes = 1 << 20};
+  ExactProbeOptions small{
+      .pcie_bytes = 4 << 20, .device_kv_bytes = 1 << 20, .gemm_flops = 1e7, .node_bytes = 1 << 20};
   auto device = ProbeDeviceRates(*rig->backend, g, DType::kF32, small);
   ASSERT_TRUE(device.ok()) << device.status();
   rates = *device;
@@ -401,7 +443,7 @@ TEST_F(ExactEngine, HybridKnobsAreInvalidWithExact) {
     EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
     EXPECT_NE(s.status().message().find("exact"), std::string::npos) << s.status();
   }
-  EXPECT_TRUE(engine_->Generate(Request(AttentionMode::kExact, "", 0)).ok());   // still serving
+  EXPECT_TRUE(engine_->Generate(Request(AttentionMode::kExact, "", 0)).ok());  // still serving
   EXPECT_EQ(*ParseAttentionMode("EXACT"), AttentionMode::kExact);
   EXPECT_EQ(AttentionModeName(AttentionMode::kExact), "exact");
 }
@@ -432,7 +474,6 @@ TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   EXPECT_EQ(tier.status().code(), absl::StatusCode::kUnavailable) << tier.status();
   EXPECT_NE(tier.status().message().find("offload"), std::string::npos) << tier.status();
 }
-
 
 // Nodes that store int8 rows would make the node share approximate: refused.
 TEST(ExactTierOpen, Int8NodesAreRefused) {

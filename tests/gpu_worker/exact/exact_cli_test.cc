@@ -15,11 +15,11 @@
 namespace tandem::gpu_worker {
 namespace {
 
-using ::testing::HasSubstr;
-using ::testing::StartsWith;
 using test_process::ChildProcess;
 using test_process::CommandResult;
 using test_process::RunCommand;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 TEST(ExactCli, WorkerServesExactModeOverGrpc) {
   testing::Golden golden;
@@ -29,8 +29,7 @@ TEST(ExactCli, WorkerServesExactModeOverGrpc) {
   auto worker = ChildProcess::Start(
       {TANDEM_GPU_WORKER_BIN, "--model=" + testing::Stories260kDir().string(),
        "--address=127.0.0.1:0", "--backend=cpu", "--cpu_threads=2", "--embedded_pool_bytes=64MiB",
-       "--mode=exact", "--window=32", "--sink=4", "--exact_fetch_share=0.5",
-       "--log_level=warn"});
+       "--mode=exact", "--window=32", "--sink=4", "--exact_fetch_share=0.5", "--log_level=warn"});
   ASSERT_TRUE(worker.ok()) << worker.status();
   absl::StatusOr<int> port = (*worker)->WaitListening();
   ASSERT_TRUE(port.ok()) << port.status();
@@ -53,8 +52,8 @@ TEST(ExactCli, WorkerServesExactModeOverGrpc) {
   EXPECT_EQ(r->exit_code, 1);
   EXPECT_THAT(r->err, StartsWith("tandem: INVALID_ARGUMENT: mode exact"));
 
-  r = RunCommand({TANDEM_CLI_BIN, "generate", server, "--prompt", golden.prompt_text,
-                  "--max-tokens=8"});
+  r = RunCommand(
+      {TANDEM_CLI_BIN, "generate", server, "--prompt", golden.prompt_text, "--max-tokens=8"});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->exit_code, 0) << r->err;
 

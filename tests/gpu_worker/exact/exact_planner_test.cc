@@ -3,12 +3,12 @@
 // over every (fetch, recompute) split (the LP's vertex enumeration must be at least as good), on
 // the two geometries (Llama-3-8B GQA: recompute does not pay; Llama-2-7B MHA: it can),
 // and on the edges: no nodes, no PCIe, node overhead for short contexts, forced shares.
-#include <algorithm>
-#include <cmath>
+#include "tandem/gpu_worker/exact_planner.h"
 
 #include <gtest/gtest.h>
 
-#include "tandem/gpu_worker/exact_planner.h"
+#include <algorithm>
+#include <cmath>
 
 namespace tandem::gpu_worker {
 namespace {
@@ -28,16 +28,15 @@ ExactPathRates H100Host() {
   return r;
 }
 
-double StepOf(const ExactPathRates& r, const ExactGeometry& g, double tokens, double f,
-              double rc) {
+double StepOf(const ExactPathRates& r, const ExactGeometry& g, double tokens, double f, double rc) {
   const double k = g.num_layers * tokens * g.kv_row_bytes();
   const double x = g.num_layers * tokens * g.activation_row_bytes();
-  const double flops = g.num_layers * tokens * 2.0 * g.hidden_size * 2.0 * g.num_kv_heads *
-                       g.head_dim;
+  const double flops =
+      g.num_layers * tokens * 2.0 * g.hidden_size * 2.0 * g.num_kv_heads * g.head_dim;
   const double n = 1 - f - rc;
   const double pcie = (f * k + rc * x) / r.pcie_bytes_per_second;
-  const double dev = (f + rc) * k / r.device_attend_bytes_per_second +
-                     rc * flops / r.gemm_flops_per_second;
+  const double dev =
+      (f + rc) * k / r.device_attend_bytes_per_second + rc * flops / r.gemm_flops_per_second;
   const double nodes =
       n > 0 ? n * k / r.node_bytes_per_second + g.num_layers * r.node_overhead_seconds : 0.0;
   return std::max({pcie, dev, nodes});
@@ -105,8 +104,7 @@ TEST(ExactPlanner, NoGridSplitBeatsTheLp) {
     for (const ExactPathRates& r : rates) {
       for (const double tokens : {300.0, 8192.0, 131072.0}) {
         const ExactPlan p = PlanExactSplit(r, g, static_cast<int64_t>(tokens), o);
-        EXPECT_NEAR(p.step_seconds,
-                    StepOf(r, g, tokens, p.fetch_share, p.recompute_share), 1e-12);
+        EXPECT_NEAR(p.step_seconds, StepOf(r, g, tokens, p.fetch_share, p.recompute_share), 1e-12);
         double best = 1e30;
         for (int i = 0; i <= 400; ++i) {
           for (int j = 0; i + j <= 400; ++j) {

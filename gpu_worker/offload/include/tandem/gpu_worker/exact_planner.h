@@ -11,10 +11,12 @@
 // time of a layer is the slowest resource's. Per step (all L layers, N offloaded entries per
 // (layer, kv head); shares f, n, r of the entries with f + n + r = 1):
 //
-//   PCIe    (f·K + r·X) / pcie                         K = L·N·2·H_kv·D·kv_bytes, X = L·N·hidden·act_bytes
-//   device  (f + r)·K / device_attend + r·F / gemm     F = L·N·2·hidden·2·H_kv·D (flops)
-//   nodes   n·K / Σ node rates + L·node_overhead        (0 when n = 0)
+//   PCIe    (f·K + r·X) / pcie
+//   device  (f + r)·K / device_attend + r·F / gemm
+//   nodes   n·K / Σ node rates + L·node_overhead   (0 when n = 0)
 //   step    max of the three
+// with K = L·N·2·H_kv·D·kv_bytes (K+V bytes), X = L·N·hidden·act_bytes (activation bytes) and
+// F = L·N·2·hidden·2·H_kv·D (recompute GEMM flops).
 //
 // The node term spreads n·K over the nodes in proportion to their rates (the placement planner
 // balances the shards; the fractional balance is the bound it approaches). Minimising the max
@@ -36,12 +38,12 @@ namespace tandem::gpu_worker {
 
 // Rates of the paths (bytes or flops per second; 0 = path unavailable).
 struct ExactPathRates {
-  double pcie_bytes_per_second = 0;            // host -> device of pinned pages (probe)
-  double device_attend_bytes_per_second = 0;   // device attention over KV on the device (probe)
-  double gemm_flops_per_second = 0;            // device MatMul, f32 x kv-dtype weights (probe)
-  double node_bytes_per_second = 0;            // Σ over accepting nodes of their dense scan rates
-  double node_overhead_seconds = 0;            // one Attend round trip (per layer and step)
-  size_t nodes = 0;                            // accepting nodes
+  double pcie_bytes_per_second = 0;           // host -> device of pinned pages (probe)
+  double device_attend_bytes_per_second = 0;  // device attention over KV on the device (probe)
+  double gemm_flops_per_second = 0;           // device MatMul, f32 x kv-dtype weights (probe)
+  double node_bytes_per_second = 0;           // Σ over accepting nodes of their dense scan rates
+  double node_overhead_seconds = 0;           // one Attend round trip (per layer and step)
+  size_t nodes = 0;                           // accepting nodes
 };
 
 // What one step attends, per token.
@@ -50,8 +52,8 @@ struct ExactGeometry {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t hidden_size = 0;
-  size_t kv_bytes = 2;           // bytes of one K or V element (the window dtype)
-  size_t activation_bytes = 2;   // bytes of one stored activation element
+  size_t kv_bytes = 2;          // bytes of one K or V element (the window dtype)
+  size_t activation_bytes = 2;  // bytes of one stored activation element
 
   // K+V bytes of one token of one layer, and its activation row.
   double kv_row_bytes() const { return 2.0 * num_kv_heads * head_dim * kv_bytes; }
@@ -59,9 +61,9 @@ struct ExactGeometry {
 };
 
 struct ExactPlan {
-  double fetch_share = 0;       // of the offloaded entries: host pages over PCIe
-  double node_share = 0;        // on the CPU nodes
-  double recompute_share = 0;   // activations over PCIe, K/V recomputed on the device
+  double fetch_share = 0;      // of the offloaded entries: host pages over PCIe
+  double node_share = 0;       // on the CPU nodes
+  double recompute_share = 0;  // activations over PCIe, K/V recomputed on the device
   // Modelled seconds per decode step for `tokens` offloaded entries (all layers).
   double pcie_seconds = 0, device_seconds = 0, node_seconds = 0, step_seconds = 0;
   // The same step with every entry fetched (offload mode) and the combined bandwidth limit
@@ -71,7 +73,7 @@ struct ExactPlan {
   // Recompute: whether it lowers the step (solved with and without it), and why, in words
   // (the row sizes and the modelled gain or loss).
   bool recompute_pays = false;
-  double recompute_gain = 0;    // 1 - step(with recompute) / step(without), >= 0
+  double recompute_gain = 0;  // 1 - step(with recompute) / step(without), >= 0
   std::string recompute_reason;
   int64_t tokens = 0;
 };
@@ -86,8 +88,8 @@ struct ExactPlanOptions {
 // The split for `tokens` offloaded entries per (layer, kv head). Shares sum to 1; with no
 // nodes (rates.nodes == 0 or node_bytes_per_second <= 0) the node share is 0; with no usable
 // PCIe rate, everything goes to the nodes.
-ExactPlan PlanExactSplit(const ExactPathRates& rates, const ExactGeometry& geometry,
-                         int64_t tokens, const ExactPlanOptions& options = {});
+ExactPlan PlanExactSplit(const ExactPathRates& rates, const ExactGeometry& geometry, int64_t tokens,
+                         const ExactPlanOptions& options = {});
 
 // One line: shares per path, modelled times, the recompute verdict.
 std::string FormatExactPlan(const ExactPlan& plan);

@@ -28,12 +28,12 @@
 namespace tandem::gpu_worker {
 
 struct ExactProbeOptions {
-  size_t pcie_bytes = size_t{64} << 20;   // one upload of this size
-  size_t device_kv_bytes = size_t{32} << 20;   // K+V the device attends over
-  double gemm_flops = 4e9;                // flops of one probe GEMM (rows chosen to match)
+  size_t pcie_bytes = size_t{64} << 20;       // one upload of this size
+  size_t device_kv_bytes = size_t{32} << 20;  // K+V the device attends over
+  double gemm_flops = 4e9;                    // flops of one probe GEMM (rows chosen to match)
   // K+V per node; capped at a quarter of the node's free memory.
   size_t node_bytes = size_t{64} << 20;
-  int repeats = 3;                        // timed runs after one warm-up; the best counts
+  int repeats = 3;  // timed runs after one warm-up; the best counts
   int attend_deadline_ms = 5000;
 };
 
@@ -61,8 +61,8 @@ class ExactRateBook {
       Backend& backend, NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
       const ExactProbeOptions& options = {});
   const ExactPathRates& rates() const { return rates_; }
-  // A measured aggregate node rate (bytes/s over all nodes a session uses): EMA with weight
-  // 0.2 per sample. Ignored unless finite and > 0.
+  // A measured aggregate node rate (bytes/s over all nodes a session uses): the first replaces
+  // the probe's, later ones enter an EMA with weight 0.2. Ignored unless finite and > 0.
   void RecordNodeRate(double bytes_per_second);
   uint64_t node_samples() const { return node_samples_; }
 

@@ -43,9 +43,9 @@ namespace tandem::gpu_worker {
 
 struct ExactTierOptions {
   ExactGeometry geometry;
-  ExactPlanOptions plan;            // force_fetch_share >= 0: a fixed split (tests, benchmarks)
-  int64_t expected_tokens = 0;      // offloaded entries per (layer, kv head) by the request's end
-  int replan_every_steps = 16;      // Maintain() calls between re-plans; 0 = never
+  ExactPlanOptions plan;        // force_fetch_share >= 0: a fixed split (tests, benchmarks)
+  int64_t expected_tokens = 0;  // offloaded entries per (layer, kv head) by the request's end
+  int replan_every_steps = 16;  // Maintain() calls between re-plans; 0 = never
 };
 
 class ExactTier final : public OffloadTier {
@@ -59,7 +59,7 @@ class ExactTier final : public OffloadTier {
                                                            const ExactTierOptions& options);
 
   int64_t offloaded_tokens() const override { return host_tokens() + node_tokens(); }
-  bool wants_maw() const override { return false; }   // everything is attended
+  bool wants_maw() const override { return false; }  // everything is attended
   // K and V bytes the nodes scan per query row (all layers).
   double off_device_work() const override;
 
@@ -79,7 +79,7 @@ class ExactTier final : public OffloadTier {
   std::vector<double> MeanSelectedShare() const override { return {}; }
 
   const ExactPlan& plan() const { return plan_; }
-  int64_t host_tokens() const;   // entries per (layer, kv head) in host pages
+  int64_t host_tokens() const;  // entries per (layer, kv head) in host pages
   int64_t node_tokens() const { return remote_->offloaded_tokens(); }
   const OffloadedKv& host() const { return *host_; }
   const RemoteKv& remote() const { return *remote_; }
@@ -93,17 +93,17 @@ class ExactTier final : public OffloadTier {
   // Entries of a batch of `tokens` that go to the host pages (the rest to the nodes).
   int64_t HostPart(int64_t tokens) const;
 
-  static constexpr int kMinNodeSamples = 8;   // attends before a session's node rate counts
+  static constexpr int kMinNodeSamples = 8;  // attends before a session's node rate counts
 
   std::unique_ptr<OffloadedKv> host_;
   std::unique_ptr<RemoteKv> remote_;
   ExactRateBook* rates_;
   ExactTierOptions options_;
   ExactPlan plan_;
-  bool nodes_attending_ = false;   // the attend in flight went to the nodes
+  bool nodes_attending_ = false;  // the attend in flight went to the nodes
   int steps_since_plan_ = 0;
   uint64_t node_attends_ = 0;
-  std::vector<char> host_k_, host_v_, node_k_, node_v_;   // one layer's split of a batch
+  std::vector<char> host_k_, host_v_, node_k_, node_v_;  // one layer's split of a batch
   std::vector<float> node_maw_;
 };
 
