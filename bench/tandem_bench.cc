@@ -18,7 +18,9 @@
 // hybrid widen their window to hold the prompt (WindowCache::Widen, as far as the device allows
 // after --prefill_headroom_mb), so every chunk attends on the device; ttft_s ends at the first
 // sampled token, settled_s when the blocks beyond the window are on the tier (host pages / CPU
-// node). Hybrid runs once per --prefill_selections (maw: beta --prefill_beta; pages: budget
+// node). A prompt larger than the widened window (or than --prefill_widen_mb) spills the rest:
+// hybrid then attends over it from host pages on the device (PrefillSpillTier), as serving does.
+// Hybrid runs once per --prefill_selections (maw: beta --prefill_beta; pages: budget
 // --prefill_select_tokens).
 //
 // Limits (all rates measured at the start of the run, physical_limits.h), per decode step:
