@@ -63,7 +63,11 @@ absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodeP
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(pool, ro));
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> host,
                           OffloadedKv::Create(backend, geometry, page_tokens));
-  return ExactTier::Create(std::move(host), std::move(remote), &rates, options);
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ExactTier> tier,
+                          ExactTier::Create(std::move(host), std::move(remote), &rates, options));
+  // The host share must fit the memory the system has (the nodes checked theirs at Open).
+  TANDEM_RETURN_IF_ERROR(tier->Reserve(options.expected_tokens));
+  return tier;
 }
 
 absl::StatusOr<std::unique_ptr<ExactTier>> ExactTier::Create(std::unique_ptr<OffloadedKv> host,

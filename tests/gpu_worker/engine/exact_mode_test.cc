@@ -475,6 +475,32 @@ TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   EXPECT_NE(tier.status().message().find("offload"), std::string::npos) << tier.status();
 }
 
+// A host share beyond the host's available memory is refused before anything is stored.
+TEST(ExactTierOpen, HostShareBeyondAvailableMemoryIsResourceExhausted) {
+  std::string why;
+  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
+  NodePoolOptions po;
+  po.embedded.pool_bytes = 16ull << 20;
+  auto pool = NodePool::Create(po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  ExactRateBook book(EvenRates());
+  RemoteKvOptions ro;
+  ro.session_id = "huge";
+  ro.num_layers = 2;
+  ro.num_q_heads = 4;
+  ro.num_kv_heads = 2;
+  ro.head_dim = 16;
+  ro.kv_dtype = DType::kF32;
+  ExactTierOptions eo;
+  eo.geometry = {2, 2, 16, 64, 4, 4};
+  eo.plan.force_fetch_share = 1;          // all of it in host pages
+  eo.expected_tokens = int64_t{1} << 40;  // 2^40 entries x 256 B per layer
+  auto tier = OpenExactTier(*backend, **pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+  EXPECT_EQ(tier.status().code(), absl::StatusCode::kResourceExhausted) << tier.status();
+  EXPECT_NE(tier.status().message().find("host"), std::string::npos) << tier.status();
+}
+
 // Nodes that store int8 rows would make the node share approximate: refused.
 TEST(ExactTierOpen, Int8NodesAreRefused) {
   std::string why;

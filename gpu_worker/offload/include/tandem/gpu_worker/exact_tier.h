@@ -112,7 +112,9 @@ class ExactTier final : public OffloadTier {
 // set here) and the host pages of `geometry` (pages of page_tokens), and makes the tier.
 // UNAVAILABLE when no CPU node accepts (exact mode plans over the nodes; offload mode streams
 // everything without them); FAILED_PRECONDITION when an accepting node stores int8 rows (not
-// exact); RemoteKv::Open's and OffloadedKv::Create's errors otherwise.
+// exact); RESOURCE_EXHAUSTED when the nodes' share does not fit them or the host share does
+// not fit the host's available memory (Reserve); RemoteKv::Open's and OffloadedKv::Create's
+// errors otherwise.
 absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodePool& pool,
                                                          ExactRateBook& rates, RemoteKvOptions ro,
                                                          const WindowGeometry& geometry,
