@@ -331,6 +331,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
     Add(dev, "cuda workspace", CudaWorkspaceBytes(c, c.weight_dtype, C) + kCublasWorkspaceBytes,
         "2 x the widest bf16 GEMM input + cuBLAS's 32 MiB");
   }
+  int64_t spilled = 0;  // prompt tokens per sequence a partly widened hybrid prefill spills
   if (setup.device_prefill && offloads && prompt > r.window) {
     // WindowCache::Widen(prompt): Create's rule with window = prompt. Widen and the shrink
     // after Narrow re-lay the ring into new buffers, so for a moment the widened ring and the
@@ -356,6 +357,18 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                      "-token prompt while it is prefilled",
                      bytes < full ? absl::StrCat(" (", 100 * bytes / full, "% of it fits)") : "",
                      ", less the decode-only buffers"));
+    if (bytes < full && r.mode == AttentionMode::kHybrid) {
+      // A hybrid prompt beyond the widened window spills (PrefillSpillTier): the blocks that
+      // leave during the prefill are also kept in pinned host pages, attended from there on
+      // the device, until the first token. The widest window within `bytes`:
+      int64_t lo = r.window, hi = prompt;
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        widened.window = mid;
+        (WindowCache::BytesFor(geometry, widened) * r.batch <= bytes ? lo : hi) = mid;
+      }
+      spilled = std::max<int64_t>(0, prompt - lo - r.sink);
+    }
   }
   dev.capacity_bytes = setup.device_total_bytes;
   Judge(dev, absl::StrCat("the device (", setup.backend, ")"));
@@ -403,6 +416,12 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, host_entries) * r.batch,
         absl::StrCat(r.batch, " x ", host_entries, " offloaded tokens in ", e.offload_page_tokens,
                      "-token pages", exact_note(fetch)));
+  }
+  if (spilled > 0) {
+    Add(host, "prefill spill pages",
+        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, spilled) * r.batch,
+        absl::StrCat(r.batch, " x ", spilled,
+                     " prompt tokens beyond the widened window, until the first token"));
   }
   // The runner's host staging of q, o and lse (model_runner.cc Create).
   Add(host, "staging", static_cast<uint64_t>(C) * c.num_q_heads * (2 * c.head_dim + 1) * 4,
