@@ -196,7 +196,7 @@ absl::StatusOr<int64_t> WindowCache::WidenWithin(int64_t recent_tokens, size_t m
     }
   }
   for (int64_t w = lo * block; w > options_.window;
-       w = options_.window + (w - options_.window) / 2 / block * block) {
+       w = options_.window + (w - options_.window) * 7 / 8 / block * block) {
     const absl::Status s = Widen(w);
     if (s.ok()) break;
     if (s.code() != absl::StatusCode::kResourceExhausted) return s;

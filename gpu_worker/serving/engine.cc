@@ -233,7 +233,7 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   if (wanted <= window.configured_window()) return;
   // Within the free part of the budget: the widened bytes count in DeviceKvBytes while they
   // are held, so concurrent prefills share what is left and never pass it. Without a budget
-  // the device decides (WidenWithin halves the widening while allocations fail).
+  // the device decides (WidenWithin narrows the widening while allocations fail).
   size_t free = std::numeric_limits<size_t>::max();
   if (options_.kv_cache_bytes > 0) {
     const size_t used = DeviceKvBytes();

@@ -96,7 +96,7 @@ class WindowCache {
   // RESOURCE_EXHAUSTED when the device memory does not suffice (the cache is then unchanged).
   absl::Status Widen(int64_t recent_tokens);
   // Widen() as far as possible towards `recent_tokens` (whole blocks) with at most
-  // `max_extra_bytes` more device bytes than now, halving the widening while the device
+  // `max_extra_bytes` more device bytes than now, taking 1/8 off the widening while the device
   // refuses the allocation (RESOURCE_EXHAUSTED); the window then keeps its size. Returns the
   // window it holds afterwards. Errors other than RESOURCE_EXHAUSTED are returned.
   absl::StatusOr<int64_t> WidenWithin(int64_t recent_tokens, size_t max_extra_bytes);
