@@ -191,7 +191,8 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   TANDEM_RETURN_IF_ERROR(SecurityFromFlags(&options));
   tandem::gpu_worker::EngineOptions& e = options.engine;
   e.model_dir = absl::GetFlag(FLAGS_model);
-  if (e.model_dir.empty() && !(absl::GetFlag(FLAGS_plan) && !absl::GetFlag(FLAGS_preset).empty())) {
+  const bool preset_plan = absl::GetFlag(FLAGS_plan) && !absl::GetFlag(FLAGS_preset).empty();
+  if (e.model_dir.empty() && !preset_plan) {
     return UsageError("--model is required (or --plan --preset=NAME)");
   }
   e.backend = absl::GetFlag(FLAGS_backend);
@@ -371,8 +372,8 @@ int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
     return absl::IsInvalidArgument(largest.status()) ? 2 : 1;
   }
   plan->largest_context = *largest;
-  const std::string text =
-      absl::GetFlag(FLAGS_plan_json) ? gw::MemoryPlanJson(*plan) + "\n" : gw::FormatMemoryPlan(*plan);
+  const std::string text = absl::GetFlag(FLAGS_plan_json) ? gw::MemoryPlanJson(*plan) + "\n"
+                                                           : gw::FormatMemoryPlan(*plan);
   std::fputs(text.c_str(), stdout);
   return plan->fits ? 0 : 1;
 }

@@ -35,7 +35,8 @@ size_t OffloadedKv::HostBytesFor(const WindowGeometry& geometry, int64_t page_to
                                  int64_t tokens) {
   if (page_tokens < 1 || tokens <= 0) return 0;
   const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
-  return static_cast<size_t>(geometry.num_layers) * pages * 2 * HalfPageBytes(geometry, page_tokens);
+  return static_cast<size_t>(geometry.num_layers) * pages * 2 *
+         HalfPageBytes(geometry, page_tokens);
 }
 
 size_t OffloadedKv::HalfPageBytes(const WindowGeometry& geometry, int64_t page_tokens) {
