@@ -642,8 +642,21 @@ absl::Status ModelRunner::Evict(Sequence& seq) {
   if (seq.offload == nullptr) {
     return absl::FailedPreconditionError("window eviction without an offload tier");
   }
-  TANDEM_RETURN_IF_ERROR(seq.offload->Append(tiers_, seq.window, blocks));
-  return seq.window.Release(blocks);
+  // In groups of at most TierContext::kEvictGroupTokens (a settle after a widened prefill moves
+  // a whole prompt): the context's host staging stays that size, whatever the prompt.
+  std::vector<EvictedBlock> group;
+  int64_t group_tokens = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    group.push_back(blocks[i]);
+    group_tokens += blocks[i].count;
+    const bool last = i + 1 == blocks.size();
+    if (!last && group_tokens + blocks[i + 1].count <= TierContext::kEvictGroupTokens) continue;
+    TANDEM_RETURN_IF_ERROR(seq.offload->Append(tiers_, seq.window, group));
+    TANDEM_RETURN_IF_ERROR(seq.window.Release(group));
+    group.clear();
+    group_tokens = 0;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<float>> ModelRunner::LastLogitsToHost() {

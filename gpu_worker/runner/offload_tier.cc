@@ -1,5 +1,7 @@
 #include "tandem/gpu_worker/offload_tier.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_streamer.h"
@@ -136,14 +138,25 @@ void TierContext::ClearQueues() {
   merges_.clear();
 }
 
+size_t TierContext::EvictStagingBytes(const WindowGeometry& geometry, int64_t block_tokens) {
+  const int64_t tokens = std::max(kEvictGroupTokens, block_tokens);
+  return 2 * static_cast<size_t>(geometry.num_kv_heads) * tokens * geometry.head_dim *
+         DTypeBytes(geometry.dtype);
+}
+
 absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
                                       const EvictedLayerSink& sink) {
   const WindowGeometry& g = window.geometry();
   int64_t total = 0;
   for (const EvictedBlock& b : blocks) total += b.count;
   const size_t kv_bytes = g.num_kv_heads * total * g.head_dim * DTypeBytes(g.dtype);
-  evict_k_.resize(kv_bytes);
-  evict_v_.resize(kv_bytes);
+  if (evict_k_.bytes() < kv_bytes) {
+    evict_k_ = {};   // the old staging goes before the larger one is pinned
+    evict_v_ = {};
+    const size_t bytes = std::max(kv_bytes, EvictStagingBytes(g, 1) / 2);
+    TANDEM_ASSIGN_OR_RETURN(evict_k_, backend_.AllocateHost(bytes));
+    TANDEM_ASSIGN_OR_RETURN(evict_v_, backend_.AllocateHost(bytes));
+  }
   evict_maw_.resize(g.num_kv_heads * total);
   // n_gpu of the selection threshold: the entries on the device when these leave it (at most
   // the configured sink + window after a widened prefill: WindowCache::eviction_entries).

@@ -313,6 +313,16 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
     decode_only += setup.device_prefill ? bytes : 0;
   }
+  // The runner's page-locked staging of evicted blocks (TierContext::ReadEvicted), made at the
+  // first eviction and kept: backend memory on cpu (AllocateHost = Allocate), host on cuda.
+  const uint64_t evict_staging =
+      offloads && offloaded > 0 ? TierContext::EvictStagingBytes(geometry, e.block_tokens) : 0;
+  const std::string evict_note = absl::StrCat(
+      "K and V of up to ", std::max(TierContext::kEvictGroupTokens, e.block_tokens),
+      " evicted tokens of one layer");
+  if (evict_staging > 0 && setup.backend == "cpu") {
+    Add(dev, "eviction staging", evict_staging, evict_note);
+  }
   if (r.mode == AttentionMode::kExact) {
     // ExactRateBook::Measure at the engine's first exact session: transient.
     const ExactGeometry g{c.num_layers,
@@ -321,9 +331,14 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                           c.hidden_size,
                           DTypeBytes(setup.kv_dtype),
                           DTypeBytes(setup.kv_dtype)};
-    Add(dev, "exact rate probe",
-        ProbeDeviceBytes(g, setup.kv_dtype, /*host_is_device=*/setup.backend == "cpu"),
-        "PCIe, attention and GEMM probes at the first exact session, one at a time");
+    // The probe's buffers are gone before the first eviction makes the staging (cpu: device
+    // memory too), so the peak holds the larger of the two: the probe counts above the staging.
+    const uint64_t probe =
+        ProbeDeviceBytes(g, setup.kv_dtype, /*host_is_device=*/setup.backend == "cpu");
+    const uint64_t staging_on_device = setup.backend == "cpu" ? evict_staging : 0;
+    Add(dev, "exact rate probe", probe > staging_on_device ? probe - staging_on_device : 0,
+        "PCIe, attention and GEMM probes at the first exact session, one at a time, freed before "
+        "the eviction staging is made (the part above it)");
   }
   if (setup.backend == "cuda") {
     Add(dev, "cuda runtime", setup.device_runtime_bytes,
@@ -422,6 +437,9 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, spilled) * r.batch,
         absl::StrCat(r.batch, " x ", spilled,
                      " prompt tokens beyond the widened window, until the first token"));
+  }
+  if (evict_staging > 0 && setup.backend != "cpu") {
+    Add(host, "eviction staging", evict_staging, evict_note);
   }
   // The runner's host staging of q, o and lse (model_runner.cc Create).
   Add(host, "staging", static_cast<uint64_t>(C) * c.num_q_heads * (2 * c.head_dim + 1) * 4,

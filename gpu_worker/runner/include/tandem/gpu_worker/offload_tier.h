@@ -164,6 +164,11 @@ class TierContext {
   // sink(layer, k, v, maw, tokens, window_entries) once per layer, in layer order, with
   //   k, v: [num_kv_heads, tokens, head_dim] of the window dtype, maw: [num_kv_heads, tokens]
   // and window_entries the entries on the device when they leave it (the β / n_gpu threshold).
+  //
+  // The runner hands evictions over in groups of at most kEvictGroupTokens tokens (a block
+  // larger than that alone), so the page-locked staging is EvictStagingBytes(geometry, block).
+  static constexpr int64_t kEvictGroupTokens = 32768;
+  static size_t EvictStagingBytes(const WindowGeometry& geometry, int64_t block_tokens);
   using EvictedLayerSink = std::function<absl::Status(int64_t layer, const void* k,
                                                       const void* v, const float* maw,
                                                       int64_t tokens, int64_t window_entries)>;
@@ -192,7 +197,9 @@ class TierContext {
   DeviceBuffer select_scratch_;
   std::vector<SelectPagesParams> selects_;   // queued by QueueSelect
   DeviceBuffer batch_select_scratch_;        // the queued selections' scratch, one region each
-  std::vector<char> evict_k_, evict_v_;
+  // Page-locked (Backend::AllocateHost): a settle moves a whole prompt's KV through them, one
+  // layer at a time, and pageable memory halves the device-to-host rate.
+  DeviceBuffer evict_k_, evict_v_;
   std::vector<float> evict_maw_;
 };
 
