@@ -131,11 +131,19 @@ absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
   eo.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 2, 2};
   eo.expected_tokens = offloaded + o.extra_positions;
   eo.plan.force_fetch_share = o.exact_fetch_share;
+  eo.plan.allow_recompute = o.exact_recompute && o.model != nullptr;
+  eo.model = o.model;
+  if (eo.plan.allow_recompute) eo.plan.force_recompute_share = o.exact_recompute_share;
   eo.replan_every_steps = 0;   // the plan of the start stays (the bench times it)
   const gpu_worker::ExactPlan plan =
       gpu_worker::PlanExactSplit(o.exact_rates->rates(), eo.geometry, offloaded, eo.plan);
+  // Whole blocks: recomputed first, then fetched, the rest on the nodes.
+  const int64_t rec = std::min(
+      offloaded,
+      CeilTo(static_cast<int64_t>(std::llround(plan.recompute_share * offloaded)), o.block));
   const int64_t host = std::min(
-      offloaded, CeilTo(static_cast<int64_t>(std::llround(plan.fetch_share * offloaded)), o.block));
+      offloaded - rec,
+      CeilTo(static_cast<int64_t>(std::llround(plan.fetch_share * offloaded)), o.block));
   gpu_worker::RemoteKvOptions ro;
   ro.session_id = id;
   ro.num_layers = c.num_layers;
@@ -148,12 +156,14 @@ absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
   ro.control_deadline_ms = 600000;
   ro.placement = o.placement;
   ro.pool_rates_by_threads = o.pool_node_rates;
-  ro.expected_tokens = offloaded - host + o.extra_positions;
+  ro.expected_tokens = offloaded - rec - host + o.extra_positions;
   ro.replan_every_steps = 0;
   ro.selection = gpu_worker::SelectionRule::kPages;
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
                           gpu_worker::RemoteKv::Open(pool, ro));
-  if (offloaded > host) TANDEM_RETURN_IF_ERROR(FillRemote(*remote, c, o, offloaded - host));
+  if (offloaded > rec + host) {
+    TANDEM_RETURN_IF_ERROR(FillRemote(*remote, c, o, offloaded - rec - host));
+  }
   const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
                                             DType::kBF16};
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::OffloadedKv> kv,
@@ -162,6 +172,22 @@ absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::ExactTier> tier,
                           gpu_worker::ExactTier::Create(std::move(kv), std::move(remote),
                                                         o.exact_rates, eo));
+  if (rec > 0) {
+    // Random layer inputs of the activation dtype, reused chunk by chunk (values do not change
+    // the speed), at positions after the sink.
+    const DType dtype = gpu_worker::ExactRecompute::ActivationDType(o.model->layer(0).qkv.dtype);
+    const int64_t chunk = std::min<int64_t>(rec, 4096);
+    const size_t count = static_cast<size_t>(chunk * c.hidden_size);
+    TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer rows,
+                            backend.Allocate(count * gpu_worker::DTypeBytes(dtype)));
+    TANDEM_RETURN_IF_ERROR(backend.RandomFill({rows.data(), dtype, count, o.seed + 31, 1.0f}));
+    std::vector<char> host_rows(count * gpu_worker::DTypeBytes(dtype));
+    TANDEM_RETURN_IF_ERROR(backend.CopyToHost(host_rows.data(), rows.data(), host_rows.size()));
+    for (int64_t done = 0; done < rec; done += chunk) {
+      TANDEM_RETURN_IF_ERROR(tier->AppendRecomputeRows(
+          backend, o.max_chunk, host_rows.data(), std::min(chunk, rec - done), o.sink + done));
+    }
+  }
   return std::unique_ptr<gpu_worker::OffloadTier>(std::move(tier));
 }
 

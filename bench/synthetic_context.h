@@ -9,7 +9,8 @@
 //            the offloaded entries passes the node's salience threshold β / n_gpu; with
 //            selection = pages, page summaries of random keys on the device instead
 //   exact    sink + recent window on the device, the rest split as the ExactPlanner says
-//            between host pages and the CPU nodes (a pages session: dense attends; an ExactTier)
+//            between host pages, the CPU nodes (a pages session: dense attends) and, with
+//            exact_recompute, random layer inputs recomputed into K/V (an ExactTier)
 //
 // The window's K/V are RandomFill'ed on the device; offloaded K/V come from a pool of random
 // bf16 rows reused at varying offsets (random, not zeros: METHOD.md).
@@ -22,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -56,6 +58,12 @@ struct SyntheticContextOptions {
   // share of the offloaded entries in host pages (the rest on the CPU nodes, dense).
   gpu_worker::ExactRateBook* exact_rates = nullptr;
   double exact_fetch_share = -1;
+  // exact: let the plan recompute part of the entries from layer inputs (KVPR) where its
+  // verdict says it pays; those entries get random layer inputs (rows of the model's
+  // activation dtype) instead of K/V. Needs `model` (its weights recompute K/V).
+  bool exact_recompute = false;
+  double exact_recompute_share = -1;  // >= 0 with exact_fetch_share: forced (exact_planner.h)
+  const gpu_worker::DeviceModel* model = nullptr;
 };
 
 // INVALID_ARGUMENT for inconsistent options; the errors of the window, the host pages and the

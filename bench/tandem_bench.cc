@@ -85,6 +85,13 @@ ABSL_FLAG(int64_t, sink, 4, "offload/hybrid: sink tokens");
 ABSL_FLAG(int64_t, block, 64, "tokens per evicted block");
 ABSL_FLAG(int64_t, page_tokens, 16384, "offload: tokens per host page (one upload)");
 ABSL_FLAG(int, steps, 12, "timed decode steps per configuration");
+ABSL_FLAG(std::string, exact_recompute, "off",
+          "exact: comma list of off and auto; auto lets the ExactPlanner recompute part of the "
+          "offloaded K/V from layer inputs (KVPR) where its verdict says it pays (MHA): one exact "
+          "row per value, side by side");
+ABSL_FLAG(double, exact_recompute_share, -1,
+          "exact with --exact_fetch_share and --exact_recompute=auto: force this share of the "
+          "offloaded entries onto recompute (the rest of 1 - fetch on the CPU nodes)");
 ABSL_FLAG(int, offload_steps, 5, "timed decode steps for offload and exact (slow by design)");
 ABSL_FLAG(double, exact_fetch_share, -1,
           "exact: force this share of the offloaded entries into host pages (the rest on the CPU "
@@ -219,6 +226,7 @@ struct Config {
   double share;   // hybrid only
   gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;   // hybrid
   int64_t select_tokens = 0;   // hybrid: > 0 = selection = pages with this budget
+  bool exact_recompute = false;   // exact: --exact_recompute=auto
 };
 
 // Per-(layer, kv head) shares log-uniform in [lo, hi] from "lo:hi" (deterministic in seed).
@@ -264,6 +272,9 @@ class Bench {
     o.seed = absl::GetFlag(FLAGS_seed);
     o.exact_rates = exact_rates_.get();
     o.exact_fetch_share = absl::GetFlag(FLAGS_exact_fetch_share);
+    o.exact_recompute = cfg.exact_recompute;
+    o.exact_recompute_share = cfg.exact_recompute ? absl::GetFlag(FLAGS_exact_recompute_share) : -1;
+    o.model = &model_;
     o.placement = cfg.placement;
     o.pool_node_rates = absl::GetFlag(FLAGS_pool_node_rates);
     if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
@@ -494,13 +505,17 @@ class Bench {
     }
     if (cfg.mode == AttentionMode::kExact) {
       // The host share crosses PCIe (and is staged in HBM); the nodes scan the rest at once.
-      double host = 0, nodes = 0;
+      // Recomputed entries cross as layer inputs (hidden · 2 B per layer, bf16 weights).
+      double host = 0, nodes = 0, recomputed = 0;
       for (Sequence* s : batch) {
         const auto& tier = static_cast<const gpu_worker::ExactTier&>(*s->offload);
         host += tier.host_tokens();
         nodes += tier.node_tokens();
+        recomputed += tier.recompute_tokens();
       }
-      t.pcie_bytes = host * KvBytesPerToken();
+      const double activation_bytes =
+          static_cast<double>(model_.config().num_layers) * model_.config().hidden_size * 2;
+      t.pcie_bytes = host * KvBytesPerToken() + recomputed * activation_bytes;
       t.hbm_bytes += host * KvBytesPerToken() * 2;
       t.cpu_scan_bytes = nodes * KvBytesPerToken();
       const gpu_worker::ExactPlan& plan =
@@ -517,9 +532,11 @@ class Bench {
       r["exact_rates"] = gpu_worker::FormatExactRates(exact_rates_->rates());
       r["host_entries"] = host;
       r["node_entries"] = nodes;
+      r["recompute_entries"] = recomputed;
+      r["exact_recompute"] = cfg.exact_recompute ? "auto" : "off";
       // The combined limit: all offloaded bytes over PCIe + CPU scan together.
       if (rates_.pcie_bytes_per_s > 0 && rates_.cpu_scan_bytes_per_s > 0) {
-        r["combined_limit_ms"] = 1e3 * (host + nodes) * KvBytesPerToken() /
+        r["combined_limit_ms"] = 1e3 * (host + nodes + recomputed) * KvBytesPerToken() /
                                  (rates_.pcie_bytes_per_s + rates_.cpu_scan_bytes_per_s);
         r["ratio_to_combined_limit"] = median / (r["combined_limit_ms"].get<double>() / 1e3);
       }
@@ -909,6 +926,14 @@ int Main() {
         {"sink", absl::GetFlag(FLAGS_sink)}, {"transport", absl::GetFlag(FLAGS_transport)}});
 
   // 3. Decode, context by context.
+  std::vector<bool> exact_recompute;
+  for (const std::string& v : ParseList<std::string>(absl::GetFlag(FLAGS_exact_recompute))) {
+    if (v != "off" && v != "auto") {
+      std::fprintf(stderr, "--exact_recompute takes off and auto, got %s\n", v.c_str());
+      return 2;
+    }
+    exact_recompute.push_back(v == "auto");
+  }
   const auto shares = ParseList<double>(absl::GetFlag(FLAGS_shares));
   for (int64_t context : ParseList<int64_t>(absl::GetFlag(FLAGS_contexts))) {
     for (const std::string& name : modes) {
@@ -932,6 +957,15 @@ int Main() {
       for (double share : mode_shares) {
         for (int64_t batch : batches) {
           for (gpu_worker::PlacementPolicy placement : placements) {
+            if (*mode == AttentionMode::kExact) {
+              for (const bool recompute : exact_recompute) {
+                for (json& r :
+                     bench.RunDecode({*mode, context, batch, share, placement, 0, recompute})) {
+                  emit(r);
+                }
+              }
+              continue;
+            }
             for (json& r : bench.RunDecode({*mode, context, batch, share, placement})) emit(r);
           }
         }

@@ -11,9 +11,10 @@
 #          planner's model against measured steps
 #   mha    a Llama-2-7B-like MHA geometry (32 kv heads, FFN 11008, vocab 32000, no rope
 #          scaling) at 32K, 64K and 128K: offload vs exact, with the recompute verdict and
-#          modelled gain (KVPR: activations of 4096 x 2 B replace K+V of 2 x 32 x 128 x 2 B).
-#          NOTE: recompute is planned, not executed (exact_tier.h): "with recompute" is the
-#          planner's modelled step only
+#          modelled gain (KVPR: activations of 4096 x 2 B replace K+V of 2 x 32 x 128 x 2 B);
+#          exact runs twice per context, --exact_recompute off and auto (the planner's share
+#          of the entries kept as layer inputs and recomputed on the device: exact_recompute.h),
+#          side by side in one process
 # Prepared here as scripts/gpu_host_worker.sh says (bundle with tandem-bench,
 # gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test in .carry/<dir>/tandem.tar.xz;
 # stories260k and gutenberg-14m in .carry/shared/models). CARRY (default .carry) names the
@@ -47,11 +48,14 @@ for line in open(sys.argv[1]):
         continue
     p = r.get("exact_plan")
     row = f'{r["mode"]:8} {r["context"]:>8}: {r["decode_ms_median"]:9.1f} ms/token'
+    if "exact_recompute" in r:
+        row += f' [recompute {r["exact_recompute"]}: {r.get("recompute_entries", 0):.0f} entries]'
     if "combined_limit_ms" in r:
         row += f' (combined limit {r["combined_limit_ms"]:.1f} ms, x{r["ratio_to_combined_limit"]:.2f})'
     print(row)
     if p:
         print(f'         plan: fetch {100*p["fetch_share"]:.1f}% nodes {100*p["node_share"]:.1f}% '
+              f'recompute {100*p["recompute_share"]:.1f}% '
               f'modelled {p["modelled_step_ms"]:.1f} ms (fetch only {p["modelled_fetch_only_ms"]:.1f})')
         print(f'         recompute: pays={p["recompute_pays"]} gain={100*p["recompute_gain"]:.1f}%: '
               f'{p["recompute_reason"]}')
@@ -87,5 +91,6 @@ fi
 
 if has mha; then
   mha="kv_heads=32,ffn=11008,vocab=32000,rope_scaling=none,max_positions=262144"
-  run_bench mha --set "$mha" --contexts 32768,65536,131072 --modes offload,exact
+  run_bench mha --set "$mha" --contexts 32768,65536,131072 --modes offload,exact \
+    --exact_recompute off,auto
 fi

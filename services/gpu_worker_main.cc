@@ -92,6 +92,10 @@ ABSL_FLAG(std::string, mode, "hybrid",
 ABSL_FLAG(double, exact_fetch_share, -1,
           "mode=exact: force this share (0..1) of the offloaded entries into host pages streamed "
           "over PCIe, the rest on the CPU nodes; < 0 = the planned split (measured rates)");
+ABSL_FLAG(std::string, exact_recompute, "auto",
+          "mode=exact: 'auto' lets the planner recompute part of the offloaded K/V on the device "
+          "from stored layer inputs (KVPR) where its verdict says it pays (MHA models); 'off' "
+          "never does");
 ABSL_FLAG(double, beta, 1.0, "default hybrid selection threshold (>= 0; 0 = exact)");
 ABSL_FLAG(int64_t, window, 1024, "default hybrid device window, tokens");
 ABSL_FLAG(int64_t, sink, 4, "default hybrid attention-sink tokens kept on the device");
@@ -276,6 +280,11 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.replan_min_gain = absl::GetFlag(FLAGS_replan_min_gain);
   e.exact_fetch_share = absl::GetFlag(FLAGS_exact_fetch_share);
   if (!(e.exact_fetch_share <= 1)) return UsageError("--exact_fetch_share must be <= 1");
+  const std::string exact_recompute = absl::GetFlag(FLAGS_exact_recompute);
+  if (exact_recompute != "auto" && exact_recompute != "off") {
+    return UsageError("--exact_recompute must be auto or off");
+  }
+  e.exact_recompute = exact_recompute == "auto";
   if (e.replan_every_steps < 0 || !(e.replan_min_gain >= 0 && e.replan_min_gain <= 1)) {
     return UsageError("--replan_every_steps must be >= 0 and --replan_min_gain in [0, 1]");
   }

@@ -203,7 +203,8 @@ ExactPlan PlanExactSplit(const ExactPathRates& rates, const ExactGeometry& g, in
 
   std::array<double, 2> chosen = options.allow_recompute ? kvpr : plain;
   if (options.force_fetch_share >= 0) {
-    chosen = {std::min(1.0, options.force_fetch_share), 0.0};
+    const double f = std::min(1.0, options.force_fetch_share);
+    chosen = {f, std::clamp(options.force_recompute_share, 0.0, 1.0 - f)};
   }
   plan.fetch_share = chosen[0];
   plan.recompute_share = chosen[1];

@@ -92,7 +92,10 @@ absl::StatusOr<std::unique_ptr<ExactTier>> ExactTier::Create(std::unique_ptr<Off
 
 ExactTier::ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv> remote,
                      ExactRateBook* rates, const ExactTierOptions& options)
-    : host_(std::move(host)), remote_(std::move(remote)), rates_(rates), options_(options) {}
+    : host_(std::move(host)), remote_(std::move(remote)), rates_(rates), options_(options) {
+  // Recompute needs the model's weights; without them the plan keeps r = 0.
+  if (options_.model == nullptr) options_.plan.allow_recompute = false;
+}
 
 int64_t ExactTier::host_tokens() const { return host_->tokens(host_->geometry().num_layers - 1); }
 
@@ -108,13 +111,80 @@ void ExactTier::Replan(int64_t tokens) {
   steps_since_plan_ = 0;
 }
 
-int64_t ExactTier::HostPart(int64_t tokens) const {
-  // Keep the host's count at round(fetch_share · total) as entries arrive (recompute, when a
-  // plan has it, is not executed: its share streams as fetched pages).
-  const double share = std::clamp(plan_.fetch_share + plan_.recompute_share, 0.0, 1.0);
+bool ExactTier::wants_layer_inputs() const {
+  return options_.plan.allow_recompute && plan_.recompute_share > 0;
+}
+
+absl::Status ExactTier::TakeLayerInputs(TierContext& context, int64_t layer, const float* xn,
+                                        int64_t rows, int64_t first_pos) {
+  if (recompute_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<ExactRecompute>> made =
+        ExactRecompute::Create(context.backend(), *options_.model, host_->geometry(),
+                               host_->page_tokens(), context.max_rows());
+    if (!made.ok()) {
+      // Not this model (or no device room for the staging): the entries are fetched instead.
+      spdlog::warn("session {}: no recompute: {}", remote_->options().session_id,
+                   made.status().ToString());
+      options_.plan.allow_recompute = false;
+      Replan(options_.expected_tokens);
+      return absl::OkStatus();
+    }
+    recompute_ = std::move(*made);
+  }
+  return recompute_->Take(layer, xn, rows, first_pos);
+}
+
+absl::Status ExactTier::AppendRecomputeRows(Backend& backend, int64_t max_rows, const void* rows,
+                                            int64_t n, int64_t first_pos) {
+  if (options_.model == nullptr) {
+    return absl::FailedPreconditionError("exact tier: recompute needs the model");
+  }
+  if (recompute_ == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(recompute_,
+                            ExactRecompute::Create(backend, *options_.model, host_->geometry(),
+                                                   host_->page_tokens(), max_rows));
+  }
+  return recompute_->AppendRows(rows, n, first_pos);
+}
+
+ExactTier::BatchSplit ExactTier::SplitBatch(const std::vector<EvictedBlock>& blocks,
+                                            int64_t tokens) const {
+  // Keep the counts at round(r · total) recomputed and round((r + f) · total) recomputed or
+  // fetched as entries arrive; entries whose layer inputs are missing (taken before the plan
+  // had a recompute share) are fetched instead.
   const int64_t total = offloaded_tokens() + tokens;
-  const int64_t want = static_cast<int64_t>(std::llround(share * total)) - host_tokens();
-  return std::clamp<int64_t>(want, 0, tokens);
+  const int64_t rec_now = recompute_tokens();
+  BatchSplit split;
+  if (recompute_ != nullptr && plan_.recompute_share > 0) {
+    const int64_t want =
+        static_cast<int64_t>(std::llround(plan_.recompute_share * total)) - rec_now;
+    int64_t left = std::clamp<int64_t>(want, 0, tokens);
+    for (const EvictedBlock& b : blocks) {  // the prefix of the batch with rows
+      const int64_t take = std::min(left, b.count);
+      int64_t ok = 0;
+      while (ok < take && recompute_->HasPending(b.first_pos + ok, 1)) ++ok;
+      split.recompute += ok;
+      left -= ok;
+      if (ok < b.count) break;
+    }
+  }
+  const double share = std::clamp(plan_.fetch_share + plan_.recompute_share, 0.0, 1.0);
+  const int64_t want =
+      static_cast<int64_t>(std::llround(share * total)) - host_tokens() - rec_now - split.recompute;
+  split.host = std::clamp<int64_t>(want, 0, tokens - split.recompute);
+  return split;
+}
+
+absl::Status ExactTier::KeepInputs(const std::vector<EvictedBlock>& blocks, int64_t recompute) {
+  if (recompute_ == nullptr) return absl::OkStatus();
+  int64_t left = recompute;
+  for (const EvictedBlock& b : blocks) {
+    const int64_t keep = std::min(left, b.count);
+    if (keep > 0) TANDEM_RETURN_IF_ERROR(recompute_->Keep(b.first_pos, keep));
+    recompute_->Drop(b.first_pos + keep, b.count - keep);
+    left -= keep;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
@@ -141,9 +211,10 @@ absl::Status ExactTier::StartAttend(TierContext&, const AttendRows& rows) {
 
 absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
-  // The host pages first: queued on the device (cuda) while the nodes still work.
+  // Recompute and the host pages first: queued on the device (cuda) while the nodes still work.
   absl::Status streamed = absl::OkStatus();
-  if (host_->num_pages(0) > 0) {
+  if (recompute_tokens() > 0) streamed = recompute_->Attend(rows.layer, w);
+  if (streamed.ok() && host_->num_pages(0) > 0) {
     KvStreamer* streamer = context.streamer();
     streamed = streamer == nullptr ? absl::FailedPreconditionError("exact tier without a streamer")
                                    : streamer->AttendLayer(rows.layer, rows.stream, w);
@@ -174,9 +245,13 @@ absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
   int64_t batch = 0;
   for (const EvictedBlock& b : blocks) batch += b.count;
   if (batch == 0) return absl::OkStatus();
-  // The same split in every layer (decided once: the counts must agree across layers).
-  const int64_t to_host = HostPart(batch);
-  const int64_t to_nodes = batch - to_host;
+  // The same split in every layer (decided once: the counts must agree across layers): the
+  // batch's first entries are recomputed, the next fetched, the rest on the nodes.
+  const BatchSplit split = SplitBatch(blocks, batch);
+  const int64_t to_rec = split.recompute, to_host = split.host;
+  const int64_t to_nodes = batch - to_rec - to_host;
+  TANDEM_RETURN_IF_ERROR(KeepInputs(blocks, to_rec));
+  if (to_rec == batch) return absl::OkStatus();
   const WindowGeometry& g = host_->geometry();
   const int64_t heads = g.num_kv_heads;
   const size_t row = g.head_dim * DTypeBytes(g.dtype);
@@ -184,20 +259,24 @@ absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
       window, blocks,
       [&](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
           int64_t) -> absl::Status {
-        if (to_nodes == 0) return host_->Append(layer, k, v, tokens);
-        if (to_host == 0) return remote_->Append(layer, k, v, maw, tokens, 0);
-        host_k_.resize(heads * to_host * row);
-        host_v_.resize(heads * to_host * row);
+        if (to_rec == 0 && to_nodes == 0) return host_->Append(layer, k, v, tokens);
+        if (to_rec == 0 && to_host == 0) return remote_->Append(layer, k, v, maw, tokens, 0);
+        if (to_host > 0) {
+          host_k_.resize(heads * to_host * row);
+          host_v_.resize(heads * to_host * row);
+          CopyEntries(k, heads, tokens, row, to_rec, to_host, host_k_.data());
+          CopyEntries(v, heads, tokens, row, to_rec, to_host, host_v_.data());
+          TANDEM_RETURN_IF_ERROR(host_->Append(layer, host_k_.data(), host_v_.data(), to_host));
+        }
+        if (to_nodes == 0) return absl::OkStatus();
+        const int64_t from = to_rec + to_host;
         node_k_.resize(heads * to_nodes * row);
         node_v_.resize(heads * to_nodes * row);
         node_maw_.resize(heads * to_nodes);
-        CopyEntries(k, heads, tokens, row, 0, to_host, host_k_.data());
-        CopyEntries(v, heads, tokens, row, 0, to_host, host_v_.data());
-        CopyEntries(k, heads, tokens, row, to_host, to_nodes, node_k_.data());
-        CopyEntries(v, heads, tokens, row, to_host, to_nodes, node_v_.data());
-        CopyEntries(maw, heads, tokens, sizeof(float), to_host, to_nodes,
+        CopyEntries(k, heads, tokens, row, from, to_nodes, node_k_.data());
+        CopyEntries(v, heads, tokens, row, from, to_nodes, node_v_.data());
+        CopyEntries(maw, heads, tokens, sizeof(float), from, to_nodes,
                     reinterpret_cast<char*>(node_maw_.data()));
-        TANDEM_RETURN_IF_ERROR(host_->Append(layer, host_k_.data(), host_v_.data(), to_host));
         return remote_->Append(layer, node_k_.data(), node_v_.data(), node_maw_.data(), to_nodes,
                                0);
       });
@@ -208,13 +287,22 @@ absl::Status ExactTier::Reserve(int64_t tokens) {
   Replan(tokens);
   const int64_t total = options_.expected_tokens;
   const double host_share = std::clamp(plan_.fetch_share + plan_.recompute_share, 0.0, 1.0);
-  // Host pages come whole: the host's share rounded up to pages, per layer.
+  // Host pages come whole: the fetched share rounded up to pages, per layer; the recompute
+  // share's layer inputs (an activation row per layer and entry, geometry.activation_bytes).
   const int64_t page = host_->page_tokens();
   const int64_t host_entries = static_cast<int64_t>(std::ceil(host_share * total));
-  const int64_t pages_needed = (host_entries + page - 1) / page;
+  const int64_t rec_entries = options_.plan.allow_recompute
+                                  ? static_cast<int64_t>(std::ceil(plan_.recompute_share * total))
+                                  : 0;
+  const int64_t fetch_entries = std::max<int64_t>(0, host_entries - rec_entries);
+  const int64_t pages_needed = (fetch_entries + page - 1) / page;
   const int64_t pages_held = host_->num_pages(0);
-  const double more_bytes = static_cast<double>(std::max<int64_t>(0, pages_needed - pages_held)) *
-                            host_->geometry().num_layers * host_->page_bytes();
+  const double more_rows =
+      static_cast<double>(std::max<int64_t>(0, rec_entries - recompute_tokens()));
+  const double more_bytes =
+      static_cast<double>(std::max<int64_t>(0, pages_needed - pages_held)) *
+          host_->geometry().num_layers * host_->page_bytes() +
+      more_rows * options_.geometry.num_layers * options_.geometry.activation_row_bytes();
   const long avail_pages = sysconf(_SC_AVPHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
   if (avail_pages > 0 && page_size > 0 &&
       more_bytes > static_cast<double>(avail_pages) * static_cast<double>(page_size)) {

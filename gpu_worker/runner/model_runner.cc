@@ -392,6 +392,14 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
     write_kv_.push_back(wk);
   }
   TANDEM_RETURN_IF_ERROR(backend_.WriteKvBatch(write_kv_.data(), write_kv_.size()));
+  // Tiers that keep layer inputs instead of K/V (offload_tier.h) take this layer's x̂ rows.
+  for (size_t i = mb.first; i < end; ++i) {
+    const Segment& s = segments[i];
+    OffloadTier* tier = s.seq->offload.get();
+    if (tier == nullptr || !tier->wants_layer_inputs()) continue;
+    TANDEM_RETURN_IF_ERROR(tier->TakeLayerInputs(tiers_, layer, act_.xn.as<float>() + s.row0 * H,
+                                                 s.n, positions_host_[s.row0]));
+  }
   // The tiers start first (q goes to the CPU nodes) so that they work while the device
   // attends over the windows. Their downloads (q, chosen pages) run together: the host waits
   // for the device once per micro-batch and layer.

@@ -327,6 +327,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     eo.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, kv_bytes, kv_bytes};
     eo.expected_tokens = expected_offloaded;
     eo.plan.force_fetch_share = options_.exact_fetch_share;
+    eo.plan.allow_recompute = options_.exact_recompute;
+    eo.model = device_model_.get();
     eo.replan_every_steps = options_.replan_every_steps;
     if (exact_rates_ == nullptr) {
       TANDEM_ASSIGN_OR_RETURN(exact_rates_,

@@ -81,8 +81,11 @@ struct ExactPlan {
 struct ExactPlanOptions {
   // Let the plan use recompute when it pays (false: r = 0; the verdict is still computed).
   bool allow_recompute = false;
-  // >= 0: force the fetch share (the rest on the nodes; recompute 0), for tests and benchmarks.
+  // >= 0: force the fetch share (the rest on the nodes; recompute 0 unless forced too), for
+  // tests and benchmarks.
   double force_fetch_share = -1;
+  // >= 0 (with force_fetch_share): force the recompute share too (clamped to 1 - fetch).
+  double force_recompute_share = -1;
 };
 
 // The split for `tokens` offloaded entries per (layer, kv head). Shares sum to 1; with no

@@ -20,8 +20,15 @@
 // rates), and re-made every kReplanSteps steps in Maintain(): later evictions follow the new
 // shares; entries already placed stay where they are.
 //
-// Recompute (KVPR) is planned (the verdict and its modelled gain are part of the plan) but not
-// executed: the plan this tier follows has no recompute share.
+// Recompute (KVPR; exact_recompute.h): with a model (ExactTierOptions::model) and
+// plan.allow_recompute, the plan's recompute share r of the entries keeps layer inputs instead
+// of K/V: while r > 0 the tier asks the runner for every layer's x̂ rows (wants_layer_inputs /
+// TakeLayerInputs), and of every block of entries that leaves the window the first ones go to
+// recompute (as long as their rows are there), the next to the host pages, the rest to the
+// nodes, keeping round(r · total) and round((r + f) · total) of all offloaded entries. At each
+// layer the device recomputes their K/V, attends and merges, queued before the fetched pages
+// while the nodes work. The planner's verdict decides r: GQA (Llama-3-8B: an activation row of
+// 8 KiB against 2 KiB of K+V) gets r = 0; MHA gets r > 0 when the GEMM keeps up.
 //
 // A lost CPU node leaves its entries' attends degraded (flagged in the response); they are not
 // rebuilt (the node side holds a subset of positions that the engine's recompute, which yields
@@ -35,6 +42,7 @@
 
 #include "tandem/gpu_worker/exact_planner.h"
 #include "tandem/gpu_worker/exact_probe.h"
+#include "tandem/gpu_worker/exact_recompute.h"
 #include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/offloaded_kv.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -46,6 +54,9 @@ struct ExactTierOptions {
   ExactPlanOptions plan;        // force_fetch_share >= 0: a fixed split (tests, benchmarks)
   int64_t expected_tokens = 0;  // offloaded entries per (layer, kv head) by the request's end
   int replan_every_steps = 16;  // Maintain() calls between re-plans; 0 = never
+  // The model whose K/V rows recompute uses (outlives the tier); null: no recompute (the plan
+  // then has r = 0 whatever plan.allow_recompute says).
+  const DeviceModel* model = nullptr;
 };
 
 class ExactTier final : public OffloadTier {
@@ -58,12 +69,18 @@ class ExactTier final : public OffloadTier {
                                                            ExactRateBook* rates,
                                                            const ExactTierOptions& options);
 
-  int64_t offloaded_tokens() const override { return host_tokens() + node_tokens(); }
+  int64_t offloaded_tokens() const override {
+    return host_tokens() + node_tokens() + recompute_tokens();
+  }
   bool wants_maw() const override { return false; }  // everything is attended
   // K and V bytes the nodes scan per query row (all layers).
   double off_device_work() const override;
 
   absl::Status BeginPass(TierContext& context, size_t stream) override;
+  // While the plan has a recompute share: x̂ of every row, kept until its entry leaves.
+  bool wants_layer_inputs() const override;
+  absl::Status TakeLayerInputs(TierContext& context, int64_t layer, const float* xn, int64_t rows,
+                               int64_t first_pos) override;
   absl::Status PrepareAttend(TierContext& context, const AttendRows& rows) override;
   absl::Status StartAttend(TierContext& context, const AttendRows& rows) override;
   absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) override;
@@ -78,9 +95,19 @@ class ExactTier final : public OffloadTier {
   absl::Status Close() override { return remote_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return {}; }
 
+  // Entries kept as layer inputs given directly (tandem-bench's synthetic contexts; the serving
+  // path takes them from the runner): rows [n, hidden] host, of
+  // ExactRecompute::ActivationDType of the model's weights, the same for every layer, at
+  // positions first_pos, ...; `max_rows`: query rows per attend. FAILED_PRECONDITION without a
+  // model or for a model recompute does not support.
+  absl::Status AppendRecomputeRows(Backend& backend, int64_t max_rows, const void* rows, int64_t n,
+                                   int64_t first_pos);
+
   const ExactPlan& plan() const { return plan_; }
   int64_t host_tokens() const;  // entries per (layer, kv head) in host pages
   int64_t node_tokens() const { return remote_->offloaded_tokens(); }
+  // Entries per (layer, kv head) kept as layer inputs and recomputed every step.
+  int64_t recompute_tokens() const { return recompute_ ? recompute_->tokens() : 0; }
   const OffloadedKv& host() const { return *host_; }
   const RemoteKv& remote() const { return *remote_; }
   // Attends of this tier in which a CPU node did not answer.
@@ -90,13 +117,20 @@ class ExactTier final : public OffloadTier {
   ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv> remote,
             ExactRateBook* rates, const ExactTierOptions& options);
   void Replan(int64_t tokens);
-  // Entries of a batch of `tokens` that go to the host pages (the rest to the nodes).
-  int64_t HostPart(int64_t tokens) const;
+  // Entries of a batch of `blocks` (`tokens` entries) that go to recompute (the first ones)
+  // and to the host pages (the next); the rest go to the nodes.
+  struct BatchSplit {
+    int64_t recompute = 0, host = 0;
+  };
+  BatchSplit SplitBatch(const std::vector<EvictedBlock>& blocks, int64_t tokens) const;
+  // Moves the recompute part's layer inputs into pages and forgets the others of the batch.
+  absl::Status KeepInputs(const std::vector<EvictedBlock>& blocks, int64_t recompute);
 
   static constexpr int kMinNodeSamples = 8;  // attends before a session's node rate counts
 
   std::unique_ptr<OffloadedKv> host_;
   std::unique_ptr<RemoteKv> remote_;
+  std::unique_ptr<ExactRecompute> recompute_;  // made at the first TakeLayerInputs
   ExactRateBook* rates_;
   ExactTierOptions options_;
   ExactPlan plan_;

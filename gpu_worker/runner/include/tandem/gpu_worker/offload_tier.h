@@ -220,6 +220,19 @@ class OffloadTier {
 
   // Once per pass before the first layer; `stream` is the segment's index in the pass.
   virtual absl::Status BeginPass(TierContext& context, size_t stream) = 0;
+  // Layer inputs (ExactTier's recompute, KVPR): a tier that keeps activations instead of K/V
+  // for some entries says so here, and the runner then hands it, in every pass and for every
+  // layer in order, the attention-RMSNorm output x̂ of the sequence's rows (TakeLayerInputs,
+  // after the layer's RmsNorm, before its PrepareAttend): xn [rows, hidden] f32 on the device
+  // (contiguous), the rows at positions first_pos, first_pos + 1, ...; whether or not the tier
+  // holds entries yet (the rows' entries leave the window later). The runner does not look at
+  // the mode; the base tier asks for nothing.
+  virtual bool wants_layer_inputs() const { return false; }
+  virtual absl::Status TakeLayerInputs(TierContext& /*context*/, int64_t /*layer*/,
+                                       const float* /*xn*/, int64_t /*rows*/,
+                                       int64_t /*first_pos*/) {
+    return absl::OkStatus();
+  }
   // Queues on the device, and in context.QueueDownload, what StartAttend of `rows` needs on the
   // host. Nothing leaves the worker yet (an error here needs no cancel).
   virtual absl::Status PrepareAttend(TierContext& context, const AttendRows& rows) = 0;

@@ -104,6 +104,9 @@ struct EngineOptions {
   // `exact` mode: >= 0 forces the share of offloaded entries streamed from host pages (the rest
   // on the CPU nodes) instead of the planned one (exact_planner.h); tests and benchmarks.
   double exact_fetch_share = -1;
+  // `exact` mode: let the planner recompute part of the offloaded K/V from stored layer inputs
+  // (KVPR) when its verdict says it pays (MHA models; never GQA such as Llama-3-8B).
+  bool exact_recompute = true;
 };
 
 // Perplexity-style evaluation of a token sequence (teacher forcing).

@@ -1,0 +1,209 @@
+#include "tandem/gpu_worker/exact_recompute.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/common/bf16.h"
+#include "tandem/common/status_macros.h"
+
+namespace tandem::gpu_worker {
+
+DType ExactRecompute::ActivationDType(DType weight_dtype) {
+  return weight_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+}
+
+absl::StatusOr<std::unique_ptr<ExactRecompute>> ExactRecompute::Create(Backend& backend,
+                                                                       const DeviceModel& model,
+                                                                       const WindowGeometry& window,
+                                                                       int64_t page_tokens,
+                                                                       int64_t max_rows) {
+  const ModelConfig& c = model.config();
+  if (RopeDependsOnLength(c)) {
+    return absl::FailedPreconditionError(
+        "exact recompute: the model's RoPE frequencies depend on the sequence length; a K "
+        "recomputed later would not be the one the window held");
+  }
+  if (page_tokens < 1 || max_rows < 1 || window.num_layers != c.num_layers ||
+      window.num_kv_heads != c.num_kv_heads || window.head_dim != c.head_dim) {
+    return absl::InvalidArgumentError("exact recompute: bad sizes or a window of another model");
+  }
+  auto r = std::unique_ptr<ExactRecompute>(
+      new ExactRecompute(backend, model, window, page_tokens, max_rows));
+  const int64_t P = page_tokens, H = c.hidden_size, D = c.head_dim, Hkv = c.num_kv_heads;
+  const size_t kv_half = Hkv * P * D * DTypeBytes(window.dtype);
+  TANDEM_ASSIGN_OR_RETURN(r->rows_, backend.Allocate(P * r->row_bytes_));
+  TANDEM_ASSIGN_OR_RETURN(r->x_, backend.Allocate(P * H * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->kv_, backend.Allocate(P * 2 * Hkv * D * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->k_, backend.Allocate(kv_half));
+  TANDEM_ASSIGN_OR_RETURN(r->v_, backend.Allocate(kv_half));
+  TANDEM_ASSIGN_OR_RETURN(r->iota_, backend.Allocate(P * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->positions_dev_, backend.Allocate(P * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->zero_pos_, backend.Allocate(P * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->part_o_, backend.Allocate(max_rows * c.num_q_heads * D * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->part_lse_, backend.Allocate(max_rows * c.num_q_heads * 4));
+  std::vector<int32_t> iota(P);
+  std::iota(iota.begin(), iota.end(), 0);
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(r->iota_.data(), iota.data(), P * 4));
+  const std::vector<int32_t> zeros(P, 0);
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(r->zero_pos_.data(), zeros.data(), P * 4));
+  return r;
+}
+
+ExactRecompute::ExactRecompute(Backend& backend, const DeviceModel& model,
+                               const WindowGeometry& window, int64_t page_tokens, int64_t max_rows)
+    : backend_(backend),
+      model_(model),
+      window_(window),
+      page_tokens_(page_tokens),
+      max_rows_(max_rows),
+      hidden_(model.config().hidden_size),
+      layers_count_(model.config().num_layers),
+      act_dtype_(ActivationDType(model.layer(0).qkv.dtype)),
+      row_bytes_(hidden_ * DTypeBytes(act_dtype_)),
+      pages_(model.config().num_layers) {}
+
+absl::Status ExactRecompute::Take(int64_t layer, const float* xn, int64_t rows, int64_t first_pos) {
+  if (layer < 0 || layer >= layers_count_ || rows < 1 || xn == nullptr || first_pos < 0) {
+    return absl::InvalidArgumentError("exact recompute: bad layer, rows or positions");
+  }
+  download_.resize(rows * hidden_);
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToHost(download_.data(), xn, download_.size() * 4));
+  for (int64_t t = 0; t < rows; ++t) {
+    std::vector<char>& entry = pending_[first_pos + t];
+    entry.resize(layers_count_ * row_bytes_);
+    char* dst = entry.data() + layer * row_bytes_;
+    const float* src = download_.data() + t * hidden_;
+    if (act_dtype_ == DType::kBF16) {
+      bf16_t* out = reinterpret_cast<bf16_t*>(dst);
+      for (int64_t i = 0; i < hidden_; ++i) out[i] = FloatToBf16(src[i]);
+    } else {
+      std::memcpy(dst, src, row_bytes_);
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool ExactRecompute::HasPending(int64_t first_pos, int64_t count) const {
+  for (int64_t p = first_pos; p < first_pos + count; ++p) {
+    if (!pending_.contains(p)) return false;
+  }
+  return true;
+}
+
+absl::Status ExactRecompute::Keep(int64_t first_pos, int64_t count) {
+  if (!HasPending(first_pos, count)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "exact recompute: no layer inputs for positions ", first_pos, "..", first_pos + count));
+  }
+  for (int64_t p = first_pos; p < first_pos + count; ++p) {
+    auto it = pending_.find(p);
+    TANDEM_RETURN_IF_ERROR(AppendEntry(it->second.data(), row_bytes_, p));
+    pending_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExactRecompute::AppendRows(const void* rows, int64_t n, int64_t first_pos) {
+  if (rows == nullptr || n < 0 || first_pos < 0) {
+    return absl::InvalidArgumentError("exact recompute: bad rows");
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    TANDEM_RETURN_IF_ERROR(
+        AppendEntry(static_cast<const char*>(rows) + t * row_bytes_, 0, first_pos + t));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ExactRecompute::AppendEntry(const char* rows, size_t layer_stride, int64_t position) {
+  const int64_t at = tokens() % page_tokens_;
+  for (int64_t l = 0; l < layers_count_; ++l) {
+    std::vector<DeviceBuffer>& pages = pages_[l];
+    if (at == 0) {
+      TANDEM_ASSIGN_OR_RETURN(DeviceBuffer page, backend_.AllocateHost(page_tokens_ * row_bytes_));
+      host_bytes_ += page.bytes();
+      pages.push_back(std::move(page));
+    }
+    std::memcpy(pages.back().as<char>() + at * row_bytes_, rows + l * layer_stride, row_bytes_);
+  }
+  positions_.push_back(static_cast<int32_t>(position));
+  return absl::OkStatus();
+}
+
+void ExactRecompute::Drop(int64_t first_pos, int64_t count) {
+  pending_.erase(pending_.lower_bound(first_pos), pending_.lower_bound(first_pos + count));
+}
+
+absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& base) {
+  const ModelConfig& c = model_.config();
+  if (base.num_tokens > max_rows_ || base.num_q_heads != c.num_q_heads) {
+    return absl::InvalidArgumentError("exact recompute: more query rows or heads than planned");
+  }
+  const int64_t H = hidden_, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  const DeviceLayer& w = model_.layer(layer);
+  const size_t w_row = H * DTypeBytes(w.qkv.dtype);
+  const std::vector<DeviceBuffer>& pages = pages_[layer];
+  for (size_t page = 0; page < pages.size(); ++page) {
+    const int64_t first = static_cast<int64_t>(page) * page_tokens_;
+    const int64_t n = std::min(page_tokens_, tokens() - first);
+    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(rows_.data(), pages[page].data(), n * row_bytes_));
+    TANDEM_RETURN_IF_ERROR(
+        backend_.CopyToDevice(positions_dev_.data(), positions_.data() + first, n * 4));
+    // The stored rows as f32: a gather of the page's own rows 0..n-1.
+    TANDEM_RETURN_IF_ERROR(backend_.Embed(
+        {iota_.as<int32_t>(), rows_.data(), act_dtype_, x_.as<float>(), n, H, page_tokens_}));
+    // [n, 2·Hkv·D] = x · [Wk; Wv]ᵀ (+ their biases): the rows after the Hq·D query rows.
+    MatMulParams mm;
+    mm.x = x_.as<float>();
+    mm.w = static_cast<const char*>(w.qkv.data()) + Hq * D * w_row;
+    mm.w_dtype = w.qkv.dtype;
+    mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() + Hq * D : nullptr;
+    mm.y = kv_.as<float>();
+    mm.m = n;
+    mm.n = 2 * Hkv * D;
+    mm.k = H;
+    TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+    RopeParams rope;
+    rope.x = kv_.as<float>();
+    rope.row_stride = 2 * Hkv * D;
+    rope.positions = positions_dev_.as<int32_t>();
+    rope.inv_freq = model_.inv_freq();
+    rope.attention_scaling = model_.rope_attention_scaling();
+    rope.num_tokens = n;
+    rope.num_heads = Hkv;
+    rope.head_dim = D;
+    TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+    WriteKvParams wk;
+    wk.k = kv_.as<float>();
+    wk.v = kv_.as<float>() + Hkv * D;
+    wk.row_stride = 2 * Hkv * D;
+    wk.slots = iota_.as<int32_t>();
+    wk.k_cache = k_.data();
+    wk.v_cache = v_.data();
+    wk.cache_dtype = window_.dtype;
+    wk.num_tokens = n;
+    wk.num_kv_heads = Hkv;
+    wk.capacity = page_tokens_;
+    wk.head_dim = D;
+    TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
+    // Every entry is earlier than every query row: all visible (slot positions 0).
+    WindowAttentionParams wa = base;
+    wa.k_cache = k_.data();
+    wa.v_cache = v_.data();
+    wa.cache_dtype = window_.dtype;
+    wa.slot_pos = zero_pos_.as<int32_t>();
+    wa.num_slots = n;
+    wa.capacity = page_tokens_;
+    wa.o = part_o_.as<float>();
+    wa.lse = part_lse_.as<float>();
+    wa.maw = nullptr;
+    TANDEM_RETURN_IF_ERROR(backend_.WindowAttention(wa));
+    TANDEM_RETURN_IF_ERROR(
+        backend_.MergeStates({base.o, base.lse, part_o_.as<float>(), part_lse_.as<float>(),
+                              base.num_tokens * base.num_q_heads, D}));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::gpu_worker
