@@ -59,10 +59,6 @@ using U32x16 = uint32_t __attribute__((vector_size(64)));
 using U32x8 = uint32_t __attribute__((vector_size(32)));
 using U16x16 = uint16_t __attribute__((vector_size(32)));
 using U16x8 = uint16_t __attribute__((vector_size(16)));
-using I8x16 = int8_t __attribute__((vector_size(16)));
-using I8x8 = int8_t __attribute__((vector_size(8)));
-using I32x16 = int32_t __attribute__((vector_size(64)));
-using I32x8 = int32_t __attribute__((vector_size(32)));
 
 template <typename V>
 TANDEM_ALWAYS_INLINE V Load(const float* p) {
@@ -92,19 +88,6 @@ TANDEM_ALWAYS_INLINE V16 Row16(const uint16_t* p) {
   return (V16)(__builtin_convertvector(h, U32x16) << 16);
 }
 TANDEM_ALWAYS_INLINE V16 Row16(const float* p) { return Load<V16>(p); }
-// int8 codes widened to f32 (the row's scale is applied to the scores and probabilities).
-// NOTE: through int32 (vpmovsxbd + vcvtdq2ps): GCC 12 scalarises a direct int8 -> f32
-// __builtin_convertvector (one vcvtsi2ss per element), which made int8 pages 2.7x slower.
-TANDEM_ALWAYS_INLINE V16 Row16(const int8_t* p) {
-  I8x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(__builtin_convertvector(h, I32x16), V16);
-}
-TANDEM_ALWAYS_INLINE V8 Row8(const int8_t* p) {
-  I8x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_convertvector(__builtin_convertvector(h, I32x8), V8);
-}
 TANDEM_ALWAYS_INLINE V8 Row8(const uint16_t* p) {
   U16x8 h;
   std::memcpy(&h, p, sizeof(h));
@@ -186,7 +169,19 @@ struct PieceArgs {
   float* work;
 };
 
-size_t WorkFloats(size_t rows, size_t D) { return 2 * rows * D + 2 * rows + rows * kChunk; }
+// int8 pieces also widen the chunk's K and V codes into f32 tiles [kChunk, D] each.
+size_t WorkFloats(size_t rows, size_t D, bool int8) {
+  return 2 * rows * D + 2 * rows + rows * kChunk + (int8 ? 2 * kChunk * D : 0);
+}
+
+// dst[i] = codes[i] as f32 for one int8 row of n codes. NOTE: a plain loop the vectoriser
+// lowers to vpmovsxbw / vpmovsxwd / vcvtdq2ps; GCC 12 scalarises __builtin_convertvector from
+// int8 lanes (one vcvtsi2ss per element), which made int8 pages 2-3x slower than bf16.
+TANDEM_ALWAYS_INLINE void WidenCodes(const std::byte* row, size_t n, float* dst) {
+  const auto* q = reinterpret_cast<const int8_t*>(row);
+#pragma omp simd
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<float>(q[i]);
+}
 
 // A read position in a piece's runs: entry `offset` of *run, `left` entries to go.
 struct RunCursor {
@@ -217,7 +212,9 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
 
 // Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
 // row [D codes][f32 scale], kv_store/int8_rows.h: s = scale_k * (q · codes) and the V scale is
-// folded into p after the softmax sums, so the row's scales cost two multiplies per key).
+// folded into p after the softmax sums, so the row's scales cost two multiplies per key). int8
+// codes are widened once per chunk into L1/L2-resident f32 tiles (exact: |code| <= 127) that
+// the f32 dot products and axpys then read.
 template <typename Elem>
 TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   constexpr bool kInt8 = std::is_same_v<Elem, int8_t>;
@@ -227,6 +224,10 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   float* m = acc + R * D;                                   // [R]
   float* l = m + R;                                         // [R]
   float* s = l + R;                                         // [R, kChunk]
+  float* k_tile = s + R * kChunk;                           // int8: [kChunk, D] K codes
+  float* v_tile = k_tile + kChunk * D;                      // int8: [kChunk, D] V codes
+  // The type the dot products and axpys read: int8 codes through the f32 tiles.
+  using Row = std::conditional_t<kInt8, float, Elem>;
   // Scores are kept in base 2 (q pre-multiplied by scale · log2(e)): 2^(s2 - m2) = e^(s - m).
   const float scale2 = a.scale * kLog2e;
   for (size_t t = 0; t < a.T; ++t) {
@@ -272,11 +273,15 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       for (size_t c = 0; c < c_n; ++c) {
         k_scale[c] = kv_store::Int8RowScale(kp[c], a.D);
         v_scale[c] = kv_store::Int8RowScale(vp[c], a.D);
+        WidenCodes(kp[c], D, k_tile + c * D);
+        WidenCodes(vp[c], D, v_tile + c * D);
+        kp[c] = reinterpret_cast<const std::byte*>(k_tile + c * D);
+        vp[c] = reinterpret_cast<const std::byte*>(v_tile + c * D);
       }
     }
     // Scores s[r, c] = scale * q_r · k_c.
     for (size_t c = 0; c < c_n; ++c) {
-      const Elem* k = reinterpret_cast<const Elem*>(kp[c]);
+      const Row* k = reinterpret_cast<const Row*>(kp[c]);
       float out[4];
       size_t r = 0;
       const float ks = kInt8 ? k_scale[c] : 1.0f;
@@ -320,8 +325,8 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
     }
     // acc[r] += p[r, c] * v_c.
     size_t r = 0;
-    for (; r + 4 <= R; r += 4) AccumulateRows<4, Elem>(s + r * kChunk, vp, c_n, D, acc + r * D);
-    for (; r < R; ++r) AccumulateRows<1, Elem>(s + r * kChunk, vp, c_n, D, acc + r * D);
+    for (; r + 4 <= R; r += 4) AccumulateRows<4, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
+    for (; r < R; ++r) AccumulateRows<1, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
   }
   // count > 0, so every row saw a finite score and l >= 1.
   for (size_t t = 0; t < a.T; ++t) {
@@ -467,7 +472,8 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
           float* base = partials.data() + piece.slot * slot_floats;
           a.out = RowsOut{base, G * D, base + rows * D, G};
         }
-        a.work = work_buffer.Get<float>(WorkFloats(rows, D));
+        a.work = work_buffer.Get<float>(
+            WorkFloats(rows, D, params.dtype == kv_store::KvDType::kInt8));
         if (params.dtype == kv_store::KvDType::kBf16) {
           ComputePieceBf16(a);
         } else if (params.dtype == kv_store::KvDType::kInt8) {
