@@ -47,11 +47,12 @@ constexpr uint32_t kPadShapes = 4;
 // int8 KV is dequantised chunk by chunk into f32 K and V tiles (q * scale, exact) that the f32
 // matmuls then read. f32 tiles measured faster than bf16 tiles with the hi/lo split here (2-core
 // EPYC, 16K keys x 8 heads, G 4: 11.4 vs 14.8-21 ms per call; bf16 KV 10.6-10.9 ms), and add no
-// rounding. NOTE: 2048 keys (2 x 1 MiB tiles at head_dim 128, past a 1 MiB L2) beat 512 (tiles in
-// L2): the per-chunk softmax and matmul-call overhead weighs more than the L2 misses; node
-// Attend, tandem-attend-bench --quick --group 4, n 16384: int8 2.91-2.99 ms at 2048 vs
-// 3.79-3.82 ms at 512, bf16 3.53-3.65 ms (same run); at n 1024 all within 10% of each other.
-constexpr uint32_t kInt8ChunkKeys = 2048;
+// rounding. Chunk size: on the 2-core dev box 2048 keys (2 x 1 MiB tiles at head_dim 128) beat
+// 512 (node Attend, n 16384: 2.91-2.99 ms against 3.79-3.82 ms), but on the 16-core H100 host,
+// where the scan is memory-bound (tandem-attend-bench --heads 8 --group 4 --n 131072,1048576),
+// 2048 took 11.7 / 101.9 ms and 512 10.3 / 84.5 ms (bf16 KV: 6.2-8.2 / 49-66 ms): 512 keeps
+// the tiles in L2 of a core that shares the memory bus with 15 others. The serving host rules.
+constexpr uint32_t kInt8ChunkKeys = 512;
 
 // Derived sizes of one call. Matmul row 2r holds the bf16 hi part of query row r and row 2r + 1
 // its lo part (split); with f32 KV, matmul row r is query row r.
