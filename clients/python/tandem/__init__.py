@@ -19,13 +19,15 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from tandem.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, Internal,  # noqa: E402
                            InvalidArgument, NotFound, ResourceExhausted, TandemError, Unavailable)
-from tandem.events import Prefill, Result, Token, TopLogprob, Usage  # noqa: E402
+from tandem.events import ExactSplit, Prefill, Result, Token, TopLogprob, Usage  # noqa: E402
+from tandem.capacity import Capacity, CapacityItem, CapacityTier  # noqa: E402
 from tandem.client import Client, Session  # noqa: E402
 from tandem.stream import Stream  # noqa: E402
 
 __all__ = [
     "Client", "Session", "Stream",
-    "Prefill", "Token", "TopLogprob", "Usage", "Result",
+    "Prefill", "Token", "TopLogprob", "Usage", "Result", "ExactSplit",
+    "Capacity", "CapacityTier", "CapacityItem",
     "TandemError", "InvalidArgument", "NotFound", "FailedPrecondition", "ResourceExhausted",
     "Unavailable", "Cancelled", "DeadlineExceeded", "Internal",
 ]

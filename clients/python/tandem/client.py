@@ -10,15 +10,16 @@ import grpc
 
 from tandem import errors
 from tandem._proto import pb, pb_grpc
+from tandem.capacity import Capacity, build_capacity_request, capacity_from_proto
 from tandem.events import Result
 from tandem.request import Prompt, build_generate_request
 from tandem.stream import Stream
 
 Metadata = Sequence[Tuple[str, str]]
 
-# Unary calls (tokenize, detokenize, model_info, close_session) get this deadline when the client
-# has none: a worker that stopped answering must not hang the caller forever. Generate streams
-# run as long as the generation unless a timeout is given.
+# Unary calls (tokenize, detokenize, model_info, capacity, close_session) get this deadline when
+# the client has none: a worker that stopped answering must not hang the caller forever. Generate
+# streams run as long as the generation unless a timeout is given.
 UNARY_DEFAULT_TIMEOUT_S = 60.0
 # The worker's default --max_message_bytes: a long prompt's token ids fit in one message.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -60,9 +61,10 @@ class Client:
 
         prompt: text, or token ids (a list of ints, fed as given). options: GenerateRequest's
         fields by name (max_tokens is required; temperature, top_p, top_k, stop (a str or a
-        list), seed, ignore_eos, mode, beta, window, sink, selection, select_tokens,
-        dense_layers, logprobs, top_logprobs); None leaves one unset. Raises TypeError for an
-        unknown option; the worker's refusals (e.g. InvalidArgument) are raised while iterating.
+        list), seed, ignore_eos, mode ("gpu", "hybrid", "offload" or "exact"), beta, window,
+        sink, selection, select_tokens, dense_layers, logprobs, top_logprobs); None leaves one
+        unset. Raises TypeError for an unknown option; the worker's refusals (e.g.
+        InvalidArgument) are raised while iterating.
         """
         request = build_generate_request(prompt, session_id, options)
         call = self._stub.Generate(request, timeout=self._timeout(timeout, unary=False),
@@ -95,6 +97,21 @@ class Client:
         """The worker's tandem.v1.ModelInfoResponse (model geometry, backend, vocab_size,
         max_context, chat_template, ...), as the protobuf message."""
         return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def capacity(self, context: int = 0, *, prompt: int = 0, batch: int = 0,
+                 mode: Optional[str] = None, window: Optional[int] = None,
+                 sink: Optional[int] = None, selection: Optional[str] = None,
+                 select_tokens: Optional[int] = None, beta: Optional[float] = None,
+                 timeout: Optional[float] = _UNSET) -> Capacity:
+        """The worker's memory plan (GetCapacity) for `batch` sequences of `context` positions
+        (prompt + generated, all turns; 0 = the worker's max_context), `prompt` of them the
+        prompt (0 = all), in `mode` with window / sink / selection / select_tokens / beta as in
+        generate() (None: the worker's defaults). Returns a Capacity: per-tier items, fits, why
+        and the largest context that fits. Raises InvalidArgument for a bad value (e.g. a
+        context above max_context, an unknown mode)."""
+        request = build_capacity_request(context, prompt, batch, mode, window, sink, selection,
+                                         select_tokens, beta)
+        return capacity_from_proto(self._unary(self._stub.GetCapacity, request, timeout))
 
     # --- sessions ---------------------------------------------------------------------------
 

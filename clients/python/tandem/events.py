@@ -65,6 +65,23 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ExactSplit:
+    """Mode "exact": how the session's offloaded KV was split between the paths that attend it
+    exactly (the planner's choice or the worker's --exact_fetch_share), and the planner's model.
+    The shares are fractions of the offloaded entries and sum to 1."""
+
+    fetch_share: float                   # pinned host pages streamed over PCIe
+    node_share: float                    # on the CPU nodes, attended densely there
+    recompute_share: float               # recomputed from stored activations (KVPR)
+    modelled_step_seconds: float         # per decode step, all layers, this split
+    modelled_fetch_only_seconds: float   # the same step with every entry fetched
+    recompute_pays: bool                 # whether recompute would lower the modelled step
+    recompute_reason: str                # why, in words
+    host_entries: int                    # per (layer, kv head) at the end: in host pages
+    node_entries: int                    # ... and on the CPU nodes
+
+
+@dataclass(frozen=True)
 class Result(_ReadsThroughToRaw):
     """A finished generation: the last event of a stream, and what `complete()` returns."""
 
@@ -83,7 +100,8 @@ class Result(_ReadsThroughToRaw):
     device_kv_entries: int            # KV entries per (layer, kv head) on the device at the end
     cpu_kv_entries: int               # ... and on the CPU nodes
     session_id: str                   # "" for a one-shot request
-    mode: str                         # "gpu", "hybrid" or "offload": the mode that ran
+    mode: str                         # "gpu", "hybrid", "offload" or "exact": the mode that ran
+    exact_split: Optional[ExactSplit] = None   # mode "exact" only: the split it followed
     raw: Any = field(repr=False, compare=False, default=None)
     type = "final"
 
@@ -113,6 +131,15 @@ def token_from_proto(msg: Any) -> Token:
         raw=msg)
 
 
+def exact_split_from_proto(msg: Any) -> ExactSplit:
+    return ExactSplit(
+        fetch_share=msg.fetch_share, node_share=msg.node_share,
+        recompute_share=msg.recompute_share, modelled_step_seconds=msg.modelled_step_seconds,
+        modelled_fetch_only_seconds=msg.modelled_fetch_only_seconds,
+        recompute_pays=msg.recompute_pays, recompute_reason=msg.recompute_reason,
+        host_entries=msg.host_entries, node_entries=msg.node_entries)
+
+
 def result_from_proto(final: Any, tokens: Tuple[Token, ...]) -> Result:
     u = final.usage
     return Result(
@@ -132,4 +159,6 @@ def result_from_proto(final: Any, tokens: Tuple[Token, ...]) -> Result:
         cpu_kv_entries=final.cpu_kv_entries,
         session_id=final.session_id,
         mode=final.mode,
+        exact_split=(exact_split_from_proto(final.exact_split)
+                     if final.HasField("exact_split") else None),
         raw=final)

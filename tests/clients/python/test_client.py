@@ -4,8 +4,10 @@
 One worker (cpu backend, stories260k, gpu mode: exact greedy) serves every case: greedy
 generation equals the model's golden continuation (../shared/models/stories260k/golden.json),
 tokenize, a two-turn session equal to the one-shot generation over the same ids, close then
-NotFound, refusals as typed errors naming the field, deadlines, an unreachable worker, and
-cancellation by breaking out of the loop, and the README example run as written.
+NotFound, mode "exact" (the same greedy text, with its split) and GetCapacity (a context that
+fits, one that does not, the largest context at its edge), refusals as typed errors naming the
+field, deadlines, an unreachable worker, and cancellation by breaking out of the loop, and the
+README example run as written.
 
 Run by ctest (tests/clients/CMakeLists.txt) with PYTHONPATH=clients/python:build/clients/python,
 TANDEM_GPU_WORKER_BIN and TANDEM_SHARED_DIR. Exits 77 (ctest: skipped) with a message when
@@ -256,6 +258,79 @@ class CancelTest(unittest.TestCase):
             for _ in stream:
                 pass
         self.assertIsNone(stream.result)
+
+
+class ExactModeTest(unittest.TestCase):
+    def test_exact_mode_is_the_golden_continuation_with_its_split(self) -> None:
+        # A 32-token window: of the 60 positions most leave the device and are attended exactly
+        # from host pages (a toy model's planned split is all-fetch).
+        result = client.complete(PROMPT, max_tokens=len(CONTINUATION_IDS), mode="exact",
+                                 window=32, sink=4)
+        self.assertEqual(result.mode, "exact")
+        self.assertEqual(result.text, CONTINUATION_TEXT)
+        split = result.exact_split
+        self.assertIsInstance(split, tandem.ExactSplit)
+        self.assertAlmostEqual(split.fetch_share + split.node_share + split.recompute_share, 1.0,
+                               places=6)
+        self.assertGreater(split.host_entries + split.node_entries, 0)
+        self.assertLess(result.device_kv_entries, 60)
+        self.assertGreater(split.modelled_step_seconds, 0)
+        self.assertTrue(split.recompute_reason)
+        self.assertEqual(split.host_entries, result.raw.exact_split.host_entries)
+
+    def test_other_modes_carry_no_split(self) -> None:
+        result = client.complete(PROMPT, max_tokens=4)
+        self.assertEqual(result.mode, "gpu")
+        self.assertIsNone(result.exact_split)
+
+    def test_exact_with_beta_is_refused(self) -> None:
+        with self.assertRaises(tandem.InvalidArgument) as cm:
+            client.complete(PROMPT, max_tokens=4, mode="exact", beta=0)
+        self.assertIn("mode exact", cm.exception.message)
+
+
+class CapacityTest(unittest.TestCase):
+    # Hybrid with a 64-token window: 256 sequences of 512 positions need ~150 MiB of node KV,
+    # more than the worker's 64 MiB embedded pool.
+    HYBRID = dict(mode="hybrid", window=64, sink=4, batch=256)
+
+    def test_a_small_context_fits(self) -> None:
+        plan = client.capacity(256)
+        self.assertIsInstance(plan, tandem.Capacity)
+        self.assertEqual((plan.context, plan.prompt, plan.batch, plan.mode), (256, 256, 1, "gpu"))
+        self.assertTrue(plan.fits)
+        self.assertTrue(plan.device.fits and plan.host.fits and plan.nodes.fits)
+        self.assertEqual(plan.why, "")
+        self.assertEqual(plan.largest_context, 512)   # stories260k's max_context
+        self.assertEqual(plan.device.item("weights").bytes, 1040128)   # 260K f32 parameters
+        self.assertEqual(sum(i.bytes for i in plan.device.items), plan.device.total_bytes)
+        self.assertLessEqual(plan.device.total_bytes, plan.device.capacity_bytes)
+        self.assertIn("largest context that fits", plan.text)
+
+    def test_a_large_batch_does_not_fit_and_the_largest_context_does(self) -> None:
+        plan = client.capacity(512, **self.HYBRID)
+        self.assertFalse(plan.fits)
+        self.assertFalse(plan.nodes.fits)
+        self.assertTrue(plan.device.fits)
+        self.assertIn("in-process", plan.nodes.why)
+        self.assertEqual(plan.why, plan.nodes.why)
+        self.assertGreater(plan.nodes.total_bytes, plan.nodes.capacity_bytes)
+        self.assertEqual(plan.nodes.capacity_bytes, 64 << 20)
+        self.assertEqual(len(plan.node_bytes), len(plan.node_addresses))
+        self.assertGreater(plan.largest_context, 68)   # more than sink + window
+        self.assertLess(plan.largest_context, 512)
+        # The largest context fits, one token more does not.
+        self.assertTrue(client.capacity(plan.largest_context, **self.HYBRID).fits)
+        self.assertFalse(client.capacity(plan.largest_context + 1, **self.HYBRID).fits)
+
+    def test_bad_arguments(self) -> None:
+        with self.assertRaises(tandem.InvalidArgument) as cm:
+            client.capacity(513)
+        self.assertIn("context must be in 1..512", cm.exception.message)
+        with self.assertRaises(tandem.InvalidArgument):
+            client.capacity(64, mode="fast")
+        with self.assertRaises(TypeError):
+            client.capacity(64, window="wide")
 
 
 class ExampleTest(unittest.TestCase):
