@@ -35,8 +35,8 @@ export interface GenerateOptions extends CallOptions {
   logprobs?: boolean;
   /** 0..20 likeliest tokens per step (needs logprobs). */
   topLogprobs?: number;
-  /** "gpu" | "hybrid" | "offload"; default the worker's --mode. */
-  mode?: string;
+  /** "gpu" | "hybrid" | "offload" | "exact"; default the worker's --mode. */
+  mode?: Mode | string;
   beta?: number;
   window?: number;
   sink?: number;
@@ -53,6 +53,8 @@ export interface GenerateOptions extends CallOptions {
 }
 
 export type Prompt = string | number[];
+
+export type Mode = 'gpu' | 'hybrid' | 'offload' | 'exact';
 
 export interface PrefillEvent {
   type: 'prefill';
@@ -94,6 +96,30 @@ export interface Usage {
   totalTokens: number;
 }
 
+/**
+ * Mode "exact": how a session's offloaded KV was split between the paths that attend it
+ * exactly (the planner's choice or the worker's --exact_fetch_share). Shares are fractions of
+ * the offloaded entries and sum to 1.
+ */
+export interface ExactSplit {
+  /** Pinned host pages streamed over PCIe. */
+  fetchShare: number;
+  /** On the CPU nodes, attended densely there. */
+  nodeShare: number;
+  /** Recomputed from stored activations (KVPR). */
+  recomputeShare: number;
+  /** Per decode step, all layers, this split. */
+  modelledStepSeconds: number;
+  /** The same step with every entry fetched. */
+  modelledFetchOnlySeconds: number;
+  /** Whether recompute would lower the modelled step, and why (in words). */
+  recomputePays: boolean;
+  recomputeReason: string;
+  /** Per (layer, kv head) at the end: in host pages / on the CPU nodes. */
+  hostEntries: number;
+  nodeEntries: number;
+}
+
 export type FinishReason = 'length' | 'stop' | 'eos' | 'context' | 'cancelled';
 
 export interface Result {
@@ -116,7 +142,10 @@ export interface Result {
   cpuKvEntries: number;
   /** "" for a one-shot request. */
   sessionId: string;
-  mode: string;
+  /** The mode that ran. */
+  mode: Mode | string;
+  /** Set only when the mode that ran is "exact". */
+  exactSplit?: ExactSplit;
   raw: Record<string, unknown>;
 }
 
@@ -165,6 +194,67 @@ export interface ModelInfo {
   [field: string]: unknown;
 }
 
+/** GetCapacityRequest's fields (see generation.proto); unset = the worker's defaults. */
+export interface CapacityOptions extends CallOptions {
+  /** Positions per sequence (prompt + generated, all turns); 0 = the worker's max_context. */
+  context?: number;
+  /** Of those, the prompt; 0 = all of the context. */
+  prompt?: number;
+  /** Sequences held at once, 1..4096; 0 = 1. */
+  batch?: number;
+  mode?: Mode | string;
+  window?: number;
+  sink?: number;
+  selection?: string;
+  selectTokens?: number;
+  beta?: number;
+}
+
+/** One part of an estimate, e.g. "weights", "kv windows", "node KV blocks". */
+export interface CapacityItem {
+  name: string;
+  bytes: number;
+  /** How it is made up, for people. */
+  detail: string;
+}
+
+/** One kind of memory: the device (RAM for the cpu backend), the worker's host RAM, or the CPU
+ * nodes' pools together. */
+export interface CapacityTier {
+  items: CapacityItem[];
+  /** Sum of the items. */
+  totalBytes: number;
+  /** What there is. */
+  capacityBytes: number;
+  fits: boolean;
+  /** When it does not fit: what is short; "" otherwise. */
+  why: string;
+}
+
+/** A worker's GetCapacity answer. */
+export interface Capacity {
+  /** The request as sized (defaults filled in). */
+  context: number;
+  prompt: number;
+  batch: number;
+  mode: Mode | string;
+  device: CapacityTier;
+  host: CapacityTier;
+  nodes: CapacityTier;
+  /** Projected bytes per CPU node, in nodeAddresses' order. */
+  nodeBytes: number[];
+  nodeAddresses: string[];
+  /** Every tier fits. */
+  fits: boolean;
+  /** The short tiers' reasons joined ("" when it fits). */
+  why: string;
+  /** The largest context that fits with this batch, mode and generated tokens; 0: none. */
+  largestContext: number;
+  /** The estimate as a table for people (what `tandem capacity` prints). */
+  text: string;
+  raw: Record<string, unknown>;
+}
+
 export declare class Client {
   constructor(address: string, options?: ClientOptions);
   readonly address: string;
@@ -174,6 +264,8 @@ export declare class Client {
   tokenize(text: string, opts?: CallOptions & { addBos?: boolean }): Promise<number[]>;
   detokenize(tokenIds: number[], opts?: CallOptions): Promise<string>;
   modelInfo(opts?: CallOptions): Promise<ModelInfo>;
+  /** The worker's memory plan of a request (GetCapacity). */
+  capacity(opts?: CapacityOptions): Promise<Capacity>;
   session(sessionId: string): Session;
   withSession<T>(sessionId: string, fn: (session: Session) => Promise<T>): Promise<T>;
   closeSession(sessionId: string, opts?: CallOptions): Promise<void>;

@@ -22,6 +22,15 @@ try {
   console.log(await client.tokenize('Once upon a time', { addBos: true }));   // [ 1, 403, 407, 261, 378 ]
   console.log((await client.modelInfo()).maxContext);
 
+  // The worker's memory plan of 4 sequences of 256 positions: per tier, fits, the largest context.
+  const plan = await client.capacity({ context: 256, batch: 4 });
+  console.log(plan.fits, plan.largestContext, plan.device.items.map((i) => i.name).join(', '));
+  // true 512 weights, activations, kv (all on the device)
+
+  // mode "exact": attention over every position; the result says where the offloaded KV went.
+  const exact = await client.complete('Once upon a time', { maxTokens: 56, mode: 'exact', window: 32 });
+  console.log(exact.mode, exact.exactSplit?.fetchShare, exact.exactSplit?.hostEntries);   // exact 1 32
+
   // A kept session: each turn continues the KV of the earlier ones; closed when fn returns.
   await client.withSession('chat-42', async (session) => {
     await session.complete('Once upon a time', { maxTokens: 16 });

@@ -4,12 +4,13 @@
 const grpc = require('@grpc/grpc-js');
 const { loadGeneration } = require('./proto');
 const { buildGenerateRequest } = require('./request');
+const { buildCapacityRequest, capacityOf } = require('./capacity');
 const { GenerateStream } = require('./stream');
 const { NotFound, fromGrpcError } = require('./errors');
 
-// Unary calls (tokenize, detokenize, modelInfo, closeSession) get this deadline when neither
-// the call nor the client sets one: a worker that stopped answering must not hang the caller.
-// Generate streams run as long as the generation unless a timeout is given.
+// Unary calls (tokenize, detokenize, modelInfo, capacity, closeSession) get this deadline when
+// neither the call nor the client sets one: a worker that stopped answering must not hang the
+// caller. Generate streams run as long as the generation unless a timeout is given.
 const UNARY_DEFAULT_TIMEOUT_MS = 60_000;
 // The worker's default --max_message_bytes: a long prompt's token ids fit in one message.
 const MAX_MESSAGE_BYTES = 64 * 1024 * 1024;
@@ -58,8 +59,9 @@ class Client {
   /**
    * Starts a generation; returns a GenerateStream (async iterable of events). prompt: text or
    * token ids. opts: GenerateRequest fields (maxTokens required; temperature, topP, topK, stop,
-   * seed, ignoreEos, logprobs, topLogprobs, mode, beta, window, sink, selection, selectTokens,
-   * denseLayers; snake_case works too) and sessionId, timeoutMs, signal (AbortSignal), metadata.
+   * seed, ignoreEos, logprobs, topLogprobs, mode ('gpu', 'hybrid', 'offload' or 'exact'),
+   * beta, window, sink, selection, selectTokens, denseLayers; snake_case works too) and
+   * sessionId, timeoutMs, signal (AbortSignal), metadata.
    * Throws TypeError for a bad option; the worker's refusals are thrown while iterating.
    */
   generate(prompt, opts = {}) {
@@ -93,6 +95,21 @@ class Client {
   /** The loaded model, backend and CPU nodes (ModelInfoResponse's fields, camelCase). */
   async modelInfo(opts = {}) {
     return plain(await this._unary('GetModelInfo', {}, opts));
+  }
+
+  /**
+   * The worker's memory plan (GetCapacity) of a request: opts are GetCapacityRequest's fields
+   * (context: positions per sequence, prompt + generated, 0 = max_context; prompt: of those the
+   * prompt, 0 = all; batch: sequences, 0 = 1; mode, window, sink, selection, selectTokens, beta
+   * as in generate(), unset = the worker's defaults) plus timeoutMs and metadata. Resolves to
+   * { context, prompt, batch, mode, device, host, nodes (tiers: items, totalBytes,
+   * capacityBytes, fits, why), nodeBytes, nodeAddresses, fits, why, largestContext, text }.
+   * Rejects with TypeError for a bad option (nothing is sent), InvalidArgument for a value the
+   * worker refuses (a context above max_context, an unknown mode).
+   */
+  async capacity(opts = {}) {
+    const request = buildCapacityRequest(this._definition, opts);
+    return capacityOf(await this._unary('GetCapacity', request, opts));
   }
 
   /** A handle on a kept session (created by its first turn; nothing is sent now). */

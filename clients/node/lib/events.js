@@ -45,6 +45,8 @@ function resultOf(final, tokens) {
     cpuKvEntries: final.cpuKvEntries,
     sessionId: final.sessionId,
     mode: final.mode,
+    // Mode "exact" only: how the offloaded KV was split (an unset message decodes to null).
+    exactSplit: final.exactSplit ? { ...final.exactSplit } : undefined,
     raw: final,
   };
 }

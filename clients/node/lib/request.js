@@ -19,19 +19,20 @@ const WIDE = new Set(['TYPE_INT64', 'TYPE_UINT64', 'TYPE_SINT64', 'TYPE_FIXED64'
 
 const camel = (name) => name.replace(/_([a-z0-9])/g, (_, c) => c.toUpperCase());
 
-function checkScalar(name, type, value) {
+// kind names the call in messages ('generate', 'capacity').
+function checkScalar(name, type, value, kind = 'generate') {
   if (NUMERIC.has(type)) {
     // 64-bit fields also take a bigint or a decimal string (a seed above 2^53).
     const ok = typeof value === 'number' ||
       (WIDE.has(type) && (typeof value === 'bigint' || /^[0-9]+$/.test(String(value))));
-    if (!ok) throw new TypeError(`generate option '${name}' must be a number, got ${typeof value}`);
+    if (!ok) throw new TypeError(`${kind} option '${name}' must be a number, got ${typeof value}`);
     return typeof value === 'bigint' ? value.toString() : value;
   }
   if (type === 'TYPE_BOOL' && typeof value !== 'boolean') {
-    throw new TypeError(`generate option '${name}' must be a boolean, got ${typeof value}`);
+    throw new TypeError(`${kind} option '${name}' must be a boolean, got ${typeof value}`);
   }
   if (type === 'TYPE_STRING' && typeof value !== 'string') {
-    throw new TypeError(`generate option '${name}' must be a string, got ${typeof value}`);
+    throw new TypeError(`${kind} option '${name}' must be a string, got ${typeof value}`);
   }
   return value;
 }
@@ -76,4 +77,4 @@ function buildGenerateRequest(definition, prompt, opts = {}) {
   return request;
 }
 
-module.exports = { buildGenerateRequest };
+module.exports = { buildGenerateRequest, checkScalar, camel, CALL_OPTIONS };

@@ -4,7 +4,9 @@
 // continuation (../shared/models/stories260k/golden.json), tokenize, a two-turn session equal to
 // the one-shot generation over the same ids, close then NotFound, refusals as typed errors naming
 // the field, deadlines, an unreachable worker, cancellation by breaking the loop and by an
-// AbortSignal, and the README example run as written. Run through run.js (ctest clients.node).
+// AbortSignal, mode exact (the golden text with its split), capacity (a context that fits, one
+// that does not, the largest context at its edge, bad options), and the README example run as
+// written. Run through run.js (ctest clients.node).
 
 const { test, before, after } = require('node:test');
 const assert = require('node:assert/strict');
@@ -233,12 +235,81 @@ test('an AbortSignal cancels the call; the loop throws Cancelled', async () => {
   await session.close();
 });
 
+test('mode exact: the golden continuation with its split; no split in gpu mode', async () => {
+  // A 32-token window: most of the 60 positions leave the device and are attended exactly from
+  // host pages (a toy model's planned split is all-fetch).
+  const result = await client.complete(PROMPT, { maxTokens: CONTINUATION_IDS.length, mode: 'exact',
+    window: 32, sink: 4 });
+  assert.equal(result.mode, 'exact');
+  assert.equal(result.text, CONTINUATION_TEXT);
+  const split = result.exactSplit;
+  assert.ok(split, 'exactSplit is set in mode exact');
+  assert.ok(Math.abs(split.fetchShare + split.nodeShare + split.recomputeShare - 1) < 1e-6);
+  assert.ok(split.hostEntries + split.nodeEntries > 0);
+  assert.ok(result.deviceKvEntries < 60);
+  assert.ok(split.modelledStepSeconds > 0);
+  assert.equal(typeof split.recomputePays, 'boolean');
+  assert.ok(split.recomputeReason.length > 0);
+
+  const gpu = await client.complete(PROMPT, { maxTokens: 4 });
+  assert.equal(gpu.mode, 'gpu');
+  assert.equal(gpu.exactSplit, undefined);
+  await assert.rejects(client.complete(PROMPT, { maxTokens: 4, mode: 'exact', beta: 0 }),
+    (err) => err instanceof tandem.InvalidArgument && /mode exact/.test(err.details));
+});
+
+// Hybrid with a 64-token window: 256 sequences of 512 positions need ~150 MiB of node KV, more
+// than the worker's 64 MiB embedded pool.
+const CAPACITY_HYBRID = { mode: 'hybrid', window: 64, sink: 4, batch: 256 };
+
+test('capacity: a small context fits', async () => {
+  const plan = await client.capacity({ context: 256 });
+  assert.deepEqual([plan.context, plan.prompt, plan.batch, plan.mode], [256, 256, 1, 'gpu']);
+  assert.ok(plan.fits && plan.device.fits && plan.host.fits && plan.nodes.fits);
+  assert.equal(plan.why, '');
+  assert.equal(plan.largestContext, 512);   // stories260k's max_context
+  const weights = plan.device.items.find((i) => i.name === 'weights');
+  assert.equal(weights.bytes, 1040128);     // 260K f32 parameters
+  assert.equal(plan.device.items.reduce((sum, i) => sum + i.bytes, 0), plan.device.totalBytes);
+  assert.ok(plan.device.totalBytes <= plan.device.capacityBytes);
+  assert.match(plan.text, /largest context that fits/);
+});
+
+test('capacity: a large batch does not fit; the largest context does, one more does not', async () => {
+  const plan = await client.capacity({ context: 512, ...CAPACITY_HYBRID });
+  assert.equal(plan.fits, false);
+  assert.equal(plan.nodes.fits, false);
+  assert.equal(plan.device.fits, true);
+  assert.match(plan.nodes.why, /in-process/);
+  assert.equal(plan.why, plan.nodes.why);
+  assert.equal(plan.nodes.capacityBytes, 64 * 1024 * 1024);
+  assert.ok(plan.nodes.totalBytes > plan.nodes.capacityBytes);
+  assert.equal(plan.nodeBytes.length, plan.nodeAddresses.length);
+  assert.ok(plan.largestContext > 68 && plan.largestContext < 512, `${plan.largestContext}`);
+  assert.equal((await client.capacity({ ...CAPACITY_HYBRID, context: plan.largestContext })).fits, true);
+  assert.equal((await client.capacity({ ...CAPACITY_HYBRID, context: plan.largestContext + 1 })).fits,
+    false);
+});
+
+test('capacity: bad arguments', async () => {
+  await assert.rejects(client.capacity({ context: 513 }),
+    (err) => err instanceof tandem.InvalidArgument && /context must be in 1\.\.512/.test(err.details));
+  await assert.rejects(client.capacity({ context: 64, mode: 'fast' }), tandem.InvalidArgument);
+  // Refused before sending (a rejection: capacity() is async, as tokenize()).
+  await assert.rejects(client.capacity({ contxt: 64 }), { name: 'TypeError', message: /contxt/ });
+  await assert.rejects(client.capacity({ window: 'wide' }), { name: 'TypeError', message: /window/ });
+  // snake_case works as in generate().
+  assert.equal((await client.capacity({ context: 64, select_tokens: 16, mode: 'hybrid' })).context, 64);
+});
+
 test('the README example runs as written', () => {
   const example = path.resolve(__dirname, '../../../clients/node/examples/example.mjs');
   const r = spawnSync(process.execPath, [example, worker.address], { encoding: 'utf8', timeout: 60_000 });
   assert.equal(r.status, 0, r.stderr);
   assert.match(r.stdout, /^32 tokens, finish: length, TTFT/m);
   assert.match(r.stdout, /\[ 1, 403, 407, 261, 378 \]/);
+  assert.match(r.stdout, /^true 512 weights, /m);
+  assert.match(r.stdout, /^exact 1 \d+$/m);
   assert.match(r.stdout, /^CANCELLED$/m);
   assert.match(r.stdout, /^INVALID_ARGUMENT max_tokens must be in 1\.\.512, got 0$/m);
 });
