@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../exact/exact_test_rig.h"
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/engine.h"
@@ -31,121 +32,27 @@
 namespace tandem::gpu_worker {
 namespace {
 
+using testing::EvenExactRates;
+using testing::ExactGeometryOf;
+using testing::ExactRig;
+using testing::kExactSink;
+using testing::kExactWindow;
+using testing::MakeExactRig;
+using testing::MaxLogitDiff;
+using testing::StepLogits;
+
 constexpr float kLogitTolerance = 1e-4f;
-constexpr int64_t kWindow = 64, kSink = 4;
+constexpr uint64_t kRandomSeed = 7;  // random weights of the MHA geometries
 
-// A model on the test backend with its runner and one embedded CPU node.
-struct Rig {
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<Model> model;  // null for random weights
-  std::unique_ptr<DeviceModel> device_model;
-  std::unique_ptr<ModelRunner> runner;
-  std::unique_ptr<NodePool> pool;
-  ModelConfig config;
-};
-
-// Loads `model_dir`, or random weights of `config` when model_dir is empty.
-absl::StatusOr<Rig> MakeRig(const std::string& model_dir, const ModelConfig& config,
-                            std::string* skip) {
-  Rig rig;
-  rig.backend = testing::MakeTestBackend(skip);
-  if (rig.backend == nullptr) return absl::UnavailableError("no backend");
-  if (model_dir.empty()) {
-    rig.config = config;
-    auto dm = DeviceModel::CreateRandom(config, *rig.backend, 7);
-    if (!dm.ok()) return dm.status();
-    rig.device_model = std::move(*dm);
-  } else {
-    auto model = LoadModel(model_dir);
-    if (!model.ok()) return model.status();
-    rig.model = std::move(*model);
-    rig.config = rig.model->config;
-    auto dm = DeviceModel::Upload(*rig.model, *rig.backend);
-    if (!dm.ok()) return dm.status();
-    rig.device_model = std::move(*dm);
-  }
-  auto runner = ModelRunner::Create(*rig.backend, *rig.device_model, {});
-  if (!runner.ok()) return runner.status();
-  rig.runner = std::move(*runner);
-  NodePoolOptions nodes;
-  nodes.embedded.pool_bytes = 64ull << 20;
-  auto pool = NodePool::Create(nodes);
-  if (!pool.ok()) return pool.status();
-  rig.pool = std::move(*pool);
-  return rig;
-}
-
-ExactGeometry GeometryOf(const ModelConfig& c) {
-  return {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 4, 4};
-}
-
-// Rates of a balanced machine (the forced splits do not depend on them).
-ExactPathRates EvenRates() {
-  ExactPathRates r;
-  r.pcie_bytes_per_second = 20e9;
-  r.device_attend_bytes_per_second = 1e12;
-  r.gemm_flops_per_second = 1e13;
-  r.node_bytes_per_second = 20e9;
-  r.node_overhead_seconds = 100e-6;
-  r.nodes = 1;
-  return r;
-}
-
-std::unique_ptr<Sequence> MakeSequence(Rig& rig, AttentionMode mode, const std::string& id,
+// A sequence of `mode` whose exact tier forces `fetch_share` (< 0: the book's plan); no recompute.
+std::unique_ptr<Sequence> MakeSequence(ExactRig& rig, AttentionMode mode, const std::string& id,
                                        ExactRateBook* book, double fetch_share) {
-  const ModelConfig& c = rig.config;
-  WindowOptions wo;
-  wo.block = 16;
-  wo.max_chunk = 512;
-  wo.max_context = std::min<int64_t>(c.max_position_embeddings, 2048);
-  wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : kWindow;
-  wo.sink = mode == AttentionMode::kGpu ? 0 : kSink;
-  const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
-  auto cache = WindowCache::Create(*rig.backend, geometry, wo);
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return nullptr;
-  auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
-  if (mode == AttentionMode::kExact) {
-    RemoteKvOptions ro;
-    ro.session_id = id;
-    ro.num_layers = c.num_layers;
-    ro.num_q_heads = c.num_q_heads;
-    ro.num_kv_heads = c.num_kv_heads;
-    ro.head_dim = c.head_dim;
-    ro.kv_dtype = DType::kF32;
-    ro.block_tokens = 16;
-    ExactTierOptions eo;
-    eo.geometry = GeometryOf(c);
-    eo.expected_tokens = 400;
-    eo.plan.force_fetch_share = fetch_share;
-    eo.replan_every_steps = 4;
-    // Small pages so that a few hundred entries span several pages and the slots cycle.
-    auto tier = OpenExactTier(*rig.backend, *rig.pool, *book, ro, geometry, 48, eo);
-    EXPECT_TRUE(tier.ok()) << tier.status();
-    if (!tier.ok()) return nullptr;
-    seq->offload = std::move(*tier);
-  }
-  return seq;
-}
-
-std::vector<float> Step(Rig& rig, Sequence& seq, const std::vector<int32_t>& ids) {
-  absl::Status s = rig.runner->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
-  EXPECT_TRUE(s.ok()) << s;
-  auto logits = rig.runner->LastLogitsToHost();
-  EXPECT_TRUE(logits.ok()) << logits.status();
-  return logits.ok() ? *logits : std::vector<float>{};
-}
-
-float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float d = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
-  return a.empty() ? 1e30f : d;
+  return testing::MakeExactTestSequence(rig, mode, id, book, {fetch_share, -1, false});
 }
 
 // Prompt of `prompt_len` tokens in chunks of 41, then `steps` greedy decode steps: exact with
 // the forced fetch share (< 0: the book's plan) against gpu, logits compared at every step.
-void ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, double fetch_share, int prompt_len,
+void ExpectExactEqualsGpu(ExactRig& rig, ExactRateBook& book, double fetch_share, int prompt_len,
                           int steps, const std::string& tag, float tolerance) {
   auto gpu = MakeSequence(rig, AttentionMode::kGpu, "gpu-" + tag, nullptr, -1);
   auto exact = MakeSequence(rig, AttentionMode::kExact, "exact-" + tag, &book, fetch_share);
@@ -159,24 +66,24 @@ void ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, double fetch_share, int
   for (int i = 0; i < prompt_len; i += 41) {
     const std::vector<int32_t> chunk(prompt.begin() + i,
                                      prompt.begin() + std::min(prompt_len, i + 41));
-    a = Step(rig, *gpu, chunk);
-    b = Step(rig, *exact, chunk);
+    a = StepLogits(rig, *gpu, chunk);
+    b = StepLogits(rig, *exact, chunk);
   }
-  float worst = MaxDiff(a, b);
+  float worst = MaxLogitDiff(a, b);
   ASSERT_LE(worst, tolerance) << tag << " after the prompt";
   for (int step = 0; step < steps; ++step) {
     const int32_t next = static_cast<int32_t>(std::max_element(a.begin(), a.end()) - a.begin());
     ASSERT_EQ(next, std::max_element(b.begin(), b.end()) - b.begin()) << tag << " step " << step;
-    a = Step(rig, *gpu, {next});
-    b = Step(rig, *exact, {next});
-    const float diff = MaxDiff(a, b);
+    a = StepLogits(rig, *gpu, {next});
+    b = StepLogits(rig, *exact, {next});
+    const float diff = MaxLogitDiff(a, b);
     worst = std::max(worst, diff);
     ASSERT_LE(diff, tolerance) << tag << " step " << step;
   }
   const auto& tier = static_cast<const ExactTier&>(*exact->offload);
   const int64_t offloaded = tier.offloaded_tokens();
   EXPECT_EQ(offloaded + exact->device_entries(), prompt_len + steps) << tag;
-  EXPECT_LE(exact->device_entries(), kSink + kWindow) << tag;
+  EXPECT_LE(exact->device_entries(), kExactSink + kExactWindow) << tag;
   EXPECT_EQ(exact->degraded_steps, 0u) << tag;
   const double share = fetch_share >= 0 ? fetch_share : tier.plan().fetch_share;
   // Blocks are split so that the host keeps round(share · total) of all offloaded entries.
@@ -191,16 +98,16 @@ void ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, double fetch_share, int
 class ExactMode : public ::testing::Test {
  protected:
   // Every forced split and the probed plan on one rig.
-  void CheckAllSplits(Rig& rig, int prompt_len, int steps, const std::string& name,
+  void CheckAllSplits(ExactRig& rig, int prompt_len, int steps, const std::string& name,
                       float tolerance = kLogitTolerance) {
-    ExactRateBook even(EvenRates());
+    ExactRateBook even(EvenExactRates());
     for (const double share : {0.0, 1.0, 0.37}) {
       ExpectExactEqualsGpu(rig, even, share, prompt_len, steps, name + "-" + std::to_string(share),
                            tolerance);
       if (HasFatalFailure()) return;
     }
     auto probed =
-        ExactRateBook::Measure(*rig.backend, *rig.pool, GeometryOf(rig.config), DType::kF32,
+        ExactRateBook::Measure(*rig.backend, *rig.pool, ExactGeometryOf(rig.config), DType::kF32,
                                {.pcie_bytes = 8 << 20,
                                 .device_kv_bytes = 4 << 20,
                                 .gemm_flops = 2e8,
@@ -213,7 +120,7 @@ class ExactMode : public ::testing::Test {
 TEST_F(ExactMode, Stories260kEqualsGpuForEverySplit) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   CheckAllSplits(*rig, 300, 60, "stories260k");
@@ -222,7 +129,7 @@ TEST_F(ExactMode, Stories260kEqualsGpuForEverySplit) {
 TEST_F(ExactMode, Gutenberg14mEqualsGpuForEverySplit) {
   TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("gutenberg-14m").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("gutenberg-14m").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   // NOTE: gutenberg-14m has bf16 weights, and the cpu backend's MatMul rounds its f32 input
@@ -238,7 +145,7 @@ TEST_F(ExactMode, RandomMhaGeometryEqualsGpuForEverySplit) {
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,dtype=f32", *config).ok());
   std::string why;
-  auto rig = MakeRig("", *config, &why);
+  auto rig = MakeExactRig("", *config, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   CheckAllSplits(*rig, 300, 30, "random-mha");
@@ -248,10 +155,10 @@ TEST_F(ExactMode, RandomMhaGeometryEqualsGpuForEverySplit) {
 TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
-  ExactRateBook even(EvenRates());
+  ExactRateBook even(EvenExactRates());
   const AttentionMode modes[] = {AttentionMode::kExact, AttentionMode::kGpu, AttentionMode::kExact};
   const double shares[] = {0.5, -1, 0.25};
   std::vector<std::unique_ptr<Sequence>> batched, single;
@@ -262,8 +169,8 @@ TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
     ASSERT_NE(single.back(), nullptr);
     std::vector<int32_t> prompt;
     for (int t = 0; t < 150 + 60 * i; ++t) prompt.push_back(1 + (t * 31 + i * 7) % 500);
-    Step(*rig, *batched[i], prompt);
-    Step(*rig, *single[i], prompt);
+    StepLogits(*rig, *batched[i], prompt);
+    StepLogits(*rig, *single[i], prompt);
   }
   const int64_t vocab = rig->config.vocab_size;
   std::vector<int32_t> next = {5, 17, 29};
@@ -275,8 +182,8 @@ TEST_F(ExactMode, BatchDecodeEqualsSingleDecode) {
     ASSERT_TRUE(
         rig->backend->CopyToHost(all.data(), rig->runner->batch_logits(), all.size() * 4).ok());
     for (int i = 0; i < 3; ++i) {
-      const std::vector<float> alone = Step(*rig, *single[i], {next[i]});
-      ASSERT_LE(MaxDiff(alone,
+      const std::vector<float> alone = StepLogits(*rig, *single[i], {next[i]});
+      ASSERT_LE(MaxLogitDiff(alone,
                         std::vector<float>(all.begin() + i * vocab, all.begin() + (i + 1) * vocab)),
                 kLogitTolerance)
           << "sequence " << i << " step " << step;
@@ -299,10 +206,10 @@ TEST_F(ExactMode, MaintainCorrectsTheNodeRateAndReplans) {
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,head_dim=64,dtype=f32", *config).ok());
   std::string why;
-  auto rig = MakeRig("", *config, &why);
+  auto rig = MakeExactRig("", *config, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
-  ExactPathRates claimed = EvenRates();
+  ExactPathRates claimed = EvenExactRates();
   claimed.node_bytes_per_second = 1e15;
   claimed.node_overhead_seconds = 0;
   ExactRateBook book(claimed);
@@ -313,11 +220,11 @@ TEST_F(ExactMode, MaintainCorrectsTheNodeRateAndReplans) {
   EXPECT_LT(before, 0.01);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 1000; ++i) prompt.push_back(1 + (i * 29) % 250);
-  std::vector<float> logits = Step(*rig, *seq, prompt);
+  std::vector<float> logits = StepLogits(*rig, *seq, prompt);
   for (int step = 0; step < 48; ++step) {
     const int32_t next =
         static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    logits = Step(*rig, *seq, {next});
+    logits = StepLogits(*rig, *seq, {next});
     seq->MaintainOffloaded();
   }
   EXPECT_GT(book.node_samples(), 0u);
@@ -332,11 +239,11 @@ TEST_F(ExactMode, MaintainCorrectsTheNodeRateAndReplans) {
 TEST_F(ExactMode, ProbeMeasuresEveryPathAndRefusesBadParts) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   ExactPathRates rates;
-  const ExactGeometry g = GeometryOf(rig->config);
+  const ExactGeometry g = ExactGeometryOf(rig->config);
   ExactProbeOptions small{
       .pcie_bytes = 4 << 20, .device_kv_bytes = 1 << 20, .gemm_flops = 1e7, .node_bytes = 1 << 20};
   auto device = ProbeDeviceRates(*rig->backend, g, DType::kF32, small);
@@ -460,7 +367,7 @@ TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   auto pool = NodePool::Create(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
   ASSERT_EQ((*pool)->accepting_count(), 0u);
-  ExactRateBook book(EvenRates());
+  ExactRateBook book(EvenExactRates());
   RemoteKvOptions ro;
   ro.session_id = "none";
   ro.num_layers = 2;
@@ -484,7 +391,7 @@ TEST(ExactTierOpen, HostShareBeyondAvailableMemoryIsResourceExhausted) {
   po.embedded.pool_bytes = 16ull << 20;
   auto pool = NodePool::Create(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
-  ExactRateBook book(EvenRates());
+  ExactRateBook book(EvenExactRates());
   RemoteKvOptions ro;
   ro.session_id = "huge";
   ro.num_layers = 2;
@@ -512,7 +419,7 @@ TEST(ExactTierOpen, Int8NodesAreRefused) {
   auto pool = NodePool::Create(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
   ASSERT_EQ((*pool)->accepting_count(), 1u);
-  ExactRateBook book(EvenRates());
+  ExactRateBook book(EvenExactRates());
   RemoteKvOptions ro;
   ro.session_id = "int8";
   ro.num_layers = 2;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../engine/engine_test_util.h"
+#include "exact_test_rig.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/exact_planner.h"
 #include "tandem/gpu_worker/exact_probe.h"
@@ -28,128 +29,18 @@
 namespace tandem::gpu_worker {
 namespace {
 
+using testing::ArgmaxToken;
+using testing::EvenExactRates;
+using testing::ExactGeometryOf;
+using testing::ExactRig;
+using testing::ExactSplit;
+using testing::MakeExactRig;
+using testing::MakeExactTestSequence;
+using testing::MaxLogitDiff;
+using testing::StepLogits;
+
 constexpr float kLogitTolerance = 1e-4f;
-constexpr int64_t kWindow = 64, kSink = 4;
-
-struct Rig {
-  std::unique_ptr<Backend> backend;
-  std::unique_ptr<Model> model;  // null for random weights
-  std::unique_ptr<DeviceModel> device_model;
-  std::unique_ptr<ModelRunner> runner;
-  std::unique_ptr<NodePool> pool;
-  ModelConfig config;
-};
-
-// Loads `model_dir`, or random weights of `config` when model_dir is empty; one embedded node.
-absl::StatusOr<Rig> MakeRig(const std::string& model_dir, const ModelConfig& config,
-                            std::string* skip) {
-  Rig rig;
-  rig.backend = testing::MakeTestBackend(skip);
-  if (rig.backend == nullptr) return absl::UnavailableError("no backend");
-  if (model_dir.empty()) {
-    rig.config = config;
-    auto dm = DeviceModel::CreateRandom(config, *rig.backend, 11);
-    if (!dm.ok()) return dm.status();
-    rig.device_model = std::move(*dm);
-  } else {
-    auto model = LoadModel(model_dir);
-    if (!model.ok()) return model.status();
-    rig.model = std::move(*model);
-    rig.config = rig.model->config;
-    auto dm = DeviceModel::Upload(*rig.model, *rig.backend);
-    if (!dm.ok()) return dm.status();
-    rig.device_model = std::move(*dm);
-  }
-  auto runner = ModelRunner::Create(*rig.backend, *rig.device_model, {});
-  if (!runner.ok()) return runner.status();
-  rig.runner = std::move(*runner);
-  NodePoolOptions nodes;
-  nodes.embedded.pool_bytes = 64ull << 20;
-  auto pool = NodePool::Create(nodes);
-  if (!pool.ok()) return pool.status();
-  rig.pool = std::move(*pool);
-  return rig;
-}
-
-ExactGeometry GeometryOf(const ModelConfig& c) {
-  return {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, 4, 4};
-}
-
-ExactPathRates EvenRates() {
-  ExactPathRates r;
-  r.pcie_bytes_per_second = 20e9;
-  r.device_attend_bytes_per_second = 1e12;
-  r.gemm_flops_per_second = 1e13;
-  r.node_bytes_per_second = 20e9;
-  r.node_overhead_seconds = 100e-6;
-  r.nodes = 1;
-  return r;
-}
-
-// How the exact sequence's tier plans: forced shares (fetch >= 0) or the book's plan.
-struct Split {
-  double fetch = -1, recompute = -1;
-  bool allow_recompute = true;
-};
-
-std::unique_ptr<Sequence> MakeSequence(Rig& rig, AttentionMode mode, const std::string& id,
-                                       ExactRateBook* book, const Split& split) {
-  const ModelConfig& c = rig.config;
-  WindowOptions wo;
-  wo.block = 16;
-  wo.max_chunk = 512;
-  wo.max_context = std::min<int64_t>(c.max_position_embeddings, 2048);
-  wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : kWindow;
-  wo.sink = mode == AttentionMode::kGpu ? 0 : kSink;
-  const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
-  auto cache = WindowCache::Create(*rig.backend, geometry, wo);
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return nullptr;
-  auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
-  if (mode == AttentionMode::kExact) {
-    RemoteKvOptions ro;
-    ro.session_id = id;
-    ro.num_layers = c.num_layers;
-    ro.num_q_heads = c.num_q_heads;
-    ro.num_kv_heads = c.num_kv_heads;
-    ro.head_dim = c.head_dim;
-    ro.kv_dtype = DType::kF32;
-    ro.block_tokens = 16;
-    ExactTierOptions eo;
-    eo.geometry = GeometryOf(c);
-    eo.expected_tokens = 400;
-    eo.plan.force_fetch_share = split.fetch;
-    eo.plan.force_recompute_share = split.recompute;
-    eo.plan.allow_recompute = split.allow_recompute;
-    eo.model = rig.device_model.get();
-    eo.replan_every_steps = 4;
-    // Small pages: a few hundred entries span several pages of each path.
-    auto tier = OpenExactTier(*rig.backend, *rig.pool, *book, ro, geometry, 48, eo);
-    EXPECT_TRUE(tier.ok()) << tier.status();
-    if (!tier.ok()) return nullptr;
-    seq->offload = std::move(*tier);
-  }
-  return seq;
-}
-
-std::vector<float> Step(Rig& rig, Sequence& seq, const std::vector<int32_t>& ids) {
-  absl::Status s = rig.runner->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
-  EXPECT_TRUE(s.ok()) << s;
-  auto logits = rig.runner->LastLogitsToHost();
-  EXPECT_TRUE(logits.ok()) << logits.status();
-  return logits.ok() ? *logits : std::vector<float>{};
-}
-
-float MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  float d = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) d = std::max(d, std::fabs(a[i] - b[i]));
-  return a.empty() ? 1e30f : d;
-}
-
-int32_t Argmax(const std::vector<float>& v) {
-  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
-}
+constexpr uint64_t kRandomSeed = 11;  // random weights of the MHA geometry
 
 // Two turns on one kept sequence each: a prompt in chunks of 41, then `steps` greedy decode
 // steps; exact against gpu at the end of every chunk and at every step.
@@ -158,10 +49,10 @@ struct Outcome {
   int64_t recomputed = 0, fetched = 0, on_nodes = 0;
   ExactPlan plan;
 };
-Outcome ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, const Split& split, int prompt_len,
+Outcome ExpectExactEqualsGpu(ExactRig& rig, ExactRateBook& book, const ExactSplit& split, int prompt_len,
                              int steps, const std::string& tag) {
-  auto gpu = MakeSequence(rig, AttentionMode::kGpu, "gpu-" + tag, nullptr, {});
-  auto exact = MakeSequence(rig, AttentionMode::kExact, "exact-" + tag, &book, split);
+  auto gpu = MakeExactTestSequence(rig, AttentionMode::kGpu, "gpu-" + tag, nullptr, {});
+  auto exact = MakeExactTestSequence(rig, AttentionMode::kExact, "exact-" + tag, &book, split);
   if (gpu == nullptr || exact == nullptr) {
     ADD_FAILURE() << tag << ": no sequence";
     return {};
@@ -176,18 +67,18 @@ Outcome ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, const Split& split, 
     for (int i = 0; i < prompt_len; i += 41) {
       const std::vector<int32_t> chunk(prompt.begin() + i,
                                        prompt.begin() + std::min(prompt_len, i + 41));
-      a = Step(rig, *gpu, chunk);
-      b = Step(rig, *exact, chunk);
-      worst = std::max(worst, MaxDiff(a, b));
+      a = StepLogits(rig, *gpu, chunk);
+      b = StepLogits(rig, *exact, chunk);
+      worst = std::max(worst, MaxLogitDiff(a, b));
     }
     EXPECT_LE(worst, kLogitTolerance) << tag << " turn " << turn << " after the prompt";
     fed += prompt_len;
     for (int step = 0; step < steps; ++step) {
-      const int32_t next = Argmax(a);
-      EXPECT_EQ(next, Argmax(b)) << tag << " turn " << turn << " step " << step;
-      a = Step(rig, *gpu, {next});
-      b = Step(rig, *exact, {next});
-      const float diff = MaxDiff(a, b);
+      const int32_t next = ArgmaxToken(a);
+      EXPECT_EQ(next, ArgmaxToken(b)) << tag << " turn " << turn << " step " << step;
+      a = StepLogits(rig, *gpu, {next});
+      b = StepLogits(rig, *exact, {next});
+      const float diff = MaxLogitDiff(a, b);
       worst = std::max(worst, diff);
       if (diff > kLogitTolerance) {
         ADD_FAILURE() << tag << " turn " << turn << " step " << step << ": " << diff;
@@ -210,16 +101,16 @@ Outcome ExpectExactEqualsGpu(Rig& rig, ExactRateBook& book, const Split& split, 
 
 // Forced shares: every entry recomputed, and recompute mixed with fetch and the node.
 // Two turns of prompt_len + 30 steps each.
-void CheckForcedSplits(Rig& rig, const std::string& name, int prompt_len) {
-  ExactRateBook even(EvenRates());
+void CheckForcedSplits(ExactRig& rig, const std::string& name, int prompt_len) {
+  ExactRateBook even(EvenExactRates());
   struct Case {
-    Split split;
+    ExactSplit split;
     const char* tag;
   };
   for (const Case& c :
        {Case{{0.0, 1.0, true}, "recompute-only"}, Case{{0.3, 0.4, true}, "mixed"}}) {
     const std::string tag = name + "-" + c.tag;
-    auto exact = MakeSequence(rig, AttentionMode::kExact, "e-" + tag, &even, c.split);
+    auto exact = MakeExactTestSequence(rig, AttentionMode::kExact, "e-" + tag, &even, c.split);
     ASSERT_NE(exact, nullptr);
     const auto& tier = static_cast<const ExactTier&>(*exact->offload);
     EXPECT_TRUE(tier.wants_layer_inputs()) << tag;
@@ -241,15 +132,15 @@ void CheckForcedSplits(Rig& rig, const std::string& name, int prompt_len) {
 TEST(ExactRecompute, SplitLandsWhereForced) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
-  ExactRateBook even(EvenRates());
-  auto exact = MakeSequence(*rig, AttentionMode::kExact, "lands", &even, {0.3, 0.4, true});
+  ExactRateBook even(EvenExactRates());
+  auto exact = MakeExactTestSequence(*rig, AttentionMode::kExact, "lands", &even, {0.3, 0.4, true});
   ASSERT_NE(exact, nullptr);
   std::vector<int32_t> prompt;
   for (int i = 0; i < 400; ++i) prompt.push_back(1 + (i * 7) % 500);
-  Step(*rig, *exact, prompt);
+  StepLogits(*rig, *exact, prompt);
   const auto& tier = static_cast<const ExactTier&>(*exact->offload);
   const double total = static_cast<double>(tier.offloaded_tokens());
   ASSERT_GT(total, 300);
@@ -261,7 +152,7 @@ TEST(ExactRecompute, SplitLandsWhereForced) {
 TEST(ExactRecompute, Stories260kEqualsGpu) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   std::string why;
-  auto rig = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto rig = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   CheckForcedSplits(*rig, "stories260k", 200);  // 460 of its 512 positions
@@ -272,7 +163,7 @@ TEST(ExactRecompute, RandomMhaGeometryEqualsGpu) {
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,dtype=f32", *config).ok());
   std::string why;
-  auto rig = MakeRig("", *config, &why);
+  auto rig = MakeExactRig("", *config, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(rig.ok()) << rig.status();
   CheckForcedSplits(*rig, "random-mha", 300);
@@ -285,24 +176,24 @@ TEST(ExactRecompute, PlannerVerdictDecides) {
   ASSERT_TRUE(config.ok()) << config.status();
   ASSERT_TRUE(ApplyGeometryOverrides("q_heads=4,kv_heads=4,dtype=f32", *config).ok());
   std::string why;
-  auto mha = MakeRig("", *config, &why);
+  auto mha = MakeExactRig("", *config, kRandomSeed, &why);
   if (!why.empty()) GTEST_SKIP() << "no backend: " << why;
   ASSERT_TRUE(mha.ok()) << mha.status();
-  ASSERT_LT(GeometryOf(mha->config).activation_row_bytes(), GeometryOf(mha->config).kv_row_bytes());
-  ExactRateBook even(EvenRates());
+  ASSERT_LT(ExactGeometryOf(mha->config).activation_row_bytes(), ExactGeometryOf(mha->config).kv_row_bytes());
+  ExactRateBook even(EvenExactRates());
   const Outcome planned = ExpectExactEqualsGpu(*mha, even, {}, 300, 10, "mha-planned");
   ASSERT_TRUE(planned.ok);
   EXPECT_GT(planned.plan.recompute_share, 0.0) << planned.plan.recompute_reason;
   EXPECT_GT(planned.recomputed, 0);
   {
-    auto seq = MakeSequence(*mha, AttentionMode::kExact, "mha-verdict", &even, {});
+    auto seq = MakeExactTestSequence(*mha, AttentionMode::kExact, "mha-verdict", &even, {});
     ASSERT_NE(seq, nullptr);
     const auto& tier = static_cast<const ExactTier&>(*seq->offload);
     EXPECT_TRUE(tier.plan().recompute_pays) << tier.plan().recompute_reason;
     EXPECT_GT(tier.plan().recompute_share, 0.0);
     EXPECT_TRUE(tier.wants_layer_inputs());
     // Recompute off: the same verdict, no share, no layer inputs.
-    auto off = MakeSequence(*mha, AttentionMode::kExact, "mha-off", &even, {-1, -1, false});
+    auto off = MakeExactTestSequence(*mha, AttentionMode::kExact, "mha-off", &even, {-1, -1, false});
     ASSERT_NE(off, nullptr);
     const auto& off_tier = static_cast<const ExactTier&>(*off->offload);
     EXPECT_TRUE(off_tier.plan().recompute_pays);
@@ -311,10 +202,10 @@ TEST(ExactRecompute, PlannerVerdictDecides) {
   }
 
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
-  auto gqa = MakeRig(testing::ModelDir("stories260k").string(), {}, &why);
+  auto gqa = MakeExactRig(testing::ModelDir("stories260k").string(), {}, kRandomSeed, &why);
   ASSERT_TRUE(gqa.ok()) << gqa.status();
   ASSERT_LT(gqa->config.num_kv_heads, gqa->config.num_q_heads);
-  auto seq = MakeSequence(*gqa, AttentionMode::kExact, "gqa-verdict", &even, {});
+  auto seq = MakeExactTestSequence(*gqa, AttentionMode::kExact, "gqa-verdict", &even, {});
   ASSERT_NE(seq, nullptr);
   const auto& tier = static_cast<const ExactTier&>(*seq->offload);
   EXPECT_FALSE(tier.plan().recompute_pays);
@@ -323,7 +214,7 @@ TEST(ExactRecompute, PlannerVerdictDecides) {
       << tier.plan().recompute_reason;
   EXPECT_FALSE(tier.wants_layer_inputs());
   std::vector<int32_t> prompt(200, 3);
-  Step(*gqa, *seq, prompt);
+  StepLogits(*gqa, *seq, prompt);
   EXPECT_EQ(tier.recompute_tokens(), 0);
 }
 
