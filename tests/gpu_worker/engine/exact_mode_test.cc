@@ -355,6 +355,22 @@ TEST_F(ExactEngine, HybridKnobsAreInvalidWithExact) {
   EXPECT_EQ(AttentionModeName(AttentionMode::kExact), "exact");
 }
 
+// An exact tier for a toy f32 geometry (2 layers, 4 query / 2 kv heads of 16, hidden 64, pages
+// of 64 tokens) on `pool`, planned with `eo` (its geometry is set here).
+absl::StatusOr<std::unique_ptr<ExactTier>> OpenToyTier(Backend& backend, NodePool& pool,
+                                                       ExactRateBook& book, const std::string& id,
+                                                       ExactTierOptions eo) {
+  RemoteKvOptions ro;
+  ro.session_id = id;
+  ro.num_layers = 2;
+  ro.num_q_heads = 4;
+  ro.num_kv_heads = 2;
+  ro.head_dim = 16;
+  ro.kv_dtype = DType::kF32;
+  eo.geometry = {2, 2, 16, 64, 4, 4};
+  return OpenExactTier(backend, pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+}
+
 // Without an accepting CPU node an exact session cannot be planned: UNAVAILABLE, naming offload.
 TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   std::string why;
@@ -368,16 +384,7 @@ TEST(ExactTierOpen, NoAcceptingNodeIsUnavailable) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   ASSERT_EQ((*pool)->accepting_count(), 0u);
   ExactRateBook book(EvenExactRates());
-  RemoteKvOptions ro;
-  ro.session_id = "none";
-  ro.num_layers = 2;
-  ro.num_q_heads = 4;
-  ro.num_kv_heads = 2;
-  ro.head_dim = 16;
-  ro.kv_dtype = DType::kF32;
-  ExactTierOptions eo;
-  eo.geometry = {2, 2, 16, 64, 4, 4};
-  auto tier = OpenExactTier(*backend, **pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+  auto tier = OpenToyTier(*backend, **pool, book, "none", {});
   EXPECT_EQ(tier.status().code(), absl::StatusCode::kUnavailable) << tier.status();
   EXPECT_NE(tier.status().message().find("offload"), std::string::npos) << tier.status();
 }
@@ -392,18 +399,10 @@ TEST(ExactTierOpen, HostShareBeyondAvailableMemoryIsResourceExhausted) {
   auto pool = NodePool::Create(po);
   ASSERT_TRUE(pool.ok()) << pool.status();
   ExactRateBook book(EvenExactRates());
-  RemoteKvOptions ro;
-  ro.session_id = "huge";
-  ro.num_layers = 2;
-  ro.num_q_heads = 4;
-  ro.num_kv_heads = 2;
-  ro.head_dim = 16;
-  ro.kv_dtype = DType::kF32;
   ExactTierOptions eo;
-  eo.geometry = {2, 2, 16, 64, 4, 4};
   eo.plan.force_fetch_share = 1;          // all of it in host pages
   eo.expected_tokens = int64_t{1} << 40;  // 2^40 entries x 256 B per layer
-  auto tier = OpenExactTier(*backend, **pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+  auto tier = OpenToyTier(*backend, **pool, book, "huge", eo);
   EXPECT_EQ(tier.status().code(), absl::StatusCode::kResourceExhausted) << tier.status();
   EXPECT_NE(tier.status().message().find("host"), std::string::npos) << tier.status();
 }
@@ -420,16 +419,7 @@ TEST(ExactTierOpen, Int8NodesAreRefused) {
   ASSERT_TRUE(pool.ok()) << pool.status();
   ASSERT_EQ((*pool)->accepting_count(), 1u);
   ExactRateBook book(EvenExactRates());
-  RemoteKvOptions ro;
-  ro.session_id = "int8";
-  ro.num_layers = 2;
-  ro.num_q_heads = 4;
-  ro.num_kv_heads = 2;
-  ro.head_dim = 16;
-  ro.kv_dtype = DType::kF32;
-  ExactTierOptions eo;
-  eo.geometry = {2, 2, 16, 64, 4, 4};
-  auto tier = OpenExactTier(*backend, **pool, book, ro, {2, 2, 16, DType::kF32}, 64, eo);
+  auto tier = OpenToyTier(*backend, **pool, book, "int8", {});
   EXPECT_EQ(tier.status().code(), absl::StatusCode::kFailedPrecondition) << tier.status();
   EXPECT_NE(tier.status().message().find("int8"), std::string::npos) << tier.status();
 }
