@@ -7,6 +7,8 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -36,6 +38,29 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const EngineOptions& option
     spdlog::info("cuda backend unavailable ({}); using the cpu backend", cuda.status().ToString());
   }
   return CreateCpuBackend(options.cpu_threads);
+}
+
+// A node session's options common to every mode that keeps K/V on CPU nodes (hybrid, exact):
+// the model's geometry, the block size when valid (16..256; 0 leaves the node's default), the
+// deadlines, the placement and its re-planning.
+RemoteKvOptions NodeSessionOptions(const EngineOptions& options, const ModelConfig& c,
+                                   DType kv_dtype, std::string session_id) {
+  RemoteKvOptions ro;
+  ro.session_id = std::move(session_id);
+  ro.num_layers = c.num_layers;
+  ro.num_q_heads = c.num_q_heads;
+  ro.num_kv_heads = c.num_kv_heads;
+  ro.head_dim = c.head_dim;
+  ro.kv_dtype = kv_dtype;
+  ro.block_tokens = options.block_tokens >= 16 && options.block_tokens <= 256
+                        ? static_cast<uint32_t>(options.block_tokens)
+                        : 0;
+  ro.attend_deadline_ms = options.attend_deadline_ms;
+  ro.control_deadline_ms = options.control_deadline_ms;
+  ro.placement = options.placement;
+  ro.replan_every_steps = options.replan_every_steps;
+  ro.replan_min_gain = options.replan_min_gain;
+  return ro;
 }
 
 }  // namespace
@@ -290,23 +315,10 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     TANDEM_RETURN_IF_ERROR(ReservePages(*seq, expected_offloaded));
   }
   if (mode == AttentionMode::kHybrid) {
-    RemoteKvOptions ro;
-    ro.session_id = absl::StrCat(id_prefix_, ".", id);
-    ro.num_layers = c.num_layers;
-    ro.num_q_heads = c.num_q_heads;
-    ro.num_kv_heads = c.num_kv_heads;
-    ro.head_dim = c.head_dim;
-    ro.kv_dtype = kv_dtype_;
+    RemoteKvOptions ro =
+        NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
     ro.beta = beta;
-    ro.block_tokens = options_.block_tokens >= 16 && options_.block_tokens <= 256
-                          ? static_cast<uint32_t>(options_.block_tokens)
-                          : 0;
-    ro.attend_deadline_ms = options_.attend_deadline_ms;
-    ro.control_deadline_ms = options_.control_deadline_ms;
     ro.expected_tokens = expected_offloaded;
-    ro.placement = options_.placement;
-    ro.replan_every_steps = options_.replan_every_steps;
-    ro.replan_min_gain = options_.replan_min_gain;
     ro.selection = seq->selection;
     ro.page_tokens = static_cast<uint32_t>(options_.page_tokens);
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(*nodes_, ro));
@@ -334,21 +346,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
       TANDEM_ASSIGN_OR_RETURN(exact_rates_,
                               ExactRateBook::Measure(*backend_, *nodes_, eo.geometry, kv_dtype_));
     }
-    RemoteKvOptions ro;
-    ro.session_id = absl::StrCat(id_prefix_, ".", id);
-    ro.num_layers = c.num_layers;
-    ro.num_q_heads = c.num_q_heads;
-    ro.num_kv_heads = c.num_kv_heads;
-    ro.head_dim = c.head_dim;
-    ro.kv_dtype = kv_dtype_;
-    ro.block_tokens = options_.block_tokens >= 16 && options_.block_tokens <= 256
-                          ? static_cast<uint32_t>(options_.block_tokens)
-                          : 0;
-    ro.attend_deadline_ms = options_.attend_deadline_ms;
-    ro.control_deadline_ms = options_.control_deadline_ms;
-    ro.placement = options_.placement;
-    ro.replan_every_steps = options_.replan_every_steps;
-    ro.replan_min_gain = options_.replan_min_gain;
+    const RemoteKvOptions ro =
+        NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
     TANDEM_ASSIGN_OR_RETURN(seq->offload,
                             OpenExactTier(*backend_, *nodes_, *exact_rates_, ro, geometry,
                                           options_.offload_page_tokens, eo));
