@@ -121,6 +121,28 @@ absl::Status FillHostPages(Backend& backend, gpu_worker::OffloadedKv& kv,
   return backend.Synchronize();
 }
 
+// A node session over the bench's bf16 K/V (hybrid, exact): the model's geometry, blocks of
+// o.block clamped to the node's 16..256, generous deadlines, no re-planning in the timed steps
+// (the bench re-plans explicitly); the caller sets the tokens it expects and the selection.
+gpu_worker::RemoteKvOptions NodeSessionOptions(const gpu_worker::ModelConfig& c,
+                                               const SyntheticContextOptions& o,
+                                               const std::string& id) {
+  gpu_worker::RemoteKvOptions ro;
+  ro.session_id = id;
+  ro.num_layers = c.num_layers;
+  ro.num_q_heads = c.num_q_heads;
+  ro.num_kv_heads = c.num_kv_heads;
+  ro.head_dim = c.head_dim;
+  ro.kv_dtype = DType::kBF16;
+  ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
+  ro.attend_deadline_ms = 10000;
+  ro.control_deadline_ms = 600000;
+  ro.placement = o.placement;
+  ro.pool_rates_by_threads = o.pool_node_rates;
+  ro.replan_every_steps = 0;
+  return ro;
+}
+
 // The exact tier of `offloaded` entries per (layer, kv head): the planned (or forced) host
 // share in host pages, whole blocks, the rest appended to a pages session on the nodes.
 absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
@@ -144,20 +166,8 @@ absl::StatusOr<std::unique_ptr<gpu_worker::OffloadTier>> MakeExactTier(
   const int64_t host = std::min(
       offloaded - rec,
       CeilTo(static_cast<int64_t>(std::llround(plan.fetch_share * offloaded)), o.block));
-  gpu_worker::RemoteKvOptions ro;
-  ro.session_id = id;
-  ro.num_layers = c.num_layers;
-  ro.num_q_heads = c.num_q_heads;
-  ro.num_kv_heads = c.num_kv_heads;
-  ro.head_dim = c.head_dim;
-  ro.kv_dtype = DType::kBF16;
-  ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
-  ro.attend_deadline_ms = 10000;
-  ro.control_deadline_ms = 600000;
-  ro.placement = o.placement;
-  ro.pool_rates_by_threads = o.pool_node_rates;
+  gpu_worker::RemoteKvOptions ro = NodeSessionOptions(c, o, id);
   ro.expected_tokens = offloaded - rec - host + o.extra_positions;
-  ro.replan_every_steps = 0;
   ro.selection = gpu_worker::SelectionRule::kPages;
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
                           gpu_worker::RemoteKv::Open(pool, ro));
@@ -241,21 +251,9 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
     if (mode == AttentionMode::kExact) {
       TANDEM_ASSIGN_OR_RETURN(seq->offload, MakeExactTier(backend, c, *pool, id, o, offloaded));
     } else if (mode == AttentionMode::kHybrid) {
-      gpu_worker::RemoteKvOptions ro;
-      ro.session_id = id;
-      ro.num_layers = c.num_layers;
-      ro.num_q_heads = c.num_q_heads;
-      ro.num_kv_heads = c.num_kv_heads;
-      ro.head_dim = c.head_dim;
-      ro.kv_dtype = DType::kBF16;
+      gpu_worker::RemoteKvOptions ro = NodeSessionOptions(c, o, id);
       ro.beta = o.beta;
-      ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(o.block, 16, 256));
-      ro.attend_deadline_ms = 10000;
-      ro.control_deadline_ms = 600000;
-      ro.placement = o.placement;
-      ro.pool_rates_by_threads = o.pool_node_rates;
       ro.expected_tokens = offloaded + o.extra_positions;
-      ro.replan_every_steps = 0;   // the bench re-plans explicitly, outside the timed steps
       ro.selection = o.selection;
       ro.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
       TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
