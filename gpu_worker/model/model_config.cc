@@ -8,6 +8,7 @@
 #include <numbers>
 #include <string>
 #include <system_error>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -227,6 +228,28 @@ absl::Status ReadSlidingWindow(const json& obj, absl::string_view source, ModelC
   return absl::OkStatus();
 }
 
+// The largest magnitude a RoPE scaling parameter may have. Real models stay far below it
+// (Llama-4 factor 16, YaRN 40, dynamic NTK 2-8, beta_fast 32); the formulas run in f32, where a
+// factor near FLT_MAX makes `factor·L/max - (factor - 1)` inf - inf and every frequency NaN
+// (found by model_config_fuzzer).
+constexpr double kMaxRopeParameter = 1e6;
+
+absl::Status CheckRopeParameters(const RopeScaling& s, absl::string_view source,
+                                 absl::string_view name) {
+  const std::pair<const char*, double> values[] = {
+      {"factor", s.factor},           {"low_freq_factor", s.low_freq_factor},
+      {"high_freq_factor", s.high_freq_factor}, {"beta_fast", s.beta_fast},
+      {"beta_slow", s.beta_slow},     {"attention_factor", s.attention_factor},
+      {"mscale", s.mscale},           {"mscale_all_dim", s.mscale_all_dim}};
+  for (const auto& [key, value] : values) {
+    if (!(std::abs(value) <= kMaxRopeParameter)) {
+      return Invalid(source, absl::StrCat(name, ".", key, " = ", value, " is beyond ",
+                                          kMaxRopeParameter, " (no model scales RoPE so far)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // `params` is a rope_scaling or rope_parameters object: {rope_type|type, factor, ...}.
 // `top` is the whole config.json, `max_positions` its max_position_embeddings (yarn's defaults).
 absl::Status ReadRopeScaling(const json& params, const json& top, absl::string_view source,
@@ -398,9 +421,11 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
                                            config.max_position_embeddings, &config.rope_scaling));
     TANDEM_RETURN_IF_ERROR(
         ReadPositive(*params, "rope_theta", Where(source, "rope_parameters"), &config.rope_theta));
+    TANDEM_RETURN_IF_ERROR(CheckRopeParameters(config.rope_scaling, source, "rope_parameters"));
   } else if (const json* scaling = FindField(obj, "rope_scaling")) {
     TANDEM_RETURN_IF_ERROR(ReadRopeScaling(*scaling, obj, source, "rope_scaling",
                                            config.max_position_embeddings, &config.rope_scaling));
+    TANDEM_RETURN_IF_ERROR(CheckRopeParameters(config.rope_scaling, source, "rope_scaling"));
   }
 
   if (const json* tie = FindField(obj, "tie_word_embeddings")) {

@@ -144,6 +144,23 @@ TEST(RopeScalingTest, DynamicIsPlainUpToMaxPositionsThenGrowsTheBase) {
   EXPECT_EQ(ModelContextLimit(c), 8192);
 }
 
+TEST(RopeScalingTest, FactorsBeyondAnyModelAreInvalidArgument) {
+  // model_config_fuzzer's find: a dynamic factor of 3e118 made every frequency NaN.
+  for (const std::string& scaling :
+       {std::string(R"({"type": "dynamic", "factor": 3e118})"),
+        std::string(R"({"type": "linear", "factor": 2e6})"),
+        std::string(R"({"rope_type": "yarn", "factor": 4.0, "beta_fast": 1e9})")}) {
+    absl::StatusOr<ModelConfig> c =
+        ParseModelConfig(Config("llama", absl::StrCat(R"(, "rope_scaling": )", scaling)));
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << scaling;
+    EXPECT_THAT(c.status().message(), HasSubstr("rope_scaling.")) << scaling;
+  }
+  // The largest real ones still load.
+  const ModelConfig c = Parse(Config("llama", R"(, "rope_scaling": {"type": "dynamic",
+    "factor": 64.0})"));
+  for (float f : RopeInvFreq(c, 1 << 30)) EXPECT_TRUE(std::isfinite(f) && f >= 0.0f);
+}
+
 TEST(RopeScalingTest, ContextLimitOfTheOtherTypes) {
   EXPECT_EQ(ModelContextLimit(Parse(Config("llama", ""))), 4096);
   EXPECT_EQ(ModelContextLimit(Parse(Config("llama", R"(, "rope_scaling": {"type": "linear",
