@@ -46,6 +46,9 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "0.5,1,2", "hybrid: comma-separated betas");
 ABSL_FLAG(int64_t, chunk, 1, "tokens per forward pass");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
+ABSL_FLAG(std::string, prefill_attention, "fast",
+          "cuda prefill attention kernel: fast (bf16 q and softmax weights) or exact "
+          "(f32-accurate, about 2.3x the prefill attention time); the cpu backend ignores it");
 ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "embedded CPU node KV storage: bf16 (as sent) or int8 (8-bit rows, per-row scale)");
@@ -88,6 +91,14 @@ int Main() {
   EngineOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.backend = absl::GetFlag(FLAGS_backend);
+  {
+    auto prefill = ParsePrefillAttention(absl::GetFlag(FLAGS_prefill_attention));
+    if (!prefill.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(prefill.status().message()).c_str());
+      return 2;
+    }
+    options.backend_options.prefill_attention = *prefill;
+  }
   options.prefill_chunk = absl::GetFlag(FLAGS_chunk);
   options.maw_alpha = absl::GetFlag(FLAGS_maw_alpha);
   options.measure_captured_mass = absl::GetFlag(FLAGS_captured_mass);

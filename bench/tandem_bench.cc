@@ -76,6 +76,9 @@
 ABSL_FLAG(std::string, preset, "llama3-8b", "model geometry preset");
 ABSL_FLAG(std::string, set, "", "geometry overrides key=value,...");
 ABSL_FLAG(std::string, backend, "cuda", "cuda or cpu");
+ABSL_FLAG(std::string, prefill_attention, "fast",
+          "cuda prefill attention kernel: fast (bf16 q and softmax weights) or exact "
+          "(f32-accurate, about 2.3x the prefill attention time); the cpu backend ignores it");
 ABSL_FLAG(std::string, contexts, "32768,131072,524288", "context lengths (tokens)");
 ABSL_FLAG(std::string, batches, "1,8", "decode batch sizes");
 ABSL_FLAG(std::string, modes, "gpu,offload,hybrid", "attention modes");
@@ -826,9 +829,18 @@ int Main() {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return 2;
   }
+  gpu_worker::BackendOptions backend_options;
+  {
+    auto prefill = gpu_worker::ParsePrefillAttention(absl::GetFlag(FLAGS_prefill_attention));
+    if (!prefill.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(prefill.status().message()).c_str());
+      return 2;
+    }
+    backend_options.prefill_attention = *prefill;
+  }
   const std::string backend_name = absl::GetFlag(FLAGS_backend);
-  auto backend = backend_name == "cpu" ? gpu_worker::CreateCpuBackend()
-                                       : gpu_worker::CreateCudaBackend();
+  auto backend = backend_name == "cpu" ? gpu_worker::CreateCpuBackend(0, backend_options)
+                                       : gpu_worker::CreateCudaBackend(0, backend_options);
   if (!backend.ok()) {
     std::fprintf(stderr, "backend: %s\n", std::string(backend.status().message()).c_str());
     return 1;
@@ -846,7 +858,11 @@ int Main() {
 
   // 1. The machine's rates.
   PhysicalLimits rates;
-  json probe = {{"kind", "probe"}, {"device", be.device_description()}};
+  const std::string prefill_name(
+      gpu_worker::PrefillAttentionName(backend_options.prefill_attention));
+  json probe = {{"kind", "probe"},
+               {"device", be.device_description()},
+               {"prefill_attention", prefill_name}};
   const unsigned node_threads = absl::GetFlag(FLAGS_node_threads);
   if (!absl::GetFlag(FLAGS_skip_probes)) {
     auto hbm = MeasureDeviceCopyBandwidth(be);

@@ -8,7 +8,8 @@ bool CudaBackendCompiled() { return true; }
 #else
 bool CudaBackendCompiled() { return false; }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int /*device_ordinal*/) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int /*device_ordinal*/,
+                                                           const BackendOptions& /*options*/) {
   return absl::UnavailableError(
       "this tandem build has no CUDA backend (configure with TANDEM_ENABLE_CUDA=ON where nvcc "
       "exists)");

@@ -26,18 +26,19 @@ namespace tandem::gpu_worker {
 namespace {
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const EngineOptions& options) {
-  if (options.backend == "cpu") return CreateCpuBackend(options.cpu_threads);
-  if (options.backend == "cuda") return CreateCudaBackend(options.cuda_device);
+  const BackendOptions& backend = options.backend_options;
+  if (options.backend == "cpu") return CreateCpuBackend(options.cpu_threads, backend);
+  if (options.backend == "cuda") return CreateCudaBackend(options.cuda_device, backend);
   if (options.backend != "auto") {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown backend '", options.backend, "'; expected auto, cpu or cuda"));
   }
   if (CudaBackendCompiled()) {
-    auto cuda = CreateCudaBackend(options.cuda_device);
+    auto cuda = CreateCudaBackend(options.cuda_device, backend);
     if (cuda.ok()) return cuda;
     spdlog::info("cuda backend unavailable ({}); using the cpu backend", cuda.status().ToString());
   }
-  return CreateCpuBackend(options.cpu_threads);
+  return CreateCpuBackend(options.cpu_threads, backend);
 }
 
 // A node session's options common to every mode that keeps K/V on CPU nodes (hybrid, exact):

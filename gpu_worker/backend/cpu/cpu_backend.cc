@@ -264,7 +264,9 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads) {
+// options.prefill_attention is accepted and ignored: the one attention kernel is f32-accurate.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads,
+                                                          const BackendOptions& /*options*/) {
   if (threads == 0) threads = UsableCores();
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<cpu::CpuMatmul> matmul,
                           cpu::CpuMatmul::Create(static_cast<int>(threads)));

@@ -87,7 +87,7 @@ class CudaBackend final : public Backend {
 
   CudaBackend(int device, cudaDeviceProp props, CudaStream stream, CudaStream upload_stream,
               UploadEvents upload_events, CublasHandle cublas, PinnedMemory staging,
-              PinnedMemory result_host, DeviceMemory result_device)
+              PinnedMemory result_host, DeviceMemory result_device, BackendOptions options)
       : device_(device),
         props_(props),
         stream_(std::move(stream)),
@@ -96,7 +96,8 @@ class CudaBackend final : public Backend {
         cublas_(std::move(cublas)),
         staging_(std::move(staging)),
         result_host_(std::move(result_host)),
-        result_device_(std::move(result_device)) {}
+        result_device_(std::move(result_device)),
+        exact_prefill_(options.prefill_attention == PrefillAttention::kExact) {}
 
   ~CudaBackend() override {
     // Queued work may still use the workspace and staging memory the members free.
@@ -178,6 +179,8 @@ class CudaBackend final : public Backend {
   size_t staging_used_ = 0;
   PinnedMemory result_host_;    // int32: Sample's result
   DeviceMemory result_device_;  // int32: Sample's result
+  // BackendOptions::prefill_attention == kExact: prefill plans keep the f32-accurate kernel.
+  const bool exact_prefill_;
   std::shared_ptr<AllocationStats> stats_ = std::make_shared<AllocationStats>();
   // Host tables of the batched operations, kept to avoid reallocating them every call.
   std::vector<cuda_backend::WriteKvArgs> write_kv_table_;
@@ -557,7 +560,8 @@ absl::Status CudaBackend::WindowAttentionChecked(const WindowAttentionParams& p)
   const cuda_backend::WindowAttentionArgs args = WindowAttentionArgsOf(p);
   cuda_backend::WindowAttentionPlan plan;
   TANDEM_CUDA_RETURN_IF_ERROR(
-      cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan));
+      cuda_backend::PlanWindowAttention(args, props_.multiProcessorCount, &plan,
+                                        /*allow_tensor_cores=*/true, exact_prefill_));
   void* workspace = nullptr;
   if (plan.workspace_bytes > 0) {
     TANDEM_ASSIGN_OR_RETURN(workspace, workspace_.Reserve(plan.workspace_bytes, stream()));
@@ -791,7 +795,8 @@ absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal,
+                                                           const BackendOptions& options) {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
@@ -823,7 +828,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal) {
                                        std::move(upload_stream), std::move(upload_events),
                                        std::move(cublas),
                                        std::move(staging), std::move(result_host),
-                                       std::move(result_device));
+                                       std::move(result_device), options);
 }
 
 }  // namespace tandem::gpu_worker

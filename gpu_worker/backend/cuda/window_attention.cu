@@ -388,14 +388,6 @@ cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, bool 
   return cudaSuccess;
 }
 
-// TANDEM_EXACT_ATTENTION=1 in the environment keeps every prefill plan on the exact kernel
-// (f32-accurate scores and weights) until the backend takes an option for it. Read at each
-// tensor-core plan (prefill chunks only, so decode steps never pay the lookup).
-bool ExactAttentionRequested() {
-  const char* value = std::getenv("TANDEM_EXACT_ATTENTION");
-  return value != nullptr && value[0] == '1';
-}
-
 }  // namespace
 
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
@@ -407,8 +399,7 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
   plan->decode = rows <= kDecodeMaxRows || (stream_ok && rows <= kDecodeStreamRows);
   plan->stream = plan->decode && stream_ok;
   plan->mma = !plan->decode && allow_tensor_cores && MmaAttentionSupports(a);
-  plan->flash =
-      plan->mma && !exact_prefill && FlashAttentionSupports(a) && !ExactAttentionRequested();
+  plan->flash = plan->mma && !exact_prefill && FlashAttentionSupports(a);
   plan->flash_variant = kFlashDefaultVariant;
   const int64_t rows_per_block = plan->stream   ? kDecodeStreamRows
                                  : plan->decode ? kRowsPerWarp

@@ -89,9 +89,8 @@ struct WindowAttentionPlan {
 // Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
 // resident blocks (the kernels' occupancy is queried once per process and kernel).
 // allow_tensor_cores = false keeps every plan on the f32 kernels (benchmark baseline);
-// exact_prefill = true keeps prefill plans on the exact (hi + lo split) tensor-core kernel, as
-// does TANDEM_EXACT_ATTENTION=1 in the environment (the backend's switch for f32-accurate
-// prefill attention, read at every prefill plan).
+// exact_prefill = true keeps prefill plans on the exact (hi + lo split) tensor-core kernel (the
+// cuda backend passes BackendOptions::prefill_attention == kExact).
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
                                 WindowAttentionPlan* plan, bool allow_tensor_cores = true,
                                 bool exact_prefill = false);

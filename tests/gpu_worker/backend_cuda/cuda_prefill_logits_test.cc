@@ -3,7 +3,8 @@
 // prefilled in 512-token chunks in gpu mode (each chunk attends over the earlier ones on the fast
 // kernel), then a few greedy steps; the per-step log-probabilities of the cpu backend's top 20
 // tokens (exact f32 attention) against the cuda backend's for the same tokens, with prefill
-// attention on the fast kernel and on the exact one (TANDEM_EXACT_ATTENTION=1). The log-softmax
+// attention on the fast kernel and on the exact one (BackendOptions::prefill_attention, the
+// worker's --prefill_attention). The log-softmax
 // differences are logit differences less a common shift per step. Skipped without a GPU or the
 // model.
 #include <gtest/gtest.h>
@@ -11,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -33,10 +33,12 @@ constexpr double kFastTolerance = 8e-2;       // fast kernel vs cpu backend
 constexpr double kExactTolerance = 0.12;      // exact kernel vs cpu backend
 constexpr double kFastExactTolerance = 5e-2;  // fast vs exact kernel, same backend
 
-std::unique_ptr<Engine> MakeEngine(const std::string& backend) {
+std::unique_ptr<Engine> MakeEngine(const std::string& backend,
+                                   PrefillAttention prefill = PrefillAttention::kFast) {
   EngineOptions options;
   options.model_dir = testing::ModelDir("gutenberg-14m").string();
   options.backend = backend;
+  options.backend_options.prefill_attention = prefill;
   options.prefill_chunk = 512;
   options.default_mode = AttentionMode::kGpu;
   options.nodes.embedded.pool_bytes = 64ull << 20;
@@ -84,8 +86,10 @@ TEST(CudaPrefillLogits, FastKernelAgainstCpuBackend) {
   if (!CreateCudaBackend(0).ok()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Engine> cpu = MakeEngine("cpu");
   std::unique_ptr<Engine> cuda = MakeEngine("cuda");
+  std::unique_ptr<Engine> cuda_exact = MakeEngine("cuda", PrefillAttention::kExact);
   ASSERT_NE(cpu, nullptr);
   ASSERT_NE(cuda, nullptr);
+  ASSERT_NE(cuda_exact, nullptr);
   const nlohmann::json golden =
       testing::ReadJson(testing::ModelDir("gutenberg-14m") / "golden.json");
   const std::string book = golden["golden_prompt"]["book"].get<std::string>();
@@ -104,10 +108,7 @@ TEST(CudaPrefillLogits, FastKernelAgainstCpuBackend) {
   request.top_logprobs = kTop;
   const std::vector<TokenEvent> want = Generate(*cpu, request);
   const std::vector<TokenEvent> fast = Generate(*cuda, request);
-  // The same engine with prefill attention on the exact kernel (window_attention.cuh's switch).
-  ASSERT_EQ(setenv("TANDEM_EXACT_ATTENTION", "1", 1), 0);
-  const std::vector<TokenEvent> exact = Generate(*cuda, request);
-  unsetenv("TANDEM_EXACT_ATTENTION");
+  const std::vector<TokenEvent> exact = Generate(*cuda_exact, request);
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(fast.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(exact.size(), static_cast<size_t>(kSteps));

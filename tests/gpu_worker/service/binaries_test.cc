@@ -157,6 +157,7 @@ TEST_F(BinariesTest, BadCommandLinesExitWithTwo) {
       {TANDEM_GPU_WORKER_BIN},  // no --model
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--backend=tpu"},
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--mode=fast"},
+      {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--prefill_attention=f32"},
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--beta=-1"},
       {TANDEM_GPU_WORKER_BIN, "--model=" + model_, "--max_message_bytes=12XB"},
       {TANDEM_CPU_ATTENTION_BIN, "--release_free_after_s=nan"},

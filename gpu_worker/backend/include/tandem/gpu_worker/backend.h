@@ -402,12 +402,44 @@ class Backend {
   }
 };
 
+// The kernel that prefill chunks' window attention runs on over bf16 caches (decode steps, f32
+// caches and MAW updates always keep the f32-accurate kernels).
+enum class PrefillAttention {
+  // FlashAttention-2-style tensor-core kernel: q and the softmax weights rounded to bf16, f32
+  // accumulation. Attention outputs within ~1.5e-3 of an f64 reference (LSE 1.7e-3); top-20
+  // log-probabilities of gutenberg-14m move by up to 1.8e-2 against `kExact` (BENCHMARKS.md).
+  kFast,
+  // q and the softmax weights split into bf16 hi + lo parts (twice the tensor-core work): outputs
+  // within ~1e-6 of f64, about 2.3x the prefill attention time of `kFast` on an H100.
+  kExact,
+};
+
+// "fast" or "exact"; INVALID_ARGUMENT naming the value and the choices otherwise.
+inline absl::StatusOr<PrefillAttention> ParsePrefillAttention(std::string_view name) {
+  if (name == "fast") return PrefillAttention::kFast;
+  if (name == "exact") return PrefillAttention::kExact;
+  return absl::InvalidArgumentError("prefill_attention must be fast or exact, got '" +
+                                    std::string(name) + "'");
+}
+inline std::string_view PrefillAttentionName(PrefillAttention kernel) {
+  return kernel == PrefillAttention::kExact ? "exact" : "fast";
+}
+
+// Options every backend takes; a backend ignores those it has no choice for (said per field).
+struct BackendOptions {
+  // cuda: picks the prefill kernel. cpu: ignored; its one attention kernel computes scores and
+  // weights in f32 (the accuracy of `kExact`), so both values give the same results there.
+  PrefillAttention prefill_attention = PrefillAttention::kFast;
+};
+
 // Creates the `cpu` backend. `threads` = 0: the cores this process may use.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads = 0);
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads = 0,
+                                                          const BackendOptions& options = {});
 
 // Creates the `cuda` backend on `device_ordinal`. UNAVAILABLE when this build has no CUDA
 // support or no GPU is present (the message says which).
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal = 0);
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device_ordinal = 0,
+                                                           const BackendOptions& options = {});
 
 // True when this build includes the CUDA backend (it may still find no GPU at run time).
 bool CudaBackendCompiled();

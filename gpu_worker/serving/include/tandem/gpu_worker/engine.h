@@ -53,6 +53,8 @@ struct EngineOptions {
   std::string backend = "auto";    // "auto" (cuda when a GPU is usable, else cpu), "cpu", "cuda"
   int cuda_device = 0;
   unsigned cpu_threads = 0;        // cpu backend threads; 0 = all usable cores
+  // The backend's options (prefill attention kernel: fast or exact; backend.h).
+  BackendOptions backend_options;
   int64_t prefill_chunk = 512;     // tokens per forward chunk
   float maw_alpha = 0.1f;
   bool measure_captured_mass = false;   // RunnerOptions::measure_captured_mass (benchmarks)
