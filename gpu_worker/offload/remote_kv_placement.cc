@@ -11,20 +11,24 @@
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/remote_kv.h"
+#include "tandem/kv_store/block_format.h"
 
 namespace tandem::gpu_worker {
 
 uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share, bool int8_rows) const {
-  // As the node charges it: whole blocks of K + V + MAW, plus the contiguous selected copy
-  // (K + V of the selected entries).
-  const uint64_t row =
-      int8_rows ? options_.head_dim + 4 : options_.head_dim * DTypeBytes(options_.kv_dtype);
-  const uint64_t block = options_.block_tokens != 0 ? options_.block_tokens : 64;
+  // As the node charges it (kv_store::BlockFormat::ShardBytes): whole blocks of K + V + MAW in
+  // the node's storage dtype (the node's default of 64 tokens when the session leaves the block
+  // size to it), plus the selected copy at one reservation's size (the placement weighs it
+  // against the free bytes the nodes report, so the expected charge, not the 2x bound).
+  const kv_store::KvDType dtype = int8_rows                          ? kv_store::KvDType::kInt8
+                                  : options_.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32
+                                                                     : kv_store::KvDType::kBf16;
+  const kv_store::BlockFormat format{options_.block_tokens != 0 ? options_.block_tokens : 64,
+                                     static_cast<uint32_t>(options_.head_dim), dtype};
   const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(entries, 0));
   const double share =
       options_.selection == SelectionRule::kPages ? 0.0 : std::clamp(selected_share, 0.0, 1.0);
-  return (n + block - 1) / block * block * (2 * row + sizeof(float)) +
-         static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)) * 2 * row;
+  return format.ShardBytes(n, static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)));
 }
 
 double RemoteKv::SelectedShare(size_t shard) const {

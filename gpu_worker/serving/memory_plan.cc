@@ -49,14 +49,13 @@ uint64_t CudaWorkspaceBytes(const ModelConfig& c, DType weight_dtype, int64_t ma
   return CeilDiv(2 * convert, kGranule) * kGranule;
 }
 
-// Node bytes of one shard of `entries` offloaded entries in `format`: whole blocks (the
-// node's pool granularity) and, for MAW selection, the selected copy: K + V rows of the
-// selected share, at most twice over (kv_store's BudgetedBuffer grows geometrically: its
-// capacity ends between 1x and 2x the rows, depending on the appends; a plan must fit the 2x).
+// Node bytes of one shard of `entries` offloaded entries in `format`
+// (kv_store::BlockFormat::ShardBytes): whole blocks (the node's pool granularity) and, for MAW
+// selection, the selected copy of the selected share at its 2x bound (kv_store's
+// BudgetedBuffer grows geometrically, ending between 1x and 2x the rows; a plan must fit 2x).
 uint64_t ShardBytes(const kv_store::BlockFormat& format, int64_t entries, double selected_share) {
-  const uint64_t blocks = static_cast<uint64_t>(CeilDiv(entries, format.block_tokens));
   const uint64_t selected = static_cast<uint64_t>(std::ceil(entries * selected_share));
-  return blocks * format.block_bytes() + 2 * selected * 2 * format.row_bytes();
+  return format.ShardBytes(static_cast<uint64_t>(entries), selected, /*selected_growth=*/2);
 }
 
 // A node's pool bytes left after `used` (negative when overfilled).

@@ -16,6 +16,14 @@ const char* KvDTypeName(KvDType t) {
   return "unknown";
 }
 
+uint64_t BlockFormat::ShardBytes(uint64_t entries, uint64_t selected,
+                                 uint64_t selected_growth) const {
+  const uint64_t blocks = (entries + block_tokens - 1) / block_tokens;
+  const uint64_t selected_buffer =
+      (selected * row_bytes() + kSelectedAlignment - 1) / kSelectedAlignment * kSelectedAlignment;
+  return blocks * block_bytes() + 2 * selected_growth * selected_buffer;
+}
+
 absl::Status BlockFormat::Validate() const {
   if (block_tokens < 16 || block_tokens > 256) {
     return absl::InvalidArgumentError(

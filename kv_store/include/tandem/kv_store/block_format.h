@@ -29,6 +29,8 @@ inline size_t DTypeBytes(KvDType t) {
 }
 // The f32 scale that ends every kInt8 row.
 inline constexpr size_t kInt8ScaleBytes = sizeof(float);
+// The alignment of a shard's selected-copy buffers (shard.cc's cache-line alignment).
+inline constexpr size_t kSelectedAlignment = 64;
 // "f32", "bf16", "int8" (for messages and flags).
 const char* KvDTypeName(KvDType t);
 
@@ -50,6 +52,15 @@ struct BlockFormat {
   size_t entry_bytes() const { return 2 * row_bytes() + sizeof(float); }
   // Bytes of one block, rounded up to 64 so every block starts cache-line aligned.
   size_t block_bytes() const { return (block_tokens * entry_bytes() + 63) / 64 * 64; }
+
+  // Budget bytes of a shard (shard.h) holding `entries` entries, `selected` of them in its
+  // selected copy (MAW selection; 0 for pages): whole blocks of block_bytes(), plus the K and V
+  // selected buffers of `selected` rows each, 64-byte aligned (kSelectedAlignment). Those
+  // buffers grow geometrically (BudgetedBuffer doubles), so their capacity ends between 1x and
+  // 2x the aligned rows: `selected_growth` = 1 gives the least charge (one reservation of all
+  // rows), 2 the most (what a plan must fit). The one formula of a shard's memory that the
+  // worker's placement (RemoteKv) and memory plan use.
+  uint64_t ShardBytes(uint64_t entries, uint64_t selected, uint64_t selected_growth = 1) const;
 
   bool operator==(const BlockFormat&) const = default;
 

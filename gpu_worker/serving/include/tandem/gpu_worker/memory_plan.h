@@ -12,8 +12,9 @@
 //   page summaries    PageIndex::BytesFor (the engine's ReservePages)
 //   page selection    NodeTier::SelectionBytesFor (ChoosePages' ids and scratch)
 //   offload staging   KvStreamer::DeviceBytesFor; host pages OffloadedKv::HostBytesFor
-//   node KV           kv_store::BlockFormat::block_bytes() per block (int8 rows with their
-//                     scales included), SessionMetadataBytes per session and node
+//   node KV           kv_store::BlockFormat::ShardBytes per shard (whole blocks, int8 rows
+//                     with their scales, the selected copy; RemoteKv's placement uses it
+//                     too), SessionMetadataBytes per session and node
 // What no allocation function describes is said as such: the CUDA context and libraries
 // (measured: DeviceMemoryUsed − the backend's allocations, when a backend exists), the cuda
 // workspace (twice the widest bf16 GEMM input, Workspace::Reserve's growth) and cuBLAS's own
