@@ -42,6 +42,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   if (!(options.maw_alpha > 0.0f && options.maw_alpha <= 1.0f)) {
     return absl::InvalidArgumentError("MAW alpha must be in (0, 1]");
   }
+  if (options.settle_tokens_per_step < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "settle_tokens_per_step must be >= 0, got ", options.settle_tokens_per_step));
+  }
   if (options.micro_batches != 1 && options.micro_batches != 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("micro_batches must be 1 or 2, got ", options.micro_batches));
@@ -229,8 +233,9 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   const Clock::time_point start = Clock::now();
   const ModelConfig& c = model_.config();
   for (Segment& s : segments) {
-    // Blocks a narrowed prefill left on the device join the tier before it attends again.
-    TANDEM_RETURN_IF_ERROR(SettleEvictions(*s.seq));
+    // A settling sequence (a narrowed prefill's blocks still on the device) keeps them in its
+    // window; only those whose ring slots this pass's tokens take leave first.
+    TANDEM_RETURN_IF_ERROR(EvictBlocks(*s.seq, s.seq->window.EvictionsBeforeAppend(s.n)));
     s.attends = s.seq->offload != nullptr && s.seq->offload->offloaded_tokens() > 0;
   }
   const std::vector<MicroBatch> batches = Split(segments);
@@ -271,10 +276,10 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
     Sequence& seq = *segments[i].seq;
     seq.reselect_pending = false;
     if (seq.window.widened() && seq.window.next_position() >= seq.prefill_end) {
-      // The prompt is in: back to the configured window. The blocks beyond it leave later
-      // (SettleEvictions), so the first token does not wait for them.
+      // The prompt is in: back to the configured window. The blocks beyond it leave later, a
+      // slice per step (SettleSlice), so neither the first token nor later steps wait for them.
       status = seq.window.Narrow();
-    } else {
+    } else if (!seq.window.settling()) {
       status = Evict(seq);
     }
   }
@@ -633,19 +638,35 @@ WindowAttentionParams ModelRunner::ObservationParams(const Segment& s, int64_t l
   return wa;
 }
 
-absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
-  if (!seq.window.relaid()) return absl::OkStatus();
+absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_tokens) {
+  if (!seq.window.settling()) return 0;
   // MAW of these entries: a widened prefill kept each prompt entry on the device until the
   // prompt was in and updated MAW from the prompt's last kMawObservationRows query rows only
   // (ObservesMaw), so an entry's MAW is the mean attention weight those rows gave it,
   // normalised over the whole prompt on the device rather than over a window's span: a
-  // query-aware score like SnapKV's observation window. The selection threshold β / n_gpu uses
-  // the configured window (eviction_entries).
-  return Evict(seq);
+  // query-aware score like SnapKV's observation window. Decode steps while the settle is under
+  // way update it further (the window's MAW rule: the blocks are window entries until they
+  // leave). The selection threshold β / n_gpu uses the configured window (eviction_entries).
+  std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
+  int64_t tokens = 0;
+  size_t take = 0;
+  while (take < blocks.size() && (take == 0 || tokens + blocks[take].count <= max_tokens)) {
+    tokens += blocks[take++].count;
+  }
+  blocks.resize(take);
+  TANDEM_RETURN_IF_ERROR(EvictBlocks(seq, blocks));
+  return tokens;
+}
+
+absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
+  return SettleSlice(seq, std::numeric_limits<int64_t>::max()).status();
 }
 
 absl::Status ModelRunner::Evict(Sequence& seq) {
-  const std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
+  return EvictBlocks(seq, seq.window.PendingEvictions());
+}
+
+absl::Status ModelRunner::EvictBlocks(Sequence& seq, const std::vector<EvictedBlock>& blocks) {
   if (blocks.empty()) return absl::OkStatus();
   if (seq.offload == nullptr) {
     return absl::FailedPreconditionError("window eviction without an offload tier");

@@ -179,13 +179,18 @@ absl::Status WindowCache::Widen(int64_t recent_tokens) {
   if (options_.window == WindowOptions::kUnlimited) {
     return absl::FailedPreconditionError("window cache: an unlimited window does not widen");
   }
-  if (!PendingEvictions().empty()) {
+  if (!settling() && !PendingEvictions().empty()) {
     return absl::FailedPreconditionError("window cache: evictions are pending");
   }
   const int64_t block = options_.block;
   const int64_t wanted = std::min(CeilDiv(recent_tokens, block) * block,
                                   CeilDiv(options_.max_context, block) * block);
   if (wanted <= options_.window) return absl::OkStatus();
+  if (settling() && wanted < RecentTokens()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "window cache: a settling ring widens to hold its ", RecentTokens(),
+        " recent tokens at least, not ", wanted));
+  }
   const int64_t configured = configured_window();
   WindowOptions wide = options_;
   wide.window = wanted;
@@ -261,8 +266,9 @@ absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
         absl::StrCat("window cache: ", next_pos_ + count, " positions exceed the context limit ",
                      options_.max_context));
   }
-  if (!PendingEvictions().empty()) {
-    return absl::FailedPreconditionError("window cache: evictions are pending");
+  if (!EvictionsBeforeAppend(count).empty()) {
+    return absl::FailedPreconditionError(
+        "window cache: the ring is full (the oldest pending evictions must leave first)");
   }
   new_slots_.resize(count);
   int64_t lo = capacity_, hi = -1;
@@ -279,6 +285,25 @@ absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
   TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + lo,
                                                 slot_pos_.data() + lo, (hi - lo + 1) * 4));
   return &new_slots_;
+}
+
+std::vector<EvictedBlock> WindowCache::EvictionsBeforeAppend(int64_t count) const {
+  std::vector<EvictedBlock> blocks;
+  if (options_.window == WindowOptions::kUnlimited || count <= 0) return blocks;
+  // Recent positions [first, next_pos_ + count) must span at most ring_blocks_ blocks (the
+  // first starts at a block boundary: evictions leave whole blocks); beyond that, a new
+  // position's slot is that of the oldest recent block.
+  const int64_t sink = options_.sink, block = options_.block;
+  const int64_t first = sink + evicted_tokens_;
+  const int64_t end = next_pos_ + count;
+  if (end <= sink) return blocks;
+  const int64_t spanned = CeilDiv(end - std::max(first, sink), block);
+  for (int64_t b = 0; b < spanned - ring_blocks_; ++b) {
+    const int64_t pos = first + b * block;
+    if (pos >= next_pos_) break;   // a single append larger than the ring (never: max_chunk)
+    blocks.push_back({SlotOf(pos), pos, std::min(block, next_pos_ - pos)});
+  }
+  return blocks;
 }
 
 absl::Status WindowCache::Skip(int64_t count) {

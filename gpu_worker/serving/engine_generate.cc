@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/engine.h"
@@ -177,12 +179,8 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     seq->reselect_pending = true;
     seq->reselect_beta = g->request.beta;
   }
-  // Blocks a previous turn's prompt left unsettled (a failed settle) go first, then the window
-  // widens for this prompt (device prefill).
-  if (absl::Status s = runner_->SettleEvictions(*seq); !s.ok()) {
-    if (!continuing) sessions_.erase(id);
-    return s;
-  }
+  // Device prefill: the window widens for this prompt; blocks a previous turn's prompt has not
+  // settled yet stay in it (WindowCache::Widen) and leave, oldest first, after this prompt.
   WidenForPrefill(*seq, static_cast<int64_t>(g->feed.size()));
   g->rng.seed(seed);
   g->degraded_before = seq->degraded_steps;
@@ -227,17 +225,45 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
       if (first_failure.ok()) first_failure = s;
     }
   }
-  // Device prefill: the blocks a narrowed window still holds go to the tier now that the first
-  // token is out (the next step would append them anyway, before it attends).
+  // Device prefill: once the first token is out, the host copy of a partly fitting prompt is
+  // dropped, and the blocks a narrowed window still holds (WindowCache::settling) go to the
+  // tier, at most settle_tokens_per_step tokens per step over all sessions: this step's first,
+  // then idle ones (a kept session between turns). Until then its window attends over them.
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
     if (g.seq == nullptr || !g.first_token_sampled || g.seq->window.widened()) continue;
-    EndPrefillSpill(*g.seq);   // the host copy of a partly fitting prompt is dropped first
-    if (!g.seq->window.relaid()) continue;
-    if (absl::Status s = runner_->SettleEvictions(*g.seq); !s.ok()) {
-      g.failure = s;
-      if (first_failure.ok()) first_failure = s;
+    EndPrefillSpill(*g.seq);
+  }
+  const int64_t per_step = runner_->options().settle_tokens_per_step;
+  int64_t settle_budget = per_step > 0 ? per_step : std::numeric_limits<int64_t>::max();
+  for (const StepItem& item : items) {
+    Generation& g = *item.generation;
+    if (settle_budget <= 0) break;
+    if (g.seq == nullptr || !g.failure.ok() || !g.seq->window.settling()) continue;
+    absl::StatusOr<int64_t> moved = runner_->SettleSlice(*g.seq, settle_budget);
+    if (!moved.ok()) {   // End closes the session (its state is no longer consistent)
+      g.failure = moved.status();
+      if (first_failure.ok()) first_failure = g.failure;
+      continue;
     }
+    settle_budget -= *moved;
+  }
+  for (auto it = sessions_.begin(); it != sessions_.end() && settle_budget > 0;) {
+    Sequence& seq = *it->second;
+    if (busy_.count(it->first) > 0 || !seq.window.settling()) {
+      ++it;
+      continue;
+    }
+    absl::StatusOr<int64_t> moved = runner_->SettleSlice(seq, settle_budget);
+    if (moved.ok()) {
+      settle_budget -= *moved;
+      ++it;
+      continue;
+    }
+    spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
+                  moved.status().ToString());
+    (void)seq.CloseOffloaded();
+    it = sessions_.erase(it);
   }
   // After sampling (a rebuild runs a forward pass of its own): shards lost with a CPU node,
   // one sequence per step.
@@ -342,7 +368,7 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
   }
   // A session whose prompt was not fed whole (stopped in prefill) or whose pass failed holds a
   // state no client asked for: it is closed even when kept.
-  const bool consistent = g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled;
+  bool consistent = g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled;
   GenerateSummary summary = std::move(g.summary);
   summary.session_id = g.keep_session ? g.session_id : "";
   summary.prompt_tokens = g.prompt_tokens;
@@ -355,6 +381,16 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     summary.mean_token_latency_s = sum / g.latencies.size();
     summary.p50_token_latency_s = Percentile(g.latencies, 0.5);
     summary.p99_token_latency_s = Percentile(g.latencies, 0.99);
+  }
+  // A kept session still settling its prompt with no other generation running: the rest
+  // settles now (no other step waits for it, and its wider window does not hold device memory
+  // while nothing steps); with others running, their steps settle it a slice at a time.
+  if (failure.ok() && g.keep_session && consistent && busy_.empty() &&
+      g.seq->window.settling()) {
+    if (absl::Status s = runner_->SettleEvictions(*g.seq); !s.ok()) {
+      failure = s;
+      consistent = false;
+    }
   }
   summary.degraded_steps = g.seq->degraded_steps - g.degraded_before;
   summary.degraded = summary.degraded_steps > 0;

@@ -18,7 +18,11 @@
 // e.g. a whole prompt, so that every prefill chunk attends over the prompt's earlier KV on the
 // device, exactly; afterwards Narrow() returns to the configured window: the oldest blocks then
 // become PendingEvictions() and, once they are released, the ring shrinks back to its
-// configured capacity (its device memory is returned). Widen, Narrow, Grow and that shrink
+// configured capacity (its device memory is returned). Between Narrow() and that last Release the
+// sequence is settling(): its pending blocks leave a slice at a time (ModelRunner::SettleSlice)
+// while it goes on decoding. They stay attended on the device until released, and new tokens
+// may be appended as long as they land on free ring slots (never over a pending block:
+// EvictionsBeforeAppend names the blocks that must leave first). Widen, Narrow, Grow and that shrink
 // re-lay the ring into new buffers: each position keeps its KV and MAW, at the slot the new
 // ring gives it (sink slots unchanged, ring blocks in position order modulo the new ring).
 //
@@ -73,8 +77,15 @@ class WindowCache {
 
   // Assigns slots to the next `count` positions (next_position() onwards), uploads the slot and
   // position tables, and returns the slots (host copy, valid until the next call).
-  // FAILED_PRECONDITION if evictions are pending or the context limit would be passed.
+  // FAILED_PRECONDITION if a new position would land on the slot of a token still on the device
+  // (pending evictions must leave first: EvictionsBeforeAppend) or the context limit would be
+  // passed.
   absl::StatusOr<const std::vector<int32_t>*> Append(int64_t count);
+  // The oldest recent blocks that must leave (ReadBlocks, the tier, Release) before Append(count)
+  // fits the ring: none when the ring has room, which it always has after the pending evictions
+  // left. A settling() ring holds its pending blocks while it decodes; this is what a pass must
+  // take of them first.
+  std::vector<EvictedBlock> EvictionsBeforeAppend(int64_t count) const;
 
   // Advances the positions by `count` tokens whose KV is held elsewhere (on CPU nodes or in host
   // memory: a restored context) and never enters the device. Allowed only while no recent token
@@ -92,8 +103,11 @@ class WindowCache {
   // Makes room for `recent_tokens` recent tokens (rounded up to the block; at most the context
   // limit) before the next eviction: the ring is re-laid into larger buffers holding that many
   // plus one pass (the rule of Create with window = recent_tokens). No-op when the window is
-  // already that large. FAILED_PRECONDITION for an unlimited window or with evictions pending;
-  // RESOURCE_EXHAUSTED when the device memory does not suffice (the cache is then unchanged).
+  // already that large. A settling() ring widens with its pending blocks (they stay, oldest
+  // first, and leave after the next Narrow), if `recent_tokens` covers every recent token on the
+  // device. FAILED_PRECONDITION for an unlimited window, with evictions pending on a ring that is
+  // not settling, or a settling ring that `recent_tokens` does not cover; RESOURCE_EXHAUSTED when
+  // the device memory does not suffice (the cache is then unchanged).
   absl::Status Widen(int64_t recent_tokens);
   // Widen() as far as possible towards `recent_tokens` (whole blocks) with at most
   // `max_extra_bytes` more device bytes than now, taking 1/8 off the widening while the device
@@ -109,6 +123,9 @@ class WindowCache {
   // than the configured one is held (widened, or narrowed with evictions still pending).
   bool widened() const { return configured_window_ > 0 && options_.window > configured_window_; }
   bool relaid() const { return configured_window_ > 0; }
+  // Narrowed with blocks beyond the configured window still on the device: the prompt's settle
+  // is under way (ModelRunner::SettleSlice moves them to the tier).
+  bool settling() const { return relaid() && !widened() && !PendingEvictions().empty(); }
   // The window the cache was created with (options().window is the widened one while widened).
   int64_t configured_window() const {
     return configured_window_ > 0 ? configured_window_ : options_.window;

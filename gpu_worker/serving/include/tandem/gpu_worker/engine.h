@@ -90,6 +90,9 @@ struct EngineOptions {
   // false: the window keeps its size and each chunk attends over the evicted part through the
   // tier. Evaluate always takes the latter path (it measures the selection's approximation).
   bool device_prefill = true;
+  // Most tokens of device-prefilled prompts' blocks that move to their tiers per step, over all
+  // sessions (RunnerOptions::settle_tokens_per_step; 0 = a whole prompt at once).
+  int64_t settle_tokens_per_step = 4096;
   // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
   // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
   // RESOURCE_EXHAUSTED before anything runs.
