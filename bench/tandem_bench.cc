@@ -17,8 +17,9 @@
 // of --prefill_chunk) per mode, on the serving path: with --device_prefill (default) offload and
 // hybrid widen their window to hold the prompt (WindowCache::Widen, as far as the device allows
 // after --prefill_headroom_mb), so every chunk attends on the device; ttft_s ends at the first
-// sampled token, settled_s when the blocks beyond the window are on the tier (host pages / CPU
-// node). A prompt larger than the widened window (or than --prefill_widen_mb) spills the rest:
+// sampled token; then the sequence decodes while its blocks beyond the window move to the tier
+// (host pages / CPU node) a slice of --settle_tokens_per_step per step, as serving does:
+// settled_s ends when the last is on the tier, settle_step_max_s is the slowest of those steps. A prompt larger than the widened window (or than --prefill_widen_mb) spills the rest:
 // hybrid then attends over it from host pages on the device (PrefillSpillTier), as serving does.
 // Hybrid runs once per --prefill_selections (maw: beta --prefill_beta; pages: budget
 // --prefill_select_tokens).
@@ -148,6 +149,9 @@ ABSL_FLAG(double, split_min_scan_share, -1.0,
           "RunnerOptions::split_min_scan_share: off-device scan bytes over weight bytes from "
           "which a pass splits (-1 = the backend's default, 0 = always)");
 ABSL_FLAG(double, split_min_scan_bytes, 16e6, "RunnerOptions::split_min_scan_bytes");
+ABSL_FLAG(int64_t, settle_tokens_per_step, 4096,
+          "TTFT rows: tokens of the prompt's blocks moved to the tier per decode step after the "
+          "first token (RunnerOptions::settle_tokens_per_step; 0 = all at once)");
 ABSL_FLAG(int, settle_steps, 3,
           "hybrid: decode steps that measure the shards' costs before balanced placement "
           "re-plans and migrates (outside the timed steps)");
@@ -533,6 +537,16 @@ class Bench {
                          {"recompute_reason", plan.recompute_reason},
                          {"text", gpu_worker::FormatExactPlan(plan)}};
       r["exact_rates"] = gpu_worker::FormatExactRates(exact_rates_->rates());
+      // The planner's rates: the paths at once (the split) and alone (the limits), GB/s.
+      const gpu_worker::ExactPathRates& er = exact_rates_->rates();
+      r["exact_rates_GBps"] = {{"pcie", er.pcie_bytes_per_second / 1e9},
+                               {"pcie_alone", er.pcie_alone() / 1e9},
+                               {"nodes", er.node_bytes_per_second / 1e9},
+                               {"nodes_alone", er.node_alone() / 1e9},
+                               {"device_attend", er.device_attend_bytes_per_second / 1e9}};
+      if (plan.step_seconds > 0) {
+        r["exact_plan"]["measured_over_modelled"] = median / plan.step_seconds;
+      }
       r["host_entries"] = host;
       r["node_entries"] = nodes;
       r["recompute_entries"] = recomputed;
@@ -729,8 +743,29 @@ class Bench {
       r["spilled_tokens"] = spill->spilled_tokens();
       seq->offload = spill->TakeInner();
     }
-    s = runner_.SettleEvictions(*seq);
-    if (s.ok()) s = backend_.Synchronize();
+    // The serving path (Engine::Step): each decode step (pass, sample) is followed by a settle
+    // slice; a step's time includes both.
+    const int64_t per_step = runner_.options().settle_tokens_per_step;
+    int32_t token = *first;
+    double worst_step = 0.0;
+    int64_t settle_steps = 0;
+    while (s.ok() && seq->window.settling()) {
+      const Clock::time_point step0 = Clock::now();
+      s = runner_.Forward(*seq, &token, 1);
+      absl::StatusOr<int32_t> next =
+          s.ok() ? backend_.Sample({runner_.last_logits(), c.vocab_size})
+                 : absl::StatusOr<int32_t>(s);
+      s = next.status();
+      if (s.ok()) {
+        token = *next;
+        s = runner_.SettleSlice(*seq, per_step > 0 ? per_step
+                                                   : std::numeric_limits<int64_t>::max())
+                .status();
+      }
+      if (s.ok()) s = backend_.Synchronize();
+      worst_step = std::max(worst_step, Seconds(step0));
+      ++settle_steps;
+    }
     if (!s.ok()) {
       r["error"] = absl::StrCat("settle: ", s.message());
       return r;
@@ -738,6 +773,9 @@ class Bench {
     const double settled = Seconds(t0);
     r["ttft_s"] = ttft;
     r["settled_s"] = settled;
+    r["settle_tokens_per_step"] = per_step;
+    r["settle_steps"] = settle_steps;
+    r["settle_step_max_s"] = worst_step;
     r["prefill_tokens_per_s"] = tokens / ttft;
     r["device_entries"] = seq->device_entries();
     r["offloaded_entries"] = seq->offloaded_entries();
@@ -806,10 +844,12 @@ void PrintTable(const std::vector<json>& rows) {
     if (r["kind"] != "prefill" || !r.contains("ttft_s")) continue;
     const std::string mode = r["mode"].get<std::string>() +
                              (r.contains("selection") ? "@" + r["selection"].get<std::string>() : "");
-    std::printf("prefill %-14s %lld tokens: TTFT %.2f s, %.0f tokens/s, settled %.2f s%s\n",
+    std::printf("prefill %-14s %lld tokens: TTFT %.2f s, %.0f tokens/s, settled %.2f s (%lld "
+                "decode steps, slowest %.0f ms)%s\n",
                 mode.c_str(), static_cast<long long>(r["context"].get<int64_t>()),
                 r["ttft_s"].get<double>(), r["prefill_tokens_per_s"].get<double>(),
-                r["settled_s"].get<double>(),
+                r["settled_s"].get<double>(), static_cast<long long>(r["settle_steps"].get<int64_t>()),
+                1e3 * r["settle_step_max_s"].get<double>(),
                 r.contains("widened_window")
                     ? absl::StrFormat(" (window widened to %lld)",
                                       static_cast<long long>(r["widened_window"].get<int64_t>()))
@@ -898,6 +938,7 @@ int Main() {
   ro.max_chunk = std::max<int64_t>(*std::max_element(batches.begin(), batches.end()), 16);
   ro.split_min_scan_share = absl::GetFlag(FLAGS_split_min_scan_share);
   ro.split_min_scan_bytes = absl::GetFlag(FLAGS_split_min_scan_bytes);
+  ro.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
   auto runner = gpu_worker::ModelRunner::Create(be, **model, ro);
   if (!runner.ok()) {
     std::fprintf(stderr, "runner: %s\n", std::string(runner.status().message()).c_str());
