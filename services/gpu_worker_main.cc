@@ -87,6 +87,11 @@ ABSL_FLAG(bool, device_prefill, true,
           "widened window, within --kv_cache_bytes) so every chunk attends over it on the GPU; "
           "the blocks beyond the window go to the CPU nodes / host pages after the first token. "
           "false: each chunk attends over the evicted part through the tier");
+ABSL_FLAG(int64_t, settle_tokens_per_step, 4096,
+          "after a device prefill: most tokens of prompts' blocks beyond the window that move to "
+          "the CPU nodes / host pages per step, over all sessions (the request decodes on, its "
+          "window attending over the rest); bounds what a settle adds to any step; 0 = a whole "
+          "prompt in the step after its first token");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid",
           "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
@@ -225,6 +230,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.random_weights = absl::GetFlag(FLAGS_random_weights);
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   e.device_prefill = absl::GetFlag(FLAGS_device_prefill);
+  e.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
