@@ -537,6 +537,16 @@ class Bench {
                          {"recompute_reason", plan.recompute_reason},
                          {"text", gpu_worker::FormatExactPlan(plan)}};
       r["exact_rates"] = gpu_worker::FormatExactRates(exact_rates_->rates());
+      // The planner's rates: the paths at once (the split) and alone (the limits), GB/s.
+      const gpu_worker::ExactPathRates& er = exact_rates_->rates();
+      r["exact_rates_GBps"] = {{"pcie", er.pcie_bytes_per_second / 1e9},
+                               {"pcie_alone", er.pcie_alone() / 1e9},
+                               {"nodes", er.node_bytes_per_second / 1e9},
+                               {"nodes_alone", er.node_alone() / 1e9},
+                               {"device_attend", er.device_attend_bytes_per_second / 1e9}};
+      if (plan.step_seconds > 0) {
+        r["exact_plan"]["measured_over_modelled"] = median / plan.step_seconds;
+      }
       r["host_entries"] = host;
       r["node_entries"] = nodes;
       r["recompute_entries"] = recomputed;

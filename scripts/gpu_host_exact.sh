@@ -2,8 +2,8 @@
 # Runs on the GPU host (through the device tool) issue 16's checks and benchmarks of mode=exact
 # (ExactTier: the offloaded KV split by the ExactPlanner between pinned host pages streamed over
 # PCIe and the CPU node attending densely, merged by LSE):
-#   tests  the cuda engine's exact cases (exact == gpu for every split, the served path) and the
-#          planner's unit test
+#   tests  the cuda engine's exact cases (exact == gpu for every split, the served path), the
+#          planner's unit test and the cuda probe test (the paths' rates alone and at once)
 #   gqa    Llama-3-8B geometry at 128K and 512K: offload vs exact side by side in one process
 #          per context (the 512K KV, 64 GiB, takes most of the host), the plan (share per path,
 #          modelled step, recompute verdict) printed from each exact row; at 128K also the
@@ -15,8 +15,12 @@
 #          exact runs twice per context, --exact_recompute off and auto (the planner's share
 #          of the entries kept as layer inputs and recomputed on the device: exact_recompute.h),
 #          side by side in one process
+#   gqa512 only the 512K pair of gqa (offload, then exact as planned), one process each (~2
+#          min per fill); EXACT_SHARES="0.4 0.5" adds exact runs with those forced fetch shares
+#          (a fill each), which check the planned split against its neighbours
 # Prepared here as scripts/gpu_host_worker.sh says (bundle with tandem-bench,
-# gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test in .carry/<dir>/tandem.tar.xz;
+# gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test, gpu_worker_exact_probe_cuda_test in
+# .carry/<dir>/tandem.tar.xz;
 # stories260k and gutenberg-14m in .carry/shared/models). CARRY (default .carry) names the
 # folder, PARTS selects (default: all), STEPS the timed exact/offload steps (default 5),
 # BENCH_ARGS adds flags. Logs and JSON lines go under $OUT.
@@ -56,7 +60,9 @@ for line in open(sys.argv[1]):
     if p:
         print(f'         plan: fetch {100*p["fetch_share"]:.1f}% nodes {100*p["node_share"]:.1f}% '
               f'recompute {100*p["recompute_share"]:.1f}% '
-              f'modelled {p["modelled_step_ms"]:.1f} ms (fetch only {p["modelled_fetch_only_ms"]:.1f})')
+              f'modelled {p["modelled_step_ms"]:.1f} ms (fetch only {p["modelled_fetch_only_ms"]:.1f}), '
+              f'measured/modelled {p.get("measured_over_modelled", 0):.2f}')
+        print(f'         rates GB/s: {r.get("exact_rates_GBps")}')
         print(f'         recompute: pays={p["recompute_pays"]} gain={100*p["recompute_gain"]:.1f}%: '
               f'{p["recompute_reason"]}')
         print(f'         rates: {r.get("exact_rates")}; breakdown {r.get("breakdown_ms")}')
@@ -70,6 +76,8 @@ if has tests; then
   grep -E 'FAILED|PASSED|tests ran|fetch share|Skipped' "$out/tests.txt"
   timeout 60 gpu_worker_exact_planner_test --gtest_brief=1 >> "$out/tests.txt" 2>&1
   tail -2 "$out/tests.txt"
+  timeout 60 gpu_worker_exact_probe_cuda_test > "$out/probe_test.txt" 2>&1
+  grep -E 'probed on|OK|FAILED|PASSED|SKIPPED' "$out/probe_test.txt"
 fi
 
 run_bench() {   # name, then tandem-bench flags
@@ -87,6 +95,14 @@ if has gqa; then
   run_bench gqa128k_pcie --contexts 131072 --modes exact --exact_fetch_share 1
   run_bench gqa512k_offload --contexts 524288 --modes offload
   run_bench gqa512k_exact --contexts 524288 --modes exact
+fi
+
+if has gqa512; then
+  run_bench gqa512k_offload --contexts 524288 --modes offload
+  run_bench gqa512k_exact --contexts 524288 --modes exact
+  for share in ${EXACT_SHARES:-}; do
+    run_bench "gqa512k_exact_f$share" --contexts 524288 --modes exact --exact_fetch_share "$share"
+  done
 fi
 
 if has mha; then

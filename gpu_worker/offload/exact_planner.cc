@@ -214,10 +214,16 @@ ExactPlan PlanExactSplit(const ExactPathRates& rates, const ExactGeometry& g, in
   plan.device_seconds = t.device;
   plan.node_seconds = t.nodes;
   plan.step_seconds = t.step();
-  plan.fetch_only_seconds = TimesOf(c, 1.0, 0.0).step();
-  const double pcie_path =
-      c.device > 0 && c.pcie > 0 ? std::min(c.pcie, c.device) : std::max(c.pcie, 0.0);
-  plan.combined_limit_seconds = pcie_path + c.nodes > 0 ? c.k / (pcie_path + c.nodes) : 0.0;
+  // Offload mode and the combined limit: the rates of each path alone (nothing else reads
+  // the host's DRAM while it streams).
+  Costs alone = c;
+  alone.pcie = rates.pcie_alone();
+  alone.nodes = rates.nodes > 0 ? rates.node_alone() : 0.0;
+  plan.fetch_only_seconds = TimesOf(alone, 1.0, 0.0).step();
+  const double pcie_path = alone.device > 0 && alone.pcie > 0 ? std::min(alone.pcie, alone.device)
+                                                              : std::max(alone.pcie, 0.0);
+  plan.combined_limit_seconds =
+      pcie_path + alone.nodes > 0 ? alone.k / (pcie_path + alone.nodes) : 0.0;
   return plan;
 }
 
@@ -233,11 +239,11 @@ std::string FormatExactPlan(const ExactPlan& p) {
 
 std::string FormatExactRates(const ExactPathRates& r) {
   return absl::StrFormat(
-      "pcie %.2f GB/s, device attention %.2f GB/s, gemm %.3g TFLOP/s, %d nodes %.2f GB/s "
-      "(overhead %.0f us per attend)",
-      r.pcie_bytes_per_second / 1e9, r.device_attend_bytes_per_second / 1e9,
+      "pcie %.2f GB/s (alone %.2f), device attention %.2f GB/s, gemm %.3g TFLOP/s, %d nodes "
+      "%.2f GB/s (alone %.2f; overhead %.0f us per attend)",
+      r.pcie_bytes_per_second / 1e9, r.pcie_alone() / 1e9, r.device_attend_bytes_per_second / 1e9,
       r.gemm_flops_per_second / 1e12, r.nodes, r.node_bytes_per_second / 1e9,
-      r.node_overhead_seconds * 1e6);
+      r.node_alone() / 1e9, r.node_overhead_seconds * 1e6);
 }
 
 }  // namespace tandem::gpu_worker

@@ -33,13 +33,15 @@ absl::StatusOr<std::unique_ptr<ExactRecompute>> ExactRecompute::Create(Backend& 
       new ExactRecompute(backend, model, window, page_tokens, max_rows));
   const int64_t P = page_tokens, H = c.hidden_size, D = c.head_dim, Hkv = c.num_kv_heads;
   const size_t kv_half = Hkv * P * D * DTypeBytes(window.dtype);
-  TANDEM_ASSIGN_OR_RETURN(r->rows_, backend.Allocate(P * r->row_bytes_));
+  for (int b = 0; b < 2; ++b) {
+    TANDEM_ASSIGN_OR_RETURN(r->rows_[b], backend.Allocate(P * r->row_bytes_));
+    TANDEM_ASSIGN_OR_RETURN(r->positions_dev_[b], backend.Allocate(P * 4));
+  }
   TANDEM_ASSIGN_OR_RETURN(r->x_, backend.Allocate(P * H * 4));
   TANDEM_ASSIGN_OR_RETURN(r->kv_, backend.Allocate(P * 2 * Hkv * D * 4));
   TANDEM_ASSIGN_OR_RETURN(r->k_, backend.Allocate(kv_half));
   TANDEM_ASSIGN_OR_RETURN(r->v_, backend.Allocate(kv_half));
   TANDEM_ASSIGN_OR_RETURN(r->iota_, backend.Allocate(P * 4));
-  TANDEM_ASSIGN_OR_RETURN(r->positions_dev_, backend.Allocate(P * 4));
   TANDEM_ASSIGN_OR_RETURN(r->zero_pos_, backend.Allocate(P * 4));
   TANDEM_ASSIGN_OR_RETURN(r->part_o_, backend.Allocate(max_rows * c.num_q_heads * D * 4));
   TANDEM_ASSIGN_OR_RETURN(r->part_lse_, backend.Allocate(max_rows * c.num_q_heads * 4));
@@ -118,14 +120,18 @@ absl::Status ExactRecompute::AppendRows(const void* rows, int64_t n, int64_t fir
 
 absl::Status ExactRecompute::AppendEntry(const char* rows, size_t layer_stride, int64_t position) {
   const int64_t at = tokens() % page_tokens_;
+  const int32_t pos = static_cast<int32_t>(position);
   for (int64_t l = 0; l < layers_count_; ++l) {
     std::vector<DeviceBuffer>& pages = pages_[l];
     if (at == 0) {
-      TANDEM_ASSIGN_OR_RETURN(DeviceBuffer page, backend_.AllocateHost(page_tokens_ * row_bytes_));
+      TANDEM_ASSIGN_OR_RETURN(DeviceBuffer page,
+                              backend_.AllocateHost(page_tokens_ * (row_bytes_ + 4)));
       host_bytes_ += page.bytes();
       pages.push_back(std::move(page));
     }
-    std::memcpy(pages.back().as<char>() + at * row_bytes_, rows + l * layer_stride, row_bytes_);
+    char* page = pages.back().as<char>();
+    std::memcpy(page + at * row_bytes_, rows + l * layer_stride, row_bytes_);
+    std::memcpy(page + page_tokens_ * row_bytes_ + at * 4, &pos, 4);
   }
   positions_.push_back(static_cast<int32_t>(position));
   return absl::OkStatus();
@@ -135,24 +141,57 @@ void ExactRecompute::Drop(int64_t first_pos, int64_t count) {
   pending_.erase(pending_.lower_bound(first_pos), pending_.lower_bound(first_pos + count));
 }
 
+absl::Status ExactRecompute::BeginPass() { return Plan(0); }
+
+absl::Status ExactRecompute::Plan(int64_t layer) {
+  items_.clear();
+  next_ = 0;
+  for (int64_t l = layer; l < layers_count_; ++l) {
+    for (size_t p = 0; p < pages_[l].size(); ++p) items_.push_back({l, p});
+  }
+  for (size_t i = 0; i < items_.size() && i < 2; ++i) TANDEM_RETURN_IF_ERROR(Issue(i));
+  return absl::OkStatus();
+}
+
+absl::Status ExactRecompute::Issue(size_t index) {
+  static_assert(kFirstSlot + 2 <= Backend::kUploadSlots, "two upload slots past the streamer's");
+  const Item& item = items_[index];
+  const int b = static_cast<int>(index % 2);
+  const int64_t n = PageEntries(item.page);
+  const char* page = pages_[item.layer][item.page].as<char>();
+  UploadParams u;
+  u.rows = 1;
+  u.dst = rows_[b].data();
+  u.src_host = page;
+  u.row_bytes = u.dst_pitch = u.src_pitch = n * row_bytes_;
+  TANDEM_RETURN_IF_ERROR(backend_.UploadAsync(u, kFirstSlot + b));
+  u.dst = positions_dev_[b].data();
+  u.src_host = page + page_tokens_ * row_bytes_;
+  u.row_bytes = u.dst_pitch = u.src_pitch = n * 4;
+  return backend_.UploadAsync(u, kFirstSlot + b);
+}
+
 absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& base) {
   const ModelConfig& c = model_.config();
   if (base.num_tokens > max_rows_ || base.num_q_heads != c.num_q_heads) {
     return absl::InvalidArgumentError("exact recompute: more query rows or heads than planned");
   }
+  if (layer < 0 || layer >= layers_count_) {
+    return absl::InvalidArgumentError("exact recompute: bad layer");
+  }
+  if (next_ >= items_.size() || items_[next_].layer != layer || items_[next_].page != 0) {
+    TANDEM_RETURN_IF_ERROR(Plan(layer));
+  }
   const int64_t H = hidden_, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
   const DeviceLayer& w = model_.layer(layer);
   const size_t w_row = H * DTypeBytes(w.qkv.dtype);
-  const std::vector<DeviceBuffer>& pages = pages_[layer];
-  for (size_t page = 0; page < pages.size(); ++page) {
-    const int64_t first = static_cast<int64_t>(page) * page_tokens_;
-    const int64_t n = std::min(page_tokens_, tokens() - first);
-    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(rows_.data(), pages[page].data(), n * row_bytes_));
-    TANDEM_RETURN_IF_ERROR(
-        backend_.CopyToDevice(positions_dev_.data(), positions_.data() + first, n * 4));
+  while (next_ < items_.size() && items_[next_].layer == layer) {
+    const int b = static_cast<int>(next_ % 2);
+    const int64_t n = PageEntries(items_[next_].page);
+    TANDEM_RETURN_IF_ERROR(backend_.WaitUpload(kFirstSlot + b));
     // The stored rows as f32: a gather of the page's own rows 0..n-1.
     TANDEM_RETURN_IF_ERROR(backend_.Embed(
-        {iota_.as<int32_t>(), rows_.data(), act_dtype_, x_.as<float>(), n, H, page_tokens_}));
+        {iota_.as<int32_t>(), rows_[b].data(), act_dtype_, x_.as<float>(), n, H, page_tokens_}));
     // [n, 2·Hkv·D] = x · [Wk; Wv]ᵀ (+ their biases): the rows after the Hq·D query rows.
     MatMulParams mm;
     mm.x = x_.as<float>();
@@ -167,13 +206,18 @@ absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& 
     RopeParams rope;
     rope.x = kv_.as<float>();
     rope.row_stride = 2 * Hkv * D;
-    rope.positions = positions_dev_.as<int32_t>();
+    rope.positions = positions_dev_[b].as<int32_t>();
     rope.inv_freq = model_.inv_freq();
     rope.attention_scaling = model_.rope_attention_scaling();
     rope.num_tokens = n;
     rope.num_heads = Hkv;
     rope.head_dim = D;
     TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+    // The staged rows and positions are read: the slot takes the page two ahead.
+    TANDEM_RETURN_IF_ERROR(backend_.ReleaseUpload(kFirstSlot + b));
+    const size_t refill = next_ + 2;
+    ++next_;
+    if (refill < items_.size()) TANDEM_RETURN_IF_ERROR(Issue(refill));
     WriteKvParams wk;
     wk.k = kv_.as<float>();
     wk.v = kv_.as<float>() + Hkv * D;

@@ -189,6 +189,8 @@ absl::Status ExactTier::KeepInputs(const std::vector<EvictedBlock>& blocks, int6
 
 absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
   if (host_->num_pages(0) > 0) context.AddStream(stream, host_.get());
+  // The recomputed pages' first uploads, ahead of the fetched pages' (exact_recompute.h).
+  if (recompute_tokens() > 0) TANDEM_RETURN_IF_ERROR(recompute_->BeginPass());
   return absl::OkStatus();
 }
 

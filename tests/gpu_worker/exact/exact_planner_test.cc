@@ -58,6 +58,41 @@ TEST(ExactPlanner, TwoRatesMeetInClosedForm) {
   EXPECT_NEAR(p.fetch_only_seconds, k / 50e9, 1e-9);
 }
 
+// The split follows the rates of the two paths running at once; offload mode's step and the
+// combined limit use the rates alone. By hand: together PCIe 40 and nodes 60 GB/s meet at
+// f = 40 / (40 + 60) = 0.4, step = 0.4 K / 40e9 = K / 100e9; alone (50 and 100 GB/s) the
+// fetch-only step is K / 50e9 and the combined limit K / 150e9. Planning with the rates alone
+// (f = 1/3) would leave the nodes last: (2/3) K / 60e9 = K / 90e9, 11% slower than K / 100e9.
+TEST(ExactPlanner, SplitsByTheRatesTogetherAndLimitsByTheRatesAlone) {
+  ExactPathRates r;
+  r.pcie_bytes_per_second = 40e9;
+  r.node_bytes_per_second = 60e9;
+  r.pcie_alone_bytes_per_second = 50e9;
+  r.node_alone_bytes_per_second = 100e9;
+  r.nodes = 1;
+  const ExactGeometry g = Llama3_8b();
+  const int64_t tokens = 1 << 19;
+  const double k = 32.0 * tokens * g.kv_row_bytes();
+  const ExactPlan p = PlanExactSplit(r, g, tokens);
+  EXPECT_NEAR(p.fetch_share, 0.4, 1e-9);
+  EXPECT_NEAR(p.node_share, 0.6, 1e-9);
+  EXPECT_NEAR(p.step_seconds, k / 100e9, 1e-9);
+  EXPECT_NEAR(p.fetch_only_seconds, k / 50e9, 1e-9);
+  EXPECT_NEAR(p.combined_limit_seconds, k / 150e9, 1e-9);
+  // The split of the rates alone, timed with the rates together.
+  ExactPlanOptions alone;
+  alone.force_fetch_share = 1.0 / 3.0;
+  EXPECT_NEAR(PlanExactSplit(r, g, tokens, alone).step_seconds, k / 90e9, 1e-9);
+  // Rates alone unset: taken equal to the rates together (the earlier behaviour).
+  ExactPathRates same = r;
+  same.pcie_alone_bytes_per_second = 0;
+  same.node_alone_bytes_per_second = 0;
+  const ExactPlan q = PlanExactSplit(same, g, tokens);
+  EXPECT_NEAR(q.fetch_share, 0.4, 1e-9);
+  EXPECT_NEAR(q.combined_limit_seconds, k / 100e9, 1e-9);
+  EXPECT_NE(FormatExactRates(r).find("alone 50.00"), std::string::npos) << FormatExactRates(r);
+}
+
 TEST(ExactPlanner, Llama3At512kMeetsTheCombinedLimitAndRefusesRecompute) {
   const ExactPlan p = PlanExactSplit(H100Host(), Llama3_8b(), 512 * 1024);
   // Fetch : nodes = 53 : 132 up to the small node overhead.

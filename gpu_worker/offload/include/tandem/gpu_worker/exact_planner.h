@@ -37,13 +37,30 @@
 namespace tandem::gpu_worker {
 
 // Rates of the paths (bytes or flops per second; 0 = path unavailable).
+//
+// PCIe uploads and the nodes' scans read the same host DRAM (on one host: the DMA engine and the
+// node's cores share its bandwidth), so each path is slower while the other runs. The split is
+// planned with the rates of the two paths running AT ONCE (pcie_bytes_per_second,
+// node_bytes_per_second: ProbeNodeRates' concurrent probe, the nodes' rate then corrected by
+// the sessions' measured attends); the rates of each path alone (the *_alone fields; 0 = not
+// measured, taken equal) give the fetch-only step and the combined limit K / (pcie + nodes)
+// the issue states its target against.
 struct ExactPathRates {
-  double pcie_bytes_per_second = 0;           // host -> device of pinned pages (probe)
+  double pcie_bytes_per_second = 0;           // host -> device of pinned pages, nodes scanning
   double device_attend_bytes_per_second = 0;  // device attention over KV on the device (probe)
   double gemm_flops_per_second = 0;           // device MatMul, f32 x kv-dtype weights (probe)
-  double node_bytes_per_second = 0;           // Σ over accepting nodes of their dense scan rates
+  double node_bytes_per_second = 0;           // Σ over accepting nodes, PCIe streaming
   double node_overhead_seconds = 0;           // one Attend round trip (per layer and step)
   size_t nodes = 0;                           // accepting nodes
+  double pcie_alone_bytes_per_second = 0;     // PCIe with the nodes idle (0: as above)
+  double node_alone_bytes_per_second = 0;     // the nodes with PCIe idle (0: as above)
+
+  double pcie_alone() const {
+    return pcie_alone_bytes_per_second > 0 ? pcie_alone_bytes_per_second : pcie_bytes_per_second;
+  }
+  double node_alone() const {
+    return node_alone_bytes_per_second > 0 ? node_alone_bytes_per_second : node_bytes_per_second;
+  }
 };
 
 // What one step attends, per token.
@@ -66,8 +83,8 @@ struct ExactPlan {
   double recompute_share = 0;  // activations over PCIe, K/V recomputed on the device
   // Modelled seconds per decode step for `tokens` offloaded entries (all layers).
   double pcie_seconds = 0, device_seconds = 0, node_seconds = 0, step_seconds = 0;
-  // The same step with every entry fetched (offload mode) and the combined bandwidth limit
-  // K / (pcie' + Σ nodes) the issue sets the target against.
+  // The same step with every entry fetched (offload mode: PCIe alone) and the combined
+  // bandwidth limit K / (pcie' + Σ nodes) of the rates alone, the issue's target.
   double fetch_only_seconds = 0;
   double combined_limit_seconds = 0;
   // Recompute: whether it lowers the step (solved with and without it), and why, in words

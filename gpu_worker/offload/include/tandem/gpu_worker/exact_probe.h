@@ -8,6 +8,17 @@
 //   ProbeNodeRates: a probe session on every accepting CPU node (one kv head per node, one
 //     layer) holding node_bytes of K/V each; the nodes attend densely over it at once and the
 //     aggregate rate is the bytes over the slowest node's wall time (round trip included).
+//     Given the backend, it then times the two paths AT ONCE, as exact mode runs them: the
+//     PCIe DMA and the nodes' scans read the same host DRAM (on the H100 host: 16 cores,
+//     memcpy 75-105 GB/s, PCIe 55 GB/s), so each is slower while the other runs and a split
+//     planned from the rates alone leaves the slower-than-modelled path last. Two timed runs
+//     (best of `repeats` each, after a warm-up):
+//       nodes under PCIe load  uploads queued for ~3x the nodes' time alone, then one attend:
+//                              the attend's wall time gives the nodes' rate together;
+//       PCIe under node load   one attend started, then uploads of ~half the nodes' time
+//                              alone, waited for: their wall time gives PCIe's rate together.
+//     The rates together become pcie_bytes_per_second / node_bytes_per_second (never above
+//     the rates alone, which are kept in the *_alone fields).
 //
 // ExactRateBook: the rates every exact tier of an engine plans with. Tiers feed it the node
 // rates their sessions measure (RemoteKv's moving averages of Attend replies) between steps;
@@ -31,8 +42,9 @@ struct ExactProbeOptions {
   size_t pcie_bytes = size_t{64} << 20;       // one upload of this size
   size_t device_kv_bytes = size_t{32} << 20;  // K+V the device attends over
   double gemm_flops = 4e9;                    // flops of one probe GEMM (rows chosen to match)
-  // K+V per node; capped at a quarter of the node's free memory.
-  size_t node_bytes = size_t{64} << 20;
+  // K+V per node; capped at a quarter of the node's free memory. Large enough that one
+  // attend (~5 ms at 50 GB/s) dwarfs the round trip and the timer.
+  size_t node_bytes = size_t{256} << 20;
   int repeats = 3;  // timed runs after one warm-up; the best counts
   int attend_deadline_ms = 5000;
 };
@@ -49,14 +61,20 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
                                                 const ExactProbeOptions& options = {});
 
 // Fills rates.nodes, node_bytes_per_second and node_overhead_seconds from a probe of the
-// accepting nodes (head_dim, kv dtype of the model). No accepting node: nodes = 0, OK.
+// accepting nodes (head_dim, kv dtype of the model). No accepting node: nodes = 0, OK. With
+// `pcie` (the backend whose uploads rates.pcie_bytes_per_second measured, > 0) also the two
+// paths at once: node_alone_bytes_per_second / pcie_alone_bytes_per_second keep the rates
+// alone and node_bytes_per_second / pcie_bytes_per_second become the rates together. Uses the
+// backend's upload slot 0 and pcie_bytes of page-locked and device memory (as the PCIe probe).
 absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
-                            ExactPathRates& rates, const ExactProbeOptions& options = {});
+                            ExactPathRates& rates, const ExactProbeOptions& options = {},
+                            Backend* pcie = nullptr);
 
 class ExactRateBook {
  public:
   explicit ExactRateBook(const ExactPathRates& measured) : rates_(measured) {}
-  // ProbeDeviceRates + ProbeNodeRates, logged. The backend's or the nodes' errors.
+  // ProbeDeviceRates + ProbeNodeRates (with the concurrent probe), logged. The backend's or
+  // the nodes' errors.
   static absl::StatusOr<std::unique_ptr<ExactRateBook>> Measure(
       Backend& backend, NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
       const ExactProbeOptions& options = {});

@@ -7,8 +7,9 @@
 //
 // Storage (host, per layer): pages of page_tokens rows [page_tokens, hidden] of the activation
 // dtype — bf16 for bf16 weights (MatMul rounds its input to the weight dtype anyway, so the
-// stored rows give the same products; half the bytes of f32), f32 otherwise — page-locked
-// (Backend::AllocateHost), with the entries' positions (the same for every layer).
+// stored rows give the same products; half the bytes of f32), f32 otherwise — followed by the
+// entries' positions [page_tokens] i32 (the same in every layer), page-locked
+// (Backend::AllocateHost) so that a page crosses PCIe asynchronously.
 //
 // Rows arrive before their entries leave the window: the runner hands the tier x̂ of every row
 // of every pass (OffloadTier::TakeLayerInputs); Take() keeps them as pending by position until
@@ -16,11 +17,19 @@
 // Pending rows take hidden·act_bytes per layer and entry of the device window: host memory like
 // the window's KV (for MHA, where recompute pays, the same bytes as its K+V).
 //
-// Per step and layer (Attend), per page: upload [tokens, hidden], convert to f32 (Embed as a
-// gather of the page's own rows), MatMul with the K/V rows of Wqkv, RoPE on K, scatter into a
-// staging K/V [kv_heads, page_tokens, head_dim] of the window dtype (WriteKv: the conversion the
-// window applied to the same values), window attention, LSE merge. Uploads are synchronous on
-// the backend stream (not on the streamer's upload slots).
+// Per step and layer (Attend), per page: upload [tokens, hidden] and the positions, convert to
+// f32 (Embed as a gather of the page's own rows), MatMul with the K/V rows of Wqkv, RoPE on K,
+// scatter into a staging K/V [kv_heads, page_tokens, head_dim] of the window dtype (WriteKv: the
+// conversion the window applied to the same values), window attention, LSE merge.
+//
+// Uploads run on the backend's upload stream as the KvStreamer's pages do (HeadInfer's
+// ping-pong), on upload slots kFirstSlot and kFirstSlot + 1 (the streamer, made by TierContext
+// with 2 slots, uses 0 and 1): BeginPass plans the pass's pages in the order the layers attend
+// them — (layer, page) — and queues the first two; each page's compute waits for its upload on
+// the device, and releasing its slot queues the page two ahead, possibly of the next layer, so
+// the next layer's first pages cross PCIe while this layer's GEMMs and the rest of the layer
+// run. The host never waits for the device here (a synchronous copy waited for everything
+// queued before it, and the tier's fetched pages and node merges queued only after it).
 //
 // Models whose RoPE frequencies depend on the sequence length (dynamic NTK, longrope) are not
 // supported (Create: FAILED_PRECONDITION): a K rotated later would not be the K the window held.
@@ -28,6 +37,7 @@
 // Not thread-safe: the engine's executor thread owns it with its tier.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -68,10 +78,17 @@ class ExactRecompute {
   // the activation dtype (host), the same for every layer, at positions first_pos, ...
   absl::Status AppendRows(const void* rows, int64_t n, int64_t first_pos);
 
+  // Plans one forward pass over every kept page of every layer and queues the first two
+  // uploads. A pass whose Attend calls do not follow the plan (a failed pass, or no BeginPass)
+  // re-plans from the layer it attends; uploads already queued still run, in order.
+  absl::Status BeginPass();
   // Recomputes K/V of every kept entry of `layer`, attends `base`'s query rows (q, q_pos,
   // num_tokens, heads, scale) over them and merges into base.o / base.lse (device, holding a
-  // partial state already). Queued on the backend stream.
+  // partial state already). Queued on the backend stream, behind the pages' uploads.
   absl::Status Attend(int64_t layer, const WindowAttentionParams& base);
+
+  // The upload slots this path uses: kFirstSlot, kFirstSlot + 1.
+  static constexpr int kFirstSlot = 2;
 
   int64_t tokens() const { return static_cast<int64_t>(positions_.size()); }
   int64_t pending() const { return static_cast<int64_t>(pending_.size()); }
@@ -84,6 +101,13 @@ class ExactRecompute {
                  int64_t page_tokens, int64_t max_rows);
   // Appends one entry at `position`: its row of layer l at rows + l · layer_stride.
   absl::Status AppendEntry(const char* rows, size_t layer_stride, int64_t position);
+  // The pass's pages from `layer` on, the first two uploads queued.
+  absl::Status Plan(int64_t layer);
+  // Queues the upload of items_[index] (rows and positions) into its staging pair.
+  absl::Status Issue(size_t index);
+  int64_t PageEntries(size_t page) const {
+    return std::min<int64_t>(page_tokens_, tokens() - static_cast<int64_t>(page) * page_tokens_);
+  }
 
   Backend& backend_;
   const DeviceModel& model_;
@@ -93,13 +117,23 @@ class ExactRecompute {
   DType act_dtype_;
   size_t row_bytes_;                              // hidden · act dtype bytes
   std::map<int64_t, std::vector<char>> pending_;  // position -> [layers, hidden] act dtype
-  std::vector<std::vector<DeviceBuffer>> pages_;  // [layer][page] host [page_tokens, hidden]
+  // [layer][page] host: rows [page_tokens, hidden], then positions [page_tokens] i32.
+  std::vector<std::vector<DeviceBuffer>> pages_;
   std::vector<int32_t> positions_;                // of the kept entries, in page order
   size_t host_bytes_ = 0;
   std::vector<float> download_;  // one Take's rows, f32
-  // Device staging of one page: its rows, as f32, the K|V rows, K and V of the window dtype.
-  DeviceBuffer rows_, x_, kv_, k_, v_;
-  DeviceBuffer iota_, positions_dev_, zero_pos_;  // [page_tokens] i32
+  // Device staging: two pages' rows and positions in flight (one per upload slot); one page
+  // as f32, its K|V rows, K and V of the window dtype.
+  DeviceBuffer rows_[2], positions_dev_[2];
+  DeviceBuffer x_, kv_, k_, v_;
+  DeviceBuffer iota_, zero_pos_;  // [page_tokens] i32
+  // The pass's plan: (layer, page) in attend order; items_[next_] is attended next.
+  struct Item {
+    int64_t layer;
+    size_t page;
+  };
+  std::vector<Item> items_;
+  size_t next_ = 0;
   DeviceBuffer part_o_, part_lse_;                // [max_rows, q heads, head_dim], [.., q heads]
 };
 
