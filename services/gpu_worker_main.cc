@@ -370,7 +370,7 @@ int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
         std::fprintf(stderr, "tandem-gpu-worker: --plan_node_bytes: %s\n", error.c_str());
         return 2;
       }
-      setup->nodes.push_back({absl::StrCat("planned-", i), bytes, bytes});
+      setup->nodes.push_back({absl::StrCat("planned-", i), bytes, bytes, std::nullopt});
     }
   }
   if (const uint64_t device = absl::GetFlag(FLAGS_plan_device_bytes).bytes; device > 0) {

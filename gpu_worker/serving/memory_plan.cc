@@ -63,8 +63,8 @@ int64_t Room(const PlanNode& node, uint64_t used) {
   return static_cast<int64_t>(node.capacity_bytes) - static_cast<int64_t>(used);
 }
 
-// How the nodes store the sessions' KV: int8 when --node_kv_dtype says so (the embedded
-// node's flag; remote nodes are assumed to match it), else the session's dtype as sent.
+// How a node stores the sessions' KV when it has not reported it (and the embedded node):
+// int8 when --node_kv_dtype says so, else the session's dtype as sent.
 kv_store::KvDType NodeKvDType(const EngineOptions& options, DType kv_dtype) {
   if (options.nodes.embedded.kv_dtype == kv_store::KvDType::kInt8) return kv_store::KvDType::kInt8;
   return kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
@@ -129,47 +129,59 @@ void Judge(MemoryTier& tier, const std::string& what) {
 }
 
 // The nodes' share of a plan: every sequence's L·H_kv shards, each to the node with the most
-// room left (the placement balances memory when shards cost the same), plus each session's
-// metadata on every node it has shards on.
+// room left after it (the placement balances memory; a node storing int8 rows takes about half
+// the bytes of a bf16 one), plus each session's metadata on every node it has shards on. Each
+// node's shards are sized in its own storage dtype: the one it reported, else the setup's.
 void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t offloaded,
                const std::string& note, MemoryPlan& plan) {
   const ModelConfig& c = setup.config;
   const EngineOptions& e = setup.engine;
   MemoryTier& tier = plan.nodes;
-  const kv_store::BlockFormat format{e.block_tokens >= 16 && e.block_tokens <= 256
-                                         ? static_cast<uint32_t>(e.block_tokens)
-                                         : kNodeDefaultBlockTokens,
-                                     static_cast<uint32_t>(c.head_dim), setup.node_kv_dtype};
+  const uint32_t block_tokens = e.block_tokens >= 16 && e.block_tokens <= 256
+                                    ? static_cast<uint32_t>(e.block_tokens)
+                                    : kNodeDefaultBlockTokens;
   // Exact sessions are opened with kPages (dense attends, no selected copy).
   const bool maw = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kMaw;
   const double share = !maw             ? 0.0
                        : r.beta == 0.0f ? 1.0
                                         : RemoteKvOptions{}.expected_selected_share;
-  const uint64_t shard = ShardBytes(format, offloaded, share);
-  const uint64_t shards_per_seq = static_cast<uint64_t>(c.num_layers) * c.num_kv_heads;
   const size_t n = setup.nodes.size();
+  std::vector<kv_store::BlockFormat> formats(n);
+  std::vector<uint64_t> shard(n), shard_blocks(n);
+  for (size_t i = 0; i < n; ++i) {
+    const PlanNode& node = setup.nodes[i];
+    formats[i] = {block_tokens, static_cast<uint32_t>(c.head_dim),
+                  node.kv_dtype.value_or(setup.node_kv_dtype)};
+    shard[i] = ShardBytes(formats[i], offloaded, share);
+    shard_blocks[i] = ShardBytes(formats[i], offloaded, 0.0);
+    plan.node_addresses.push_back(node.address);
+    plan.node_kv_storage.push_back(absl::StrCat(
+        NodeDTypeName(formats[i].dtype),
+        node.kv_dtype.has_value() ? " (reported)" : " (--node_kv_dtype; not seen yet)"));
+  }
+  const uint64_t shards_per_seq = static_cast<uint64_t>(c.num_layers) * c.num_kv_heads;
   plan.node_bytes.assign(n, 0);
-  for (const PlanNode& node : setup.nodes) plan.node_addresses.push_back(node.address);
   for (const PlanNode& node : setup.nodes) tier.capacity_bytes += node.capacity_bytes;
   if (n == 0) {
     tier.fits = false;
     tier.why = "hybrid and exact modes need CPU attention nodes and there are none";
     return;
   }
-  std::vector<uint64_t> mine(n);
-  uint64_t blocks_bytes = 0, selected_bytes = 0, meta_bytes = 0;
+  std::vector<uint64_t> mine(n), placed(n, 0);
+  uint64_t meta_bytes = 0;
   for (int64_t b = 0; b < r.batch; ++b) {
     std::fill(mine.begin(), mine.end(), 0);
     for (uint64_t s = 0; s < shards_per_seq; ++s) {
       size_t best = 0;
       for (size_t i = 1; i < n; ++i) {
-        if (Room(setup.nodes[i], plan.node_bytes[i]) >
-            Room(setup.nodes[best], plan.node_bytes[best])) {
+        if (Room(setup.nodes[i], plan.node_bytes[i] + shard[i]) >
+            Room(setup.nodes[best], plan.node_bytes[best] + shard[best])) {
           best = i;
         }
       }
-      plan.node_bytes[best] += shard;
+      plan.node_bytes[best] += shard[best];
       ++mine[best];
+      ++placed[best];
     }
     for (size_t i = 0; i < n; ++i) {
       if (mine[i] == 0) continue;
@@ -179,15 +191,27 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
       meta_bytes += meta;
     }
   }
-  const uint64_t shards = shards_per_seq * r.batch;
-  const uint64_t selected_per_shard =
-      shard - CeilDiv(offloaded, format.block_tokens) * format.block_bytes();
-  blocks_bytes = shards * (shard - selected_per_shard);
-  selected_bytes = shards * selected_per_shard;
-  Add(tier, "node KV blocks", blocks_bytes,
-      absl::StrCat(shards, " shards x ", CeilDiv(offloaded, format.block_tokens), " blocks x ",
-                   format.block_bytes(), " B (", format.block_tokens, " ",
-                   NodeDTypeName(format.dtype), " entries of K, V and MAW)", note));
+  // One line per storage dtype among the nodes that got shards.
+  uint64_t blocks_bytes = 0, selected_bytes = 0;
+  std::string blocks_detail;
+  for (kv_store::KvDType dtype :
+       {kv_store::KvDType::kF32, kv_store::KvDType::kBf16, kv_store::KvDType::kInt8}) {
+    uint64_t shards = 0;
+    size_t of = n;
+    for (size_t i = 0; i < n; ++i) {
+      if (formats[i].dtype != dtype || placed[i] == 0) continue;
+      shards += placed[i];
+      blocks_bytes += placed[i] * shard_blocks[i];
+      selected_bytes += placed[i] * (shard[i] - shard_blocks[i]);
+      of = i;
+    }
+    if (shards == 0) continue;
+    const kv_store::BlockFormat& f = formats[of];
+    absl::StrAppend(&blocks_detail, blocks_detail.empty() ? "" : "; ", shards, " shards x ",
+                    CeilDiv(offloaded, f.block_tokens), " blocks x ", f.block_bytes(), " B (",
+                    f.block_tokens, " ", NodeDTypeName(dtype), " entries of K, V and MAW)");
+  }
+  Add(tier, "node KV blocks", blocks_bytes, absl::StrCat(blocks_detail, note));
   if (maw) {
     Add(tier, "node selected copies", selected_bytes,
         absl::StrCat("K + V of ", share * 100, "% of the entries (",
@@ -204,10 +228,23 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
           "CPU node ", setup.nodes[i].address, " would need ", FormatBytes(plan.node_bytes[i]),
           " but its pool has ", FormatBytes(setup.nodes[i].capacity_bytes),
           ": add nodes or --pool_bytes, use a shorter context or batch",
-          kv_store::DTypeBytes(setup.node_kv_dtype) == 1 ? "" : ", or int8 node KV");
+          formats[i].dtype == kv_store::KvDType::kInt8 ? "" : ", or int8 node KV");
       break;
     }
   }
+}
+
+// A node of the pool as the plan sees it: its storage dtype is the reported one once it has
+// answered Stats (a node id is set), as NodePool::ApplyStatsLocked reads Stats.kv_storage:
+// "int8", else the session's `kv_dtype` as sent.
+PlanNode PlanNodeOf(const NodeState& node, DType kv_dtype) {
+  PlanNode p{node.address, node.capacity_bytes, node.free_bytes, std::nullopt};
+  if (!node.node_id.empty()) {
+    p.kv_dtype = node.int8_kv               ? kv_store::KvDType::kInt8
+                 : kv_dtype == DType::kF32 ? kv_store::KvDType::kF32
+                                           : kv_store::KvDType::kBf16;
+  }
+  return p;
 }
 
 }  // namespace
@@ -535,8 +572,9 @@ absl::StatusOr<MemoryPlanSetup> SetupBeforeLoad(const EngineOptions& options, co
   s.embedded_node =
       options.nodes.addresses.empty() && options.nodes.dns_name.empty() && !options.nodes.discovery;
   if (s.embedded_node) {
-    s.nodes.push_back(
-        {"in-process", options.nodes.embedded.pool_bytes, options.nodes.embedded.pool_bytes});
+    // Its storage is the worker's own --node_kv_dtype: known, as if reported.
+    s.nodes.push_back({"in-process", options.nodes.embedded.pool_bytes,
+                       options.nodes.embedded.pool_bytes, s.node_kv_dtype});
   }
   return s;
 }
@@ -563,9 +601,7 @@ absl::StatusOr<MemoryPlanSetup> PlanSetupFromOptions(const EngineOptions& option
   TANDEM_ASSIGN_OR_RETURN(MemoryPlanSetup s, SetupBeforeLoad(options, *use, **backend));
   if (!s.embedded_node) {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<NodePool> pool, NodePool::Create(options.nodes));
-    for (const NodeState& node : pool->Snapshot()) {
-      s.nodes.push_back({node.address, node.capacity_bytes, node.free_bytes});
-    }
+    for (const NodeState& node : pool->Snapshot()) s.nodes.push_back(PlanNodeOf(node, s.kv_dtype));
   }
   return s;
 }
@@ -593,7 +629,7 @@ absl::StatusOr<MemoryPlanSetup> SetupFromEngine(Engine& engine) {
   // MemAvailable: the worker may have what is available plus what it holds.
   s.host_available_bytes = HostAvailableBytes() + SelfRssBytes();
   for (const NodeState& node : engine.nodes().Snapshot()) {
-    s.nodes.push_back({node.address, node.capacity_bytes, node.free_bytes});
+    s.nodes.push_back(PlanNodeOf(node, s.kv_dtype));
   }
   s.embedded_node = engine.nodes().embedded() != nullptr;
   return s;

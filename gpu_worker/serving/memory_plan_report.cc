@@ -123,8 +123,9 @@ std::string FormatMemoryPlan(const MemoryPlan& plan) {
   AppendTier(plan.host, out);
   AppendTier(plan.nodes, out);
   for (size_t i = 0; i < plan.node_bytes.size(); ++i) {
-    absl::StrAppendFormat(&out, "  node %-23s %12s\n", plan.node_addresses[i],
-                          FormatBytes(plan.node_bytes[i]));
+    absl::StrAppendFormat(&out, "  node %-23s %12s  KV %s\n", plan.node_addresses[i],
+                          FormatBytes(plan.node_bytes[i]),
+                          i < plan.node_kv_storage.size() ? plan.node_kv_storage[i] : "");
   }
   absl::StrAppend(&out, plan.fits ? "fits\n" : "DOES NOT FIT\n");
   if (plan.largest_context >= 0) {
@@ -150,6 +151,7 @@ std::string MemoryPlanJson(const MemoryPlan& plan) {
                       {"nodes", TierJson(plan.nodes)},
                       {"node_bytes", plan.node_bytes},
                       {"node_addresses", plan.node_addresses},
+                      {"node_kv_storage", plan.node_kv_storage},
                       {"fits", plan.fits}};
   if (plan.largest_context >= 0) j["largest_context"] = plan.largest_context;
   return j.dump(2);

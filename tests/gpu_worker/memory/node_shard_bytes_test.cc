@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,7 +99,7 @@ TEST(NodeShardBytes, MemoryPlanNodeItemsAreKvStoreCharges) {
       setup.engine.block_tokens = 16;
       setup.engine.page_tokens = 16;
       setup.max_context = 8192;
-      setup.nodes.push_back({"node-a", uint64_t{64} << 30, uint64_t{64} << 30});
+      setup.nodes.push_back({"node-a", uint64_t{64} << 30, uint64_t{64} << 30, std::nullopt});
       MemoryPlanRequest request = MemoryPlanRequest::Defaults(setup.engine);
       request.mode = AttentionMode::kHybrid;
       request.selection = selection;

@@ -6,6 +6,8 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -133,6 +135,70 @@ TEST(PlanE2eTest, Llama3PresetWithoutWeights) {
   EXPECT_EQ(bf16, shards * blocks * bf16_format.block_bytes());
   EXPECT_EQ(int8, shards * blocks * int8_format.block_bytes());
   EXPECT_LT(static_cast<double>(int8), 0.56 * static_cast<double>(bf16));
+}
+
+// Two real CPU nodes, one storing int8 rows and one bf16: --plan asks their Stats and sizes
+// each node in the dtype it reported, whatever --node_kv_dtype says; planned nodes (nobody to
+// ask) take --node_kv_dtype. The tiny preset: no model files needed.
+TEST(PlanE2eTest, PlanSizesEachNodeInItsReportedKvStorage) {
+  std::vector<std::unique_ptr<ChildProcess>> nodes;
+  std::vector<std::string> addresses;
+  for (const char* dtype : {"int8", "bf16"}) {
+    auto child = ChildProcess::Start({TANDEM_CPU_ATTENTION_BIN, "--address=127.0.0.1:0",
+                                      "--pool_bytes=64MiB", "--threads=1",
+                                      absl::StrCat("--node_kv_dtype=", dtype), "--log_level=warn"});
+    ASSERT_TRUE(child.ok()) << child.status();
+    absl::StatusOr<int> port = (*child)->WaitListening();
+    ASSERT_TRUE(port.ok()) << port.status();
+    nodes.push_back(std::move(*child));
+    addresses.push_back(absl::StrCat("127.0.0.1:", *port));
+  }
+  const std::vector<std::string> base = {
+      TANDEM_GPU_WORKER_BIN, "--plan", "--preset=tiny", "--preset_set=layers=16",
+      "--backend=cpu", "--plan_mode=hybrid", "--plan_context=4096", "--window=512",
+      "--plan_json", "--log_level=warn"};
+  auto plan = [&](std::vector<std::string> extra) -> nlohmann::json {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    absl::StatusOr<CommandResult> r = RunCommand(argv);
+    EXPECT_TRUE(r.ok()) << r.status();
+    if (!r.ok()) return {};
+    EXPECT_EQ(r->exit_code, 0) << r->out << r->err;
+    return nlohmann::json::parse(r->out, nullptr, /*allow_exceptions=*/false);
+  };
+  for (const char* flag : {"bf16", "int8"}) {
+    SCOPED_TRACE(flag);
+    const nlohmann::json j = plan({"--cpu_nodes=" + addresses[0] + "," + addresses[1],
+                                   absl::StrCat("--node_kv_dtype=", flag)});
+    ASSERT_TRUE(j.is_object());
+    // The pool lists the nodes in its own order.
+    std::map<std::string, std::string> storage;
+    ASSERT_EQ(j["node_addresses"].size(), 2u);
+    ASSERT_EQ(j["node_kv_storage"].size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      storage[j["node_addresses"][i].get<std::string>()] = j["node_kv_storage"][i];
+      EXPECT_GT(j["node_bytes"][i].get<uint64_t>(), 0u);
+    }
+    EXPECT_EQ(storage[addresses[0]], "int8 (reported)");
+    EXPECT_EQ(storage[addresses[1]], "bf16 (reported)");
+    for (const nlohmann::json& item : j["nodes"]["items"]) {
+      if (item["name"] != "node KV blocks") continue;
+      const std::string detail = item["detail"].get<std::string>();
+      EXPECT_THAT(detail, HasSubstr("int8 entries"));
+      EXPECT_THAT(detail, HasSubstr("bf16 entries"));
+    }
+  }
+  // Planned nodes: the flag's dtype, said as such.
+  const nlohmann::json planned =
+      plan({"--plan_node_bytes=64MiB,64MiB", "--node_kv_dtype=int8"});
+  ASSERT_TRUE(planned.is_object());
+  EXPECT_EQ(planned["node_kv_storage"],
+            nlohmann::json({"int8 (--node_kv_dtype; not seen yet)",
+                            "int8 (--node_kv_dtype; not seen yet)"}));
+  for (auto& node : nodes) {
+    absl::StatusOr<int> code = node->Terminate();
+    ASSERT_TRUE(code.ok()) << code.status();
+  }
 }
 
 TEST(PlanE2eTest, WorkerRefusesAKvBudgetTheDeviceCannotHold) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,10 @@ struct PlanNode {
   std::string address;
   uint64_t capacity_bytes = 0;  // its pool (--pool_bytes)
   uint64_t free_bytes = 0;      // free now (Stats); = capacity for a planned node
+  // How it stores KV as its Stats.kv_storage reports it (int8, or the sessions' dtype as
+  // sent), when the worker has its Stats; unset for a node not seen yet (a planned node, one
+  // that has not answered), which the plan takes to store MemoryPlanSetup::node_kv_dtype.
+  std::optional<kv_store::KvDType> kv_dtype;
 };
 
 // The worker: its model, options, device and nodes.
@@ -65,6 +70,8 @@ struct MemoryPlanSetup {
   ModelConfig config;
   uint64_t weight_bytes = 0;      // DeviceModel::WeightBytes
   DType kv_dtype = DType::kBF16;  // device KV (ResolveKvDType)
+  // How nodes without a reported dtype (PlanNode::kv_dtype unset) store KV: the worker's
+  // --node_kv_dtype (int8), else the session's dtype as sent.
   kv_store::KvDType node_kv_dtype = kv_store::KvDType::kBf16;
   EngineOptions engine;     // chunk, block and page sizes, budgets, defaults
   int64_t max_context = 0;  // the engine's context (ModelContextLimit, --max_context)
@@ -119,6 +126,9 @@ struct MemoryPlan {
   MemoryTier device, host, nodes;
   std::vector<uint64_t> node_bytes;         // per node of setup.nodes: its projected bytes
   std::vector<std::string> node_addresses;  // setup.nodes' addresses, the same order
+  // setup.nodes' KV storage as planned and where it came from, the same order: e.g. "int8
+  // (reported)", "bf16 (--node_kv_dtype; not seen yet)".
+  std::vector<std::string> node_kv_storage;
   bool fits = false;                        // every tier fits
   int64_t largest_context = -1;  // LargestFittingContext when computed; -1 = not computed
 };
