@@ -223,7 +223,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   }
   if (!nodes_attending_) {
     TANDEM_RETURN_IF_ERROR(streamed);
-    return false;
+    return recovery_.inexact;  // exact_rebuild.h: tainted entries left the window
   }
   nodes_attending_ = false;
   const Clock::time_point t0 = Clock::now();
@@ -231,10 +231,12 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(streamed);
   TANDEM_RETURN_IF_ERROR(degraded.status());
+  // A degraded attend taints its rows' positions until the rebuild repairs them.
+  TANDEM_RETURN_IF_ERROR(recovery_.NoteAttend(context.backend(), w.q_pos, *degraded));
   ++node_attends_;
   context.QueueMerge({rows.o_host, rows.lse_host, rows.part_o, rows.part_lse, w.o, w.lse,
                       w.num_tokens * w.num_q_heads, w.head_dim});
-  return *degraded;
+  return *degraded || recovery_.inexact;
 }
 
 void ExactTier::CancelAttend(TierContext&, const AttendRows& rows) {
@@ -257,6 +259,8 @@ absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
   const WindowGeometry& g = host_->geometry();
   const int64_t heads = g.num_kv_heads;
   const size_t row = g.head_dim * DTypeBytes(g.dtype);
+  // The positions of the nodes' entries, for a rebuild after node loss (exact_rebuild.h).
+  recovery_.NoteEvicted(blocks, to_rec + to_host, to_nodes);
   return context.ReadEvicted(
       window, blocks,
       [&](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
@@ -316,6 +320,7 @@ absl::Status ExactTier::Reserve(int64_t tokens) {
         " MiB are available: ask for fewer tokens or add CPU nodes"));
   }
   const int64_t node_entries = total - std::min(total, host_entries);
+  if (recovery_.on_host) return absl::OkStatus();  // the node session is closed
   return remote_->Reserve(std::max(node_entries, node_tokens()));
 }
 

@@ -350,9 +350,13 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     }
     const RemoteKvOptions ro =
         NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
-    TANDEM_ASSIGN_OR_RETURN(seq->offload,
+    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ExactTier> tier,
                             OpenExactTier(*backend_, *nodes_, *exact_rates_, ro, geometry,
                                           options_.offload_page_tokens, eo));
+    // What a lost CPU node held is rebuilt from K/V recomputed here (exact_rebuild.h).
+    tier->set_recompute(MakeRecomputeAt(*runner_, *seq, options_.prefill_chunk,
+                                        [this](size_t bytes) { return CheckDeviceKv(bytes); }));
+    seq->offload = std::move(tier);
   }
   return seq;
 }

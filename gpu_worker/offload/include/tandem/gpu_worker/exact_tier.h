@@ -30,9 +30,15 @@
 // while the nodes work. The planner's verdict decides r: GQA (Llama-3-8B: an activation row of
 // 8 KiB against 2 KiB of K+V) gets r = 0; MHA gets r > 0 when the GEMM keeps up.
 //
-// A lost CPU node leaves its entries' attends degraded (flagged in the response); they are not
-// rebuilt (the node side holds a subset of positions that the engine's recompute, which yields
-// a prefix of positions, does not address).
+// A lost CPU node (exact_rebuild.h): the tier records the positions of the entries it sends to
+// the nodes, and Rebuild() recomputes the K/V of those positions (set_recompute: a gpu-mode
+// forward pass over the tokens, kv_recompute.h) and re-homes the lost shards on the surviving
+// nodes as hybrid mode does (RemoteKv::RebuildLost), or, when no node can take them, moves every
+// node entry into the host pages and goes on without nodes (fetch and recompute shares only,
+// frozen). Until then the lost shards' attends are degraded (flagged in the response). The same
+// forward pass rewrites the K/V and layer inputs of the positions that degraded steps computed
+// (still in the window), so that afterwards the tier attends exactly again; where such
+// positions already left the window, every later attend is flagged degraded instead.
 //
 // Not thread-safe: the engine's executor thread owns it with its sequence.
 #pragma once
@@ -42,6 +48,7 @@
 
 #include "tandem/gpu_worker/exact_planner.h"
 #include "tandem/gpu_worker/exact_probe.h"
+#include "tandem/gpu_worker/exact_rebuild.h"
 #include "tandem/gpu_worker/exact_recompute.h"
 #include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/offloaded_kv.h"
@@ -92,6 +99,13 @@ class ExactTier final : public OffloadTier {
   // the host for its share against the memory the system has available (RESOURCE_EXHAUSTED).
   absl::Status Reserve(int64_t tokens) override;
   absl::Status Maintain() override;
+  // Node loss (exact_rebuild.h): the recompute of positions that rebuilds what a lost CPU node
+  // held (the engine's; until set, lost entries stay degraded).
+  void set_recompute(RecomputeAt recompute) { recovery_.recompute = std::move(recompute); }
+  // A lost shard, or positions computed from degraded attends to repair (exact_rebuild.h).
+  bool needs_rebuild() const override;
+  // RebuildExactNodes; when it gives the nodes up, the plan is frozen at fetch = 1 - r.
+  absl::StatusOr<bool> Rebuild() override;
   absl::Status Close() override { return remote_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return {}; }
 
@@ -105,7 +119,7 @@ class ExactTier final : public OffloadTier {
 
   const ExactPlan& plan() const { return plan_; }
   int64_t host_tokens() const;  // entries per (layer, kv head) in host pages
-  int64_t node_tokens() const { return remote_->offloaded_tokens(); }
+  int64_t node_tokens() const { return recovery_.on_host ? 0 : remote_->offloaded_tokens(); }
   // Entries per (layer, kv head) kept as layer inputs and recomputed every step.
   int64_t recompute_tokens() const { return recompute_ ? recompute_->tokens() : 0; }
   const OffloadedKv& host() const { return *host_; }
@@ -139,6 +153,7 @@ class ExactTier final : public OffloadTier {
   uint64_t node_attends_ = 0;
   std::vector<char> host_k_, host_v_, node_k_, node_v_;  // one layer's split of a batch
   std::vector<float> node_maw_;
+  ExactNodeRecovery recovery_;  // the node entries' positions; what rebuilds them
 };
 
 // Plans the split for options.expected_tokens, opens the node session for the nodes' share

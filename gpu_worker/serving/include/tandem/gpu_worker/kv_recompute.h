@@ -9,12 +9,18 @@
 // positions' order, so page numbers (and the page index's summaries) still name the same
 // positions. Not thread-safe: the engine's executor thread, between passes (it overwrites the
 // runner's buffers, logits included).
+//
+// Exact sequences' node entries are a subset of the offloaded positions (exact_rebuild.h):
+// RecomputeKvAt runs the prefill up to the last of them and keeps only them. Their K/V are those
+// the sequence computed (exact attention both times), within float rounding.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "tandem/gpu_worker/exact_rebuild.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
@@ -28,8 +34,24 @@ size_t RecomputeWindowBytes(const Sequence& seq, int64_t tokens, int64_t max_chu
 //   k, v: [num_kv_heads, tokens, head_dim] of the window dtype (host; valid during the call).
 // INVALID_ARGUMENT when the sequence has fewer than sink + tokens tokens; RESOURCE_EXHAUSTED
 // when the temporary window does not fit the device; the sink's error.
-absl::Status RecomputeOffloadedKv(ModelRunner& runner, const Sequence& seq, int64_t tokens,
+absl::Status RecomputeOffloadedKv(ModelRunner& runner, Sequence& seq, int64_t tokens,
                                   int64_t max_chunk, const RebuiltLayerSink& sink);
+
+// Device bytes the temporary window of a recompute of positions [0, positions) takes.
+size_t RecomputeWindowBytesAt(const Sequence& seq, int64_t positions, int64_t max_chunk);
+
+// The positions [0, n) `request` runs the prefill over (exact_rebuild.h: up to the end of the
+// last run, and every token fed when it repairs). INVALID_ARGUMENT for unordered, overlapping
+// or empty runs without a repair, or positions beyond the sequence's tokens.
+absl::StatusOr<int64_t> RecomputePositions(const Sequence& seq, const RecomputeAtRequest& request);
+
+// The prefill of RecomputePositions, then, when request.repair_from >= 0, the rewrite of the
+// K/V of positions [repair_from, tokens fed) in seq.window (FAILED_PRECONDITION when some of
+// them left it) and of their layer inputs pending in seq.offload (the prefill hands them to it:
+// OffloadTier::TakeLayerInputs), then sink(layer, k, v, Σ count) per layer with the K/V of the
+// runs' positions in the runs' order (none for empty runs). Errors as RecomputeOffloadedKv's.
+absl::Status RecomputeKvAt(ModelRunner& runner, Sequence& seq, const RecomputeAtRequest& request,
+                           int64_t max_chunk, const RebuiltLayerSink& sink);
 
 }  // namespace tandem::gpu_worker
 
@@ -38,7 +60,13 @@ namespace tandem::gpu_worker {
 // The recompute a NodeTier of `seq` rebuilds lost shards with (NodeTier::set_recompute): checks
 // the temporary window's device bytes with `check_device` (RESOURCE_EXHAUSTED: try later), then
 // RecomputeOffloadedKv. `runner` and `seq` must outlive the tier.
-RecomputeKv MakeRecomputeKv(ModelRunner& runner, const Sequence& seq, int64_t max_chunk,
+RecomputeKv MakeRecomputeKv(ModelRunner& runner, Sequence& seq, int64_t max_chunk,
+                            std::function<absl::Status(size_t bytes)> check_device);
+
+// The recompute an ExactTier of `seq` rebuilds its lost node entries with
+// (ExactTier::set_recompute): checks the temporary window's device bytes with `check_device`,
+// then RecomputeKvAt. `runner` and `seq` must outlive the tier.
+RecomputeAt MakeRecomputeAt(ModelRunner& runner, Sequence& seq, int64_t max_chunk,
                             std::function<absl::Status(size_t bytes)> check_device);
 
 // Between passes: rebuilds what `seq`'s tier lost with a CPU node, if anything (a failure is
