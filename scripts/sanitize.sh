@@ -64,5 +64,7 @@ default_exclude+='|^(Stories260k|EngineRequests|PageSelectionEngine|SchedulerTes
 default_exclude+='|EngineLogprobs|EosChatTest|ExactEngine)\.'
 # The device-prefill engine cases serve stories260k; its runner-level case and WindowWiden run.
 default_exclude+='|^DevicePrefill\.(FirstTokenEquals|OffKeeps|APartlyFitting|ConcurrentLongPrompts)'
+# So do the prompt-settle engine cases (PromptSettleRing, the window's part, runs).
+default_exclude+='|^PromptSettle\.'
 if [ $# -eq 0 ]; then set -- -L 'unit|e2e' -E "$default_exclude"; fi
 nice -n "$nice_level" ctest --output-on-failure --timeout 900 -j "$jobs" "$@"

@@ -21,7 +21,9 @@
 #include <gtest/gtest.h>
 
 #include "engine_test_util.h"
+#include "runner_fixture.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -165,7 +167,7 @@ class PromptSettle : public ::testing::Test {
 
 // A settling ring: appends land on free slots only, the blocks a full ring needs leave first
 // (oldest first), and a next turn's Widen keeps the pending blocks.
-TEST_F(PromptSettle, SettlingRingAppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
+TEST(PromptSettleRing, AppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
   std::string why;
   std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
   if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
@@ -212,6 +214,80 @@ TEST_F(PromptSettle, SettlingRingAppendsIntoFreeSlotsAndWidensWithItsPendingBloc
   ASSERT_TRUE(cache->Release(all).ok());
   EXPECT_FALSE(cache->relaid());
   EXPECT_EQ(cache->device_bytes(), WindowCache::BytesFor({1, 1, 8, DType::kF32}, o));
+}
+
+// The runner's side, offload mode: three sequences get the same prompt and decode tokens: one
+// with every entry on the device (gpu mode), one settled at once after the prompt, one settled
+// a block (16 tokens) per decode step. Their logits agree within 1e-4 at every step.
+class PromptSettleRunner : public testing::Stories260kRunnerTest {
+ protected:
+  std::unique_ptr<Sequence> NewSequence(const std::string& id, int64_t window) {
+    const ModelConfig& c = model_->config;
+    WindowOptions wo;
+    wo.block = 16;
+    wo.max_chunk = 512;
+    wo.max_context = c.max_position_embeddings;
+    wo.window = window;
+    wo.sink = kSink;
+    const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
+    auto cache = WindowCache::Create(*backend_, geometry, wo);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return nullptr;
+    const AttentionMode mode =
+        window == WindowOptions::kUnlimited ? AttentionMode::kGpu : AttentionMode::kOffload;
+    auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
+    if (mode == AttentionMode::kOffload) {
+      auto kv = OffloadedKv::Create(*backend_, geometry, 16);
+      EXPECT_TRUE(kv.ok()) << kv.status();
+      if (!kv.ok()) return nullptr;
+      seq->offload = std::make_unique<HostTier>(std::move(*kv));
+    }
+    return seq;
+  }
+};
+
+TEST_F(PromptSettleRunner, DecodeWhileSettlingEqualsTheWholeSettleAndGpuMode) {
+  std::unique_ptr<Sequence> gpu = NewSequence("gpu", WindowOptions::kUnlimited);
+  std::unique_ptr<Sequence> whole = NewSequence("whole", kWindow);
+  std::unique_ptr<Sequence> sliced = NewSequence("sliced", kWindow);
+  ASSERT_TRUE(gpu && whole && sliced);
+  const std::vector<int32_t> prompt = Prompt(kPrompt, 17);
+  for (Sequence* seq : {whole.get(), sliced.get()}) {
+    seq->prefill_end = kPrompt;
+    ASSERT_TRUE(seq->window.Widen(kPrompt).ok());
+  }
+  std::vector<float> want = Step(*gpu, prompt);
+  for (Sequence* seq : {whole.get(), sliced.get()}) {
+    const std::vector<float> got = Step(*seq, prompt);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) ASSERT_NEAR(got[i], want[i], kLogprobTolerance);
+    EXPECT_TRUE(seq->window.settling());
+    EXPECT_EQ(seq->offloaded_entries(), 0);
+  }
+  ASSERT_TRUE(runner_->SettleEvictions(*whole).ok());
+  EXPECT_FALSE(whole->window.relaid());
+  int settling_steps = 0;
+  for (int step = 0; step < 24; ++step) {
+    const int32_t token = 3 + (step * 53) % 500;
+    want = Step(*gpu, {token});
+    for (Sequence* seq : {whole.get(), sliced.get()}) {
+      const std::vector<float> got = Step(*seq, {token});
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < want.size(); ++i) {
+        ASSERT_NEAR(got[i], want[i], kLogprobTolerance) << seq->id << " step " << step;
+      }
+      ExpectEveryEntryOnce(*seq, seq->id);
+    }
+    auto moved = runner_->SettleSlice(*sliced, kSlice);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    if (sliced->window.settling()) {
+      EXPECT_EQ(*moved, kSlice);
+      ++settling_steps;
+    }
+  }
+  EXPECT_GE(settling_steps, 10);
+  EXPECT_FALSE(sliced->window.relaid());
+  EXPECT_EQ(sliced->offloaded_entries(), whole->offloaded_entries());
 }
 
 TEST_F(PromptSettle, DecodeWhileSettlingEqualsTheWholeSettleAndGpuMode) {
