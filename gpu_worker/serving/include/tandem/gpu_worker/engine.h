@@ -86,7 +86,8 @@ struct EngineOptions {
   // Device prefill: a Generate prompt of a bounded-window sequence (hybrid, offload) is fed
   // with its window widened to hold the whole prompt (WindowCache::Widen), as far as
   // kv_cache_bytes and the device allow, so each chunk attends over the prompt's earlier KV on
-  // the device; the blocks beyond the configured window go to the tier after the first token.
+  // the device; the blocks beyond the configured window go to the tier after the first token,
+  // settle_tokens_per_step a step while the request decodes on (its window attends the rest).
   // false: the window keeps its size and each chunk attends over the evicted part through the
   // tier. Evaluate always takes the latter path (it measures the selection's approximation).
   bool device_prefill = true;
