@@ -382,14 +382,31 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     summary.p50_token_latency_s = Percentile(g.latencies, 0.5);
     summary.p99_token_latency_s = Percentile(g.latencies, 0.99);
   }
-  // A kept session still settling its prompt with no other generation running: the rest
-  // settles now (no other step waits for it, and its wider window does not hold device memory
-  // while nothing steps); with others running, their steps settle it a slice at a time.
-  if (failure.ok() && g.keep_session && consistent && busy_.empty() &&
-      g.seq->window.settling()) {
-    if (absl::Status s = runner_->SettleEvictions(*g.seq); !s.ok()) {
-      failure = s;
-      consistent = false;
+  // Kept sessions still settling a prompt (this one's, or idle ones') when no generation is
+  // left running: nothing would step to settle them a slice at a time, and their wider windows
+  // would hold device memory meanwhile, so the rest settles now (no step waits for it). With
+  // others running, their steps settle them (Step).
+  if (busy_.empty()) {
+    for (auto it = sessions_.begin(); it != sessions_.end();) {
+      Sequence& seq = *it->second;
+      const bool own = it->first == g.session_id;
+      if (!seq.window.settling() || (own && !(failure.ok() && g.keep_session && consistent))) {
+        ++it;
+        continue;
+      }
+      absl::Status s = runner_->SettleEvictions(seq);
+      if (s.ok() || own) {
+        if (!s.ok()) {
+          failure = s;
+          consistent = false;
+        }
+        ++it;
+        continue;
+      }
+      spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
+                    s.ToString());
+      (void)seq.CloseOffloaded();
+      it = sessions_.erase(it);
     }
   }
   summary.degraded_steps = g.seq->degraded_steps - g.degraded_before;

@@ -400,6 +400,37 @@ TEST_F(PromptSettle, OtherRequestsStepWhileAPromptSettles) {
   EXPECT_EQ(engine->DeviceKvBytes(), 0u);
 }
 
+// A kept session that ends mid-settle beside another request settles a slice per step of that
+// request; when the last running request ends, what is left settles at once (nothing steps).
+TEST_F(PromptSettle, AnIdleSessionSettlesWhenTheLastRequestEnds) {
+  std::unique_ptr<Engine> engine = MakeEngine(kSlice);
+  ASSERT_NE(engine, nullptr);
+  const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
+  GenerateRequest long_request = Request(offload, Prompt(kPrompt, 37), 2);
+  long_request.session_id = "idle";
+  auto a = Start(*engine, long_request);
+  ASSERT_TRUE(a.ok()) << a.status();
+  Sequence* seq = (*a)->g->seq;
+  while (!(*a)->g->first_token_sampled) ASSERT_TRUE(StepAll(*engine, {a->get()}));
+  auto b = Start(*engine, Request(offload, Prompt(12, 9), 3));
+  ASSERT_TRUE(b.ok()) << b.status();
+  while (!(*a)->g->finished()) ASSERT_TRUE(StepAll(*engine, {a->get(), b->get()}));
+  ASSERT_TRUE(engine->End(*(*a)->g).ok());
+  ASSERT_TRUE(seq->window.settling());
+  const int64_t offloaded = seq->offloaded_entries();
+  ASSERT_TRUE(StepAll(*engine, {b->get()}));
+  EXPECT_EQ(seq->offloaded_entries(), offloaded + kSlice);   // a slice in the other's step
+  while (StepAll(*engine, {b->get()})) {
+  }
+  ASSERT_TRUE(seq->window.settling());
+  const size_t kv_before = engine->DeviceKvBytes();
+  ASSERT_TRUE(engine->End(*(*b)->g).ok());
+  EXPECT_FALSE(seq->window.relaid());
+  ExpectEveryEntryOnce(*seq, "idle, after the last request");
+  EXPECT_LT(engine->DeviceKvBytes(), kv_before);
+  ASSERT_TRUE(engine->CloseSession("idle").ok());
+}
+
 // Cancelled mid-settle (a one-shot hybrid request): its window, tier and node session go.
 TEST_F(PromptSettle, CancelledMidSettleReleasesEverything) {
   std::unique_ptr<Engine> engine = MakeEngine(kSlice);
