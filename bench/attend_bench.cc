@@ -23,6 +23,9 @@
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
 //        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
 //        --select_tokens S (0 = no paged run) --page_tokens P (16)
+//        --node_kv_dtype bf16|int8|bf16,int8 (bf16): how the node rows (d), (e) store KV; a list
+//        runs (d) and (e) once per dtype on the same data and machine and prints each one's time
+//        per call against the first's (int8 vs bf16 per entry: the issue 15 comparison).
 #include <omp.h>
 
 #include <algorithm>
@@ -46,6 +49,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
 #include "tandem/cpu_attention/cpu_attention_node.h"
@@ -72,8 +76,9 @@ ABSL_FLAG(uint32_t, select_tokens, 0,
           "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
 ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
-          "how the node rows (node_attend, node_paged_attend) store KV: bf16 or int8 (the raw "
-          "oneDNN and sparse_attention rows stay bf16)");
+          "how the node rows (node_attend, node_paged_attend) store KV: bf16 or int8, or a "
+          "comma-separated list (bf16,int8) timing each on the same data (the raw oneDNN and "
+          "sparse_attention rows stay bf16)");
 
 namespace tandem::cpu_attention {
 namespace {
@@ -92,7 +97,7 @@ struct Flags {
   uint64_t footprint_mib = 1024;
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
-  kv_store::KvDType node_kv_dtype = kv_store::KvDType::kBf16;
+  std::vector<kv_store::KvDType> node_kv_dtypes = {kv_store::KvDType::kBf16};
 };
 
 // Reads the command-line flags into f (--quick first sets small defaults that explicit flags
@@ -121,13 +126,15 @@ bool ReadFlags(Flags& f) {
   f.select_tokens = absl::GetFlag(FLAGS_select_tokens);
   f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   if (f.page_tokens < 1 || f.page_tokens > 4096) return false;
-  absl::StatusOr<kv_store::KvDType> kv_dtype =
-      ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
-  if (!kv_dtype.ok()) {
-    std::fprintf(stderr, "--%s\n", std::string(kv_dtype.status().message()).c_str());
-    return false;
+  f.node_kv_dtypes.clear();
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_node_kv_dtype), ',')) {
+    absl::StatusOr<kv_store::KvDType> kv_dtype = ParseNodeKvDType(std::string(name));
+    if (!kv_dtype.ok()) {
+      std::fprintf(stderr, "--%s\n", std::string(kv_dtype.status().message()).c_str());
+      return false;
+    }
+    f.node_kv_dtypes.push_back(*kv_dtype);
   }
-  f.node_kv_dtype = *kv_dtype;
   if (auto list = absl::GetFlag(FLAGS_n)) {
     f.n.clear();
     for (const std::string& item : *list) {
@@ -407,8 +414,8 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
 
 // paged: a SELECTION_PAGES session (block 64, f.page_tokens per page) attended over
 // f.select_tokens / f.page_tokens random pages per (kv head, token) instead of every entry.
-double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* bytes_scanned,
-                      bool paged = false) {
+double TimeNodeAttend(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype, uint32_t reps,
+                      uint64_t* bytes_scanned, bool paged = false) {
   const uint32_t D = kv.D, G = f.group, H = kv.heads;
   NodeOptions options;
   // Blocks plus the selected copy (beta = 0 selects everything) of every session, with slack.
@@ -416,7 +423,7 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, uint32_t reps, uint64_t* 
   options.threads = f.threads;
   options.chunk_keys = f.chunk;
   options.block_tokens = 256;
-  options.kv_dtype = f.node_kv_dtype;
+  options.kv_dtype = kv_dtype;
   auto node = CpuAttentionNode::Create(options);
   if (!node.ok()) {
     std::fprintf(stderr, "node: %s\n", node.status().ToString().c_str());
@@ -535,6 +542,15 @@ const char* IsaName(dnnl::cpu_isa isa) {
   }
 }
 
+std::string DTypeNames(const std::vector<kv_store::KvDType>& dtypes) {
+  std::string out;
+  for (kv_store::KvDType d : dtypes) {
+    if (!out.empty()) out += ",";
+    out += kv_store::KvDTypeName(d);
+  }
+  return out;
+}
+
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
@@ -560,7 +576,7 @@ int Main(int argc, char** argv) {
         {"reps", f.reps},
         {"chunk", f.chunk},
         {"tasks_per_thread", f.tasks_per_thread},
-        {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
+        {"node_kv_dtype", DTypeNames(f.node_kv_dtypes)},
         {"dnnl_isa", IsaName(dnnl::get_effective_cpu_isa())}});
 
   const MemResult mem = MeasureMemory(pool, f.mem_mib << 20, f.reps);
@@ -575,9 +591,18 @@ int Main(int argc, char** argv) {
   };
   std::vector<Row> table;
   struct PagedRow {
+    kv_store::KvDType dtype;
     uint64_t n, bytes;
     double seconds;
   };
+  // The node rows of every --node_kv_dtype: (dtype, n, seconds per call, bytes scanned).
+  struct DTypeRow {
+    kv_store::KvDType dtype;
+    uint64_t n, bytes;
+    double seconds;
+    bool paged;
+  };
+  std::vector<DTypeRow> dtype_rows;
   std::vector<PagedRow> paged_rows;
   for (uint64_t n : f.n) {
     const KvSet kv = MakeKv(pool, f.heads, n, f.head_dim, f.footprint_mib << 20);
@@ -600,26 +625,38 @@ int Main(int argc, char** argv) {
           {"ratio_to_raw_onednn", raw_s / sparse_s},
           {"ratio_to_memcpy_rw", sparse_gbs / mem.copy_gbs},
           {"ratio_to_read", sparse_gbs / mem.read_gbs}});
-    uint64_t node_bytes = 0;
-    const double node_s = TimeNodeAttend(kv, f, f.reps, &node_bytes);
-    const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
-    Emit({{"bench", "node_attend"},
-          {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
-          {"n_per_head", n},
-          {"total_entries", n * f.heads},
-          {"kv_bytes_scanned", node_bytes},
-          {"median_s", node_s},
-          {"kv_gbs", node_gbs},
-          {"ratio_to_raw_onednn", node_gbs / (bytes / raw_s / 1e9)},
-          {"ratio_to_memcpy_rw", node_gbs / mem.copy_gbs},
-          {"ratio_to_read", node_gbs / mem.read_gbs}});
-    table.push_back({n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, node_gbs, node_s * 1e6});
-    if (f.select_tokens > 0) {
+    double first_node_gbs = 0, first_node_s = 0;
+    for (kv_store::KvDType dtype : f.node_kv_dtypes) {
+      uint64_t node_bytes = 0;
+      const double node_s = TimeNodeAttend(kv, f, dtype, f.reps, &node_bytes);
+      const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
+      if (first_node_s == 0) {
+        first_node_s = node_s;
+        first_node_gbs = node_gbs;
+      }
+      Emit({{"bench", "node_attend"},
+            {"node_kv_dtype", kv_store::KvDTypeName(dtype)},
+            {"n_per_head", n},
+            {"total_entries", n * f.heads},
+            {"kv_bytes_scanned", node_bytes},
+            {"median_s", node_s},
+            {"kv_gbs", node_gbs},
+            {"entries_per_s", static_cast<double>(n * f.heads) / node_s},
+            {"speedup_vs_first_dtype", first_node_s / node_s},
+            {"ratio_to_raw_onednn", node_gbs / (bytes / raw_s / 1e9)},
+            {"ratio_to_memcpy_rw", node_gbs / mem.copy_gbs},
+            {"ratio_to_read", node_gbs / mem.read_gbs}});
+      dtype_rows.push_back({dtype, n, node_bytes, node_s, false});
+    }
+    table.push_back(
+        {n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, first_node_gbs, first_node_s * 1e6});
+    for (kv_store::KvDType dtype :
+         f.select_tokens > 0 ? f.node_kv_dtypes : std::vector<kv_store::KvDType>{}) {
       uint64_t paged_bytes = 0;
-      const double paged_s = TimeNodeAttend(kv, f, f.reps, &paged_bytes, /*paged=*/true);
+      const double paged_s = TimeNodeAttend(kv, f, dtype, f.reps, &paged_bytes, /*paged=*/true);
       const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
       Emit({{"bench", "node_paged_attend"},
-            {"node_kv_dtype", kv_store::KvDTypeName(f.node_kv_dtype)},
+            {"node_kv_dtype", kv_store::KvDTypeName(dtype)},
             {"n_per_head", n},
             {"select_tokens", f.select_tokens},
             {"page_tokens", f.page_tokens},
@@ -628,12 +665,16 @@ int Main(int argc, char** argv) {
             {"kv_gbs", paged_gbs},
             {"kv_gbs_per_thread", paged_gbs / threads},
             {"ratio_to_read", paged_gbs / mem.read_gbs}});
-      paged_rows.push_back({n, paged_bytes, paged_s});
+      paged_rows.push_back({dtype, n, paged_bytes, paged_s});
+      dtype_rows.push_back({dtype, n, paged_bytes, paged_s, true});
     }
   }
 
-  std::printf("\nthreads %u, %u kv heads x group %u x %u tokens, head_dim %u, bf16 KV\n", threads,
-              f.heads, f.group, f.tokens, f.head_dim);
+  std::printf(
+      "\nthreads %u, %u kv heads x group %u x %u tokens, head_dim %u, bf16 KV (Attend: %s node "
+      "KV)\n",
+      threads, f.heads, f.group, f.tokens, f.head_dim,
+      kv_store::KvDTypeName(f.node_kv_dtypes.front()));
   std::printf("memory: memcpy %.1f GB/s (read+write), streaming read %.1f GB/s\n", mem.copy_gbs,
               mem.read_gbs);
   std::printf("%10s %12s %10s %10s %10s %8s %8s %9s %10s %10s %8s\n", "n/head", "entries",
@@ -648,11 +689,26 @@ int Main(int argc, char** argv) {
                 100.0 * r.node_gbs / r.raw_gbs);
   }
   for (const PagedRow& r : paged_rows) {
-    std::printf("paged Attend: n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
+    std::printf("paged Attend (%s): n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
                 "scanned in %.0f us = %.2f GB/s (%.2f GB/s per thread)\n",
-                static_cast<unsigned long long>(r.n), f.select_tokens, f.page_tokens,
+                kv_store::KvDTypeName(r.dtype), static_cast<unsigned long long>(r.n),
+                f.select_tokens, f.page_tokens,
                 r.bytes / 1048576.0, r.seconds * 1e6, r.bytes / r.seconds / 1e9,
                 r.bytes / r.seconds / 1e9 / threads);
+  }
+  // Several node dtypes: each one's time per call against the first's (same entries, so the
+  // ratio is the speed per entry).
+  for (size_t i = 0; f.node_kv_dtypes.size() > 1 && i < dtype_rows.size(); ++i) {
+    const DTypeRow& r = dtype_rows[i];
+    const DTypeRow* base = nullptr;
+    for (const DTypeRow& b : dtype_rows) {
+      if (b.n == r.n && b.paged == r.paged && b.dtype == f.node_kv_dtypes.front()) base = &b;
+    }
+    std::printf("%s Attend n/head %llu, %s node KV: %.0f us per call, %.2f GB/s, %.2fx the speed "
+                "of %s\n",
+                r.paged ? "paged" : "dense", static_cast<unsigned long long>(r.n),
+                kv_store::KvDTypeName(r.dtype), r.seconds * 1e6, r.bytes / r.seconds / 1e9,
+                base->seconds / r.seconds, kv_store::KvDTypeName(base->dtype));
   }
   return 0;
 }

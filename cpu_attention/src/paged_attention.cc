@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
+#include "int8_scan_kernels.h"
 #include "tandem/common/exp2_approx.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
@@ -167,6 +168,7 @@ struct PieceArgs {
   float scale;
   RowsOut out;
   float* work;
+  bool int8_avx512 = false;  // int8: the register-widening kernels of int8_scan_kernels.h
 };
 
 // int8 pieces also widen the chunk's K and V codes into f32 tiles [kChunk, D] each.
@@ -212,9 +214,10 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
 
 // Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
 // row [D codes][f32 scale], kv_store/int8_rows.h: s = scale_k * (q · codes) and the V scale is
-// folded into p after the softmax sums, so the row's scales cost two multiplies per key). int8
-// codes are widened once per chunk into L1/L2-resident f32 tiles (exact: |code| <= 127) that
-// the f32 dot products and axpys then read.
+// folded into p after the softmax sums, so the row's scales cost two multiplies per key). On
+// AVX-512 (a.int8_avx512) the codes are widened in registers by int8_scan_kernels.h; else once
+// per chunk into L1/L2-resident f32 tiles (exact: |code| <= 127) that the f32 dot products and
+// axpys then read.
 template <typename Elem>
 TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   constexpr bool kInt8 = std::is_same_v<Elem, int8_t>;
@@ -269,10 +272,19 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       left -= take;
     }
     PrefetchRows(ahead, c_n, row_bytes);
+    bool scored = false;  // s holds the chunk's scores
     if constexpr (kInt8) {
       for (size_t c = 0; c < c_n; ++c) {
         k_scale[c] = kv_store::Int8RowScale(kp[c], a.D);
         v_scale[c] = kv_store::Int8RowScale(vp[c], a.D);
+      }
+      if (a.int8_avx512) {
+        internal::Int8ScoresAvx512(qs, R, D, kp, c_n, k_scale, s, kChunk);
+        scored = true;
+      }
+    }
+    if constexpr (kInt8) {
+      for (size_t c = 0; c < c_n && !a.int8_avx512; ++c) {
         WidenCodes(kp[c], D, k_tile + c * D);
         WidenCodes(vp[c], D, v_tile + c * D);
         kp[c] = reinterpret_cast<const std::byte*>(k_tile + c * D);
@@ -280,7 +292,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       }
     }
     // Scores s[r, c] = scale * q_r · k_c.
-    for (size_t c = 0; c < c_n; ++c) {
+    for (size_t c = 0; c < c_n && !scored; ++c) {
       const Row* k = reinterpret_cast<const Row*>(kp[c]);
       float out[4];
       size_t r = 0;
@@ -324,6 +336,12 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       }
     }
     // acc[r] += p[r, c] * v_c.
+    if constexpr (kInt8) {
+      if (a.int8_avx512) {
+        internal::Int8AccumulateAvx512(s, kChunk, R, vp, c_n, D, acc);
+        continue;
+      }
+    }
     size_t r = 0;
     for (; r + 4 <= R; r += 4) AccumulateRows<4, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
     for (; r < R; ++r) AccumulateRows<1, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
@@ -446,6 +464,7 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   slot_floats = max_rows * D + max_rows;
   std::vector<float> partials(static_cast<size_t>(num_slots) * slot_floats);
 
+  const bool int8_avx512 = params.dtype == kv_store::KvDType::kInt8 && internal::Int8ScanAvx512();
   std::vector<absl::Status> statuses(num_ranges);
   pool.ParallelFor(num_ranges, [&](size_t r) {
     try {
@@ -472,6 +491,7 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
           float* base = partials.data() + piece.slot * slot_floats;
           a.out = RowsOut{base, G * D, base + rows * D, G};
         }
+        a.int8_avx512 = int8_avx512;
         a.work = work_buffer.Get<float>(
             WorkFloats(rows, D, params.dtype == kv_store::KvDType::kInt8));
         if (params.dtype == kv_store::KvDType::kBf16) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "int8_scan_kernels.h"
 #include "tandem/common/bf16.h"
 #include "tandem/kv_store/int8_rows.h"
 
@@ -53,6 +54,26 @@ void BlockKeys(const kv_store::Shard& shard, size_t b, uint32_t entries, float* 
   }
 }
 
+// scores [rows, e] of block b: q · k (q pre-scaled) over its keys. int8 rows on an AVX-512 CPU
+// are scored from their codes in place (k_scale * (q · codes), int8_scan_kernels.h); else the
+// keys are widened into `keys` first. rows_k, scales_k: [block_tokens] scratch.
+void ScoreBlock(const kv_store::Shard& shard, size_t b, uint32_t e, const float* q, size_t rows,
+                bool int8_scan, float* keys, const std::byte** rows_k, float* scales_k,
+                float* scores) {
+  const uint32_t D = shard.format().head_dim;
+  if (int8_scan) {
+    const size_t row_bytes = shard.format().row_bytes();
+    for (uint32_t t = 0; t < e; ++t) {
+      rows_k[t] = shard.block_k(b) + t * row_bytes;
+      scales_k[t] = kv_store::Int8RowScale(rows_k[t], D);
+    }
+    internal::Int8ScoresAvx512(q, rows, D, rows_k, e, scales_k, scores, e);
+    return;
+  }
+  BlockKeys(shard, b, e, keys);
+  BlockScores(q, rows, keys, e, D, scores);
+}
+
 }  // namespace
 
 absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shard& shard,
@@ -83,7 +104,13 @@ absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shar
   try {
     // Scratch O(rows * block_tokens + block_tokens * head_dim), independent of held().
     const size_t bt = fmt.block_tokens;
-    std::vector<float> qs(M * D), keys(bt * D), scores(M * bt);
+    std::vector<float> qs(M * D), keys(bt * D), scores(M * bt), scales_k(bt);
+    std::vector<const std::byte*> rows_k(bt);
+    const bool int8_scan = fmt.dtype == KvDType::kInt8 && internal::Int8ScanAvx512();
+    auto score = [&](size_t b, uint32_t e) {
+      ScoreBlock(shard, b, e, qs.data(), M, int8_scan, keys.data(), rows_k.data(), scales_k.data(),
+                 scores.data());
+    };
     for (size_t r = 0; r < M; ++r) {
       const float* src = q + (r / G) * params.q_token_stride + (r % G) * D;
       for (size_t x = 0; x < D; ++x) qs[r * D + x] = src[x] * scale;
@@ -96,8 +123,7 @@ absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shar
     for (size_t b = 0; b < num_blocks; ++b) {
       const uint32_t e = shard.block_entries(b);
       if (e == 0) continue;
-      BlockKeys(shard, b, e, keys.data());
-      BlockScores(qs.data(), M, keys.data(), e, D, scores.data());
+      score(b, e);
       for (size_t r = 0; r < M; ++r) {
         const float* s = scores.data() + r * e;
         const float bm = *std::max_element(s, s + e);
@@ -118,8 +144,7 @@ absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shar
     for (size_t b = 0; b < num_blocks; ++b) {
       const uint32_t e = shard.block_entries(b);
       if (e == 0) continue;
-      BlockKeys(shard, b, e, keys.data());
-      BlockScores(qs.data(), M, keys.data(), e, D, scores.data());
+      score(b, e);
       float* out = a.data() + b * bt;
       for (uint32_t t = 0; t < e; ++t) {
         double sum = 0.0;

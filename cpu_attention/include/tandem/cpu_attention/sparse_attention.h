@@ -9,7 +9,10 @@
 //
 // Inside a range, keys are processed in chunks of `chunk_keys` with an online softmax
 // (flash-decoding): S = Q·Kᵀ (one matmul), fp32 max/exp/sum, O += P·V (one matmul).
-// int8 KV (kv_store/int8_rows.h) is dequantised chunk by chunk into f32 tiles, then as f32.
+// int8 KV (kv_store/int8_rows.h) with at most 12 query rows (T * G: decode) runs as
+// PagedAttention's int8 scan over each head's rows (codes read in place, the per-row scales
+// factored out of the dot products; paged_attention.h, its numerics); with more rows it is
+// dequantised chunk by chunk into f32 tiles, then computed as f32.
 // Precision: Q and P are split into bf16 hi + lo parts stacked as extra matmul rows, so with
 // bf16 K/V the only rounding beyond K/V themselves is fp32 accumulation (the split costs
 // compute, not memory traffic, and the scan is memory-bound).

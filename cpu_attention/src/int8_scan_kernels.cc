@@ -1,0 +1,238 @@
+#include "int8_scan_kernels.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define TANDEM_INT8_X86 1
+#else
+#define TANDEM_INT8_X86 0
+#endif
+
+namespace tandem::cpu_attention::internal {
+
+#if TANDEM_INT8_X86
+// GCC 12's intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_* (GCC PR 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define TANDEM_INT8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define TANDEM_INT8_INLINE TANDEM_INT8_AVX512 inline __attribute__((always_inline))
+
+namespace {
+
+// Keys per step of the four-row dot products (DotCodes4xK): 16 accumulators. In cache, one
+// thread, G 4: 2 keys 262 us, 3 keys 248 us, 4 keys 232 us per call (8 kv heads x 2048).
+constexpr size_t kKeys = 4;
+
+// 16 codes at p as f32 lanes; `m` selects the codes read (the rest are 0 and not touched, so a
+// half vector at a row's end reads no byte past it).
+TANDEM_INT8_INLINE __m512 Widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+TANDEM_INT8_INLINE __m512 Widen16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+// [Σ a0, Σ a1, Σ a2, Σ a3]: one reduction tree for four rows (13 instructions, against ~8 per
+// row for separate horizontal sums).
+TANDEM_INT8_INLINE __m128 Reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m256 b0 = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+  const __m256 b1 = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+  const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(a2), _mm512_extractf32x8_ps(a2, 1));
+  const __m256 b3 = _mm256_add_ps(_mm512_castps512_ps256(a3), _mm512_extractf32x8_ps(a3, 1));
+  // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(b0, b1), _mm256_hadd_ps(b2, b3));
+  return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+// Dot products of NR query rows (q + i * d) with one row of d codes; out[i] = the sums.
+template <int NR>
+TANDEM_INT8_INLINE void DotCodes(const float* q, size_t d, const int8_t* k, float* out) {
+  __m512 acc[NR];
+  for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
+  size_t x = 0;
+  for (; x + 16 <= d; x += 16) {
+    const __m512 kv = Widen16(k + x);
+    for (int i = 0; i < NR; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + x), kv, acc[i]);
+  }
+  if (x < d) {  // d % 16 == 8
+    const __m512 kv = Widen16(k + x, 0x00ff);
+    for (int i = 0; i < NR; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(0x00ff, q + i * d + x), kv, acc[i]);
+    }
+  }
+  if constexpr (NR == 4) {
+    _mm_storeu_ps(out, Reduce4(acc[0], acc[1], acc[2], acc[3]));
+  } else {
+    for (int i = 0; i < NR; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  }
+}
+
+// The same for four rows and NK code rows k[0..NK) at once: 4 * NK independent FMA chains (one
+// key's 4 chains of d / 16 dependent FMAs leave the FMA units waiting on their latency).
+// out[j]: the four sums of key j.
+template <int NK>
+TANDEM_INT8_INLINE void DotCodes4xK(const float* q, size_t d, const std::byte* const* k,
+                                    __m128* out) {
+  __m512 a[NK][4];
+  const int8_t* kr[NK];
+  for (int j = 0; j < NK; ++j) {
+    kr[j] = reinterpret_cast<const int8_t*>(k[j]);
+    for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
+  }
+  size_t x = 0;
+  for (; x + 16 <= d; x += 16) {
+    __m512 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = Widen16(kr[j] + x);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 qv = _mm512_loadu_ps(q + i * d + x);
+      for (int j = 0; j < NK; ++j) a[j][i] = _mm512_fmadd_ps(qv, kv[j], a[j][i]);
+    }
+  }
+  if (x < d) {  // d % 16 == 8
+    __m512 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = Widen16(kr[j] + x, 0x00ff);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 qv = _mm512_maskz_loadu_ps(0x00ff, q + i * d + x);
+      for (int j = 0; j < NK; ++j) a[j][i] = _mm512_fmadd_ps(qv, kv[j], a[j][i]);
+    }
+  }
+  for (int j = 0; j < NK; ++j) out[j] = Reduce4(a[j][0], a[j][1], a[j][2], a[j][3]);
+}
+
+// Columns [x, x + 16 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows; the last
+// vector covers the lanes of `last` only. NOTE: NR x NV <= 16 accumulators stay in registers
+// over all n keys (an axpy per key would store and reload them).
+template <int NR, int NV>
+TANDEM_INT8_INLINE void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
+                                        size_t n, size_t d, size_t x, __mmask16 last, float* acc) {
+  __m512 a[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NV; ++j) {
+      a[i][j] = _mm512_maskz_loadu_ps(j == NV - 1 ? last : 0xffff, acc + i * d + x + 16 * j);
+    }
+  }
+  for (size_t c = 0; c < n; ++c) {
+    const int8_t* row = reinterpret_cast<const int8_t*>(v[c]) + x;
+    __m512 w[NV];
+    for (int j = 0; j < NV - 1; ++j) w[j] = Widen16(row + 16 * j);
+    w[NV - 1] = Widen16(row + 16 * (NV - 1), last);
+    for (int i = 0; i < NR; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i * ld + c]);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pi, w[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NV; ++j) {
+      _mm512_mask_storeu_ps(acc + i * d + x + 16 * j, j == NV - 1 ? last : 0xffff, a[i][j]);
+    }
+  }
+}
+
+// All columns of NR rows: slices of up to 4 vectors (64 columns), the last one maybe shorter.
+template <int NR>
+TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byte* const* v,
+                                       size_t n, size_t d, float* acc) {
+  for (size_t x = 0; x < d; x += 64) {
+    const size_t cols = d - x < 64 ? d - x : 64;  // a multiple of 8
+    const size_t nv = (cols + 15) / 16;
+    const __mmask16 last = cols % 16 == 0 ? 0xffff : 0x00ff;
+    switch (nv) {
+      case 1:
+        AccumulateSlice<NR, 1>(p, ld, v, n, d, x, last, acc);
+        break;
+      case 2:
+        AccumulateSlice<NR, 2>(p, ld, v, n, d, x, last, acc);
+        break;
+      case 3:
+        AccumulateSlice<NR, 3>(p, ld, v, n, d, x, last, acc);
+        break;
+      default:
+        AccumulateSlice<NR, 4>(p, ld, v, n, d, x, last, acc);
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+TANDEM_INT8_AVX512 void Int8ScoresAvx512(const float* q, size_t rows, size_t d,
+                                         const std::byte* const* k, size_t n, const float* k_scale,
+                                         float* s, size_t ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {  // groups of 4 rows, kKeys keys at a time
+    const float* qr = q + r * d;
+    float* sr = s + r * ld;
+    size_t c = 0;
+    for (; c + kKeys <= n; c += kKeys) {
+      __m128 sums[kKeys];
+      DotCodes4xK<kKeys>(qr, d, k + c, sums);
+      for (size_t j = 0; j < kKeys; ++j) {
+        float out[4];
+        _mm_storeu_ps(out, _mm_mul_ps(sums[j], _mm_set1_ps(k_scale[c + j])));
+        for (size_t i = 0; i < 4; ++i) sr[i * ld + c + j] = out[i];
+      }
+    }
+    for (; c < n; ++c) {
+      float out[4];
+      DotCodes<4>(qr, d, reinterpret_cast<const int8_t*>(k[c]), out);
+      for (size_t i = 0; i < 4; ++i) sr[i * ld + c] = out[i] * k_scale[c];
+    }
+  }
+  if (r == rows) return;
+  for (size_t c = 0; c < n; ++c) {  // the last 1 to 3 rows
+    const int8_t* kc = reinterpret_cast<const int8_t*>(k[c]);
+    float out[2];
+    size_t i = r;
+    if (i + 2 <= rows) {
+      DotCodes<2>(q + i * d, d, kc, out);
+      s[i * ld + c] = out[0] * k_scale[c];
+      s[(i + 1) * ld + c] = out[1] * k_scale[c];
+      i += 2;
+    }
+    if (i < rows) {
+      DotCodes<1>(q + i * d, d, kc, out);
+      s[i * ld + c] = out[0] * k_scale[c];
+    }
+  }
+}
+
+TANDEM_INT8_AVX512 void Int8AccumulateAvx512(const float* p, size_t ld, size_t rows,
+                                             const std::byte* const* v, size_t n, size_t d,
+                                             float* acc) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) AccumulateRows<4>(p + r * ld, ld, v, n, d, acc + r * d);
+  for (; r + 2 <= rows; r += 2) AccumulateRows<2>(p + r * ld, ld, v, n, d, acc + r * d);
+  if (r < rows) AccumulateRows<1>(p + r * ld, ld, v, n, d, acc + r * d);
+}
+
+bool Int8ScanAvx512() {
+  static const bool supported = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  }();
+  const char* force = std::getenv("TANDEM_INT8_KERNELS");
+  return supported && (force == nullptr || std::strcmp(force, "portable") != 0);
+}
+
+#pragma GCC diagnostic pop
+#else  // not GCC on x86-64: the portable path only
+
+bool Int8ScanAvx512() { return false; }
+void Int8ScoresAvx512(const float*, size_t, size_t, const std::byte* const*, size_t, const float*,
+                      float*, size_t) {
+  std::abort();
+}
+void Int8AccumulateAvx512(const float*, size_t, size_t, const std::byte* const*, size_t, size_t,
+                          float*) {
+  std::abort();
+}
+
+#endif
+
+}  // namespace tandem::cpu_attention::internal
