@@ -8,8 +8,11 @@
 //    once (settle_tokens_per_step = 0) and of gpu mode, within 1e-4, in offload, exact and
 //    hybrid (MAW beta 0, pages selecting every page) mode, and after every step each entry is
 //    in the window or the tier, once;
+//  - the runner alone (no tokenizer: this case also runs under the sanitizers): the same
+//    equality for an offload sequence decoding while SettleSlice moves a block per step;
 //  - a second request's steps go on while the first settles; a kept session that ends (or
-//    starts its next turn) mid-settle settles on, and its next turn is still exact;
+//    starts its next turn) mid-settle settles on, and its next turn is still exact; what is
+//    left settles when the last running request ends;
 //  - a request cancelled mid-settle releases its window, tier and node session;
 //  - a settle failure (the tier's Append fails) fails only that request.
 #include <algorithm>
@@ -143,7 +146,7 @@ void ExpectSameTokens(const Driven& got, const GenerateSummary& got_summary,
   }
 }
 
-// Runs `r` alone to its end; `check` sees the sequence after every step.
+// Runs `r` alone to its end, checking after every step that each entry is held once.
 absl::StatusOr<GenerateSummary> RunAlone(Engine& engine, const GenerateRequest& r, Driven* out,
                                          const std::string& what) {
   auto d = Start(engine, r);
