@@ -38,9 +38,9 @@ absl::Status MoveToHost(RemoteKv& remote, OffloadedKv& host, ExactNodeRecovery& 
   const long avail_pages = sysconf(_SC_AVPHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
   if (avail_pages > 0 && page_size > 0 &&
       bytes > static_cast<double>(avail_pages) * static_cast<double>(page_size)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "no CPU node can take the shards of the lost node and the host pages lack ",
-        static_cast<int64_t>(bytes / (1 << 20)), " MiB for the node entries"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("no CPU node can take the shards of the lost node and the host pages lack ",
+                     static_cast<int64_t>(bytes / (1 << 20)), " MiB for the node entries"));
   }
   if (tokens > 0 || repair_from >= 0) {
     int64_t appended_layers = 0;
@@ -58,9 +58,9 @@ absl::Status MoveToHost(RemoteKv& remote, OffloadedKv& host, ExactNodeRecovery& 
         });
     if (!moved.ok()) {
       if (appended_layers == 0) return moved;
-      return absl::InternalError(absl::StrCat("moving the node entries to the host pages failed "
-                                              "after ", appended_layers, " layers: ",
-                                              moved.message()));
+      return absl::InternalError(
+          absl::StrCat("moving the node entries to the host pages failed after ", appended_layers,
+                       " layers: ", moved.message()));
     }
   }
   recovery.on_host = true;
@@ -102,8 +102,7 @@ void ExactNodeRecovery::NoteEvicted(const std::vector<EvictedBlock>& blocks, int
   for (const EvictedBlock& b : blocks) evicted_end = std::max(evicted_end, b.first_pos + b.count);
 }
 
-absl::Status ExactNodeRecovery::NoteAttend(Backend& backend, const int32_t* q_pos,
-                                           bool degraded) {
+absl::Status ExactNodeRecovery::NoteAttend(Backend& backend, const int32_t* q_pos, bool degraded) {
   last_attend_degraded = degraded;
   if (!degraded || first_tainted >= 0 || inexact) return absl::OkStatus();
   int32_t first = 0;

@@ -27,9 +27,9 @@ absl::StatusOr<int64_t> RunsEnd(const std::vector<EvictedBlock>& runs) {
   int64_t end = 0;
   for (const EvictedBlock& r : runs) {
     if (r.count <= 0 || r.first_pos < end) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "recompute positions must ascend without overlap; run at ", r.first_pos, " of ",
-          r.count, " after position ", end - 1));
+      return absl::InvalidArgumentError(
+          absl::StrCat("recompute positions must ascend without overlap; run at ", r.first_pos,
+                       " of ", r.count, " after position ", end - 1));
     }
     end = r.first_pos + r.count;
   }
@@ -56,9 +56,7 @@ class LayerInputRelay final : public OffloadTier {
     return target_.TakeLayerInputs(context, layer, xn + skip * hidden_, rows - skip,
                                    first_pos + skip);
   }
-  absl::Status PrepareAttend(TierContext&, const AttendRows&) override {
-    return absl::OkStatus();
-  }
+  absl::Status PrepareAttend(TierContext&, const AttendRows&) override { return absl::OkStatus(); }
   absl::Status StartAttend(TierContext&, const AttendRows&) override { return absl::OkStatus(); }
   absl::StatusOr<bool> FinishAttend(TierContext&, const AttendRows&) override { return false; }
   void CancelAttend(TierContext&, const AttendRows&) override {}
@@ -94,8 +92,8 @@ absl::Status RewriteWindow(Backend& backend, WindowCache& src, WindowCache& dst,
   }
   for (int64_t i = 0; i < n; ++i) {
     if (slot_of[i] < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "repair from position ", from, ": position ", from + i, " left the window"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("repair from position ", from, ": position ", from + i, " left the window"));
     }
   }
   const WindowGeometry& g = dst.geometry();
@@ -144,8 +142,7 @@ absl::Status RecomputeOffloadedKv(ModelRunner& runner, Sequence& seq, int64_t to
   return RecomputeKvAt(runner, seq, {{{first, first, tokens}}, -1}, max_chunk, sink);
 }
 
-absl::StatusOr<int64_t> RecomputePositions(const Sequence& seq,
-                                           const RecomputeAtRequest& request) {
+absl::StatusOr<int64_t> RecomputePositions(const Sequence& seq, const RecomputeAtRequest& request) {
   TANDEM_ASSIGN_OR_RETURN(int64_t positions, RunsEnd(request.runs));
   const int64_t fed = static_cast<int64_t>(seq.tokens.size());
   if (request.repair_from >= 0) positions = std::max(positions, fed);
@@ -172,9 +169,8 @@ absl::Status RecomputeKvAt(ModelRunner& runner, Sequence& seq, const RecomputeAt
   }
   TANDEM_RETURN_IF_ERROR(runner.Forward(scratch, seq.tokens.data(), positions));
   if (repair) {
-    TANDEM_RETURN_IF_ERROR(
-        RewriteWindow(runner.backend(), scratch.window, seq.window, request.repair_from,
-                      positions));
+    TANDEM_RETURN_IF_ERROR(RewriteWindow(runner.backend(), scratch.window, seq.window,
+                                         request.repair_from, positions));
   }
   if (request.runs.empty()) return absl::OkStatus();
   // An unlimited window keeps position p in slot p (its ring covers the whole context).

@@ -8,6 +8,8 @@
 // and the logits equal gpu mode's within 1e-4 over further decode steps and evictions. Also: a
 // rebuild whose recompute fails stays degraded and is retried after ExactNodeRecovery::kRetry;
 // EntryPositions' runs; RecomputeKvAt's bad input.
+#include "tandem/gpu_worker/exact_rebuild.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -21,7 +23,6 @@
 #include "absl/strings/str_cat.h"
 #include "exact_test_rig.h"
 #include "tandem/cpu_attention/server.h"
-#include "tandem/gpu_worker/exact_rebuild.h"
 #include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/model_geometry.h"
@@ -263,10 +264,10 @@ TEST_F(ExactRebuildTest, RecomputeKvAtRefusesBadRuns) {
   const int64_t fed = static_cast<int64_t>(exact_->tokens.size());
   for (const std::vector<EvictedBlock>& runs :
        std::vector<std::vector<EvictedBlock>>{{},
-                                              {{0, 10, 5}, {0, 12, 5}},   // overlapping
-                                              {{0, 20, 5}, {0, 10, 5}},   // descending
-                                              {{0, 10, 0}},               // empty run
-                                              {{0, fed - 2, 4}}}) {       // beyond the tokens
+                                              {{0, 10, 5}, {0, 12, 5}},  // overlapping
+                                              {{0, 20, 5}, {0, 10, 5}},  // descending
+                                              {{0, 10, 0}},              // empty run
+                                              {{0, fed - 2, 4}}}) {      // beyond the tokens
     const absl::Status s = RecomputeKvAt(*rig_->runner, *exact_, {runs, -1}, 512, sink);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   }
@@ -287,9 +288,10 @@ TEST_F(ExactRebuildTest, RecomputeKvAtRefusesBadRuns) {
   std::vector<float> k(heads * tokens * d), v(k.size()), maw(heads * tokens);
   for (int64_t l = 0; l < rig_->config.num_layers; ++l) {
     // The gpu sequence's window is unlimited: position p in slot p.
-    ASSERT_TRUE(gpu_->window.ReadBlocks(l, {{7, 7, 3}, {40, 40, 20}, {250, 250, 9}}, k.data(),
-                                        v.data(), maw.data())
-                    .ok());
+    ASSERT_TRUE(
+        gpu_->window
+            .ReadBlocks(l, {{7, 7, 3}, {40, 40, 20}, {250, 250, 9}}, k.data(), v.data(), maw.data())
+            .ok());
     float worst = 0;
     for (size_t i = 0; i < k.size(); ++i) worst = std::max(worst, std::fabs(k[i] - got[l][i]));
     EXPECT_LE(worst, 1e-4f) << "layer " << l;

@@ -71,8 +71,8 @@ RecomputeAt MakeRecomputeAt(ModelRunner& runner, Sequence& seq, int64_t max_chun
 
 // Between passes: rebuilds what `seq`'s tier lost with a CPU node, if anything (a failure is
 // logged; the sequence stays degraded and a later call retries). Returns whether it rebuilt or
-// failed trying (a prefill may have run): callers rebuild one sequence per step so that a node lost under many
-// sessions does not stall every stream at once.
+// failed trying (a prefill may have run): callers rebuild one sequence per step so that a node lost
+// under many sessions does not stall every stream at once.
 bool RebuildLostKv(Sequence& seq);
 
 }  // namespace tandem::gpu_worker
