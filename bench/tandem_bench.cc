@@ -547,6 +547,21 @@ class Bench {
       if (plan.step_seconds > 0) {
         r["exact_plan"]["measured_over_modelled"] = median / plan.step_seconds;
       }
+      // Where the timed steps went per path (ExactStepClock; warm-up included; one step in
+      // ExactTierOptions::time_every_steps): the nodes' attends, the fetched pages finishing
+      // after them, the layers' tails (both paths wait for the next q), the layers' spans.
+      gpu_worker::ExactStepTimes timed;
+      for (Sequence* s : batch) {
+        timed += static_cast<const gpu_worker::ExactTier&>(*s->offload).measured_steps();
+      }
+      if (timed.steps > 0) {
+        const gpu_worker::ExactStepTimes per = timed.PerStep();
+        r["exact_step_ms"] = {{"node_busy", 1e3 * per.node_busy_s},
+                              {"fetch_excess", 1e3 * per.fetch_excess_s},
+                              {"tail", 1e3 * per.tail_s},
+                              {"span", 1e3 * per.span_s},
+                              {"timed_steps", timed.steps}};
+      }
       r["host_entries"] = host;
       r["node_entries"] = nodes;
       r["recompute_entries"] = recomputed;

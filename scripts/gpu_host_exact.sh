@@ -3,7 +3,8 @@
 # (ExactTier: the offloaded KV split by the ExactPlanner between pinned host pages streamed over
 # PCIe and the CPU node attending densely, merged by LSE):
 #   tests  the cuda engine's exact cases (exact == gpu for every split, the served path), the
-#          planner's unit test and the cuda probe test (the paths' rates alone and at once)
+#          planner's unit test, the cuda probe test (the paths' rates alone and at once) and
+#          the cuda step clock test (per-path times of real passes, logits == gpu)
 #   gqa    Llama-3-8B geometry at 128K and 512K: offload vs exact side by side in one process
 #          per context (the 512K KV, 64 GiB, takes most of the host), the plan (share per path,
 #          modelled step, recompute verdict) printed from each exact row; at 128K also the
@@ -19,8 +20,8 @@
 #          min per fill); EXACT_SHARES="0.4 0.5" adds exact runs with those forced fetch shares
 #          (a fill each), which check the planned split against its neighbours
 # Prepared here as scripts/gpu_host_worker.sh says (bundle with tandem-bench,
-# gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test, gpu_worker_exact_probe_cuda_test in
-# .carry/<dir>/tandem.tar.xz;
+# gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test, gpu_worker_exact_probe_cuda_test,
+# gpu_worker_exact_step_clock_cuda_test in .carry/<dir>/tandem.tar.xz;
 # stories260k and gutenberg-14m in .carry/shared/models). CARRY (default .carry) names the
 # folder, PARTS selects (default: all), STEPS the timed exact/offload steps (default 5),
 # BENCH_ARGS adds flags. Logs and JSON lines go under $OUT.
@@ -63,6 +64,7 @@ for line in open(sys.argv[1]):
               f'modelled {p["modelled_step_ms"]:.1f} ms (fetch only {p["modelled_fetch_only_ms"]:.1f}), '
               f'measured/modelled {p.get("measured_over_modelled", 0):.2f}')
         print(f'         rates GB/s: {r.get("exact_rates_GBps")}')
+        print(f'         per step (timed): {r.get("exact_step_ms")}')
         print(f'         recompute: pays={p["recompute_pays"]} gain={100*p["recompute_gain"]:.1f}%: '
               f'{p["recompute_reason"]}')
         print(f'         rates: {r.get("exact_rates")}; breakdown {r.get("breakdown_ms")}')
@@ -78,6 +80,8 @@ if has tests; then
   tail -2 "$out/tests.txt"
   timeout 60 gpu_worker_exact_probe_cuda_test > "$out/probe_test.txt" 2>&1
   grep -E 'probed on|OK|FAILED|PASSED|SKIPPED' "$out/probe_test.txt"
+  timeout 60 gpu_worker_exact_step_clock_cuda_test > "$out/step_clock_test.txt" 2>&1
+  grep -E 'per step|OK|FAILED|PASSED|SKIPPED' "$out/step_clock_test.txt"
 fi
 
 run_bench() {   # name, then tandem-bench flags

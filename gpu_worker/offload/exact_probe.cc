@@ -320,4 +320,24 @@ void ExactRateBook::RecordNodeRate(double bytes_per_second) {
   ++node_samples_;
 }
 
+void ExactRateBook::RecordStep(const ExactStepTimes& t, double fetched_bytes, double node_bytes,
+                               int64_t layers) {
+  if (!(t.span_s > 0) || !std::isfinite(t.span_s) || layers < 1 || !(node_bytes > 0) ||
+      !(fetched_bytes > 0) || !(rates_.node_bytes_per_second > 0)) {
+    return;
+  }
+  auto ema = [](double old, double sample, uint64_t& samples) {
+    const double v = samples == 0 ? sample : 0.8 * old + 0.2 * sample;
+    ++samples;
+    return v;
+  };
+  const double overhead = std::max(
+      0.0, (t.node_busy_s + t.tail_s - node_bytes / rates_.node_bytes_per_second) / layers);
+  rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds, overhead, overhead_samples_);
+  if (t.fetch_excess_s > kFetchBoundShare * t.span_s) {
+    rates_.pcie_bytes_per_second =
+        ema(rates_.pcie_bytes_per_second, fetched_bytes / t.span_s, pcie_samples_);
+  }
+}
+
 }  // namespace tandem::gpu_worker

@@ -92,7 +92,11 @@ absl::StatusOr<std::unique_ptr<ExactTier>> ExactTier::Create(std::unique_ptr<Off
 
 ExactTier::ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv> remote,
                      ExactRateBook* rates, const ExactTierOptions& options)
-    : host_(std::move(host)), remote_(std::move(remote)), rates_(rates), options_(options) {
+    : host_(std::move(host)),
+      remote_(std::move(remote)),
+      rates_(rates),
+      options_(options),
+      clock_(host_->geometry().num_layers) {
   // Recompute needs the model's weights; without them the plan keeps r = 0.
   if (options_.model == nullptr) options_.plan.allow_recompute = false;
 }
@@ -191,6 +195,10 @@ absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
   if (host_->num_pages(0) > 0) context.AddStream(stream, host_.get());
   // The recomputed pages' first uploads, ahead of the fetched pages' (exact_recompute.h).
   if (recompute_tokens() > 0) TANDEM_RETURN_IF_ERROR(recompute_->BeginPass());
+  // One pass in options_.time_every_steps with both paths is timed per path (exact_step_clock.h).
+  timing_ = options_.time_every_steps > 0 && node_tokens() > 0 &&
+            host_tokens() + recompute_tokens() > 0 && ++passes_ % options_.time_every_steps == 0;
+  if (!timing_) clock_.Abandon();
   return absl::OkStatus();
 }
 
@@ -208,6 +216,7 @@ absl::Status ExactTier::StartAttend(TierContext&, const AttendRows& rows) {
   // Dense: no pages named, every entry the nodes hold.
   TANDEM_RETURN_IF_ERROR(remote_->StartAttend(rows.layer, rows.q_host, rows.window.num_tokens));
   nodes_attending_ = true;
+  if (timing_) clock_.Start(rows.layer, Clock::now());
   return absl::OkStatus();
 }
 
@@ -231,6 +240,14 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(streamed);
   TANDEM_RETURN_IF_ERROR(degraded.status());
+  if (timing_) {
+    clock_.NodesDone(rows.layer, Clock::now());
+    // The layer's fetched and recomputed pages are attended when a 4-byte read, queued after
+    // them, is done (it waits for the device's queue, not for the next layer's prefetches).
+    float probe = 0;
+    TANDEM_RETURN_IF_ERROR(context.backend().CopyToHost(&probe, w.lse, sizeof(float)));
+    clock_.DeviceDone(rows.layer, Clock::now());
+  }
   // A degraded attend taints its rows' positions until the rebuild repairs them.
   TANDEM_RETURN_IF_ERROR(recovery_.NoteAttend(context.backend(), w.q_pos, *degraded));
   ++node_attends_;
@@ -242,6 +259,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
 void ExactTier::CancelAttend(TierContext&, const AttendRows& rows) {
   if (nodes_attending_) (void)remote_->FinishAttend(rows.o_host, rows.lse_host);
   nodes_attending_ = false;
+  clock_.Abandon();
 }
 
 absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
@@ -326,6 +344,17 @@ absl::Status ExactTier::Reserve(int64_t tokens) {
 
 absl::Status ExactTier::Maintain() {
   absl::Status maintained = remote_->Maintain();
+  // Timed steps correct the rates every plan uses (ExactRateBook::RecordStep): what crossed
+  // PCIe (fetched K/V, recomputed layer inputs) and what the nodes scanned, per step.
+  if (const ExactStepTimes timed = clock_.Take(); timed.steps > 0) {
+    const ExactGeometry& g = options_.geometry;
+    const double fetched =
+        g.num_layers * (static_cast<double>(host_tokens()) * g.kv_row_bytes() +
+                        static_cast<double>(recompute_tokens()) * g.activation_row_bytes());
+    rates_->RecordStep(timed.PerStep(), fetched,
+                       static_cast<double>(node_tokens()) * g.num_layers * g.kv_row_bytes(),
+                       g.num_layers);
+  }
   if (options_.replan_every_steps <= 0 || ++steps_since_plan_ < options_.replan_every_steps) {
     return maintained;
   }

@@ -91,6 +91,7 @@ inline ExactPathRates EvenExactRates() {
 struct ExactSplit {
   double fetch = -1, recompute = -1;
   bool allow_recompute = true;
+  int time_every_steps = 4;  // ExactTierOptions::time_every_steps
 };
 
 // A sequence of `mode` on the rig (f32 window cache, blocks of 16, chunks up to 512); exact
@@ -128,6 +129,7 @@ inline std::unique_ptr<Sequence> MakeExactTestSequence(ExactRig& rig, AttentionM
     eo.plan.allow_recompute = split.allow_recompute;
     eo.model = rig.device_model.get();
     eo.replan_every_steps = 4;
+    eo.time_every_steps = split.time_every_steps;
     // Small pages so that a few hundred entries span several pages and the slots cycle.
     auto tier = OpenExactTier(*rig.backend, *rig.pool, *book, ro, geometry, 48, eo);
     EXPECT_TRUE(tier.ok()) << tier.status();

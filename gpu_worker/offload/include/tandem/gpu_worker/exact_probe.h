@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/exact_planner.h"
+#include "tandem/gpu_worker/exact_step_clock.h"
 #include "tandem/gpu_worker/node_pool.h"
 
 namespace tandem::gpu_worker {
@@ -83,10 +84,29 @@ class ExactRateBook {
   // the probe's, later ones enter an EMA with weight 0.2. Ignored unless finite and > 0.
   void RecordNodeRate(double bytes_per_second);
   uint64_t node_samples() const { return node_samples_; }
+  // One session's measured step (ExactStepClock, per step, both paths in use): the PCIe
+  // crossed `fetched_bytes` and the nodes scanned `node_bytes` over `layers` layers. Moves,
+  // by the EMA of RecordNodeRate (the first sample replaces):
+  //   node_overhead_seconds  to (node_busy + tail) / L - node_bytes / (node rate · L), >= 0: the
+  //                          per-layer time that makes the plan's node term equal the nodes'
+  //                          measured side of the step (round trips, and the layers' GEMMs and
+  //                          q downloads during which the nodes wait for the next q);
+  //   pcie_bytes_per_second  to fetched_bytes / span, only when the fetched pages finished
+  //                          after the nodes by more than kFetchBoundShare of the span (the
+  //                          DMA then ran through the step; otherwise the step bounds its rate
+  //                          only from below, and the rate together stays as probed).
+  // Ignored without a span, bytes or a node rate.
+  void RecordStep(const ExactStepTimes& per_step, double fetched_bytes, double node_bytes,
+                  int64_t layers);
+  static constexpr double kFetchBoundShare = 0.05;
+  uint64_t step_samples() const { return overhead_samples_; }
+  uint64_t pcie_samples() const { return pcie_samples_; }
 
  private:
   ExactPathRates rates_;
   uint64_t node_samples_ = 0;
+  uint64_t overhead_samples_ = 0;
+  uint64_t pcie_samples_ = 0;
 };
 
 }  // namespace tandem::gpu_worker

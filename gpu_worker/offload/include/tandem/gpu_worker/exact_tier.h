@@ -50,6 +50,7 @@
 #include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/exact_rebuild.h"
 #include "tandem/gpu_worker/exact_recompute.h"
+#include "tandem/gpu_worker/exact_step_clock.h"
 #include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/offloaded_kv.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -61,6 +62,9 @@ struct ExactTierOptions {
   ExactPlanOptions plan;        // force_fetch_share >= 0: a fixed split (tests, benchmarks)
   int64_t expected_tokens = 0;  // offloaded entries per (layer, kv head) by the request's end
   int replan_every_steps = 16;  // Maintain() calls between re-plans; 0 = never
+  // Passes between passes timed per path (ExactStepClock: one extra wait for the device per
+  // layer, after the nodes' reply); their times correct the rates at Maintain(). 0 = never.
+  int time_every_steps = 4;
   // The model whose K/V rows recompute uses (outlives the tier); null: no recompute (the plan
   // then has r = 0 whatever plan.allow_recompute says).
   const DeviceModel* model = nullptr;
@@ -124,6 +128,8 @@ class ExactTier final : public OffloadTier {
   int64_t recompute_tokens() const { return recompute_ ? recompute_->tokens() : 0; }
   const OffloadedKv& host() const { return *host_; }
   const RemoteKv& remote() const { return *remote_; }
+  // The timed steps' per-path times, summed over the tier's life (exact_step_clock.h).
+  const ExactStepTimes& measured_steps() const { return clock_.total(); }
   // Attends of this tier in which a CPU node did not answer.
   uint64_t degraded_attends() const { return remote_->degraded_attends(); }
 
@@ -151,6 +157,9 @@ class ExactTier final : public OffloadTier {
   bool nodes_attending_ = false;  // the attend in flight went to the nodes
   int steps_since_plan_ = 0;
   uint64_t node_attends_ = 0;
+  ExactStepClock clock_;  // per-path times of the timed passes
+  bool timing_ = false;   // this pass is timed
+  uint64_t passes_ = 0;
   std::vector<char> host_k_, host_v_, node_k_, node_v_;  // one layer's split of a batch
   std::vector<float> node_maw_;
   ExactNodeRecovery recovery_;  // the node entries' positions; what rebuilds them
