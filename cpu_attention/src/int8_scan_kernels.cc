@@ -4,7 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// GCC and clang (the sanitizer builds) alike: the kernels carry their own target attribute.
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define TANDEM_INT8_X86 1
 #else
@@ -16,7 +17,9 @@ namespace tandem::cpu_attention::internal {
 #if TANDEM_INT8_X86
 // GCC 12's intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_* (GCC PR 105593).
 #pragma GCC diagnostic push
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #define TANDEM_INT8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define TANDEM_INT8_INLINE TANDEM_INT8_AVX512 inline __attribute__((always_inline))
 
@@ -221,7 +224,7 @@ bool Int8ScanAvx512() {
 }
 
 #pragma GCC diagnostic pop
-#else  // not GCC on x86-64: the portable path only
+#else  // not x86-64 GCC or clang: the portable path only
 
 bool Int8ScanAvx512() { return false; }
 void Int8ScoresAvx512(const float*, size_t, size_t, const std::byte* const*, size_t, const float*,
