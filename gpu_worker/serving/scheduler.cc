@@ -207,7 +207,8 @@ void Scheduler::StepOnce() {
   // A failure is recorded in each generation of the step; EndFinished reports it.
   const size_t kv_before = admission_blocked_ ? engine_->DeviceKvBytes() : 0;
   (void)engine_->Step(items);
-  // A device prefill's window shrinks after its first token: a refused request may fit now.
+  // A device prefill's window shrinks once its settle is over (a slice per step after the first
+  // token): a refused request may fit now.
   if (admission_blocked_ && engine_->DeviceKvBytes() < kv_before) admission_blocked_ = false;
   CountStep();
   ++local_stats_.steps;
