@@ -4,7 +4,8 @@
 # PCIe and the CPU node attending densely, merged by LSE):
 #   tests  the cuda engine's exact cases (exact == gpu for every split, the served path), the
 #          planner's unit test, the cuda probe test (the paths' rates alone and at once) and
-#          the cuda step clock test (per-path times of real passes, logits == gpu)
+#          the cuda step clock test (per-path times of real passes, logits == gpu) and the cuda
+#          recompute test (KVPR pages over the upload stream == gpu)
 #   gqa    Llama-3-8B geometry at 128K and 512K: offload vs exact side by side in one process
 #          per context (the 512K KV, 64 GiB, takes most of the host), the plan (share per path,
 #          modelled step, recompute verdict) printed from each exact row; at 128K also the
@@ -21,7 +22,8 @@
 #          (a fill each), which check the planned split against its neighbours
 # Prepared here as scripts/gpu_host_worker.sh says (bundle with tandem-bench,
 # gpu_worker_engine_cuda_test, gpu_worker_exact_planner_test, gpu_worker_exact_probe_cuda_test,
-# gpu_worker_exact_step_clock_cuda_test in .carry/<dir>/tandem.tar.xz;
+# gpu_worker_exact_step_clock_cuda_test, gpu_worker_exact_recompute_cuda_test in
+# .carry/<dir>/tandem.tar.xz;
 # stories260k and gutenberg-14m in .carry/shared/models). CARRY (default .carry) names the
 # folder, PARTS selects (default: all), STEPS the timed exact/offload steps (default 5),
 # BENCH_ARGS adds flags. Logs and JSON lines go under $OUT.
@@ -82,6 +84,8 @@ if has tests; then
   grep -E 'probed on|OK|FAILED|PASSED|SKIPPED' "$out/probe_test.txt"
   timeout 60 gpu_worker_exact_step_clock_cuda_test > "$out/step_clock_test.txt" 2>&1
   grep -E 'per step|OK|FAILED|PASSED|SKIPPED' "$out/step_clock_test.txt"
+  timeout 120 gpu_worker_exact_recompute_cuda_test --gtest_brief=1 > "$out/recompute_test.txt" 2>&1
+  grep -E 'worst|FAILED|PASSED|SKIPPED' "$out/recompute_test.txt"
 fi
 
 run_bench() {   # name, then tandem-bench flags
