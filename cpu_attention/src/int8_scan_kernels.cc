@@ -23,6 +23,7 @@ namespace tandem::cpu_attention::internal {
 #define TANDEM_INT8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define TANDEM_INT8_INLINE TANDEM_INT8_AVX512 inline __attribute__((always_inline))
 
+namespace avx512 {
 namespace {
 
 // Keys per step of the four-row dot products (DotCodes4xK): 16 accumulators. In cache, one
@@ -59,8 +60,9 @@ TANDEM_INT8_INLINE void DotCodes(const float* q, size_t d, const int8_t* k, floa
   size_t x = 0;
   for (; x + 16 <= d; x += 16) {
     const __m512 kv = Widen16(k + x);
-    for (int i = 0; i < NR; ++i)
+    for (int i = 0; i < NR; ++i) {
       acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i * d + x), kv, acc[i]);
+    }
   }
   if (x < d) {  // d % 16 == 8
     const __m512 kv = Widen16(k + x, 0x00ff);
@@ -163,9 +165,8 @@ TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byt
 
 }  // namespace
 
-TANDEM_INT8_AVX512 void Int8ScoresAvx512(const float* q, size_t rows, size_t d,
-                                         const std::byte* const* k, size_t n, const float* k_scale,
-                                         float* s, size_t ld) {
+TANDEM_INT8_AVX512 void Scores(const float* q, size_t rows, size_t d, const std::byte* const* k,
+                               size_t n, const float* k_scale, float* s, size_t ld) {
   size_t r = 0;
   for (; r + 4 <= rows; r += 4) {  // groups of 4 rows, kKeys keys at a time
     const float* qr = q + r * d;
@@ -204,37 +205,186 @@ TANDEM_INT8_AVX512 void Int8ScoresAvx512(const float* q, size_t rows, size_t d,
   }
 }
 
-TANDEM_INT8_AVX512 void Int8AccumulateAvx512(const float* p, size_t ld, size_t rows,
-                                             const std::byte* const* v, size_t n, size_t d,
-                                             float* acc) {
+TANDEM_INT8_AVX512 void Accumulate(const float* p, size_t ld, size_t rows,
+                                   const std::byte* const* v, size_t n, size_t d, float* acc) {
   size_t r = 0;
   for (; r + 4 <= rows; r += 4) AccumulateRows<4>(p + r * ld, ld, v, n, d, acc + r * d);
   for (; r + 2 <= rows; r += 2) AccumulateRows<2>(p + r * ld, ld, v, n, d, acc + r * d);
   if (r < rows) AccumulateRows<1>(p + r * ld, ld, v, n, d, acc + r * d);
 }
 
-bool Int8ScanAvx512() {
-  static const bool supported = [] {
+}  // namespace avx512
+
+#define TANDEM_INT8_AVX2 __attribute__((target("avx2,fma")))
+#define TANDEM_INT8_INLINE2 TANDEM_INT8_AVX2 inline __attribute__((always_inline))
+
+// The same with 8-lane vectors (16 registers): d is a multiple of 8, so no lane masks.
+namespace avx2 {
+namespace {
+
+constexpr size_t kKeys = 2;  // 8 accumulators + 2 keys + q: 11 of the 16 registers
+
+// 8 codes at p as f32 lanes (reads exactly 8 bytes).
+TANDEM_INT8_INLINE2 __m256 Widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// [Σ a0, Σ a1, Σ a2, Σ a3] (hadd as in avx512::Reduce4).
+TANDEM_INT8_INLINE2 __m128 Reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+}
+
+TANDEM_INT8_INLINE2 float HSum(__m256 a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+template <int NR>
+TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const int8_t* k, float* out) {
+  __m256 acc[NR];
+  for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
+  for (size_t x = 0; x < d; x += 8) {
+    const __m256 kv = Widen8(k + x);
+    for (int i = 0; i < NR; ++i) {
+      acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + x), kv, acc[i]);
+    }
+  }
+  if constexpr (NR == 4) {
+    _mm_storeu_ps(out, Reduce4(acc[0], acc[1], acc[2], acc[3]));
+  } else {
+    for (int i = 0; i < NR; ++i) out[i] = HSum(acc[i]);
+  }
+}
+
+template <int NK>
+TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* const* k,
+                                     __m128* out) {
+  __m256 a[NK][4];
+  const int8_t* kr[NK];
+  for (int j = 0; j < NK; ++j) {
+    kr[j] = reinterpret_cast<const int8_t*>(k[j]);
+    for (int i = 0; i < 4; ++i) a[j][i] = _mm256_setzero_ps();
+  }
+  for (size_t x = 0; x < d; x += 8) {
+    __m256 kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = Widen8(kr[j] + x);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 qv = _mm256_loadu_ps(q + i * d + x);
+      for (int j = 0; j < NK; ++j) a[j][i] = _mm256_fmadd_ps(qv, kv[j], a[j][i]);
+    }
+  }
+  for (int j = 0; j < NK; ++j) out[j] = Reduce4(a[j][0], a[j][1], a[j][2], a[j][3]);
+}
+
+// Columns [x, x + 8 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows.
+template <int NR, int NV>
+TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
+                                         size_t n, size_t d, size_t x, float* acc) {
+  __m256 a[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NV; ++j) a[i][j] = _mm256_loadu_ps(acc + i * d + x + 8 * j);
+  }
+  for (size_t c = 0; c < n; ++c) {
+    const int8_t* row = reinterpret_cast<const int8_t*>(v[c]) + x;
+    __m256 w[NV];
+    for (int j = 0; j < NV; ++j) w[j] = Widen8(row + 8 * j);
+    for (int i = 0; i < NR; ++i) {
+      const __m256 pi = _mm256_set1_ps(p[i * ld + c]);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm256_fmadd_ps(pi, w[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc + i * d + x + 8 * j, a[i][j]);
+  }
+}
+
+template <int NR>
+TANDEM_INT8_INLINE2 void AccumulateRows(const float* p, size_t ld, const std::byte* const* v,
+                                        size_t n, size_t d, float* acc) {
+  size_t x = 0;
+  for (; x + 16 <= d; x += 16) AccumulateSlice<NR, 2>(p, ld, v, n, d, x, acc);
+  if (x < d) AccumulateSlice<NR, 1>(p, ld, v, n, d, x, acc);
+}
+
+}  // namespace
+
+TANDEM_INT8_AVX2 void Scores(const float* q, size_t rows, size_t d, const std::byte* const* k,
+                             size_t n, const float* k_scale, float* s, size_t ld) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const float* qr = q + r * d;
+    float* sr = s + r * ld;
+    size_t c = 0;
+    for (; c + kKeys <= n; c += kKeys) {
+      __m128 sums[kKeys];
+      DotCodes4xK<kKeys>(qr, d, k + c, sums);
+      for (size_t j = 0; j < kKeys; ++j) {
+        float out[4];
+        _mm_storeu_ps(out, _mm_mul_ps(sums[j], _mm_set1_ps(k_scale[c + j])));
+        for (size_t i = 0; i < 4; ++i) sr[i * ld + c + j] = out[i];
+      }
+    }
+    for (; c < n; ++c) {
+      float out[4];
+      DotCodes<4>(qr, d, reinterpret_cast<const int8_t*>(k[c]), out);
+      for (size_t i = 0; i < 4; ++i) sr[i * ld + c] = out[i] * k_scale[c];
+    }
+  }
+  if (r == rows) return;
+  for (size_t c = 0; c < n; ++c) {
+    const int8_t* kc = reinterpret_cast<const int8_t*>(k[c]);
+    float out[2];
+    size_t i = r;
+    if (i + 2 <= rows) {
+      DotCodes<2>(q + i * d, d, kc, out);
+      s[i * ld + c] = out[0] * k_scale[c];
+      s[(i + 1) * ld + c] = out[1] * k_scale[c];
+      i += 2;
+    }
+    if (i < rows) {
+      DotCodes<1>(q + i * d, d, kc, out);
+      s[i * ld + c] = out[0] * k_scale[c];
+    }
+  }
+}
+
+TANDEM_INT8_AVX2 void Accumulate(const float* p, size_t ld, size_t rows, const std::byte* const* v,
+                                 size_t n, size_t d, float* acc) {
+  size_t r = 0;
+  for (; r + 4 <= rows; r += 4) AccumulateRows<4>(p + r * ld, ld, v, n, d, acc + r * d);
+  for (; r + 2 <= rows; r += 2) AccumulateRows<2>(p + r * ld, ld, v, n, d, acc + r * d);
+  if (r < rows) AccumulateRows<1>(p + r * ld, ld, v, n, d, acc + r * d);
+}
+
+}  // namespace avx2
+
+const Int8ScanKernels* GetInt8ScanKernels() {
+  static const Int8ScanKernels kAvx512{avx512::Scores, avx512::Accumulate, "avx512"};
+  static const Int8ScanKernels kAvx2{avx2::Scores, avx2::Accumulate, "avx2"};
+  static const Int8ScanKernels* const best = []() -> const Int8ScanKernels* {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+      return &kAvx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &kAvx2;
+    return nullptr;
   }();
   const char* force = std::getenv("TANDEM_INT8_KERNELS");
-  return supported && (force == nullptr || std::strcmp(force, "portable") != 0);
+  if (force == nullptr || best == nullptr) return best;
+  if (std::strcmp(force, "portable") == 0) return nullptr;
+  if (std::strcmp(force, "avx2") == 0) return &kAvx2;  // every AVX-512 CPU has AVX2 and FMA
+  return best;
 }
 
 #pragma GCC diagnostic pop
 #else  // not x86-64 GCC or clang: the portable path only
 
-bool Int8ScanAvx512() { return false; }
-void Int8ScoresAvx512(const float*, size_t, size_t, const std::byte* const*, size_t, const float*,
-                      float*, size_t) {
-  std::abort();
-}
-void Int8AccumulateAvx512(const float*, size_t, size_t, const std::byte* const*, size_t, size_t,
-                          float*) {
-  std::abort();
-}
+const Int8ScanKernels* GetInt8ScanKernels() { return nullptr; }
 
 #endif
 

@@ -168,7 +168,8 @@ struct PieceArgs {
   float scale;
   RowsOut out;
   float* work;
-  bool int8_avx512 = false;  // int8: the register-widening kernels of int8_scan_kernels.h
+  // int8: the register-widening kernels of int8_scan_kernels.h (nullptr: the f32-tile path)
+  const internal::Int8ScanKernels* int8_kernels = nullptr;
 };
 
 // int8 pieces also widen the chunk's K and V codes into f32 tiles [kChunk, D] each.
@@ -215,7 +216,7 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
 // Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
 // row [D codes][f32 scale], kv_store/int8_rows.h: s = scale_k * (q · codes) and the V scale is
 // folded into p after the softmax sums, so the row's scales cost two multiplies per key). On
-// AVX-512 (a.int8_avx512) the codes are widened in registers by int8_scan_kernels.h; else once
+// AVX-512 or AVX2 (a.int8_kernels) the codes are widened in registers; else once
 // per chunk into L1/L2-resident f32 tiles (exact: |code| <= 127) that the f32 dot products and
 // axpys then read.
 template <typename Elem>
@@ -278,13 +279,13 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
         k_scale[c] = kv_store::Int8RowScale(kp[c], a.D);
         v_scale[c] = kv_store::Int8RowScale(vp[c], a.D);
       }
-      if (a.int8_avx512) {
-        internal::Int8ScoresAvx512(qs, R, D, kp, c_n, k_scale, s, kChunk);
+      if (a.int8_kernels != nullptr) {
+        a.int8_kernels->scores(qs, R, D, kp, c_n, k_scale, s, kChunk);
         scored = true;
       }
     }
     if constexpr (kInt8) {
-      for (size_t c = 0; c < c_n && !a.int8_avx512; ++c) {
+      for (size_t c = 0; c < c_n && a.int8_kernels == nullptr; ++c) {
         WidenCodes(kp[c], D, k_tile + c * D);
         WidenCodes(vp[c], D, v_tile + c * D);
         kp[c] = reinterpret_cast<const std::byte*>(k_tile + c * D);
@@ -337,8 +338,8 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
     }
     // acc[r] += p[r, c] * v_c.
     if constexpr (kInt8) {
-      if (a.int8_avx512) {
-        internal::Int8AccumulateAvx512(s, kChunk, R, vp, c_n, D, acc);
+      if (a.int8_kernels != nullptr) {
+        a.int8_kernels->accumulate(s, kChunk, R, vp, c_n, D, acc);
         continue;
       }
     }
@@ -464,7 +465,8 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   slot_floats = max_rows * D + max_rows;
   std::vector<float> partials(static_cast<size_t>(num_slots) * slot_floats);
 
-  const bool int8_avx512 = params.dtype == kv_store::KvDType::kInt8 && internal::Int8ScanAvx512();
+  const internal::Int8ScanKernels* int8_kernels =
+      params.dtype == kv_store::KvDType::kInt8 ? internal::GetInt8ScanKernels() : nullptr;
   std::vector<absl::Status> statuses(num_ranges);
   pool.ParallelFor(num_ranges, [&](size_t r) {
     try {
@@ -491,7 +493,7 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
           float* base = partials.data() + piece.slot * slot_floats;
           a.out = RowsOut{base, G * D, base + rows * D, G};
         }
-        a.int8_avx512 = int8_avx512;
+        a.int8_kernels = int8_kernels;
         a.work = work_buffer.Get<float>(
             WorkFloats(rows, D, params.dtype == kv_store::KvDType::kInt8));
         if (params.dtype == kv_store::KvDType::kBf16) {

@@ -54,20 +54,21 @@ void BlockKeys(const kv_store::Shard& shard, size_t b, uint32_t entries, float* 
   }
 }
 
-// scores [rows, e] of block b: q · k (q pre-scaled) over its keys. int8 rows on an AVX-512 CPU
-// are scored from their codes in place (k_scale * (q · codes), int8_scan_kernels.h); else the
-// keys are widened into `keys` first. rows_k, scales_k: [block_tokens] scratch.
+// scores [rows, e] of block b: q · k (q pre-scaled) over its keys. int8 rows with `int8` kernels
+// (AVX-512 or AVX2) are scored from their codes in place (k_scale * (q · codes),
+// int8_scan_kernels.h); else the keys are widened into `keys` first. rows_k, scales_k:
+// [block_tokens] scratch.
 void ScoreBlock(const kv_store::Shard& shard, size_t b, uint32_t e, const float* q, size_t rows,
-                bool int8_scan, float* keys, const std::byte** rows_k, float* scales_k,
-                float* scores) {
+                const internal::Int8ScanKernels* int8, float* keys, const std::byte** rows_k,
+                float* scales_k, float* scores) {
   const uint32_t D = shard.format().head_dim;
-  if (int8_scan) {
+  if (int8 != nullptr) {
     const size_t row_bytes = shard.format().row_bytes();
     for (uint32_t t = 0; t < e; ++t) {
       rows_k[t] = shard.block_k(b) + t * row_bytes;
       scales_k[t] = kv_store::Int8RowScale(rows_k[t], D);
     }
-    internal::Int8ScoresAvx512(q, rows, D, rows_k, e, scales_k, scores, e);
+    int8->scores(q, rows, D, rows_k, e, scales_k, scores, e);
     return;
   }
   BlockKeys(shard, b, e, keys);
@@ -106,9 +107,10 @@ absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shar
     const size_t bt = fmt.block_tokens;
     std::vector<float> qs(M * D), keys(bt * D), scores(M * bt), scales_k(bt);
     std::vector<const std::byte*> rows_k(bt);
-    const bool int8_scan = fmt.dtype == KvDType::kInt8 && internal::Int8ScanAvx512();
+    const internal::Int8ScanKernels* int8 =
+        fmt.dtype == KvDType::kInt8 ? internal::GetInt8ScanKernels() : nullptr;
     auto score = [&](size_t b, uint32_t e) {
-      ScoreBlock(shard, b, e, qs.data(), M, int8_scan, keys.data(), rows_k.data(), scales_k.data(),
+      ScoreBlock(shard, b, e, qs.data(), M, int8, keys.data(), rows_k.data(), scales_k.data(),
                  scores.data());
     };
     for (size_t r = 0; r < M; ++r) {

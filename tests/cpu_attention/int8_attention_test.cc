@@ -294,8 +294,9 @@ class Int8KernelTest : public ::testing::TestWithParam<KernelParam> {
 // Heads: empty, one entry, a partial chunk, more than one 512-key int8 chunk with a tail.
 const std::vector<size_t> kCounts = {0, 1, 37, 1100};
 
-// The int8 scan's kernel variants: "" = what this CPU runs (AVX-512 where present), "portable"
-// = the f32-tile path every x86-64 runs (int8_scan_kernels.h; TANDEM_INT8_KERNELS forces it).
+// The int8 scan's kernel variants: "" = what this CPU runs (AVX-512 where present), "avx2" (AVX2
+// where present, else as ""), "portable" = the f32-tile path every CPU runs
+// (cpu_attention/src/int8_scan_kernels.h; TANDEM_INT8_KERNELS forces one).
 // Sets the variable for the scope and restores "unset" after.
 class ScopedInt8Kernels {
  public:
@@ -304,7 +305,7 @@ class ScopedInt8Kernels {
   ScopedInt8Kernels(const ScopedInt8Kernels&) = delete;
   ScopedInt8Kernels& operator=(const ScopedInt8Kernels&) = delete;
 };
-constexpr const char* kInt8Variants[] = {"", "portable"};
+constexpr const char* kInt8Variants[] = {"", "avx2", "portable"};
 
 TEST_P(Int8KernelTest, MawPathMatchesReferences) {
   const auto [D, G, T] = GetParam();
