@@ -289,7 +289,15 @@ absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& g, DType kv_dty
     rates.node_bytes_per_second = bytes / *t;
     rates.node_overhead_seconds = ro.attend_overhead_seconds;
     if (pcie != nullptr && rates.pcie_bytes_per_second > 0) {
-      together = ProbeTogether(*pcie, *remote, bytes, *t, o, q, out, lse, rates);
+      // Not fatal: without it the plan uses the rates alone (as before the concurrent probe).
+      ExactPathRates measured = rates;
+      const absl::Status both = ProbeTogether(*pcie, *remote, bytes, *t, o, q, out, lse, measured);
+      if (both.ok()) {
+        rates = measured;
+      } else {
+        spdlog::warn("exact probe: the paths at once were not measured ({}); planning with the "
+                     "rates alone", both.ToString());
+      }
     }
   }
   const absl::Status closed = remote->Close();

@@ -67,6 +67,8 @@ absl::StatusOr<ExactPathRates> ProbeDeviceRates(Backend& backend, const ExactGeo
 // paths at once: node_alone_bytes_per_second / pcie_alone_bytes_per_second keep the rates
 // alone and node_bytes_per_second / pcie_bytes_per_second become the rates together. Uses the
 // backend's upload slot 0 and pcie_bytes of page-locked and device memory (as the PCIe probe).
+// A failure of that part is logged and leaves the rates alone (the split then ignores the
+// contention); the nodes' probe's own errors are returned.
 absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& geometry, DType kv_dtype,
                             ExactPathRates& rates, const ExactProbeOptions& options = {},
                             Backend* pcie = nullptr);
