@@ -242,8 +242,8 @@ std::string FormatExactRates(const ExactPathRates& r) {
       "pcie %.2f GB/s (alone %.2f), device attention %.2f GB/s, gemm %.3g TFLOP/s, %d nodes "
       "%.2f GB/s (alone %.2f; overhead %.0f us per attend)",
       r.pcie_bytes_per_second / 1e9, r.pcie_alone() / 1e9, r.device_attend_bytes_per_second / 1e9,
-      r.gemm_flops_per_second / 1e12, r.nodes, r.node_bytes_per_second / 1e9,
-      r.node_alone() / 1e9, r.node_overhead_seconds * 1e6);
+      r.gemm_flops_per_second / 1e12, r.nodes, r.node_bytes_per_second / 1e9, r.node_alone() / 1e9,
+      r.node_overhead_seconds * 1e6);
 }
 
 }  // namespace tandem::gpu_worker

@@ -295,8 +295,10 @@ absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& g, DType kv_dty
       if (both.ok()) {
         rates = measured;
       } else {
-        spdlog::warn("exact probe: the paths at once were not measured ({}); planning with the "
-                     "rates alone", both.ToString());
+        spdlog::warn(
+            "exact probe: the paths at once were not measured ({}); planning with the "
+            "rates alone",
+            both.ToString());
       }
     }
   }

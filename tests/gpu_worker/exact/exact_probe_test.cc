@@ -2,6 +2,8 @@
 // cuda build of the same source runs on the GPU host) with one embedded CPU node. The paths alone
 // and at once: the rates together are measured, never above the rates alone, and the planner
 // splits by them while its combined limit stays the one of the rates alone.
+#include "tandem/gpu_worker/exact_probe.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -10,7 +12,6 @@
 
 #include "../engine/engine_test_util.h"
 #include "tandem/gpu_worker/exact_planner.h"
-#include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/node_pool.h"
 
 namespace tandem::gpu_worker {
@@ -20,10 +21,8 @@ namespace {
 // allocated: the options below keep every probe to a few MiB).
 constexpr ExactGeometry kGeometry{32, 8, 128, 4096, 2, 2};
 
-constexpr ExactProbeOptions kSmall{.pcie_bytes = 8 << 20,
-                                   .device_kv_bytes = 2 << 20,
-                                   .gemm_flops = 1e7,
-                                   .node_bytes = 16 << 20};
+constexpr ExactProbeOptions kSmall{
+    .pcie_bytes = 8 << 20, .device_kv_bytes = 2 << 20, .gemm_flops = 1e7, .node_bytes = 16 << 20};
 
 std::unique_ptr<NodePool> OneNode() {
   NodePoolOptions nodes;
@@ -57,8 +56,7 @@ TEST(ExactProbe, MeasuresThePathsAloneAndTogether) {
   // With it: both paths at once as well.
   ExactPathRates rates = *device;
   ASSERT_TRUE(ProbeNodeRates(*pool, kGeometry, DType::kBF16, rates, kSmall, backend.get()).ok());
-  std::printf("probed on %s: %s\n", testing::TestBackendName(),
-              FormatExactRates(rates).c_str());
+  std::printf("probed on %s: %s\n", testing::TestBackendName(), FormatExactRates(rates).c_str());
   EXPECT_EQ(rates.nodes, 1u);
   EXPECT_EQ(rates.pcie_alone_bytes_per_second, pcie_alone);
   EXPECT_GT(rates.node_alone_bytes_per_second, 1e6);

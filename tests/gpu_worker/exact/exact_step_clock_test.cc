@@ -20,8 +20,8 @@ namespace {
 using Clock = ExactStepClock::Clock;
 
 Clock::time_point Ms(double ms) {
-  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double, std::milli>(ms)));
+  return Clock::time_point(
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(ms)));
 }
 
 // Three layers (ms): starts 0, 13, 25; nodes done 10, 23, 34; device done 12, 23.5, 34.
@@ -128,8 +128,8 @@ TEST(ExactStepClock, TimesRealPassesWithoutChangingTheLogits) {
   auto gpu = testing::MakeExactTestSequence(*rig, AttentionMode::kGpu, "clock-gpu", nullptr, {});
   testing::ExactSplit split{0.5, -1, false};
   split.time_every_steps = 1;
-  auto exact = testing::MakeExactTestSequence(*rig, AttentionMode::kExact, "clock-exact", &book,
-                                              split);
+  auto exact =
+      testing::MakeExactTestSequence(*rig, AttentionMode::kExact, "clock-exact", &book, split);
   ASSERT_NE(gpu, nullptr);
   ASSERT_NE(exact, nullptr);
   std::vector<int32_t> prompt;
@@ -157,8 +157,7 @@ TEST(ExactStepClock, TimesRealPassesWithoutChangingTheLogits) {
   EXPECT_GT(book.step_samples(), 0u);
   const ExactStepTimes per = t.PerStep();
   std::printf("per step: node busy %.3f ms, fetch excess %.3f ms, tail %.3f ms, span %.3f ms\n",
-              1e3 * per.node_busy_s, 1e3 * per.fetch_excess_s, 1e3 * per.tail_s,
-              1e3 * per.span_s);
+              1e3 * per.node_busy_s, 1e3 * per.fetch_excess_s, 1e3 * per.tail_s, 1e3 * per.span_s);
 }
 
 }  // namespace

@@ -119,7 +119,7 @@ class ExactRecompute {
   std::map<int64_t, std::vector<char>> pending_;  // position -> [layers, hidden] act dtype
   // [layer][page] host: rows [page_tokens, hidden], then positions [page_tokens] i32.
   std::vector<std::vector<DeviceBuffer>> pages_;
-  std::vector<int32_t> positions_;                // of the kept entries, in page order
+  std::vector<int32_t> positions_;  // of the kept entries, in page order
   size_t host_bytes_ = 0;
   std::vector<float> download_;  // one Take's rows, f32
   // Device staging: two pages' rows and positions in flight (one per upload slot); one page
@@ -134,7 +134,7 @@ class ExactRecompute {
   };
   std::vector<Item> items_;
   size_t next_ = 0;
-  DeviceBuffer part_o_, part_lse_;                // [max_rows, q heads, head_dim], [.., q heads]
+  DeviceBuffer part_o_, part_lse_;  // [max_rows, q heads, head_dim], [.., q heads]
 };
 
 }  // namespace tandem::gpu_worker
