@@ -98,8 +98,11 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
 CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
     : options_(options),
       node_id_(RandomNodeId()),
-      store_(kv_store::KvStore::Options{options.pool_bytes, options.block_tokens,
-                                        options.max_sessions, options.huge_pages}),
+      // Large appends quantise (int8) and fill their shards on the attention pool (pool_ exists
+      // by the first Append).
+      store_(kv_store::KvStore::Options{
+          options.pool_bytes, options.block_tokens, options.max_sessions, options.huge_pages,
+          [this](size_t n, const std::function<void(size_t)>& fn) { pool_.ParallelFor(n, fn); }}),
       releaser_(options.release_free_after.count() >= 0
                     ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
                                                                      options.release_free_after)

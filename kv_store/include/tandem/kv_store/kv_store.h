@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -179,6 +180,12 @@ class KvStore {
     uint32_t default_block_tokens = 64;
     uint32_t max_sessions = 4096;
     bool huge_pages = false;   // BlockPool::Create's huge_pages for every pool
+    // Runs fn(i) for every i in [0, n) and returns when all have run, on several threads when
+    // it can (the CPU node passes its attention ThreadPool::ParallelFor); must be callable from
+    // any thread at once. A large Append (a prompt's settle, a synthetic fill, a migration's
+    // copy) quantises int8 rows in slices and fills its heads' shards through it; null: all in
+    // the calling thread.
+    std::function<void(size_t n, const std::function<void(size_t)>& fn)> parallel_for = nullptr;
   };
   explicit KvStore(Options options);
   ~KvStore();

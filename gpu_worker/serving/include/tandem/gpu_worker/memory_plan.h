@@ -62,7 +62,7 @@ struct PlanNode {
   // How it stores KV as its Stats.kv_storage reports it (int8, or the sessions' dtype as
   // sent), when the worker has its Stats; unset for a node not seen yet (a planned node, one
   // that has not answered), which the plan takes to store MemoryPlanSetup::node_kv_dtype.
-  std::optional<kv_store::KvDType> kv_dtype;
+  std::optional<kv_store::KvDType> kv_dtype = std::nullopt;
 };
 
 // The worker: its model, options, device and nodes.
