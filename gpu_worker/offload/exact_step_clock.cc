@@ -29,7 +29,6 @@ void ExactStepClock::Start(int64_t layer, Clock::time_point now) {
     step_ = {};
   } else if (state_ == State::kDeviceDone && layer_ == layer - 1) {
     step_.tail_s += Seconds(device_done_, now);
-    step_.span_s += Seconds(start_, now);
   } else {
     return Drop();
   }
@@ -51,14 +50,11 @@ void ExactStepClock::DeviceDone(int64_t layer, Clock::time_point now) {
   device_done_ = now;
   state_ = State::kDeviceDone;
   if (layer + 1 < num_layers_) return;
-  // The last layer: tail and span were summed over L - 1 layers.
+  // The last layer: the tail was summed over L - 1 layers.
   if (num_layers_ > 1) {
-    const double scale = static_cast<double>(num_layers_) / static_cast<double>(num_layers_ - 1);
-    step_.tail_s *= scale;
-    step_.span_s *= scale;
-  } else {
-    step_.span_s = step_.node_busy_s + step_.fetch_excess_s;
+    step_.tail_s *= static_cast<double>(num_layers_) / static_cast<double>(num_layers_ - 1);
   }
+  step_.span_s = step_.node_busy_s + step_.fetch_excess_s + step_.tail_s;
   step_.steps = 1;
   pending_ += step_;
   total_ += step_;

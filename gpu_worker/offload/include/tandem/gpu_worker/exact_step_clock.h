@@ -20,10 +20,10 @@
 //   tail          Start(l+1) - DeviceDone(l)     merges, the layer's GEMMs, the next q: the
 //                                                nodes idle (PCIe keeps prefetching the next
 //                                                layer's first pages)
-//   span          Start(l+1) - Start(l)
+//   span          node_busy + fetch_excess + tail: the step's layers
 //
-// The last layer's tail runs into the logits and the next step: the step's sums cover layers
-// 0..L-2 for tail and span and are scaled by L / (L-1) when read (all layers for the others).
+// The last layer's tail runs into the logits and the next step: a step's tail is the sum over
+// layers 0..L-2 scaled by L / (L-1) (the other sums cover all L layers).
 //
 // Not thread-safe: the tier's thread owns it.
 #pragma once
