@@ -555,7 +555,7 @@ int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
       "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] "
-      "[--footprint_mib F] [--select_tokens S] [--page_tokens P]");
+      "[--footprint_mib F] [--select_tokens S] [--page_tokens P] [--node_kv_dtype bf16,int8]");
   tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   Flags f;
   if (!ReadFlags(f)) {
