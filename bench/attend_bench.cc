@@ -412,10 +412,30 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
 // ---- (d) the node's Attend: the same entries appended to sessions of a CpuAttentionNode
 // (kv_store blocks, selected copies), queried with AttendRequest protos, timed per call.
 
+// A node storing the KV set as one dtype, its sessions filled and its requests built.
+struct NodeRig {
+  std::unique_ptr<CpuAttentionNode> node;
+  std::vector<v1::AttendRequest> requests;
+  uint64_t bytes_scanned = 0;
+
+  // Seconds of one Attend of request c (exits on an error).
+  double Run(size_t c) {
+    v1::AttendResponse resp;
+    const double t0 = Now();
+    const absl::Status s = node->Attend(requests[c % requests.size()], &resp);
+    const double seconds = Now() - t0;
+    if (!s.ok()) {
+      std::fprintf(stderr, "Attend: %s\n", s.ToString().c_str());
+      std::exit(1);
+    }
+    bytes_scanned = resp.bytes_scanned();
+    return seconds;
+  }
+};
+
 // paged: a SELECTION_PAGES session (block 64, f.page_tokens per page) attended over
 // f.select_tokens / f.page_tokens random pages per (kv head, token) instead of every entry.
-double TimeNodeAttend(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype, uint32_t reps,
-                      uint64_t* bytes_scanned, bool paged = false) {
+NodeRig MakeNodeRig(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype, bool paged) {
   const uint32_t D = kv.D, G = f.group, H = kv.heads;
   NodeOptions options;
   // Blocks plus the selected copy (beta = 0 selects everything) of every session, with slack.
@@ -508,19 +528,31 @@ double TimeNodeAttend(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtyp
       query->mutable_pages()->Add(ids.begin(), ids.begin() + per_head);
     }
   }
-  auto run = [&](size_t c) {
-    v1::AttendResponse resp;
-    check((*node)->Attend(requests[c], &resp), "Attend");
-    *bytes_scanned = resp.bytes_scanned();
-  };
-  for (size_t c = 0; c < std::min<size_t>(num_requests, 2); ++c) run(c);
-  std::vector<double> times;
-  for (uint32_t rep = 0; rep < reps; ++rep) {
-    const double t0 = Now();
-    run((rep + 2) % num_requests);
-    times.push_back(Now() - t0);
+  return NodeRig{std::move(*node), std::move(requests), 0};
+}
+
+// Median seconds per Attend of a node per dtype, and the bytes each call scans. The reps are
+// interleaved (rep r of every dtype before rep r + 1 of any), so a drift of the machine (other
+// load, clocks) hits every dtype alike.
+std::vector<double> TimeNodeAttends(const KvSet& kv, const Flags& f,
+                                    const std::vector<kv_store::KvDType>& dtypes, uint32_t reps,
+                                    bool paged, std::vector<uint64_t>* bytes_scanned) {
+  std::vector<NodeRig> rigs;
+  for (kv_store::KvDType dtype : dtypes) rigs.push_back(MakeNodeRig(kv, f, dtype, paged));
+  for (NodeRig& rig : rigs) {
+    for (size_t c = 0; c < std::min<size_t>(rig.requests.size(), 2); ++c) rig.Run(c);  // warm-up
   }
-  return Median(times);
+  std::vector<std::vector<double>> times(rigs.size());
+  for (uint32_t rep = 0; rep < reps; ++rep) {
+    for (size_t i = 0; i < rigs.size(); ++i) times[i].push_back(rigs[i].Run(rep + 2));
+  }
+  std::vector<double> medians;
+  bytes_scanned->clear();
+  for (size_t i = 0; i < rigs.size(); ++i) {
+    medians.push_back(Median(times[i]));
+    bytes_scanned->push_back(rigs[i].bytes_scanned);
+  }
+  return medians;
 }
 
 const char* IsaName(dnnl::cpu_isa isa) {
@@ -625,15 +657,16 @@ int Main(int argc, char** argv) {
           {"ratio_to_raw_onednn", raw_s / sparse_s},
           {"ratio_to_memcpy_rw", sparse_gbs / mem.copy_gbs},
           {"ratio_to_read", sparse_gbs / mem.read_gbs}});
-    double first_node_gbs = 0, first_node_s = 0;
-    for (kv_store::KvDType dtype : f.node_kv_dtypes) {
-      uint64_t node_bytes = 0;
-      const double node_s = TimeNodeAttend(kv, f, dtype, f.reps, &node_bytes);
+    std::vector<uint64_t> scanned;
+    const std::vector<double> node_times =
+        TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/false, &scanned);
+    const double first_node_s = node_times[0];
+    const double first_node_gbs = static_cast<double>(scanned[0]) / first_node_s / 1e9;
+    for (size_t i = 0; i < f.node_kv_dtypes.size(); ++i) {
+      const kv_store::KvDType dtype = f.node_kv_dtypes[i];
+      const uint64_t node_bytes = scanned[i];
+      const double node_s = node_times[i];
       const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
-      if (first_node_s == 0) {
-        first_node_s = node_s;
-        first_node_gbs = node_gbs;
-      }
       Emit({{"bench", "node_attend"},
             {"node_kv_dtype", kv_store::KvDTypeName(dtype)},
             {"n_per_head", n},
@@ -650,10 +683,14 @@ int Main(int argc, char** argv) {
     }
     table.push_back(
         {n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, first_node_gbs, first_node_s * 1e6});
-    for (kv_store::KvDType dtype :
-         f.select_tokens > 0 ? f.node_kv_dtypes : std::vector<kv_store::KvDType>{}) {
-      uint64_t paged_bytes = 0;
-      const double paged_s = TimeNodeAttend(kv, f, dtype, f.reps, &paged_bytes, /*paged=*/true);
+    const std::vector<double> paged_times =
+        f.select_tokens > 0
+            ? TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/true, &scanned)
+            : std::vector<double>{};
+    for (size_t i = 0; i < paged_times.size(); ++i) {
+      const kv_store::KvDType dtype = f.node_kv_dtypes[i];
+      const uint64_t paged_bytes = scanned[i];
+      const double paged_s = paged_times[i];
       const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
       Emit({{"bench", "node_paged_attend"},
             {"node_kv_dtype", kv_store::KvDTypeName(dtype)},
