@@ -726,12 +726,12 @@ int Main(int argc, char** argv) {
                 100.0 * r.node_gbs / r.raw_gbs);
   }
   for (const PagedRow& r : paged_rows) {
-    std::printf("paged Attend (%s): n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
-                "scanned in %.0f us = %.2f GB/s (%.2f GB/s per thread)\n",
-                kv_store::KvDTypeName(r.dtype), static_cast<unsigned long long>(r.n),
-                f.select_tokens, f.page_tokens,
-                r.bytes / 1048576.0, r.seconds * 1e6, r.bytes / r.seconds / 1e9,
-                r.bytes / r.seconds / 1e9 / threads);
+    std::printf(
+        "paged Attend (%s): n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
+        "scanned in %.0f us = %.2f GB/s (%.2f GB/s per thread)\n",
+        kv_store::KvDTypeName(r.dtype), static_cast<unsigned long long>(r.n), f.select_tokens,
+        f.page_tokens, r.bytes / 1048576.0, r.seconds * 1e6, r.bytes / r.seconds / 1e9,
+        r.bytes / r.seconds / 1e9 / threads);
   }
   // Several node dtypes: each one's time per call against the first's (same entries, so the
   // ratio is the speed per entry).
@@ -741,11 +741,11 @@ int Main(int argc, char** argv) {
     for (const DTypeRow& b : dtype_rows) {
       if (b.n == r.n && b.paged == r.paged && b.dtype == f.node_kv_dtypes.front()) base = &b;
     }
-    std::printf("%s Attend n/head %llu, %s node KV: %.0f us per call, %.2f GB/s, %.2fx the speed "
-                "of %s\n",
-                r.paged ? "paged" : "dense", static_cast<unsigned long long>(r.n),
-                kv_store::KvDTypeName(r.dtype), r.seconds * 1e6, r.bytes / r.seconds / 1e9,
-                base->seconds / r.seconds, kv_store::KvDTypeName(base->dtype));
+    std::printf(
+        "%s Attend n/head %llu, %s node KV: %.0f us per call, %.2f GB/s, %.2fx the speed of %s\n",
+        r.paged ? "paged" : "dense", static_cast<unsigned long long>(r.n),
+        kv_store::KvDTypeName(r.dtype), r.seconds * 1e6, r.bytes / r.seconds / 1e9,
+        base->seconds / r.seconds, kv_store::KvDTypeName(base->dtype));
   }
   return 0;
 }
