@@ -410,7 +410,8 @@ void CheckInt8Salience(uint32_t D, uint32_t G, uint32_t T) {
   const uint32_t n = 150;
   std::mt19937 rng(5 + D + G + T);
   const std::vector<float> k = RandomKv(n, D, rng, true), v = RandomKv(n, D, rng, false);
-  kv_store::KvStore store(kv_store::KvStore::Options{64ull << 20, 16, 8});
+  kv_store::KvStore store(kv_store::KvStore::Options{
+      .capacity_bytes = 64ull << 20, .default_block_tokens = 16, .max_sessions = 8});
   kv_store::SessionOptions o;
   o.geometry = {1, G, 1, D};
   o.block_tokens = 16;

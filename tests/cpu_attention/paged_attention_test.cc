@@ -35,7 +35,8 @@ constexpr double kLseTol = 1e-4;
 struct Fixture {
   uint32_t H, G, D;
   uint64_t held;
-  kv_store::KvStore store{kv_store::KvStore::Options{256ull << 20, 64, 16}};
+  kv_store::KvStore store{kv_store::KvStore::Options{
+      .capacity_bytes = 256ull << 20, .default_block_tokens = 64, .max_sessions = 16}};
   std::shared_ptr<kv_store::Session> session;
   std::vector<std::vector<float>> k, v;  // [H][held * D]
 
