@@ -45,8 +45,9 @@ constexpr size_t kMaxScoreBytes = size_t{1} << 20;
 // head_dim, dtype). (oneDNN 2.6 serves runtime sizes with its generic gemm, ~2x slower here.)
 constexpr uint32_t kTailShapes = 16;
 constexpr uint32_t kPadShapes = 4;
-// int8 KV is dequantised chunk by chunk into f32 K and V tiles (q * scale, exact) that the f32
-// matmuls then read. f32 tiles measured faster than bf16 tiles with the hi/lo split here (2-core
+// int8 KV with more than kInt8ScanMaxRows query rows is dequantised chunk by chunk into f32 K
+// and V tiles (q * scale, exact) that the f32 matmuls then read (the timings below are of G 4
+// decode, measured when this path still served it). f32 tiles measured faster than bf16 tiles with the hi/lo split here (2-core
 // EPYC, 16K keys x 8 heads, G 4: 11.4 vs 14.8-21 ms per call; bf16 KV 10.6-10.9 ms), and add no
 // rounding. Chunk size: on the 2-core dev box 2048 keys (2 x 1 MiB tiles at head_dim 128) beat
 // 512 (node Attend, n 16384: 2.91-2.99 ms against 3.79-3.82 ms), but on the 16-core H100 host,
@@ -56,8 +57,9 @@ constexpr uint32_t kPadShapes = 4;
 constexpr uint32_t kInt8ChunkKeys = 512;
 // int8 KV with at most this many query rows (T * G) skips the dequantised matmuls: PagedAttention's
 // scan reads the codes in place (int8_scan_kernels.h). One thread, 8 kv heads x 4096 entries in
-// cache, G 4 (2-core EPYC): 4 rows 0.50 ms scan vs 1.24 ms matmuls, 8 rows 1.05 vs 1.45 ms,
-// 16 rows 2.08 vs 1.92 ms, 32 rows 3.69 vs 2.85 ms.
+// cache, G 4 (2-core EPYC, AVX-512 kernels): 4 rows 0.50 ms scan vs 1.24 ms matmuls, 8 rows
+// 0.91 vs 1.60 ms, 12 rows 1.42 vs 1.68 ms, 16 rows 2.28 vs 1.99 ms, 32 rows 3.92 vs 3.44 ms.
+// NOTE: in cache; the 16-core host's memory-bound scan may favour a higher bound (unmeasured).
 constexpr uint64_t kInt8ScanMaxRows = 12;
 
 // Derived sizes of one call. Matmul row 2r holds the bf16 hi part of query row r and row 2r + 1
