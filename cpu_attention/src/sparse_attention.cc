@@ -47,13 +47,14 @@ constexpr uint32_t kTailShapes = 16;
 constexpr uint32_t kPadShapes = 4;
 // int8 KV with more than kInt8ScanMaxRows query rows is dequantised chunk by chunk into f32 K
 // and V tiles (q * scale, exact) that the f32 matmuls then read (the timings below are of G 4
-// decode, measured when this path still served it). f32 tiles measured faster than bf16 tiles with the hi/lo split here (2-core
-// EPYC, 16K keys x 8 heads, G 4: 11.4 vs 14.8-21 ms per call; bf16 KV 10.6-10.9 ms), and add no
-// rounding. Chunk size: on the 2-core dev box 2048 keys (2 x 1 MiB tiles at head_dim 128) beat
-// 512 (node Attend, n 16384: 2.91-2.99 ms against 3.79-3.82 ms), but on the 16-core H100 host,
-// where the scan is memory-bound (tandem-attend-bench --heads 8 --group 4 --n 131072,1048576),
-// 2048 took 11.7 / 101.9 ms and 512 10.3 / 84.5 ms (bf16 KV: 6.2-8.2 / 49-66 ms): 512 keeps
-// the tiles in L2 of a core that shares the memory bus with 15 others. The serving host rules.
+// decode, measured when this path still served it). f32 tiles measured faster than bf16 tiles
+// with the hi/lo split here (2-core EPYC, 16K keys x 8 heads, G 4: 11.4 vs 14.8-21 ms per call;
+// bf16 KV 10.6-10.9 ms), and add no rounding. Chunk size: on the 2-core dev box 2048 keys
+// (2 x 1 MiB tiles at head_dim 128) beat 512 (node Attend, n 16384: 2.91-2.99 ms against
+// 3.79-3.82 ms), but on the 16-core H100 host, where the scan is memory-bound
+// (tandem-attend-bench --heads 8 --group 4 --n 131072,1048576), 2048 took 11.7 / 101.9 ms and
+// 512 10.3 / 84.5 ms (bf16 KV: 6.2-8.2 / 49-66 ms): 512 keeps the tiles in L2 of a core that
+// shares the memory bus with 15 others. The serving host rules.
 constexpr uint32_t kInt8ChunkKeys = 512;
 // int8 KV with at most this many query rows (T * G) skips the dequantised matmuls: PagedAttention's
 // scan reads the codes in place (int8_scan_kernels.h). One thread, 8 kv heads x 4096 entries in
