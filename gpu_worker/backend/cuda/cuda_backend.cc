@@ -424,7 +424,7 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
                                     .n = p.n,
                                     .k = p.k,
                                     .accumulate = p.accumulate};
-  if (cuda_backend::GemvSupports(gemv)) {
+  if (cuda_backend::GemvPreferred(gemv)) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(gemv, stream()));
     return absl::OkStatus();
   }

@@ -10,9 +10,8 @@
 namespace tandem::gpu_worker::cuda_backend {
 namespace {
 
-constexpr int kWarps = 8;  // output columns per block
+constexpr int kWarps = 8;  // warps per block (kWarps / warps_per_column output columns)
 constexpr int kThreads = kWarps * kWarpSize;
-constexpr int kUnroll = 4;  // 16-byte weight loads in flight per lane
 
 // Unpacks 8 weights of a 16-byte chunk to f32.
 __device__ __forceinline__ void Unpack(const uint4& v, __nv_bfloat16, float* out) {
@@ -40,30 +39,37 @@ __device__ __forceinline__ float Round(float x, __nv_bfloat16) {
 }
 __device__ __forceinline__ float Round(float x, __half) { return __half2float(__float2half_rn(x)); }
 
-// grid: [ceil(n / kWarps)], kThreads threads. Warp w of block b computes column j = b·kWarps + w
-// for the kM rows: lane l takes the 8-element chunks l, l + 32, ... of w[j, :] (kUnroll loads
-// issued before their products), then the warp sums its lanes.
-template <typename T, int kM>
+// grid: [ceil(n / (kWarps / kSplit))], kThreads threads. The kSplit warps w = kSplit·c + p of
+// block b compute column j = b·(kWarps / kSplit) + c for the kM rows: in each round of
+// kUnroll·kSplit·32 chunks (8 elements each) of w[j, :], warp p, lane l takes the chunks
+// (u·kSplit + p)·32 + l, u < kUnroll (all its loads issued before their products); each warp sums
+// its lanes, then warp p = 0 adds the kSplit warp sums in order p = 0, 1, ... (shared memory).
+template <typename T, int kM, int kSplit, int kUnroll>
 __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
+  static_assert(kWarps % kSplit == 0, "a block holds whole columns");
+  constexpr int kColumns = kWarps / kSplit;
+  constexpr int64_t kStride = int64_t{kUnroll} * kSplit * kWarpSize;  // chunks per round
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (j >= a.n) return;
+  const int part = warp % kSplit;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kColumns + warp / kSplit;
+  const bool active = j < a.n;  // no early return: the block syncs below when kSplit > 1
   const int64_t chunks = a.k / 8;
-  const uint4* w = reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + j * a.k);
+  const uint4* w =
+      reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + (active ? j : 0) * a.k);
   float acc[kM];
 #pragma unroll
   for (int r = 0; r < kM; ++r) acc[r] = 0.0f;
-  for (int64_t c0 = lane; c0 < chunks; c0 += kUnroll * kWarpSize) {
+  for (int64_t c0 = int64_t{part} * kWarpSize + lane; active && c0 < chunks; c0 += kStride) {
     uint4 wv[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + u * kWarpSize;
+      const int64_t c = c0 + int64_t{u} * kSplit * kWarpSize;
       wv[u] = c < chunks ? __ldg(w + c) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + u * kWarpSize;
+      const int64_t c = c0 + int64_t{u} * kSplit * kWarpSize;
       if (c >= chunks) break;
       float wf[8];
       Unpack(wv[u], T(), wf);
@@ -87,7 +93,23 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   }
 #pragma unroll
   for (int r = 0; r < kM; ++r) acc[r] = WarpSum(acc[r]);
-  if (lane != 0) return;
+  if constexpr (kSplit > 1) {
+    __shared__ float partial[kWarps][kM];  // each warp's sums
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < kM; ++r) partial[warp][r] = acc[r];
+    }
+    __syncthreads();
+    if (part != 0) return;
+#pragma unroll
+    for (int r = 0; r < kM; ++r) {
+      float s = partial[warp][r];
+#pragma unroll
+      for (int p = 1; p < kSplit; ++p) s += partial[warp + p][r];
+      acc[r] = s;
+    }
+  }
+  if (lane != 0 || !active) return;
 #pragma unroll
   for (int r = 0; r < kM; ++r) {
     float* y = a.y + r * a.n + j;
@@ -98,32 +120,71 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   }
 }
 
-template <typename T>
-cudaError_t LaunchAs(const GemvArgs& a, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((a.n + kWarps - 1) / kWarps);
+template <typename T, int kSplit, int kUnroll>
+cudaError_t LaunchShape(const GemvArgs& a, cudaStream_t stream) {
+  constexpr int64_t kColumns = kWarps / kSplit;
+  const unsigned blocks = static_cast<unsigned>((a.n + kColumns - 1) / kColumns);
   if (a.m == 1) {
-    GemvKernel<T, 1><<<blocks, kThreads, 0, stream>>>(a);
+    GemvKernel<T, 1, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
   } else {
-    GemvKernel<T, 2><<<blocks, kThreads, 0, stream>>>(a);
+    GemvKernel<T, 2, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
   }
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchAs(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
+  switch (v.warps_per_column * 16 + v.unroll) {
+    case 1 * 16 + 4:
+      return LaunchShape<T, 1, 4>(a, stream);
+    case 1 * 16 + 8:
+      return LaunchShape<T, 1, 8>(a, stream);
+    case 2 * 16 + 4:
+      return LaunchShape<T, 2, 4>(a, stream);
+    case 2 * 16 + 8:
+      return LaunchShape<T, 2, 8>(a, stream);
+    case 4 * 16 + 4:
+      return LaunchShape<T, 4, 4>(a, stream);
+    case 4 * 16 + 8:
+      return LaunchShape<T, 4, 8>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
 
 bool GemvSupports(const GemvArgs& a) {
-  static_assert(kGemvMaxRows == 2, "LaunchAs instantiates m = 1 and 2");
+  static_assert(kGemvMaxRows == 2, "LaunchShape instantiates m = 1 and 2");
+  // Blocks: n / (kWarps / 4) at the most at 4 warps per column.
   return a.m >= 1 && a.m <= kGemvMaxRows && a.n >= 1 && a.k >= 8 && a.k % 8 == 0 &&
-         a.k <= kGemvMaxK &&
          (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16) && a.x != nullptr &&
          a.w != nullptr && a.y != nullptr && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && (a.n + kWarps - 1) / kWarps <= INT32_MAX;
+         reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && (a.n + 1) / 2 <= INT32_MAX;
+}
+
+bool GemvPreferred(const GemvArgs& a) { return GemvSupports(a) && a.k <= kGemvMaxK; }
+
+bool GemvVariantValid(GemvVariant v) {
+  for (const GemvVariant& known : kGemvVariants) {
+    if (known.warps_per_column == v.warps_per_column && known.unroll == v.unroll) return true;
+  }
+  return false;
+}
+
+GemvVariant GemvDefaultVariant(int64_t k) {
+  static_assert(kWarps % 4 == 0, "kGemvVariants split a column over up to 4 warps");
+  return k > kGemvLongK ? kGemvLongKVariant : kGemvVariant;
+}
+
+cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
+  if (!GemvSupports(a) || !GemvVariantValid(v)) return cudaErrorInvalidValue;
+  return a.w_dtype == DType::kBF16 ? LaunchAs<__nv_bfloat16>(a, v, stream)
+                                   : LaunchAs<__half>(a, v, stream);
 }
 
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream) {
-  if (!GemvSupports(a)) return cudaErrorInvalidValue;
-  return a.w_dtype == DType::kBF16 ? LaunchAs<__nv_bfloat16>(a, stream)
-                                   : LaunchAs<__half>(a, stream);
+  return LaunchGemv(a, GemvDefaultVariant(a.k), stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

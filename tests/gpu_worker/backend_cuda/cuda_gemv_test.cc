@@ -1,0 +1,146 @@
+// The decode GEMV (gemv.cuh) launched directly, every variant of kGemvVariants: bf16 and f16
+// weights, m = 1 and 2, against a naive f64 reference of its numerics (x rounded to the weight
+// dtype). Shapes cover one chunk per column, partial unroll rounds, odd n (a block's last
+// columns past n), the down projection's k = 14336 and k past kGemvMaxK. The planning helpers
+// (GemvVariantValid, GemvDefaultVariant, GemvPreferred) are host code and run without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "cuda_test_util.h"
+#include "gemv.cuh"
+#include "gtest/gtest.h"
+#include "tandem/gpu_worker/backend.h"
+
+namespace tandem::gpu_worker::cuda_test {
+namespace {
+
+using cuda_backend::GemvArgs;
+using cuda_backend::GemvVariant;
+
+TEST(GemvPlanTest, VariantsAndDefaults) {
+  for (const GemvVariant& v : cuda_backend::kGemvVariants) {
+    EXPECT_TRUE(cuda_backend::GemvVariantValid(v)) << v.warps_per_column << "x" << v.unroll;
+  }
+  EXPECT_FALSE(cuda_backend::GemvVariantValid({3, 4}));
+  EXPECT_FALSE(cuda_backend::GemvVariantValid({1, 2}));
+  EXPECT_FALSE(cuda_backend::GemvVariantValid({8, 8}));
+  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvVariant));
+  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvLongKVariant));
+  const GemvVariant short_k = cuda_backend::GemvDefaultVariant(4096);
+  EXPECT_EQ(short_k.warps_per_column, cuda_backend::kGemvVariant.warps_per_column);
+  EXPECT_EQ(short_k.unroll, cuda_backend::kGemvVariant.unroll);
+  const GemvVariant long_k = cuda_backend::GemvDefaultVariant(14336);
+  EXPECT_EQ(long_k.warps_per_column, cuda_backend::kGemvLongKVariant.warps_per_column);
+  EXPECT_EQ(long_k.unroll, cuda_backend::kGemvLongKVariant.unroll);
+}
+
+TEST(GemvPlanTest, SupportsAndPreferred) {
+  alignas(16) static float x[16];
+  alignas(16) static uint16_t w[16];
+  float y[2];
+  GemvArgs a{.x = x, .w = w, .w_dtype = DType::kBF16, .y = y, .m = 1, .n = 1, .k = 8};
+  EXPECT_TRUE(cuda_backend::GemvSupports(a));
+  EXPECT_TRUE(cuda_backend::GemvPreferred(a));
+  a.k = cuda_backend::kGemvMaxK + 8;  // the kernel takes it; MatMul keeps cuBLAS
+  EXPECT_TRUE(cuda_backend::GemvSupports(a));
+  EXPECT_FALSE(cuda_backend::GemvPreferred(a));
+  a.k = 12;  // not a multiple of 8
+  EXPECT_FALSE(cuda_backend::GemvSupports(a));
+  a.k = 8;
+  a.m = 3;
+  EXPECT_FALSE(cuda_backend::GemvSupports(a));
+  a.m = 1;
+  a.w_dtype = DType::kF32;
+  EXPECT_FALSE(cuda_backend::GemvSupports(a));
+  a.w_dtype = DType::kF16;
+  a.x = x + 1;  // 4-byte aligned only
+  EXPECT_FALSE(cuda_backend::GemvSupports(a));
+  EXPECT_EQ(cuda_backend::LaunchGemv(a, nullptr), cudaErrorInvalidValue);
+}
+
+// (dtype, variant index, m, n, k).
+using GemvCase = std::tuple<DType, int, int64_t, int64_t, int64_t>;
+
+class CudaGemvTest : public CudaBackendFixture, public ::testing::WithParamInterface<GemvCase> {};
+
+// Tolerance: the reference's f64 sum of |x·w| times 1e-5 (f32 sums of up to 14336 products in a
+// different order), plus 1e-6.
+TEST_P(CudaGemvTest, MatchesReference) {
+  const auto [dtype, variant_index, m, n, k] = GetParam();
+  const GemvVariant variant = cuda_backend::kGemvVariants[variant_index];
+  const std::vector<float> x = RandomFloats(m * k, -1, 1, 31);
+  const std::vector<float> w = RoundTo(RandomFloats(n * k, -1, 1, 32), dtype);
+  const std::vector<float> bias = RandomFloats(n, -1, 1, 33);
+  const std::vector<float> y0 = RandomFloats(m * n, -1, 1, 34);
+  const std::vector<float> xr = RoundTo(x, dtype);
+  DeviceBuffer x_buffer = Upload(x);
+  DeviceBuffer w_buffer = Upload(EncodeAs(w, dtype));
+  DeviceBuffer bias_buffer = Upload(bias);
+  for (const bool accumulate : {false, true}) {
+    // Plain: y poisoned with NaN (every element must be written); accumulate: y0 + x·wᵀ + bias.
+    DeviceBuffer y_buffer = accumulate ? Upload(y0) : Filled(m * n, std::nanf(""));
+    const GemvArgs a{.x = x_buffer.as<float>(),
+                     .w = w_buffer.data(),
+                     .w_dtype = dtype,
+                     .bias = accumulate ? bias_buffer.as<float>() : nullptr,
+                     .y = y_buffer.as<float>(),
+                     .m = m,
+                     .n = n,
+                     .k = k,
+                     .accumulate = accumulate};
+    ASSERT_TRUE(backend_->Synchronize().ok());
+    ASSERT_EQ(cuda_backend::LaunchGemv(a, variant, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> got = Download<float>(y_buffer, m * n);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = 0.0, magnitude = 0.0;
+        for (int64_t l = 0; l < k; ++l) {
+          const double p = double{xr[i * k + l]} * w[j * k + l];
+          sum += p;
+          magnitude += std::abs(p);
+        }
+        if (accumulate) sum += double{y0[i * n + j]} + bias[j];
+        ASSERT_NEAR(got[i * n + j], sum, 1e-5 * magnitude + 1e-6)
+            << "row " << i << " column " << j << (accumulate ? " accumulate" : "");
+      }
+    }
+  }
+}
+
+std::vector<GemvCase> GemvCases() {
+  std::vector<GemvCase> cases;
+  constexpr int kVariants = std::size(cuda_backend::kGemvVariants);
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (int v = 0; v < kVariants; ++v) {
+      for (int64_t m : {1, 2}) {
+        // k = 8: one chunk; 264: a partial round for every unroll; 4104 and 14336: many rounds
+        // (14336: the down projection); 16392: past kGemvMaxK. n = 1, 3, 7, 13: blocks of 8, 4
+        // or 2 columns with columns past n.
+        for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 8}, {7, 264}, {13, 4104},
+                            {3, 14336}, {5, 16392}, {64, 64}}) {
+          cases.emplace_back(dtype, v, m, n, k);
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+std::string GemvName(const ::testing::TestParamInfo<GemvCase>& info) {
+  const auto [dtype, v, m, n, k] = info.param;
+  const GemvVariant variant = cuda_backend::kGemvVariants[v];
+  return absl::StrCat(dtype == DType::kBF16 ? "bf16" : "f16", "_w", variant.warps_per_column,
+                      "_u", variant.unroll, "_m", m, "_n", n, "_k", k);
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, CudaGemvTest, ::testing::ValuesIn(GemvCases()), GemvName);
+
+}  // namespace
+}  // namespace tandem::gpu_worker::cuda_test
