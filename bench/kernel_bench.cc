@@ -26,9 +26,16 @@
 // rate is printed against the copy bandwidth; the top-k kernel and the whole backend call are
 // timed too. Summary sets rotate like decode caches when they would sit in L2.
 //
+// Decode GEMV (issue 15 item 3, gemv_sweep): every variant of gemv.cuh's kGemvVariants and the
+// backend's cuBLAS path (x converted to bf16 + cublasGemmEx) on the --gemv_shapes bf16 weights
+// (rotated over copies past 4x the L2), m = --gemv_rows; bytes = weight + x + y, printed against
+// the copy bandwidth; each output is checked on sampled columns against an f64 host reference
+// (rel = |y - ref| / sum |x·w|; "ok" at <= 1e-5).
+//
 //   tandem-kernel-bench                      # the issue-4 set: Llama-3-8B geometry, bf16 cache
 //   tandem-kernel-bench --decode_windows=4096 --prefill=false
 //   tandem-kernel-bench --decode_windows= --prefill=false   # page selection only
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -54,7 +61,10 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "tandem/gpu_worker/backend.h"
+#include "convert.cuh"
+#include "gemv.cuh"
 #include "page_select.cuh"
+#include "tandem/common/bf16.h"
 #include "window_attention.cuh"
 #include "window_attention_flash.cuh"
 
@@ -65,6 +75,9 @@ ABSL_FLAG(std::string, dtype, "bf16", "cache dtype: bf16 or f32");
 ABSL_FLAG(std::string, decode_windows, "4096,16384,65536", "decode window sizes (slots)");
 ABSL_FLAG(std::string, decode_tokens, "1,2,8",
           "decode query tokens per call (x G query rows per kv head)");
+ABSL_FLAG(std::string, decode_waves, "",
+          "decode (no MAW): also time the plans aiming at these waves of resident blocks "
+          "(e.g. 1,2,4,8; the backend's is window_attention.cuh's kDecodeWaves)");
 ABSL_FLAG(bool, prefill, true, "run the prefill cases");
 ABSL_FLAG(std::string, prefill_cases,
           "2048:0,2048:8192,2048:32768,4096:0,16384:0,16384:16384",
@@ -79,6 +92,11 @@ ABSL_FLAG(int64_t, page_tokens, 16, "page selection: tokens per page");
 ABSL_FLAG(int64_t, page_select, 128, "page selection: pages kept per (token, kv head)");
 ABSL_FLAG(std::string, page_query_tokens, "1",
           "page selection: query tokens per call (decode 1; prefill chunks more)");
+ABSL_FLAG(bool, gemv, true, "run the decode GEMV sweep (every gemv.cuh variant and cuBLAS)");
+ABSL_FLAG(std::string, gemv_shapes, "6144x4096,4096x4096,28672x4096,4096x14336,128256x4096",
+          "GEMV sweep: n x k weight shapes (Llama-3-8B decode: qkv, o_proj, gate_up, down, "
+          "lm_head)");
+ABSL_FLAG(std::string, gemv_rows, "1,2", "GEMV sweep: activation rows m");
 ABSL_FLAG(double, seconds, 0.3, "target timed seconds per case");
 ABSL_FLAG(int64_t, max_reps, 200, "repetitions per case at most");
 
@@ -167,6 +185,7 @@ struct PlanChoice {
   bool allow_tensor_cores = true;
   bool exact_prefill = false;  // the exact (hi + lo) tensor-core kernel for prefill
   int flash_variant = -1;      // >= 0: that warp layout of the fast kernel
+  int decode_waves = 0;        // > 0: decode plans aim at that many waves (kDecodeWaves)
 };
 
 class Bench {
@@ -200,6 +219,8 @@ class Bench {
 
   const std::string& device() const { return device_; }
   size_t l2_bytes() const { return l2_bytes_; }
+  cudaStream_t stream() const { return stream_.get(); }
+  Backend& backend() { return *backend_; }
 
   // Device-to-device copy bandwidth: (bytes read + bytes written) / time of a 1 GiB copy.
   absl::StatusOr<double> CopyBandwidth() {
@@ -250,7 +271,7 @@ class Bench {
   absl::StatusOr<WindowAttentionPlan> Plan(const WindowAttentionArgs& a, const PlanChoice& c) {
     WindowAttentionPlan plan;
     BENCH_CUDA(cuda_backend::PlanWindowAttention(a, num_sms_, &plan, c.allow_tensor_cores,
-                                                 c.exact_prefill));
+                                                 c.exact_prefill, c.decode_waves));
     if (plan.flash && c.flash_variant >= 0) plan.flash_variant = c.flash_variant;
     return plan;
   }
@@ -497,6 +518,186 @@ absl::StatusOr<Problem> MakeProblem(Bench& bench, const Geometry& geo, int64_t t
   return p;
 }
 
+// ---- decode GEMV sweep (issue 15 item 3) ------------------------------------------------------
+
+struct CublasDeleter {
+  void operator()(cublasHandle_t h) const { cublasDestroy(h); }
+};
+using CublasPtr = std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, CublasDeleter>;
+
+// "NxK,..." -> (n, k) pairs.
+absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParseShapes(const std::string& text) {
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (absl::string_view piece : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    const std::vector<absl::string_view> parts = absl::StrSplit(piece, 'x');
+    int64_t n = 0, k = 0;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &n) || !absl::SimpleAtoi(parts[1], &k) ||
+        n <= 0 || k <= 0 || k % 8 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("bad GEMV shape '", piece, "' (want NxK, K a multiple of 8)"));
+    }
+    shapes.emplace_back(n, k);
+  }
+  return shapes;
+}
+
+// Worst relative error of y [m, n] on sampled columns (every n/128-th and the last) against an
+// f64 reference of the GEMV numerics (x rounded to bf16, bf16 weights): |y - ref| / sum |x·w|.
+absl::StatusOr<double> GemvError(Bench& bench, const DeviceBuffer& x, const DeviceBuffer& w,
+                                 const DeviceBuffer& y, int64_t m, int64_t n, int64_t k) {
+  std::vector<float> xh(m * k), yh(m * n);
+  std::vector<bf16_t> row(k);
+  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(xh.data(), x.data(), xh.size() * 4));
+  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(yh.data(), y.data(), yh.size() * 4));
+  for (float& v : xh) v = Bf16ToFloat(FloatToBf16(v));
+  const int64_t step = std::max<int64_t>(1, n / 128);
+  double worst = 0.0;
+  for (int64_t j = 0; j < n; j = (j + step < n || j == n - 1) ? j + step : n - 1) {
+    BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(
+        row.data(), static_cast<const char*>(w.data()) + j * k * 2, k * 2));
+    for (int64_t r = 0; r < m; ++r) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double p = double{xh[r * k + i]} * Bf16ToFloat(row[i]);
+        sum += p;
+        magnitude += std::abs(p);
+      }
+      const double got = yh[r * n + j];
+      worst = std::max(worst, std::isfinite(got) ? std::abs(got - sum) / (magnitude + 1e-30)
+                                                 : std::numeric_limits<double>::infinity());
+    }
+  }
+  return worst;
+}
+
+// Times every gemv.cuh variant and the cuBLAS path on each (shape, m); appends the summary lines
+// (the fastest variant of each, against cuBLAS) to `table`.
+absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
+                          std::vector<std::string>* table) {
+  absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> shapes =
+      ParseShapes(absl::GetFlag(FLAGS_gemv_shapes));
+  if (!shapes.ok()) return shapes.status();
+  absl::StatusOr<std::vector<int64_t>> rows = ParseList(absl::GetFlag(FLAGS_gemv_rows));
+  if (!rows.ok()) return rows.status();
+  for (int64_t m : *rows) {
+    if (m > cuda_backend::kGemvMaxRows) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--gemv_rows ", m, " > kGemvMaxRows ", cuda_backend::kGemvMaxRows));
+    }
+  }
+  cublasHandle_t raw = nullptr;
+  if (cublasCreate(&raw) != CUBLAS_STATUS_SUCCESS) return absl::InternalError("cublasCreate");
+  CublasPtr cublas(raw);
+  if (cublasSetStream(raw, bench.stream()) != CUBLAS_STATUS_SUCCESS) {
+    return absl::InternalError("cublasSetStream");
+  }
+  const int64_t reps = std::min<int64_t>(max_reps, 100);
+  for (const auto& [n, k] : *shapes) {
+    const size_t w_bytes = static_cast<size_t>(n * k) * 2;
+    // Weight copies to rotate over: together past 4x the L2, so each repetition reads HBM.
+    const int64_t sets =
+        std::max<int64_t>(1, static_cast<int64_t>((4 * bench.l2_bytes() + w_bytes - 1) / w_bytes));
+    std::vector<DeviceBuffer> weights;
+    for (int64_t s = 0; s < sets; ++s) {
+      absl::StatusOr<DeviceBuffer> w = bench.Alloc(w_bytes);
+      if (!w.ok()) return w.status();
+      BENCH_RETURN_IF_ERROR(bench.Fill(w->data(), DType::kBF16, n * k, 100 + s, 1.0f));
+      weights.push_back(*std::move(w));
+    }
+    for (int64_t m : *rows) {
+      absl::StatusOr<DeviceBuffer> x = bench.Alloc(m * k * 4);
+      if (!x.ok()) return x.status();
+      absl::StatusOr<DeviceBuffer> x16 = bench.Alloc(m * k * 2);
+      if (!x16.ok()) return x16.status();
+      absl::StatusOr<DeviceBuffer> y = bench.Alloc(m * n * 4);
+      if (!y.ok()) return y.status();
+      BENCH_RETURN_IF_ERROR(bench.Fill(x->data(), DType::kF32, m * k, 7, 1.0f));
+      const double bytes = static_cast<double>(w_bytes + m * k * 4 + m * n * 4);
+      auto args = [&](int64_t rep) {
+        return cuda_backend::GemvArgs{.x = x->as<float>(),
+                                      .w = weights[rep % sets].data(),
+                                      .w_dtype = DType::kBF16,
+                                      .y = y->as<float>(),
+                                      .m = m,
+                                      .n = n,
+                                      .k = k};
+      };
+      // The backend's fallback: x to bf16, then y = x·wᵀ on cuBLAS (f32 compute).
+      auto cublas_call = [&](int64_t rep) -> absl::Status {
+        BENCH_CUDA(cuda_backend::LaunchConvertFromF32({.src = x->as<float>(),
+                                                       .dst = x16->data(),
+                                                       .dst_dtype = DType::kBF16,
+                                                       .count = m * k},
+                                                      bench.stream()));
+        const float alpha = 1.0f, beta = 0.0f;
+        if (cublasGemmEx(raw, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                         static_cast<int>(k), &alpha, weights[rep % sets].data(), CUDA_R_16BF,
+                         static_cast<int>(k), x16->data(), CUDA_R_16BF, static_cast<int>(k),
+                         &beta, y->data(), CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+          return absl::InternalError("cublasGemmEx failed");
+        }
+        return absl::OkStatus();
+      };
+      struct Result {
+        std::string name;
+        double seconds = 0.0, error = 0.0;
+      };
+      std::vector<Result> results;
+      auto measure = [&](const std::string& name,
+                         const std::function<absl::Status(int64_t)>& call) -> absl::Status {
+        // Correctness first: y poisoned (NaN bytes), one call on weight set 0, checked.
+        BENCH_CUDA(cudaMemsetAsync(y->data(), 0xff, m * n * 4, bench.stream()));
+        BENCH_RETURN_IF_ERROR(call(0));
+        BENCH_CUDA(cudaStreamSynchronize(bench.stream()));
+        absl::StatusOr<double> error = GemvError(bench, *x, weights[0], *y, m, n, k);
+        if (!error.ok()) return error.status();
+        absl::StatusOr<double> seconds = TimeMedian(bench.stream(), reps, call,
+                                                    [&] { return bench.Busy(reps); });
+        if (!seconds.ok()) return seconds.status();
+        results.push_back({name, *seconds, *error});
+        const double gbps = bytes / *seconds / 1e9;
+        std::printf("%s\n", nlohmann::json{{"bench", "gemv"},
+                                           {"n", n},
+                                           {"k", k},
+                                           {"m", m},
+                                           {"variant", name},
+                                           {"us", *seconds * 1e6},
+                                           {"gbps", gbps},
+                                           {"pct_copy", 100.0 * gbps * 1e9 / copy_bw},
+                                           {"max_rel_error", *error},
+                                           {"ok", *error <= 1e-5}}
+                                .dump()
+                                .c_str());
+        return absl::OkStatus();
+      };
+      BENCH_RETURN_IF_ERROR(measure("cublas", cublas_call));
+      const cuda_backend::GemvVariant chosen = cuda_backend::GemvDefaultVariant(k);
+      for (const cuda_backend::GemvVariant& v : cuda_backend::kGemvVariants) {
+        BENCH_RETURN_IF_ERROR(measure(
+            absl::StrCat("w", v.warps_per_column, "u", v.unroll), [&](int64_t rep) -> absl::Status {
+              BENCH_CUDA(cuda_backend::LaunchGemv(args(rep), v, bench.stream()));
+              return absl::OkStatus();
+            }));
+      }
+      const Result& cublas_result = results[0];
+      for (const Result& r : results) {
+        const double gbps = bytes / r.seconds / 1e9;
+        const bool is_default = r.name == absl::StrCat("w", chosen.warps_per_column, "u",
+                                                       chosen.unroll);
+        table->push_back(absl::StrFormat(
+            "gemv  %6d x %5d  m %d  %-6s %8.1f us  %5.0f GB/s  %5.1f%% of copy  %5.3fx cublas "
+            " err %.1e %s%s",
+            static_cast<int>(n), static_cast<int>(k), static_cast<int>(m), r.name.c_str(),
+            r.seconds * 1e6, gbps, 100.0 * gbps * 1e9 / copy_bw,
+            cublas_result.seconds / r.seconds, r.error, r.error <= 1e-5 ? "ok" : "BAD",
+            is_default ? "  (default)" : ""));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   absl::StatusOr<std::unique_ptr<Bench>> created = Bench::Create();
   if (!created.ok()) return created.status();
@@ -520,12 +721,18 @@ absl::Status Run() {
                           .c_str());
   std::vector<std::string> table;
 
+  if (absl::GetFlag(FLAGS_gemv)) {
+    BENCH_RETURN_IF_ERROR(RunGemvSweep(bench, *copy_bw, max_reps, &table));
+  }
+
   // ---- decode: the paged window = 4 sink slots + a ring of recent positions, all visible.
   absl::StatusOr<std::vector<int64_t>> windows = ParseList(absl::GetFlag(FLAGS_decode_windows));
   if (!windows.ok()) return windows.status();
   absl::StatusOr<std::vector<int64_t>> decode_tokens =
       ParseList(absl::GetFlag(FLAGS_decode_tokens));
   if (!decode_tokens.ok()) return decode_tokens.status();
+  absl::StatusOr<std::vector<int64_t>> decode_waves = ParseList(absl::GetFlag(FLAGS_decode_waves));
+  if (!decode_waves.ok()) return decode_waves.status();
   for (int64_t window : *windows) {
     constexpr int64_t kSink = 4;
     if (window <= kSink) return absl::InvalidArgumentError("decode window must exceed 4");
@@ -579,6 +786,31 @@ absl::Status Run() {
             window, tokens, maw ? "on" : "off", timing->kernel_seconds * 1e6, gbps,
             100.0 * gbps * 1e9 / *copy_bw, timing->backend_seconds * 1e6, backend_gbps,
             timing->splits));
+        if (maw) continue;
+        for (int64_t waves : *decode_waves) {  // the split sweep (issue 15 item 3)
+          absl::StatusOr<Bench::Timing> swept =
+              bench.TimeAttention(problem->args, target, max_reps, /*kernel_only=*/true,
+                                  PlanChoice{.decode_waves = static_cast<int>(waves)});
+          if (!swept.ok()) return swept.status();
+          const double swept_gbps = bytes / swept->kernel_seconds / 1e9;
+          std::printf("%s\n", nlohmann::json{{"bench", "decode_waves"},
+                                             {"window", window},
+                                             {"tokens", tokens},
+                                             {"waves", waves},
+                                             {"default_waves", cuda_backend::kDecodeWaves},
+                                             {"us", swept->kernel_seconds * 1e6},
+                                             {"gbps", swept_gbps},
+                                             {"pct_copy", 100.0 * swept_gbps * 1e9 / *copy_bw},
+                                             {"splits", swept->splits}}
+                                  .dump()
+                                  .c_str());
+          table.push_back(absl::StrFormat(
+              "decode  window %6d  tokens %2d  waves %d%s  %9.1f us  %7.0f GB/s  %5.1f%% of copy  "
+              "splits %d",
+              window, tokens, static_cast<int>(waves),
+              waves == cuda_backend::kDecodeWaves ? " (default)" : "", swept->kernel_seconds * 1e6,
+              swept_gbps, 100.0 * swept_gbps * 1e9 / *copy_bw, swept->splits));
+        }
       }
     }
   }

@@ -392,7 +392,7 @@ cudaError_t ResidentBlocksPerSm(const WindowAttentionArgs& a, bool decode, bool 
 
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
                                 WindowAttentionPlan* plan, bool allow_tensor_cores,
-                                bool exact_prefill) {
+                                bool exact_prefill, int decode_waves) {
   *plan = WindowAttentionPlan();
   const int64_t rows = a.num_tokens * (a.num_q_heads / a.num_kv_heads);
   const bool stream_ok = allow_tensor_cores && DecodeStreamSupports(a);
@@ -417,7 +417,9 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
   // as much as a full one); a split keeps at least two slot tiles per warp so the partial states
   // stay cheap next to the work.
   const int64_t base_blocks = plan->row_tiles * a.num_kv_heads;
-  const int64_t wave = int64_t{std::max(num_sms, 1)} * std::max(blocks_per_sm, 1);
+  // Decode plans aim at decode_waves waves instead (kDecodeWaves unless a benchmark sweeps it).
+  const int64_t waves = plan->decode ? (decode_waves > 0 ? decode_waves : kDecodeWaves) : 1;
+  const int64_t wave = int64_t{std::max(num_sms, 1)} * std::max(blocks_per_sm, 1) * waves;
   const int64_t min_slots = 2 * slot_tile * (plan->decode ? kAttnWarps : 1);
   const int64_t max_splits =
       std::clamp<int64_t>((a.num_slots + min_slots - 1) / min_slots, 1, kMaxSplits);

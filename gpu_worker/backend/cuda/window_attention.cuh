@@ -86,14 +86,22 @@ struct WindowAttentionPlan {
   bool save_scores = false;
   size_t workspace_bytes = 0;
 };
+// Waves of resident blocks a decode plan's slot split aims at (issue 15 item 3: the streaming
+// decode kernel runs one block per multiprocessor, so at batch 1 one wave is 8 kv heads x ~16
+// splits; more waves trade longer tails for shorter per-block pipelines). 1 = the plan measured
+// at ~70% of the copy rate at 32K on an H100; set from tandem-kernel-bench's decode_waves rows
+// (scripts/gpu_host_decode.sh).
+inline constexpr int kDecodeWaves = 1;
+
 // Picks the kernel, and the slot split that fills `num_sms` multiprocessors with one wave of
-// resident blocks (the kernels' occupancy is queried once per process and kernel).
+// resident blocks (the kernels' occupancy is queried once per process and kernel); decode plans
+// aim at decode_waves waves (0: kDecodeWaves; benchmarks sweep it).
 // allow_tensor_cores = false keeps every plan on the f32 kernels (benchmark baseline);
 // exact_prefill = true keeps prefill plans on the exact (hi + lo split) tensor-core kernel (the
 // cuda backend passes BackendOptions::prefill_attention == kExact).
 cudaError_t PlanWindowAttention(const WindowAttentionArgs& args, int num_sms,
                                 WindowAttentionPlan* plan, bool allow_tensor_cores = true,
-                                bool exact_prefill = false);
+                                bool exact_prefill = false, int decode_waves = 0);
 
 // Computes o and lse. `workspace` holds plan.workspace_bytes (unused when splits == 1).
 cudaError_t LaunchWindowAttention(const WindowAttentionArgs& args, const WindowAttentionPlan& plan,

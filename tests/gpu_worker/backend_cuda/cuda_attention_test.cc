@@ -508,6 +508,81 @@ INSTANTIATE_TEST_SUITE_P(
           "_variant", std::get<1>(info.param));
     });
 
+// Decode plans at every split density the kernel bench sweeps (PlanWindowAttention's
+// decode_waves, window_attention.cuh's kDecodeWaves): the streaming decode kernel with its fused
+// merge off (no split counters: the combine launch) against the f64 reference. (tokens, waves).
+class DecodeWavesTest : public CudaBackendFixture,
+                        public ::testing::WithParamInterface<std::tuple<int64_t, int>> {};
+
+TEST_P(DecodeWavesTest, MatchesReference) {
+  const auto [tokens, waves] = GetParam();
+  // Llama-3-8B's GQA (8 kv heads x 4), a ring window with empty slots, bf16 cache.
+  const PrefillCase c{128, 8, 4, DType::kBF16, tokens, 9000, true};
+  const AttentionInputs in = MakePrefillInputs(c, 1000 + waves, /*nan_in_empty=*/true);
+  DeviceBuffer q = Upload(in.q), q_pos = Upload(in.q_pos), slot_pos = Upload(in.slot_pos);
+  DeviceBuffer k = Upload(EncodeAs(in.k, c.dtype)), v = Upload(EncodeAs(in.v, c.dtype));
+  const size_t rows = in.num_tokens * in.num_q_heads;
+  DeviceBuffer o = Filled(rows * in.head_dim, kNaN), lse = Filled(rows, kNaN);
+  cuda_backend::WindowAttentionArgs args;
+  args.q = q.as<float>();
+  args.q_row_stride = in.q_row_stride;
+  args.q_pos = q_pos.as<int32_t>();
+  args.k_cache = k.data();
+  args.v_cache = v.data();
+  args.cache_dtype = c.dtype;
+  args.slot_pos = slot_pos.as<int32_t>();
+  args.num_slots = in.num_slots;
+  args.capacity = in.capacity;
+  args.num_tokens = in.num_tokens;
+  args.num_q_heads = in.num_q_heads;
+  args.num_kv_heads = in.num_kv_heads;
+  args.head_dim = in.head_dim;
+  args.scale = in.scale;
+  args.o = o.as<float>();
+  args.lse = lse.as<float>();
+  cudaDeviceProp props{};
+  ASSERT_EQ(cudaGetDeviceProperties(&props, 0), cudaSuccess);
+  cuda_backend::WindowAttentionPlan plan;
+  ASSERT_EQ(cuda_backend::PlanWindowAttention(args, props.multiProcessorCount, &plan,
+                                              /*allow_tensor_cores=*/true,
+                                              /*exact_prefill=*/false, waves),
+            cudaSuccess);
+  ASSERT_TRUE(plan.decode) << "the shape should take the decode kernel";
+  DeviceBuffer workspace;
+  if (plan.workspace_bytes > 0) {
+    absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
+    ASSERT_TRUE(ws.ok()) << ws.status();
+    workspace = *std::move(ws);
+  }
+  ASSERT_TRUE(backend_->Synchronize().ok());  // the uploads are queued on the backend's stream
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  const cudaError_t launched =
+      cuda_backend::LaunchWindowAttention(args, plan, workspace.data(), stream);
+  const cudaError_t synced = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  ASSERT_EQ(launched, cudaSuccess) << cudaGetErrorString(launched);
+  ASSERT_EQ(synced, cudaSuccess) << cudaGetErrorString(synced);
+  const std::vector<float> got_o = Download<float>(o, rows * in.head_dim);
+  const std::vector<float> got_lse = Download<float>(lse, rows);
+  const AttentionResult ref = ReferenceAttention(in);
+  for (size_t r = 0; r < rows; ++r) {
+    ASSERT_NEAR(got_lse[r], ref.lse[r], kExactTolerance.lse * std::max(1.0, std::abs(ref.lse[r])))
+        << "row " << r << " splits " << plan.splits;
+    for (int64_t d = 0; d < in.head_dim; ++d) {
+      ASSERT_NEAR(got_o[r * in.head_dim + d], ref.o[r * in.head_dim + d], kExactTolerance.o)
+          << "row " << r << " dim " << d << " splits " << plan.splits;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DecodeWaves, DecodeWavesTest,
+                         ::testing::Combine(::testing::Values(1, 2), ::testing::Values(1, 2, 4, 8)),
+                         [](const ::testing::TestParamInfo<std::tuple<int64_t, int>>& info) {
+                           return absl::StrCat("t", std::get<0>(info.param), "_waves",
+                                               std::get<1>(info.param));
+                         });
+
 using WindowAttentionEdgeTest = CudaBackendFixture;
 
 // An empty window (num_slots = 0): o = 0, lse = -inf, maw untouched.
