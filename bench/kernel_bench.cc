@@ -612,6 +612,8 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
       absl::StatusOr<DeviceBuffer> y = bench.Alloc(m * n * 4);
       if (!y.ok()) return y.status();
       BENCH_RETURN_IF_ERROR(bench.Fill(x->data(), DType::kF32, m * k, 7, 1.0f));
+      // The fills ran on the backend's stream; the timings run on the bench's.
+      BENCH_RETURN_IF_ERROR(bench.backend().Synchronize());
       const double bytes = static_cast<double>(w_bytes + m * k * 4 + m * n * 4);
       auto args = [&](int64_t rep) {
         return cuda_backend::GemvArgs{.x = x->as<float>(),
@@ -786,8 +788,9 @@ absl::Status Run() {
             window, tokens, maw ? "on" : "off", timing->kernel_seconds * 1e6, gbps,
             100.0 * gbps * 1e9 / *copy_bw, timing->backend_seconds * 1e6, backend_gbps,
             timing->splits));
-        if (maw) continue;
-        for (int64_t waves : *decode_waves) {  // the split sweep (issue 15 item 3)
+        // The split sweep (issue 15 item 3): decode plans only (decode_waves leaves others alone).
+        if (maw || !timing->decode_kernel) continue;
+        for (int64_t waves : *decode_waves) {
           absl::StatusOr<Bench::Timing> swept =
               bench.TimeAttention(problem->args, target, max_reps, /*kernel_only=*/true,
                                   PlanChoice{.decode_waves = static_cast<int>(waves)});

@@ -47,7 +47,7 @@ case "$part" in
     timeout 120 tandem-bench --modes gpu --contexts 32768,131072 --batches 1,8 \
       --prefill_tokens 0 ${BENCH_ARGS:-} > "$out/bench.txt" 2>&1
     echo "tandem-bench exit $?"
-    grep -E 'gpu|limit|step' "$out/bench.txt" | tail -20
+    tail -25 "$out/bench.txt"
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
