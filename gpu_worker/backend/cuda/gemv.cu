@@ -147,6 +147,8 @@ cudaError_t LaunchAs(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
       return LaunchShape<T, 4, 4>(a, stream);
     case 4 * 16 + 8:
       return LaunchShape<T, 4, 8>(a, stream);
+    case 8 * 16 + 4:
+      return LaunchShape<T, 8, 4>(a, stream);
     default:
       return cudaErrorInvalidValue;
   }
@@ -156,11 +158,11 @@ cudaError_t LaunchAs(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
 
 bool GemvSupports(const GemvArgs& a) {
   static_assert(kGemvMaxRows == 2, "LaunchShape instantiates m = 1 and 2");
-  // Blocks: n / (kWarps / 4) at the most at 4 warps per column.
+  // Blocks: n at the most (8 warps per column: one column per block).
   return a.m >= 1 && a.m <= kGemvMaxRows && a.n >= 1 && a.k >= 8 && a.k % 8 == 0 &&
          (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16) && a.x != nullptr &&
          a.w != nullptr && a.y != nullptr && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && (a.n + 1) / 2 <= INT32_MAX;
+         reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.n <= INT32_MAX;
 }
 
 bool GemvPreferred(const GemvArgs& a) { return GemvSupports(a) && a.k <= kGemvMaxK; }
@@ -173,7 +175,7 @@ bool GemvVariantValid(GemvVariant v) {
 }
 
 GemvVariant GemvDefaultVariant(int64_t k) {
-  static_assert(kWarps % 4 == 0, "kGemvVariants split a column over up to 4 warps");
+  static_assert(kWarps % 8 == 0, "kGemvVariants split a column over up to 8 warps");
   return k > kGemvLongK ? kGemvLongKVariant : kGemvVariant;
 }
 

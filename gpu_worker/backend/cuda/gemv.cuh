@@ -20,11 +20,12 @@ inline constexpr int64_t kGemvMaxRows = 2;
 // sums added in shared memory, fixed order), each lane keeping `unroll` 16-byte weight loads in
 // flight. More loads in flight per column help long k (fewer serial chunks per warp).
 struct GemvVariant {
-  int warps_per_column = 1;  // 1, 2 or 4
+  int warps_per_column = 1;  // 1, 2, 4 or 8 (8: one column per block)
   int unroll = 4;            // 4 or 8
 };
 // Every variant LaunchGemv instantiates (tandem-kernel-bench's sweep times each).
-inline constexpr GemvVariant kGemvVariants[] = {{1, 4}, {1, 8}, {2, 4}, {2, 8}, {4, 4}, {4, 8}};
+inline constexpr GemvVariant kGemvVariants[] = {{1, 4}, {1, 8}, {2, 4}, {2, 8},
+                                                {4, 4}, {4, 8}, {8, 4}};
 // The variant for k <= kGemvLongK: {1, 4} is the kernel measured on an H100 below (issue 15).
 // Set from the tandem-kernel-bench gemv sweep (scripts/gpu_host_decode.sh) at the best variant
 // of the 6144x4096, 4096x4096, 28672x4096 and 128256x4096 shapes.

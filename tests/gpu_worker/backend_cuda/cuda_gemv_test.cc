@@ -122,7 +122,7 @@ std::vector<GemvCase> GemvCases() {
       for (int64_t m : {1, 2}) {
         // k = 8: one chunk; 264: a partial round for every unroll; 4104 and 14336: many rounds
         // (14336: the down projection); 16392: past kGemvMaxK. n = 1, 3, 7, 13: blocks of 8, 4
-        // or 2 columns with columns past n.
+        // 2 or 1 columns, with columns past n.
         for (auto [n, k] : {std::pair<int64_t, int64_t>{1, 8}, {7, 264}, {13, 4104},
                             {3, 14336}, {5, 16392}, {64, 64}}) {
           cases.emplace_back(dtype, v, m, n, k);
