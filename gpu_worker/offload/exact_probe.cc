@@ -344,7 +344,10 @@ void ExactRateBook::RecordStep(const ExactStepTimes& t, double fetched_bytes, do
   const double overhead = std::max(
       0.0, (t.node_busy_s + t.tail_s - node_bytes / rates_.node_bytes_per_second) / layers);
   rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds, overhead, overhead_samples_);
-  if (t.fetch_excess_s > kFetchBoundShare * t.span_s) {
+  const bool rated = rates_.pcie_bytes_per_second > 0 &&
+                     fetched_bytes / rates_.pcie_bytes_per_second >=
+                         kMinRatedFetchSecondsPerLayer * static_cast<double>(layers);
+  if (rated && t.fetch_excess_s > kFetchBoundShare * t.span_s) {
     rates_.pcie_bytes_per_second =
         ema(rates_.pcie_bytes_per_second, fetched_bytes / t.span_s, pcie_samples_);
   }

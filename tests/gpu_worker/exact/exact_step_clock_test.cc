@@ -114,6 +114,11 @@ TEST(ExactRateBook, RecordStepCorrectsTheOverheadAndAFetchBoundPcieRate) {
   book.RecordStep({}, 1e9, 1.2e9, 32);
   book.RecordStep({30e-3, 4e-3, 6e-3, 40e-3, 1}, 0, 1.2e9, 32);
   EXPECT_EQ(book.step_samples(), 2u);
+  // A fetch-bound step of 32 MB over 32 layers (25 us a layer at 40 GB/s, under
+  // kMinRatedFetchSecondsPerLayer): its span is fixed costs, not the link, so PCIe stays.
+  book.RecordStep({30e-3, 4e-3, 6e-3, 40e-3, 1}, 32e6, 1.2e9, 32);
+  EXPECT_NEAR(book.rates().pcie_bytes_per_second, 25e9, 1e-3);
+  EXPECT_EQ(book.pcie_samples(), 1u);
 }
 
 TEST(ExactStepClock, TimesRealPassesWithoutChangingTheLogits) {

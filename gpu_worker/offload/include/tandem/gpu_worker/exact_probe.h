@@ -96,11 +96,18 @@ class ExactRateBook {
   //   pcie_bytes_per_second  to fetched_bytes / span, only when the fetched pages finished
   //                          after the nodes by more than kFetchBoundShare of the span (the
   //                          DMA then ran through the step; otherwise the step bounds its rate
-  //                          only from below, and the rate together stays as probed).
+  //                          only from below, and the rate together stays as probed), and
+  //                          only when the modelled transfer is at least
+  //                          kMinRatedFetchSecondsPerLayer a layer: below that the span is
+  //                          launches, events and the layers' compute, and fetched / span would
+  //                          read those fixed costs as a slow link (a 1000-token toy session
+  //                          on an H200 drove the rate from 20 GB/s to ~0.1 and its fetch
+  //                          share from 0.48 to 0.03).
   // Ignored without a span, bytes or a node rate.
   void RecordStep(const ExactStepTimes& per_step, double fetched_bytes, double node_bytes,
                   int64_t layers);
   static constexpr double kFetchBoundShare = 0.05;
+  static constexpr double kMinRatedFetchSecondsPerLayer = 5e-4;
   uint64_t step_samples() const { return overhead_samples_; }
   uint64_t pcie_samples() const { return pcie_samples_; }
 
