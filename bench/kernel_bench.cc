@@ -674,7 +674,12 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
         return absl::OkStatus();
       };
       BENCH_RETURN_IF_ERROR(measure("cublas", cublas_call));
-      const cuda_backend::GemvVariant chosen = cuda_backend::GemvDefaultVariant(k);
+      // What Backend::MatMul runs for this shape: the default variant, or cuBLAS.
+      const cuda_backend::GemvVariant chosen = cuda_backend::GemvDefaultVariant(n);
+      const std::string chosen_name =
+          cuda_backend::GemvPreferred(args(0))
+              ? absl::StrCat("w", chosen.warps_per_column, "u", chosen.unroll)
+              : std::string("cublas");
       for (const cuda_backend::GemvVariant& v : cuda_backend::kGemvVariants) {
         BENCH_RETURN_IF_ERROR(measure(
             absl::StrCat("w", v.warps_per_column, "u", v.unroll), [&](int64_t rep) -> absl::Status {
@@ -685,8 +690,7 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
       const Result& cublas_result = results[0];
       for (const Result& r : results) {
         const double gbps = bytes / r.seconds / 1e9;
-        const bool is_default = r.name == absl::StrCat("w", chosen.warps_per_column, "u",
-                                                       chosen.unroll);
+        const bool is_default = r.name == chosen_name;
         table->push_back(absl::StrFormat(
             "gemv  %6d x %5d  m %d  %-6s %8.1f us  %5.0f GB/s  %5.1f%% of copy  %5.3fx cublas "
             " err %.1e %s%s",

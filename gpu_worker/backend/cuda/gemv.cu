@@ -165,7 +165,9 @@ bool GemvSupports(const GemvArgs& a) {
          reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.n <= INT32_MAX;
 }
 
-bool GemvPreferred(const GemvArgs& a) { return GemvSupports(a) && a.k <= kGemvMaxK; }
+bool GemvPreferred(const GemvArgs& a) {
+  return GemvSupports(a) && a.m <= kGemvPreferredMaxRows && a.k <= kGemvMaxK;
+}
 
 bool GemvVariantValid(GemvVariant v) {
   for (const GemvVariant& known : kGemvVariants) {
@@ -174,9 +176,9 @@ bool GemvVariantValid(GemvVariant v) {
   return false;
 }
 
-GemvVariant GemvDefaultVariant(int64_t k) {
+GemvVariant GemvDefaultVariant(int64_t n) {
   static_assert(kWarps % 8 == 0, "kGemvVariants split a column over up to 8 warps");
-  return k > kGemvLongK ? kGemvLongKVariant : kGemvVariant;
+  return n <= kGemvNarrowN ? kGemvNarrowVariant : kGemvWideVariant;
 }
 
 cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
@@ -186,7 +188,7 @@ cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
 }
 
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream) {
-  return LaunchGemv(a, GemvDefaultVariant(a.k), stream);
+  return LaunchGemv(a, GemvDefaultVariant(a.n), stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

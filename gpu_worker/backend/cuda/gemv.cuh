@@ -26,20 +26,26 @@ struct GemvVariant {
 // Every variant LaunchGemv instantiates (tandem-kernel-bench's sweep times each).
 inline constexpr GemvVariant kGemvVariants[] = {{1, 4}, {1, 8}, {2, 4}, {2, 8},
                                                 {4, 4}, {4, 8}, {8, 4}};
-// The variant for k <= kGemvLongK: {1, 4} is the kernel measured on an H100 below (issue 15).
-// Set from the tandem-kernel-bench gemv sweep (scripts/gpu_host_decode.sh) at the best variant
-// of the 6144x4096, 4096x4096, 28672x4096 and 128256x4096 shapes.
-inline constexpr GemvVariant kGemvVariant = {1, 4};
-// The variant for k > kGemvLongK (the down projection, k = 14336): not measured yet (issue 15
-// item 3); set from the sweep's 4096x14336 rows.
-inline constexpr int64_t kGemvLongK = 8192;
-inline constexpr GemvVariant kGemvLongKVariant = {2, 8};
-// Reduction length up to which Backend::MatMul takes the GEMV (GemvPreferred). NOTE: on an H100
-// (ncu, Llama-3-8B decode) the {1, 4} GEMV beat conversion + cuBLAS for k = 4096 (qkv 22.2 vs
-// 24.1 µs, o_proj 18.0 vs 22.1, gate_up 83.8 vs 88.5, lm_head 340 vs 371) but not for the down
-// projection, k = 14336 (54.0 vs 50.5 µs): its 4096 warps of 56 serial chunks keep too few loads
-// in flight. Raise to 16384 when the sweep shows kGemvLongKVariant beating cuBLAS at 4096x14336.
-inline constexpr int64_t kGemvMaxK = 8192;
+// The variants Backend::MatMul uses, from tandem-kernel-bench's gemv sweep on an H200
+// (scripts/gpu_host_decode.sh, commit 97f2a43; µs at m = 1, best of the 7 variants, cuBLAS):
+//   n ≤ kGemvNarrowN: {8, 4}  6144x4096 18.3 (cuBLAS 20.1), 4096x4096 14.0 (16.9),
+//                              4096x14336 33.3 (35.7): few columns, so 8 warps split each k;
+//   wider:            {4, 4}  28672x4096 59.2 (61.1), 128256x4096 235.4 (250.1).
+// ({1, 4}, the kernel of the H100 ncu timing below, was 0.5-4 µs slower on each of them.)
+inline constexpr int64_t kGemvNarrowN = 8192;
+inline constexpr GemvVariant kGemvNarrowVariant = {8, 4};
+inline constexpr GemvVariant kGemvWideVariant = {4, 4};
+// Rows up to which Backend::MatMul takes the GEMV (GemvPreferred). At m = 2 the same sweep had
+// cuBLAS as fast or faster on every shape (4096x4096 17.0 vs 17.2 µs, 6144x4096 21.0 vs 22.8,
+// 28672x4096 61.3 vs 77.7, 4096x14336 36.1 vs 43.1): each weight byte then needs two rows of x
+// from L1, and cuBLAS's tiles reuse them.
+inline constexpr int64_t kGemvPreferredMaxRows = 1;
+// Reduction length up to which Backend::MatMul takes the GEMV. NOTE: on an H100 (ncu, Llama-3-8B
+// decode) the {1, 4} GEMV beat conversion + cuBLAS for k = 4096 (qkv 22.2 vs 24.1 µs, o_proj
+// 18.0 vs 22.1, gate_up 83.8 vs 88.5, lm_head 340 vs 371) but not for the down projection,
+// k = 14336 (54.0 vs 50.5 µs: 4096 warps of 56 serial chunks kept too few loads in flight);
+// {8, 4} splits those chunks over 8 warps and beat cuBLAS there in the sweep above.
+inline constexpr int64_t kGemvMaxK = 16384;
 
 // y[r, j] = Σ_i bf16(x[r, i])·w[j, i] (+ y[r, j] when accumulate) (+ bias[j]), r < m, j < n: the
 // numerics of Backend::MatMul (x rounded to the weight dtype, f32 products and sums).
@@ -58,16 +64,17 @@ struct GemvArgs {
 // True when LaunchGemv takes these arguments: 1 <= m <= kGemvMaxRows, bf16 or f16 weights,
 // k a multiple of 8, x and w 16-byte aligned (any k: the kernel has no length bound).
 bool GemvSupports(const GemvArgs& a);
-// True when Backend::MatMul should take the GEMV: GemvSupports and k <= kGemvMaxK.
+// True when Backend::MatMul should take the GEMV: GemvSupports, m <= kGemvPreferredMaxRows and
+// k <= kGemvMaxK.
 bool GemvPreferred(const GemvArgs& a);
 // True for a variant of kGemvVariants.
 bool GemvVariantValid(GemvVariant v);
-// The variant LaunchGemv(a, stream) uses for reduction length k.
-GemvVariant GemvDefaultVariant(int64_t k);
+// The variant LaunchGemv(a, stream) uses for n output columns.
+GemvVariant GemvDefaultVariant(int64_t n);
 
 // cudaErrorInvalidValue when !GemvSupports(a) or !GemvVariantValid(v).
 cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream);
-// With GemvDefaultVariant(a.k).
+// With GemvDefaultVariant(a.n).
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream);
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -30,14 +30,18 @@ TEST(GemvPlanTest, VariantsAndDefaults) {
   EXPECT_FALSE(cuda_backend::GemvVariantValid({3, 4}));
   EXPECT_FALSE(cuda_backend::GemvVariantValid({1, 2}));
   EXPECT_FALSE(cuda_backend::GemvVariantValid({8, 8}));
-  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvVariant));
-  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvLongKVariant));
-  const GemvVariant short_k = cuda_backend::GemvDefaultVariant(4096);
-  EXPECT_EQ(short_k.warps_per_column, cuda_backend::kGemvVariant.warps_per_column);
-  EXPECT_EQ(short_k.unroll, cuda_backend::kGemvVariant.unroll);
-  const GemvVariant long_k = cuda_backend::GemvDefaultVariant(14336);
-  EXPECT_EQ(long_k.warps_per_column, cuda_backend::kGemvLongKVariant.warps_per_column);
-  EXPECT_EQ(long_k.unroll, cuda_backend::kGemvLongKVariant.unroll);
+  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvNarrowVariant));
+  EXPECT_TRUE(cuda_backend::GemvVariantValid(cuda_backend::kGemvWideVariant));
+  for (int64_t n : {int64_t{1}, int64_t{4096}, int64_t{6144}, cuda_backend::kGemvNarrowN}) {
+    const GemvVariant v = cuda_backend::GemvDefaultVariant(n);
+    EXPECT_EQ(v.warps_per_column, cuda_backend::kGemvNarrowVariant.warps_per_column) << n;
+    EXPECT_EQ(v.unroll, cuda_backend::kGemvNarrowVariant.unroll) << n;
+  }
+  for (int64_t n : {cuda_backend::kGemvNarrowN + 1, int64_t{28672}, int64_t{128256}}) {
+    const GemvVariant v = cuda_backend::GemvDefaultVariant(n);
+    EXPECT_EQ(v.warps_per_column, cuda_backend::kGemvWideVariant.warps_per_column) << n;
+    EXPECT_EQ(v.unroll, cuda_backend::kGemvWideVariant.unroll) << n;
+  }
 }
 
 TEST(GemvPlanTest, SupportsAndPreferred) {
@@ -47,9 +51,16 @@ TEST(GemvPlanTest, SupportsAndPreferred) {
   GemvArgs a{.x = x, .w = w, .w_dtype = DType::kBF16, .y = y, .m = 1, .n = 1, .k = 8};
   EXPECT_TRUE(cuda_backend::GemvSupports(a));
   EXPECT_TRUE(cuda_backend::GemvPreferred(a));
+  a.k = 14336;  // the down projection
+  EXPECT_TRUE(cuda_backend::GemvPreferred(a));
   a.k = cuda_backend::kGemvMaxK + 8;  // the kernel takes it; MatMul keeps cuBLAS
   EXPECT_TRUE(cuda_backend::GemvSupports(a));
   EXPECT_FALSE(cuda_backend::GemvPreferred(a));
+  a.k = 8;
+  a.m = 2;  // the kernel takes two rows; MatMul keeps cuBLAS (kGemvPreferredMaxRows)
+  EXPECT_TRUE(cuda_backend::GemvSupports(a));
+  EXPECT_FALSE(cuda_backend::GemvPreferred(a));
+  a.m = 1;
   a.k = 12;  // not a multiple of 8
   EXPECT_FALSE(cuda_backend::GemvSupports(a));
   a.k = 8;
