@@ -651,7 +651,9 @@ class Bench {
     gpu_worker::WindowOptions wo;
     wo.block = absl::GetFlag(FLAGS_block);
     wo.max_chunk = runner_.options().max_chunk;
-    wo.max_context = tokens + 8;
+    // The prompt, then one decode token per settle slice (at most tokens / slice + 1 of them).
+    const int64_t slice = runner_.options().settle_tokens_per_step;
+    wo.max_context = tokens + 8 + (slice > 0 ? tokens / slice + 1 : 0);
     const bool windowed = mode != AttentionMode::kGpu;
     wo.window = windowed ? absl::GetFlag(FLAGS_window) : gpu_worker::WindowOptions::kUnlimited;
     wo.sink = windowed ? absl::GetFlag(FLAGS_sink) : 0;

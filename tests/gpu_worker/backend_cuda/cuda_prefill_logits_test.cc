@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -93,8 +94,9 @@ TEST(CudaPrefillLogits, FastKernelAgainstCpuBackend) {
   const nlohmann::json golden =
       testing::ReadJson(testing::ModelDir("gutenberg-14m") / "golden.json");
   const std::string book = golden["golden_prompt"]["book"].get<std::string>();
-  const std::string text =
-      testing::ReadText(testing::SharedDir() / "data" / "gutenberg-eval" / book);
+  const std::filesystem::path book_path = testing::SharedDir() / "data" / "gutenberg-eval" / book;
+  const std::string text = testing::ReadText(book_path);
+  ASSERT_FALSE(text.empty()) << "no text at " << book_path << " (the shared data folder)";
   auto ids = cpu->Tokenize(text, /*add_bos=*/false);
   ASSERT_TRUE(ids.ok()) << ids.status();
   ASSERT_GE(ids->size(), kPromptTokens);
