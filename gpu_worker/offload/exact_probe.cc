@@ -341,9 +341,18 @@ void ExactRateBook::RecordStep(const ExactStepTimes& t, double fetched_bytes, do
     ++samples;
     return v;
   };
-  const double overhead = std::max(
-      0.0, (t.node_busy_s + t.tail_s - node_bytes / rates_.node_bytes_per_second) / layers);
-  rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds, overhead, overhead_samples_);
+  const double modelled_scan = node_bytes / rates_.node_bytes_per_second;
+  const double scanning = t.node_busy_s - layers * round_trip_seconds_;
+  if (modelled_scan >= kMinRatedScanSecondsPerLayer * static_cast<double>(layers) &&
+      scanning > 0) {
+    rates_.node_bytes_per_second =
+        ema(rates_.node_bytes_per_second, node_bytes / scanning, node_samples_);
+    rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds,
+                                       round_trip_seconds_ + t.tail_s / layers, overhead_samples_);
+  } else {
+    const double overhead = std::max(0.0, (t.node_busy_s + t.tail_s - modelled_scan) / layers);
+    rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds, overhead, overhead_samples_);
+  }
   const bool rated = rates_.pcie_bytes_per_second > 0 &&
                      fetched_bytes / rates_.pcie_bytes_per_second >=
                          kMinRatedFetchSecondsPerLayer * static_cast<double>(layers);

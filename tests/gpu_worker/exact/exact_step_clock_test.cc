@@ -85,15 +85,18 @@ TEST(ExactStepClock, DropsStepsWithMissingOrAbandonedMarks) {
   EXPECT_EQ(clock.Take().steps, 1);
 }
 
-// By hand, L = 32 layers, node rate 50 GB/s, PCIe 40 GB/s, nodes scanning 1.2 GB (24 ms):
-//   step 1: busy 30, tail 6, excess 4, span 40 ms. Overhead (30 + 6 - 24) / 32 = 375 us (the
-//           first sample replaces). Fetch-bound (4 > 5% of 40): PCIe = 1 GB / 40 ms = 25 GB/s.
-//   step 2: busy 30, tail 2, excess 1, span 33 ms. Overhead (30 + 2 - 24) / 32 = 250 us:
-//           EMA 0.8 * 375 + 0.2 * 250 = 350 us. Not fetch-bound (1 < 1.65): PCIe stays.
-TEST(ExactRateBook, RecordStepCorrectsTheOverheadAndAFetchBoundPcieRate) {
+// By hand, L = 32 layers, node rate 50 GB/s with a 100 us round trip, PCIe 40 GB/s, nodes
+// scanning 1.2 GB (24 ms modelled: over kMinRatedScanSecondsPerLayer · L = 16 ms, scan-bound):
+//   step 1: busy 30, tail 6, excess 4, span 40 ms. Node rate 1.2 GB / (30 - 32 · 0.1 ms) =
+//           44.776 GB/s, overhead 100 us + 6 / 32 ms = 287.5 us (first samples replace).
+//           Fetch-bound (4 > 5% of 40): PCIe = 1 GB / 40 ms = 25 GB/s.
+//   step 2: busy 30, tail 2, excess 1, span 33 ms. Rate 44.776 again; overhead 100 + 62.5 =
+//           162.5 us: EMA 0.8 * 287.5 + 0.2 * 162.5 = 262.5 us. Not fetch-bound: PCIe stays.
+TEST(ExactRateBook, RecordStepCorrectsAScanBoundNodeRateAndAFetchBoundPcieRate) {
   ExactPathRates r;
   r.pcie_bytes_per_second = 40e9;
   r.node_bytes_per_second = 50e9;
+  r.node_overhead_seconds = 100e-6;
   r.device_attend_bytes_per_second = 2e12;
   r.nodes = 1;
   ExactRateBook book(r);
@@ -101,14 +104,17 @@ TEST(ExactRateBook, RecordStepCorrectsTheOverheadAndAFetchBoundPcieRate) {
   const ExactPlan before = PlanExactSplit(book.rates(), g, 1 << 17);
 
   book.RecordStep({30e-3, 4e-3, 6e-3, 40e-3, 1}, 1e9, 1.2e9, 32);
-  EXPECT_NEAR(book.rates().node_overhead_seconds, 375e-6, 1e-12);
+  EXPECT_NEAR(book.rates().node_bytes_per_second, 1.2e9 / 26.8e-3, 1e-3);
+  EXPECT_NEAR(book.rates().node_overhead_seconds, 287.5e-6, 1e-12);
   EXPECT_NEAR(book.rates().pcie_bytes_per_second, 25e9, 1e-3);
   book.RecordStep({30e-3, 1e-3, 2e-3, 33e-3, 1}, 1e9, 1.2e9, 32);
-  EXPECT_NEAR(book.rates().node_overhead_seconds, 350e-6, 1e-12);
+  EXPECT_NEAR(book.rates().node_bytes_per_second, 1.2e9 / 26.8e-3, 1e-3);
+  EXPECT_NEAR(book.rates().node_overhead_seconds, 262.5e-6, 1e-12);
   EXPECT_NEAR(book.rates().pcie_bytes_per_second, 25e9, 1e-3);
   EXPECT_EQ(book.step_samples(), 2u);
+  EXPECT_EQ(book.node_samples(), 2u);
   EXPECT_EQ(book.pcie_samples(), 1u);
-  // The PCIe rate fell (40 -> 25 GB/s) more than the nodes' overhead grew: less on PCIe.
+  // PCIe fell 40 -> 25 GB/s, the nodes 50 -> 44.8: less on PCIe.
   EXPECT_LT(PlanExactSplit(book.rates(), g, 1 << 17).fetch_share, before.fetch_share);
   // Nothing to learn from: ignored.
   book.RecordStep({}, 1e9, 1.2e9, 32);
@@ -119,6 +125,23 @@ TEST(ExactRateBook, RecordStepCorrectsTheOverheadAndAFetchBoundPcieRate) {
   book.RecordStep({30e-3, 4e-3, 6e-3, 40e-3, 1}, 32e6, 1.2e9, 32);
   EXPECT_NEAR(book.rates().pcie_bytes_per_second, 25e9, 1e-3);
   EXPECT_EQ(book.pcie_samples(), 1u);
+}
+
+// A small session (nodes scanning 12 MB, 0.24 ms modelled: under 16 ms): its nodes' time is
+// fixed costs, so the rate stays and the overhead takes the rest, (1 + 0.6 - 0.24) / 32 ms =
+// 42.5 us.
+TEST(ExactRateBook, RecordStepLeavesTheRateOfASmallSessionToItsOverhead) {
+  ExactPathRates r;
+  r.pcie_bytes_per_second = 40e9;
+  r.node_bytes_per_second = 50e9;
+  r.node_overhead_seconds = 100e-6;
+  r.device_attend_bytes_per_second = 2e12;
+  r.nodes = 1;
+  ExactRateBook book(r);
+  book.RecordStep({1e-3, 0, 0.6e-3, 2e-3, 1}, 1e6, 1.2e7, 32);
+  EXPECT_NEAR(book.rates().node_bytes_per_second, 50e9, 1e-3);
+  EXPECT_NEAR(book.rates().node_overhead_seconds, 42.5e-6, 1e-12);
+  EXPECT_EQ(book.node_samples(), 0u);
 }
 
 TEST(ExactStepClock, TimesRealPassesWithoutChangingTheLogits) {

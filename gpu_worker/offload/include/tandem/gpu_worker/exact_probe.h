@@ -75,7 +75,8 @@ absl::Status ProbeNodeRates(NodePool& pool, const ExactGeometry& geometry, DType
 
 class ExactRateBook {
  public:
-  explicit ExactRateBook(const ExactPathRates& measured) : rates_(measured) {}
+  explicit ExactRateBook(const ExactPathRates& measured)
+      : rates_(measured), round_trip_seconds_(measured.node_overhead_seconds) {}
   // ProbeDeviceRates + ProbeNodeRates (with the concurrent probe), logged. The backend's or
   // the nodes' errors.
   static absl::StatusOr<std::unique_ptr<ExactRateBook>> Measure(
@@ -89,7 +90,17 @@ class ExactRateBook {
   // One session's measured step (ExactStepClock, per step, both paths in use): the PCIe
   // crossed `fetched_bytes` and the nodes scanned `node_bytes` over `layers` layers. Moves,
   // by the EMA of RecordNodeRate (the first sample replaces):
-  //   node_overhead_seconds  to (node_busy + tail) / L - node_bytes / (node rate · L), >= 0: the
+  //   when the modelled scan is at least kMinRatedScanSecondsPerLayer a layer (the nodes'
+  //   side of the step is their scan):
+  //     node_bytes_per_second  to node_bytes / (node_busy - L · round trip), the round trip
+  //                          being the overhead the book started with (the probe's): a step
+  //                          shows the scan rate the probe missed (a 256 MiB probe said
+  //                          78.7 GB/s; a 512K step's nodes scanned 41 GB in 806 ms, ~51 GB/s,
+  //                          beside the DMA, H200 host, d84414c);
+  //     node_overhead_seconds  to the round trip + tail / L (the device's part of each layer
+  //                          between the nodes' reply and the next query);
+  //   otherwise (a small session: fixed costs dominate)
+  //     node_overhead_seconds  to (node_busy + tail) / L - node_bytes / (node rate · L), >= 0: the
   //                          per-layer time that makes the plan's node term equal the nodes'
   //                          measured side of the step (round trips, and the layers' GEMMs and
   //                          q downloads during which the nodes wait for the next q);
@@ -108,11 +119,13 @@ class ExactRateBook {
                   int64_t layers);
   static constexpr double kFetchBoundShare = 0.05;
   static constexpr double kMinRatedFetchSecondsPerLayer = 5e-4;
+  static constexpr double kMinRatedScanSecondsPerLayer = 5e-4;
   uint64_t step_samples() const { return overhead_samples_; }
   uint64_t pcie_samples() const { return pcie_samples_; }
 
  private:
   ExactPathRates rates_;
+  double round_trip_seconds_ = 0;  // the starting node overhead: one Attend's round trip
   uint64_t node_samples_ = 0;
   uint64_t overhead_samples_ = 0;
   uint64_t pcie_samples_ = 0;
