@@ -97,6 +97,10 @@ ABSL_FLAG(double, exact_recompute_share, -1,
           "exact with --exact_fetch_share and --exact_recompute=auto: force this share of the "
           "offloaded entries onto recompute (the rest of 1 - fetch on the CPU nodes)");
 ABSL_FLAG(int, offload_steps, 5, "timed decode steps for offload and exact (slow by design)");
+ABSL_FLAG(int, exact_calibration_steps, 0,
+          "exact rows (planned split): untimed steps whose timings correct the planner's rates "
+          "(as a served session's re-plans do), then the context is placed again by them and "
+          "timed; 0 = the start-up probe's plan");
 ABSL_FLAG(double, exact_fetch_share, -1,
           "exact: force this share of the offloaded entries into host pages (the rest on the CPU "
           "nodes); < 0 = the ExactPlanner's split from rates probed at the first exact row");
@@ -379,6 +383,46 @@ class Bench {
       seqs.push_back(std::move(*seq));
     }
     r["fill_s"] = Seconds(fill_start);
+    if (cfg.mode == AttentionMode::kExact && absl::GetFlag(FLAGS_exact_calibration_steps) > 0 &&
+        absl::GetFlag(FLAGS_exact_fetch_share) < 0) {
+      // As a served session converges (its sliced settle appends by plans re-made from timed
+      // steps): untimed steps correct the rate book (ExactRateBook::RecordStep via Maintain),
+      // then the context is placed again by the corrected rates and that one is timed.
+      const gpu_worker::ExactPathRates start = exact_rates_->rates();
+      const int calibration = absl::GetFlag(FLAGS_exact_calibration_steps);
+      std::vector<Sequence*> all;
+      for (auto& s : seqs) all.push_back(s.get());
+      const std::vector<int32_t> calibration_ids(cfg.batch, 1);
+      for (int step = 0; step < calibration; ++step) {
+        absl::Status st = runner_.Decode(all, calibration_ids.data());
+        if (st.ok()) st = backend_.Synchronize();
+        if (!st.ok()) {
+          r["error"] = absl::StrCat("exact calibration: ", st.message());
+          return {r};
+        }
+        for (auto& s : seqs) s->MaintainOffloaded();
+      }
+      const gpu_worker::ExactPathRates& end = exact_rates_->rates();
+      r["exact_calibration"] = {{"steps", calibration},
+                                {"node_GBps", {start.node_bytes_per_second / 1e9,
+                                               end.node_bytes_per_second / 1e9}},
+                                {"pcie_GBps", {start.pcie_bytes_per_second / 1e9,
+                                               end.pcie_bytes_per_second / 1e9}},
+                                {"node_overhead_us", {1e6 * start.node_overhead_seconds,
+                                                      1e6 * end.node_overhead_seconds}}};
+      seqs.clear();   // its host pages and node session go before the second placement
+      const Clock::time_point refill = Clock::now();
+      for (int64_t b = 0; b < cfg.batch; ++b) {
+        auto seq = MakeSyntheticSequence(backend_, model_.config(), pool_, cfg.mode,
+                                         absl::StrCat("bench-", ++session_counter_), o);
+        if (!seq.ok()) {
+          r["skipped"] = std::string(seq.status().message());
+          return {r};
+        }
+        seqs.push_back(std::move(*seq));
+      }
+      r["refill_s"] = Seconds(refill);
+    }
     std::vector<Sequence*> batch;
     for (auto& s : seqs) batch.push_back(s.get());
     std::vector<int32_t> ids(cfg.batch);
