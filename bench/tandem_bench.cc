@@ -372,16 +372,21 @@ class Bench {
     const SyntheticContextOptions o =
         ContextOptions(cfg, static_cast<int>(settings.size()) * (warmup + steps));
     std::vector<std::unique_ptr<Sequence>> seqs;
-    const Clock::time_point fill_start = Clock::now();
-    for (int64_t b = 0; b < cfg.batch; ++b) {
-      auto seq = MakeSyntheticSequence(backend_, model_.config(), pool_, cfg.mode,
-                                       absl::StrCat("bench-", ++session_counter_), o);
-      if (!seq.ok()) {
-        r["skipped"] = std::string(seq.status().message());
-        return {r};
+    // The batch's synthetic contexts into seqs (false: r says why they were skipped).
+    auto fill = [&]() {
+      for (int64_t b = 0; b < cfg.batch; ++b) {
+        auto seq = MakeSyntheticSequence(backend_, model_.config(), pool_, cfg.mode,
+                                         absl::StrCat("bench-", ++session_counter_), o);
+        if (!seq.ok()) {
+          r["skipped"] = std::string(seq.status().message());
+          return false;
+        }
+        seqs.push_back(std::move(*seq));
       }
-      seqs.push_back(std::move(*seq));
-    }
+      return true;
+    };
+    const Clock::time_point fill_start = Clock::now();
+    if (!fill()) return {r};
     r["fill_s"] = Seconds(fill_start);
     if (cfg.mode == AttentionMode::kExact && absl::GetFlag(FLAGS_exact_calibration_steps) > 0 &&
         absl::GetFlag(FLAGS_exact_fetch_share) < 0) {
@@ -412,15 +417,7 @@ class Bench {
                                                       1e6 * end.node_overhead_seconds}}};
       seqs.clear();   // its host pages and node session go before the second placement
       const Clock::time_point refill = Clock::now();
-      for (int64_t b = 0; b < cfg.batch; ++b) {
-        auto seq = MakeSyntheticSequence(backend_, model_.config(), pool_, cfg.mode,
-                                         absl::StrCat("bench-", ++session_counter_), o);
-        if (!seq.ok()) {
-          r["skipped"] = std::string(seq.status().message());
-          return {r};
-        }
-        seqs.push_back(std::move(*seq));
-      }
+      if (!fill()) return {r};
       r["refill_s"] = Seconds(refill);
     }
     std::vector<Sequence*> batch;

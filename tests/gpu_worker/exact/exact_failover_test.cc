@@ -14,22 +14,12 @@
 
 #include "../engine/engine_test_util.h"
 #include "absl/strings/str_cat.h"
+#include "loopback_node.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/gpu_worker/engine.h"
 
 namespace tandem::gpu_worker {
 namespace {
-
-std::unique_ptr<cpu_attention::CpuAttentionServer> StartNode() {
-  cpu_attention::ServerOptions o;
-  o.address = "127.0.0.1:0";
-  o.node.pool_bytes = 32ull << 20;
-  o.node.threads = 1;
-  o.node.block_tokens = 16;
-  auto server = cpu_attention::CpuAttentionServer::Start(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? std::move(*server) : nullptr;
-}
 
 class ExactFailover : public ::testing::Test {
  protected:
@@ -40,7 +30,7 @@ class ExactFailover : public ::testing::Test {
     options.model_dir = testing::ModelDir("stories260k").string();
     options.backend = testing::TestBackendName();
     for (int i = 0; i < 2; ++i) {
-      nodes_.push_back(StartNode());
+      nodes_.push_back(testing::StartLoopbackNode());
       ASSERT_NE(nodes_.back(), nullptr);
       options.nodes.addresses.push_back(absl::StrCat("127.0.0.1:", nodes_.back()->port()));
     }

@@ -22,6 +22,7 @@
 #include "../engine/engine_test_util.h"
 #include "absl/strings/str_cat.h"
 #include "exact_test_rig.h"
+#include "loopback_node.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
@@ -41,17 +42,6 @@ using testing::StepLogits;
 constexpr float kLogitTolerance = 1e-4f;
 constexpr int kPrompt = 300;  // with the rig's window of 64 + 4 sinks: 232 offloaded entries
 
-std::unique_ptr<cpu_attention::CpuAttentionServer> StartNode() {
-  cpu_attention::ServerOptions o;
-  o.address = "127.0.0.1:0";
-  o.node.pool_bytes = 32ull << 20;
-  o.node.threads = 1;
-  o.node.block_tokens = 16;
-  auto server = cpu_attention::CpuAttentionServer::Start(o);
-  EXPECT_TRUE(server.ok()) << server.status();
-  return server.ok() ? std::move(*server) : nullptr;
-}
-
 class ExactRebuildTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -67,7 +57,7 @@ class ExactRebuildTest : public ::testing::Test {
     // goes away fails the next call at once.
     NodePoolOptions o;
     for (int i = 0; i < 2; ++i) {
-      nodes_.push_back(StartNode());
+      nodes_.push_back(testing::StartLoopbackNode());
       ASSERT_NE(nodes_.back(), nullptr);
       o.addresses.push_back(absl::StrCat("127.0.0.1:", nodes_.back()->port()));
     }
