@@ -414,39 +414,84 @@ INSTANTIATE_TEST_SUITE_P(Prefill, PrefillAttentionTest,
                              PrefillCase{64, 1, 3, DType::kBF16, 9, 500, false}),
                          PrefillName);
 
+// The window-attention kernels launched directly with a plan a test sets (LaunchWindowAttention).
+class DirectKernelFixture : public CudaBackendFixture {
+ protected:
+  // A case's inputs on the device (the cache in `dtype`), its outputs filled with NaN, and the
+  // kernel's arguments over them (device pointers: valid while the buffers live).
+  struct Uploaded {
+    DeviceBuffer q, q_pos, slot_pos, k, v, o, lse;
+    cuda_backend::WindowAttentionArgs args;
+  };
+  Uploaded UploadInputs(const AttentionInputs& in, DType dtype) {
+    Uploaded u;
+    u.q = Upload(in.q);
+    u.q_pos = Upload(in.q_pos);
+    u.slot_pos = Upload(in.slot_pos);
+    u.k = Upload(EncodeAs(in.k, dtype));
+    u.v = Upload(EncodeAs(in.v, dtype));
+    const size_t rows = in.num_tokens * in.num_q_heads;
+    u.o = Filled(rows * in.head_dim, kNaN);
+    u.lse = Filled(rows, kNaN);
+    cuda_backend::WindowAttentionArgs& a = u.args;
+    a.q = u.q.as<float>();
+    a.q_row_stride = in.q_row_stride;
+    a.q_pos = u.q_pos.as<int32_t>();
+    a.k_cache = u.k.data();
+    a.v_cache = u.v.data();
+    a.cache_dtype = dtype;
+    a.slot_pos = u.slot_pos.as<int32_t>();
+    a.num_slots = in.num_slots;
+    a.capacity = in.capacity;
+    a.num_tokens = in.num_tokens;
+    a.num_q_heads = in.num_q_heads;
+    a.num_kv_heads = in.num_kv_heads;
+    a.head_dim = in.head_dim;
+    a.scale = in.scale;
+    a.o = u.o.as<float>();
+    a.lse = u.lse.as<float>();
+    return u;
+  }
+  // Runs `plan` over u.args on a stream of its own (with the plan's workspace) and brings o
+  // ([rows, head_dim]) and lse ([rows]) back.
+  void LaunchAndDownload(const Uploaded& u, const cuda_backend::WindowAttentionPlan& plan,
+                         std::vector<float>* o, std::vector<float>* lse) {
+    DeviceBuffer workspace;
+    if (plan.workspace_bytes > 0) {
+      absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
+      ASSERT_TRUE(ws.ok()) << ws.status();
+      workspace = *std::move(ws);
+    }
+    ASSERT_TRUE(backend_->Synchronize().ok());  // the uploads are queued on the backend's stream
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const cudaError_t launched =
+        cuda_backend::LaunchWindowAttention(u.args, plan, workspace.data(), stream);
+    const cudaError_t synced = cudaStreamSynchronize(stream);
+    cudaStreamDestroy(stream);
+    ASSERT_EQ(launched, cudaSuccess) << cudaGetErrorString(launched);
+    ASSERT_EQ(synced, cudaSuccess) << cudaGetErrorString(synced);
+    const size_t rows = u.args.num_tokens * u.args.num_q_heads;
+    *o = Download<float>(u.o, rows * u.args.head_dim);
+    *lse = Download<float>(u.lse, rows);
+  }
+};
+
 // ---- The fast prefill kernel's warp layouts (kFlashVariants), launched directly through
 // LaunchWindowAttention with the plan's variant overridden (the backend takes the default one):
 // o and lse against the f64 reference (NaN in empty slots, o/lse poisoned with NaN first), the
 // measured max errors printed. Shapes: slot splits (many rows over a prefix, and few row tiles),
 // plain causal, head dims 64 and padded 96 and 8 in their buckets.
 class PrefillFlashTest
-    : public CudaBackendFixture,
+    : public DirectKernelFixture,
       public ::testing::WithParamInterface<std::tuple<PrefillCase, int>> {};
 
 TEST_P(PrefillFlashTest, VariantMatchesReference) {
   const auto& [c, variant] = GetParam();
   const AttentionInputs in = MakePrefillInputs(c, 900, /*nan_in_empty=*/true);
-  DeviceBuffer q = Upload(in.q), q_pos = Upload(in.q_pos), slot_pos = Upload(in.slot_pos);
-  DeviceBuffer k = Upload(EncodeAs(in.k, c.dtype)), v = Upload(EncodeAs(in.v, c.dtype));
+  const Uploaded u = UploadInputs(in, c.dtype);
+  const cuda_backend::WindowAttentionArgs& args = u.args;
   const size_t rows = in.num_tokens * in.num_q_heads;
-  DeviceBuffer o = Filled(rows * in.head_dim, kNaN), lse = Filled(rows, kNaN);
-  cuda_backend::WindowAttentionArgs args;
-  args.q = q.as<float>();
-  args.q_row_stride = in.q_row_stride;
-  args.q_pos = q_pos.as<int32_t>();
-  args.k_cache = k.data();
-  args.v_cache = v.data();
-  args.cache_dtype = c.dtype;
-  args.slot_pos = slot_pos.as<int32_t>();
-  args.num_slots = in.num_slots;
-  args.capacity = in.capacity;
-  args.num_tokens = in.num_tokens;
-  args.num_q_heads = in.num_q_heads;
-  args.num_kv_heads = in.num_kv_heads;
-  args.head_dim = in.head_dim;
-  args.scale = in.scale;
-  args.o = o.as<float>();
-  args.lse = lse.as<float>();
   cudaDeviceProp props{};
   ASSERT_EQ(cudaGetDeviceProperties(&props, 0), cudaSuccess);
   cuda_backend::WindowAttentionPlan plan;
@@ -454,23 +499,8 @@ TEST_P(PrefillFlashTest, VariantMatchesReference) {
             cudaSuccess);
   ASSERT_TRUE(plan.flash) << "the shape should take the fast prefill kernel";
   plan.flash_variant = variant;
-  DeviceBuffer workspace;
-  if (plan.workspace_bytes > 0) {
-    absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
-    ASSERT_TRUE(ws.ok()) << ws.status();
-    workspace = *std::move(ws);
-  }
-  ASSERT_TRUE(backend_->Synchronize().ok());  // the uploads are queued on the backend's stream
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  const cudaError_t launched =
-      cuda_backend::LaunchWindowAttention(args, plan, workspace.data(), stream);
-  const cudaError_t synced = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  ASSERT_EQ(launched, cudaSuccess) << cudaGetErrorString(launched);
-  ASSERT_EQ(synced, cudaSuccess) << cudaGetErrorString(synced);
-  const std::vector<float> got_o = Download<float>(o, rows * in.head_dim);
-  const std::vector<float> got_lse = Download<float>(lse, rows);
+  std::vector<float> got_o, got_lse;
+  ASSERT_NO_FATAL_FAILURE(LaunchAndDownload(u, plan, &got_o, &got_lse));
   const AttentionResult ref = ReferenceAttention(in);
   double o_err = 0.0, lse_err = 0.0;
   for (size_t r = 0; r < rows; ++r) {
@@ -511,7 +541,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Decode plans at every split density the kernel bench sweeps (PlanWindowAttention's
 // decode_waves, window_attention.cuh's kDecodeWaves): the streaming decode kernel with its fused
 // merge off (no split counters: the combine launch) against the f64 reference. (tokens, waves).
-class DecodeWavesTest : public CudaBackendFixture,
+class DecodeWavesTest : public DirectKernelFixture,
                         public ::testing::WithParamInterface<std::tuple<int64_t, int>> {};
 
 TEST_P(DecodeWavesTest, MatchesReference) {
@@ -519,27 +549,9 @@ TEST_P(DecodeWavesTest, MatchesReference) {
   // Llama-3-8B's GQA (8 kv heads x 4), a ring window with empty slots, bf16 cache.
   const PrefillCase c{128, 8, 4, DType::kBF16, tokens, 9000, true};
   const AttentionInputs in = MakePrefillInputs(c, 1000 + waves, /*nan_in_empty=*/true);
-  DeviceBuffer q = Upload(in.q), q_pos = Upload(in.q_pos), slot_pos = Upload(in.slot_pos);
-  DeviceBuffer k = Upload(EncodeAs(in.k, c.dtype)), v = Upload(EncodeAs(in.v, c.dtype));
+  const Uploaded u = UploadInputs(in, c.dtype);
+  const cuda_backend::WindowAttentionArgs& args = u.args;
   const size_t rows = in.num_tokens * in.num_q_heads;
-  DeviceBuffer o = Filled(rows * in.head_dim, kNaN), lse = Filled(rows, kNaN);
-  cuda_backend::WindowAttentionArgs args;
-  args.q = q.as<float>();
-  args.q_row_stride = in.q_row_stride;
-  args.q_pos = q_pos.as<int32_t>();
-  args.k_cache = k.data();
-  args.v_cache = v.data();
-  args.cache_dtype = c.dtype;
-  args.slot_pos = slot_pos.as<int32_t>();
-  args.num_slots = in.num_slots;
-  args.capacity = in.capacity;
-  args.num_tokens = in.num_tokens;
-  args.num_q_heads = in.num_q_heads;
-  args.num_kv_heads = in.num_kv_heads;
-  args.head_dim = in.head_dim;
-  args.scale = in.scale;
-  args.o = o.as<float>();
-  args.lse = lse.as<float>();
   cudaDeviceProp props{};
   ASSERT_EQ(cudaGetDeviceProperties(&props, 0), cudaSuccess);
   cuda_backend::WindowAttentionPlan plan;
@@ -548,23 +560,8 @@ TEST_P(DecodeWavesTest, MatchesReference) {
                                               /*exact_prefill=*/false, waves),
             cudaSuccess);
   ASSERT_TRUE(plan.decode) << "the shape should take the decode kernel";
-  DeviceBuffer workspace;
-  if (plan.workspace_bytes > 0) {
-    absl::StatusOr<DeviceBuffer> ws = backend_->Allocate(plan.workspace_bytes);
-    ASSERT_TRUE(ws.ok()) << ws.status();
-    workspace = *std::move(ws);
-  }
-  ASSERT_TRUE(backend_->Synchronize().ok());  // the uploads are queued on the backend's stream
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  const cudaError_t launched =
-      cuda_backend::LaunchWindowAttention(args, plan, workspace.data(), stream);
-  const cudaError_t synced = cudaStreamSynchronize(stream);
-  cudaStreamDestroy(stream);
-  ASSERT_EQ(launched, cudaSuccess) << cudaGetErrorString(launched);
-  ASSERT_EQ(synced, cudaSuccess) << cudaGetErrorString(synced);
-  const std::vector<float> got_o = Download<float>(o, rows * in.head_dim);
-  const std::vector<float> got_lse = Download<float>(lse, rows);
+  std::vector<float> got_o, got_lse;
+  ASSERT_NO_FATAL_FAILURE(LaunchAndDownload(u, plan, &got_o, &got_lse));
   const AttentionResult ref = ReferenceAttention(in);
   for (size_t r = 0; r < rows; ++r) {
     ASSERT_NEAR(got_lse[r], ref.lse[r], kExactTolerance.lse * std::max(1.0, std::abs(ref.lse[r])))
