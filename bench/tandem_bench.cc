@@ -369,8 +369,11 @@ class Bench {
       }
     }
     const int warmup = absl::GetFlag(FLAGS_warmup);
-    const SyntheticContextOptions o =
-        ContextOptions(cfg, static_cast<int>(settings.size()) * (warmup + steps));
+    // Room for every decode step a context takes: the timed ones, and for exact the calibration.
+    const int calibration_steps =
+        cfg.mode == AttentionMode::kExact ? absl::GetFlag(FLAGS_exact_calibration_steps) : 0;
+    const SyntheticContextOptions o = ContextOptions(
+        cfg, static_cast<int>(settings.size()) * (warmup + steps) + calibration_steps);
     std::vector<std::unique_ptr<Sequence>> seqs;
     // The batch's synthetic contexts into seqs (false: r says why they were skipped).
     auto fill = [&]() {

@@ -344,9 +344,12 @@ void ExactRateBook::RecordStep(const ExactStepTimes& t, double fetched_bytes, do
   const double modelled_scan = node_bytes / rates_.node_bytes_per_second;
   const double scanning = t.node_busy_s - layers * round_trip_seconds_;
   if (modelled_scan >= kMinRatedScanSecondsPerLayer * static_cast<double>(layers) &&
-      scanning > 0) {
-    rates_.node_bytes_per_second =
-        ema(rates_.node_bytes_per_second, node_bytes / scanning, node_samples_);
+      scanning >= 0.5 * t.node_busy_s) {
+    // One step moves the rate by at most kMaxRateStep either way (a stall, a short busy time).
+    const double sample = std::clamp(node_bytes / scanning,
+                                     rates_.node_bytes_per_second / kMaxRateStep,
+                                     rates_.node_bytes_per_second * kMaxRateStep);
+    rates_.node_bytes_per_second = ema(rates_.node_bytes_per_second, sample, node_samples_);
     rates_.node_overhead_seconds = ema(rates_.node_overhead_seconds,
                                        round_trip_seconds_ + t.tail_s / layers, overhead_samples_);
   } else {

@@ -216,6 +216,11 @@ absl::Status ExactTier::StartAttend(TierContext&, const AttendRows& rows) {
   // Dense: no pages named, every entry the nodes hold.
   TANDEM_RETURN_IF_ERROR(remote_->StartAttend(rows.layer, rows.q_host, rows.window.num_tokens));
   nodes_attending_ = true;
+  if (timing_ && rows.window.num_tokens != 1) {
+    // A prompt chunk's attend is compute-bound on the nodes: not a decode step's rates.
+    timing_ = false;
+    clock_.Abandon();
+  }
   if (timing_) clock_.Start(rows.layer, Clock::now());
   return absl::OkStatus();
 }
@@ -232,7 +237,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   }
   if (!nodes_attending_) {
     TANDEM_RETURN_IF_ERROR(streamed);
-    return recovery_.inexact;  // exact_rebuild.h: tainted entries left the window
+    return recovery_.inexact || recovery_.first_tainted >= 0;  // exact_rebuild.h
   }
   nodes_attending_ = false;
   const Clock::time_point t0 = Clock::now();
@@ -240,6 +245,11 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(streamed);
   TANDEM_RETURN_IF_ERROR(degraded.status());
+  if (timing_ && *degraded) {
+    // A missed answer: the nodes' time is the deadline's, their bytes not all scanned.
+    timing_ = false;
+    clock_.Abandon();
+  }
   if (timing_) {
     clock_.NodesDone(rows.layer, Clock::now());
     // The layer's fetched and recomputed pages are attended when a 4-byte read, queued after
@@ -253,7 +263,8 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   ++node_attends_;
   context.QueueMerge({rows.o_host, rows.lse_host, rows.part_o, rows.part_lse, w.o, w.lse,
                       w.num_tokens * w.num_q_heads, w.head_dim});
-  return *degraded || recovery_.inexact;
+  // Until the repair, the window holds K/V that degraded steps computed: not exact either.
+  return *degraded || recovery_.inexact || recovery_.first_tainted >= 0;
 }
 
 void ExactTier::CancelAttend(TierContext&, const AttendRows& rows) {
@@ -273,12 +284,14 @@ absl::Status ExactTier::Append(TierContext& context, WindowCache& window,
   const int64_t to_rec = split.recompute, to_host = split.host;
   const int64_t to_nodes = batch - to_rec - to_host;
   TANDEM_RETURN_IF_ERROR(KeepInputs(blocks, to_rec));
+  // The positions of the nodes' entries, for a rebuild after node loss, and how far the window
+  // has moved, also when the whole batch went to recompute (exact_rebuild.h: tainted positions
+  // that left the window can no longer be repaired).
+  recovery_.NoteEvicted(blocks, to_rec + to_host, to_nodes);
   if (to_rec == batch) return absl::OkStatus();
   const WindowGeometry& g = host_->geometry();
   const int64_t heads = g.num_kv_heads;
   const size_t row = g.head_dim * DTypeBytes(g.dtype);
-  // The positions of the nodes' entries, for a rebuild after node loss (exact_rebuild.h).
-  recovery_.NoteEvicted(blocks, to_rec + to_host, to_nodes);
   return context.ReadEvicted(
       window, blocks,
       [&](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,

@@ -92,7 +92,9 @@ class ExactRateBook {
   // by the EMA of RecordNodeRate (the first sample replaces):
   //   when the modelled scan is at least kMinRatedScanSecondsPerLayer a layer (the nodes'
   //   side of the step is their scan):
-  //     node_bytes_per_second  to node_bytes / (node_busy - L · round trip), the round trip
+  //     node_bytes_per_second  to node_bytes / (node_busy - L · round trip) (only while that
+  //                          is at least half the busy time; one step moves the rate by at most
+  //                          kMaxRateStep either way), the round trip
   //                          being the overhead the book started with (the probe's): a step
   //                          shows the scan rate the probe missed (a 256 MiB probe said
   //                          78.7 GB/s; a 512K step's nodes scanned 41 GB in 806 ms, ~51 GB/s,
@@ -120,6 +122,7 @@ class ExactRateBook {
   static constexpr double kFetchBoundShare = 0.05;
   static constexpr double kMinRatedFetchSecondsPerLayer = 5e-4;
   static constexpr double kMinRatedScanSecondsPerLayer = 5e-4;
+  static constexpr double kMaxRateStep = 2.0;
   uint64_t step_samples() const { return overhead_samples_; }
   uint64_t pcie_samples() const { return pcie_samples_; }
 
