@@ -695,9 +695,12 @@ class Bench {
     gpu_worker::WindowOptions wo;
     wo.block = absl::GetFlag(FLAGS_block);
     wo.max_chunk = runner_.options().max_chunk;
-    // The prompt, then one decode token per settle slice (at most tokens / slice + 1 of them).
+    // The prompt, then one decode token per settle slice (a slice moves whole blocks, at least
+    // one: at most tokens / moved + 1 of them).
     const int64_t slice = runner_.options().settle_tokens_per_step;
-    wo.max_context = tokens + 8 + (slice > 0 ? tokens / slice + 1 : 0);
+    const int64_t block = std::max<int64_t>(absl::GetFlag(FLAGS_block), 1);
+    const int64_t moved = std::max(block, slice / block * block);
+    wo.max_context = tokens + 8 + (slice > 0 ? tokens / moved + 1 : 0);
     const bool windowed = mode != AttentionMode::kGpu;
     wo.window = windowed ? absl::GetFlag(FLAGS_window) : gpu_worker::WindowOptions::kUnlimited;
     wo.sink = windowed ? absl::GetFlag(FLAGS_sink) : 0;

@@ -41,7 +41,44 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
     // A failed step records its failure in g; End reports it.
     (void)Step({{g.get(), std::min(g->remaining(), max_step_tokens())}});
   }
-  return End(*g);
+  absl::StatusOr<GenerateSummary> summary = End(*g);
+  // The synchronous path has no scheduler to settle a kept session between turns: it settles
+  // here, after the reply is complete, so its wider window does not hold device memory.
+  while (busy_.empty() && IdleSettlePending()) SettleIdle();
+  return summary;
+}
+
+bool Engine::IdleSettlePending() const {
+  for (const auto& [id, seq] : sessions_) {
+    if (busy_.count(id) == 0 && seq->window.settling()) return true;
+  }
+  return false;
+}
+
+void Engine::SettleIdle() {
+  const int64_t per_step = runner_->options().settle_tokens_per_step;
+  SettleIdleSessions(per_step > 0 ? per_step : std::numeric_limits<int64_t>::max());
+}
+
+int64_t Engine::SettleIdleSessions(int64_t budget) {
+  for (auto it = sessions_.begin(); it != sessions_.end() && budget > 0;) {
+    Sequence& seq = *it->second;
+    if (busy_.count(it->first) > 0 || !seq.window.settling()) {
+      ++it;
+      continue;
+    }
+    absl::StatusOr<int64_t> moved = runner_->SettleSlice(seq, budget);
+    if (moved.ok()) {
+      budget -= *moved;
+      ++it;
+      continue;
+    }
+    spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
+                  moved.status().ToString());
+    (void)seq.CloseOffloaded();
+    it = sessions_.erase(it);
+  }
+  return budget;
 }
 
 bool Generation::CancelledBy(Clock::time_point now) const {
@@ -240,6 +277,8 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
     Generation& g = *item.generation;
     if (settle_budget <= 0) break;
     if (g.seq == nullptr || !g.failure.ok() || !g.seq->window.settling()) continue;
+    // A one-shot request that just finished: End discards its KV, a slice would be wasted.
+    if (g.finished() && !g.keep_session) continue;
     absl::StatusOr<int64_t> moved = runner_->SettleSlice(*g.seq, settle_budget);
     if (!moved.ok()) {   // End closes the session (its state is no longer consistent)
       g.failure = moved.status();
@@ -248,23 +287,7 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
     }
     settle_budget -= *moved;
   }
-  for (auto it = sessions_.begin(); it != sessions_.end() && settle_budget > 0;) {
-    Sequence& seq = *it->second;
-    if (busy_.count(it->first) > 0 || !seq.window.settling()) {
-      ++it;
-      continue;
-    }
-    absl::StatusOr<int64_t> moved = runner_->SettleSlice(seq, settle_budget);
-    if (moved.ok()) {
-      settle_budget -= *moved;
-      ++it;
-      continue;
-    }
-    spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
-                  moved.status().ToString());
-    (void)seq.CloseOffloaded();
-    it = sessions_.erase(it);
-  }
+  SettleIdleSessions(settle_budget);
   // After sampling (a rebuild runs a forward pass of its own): shards lost with a CPU node,
   // one sequence per step.
   for (const StepItem& item : items) {
@@ -382,33 +405,9 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     summary.p50_token_latency_s = Percentile(g.latencies, 0.5);
     summary.p99_token_latency_s = Percentile(g.latencies, 0.99);
   }
-  // Kept sessions still settling a prompt (this one's, or idle ones') when no generation is
-  // left running: nothing would step to settle them a slice at a time, and their wider windows
-  // would hold device memory meanwhile, so the rest settles now (no step waits for it). With
-  // others running, their steps settle them (Step).
-  if (busy_.empty()) {
-    for (auto it = sessions_.begin(); it != sessions_.end();) {
-      Sequence& seq = *it->second;
-      const bool own = it->first == g.session_id;
-      if (!seq.window.settling() || (own && !(failure.ok() && g.keep_session && consistent))) {
-        ++it;
-        continue;
-      }
-      absl::Status s = runner_->SettleEvictions(seq);
-      if (s.ok() || own) {
-        if (!s.ok()) {
-          failure = s;
-          consistent = false;
-        }
-        ++it;
-        continue;
-      }
-      spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
-                    s.ToString());
-      (void)seq.CloseOffloaded();
-      it = sessions_.erase(it);
-    }
-  }
+  // A kept session still settling goes on settling between turns: in other requests' steps,
+  // or a slice at a time from the scheduler while nothing runs (SettleIdle); not here, where
+  // the reply would wait for it.
   summary.degraded_steps = g.seq->degraded_steps - g.degraded_before;
   summary.degraded = summary.degraded_steps > 0;
   summary.device_kv_entries = g.seq->device_entries();

@@ -319,8 +319,10 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                    r.mode == AttentionMode::kGpu
                        ? absl::StrCat("all ", wo.max_context, " positions")
                        : absl::StrCat("sink ", r.sink, " + window ", r.window, " + one chunk")));
-  // Buffers only decode steps use (made after the prompt is in), which a widened prefill's
-  // window never meets: the two phases' extras do not add up.
+  // Buffers only decode steps use (made after the prompt is in). A widened prefill's window
+  // meets them only while its settle goes a slice per decode step (settle_tokens_per_step > 0,
+  // the default): then both count; settled all at once, the two phases' extras do not add up.
+  const bool settle_at_once = e.settle_tokens_per_step == 0;
   uint64_t decode_only = 0;
   const bool pages = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kPages;
   uint64_t summaries = 0;
@@ -339,7 +341,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
           NodeTier::SelectionBytesFor(rows, c.num_kv_heads, num_pages, per_head) * r.batch;
       Add(dev, "page selection", bytes,
           absl::StrCat(rows, " query rows x ", num_pages, " pages, ", per_head, " chosen"));
-      decode_only += setup.device_prefill ? bytes : 0;
+      decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
     }
   }
   if ((r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) && offloaded > 0) {
@@ -347,7 +349,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
     Add(dev, "offload staging", bytes,
         absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
-    decode_only += setup.device_prefill ? bytes : 0;
+    decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
   }
   // The runner's page-locked staging of evicted blocks (TierContext::ReadEvicted), made at the
   // first eviction and kept: backend memory on cpu (AllocateHost = Allocate), host on cuda.
@@ -397,7 +399,8 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       const uint64_t used = device_kv + summaries;
       bytes = std::min(bytes, e.kv_cache_bytes > used ? e.kv_cache_bytes - used : 0);
     }
-    // Decode-only buffers are gone while the prompt is prefilled: the widening may use them.
+    // Decode-only buffers are not there yet while the prompt is prefilled: a widening settled
+    // at once may use them (decode_only is 0 when the settle goes in slices).
     const uint64_t others = dev.total_bytes - decode_only;
     if (setup.device_total_bytes > 0) {
       bytes = std::min(bytes,
@@ -407,7 +410,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
         absl::StrCat(r.batch, " x the window widened to the ", prompt,
                      "-token prompt while it is prefilled",
                      bytes < full ? absl::StrCat(" (", 100 * bytes / full, "% of it fits)") : "",
-                     ", less the decode-only buffers"));
+                     decode_only > 0 ? ", less the decode-only buffers" : ""));
     if (bytes < full && r.mode == AttentionMode::kHybrid) {
       // A hybrid prompt beyond the widened window spills (PrefillSpillTier): the blocks that
       // leave during the prefill are also kept in pinned host pages, attended from there on

@@ -80,9 +80,11 @@ void Scheduler::Stop() {
 
 std::deque<std::function<void(Engine&)>> Scheduler::TakeWork(bool* stop) {
   std::unique_lock<std::mutex> lock(mu_);
+  // Also awake while a kept session settles with nothing running (the engine is this thread's:
+  // the predicate runs here).
   cv_.wait(lock, [this] {
     return stopping_ || !jobs_.empty() || !submitted_.empty() || !running_.empty() ||
-           !waiting_.empty();
+           !waiting_.empty() || engine_->IdleSettlePending();
   });
   *stop = stopping_;
   for (Pending& p : submitted_) waiting_.push_back(std::move(p));
@@ -102,12 +104,20 @@ void Scheduler::Loop() {
     Admit();
     if (!running_.empty()) StepOnce();
     EndFinished();
+    if (running_.empty() && engine_->IdleSettlePending()) SettleIdleSlice();
     Publish();
     if (stop && jobs.empty() && waiting_.empty() && running_.empty()) {
       std::lock_guard<std::mutex> lock(mu_);
       if (jobs_.empty() && submitted_.empty()) return;
     }
   }
+}
+
+void Scheduler::SettleIdleSlice() {
+  const size_t kv_before = admission_blocked_ ? engine_->DeviceKvBytes() : 0;
+  engine_->SettleIdle();
+  // A settled window shrinks to the configured one: a refused request may fit now.
+  if (admission_blocked_ && engine_->DeviceKvBytes() < kv_before) admission_blocked_ = false;
 }
 
 void Scheduler::EndFinished() {

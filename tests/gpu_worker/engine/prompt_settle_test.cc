@@ -11,8 +11,8 @@
 //  - the runner alone (no tokenizer: this case also runs under the sanitizers): the same
 //    equality for an offload sequence decoding while SettleSlice moves a block per step;
 //  - a second request's steps go on while the first settles; a kept session that ends (or
-//    starts its next turn) mid-settle settles on, and its next turn is still exact; what is
-//    left settles when the last running request ends;
+//    starts its next turn) mid-settle settles on, and its next turn is still exact; with
+//    nothing running, what is left settles a slice per Engine::SettleIdle (End does not wait);
 //  - a request cancelled mid-settle releases its window, tier and node session;
 //  - a settle failure (the tier's Append fails) fails only that request.
 #include <algorithm>
@@ -405,7 +405,7 @@ TEST_F(PromptSettle, OtherRequestsStepWhileAPromptSettles) {
 
 // A kept session that ends mid-settle beside another request settles a slice per step of that
 // request; when the last running request ends, what is left settles at once (nothing steps).
-TEST_F(PromptSettle, AnIdleSessionSettlesWhenTheLastRequestEnds) {
+TEST_F(PromptSettle, AnIdleSessionSettlesASliceAtATimeWhenNothingRuns) {
   std::unique_ptr<Engine> engine = MakeEngine(kSlice);
   ASSERT_NE(engine, nullptr);
   const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
@@ -428,6 +428,17 @@ TEST_F(PromptSettle, AnIdleSessionSettlesWhenTheLastRequestEnds) {
   ASSERT_TRUE(seq->window.settling());
   const size_t kv_before = engine->DeviceKvBytes();
   ASSERT_TRUE(engine->End(*(*b)->g).ok());
+  // End does not settle (the reply would wait): with nothing running, the scheduler's
+  // SettleIdle moves a slice at a time.
+  ASSERT_TRUE(engine->IdleSettlePending());
+  const int64_t before_idle = seq->offloaded_entries();
+  engine->SettleIdle();
+  EXPECT_EQ(seq->offloaded_entries(), before_idle + kSlice);
+  int slices = 1;
+  while (engine->IdleSettlePending()) {
+    engine->SettleIdle();
+    ASSERT_LT(++slices, 1000);
+  }
   EXPECT_FALSE(seq->window.relaid());
   ExpectEveryEntryOnce(*seq, "idle, after the last request");
   EXPECT_LT(engine->DeviceKvBytes(), kv_before);

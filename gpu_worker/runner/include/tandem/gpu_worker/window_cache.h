@@ -125,7 +125,11 @@ class WindowCache {
   bool relaid() const { return configured_window_ > 0; }
   // Narrowed with blocks beyond the configured window still on the device: the prompt's settle
   // is under way (ModelRunner::SettleSlice moves them to the tier).
-  bool settling() const { return relaid() && !widened() && !PendingEvictions().empty(); }
+  // (PendingEvictions() non-empty, without building the list: called per session per step.)
+  bool settling() const {
+    return relaid() && !widened() && options_.window != WindowOptions::kUnlimited &&
+           RecentTokens() > options_.window;
+  }
   // The window the cache was created with (options().window is the widened one while widened).
   int64_t configured_window() const {
     return configured_window_ > 0 ? configured_window_ : options_.window;

@@ -191,6 +191,12 @@ class Engine {
   // a past deadline DEADLINE_EXCEEDED): closes its session unless it is kept and consistent,
   // and returns its summary or its failure.
   absl::StatusOr<GenerateSummary> End(Generation& generation);
+  // Kept sessions between turns still settling a prompt (device prefill): Step moves a slice
+  // of them after its own; with no generation running, the scheduler calls SettleIdle (a slice
+  // of settle_tokens_per_step over them) between its looks at the queue, so neither a reply nor
+  // a waiting request waits for a whole settle. A settle that fails closes that session (logged).
+  bool IdleSettlePending() const;
+  void SettleIdle();
   // Most tokens one Step may feed (the runner's chunk).
   int64_t max_step_tokens() const { return options_.prefill_chunk; }
   bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
@@ -234,6 +240,8 @@ class Engine {
                                                         int64_t expected_offloaded);
   WindowGeometry window_geometry() const;
   WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
+  // A slice of at most `budget` tokens over the idle settling sessions; returns what is left.
+  int64_t SettleIdleSessions(int64_t budget);
   // RESOURCE_EXHAUSTED (saying what to change) when `more` bytes would pass kv_cache_bytes.
   absl::Status CheckDeviceKv(size_t more) const;
   // Device prefill (EngineOptions::device_prefill): widens `seq`'s window for `prompt_tokens`

@@ -122,6 +122,8 @@ class Scheduler {
   // Moves newly submitted requests to waiting_; returns the control jobs to run.
   std::deque<std::function<void(Engine&)>> TakeWork(bool* stop);
   void EndFinished();
+  // With nothing running: a slice of the kept sessions' settles (Engine::SettleIdle).
+  void SettleIdleSlice();
   void Admit();
   void StepOnce();
   void Publish();
