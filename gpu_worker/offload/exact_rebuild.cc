@@ -58,9 +58,15 @@ absl::Status MoveToHost(RemoteKv& remote, OffloadedKv& host, ExactNodeRecovery& 
         });
     if (!moved.ok()) {
       if (appended_layers == 0) return moved;
+      // The host pages of the first layers now hold the node entries too (pages cannot drop
+      // entries): a retry would append them again. The session stays as it is, flagged
+      // degraded on every step from now on, and is not rebuilt again.
+      recovery.inexact = true;
+      recovery.recompute = nullptr;
       return absl::InternalError(
           absl::StrCat("moving the node entries to the host pages failed after ", appended_layers,
-                       " layers: ", moved.message()));
+                       " layers (the session's steps are flagged degraded from now on): ",
+                       moved.message()));
     }
   }
   recovery.on_host = true;
