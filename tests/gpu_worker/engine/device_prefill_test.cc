@@ -33,11 +33,6 @@ constexpr float kLogprobTolerance = 1e-4f;
 constexpr int64_t kWindow = 16, kSink = 4, kChunk = 64, kPrompt = 300;
 
 // A prompt of `n` token ids from the model's vocabulary (BOS first).
-std::vector<int32_t> Prompt(int64_t n, int32_t salt) {
-  std::vector<int32_t> ids{1};
-  for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
-  return ids;
-}
 
 EngineOptions Options(bool device_prefill, size_t kv_cap) {
   EngineOptions options;
@@ -113,7 +108,7 @@ class DevicePrefill : public ::testing::Test {
 TEST_F(DevicePrefill, FirstTokenEqualsGpuModeInHybridAndOffload) {
   std::unique_ptr<Engine> engine = MakeEngine(true);
   ASSERT_NE(engine, nullptr);
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 11);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 11);
   FirstToken gpu;
   auto reference = RunRequest(*engine, Request(AttentionMode::kGpu, prompt), &gpu);
   ASSERT_TRUE(reference.ok()) << reference.status();
@@ -182,7 +177,7 @@ TEST_F(DevicePrefill, FirstTokenEqualsGpuModeInHybridAndOffload) {
 TEST_F(DevicePrefill, OffKeepsTheOldPath) {
   std::unique_ptr<Engine> engine = MakeEngine(false);
   ASSERT_NE(engine, nullptr);
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 5);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 5);
   FirstToken gpu, offload;
   ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kGpu, prompt), &gpu).ok());
   ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kOffload, prompt), &offload).ok());
@@ -203,7 +198,7 @@ TEST_F(DevicePrefill, OffKeepsTheOldPath) {
 TEST_F(DevicePrefill, APartlyFittingPromptStaysWithinTheBudget) {
   std::unique_ptr<Engine> reference = MakeEngine(true);
   ASSERT_NE(reference, nullptr);
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 23);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 23);
   FirstToken gpu;
   ASSERT_TRUE(RunRequest(*reference, Request(AttentionMode::kGpu, prompt), &gpu).ok());
   reference.reset();
@@ -244,7 +239,7 @@ TEST_F(DevicePrefill, APartlyFittingPromptStaysWithinTheBudget) {
 // Two long prompts at once under a budget that holds one widened prompt: the widened bytes
 // count while held, so the two never over-commit, and both finish with their solo tokens.
 TEST_F(DevicePrefill, ConcurrentLongPromptsDoNotOverCommit) {
-  const std::vector<int32_t> prompts[2] = {Prompt(kPrompt, 3), Prompt(kPrompt - 40, 7)};
+  const std::vector<int32_t> prompts[2] = {testing::SyntheticPrompt(kPrompt, 3), testing::SyntheticPrompt(kPrompt - 40, 7)};
   std::vector<int32_t> solo[2];
   {
     std::unique_ptr<Engine> engine = MakeEngine(true);
@@ -327,7 +322,7 @@ TEST_F(DevicePrefillRunner, SettledBlocksCarryTheLastPassMaw) {
   ASSERT_TRUE(remote.ok()) << remote.status();
   seq.offload = std::make_unique<NodeTier>(std::move(*remote), nullptr);
 
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 31);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 31);
   seq.prefill_end = kPrompt;
   ASSERT_TRUE(seq.window.Widen(kPrompt).ok());
   // Chunks of 100: passes that neither end the prompt nor evict do not update MAW.

@@ -3,12 +3,14 @@
 // labelled gpu), and how to skip when either is missing.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -64,6 +66,14 @@ inline std::string ReadText(const std::filesystem::path& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+// A prompt of `n` token ids from a small model's vocabulary: BOS (1), then ids in [3, 503) that
+// `salt` varies.
+inline std::vector<int32_t> SyntheticPrompt(int64_t n, int32_t salt) {
+  std::vector<int32_t> ids{1};
+  for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
+  return ids;
 }
 
 }  // namespace tandem::gpu_worker::testing

@@ -36,12 +36,6 @@ namespace {
 constexpr float kLogprobTolerance = 1e-4f;
 constexpr int64_t kWindow = 16, kSink = 4, kChunk = 64, kPrompt = 300, kSlice = 16;
 
-// A prompt of `n` token ids from the model's vocabulary (BOS first).
-std::vector<int32_t> Prompt(int64_t n, int32_t salt) {
-  std::vector<int32_t> ids{1};
-  for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
-  return ids;
-}
 
 std::unique_ptr<Engine> MakeEngine(int64_t settle_tokens_per_step) {
   EngineOptions options;
@@ -254,7 +248,7 @@ TEST_F(PromptSettleRunner, DecodeWhileSettlingEqualsTheWholeSettleAndGpuMode) {
   std::unique_ptr<Sequence> whole = NewSequence("whole", kWindow);
   std::unique_ptr<Sequence> sliced = NewSequence("sliced", kWindow);
   ASSERT_TRUE(gpu && whole && sliced);
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 17);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 17);
   for (Sequence* seq : {whole.get(), sliced.get()}) {
     seq->prefill_end = kPrompt;
     ASSERT_TRUE(seq->window.Widen(kPrompt).ok());
@@ -298,7 +292,7 @@ TEST_F(PromptSettle, DecodeWhileSettlingEqualsTheWholeSettleAndGpuMode) {
   std::unique_ptr<Engine> whole = MakeEngine(0);
   ASSERT_NE(sliced, nullptr);
   ASSERT_NE(whole, nullptr);
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 13);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 13);
   constexpr int kTokens = 24;
   Driven gpu;
   auto reference = RunAlone(*whole, Request({"gpu", AttentionMode::kGpu, SelectionRule::kMaw},
@@ -335,7 +329,7 @@ TEST_F(PromptSettle, OtherRequestsStepWhileAPromptSettles) {
   ASSERT_NE(engine, nullptr);
   const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
   const Case gpu_mode{"gpu", AttentionMode::kGpu, SelectionRule::kMaw};
-  const std::vector<int32_t> prompt = Prompt(kPrompt, 29);
+  const std::vector<int32_t> prompt = testing::SyntheticPrompt(kPrompt, 29);
   const std::vector<int32_t> next_turn = {403, 407};
   // gpu mode's two turns: the reference.
   GenerateRequest ref = Request(gpu_mode, prompt, 4);
@@ -356,7 +350,7 @@ TEST_F(PromptSettle, OtherRequestsStepWhileAPromptSettles) {
   Sequence* long_seq = (*a)->g->seq;
   while (!(*a)->g->first_token_sampled) ASSERT_TRUE(StepAll(*engine, {a->get()}));
   ASSERT_TRUE(long_seq->window.settling());
-  auto b = Start(*engine, Request(offload, Prompt(20, 3), 60));
+  auto b = Start(*engine, Request(offload, testing::SyntheticPrompt(20, 3), 60));
   ASSERT_TRUE(b.ok()) << b.status();
   int64_t short_tokens_while_settling = 0;
   while (!(*a)->g->finished()) {
@@ -409,13 +403,13 @@ TEST_F(PromptSettle, AnIdleSessionSettlesASliceAtATimeWhenNothingRuns) {
   std::unique_ptr<Engine> engine = MakeEngine(kSlice);
   ASSERT_NE(engine, nullptr);
   const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
-  GenerateRequest long_request = Request(offload, Prompt(kPrompt, 37), 2);
+  GenerateRequest long_request = Request(offload, testing::SyntheticPrompt(kPrompt, 37), 2);
   long_request.session_id = "idle";
   auto a = Start(*engine, long_request);
   ASSERT_TRUE(a.ok()) << a.status();
   Sequence* seq = (*a)->g->seq;
   while (!(*a)->g->first_token_sampled) ASSERT_TRUE(StepAll(*engine, {a->get()}));
-  auto b = Start(*engine, Request(offload, Prompt(12, 9), 3));
+  auto b = Start(*engine, Request(offload, testing::SyntheticPrompt(12, 9), 3));
   ASSERT_TRUE(b.ok()) << b.status();
   while (!(*a)->g->finished()) ASSERT_TRUE(StepAll(*engine, {a->get(), b->get()}));
   ASSERT_TRUE(engine->End(*(*a)->g).ok());
@@ -450,7 +444,7 @@ TEST_F(PromptSettle, CancelledMidSettleReleasesEverything) {
   std::unique_ptr<Engine> engine = MakeEngine(kSlice);
   ASSERT_NE(engine, nullptr);
   GenerateRequest r = Request({"hybrid", AttentionMode::kHybrid, SelectionRule::kMaw},
-                              Prompt(kPrompt, 41), 40);
+                              testing::SyntheticPrompt(kPrompt, 41), 40);
   r.beta = 1.0f;   // a real selection
   auto a = Start(*engine, r);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -506,12 +500,12 @@ TEST_F(PromptSettle, ASettleFailureFailsOnlyItsRequest) {
   std::unique_ptr<Engine> engine = MakeEngine(kSlice);
   ASSERT_NE(engine, nullptr);
   const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
-  const GenerateRequest short_request = Request(offload, Prompt(20, 7), 12);
+  const GenerateRequest short_request = Request(offload, testing::SyntheticPrompt(20, 7), 12);
   Driven solo;
   auto want = RunAlone(*engine, short_request, &solo, "short, alone");
   ASSERT_TRUE(want.ok()) << want.status();
 
-  GenerateRequest long_request = Request(offload, Prompt(kPrompt, 5), 8);
+  GenerateRequest long_request = Request(offload, testing::SyntheticPrompt(kPrompt, 5), 8);
   long_request.session_id = "failing";
   auto a = Start(*engine, long_request);
   ASSERT_TRUE(a.ok()) << a.status();

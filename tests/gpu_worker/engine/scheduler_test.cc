@@ -90,12 +90,6 @@ class SchedulerTest : public ::testing::Test {
     return log_.size();
   }
 
-  // A prompt of `n` token ids from the model's vocabulary (BOS first).
-  static std::vector<int32_t> Prompt(int64_t n, int32_t salt) {
-    std::vector<int32_t> ids{1};
-    for (int64_t i = 1; i < n; ++i) ids.push_back(3 + static_cast<int32_t>((i * 37 + salt) % 500));
-    return ids;
-  }
 
   size_t OpenSessions() {
     absl::StatusOr<size_t> n =
@@ -119,7 +113,7 @@ TEST_F(SchedulerTest, ConcurrentRequestsOfEveryModeShareStepsAndMatchTheirSoloRu
                                  AttentionMode::kOffload, AttentionMode::kHybrid};
   for (int i = 0; i < 4; ++i) {
     GenerateRequest r;
-    r.prompt_ids = Prompt(60, i);
+    r.prompt_ids = testing::SyntheticPrompt(60, i);
     r.max_tokens = 32;
     r.ignore_eos = true;
     r.mode = modes[i];
@@ -172,11 +166,11 @@ TEST_F(SchedulerTest, AShortPromptOvertakesALongPrefill) {
   TANDEM_SKIP_WITHOUT_BACKEND();
   Make(/*prefill_chunk=*/16);
   GenerateRequest long_request;
-  long_request.prompt_ids = Prompt(400, 7);   // 25 steps of prefill
+  long_request.prompt_ids = testing::SyntheticPrompt(400, 7);   // 25 steps of prefill
   long_request.max_tokens = 4;
   long_request.mode = AttentionMode::kGpu;
   GenerateRequest short_request;
-  short_request.prompt_ids = Prompt(6, 9);
+  short_request.prompt_ids = testing::SyntheticPrompt(6, 9);
   short_request.max_tokens = 4;
   short_request.mode = AttentionMode::kGpu;
   auto long_outcome = Submit(long_request, 0);
@@ -199,7 +193,7 @@ TEST_F(SchedulerTest, CancellationAndDeadlinesEndRequestsAndFreeTheirSessions) {
     return tokens >= 10;
   };
   GenerateRequest endless;
-  endless.prompt_ids = Prompt(40, 3);
+  endless.prompt_ids = testing::SyntheticPrompt(40, 3);
   endless.max_tokens = 400;
   endless.ignore_eos = true;
   endless.mode = AttentionMode::kHybrid;
@@ -236,7 +230,7 @@ TEST_F(SchedulerTest, ARequestThatDoesNotFitWaitsForMemoryAndOneThatNeverFitsFai
   // page; room for 20 pages. Each request below offloads ~190 tokens = 12 pages: one at a time.
   Make(/*prefill_chunk=*/64, /*summary_cap=*/20 * 1280);
   GenerateRequest r;
-  r.prompt_ids = Prompt(10, 5);
+  r.prompt_ids = testing::SyntheticPrompt(10, 5);
   r.max_tokens = 200;
   r.ignore_eos = true;
   r.mode = AttentionMode::kHybrid;
@@ -274,7 +268,7 @@ TEST_F(SchedulerTest, GpuModeRequestsBeyondTheDeviceKvBudgetWaitTheirTurn) {
   ASSERT_EQ(one, 256u * 1364u);
   Make(/*prefill_chunk=*/64, /*summary_cap=*/0, /*kv_cap=*/one + one / 2);
   GenerateRequest r;
-  r.prompt_ids = Prompt(10, 5);
+  r.prompt_ids = testing::SyntheticPrompt(10, 5);
   r.max_tokens = 200;
   r.ignore_eos = true;
   r.mode = AttentionMode::kGpu;
