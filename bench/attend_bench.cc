@@ -622,12 +622,8 @@ int Main(int argc, char** argv) {
     double raw_gbs, sparse_gbs, sparse_us, node_gbs, node_us;
   };
   std::vector<Row> table;
-  struct PagedRow {
-    kv_store::KvDType dtype;
-    uint64_t n, bytes;
-    double seconds;
-  };
-  // The node rows of every --node_kv_dtype: (dtype, n, seconds per call, bytes scanned).
+  // The node rows of every --node_kv_dtype (dense and paged Attends): dtype, n, bytes scanned,
+  // seconds per call.
   struct DTypeRow {
     kv_store::KvDType dtype;
     uint64_t n, bytes;
@@ -635,7 +631,6 @@ int Main(int argc, char** argv) {
     bool paged;
   };
   std::vector<DTypeRow> dtype_rows;
-  std::vector<PagedRow> paged_rows;
   for (uint64_t n : f.n) {
     const KvSet kv = MakeKv(pool, f.heads, n, f.head_dim, f.footprint_mib << 20);
     const double bytes = static_cast<double>(kv.bytes_per_copy());
@@ -702,7 +697,6 @@ int Main(int argc, char** argv) {
             {"kv_gbs", paged_gbs},
             {"kv_gbs_per_thread", paged_gbs / threads},
             {"ratio_to_read", paged_gbs / mem.read_gbs}});
-      paged_rows.push_back({dtype, n, paged_bytes, paged_s});
       dtype_rows.push_back({dtype, n, paged_bytes, paged_s, true});
     }
   }
@@ -725,7 +719,8 @@ int Main(int argc, char** argv) {
                 100.0 * r.sparse_gbs / mem.copy_gbs, r.node_gbs, r.node_us,
                 100.0 * r.node_gbs / r.raw_gbs);
   }
-  for (const PagedRow& r : paged_rows) {
+  for (const DTypeRow& r : dtype_rows) {
+    if (!r.paged) continue;
     std::printf(
         "paged Attend (%s): n/head %llu, %u tokens per (head, token) in pages of %u: %.2f MiB "
         "scanned in %.0f us = %.2f GB/s (%.2f GB/s per thread)\n",

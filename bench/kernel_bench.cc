@@ -62,6 +62,7 @@
 #include "nlohmann/json.hpp"
 #include "tandem/gpu_worker/backend.h"
 #include "convert.cuh"
+#include "cuda_resources.h"
 #include "gemv.cuh"
 #include "page_select.cuh"
 #include "tandem/common/bf16.h"
@@ -520,11 +521,6 @@ absl::StatusOr<Problem> MakeProblem(Bench& bench, const Geometry& geo, int64_t t
 
 // ---- decode GEMV sweep (issue 15 item 3) ------------------------------------------------------
 
-struct CublasDeleter {
-  void operator()(cublasHandle_t h) const { cublasDestroy(h); }
-};
-using CublasPtr = std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, CublasDeleter>;
-
 // "NxK,..." -> (n, k) pairs.
 absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParseShapes(const std::string& text) {
   std::vector<std::pair<int64_t, int64_t>> shapes;
@@ -585,12 +581,11 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
           absl::StrCat("--gemv_rows ", m, " > kGemvMaxRows ", cuda_backend::kGemvMaxRows));
     }
   }
-  cublasHandle_t raw = nullptr;
-  if (cublasCreate(&raw) != CUBLAS_STATUS_SUCCESS) return absl::InternalError("cublasCreate");
-  CublasPtr cublas(raw);
-  if (cublasSetStream(raw, bench.stream()) != CUBLAS_STATUS_SUCCESS) {
-    return absl::InternalError("cublasSetStream");
-  }
+  // The backend's handle type: bound to the bench's stream, in the backend's math mode.
+  absl::StatusOr<cuda_backend::CublasHandle> cublas =
+      cuda_backend::CublasHandle::Create(bench.stream());
+  if (!cublas.ok()) return cublas.status();
+  cublasHandle_t raw = cublas->get();
   const int64_t reps = std::min<int64_t>(max_reps, 100);
   for (const auto& [n, k] : *shapes) {
     const size_t w_bytes = static_cast<size_t>(n * k) * 2;
