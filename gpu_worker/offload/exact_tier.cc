@@ -121,34 +121,31 @@ bool ExactTier::wants_layer_inputs() const {
 
 absl::Status ExactTier::TakeLayerInputs(TierContext& context, int64_t layer, const float* xn,
                                         int64_t rows, int64_t first_pos) {
-  if (recompute_ == nullptr) {
-    absl::StatusOr<std::unique_ptr<ExactRecompute>> made =
-        ExactRecompute::Create(context.backend(), *options_.model, host_->geometry(),
-                               host_->page_tokens(), context.max_rows());
-    if (!made.ok()) {
-      // Not this model (or no device room for the staging): the entries are fetched instead.
-      spdlog::warn("session {}: no recompute: {}", remote_->options().session_id,
-                   made.status().ToString());
-      options_.plan.allow_recompute = false;
-      Replan(options_.expected_tokens);
-      return absl::OkStatus();
-    }
-    recompute_ = std::move(*made);
+  if (absl::Status made = EnsureRecompute(context.backend(), context.max_rows()); !made.ok()) {
+    // Not this model (or no device room for the staging): the entries are fetched instead.
+    spdlog::warn("session {}: no recompute: {}", remote_->options().session_id, made.ToString());
+    options_.plan.allow_recompute = false;
+    Replan(options_.expected_tokens);
+    return absl::OkStatus();
   }
   return recompute_->Take(layer, xn, rows, first_pos);
 }
 
 absl::Status ExactTier::AppendRecomputeRows(Backend& backend, int64_t max_rows, const void* rows,
                                             int64_t n, int64_t first_pos) {
+  TANDEM_RETURN_IF_ERROR(EnsureRecompute(backend, max_rows));
+  return recompute_->AppendRows(rows, n, first_pos);
+}
+
+absl::Status ExactTier::EnsureRecompute(Backend& backend, int64_t max_rows) {
+  if (recompute_ != nullptr) return absl::OkStatus();
   if (options_.model == nullptr) {
     return absl::FailedPreconditionError("exact tier: recompute needs the model");
   }
-  if (recompute_ == nullptr) {
-    TANDEM_ASSIGN_OR_RETURN(recompute_,
-                            ExactRecompute::Create(backend, *options_.model, host_->geometry(),
-                                                   host_->page_tokens(), max_rows));
-  }
-  return recompute_->AppendRows(rows, n, first_pos);
+  TANDEM_ASSIGN_OR_RETURN(recompute_,
+                          ExactRecompute::Create(backend, *options_.model, host_->geometry(),
+                                                 host_->page_tokens(), max_rows));
+  return absl::OkStatus();
 }
 
 ExactTier::BatchSplit ExactTier::SplitBatch(const std::vector<EvictedBlock>& blocks,
@@ -237,7 +234,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   }
   if (!nodes_attending_) {
     TANDEM_RETURN_IF_ERROR(streamed);
-    return recovery_.inexact || recovery_.first_tainted >= 0;  // exact_rebuild.h
+    return recovery_.tainted();  // exact_rebuild.h
   }
   nodes_attending_ = false;
   const Clock::time_point t0 = Clock::now();
@@ -264,7 +261,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   context.QueueMerge({rows.o_host, rows.lse_host, rows.part_o, rows.part_lse, w.o, w.lse,
                       w.num_tokens * w.num_q_heads, w.head_dim});
   // Until the repair, the window holds K/V that degraded steps computed: not exact either.
-  return *degraded || recovery_.inexact || recovery_.first_tainted >= 0;
+  return *degraded || recovery_.tainted();
 }
 
 void ExactTier::CancelAttend(TierContext&, const AttendRows& rows) {

@@ -20,9 +20,7 @@ uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share, bool int8_
   // the node's storage dtype (the node's default of 64 tokens when the session leaves the block
   // size to it), plus the selected copy at one reservation's size (the placement weighs it
   // against the free bytes the nodes report, so the expected charge, not the 2x bound).
-  const kv_store::KvDType dtype = int8_rows                          ? kv_store::KvDType::kInt8
-                                  : options_.kv_dtype == DType::kF32 ? kv_store::KvDType::kF32
-                                                                     : kv_store::KvDType::kBf16;
+  const kv_store::KvDType dtype = NodeStorageDType(int8_rows, options_.kv_dtype);
   const kv_store::BlockFormat format{options_.block_tokens != 0 ? options_.block_tokens : 64,
                                      static_cast<uint32_t>(options_.head_dim), dtype};
   const uint64_t n = static_cast<uint64_t>(std::max<int64_t>(entries, 0));

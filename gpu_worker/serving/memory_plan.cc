@@ -66,8 +66,7 @@ int64_t Room(const PlanNode& node, uint64_t used) {
 // How a node stores the sessions' KV when it has not reported it (and the embedded node):
 // int8 when --node_kv_dtype says so, else the session's dtype as sent.
 kv_store::KvDType NodeKvDType(const EngineOptions& options, DType kv_dtype) {
-  if (options.nodes.embedded.kv_dtype == kv_store::KvDType::kInt8) return kv_store::KvDType::kInt8;
-  return kv_dtype == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+  return NodeStorageDType(options.nodes.embedded.kv_dtype == kv_store::KvDType::kInt8, kv_dtype);
 }
 
 const char* NodeDTypeName(kv_store::KvDType t) {
@@ -240,9 +239,7 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
 PlanNode PlanNodeOf(const NodeState& node, DType kv_dtype) {
   PlanNode p{node.address, node.capacity_bytes, node.free_bytes, std::nullopt};
   if (!node.node_id.empty()) {
-    p.kv_dtype = node.int8_kv               ? kv_store::KvDType::kInt8
-                 : kv_dtype == DType::kF32 ? kv_store::KvDType::kF32
-                                           : kv_store::KvDType::kBf16;
+    p.kv_dtype = NodeStorageDType(node.int8_kv, kv_dtype);
   }
   return p;
 }

@@ -105,6 +105,8 @@ struct ExactNodeRecovery {
   absl::Status NoteAttend(Backend& backend, const int32_t* q_pos, bool degraded);
   // Whether Rebuild has something to do (a lost shard is RemoteKv's to say).
   bool needs_repair() const { return first_tainted >= 0 && !inexact; }
+  // Whether steps now read K/V that degraded attends computed (repairable or not).
+  bool tainted() const { return inexact || first_tainted >= 0; }
 };
 
 // Between passes: rebuilds the lost shards of `remote` on surviving nodes from K/V that

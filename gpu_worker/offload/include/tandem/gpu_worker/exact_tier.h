@@ -150,6 +150,9 @@ class ExactTier final : public OffloadTier {
 
   std::unique_ptr<OffloadedKv> host_;
   std::unique_ptr<RemoteKv> remote_;
+  // Makes recompute_ (the model's K/V rows for recompute) unless it exists: FAILED_PRECONDITION
+  // without a model, else ExactRecompute::Create's errors.
+  absl::Status EnsureRecompute(Backend& backend, int64_t max_rows);
   std::unique_ptr<ExactRecompute> recompute_;  // made at the first TakeLayerInputs
   ExactRateBook* rates_;
   ExactTierOptions options_;

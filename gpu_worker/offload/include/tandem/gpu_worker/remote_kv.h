@@ -61,6 +61,7 @@
 #include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/placement_planner.h"
 #include "tandem/gpu_worker/shard_migrator.h"
+#include "tandem/kv_store/block_format.h"
 
 namespace tandem::gpu_worker {
 
@@ -68,6 +69,13 @@ class GrpcLink;
 class ShmLink;
 struct LinkSession;
 struct NodeAnswer;
+
+// How a node stores a session's K/V rows: int8 on an int8 node, else the dtype the worker
+// sends (f32 or bf16) — what the node charges its memory in (kv_store::BlockFormat).
+inline kv_store::KvDType NodeStorageDType(bool int8_rows, DType sent) {
+  if (int8_rows) return kv_store::KvDType::kInt8;
+  return sent == DType::kF32 ? kv_store::KvDType::kF32 : kv_store::KvDType::kBf16;
+}
 
 // kBalanced: cost-model planning and live re-planning. kUniform: the cost-blind spread (the
 // baseline); its shards move only off nodes that stop accepting.
