@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <condition_variable>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -74,6 +75,22 @@ class SchedulerTest : public ::testing::Test {
     return outcome;
   }
 
+  // Holds the scheduler thread in a control job until the returned promise is set: requests
+  // submitted meanwhile are admitted in one iteration, so what shares a step does not depend on
+  // how long the test thread is descheduled between two Submits on a loaded machine.
+  std::promise<void> HoldScheduler() {
+    std::promise<void> release;
+    auto released = std::make_shared<std::shared_future<void>>(release.get_future().share());
+    auto held = std::make_shared<std::promise<void>>();
+    std::future<void> holding = held->get_future();
+    EXPECT_TRUE(scheduler_->Post([released, held](Engine&) {
+      held->set_value();
+      released->wait();
+    }));
+    holding.wait();
+    return release;
+  }
+
   static absl::StatusOr<GenerateSummary> Wait(Outcome& outcome) {
     std::unique_lock<std::mutex> lock(outcome.mu);
     outcome.cv.wait_for(lock, std::chrono::seconds(120), [&] { return outcome.done; });
@@ -135,20 +152,26 @@ TEST_F(SchedulerTest, ConcurrentRequestsOfEveryModeShareStepsAndMatchTheirSoloRu
   log_.clear();
   const Clock::time_point start = Clock::now();
   std::vector<std::shared_ptr<Outcome>> outcomes;
+  std::promise<void> release = HoldScheduler();
   for (int i = 0; i < 4; ++i) outcomes.push_back(Submit(requests[i], i));
+  release.set_value();
   for (int i = 0; i < 4; ++i) {
     auto summary = Wait(*outcomes[i]);
     ASSERT_TRUE(summary.ok()) << summary.status();
     EXPECT_EQ(summary->token_ids, solo[i]) << "request " << i << " differs from its solo run";
     EXPECT_EQ(summary->mode, modes[i]);
-    if (modes[i] != AttentionMode::kGpu) EXPECT_GT(summary->cpu_kv_entries, 0) << i;
+    if (modes[i] != AttentionMode::kGpu) {
+      EXPECT_GT(summary->cpu_kv_entries, 0) << i;
+    }
   }
   const double batched_s = std::chrono::duration<double>(Clock::now() - start).count();
   const uint64_t batched_steps = scheduler_->stats().steps - solo_steps;
   // Interleaved: every request had a token before every other one's last.
   for (int a = 0; a < 4; ++a) {
     for (int b = 0; b < 4; ++b) {
-      if (a != b) EXPECT_LT(FirstOf(a), LastOf(b)) << a << " ran after " << b;
+      if (a != b) {
+        EXPECT_LT(FirstOf(a), LastOf(b)) << a << " ran after " << b;
+      }
     }
   }
   // Less time than one after another: in forward passes, the unit of the device's time, which
@@ -173,8 +196,10 @@ TEST_F(SchedulerTest, AShortPromptOvertakesALongPrefill) {
   short_request.prompt_ids = testing::SyntheticPrompt(6, 9);
   short_request.max_tokens = 4;
   short_request.mode = AttentionMode::kGpu;
+  std::promise<void> release = HoldScheduler();
   auto long_outcome = Submit(long_request, 0);
   auto short_outcome = Submit(short_request, 1);
+  release.set_value();
   ASSERT_TRUE(Wait(*short_outcome).ok());
   ASSERT_TRUE(Wait(*long_outcome).ok());
   // The short request finished while the long one was still in prefill.
