@@ -822,9 +822,7 @@ class Bench {
       s = next.status();
       if (s.ok()) {
         token = *next;
-        s = runner_.SettleSlice(*seq, per_step > 0 ? per_step
-                                                   : std::numeric_limits<int64_t>::max())
-                .status();
+        s = runner_.SettleSlice(*seq, runner_.options().settle_budget_per_step()).status();
       }
       if (s.ok()) s = backend_.Synchronize();
       worst_step = std::max(worst_step, Seconds(step0));

@@ -85,6 +85,7 @@ std::string_view FinishReasonName(FinishReason reason) {
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->options_ = options;
+  engine->lost_sessions_ = LostSessions(options.max_sessions);
   if (options.prefill_chunk < 1 || options.prefill_chunk > 65536) {
     return absl::InvalidArgumentError("prefill_chunk must be in 1..65536");
   }
@@ -417,11 +418,21 @@ std::string Engine::Detokenize(const std::vector<int32_t>& ids) const {
 absl::Status Engine::CloseSession(const std::string& session_id) {
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
+    if (lost_sessions_.Forget(session_id)) return absl::OkStatus();   // closed already
     return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
   }
   absl::Status closed = it->second->CloseOffloaded();
   sessions_.erase(it);
   return closed;
+}
+
+void Engine::CloseLostSession(const std::string& id, const std::string& reason) {
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  spdlog::error("session {}: closed, {}", id, reason);
+  (void)it->second->CloseOffloaded();
+  sessions_.erase(it);
+  lost_sessions_.Remember(id, reason);
 }
 
 ModelInfo Engine::info() const {

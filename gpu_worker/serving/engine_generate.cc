@@ -56,8 +56,7 @@ bool Engine::IdleSettlePending() const {
 }
 
 void Engine::SettleIdle() {
-  const int64_t per_step = runner_->options().settle_tokens_per_step;
-  SettleIdleSessions(per_step > 0 ? per_step : std::numeric_limits<int64_t>::max());
+  SettleIdleSessions(runner_->options().settle_budget_per_step());
 }
 
 int64_t Engine::SettleIdleSessions(int64_t budget) {
@@ -73,10 +72,9 @@ int64_t Engine::SettleIdleSessions(int64_t budget) {
       ++it;
       continue;
     }
-    spdlog::error("session {}: settle failed, the session is closed: {}", it->first,
-                  moved.status().ToString());
-    (void)seq.CloseOffloaded();
-    it = sessions_.erase(it);
+    const std::string id = it++->first;
+    CloseLostSession(id, absl::StrCat("its prompt's move to the KV tier between turns failed: ",
+                                      moved.status().ToString()));
   }
   return budget;
 }
@@ -118,6 +116,14 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
 
   auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
   const bool continuing = existing != sessions_.end();
+  if (!continuing && !request.session_id.empty()) {
+    if (std::optional<std::string> lost = lost_sessions_.Take(request.session_id)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", request.session_id, "' was closed by the worker after its last turn (",
+          *lost, "); its context is gone: send the whole conversation again (a new request "
+          "with this id starts a new session)"));
+    }
+  }
   if (continuing) {
     const Sequence& s = *existing->second;
     if (request.mode.has_value() && *request.mode != s.mode) {
@@ -208,6 +214,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->seq = seq;
   g->session_id = id;
   g->keep_session = keep;
+  g->continues_session = continuing;
   g->prompt_tokens = static_cast<int64_t>(prompt.size());
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
@@ -271,8 +278,7 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
     if (g.seq == nullptr || !g.first_token_sampled || g.seq->window.widened()) continue;
     EndPrefillSpill(*g.seq);
   }
-  const int64_t per_step = runner_->options().settle_tokens_per_step;
-  int64_t settle_budget = per_step > 0 ? per_step : std::numeric_limits<int64_t>::max();
+  int64_t settle_budget = runner_->options().settle_budget_per_step();
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
     if (settle_budget <= 0) break;
@@ -420,7 +426,17 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
                                             p.recompute_reason, exact->host_tokens(),
                                             exact->node_tokens()};
   }
-  if (!g.keep_session || !consistent) {
+  if (g.keep_session && !consistent && g.continues_session) {
+    // The client holds a conversation the worker no longer has: its next turn is told so.
+    CloseLostSession(g.session_id,
+                     !g.failure.ok()
+                         ? absl::StrCat("a turn failed: ", g.failure.ToString())
+                         : std::string("a turn was stopped (cancelled or past its deadline) "
+                                       "before its prompt was read whole"));
+    g.seq = nullptr;
+  } else if (!g.keep_session || !consistent) {
+    // A one-shot request, or a new session whose first turn did not complete: the client has
+    // nothing to continue.
     auto it = sessions_.find(g.session_id);
     if (it != sessions_.end()) {
       (void)it->second->CloseOffloaded();

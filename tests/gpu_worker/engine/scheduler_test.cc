@@ -55,7 +55,8 @@ class SchedulerTest : public ::testing::Test {
 
   // Submits `request`; token events are logged as (tag, index) in submission-independent order.
   std::shared_ptr<Outcome> Submit(GenerateRequest request, int tag,
-                                  std::function<bool()> cancelled = nullptr) {
+                                  std::function<bool()> cancelled = nullptr,
+                                  std::function<void(const PrefillProgress&)> on_prefill = nullptr) {
     auto outcome = std::make_shared<Outcome>();
     GenerateCallbacks callbacks;
     callbacks.on_token = [this, tag](const TokenEvent& e) {
@@ -64,6 +65,7 @@ class SchedulerTest : public ::testing::Test {
       return true;
     };
     callbacks.cancelled = std::move(cancelled);
+    callbacks.on_prefill = std::move(on_prefill);
     const absl::Status submitted = scheduler_->Submit(
         std::move(request), std::move(callbacks), [outcome](absl::StatusOr<GenerateSummary> s) {
           std::lock_guard<std::mutex> lock(outcome->mu);
@@ -246,6 +248,72 @@ TEST_F(SchedulerTest, CancellationAndDeadlinesEndRequestsAndFreeTheirSessions) {
   EXPECT_EQ(summary->completion_tokens, 3);
   EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("kept"); }).ok());
   EXPECT_EQ(OpenSessions(), 0u);
+}
+
+TEST_F(SchedulerTest, AKeptSessionClosedAfterAStoppedTurnIsReportedOnceToItsNextTurn) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  Make(/*prefill_chunk=*/16);
+  GenerateRequest first;
+  first.session_id = "conv";
+  first.prompt_ids = testing::SyntheticPrompt(20, 1);
+  first.max_tokens = 3;
+  first.ignore_eos = true;
+  first.mode = AttentionMode::kHybrid;
+  // A client that goes away once its prompt's first chunk is in (a request cancelled while it
+  // waits never touches its session).
+  auto stop_in_prefill = [this](GenerateRequest r, int tag) {
+    auto prefilled = std::make_shared<bool>(false);   // set and read on the scheduler thread
+    return Submit(std::move(r), tag, [prefilled] { return *prefilled; },
+                  [prefilled](const PrefillProgress&) { *prefilled = true; });
+  };
+  // Its second turn is stopped after one 16-token chunk of a 100-token prompt: the session
+  // holds part of a prompt no client sent whole, and the worker closes it.
+  auto lose_it = [&] {
+    auto summary = Wait(*Submit(first, 0));
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    GenerateRequest second;
+    second.session_id = "conv";
+    second.prompt_ids = testing::SyntheticPrompt(100, 2);
+    second.max_tokens = 3;
+    summary = Wait(*stop_in_prefill(second, 1));
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->finish_reason, FinishReason::kCancelled);
+    EXPECT_EQ(OpenSessions(), 0u);
+  };
+  lose_it();
+  GenerateRequest third;
+  third.session_id = "conv";
+  third.prompt_ids = {5, 6};
+  third.max_tokens = 2;
+  // The next turn is told, instead of running without the first turn's context...
+  auto told = Wait(*Submit(third, 2));
+  ASSERT_FALSE(told.ok());
+  EXPECT_EQ(told.status().code(), absl::StatusCode::kFailedPrecondition) << told.status();
+  EXPECT_NE(told.status().message().find("'conv' was closed"), std::string::npos);
+  EXPECT_NE(told.status().message().find("cancelled"), std::string::npos) << told.status();
+  // ... once: the turn after that starts a new session.
+  auto fresh = Wait(*Submit(third, 3));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->prompt_tokens, 2);
+  EXPECT_EQ(OpenSessions(), 1u);
+  EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).ok());
+  // A client that closes a lost session is not told again either.
+  lose_it();
+  EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).ok());
+  EXPECT_EQ(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).code(),
+            absl::StatusCode::kNotFound);
+  auto after_close = Wait(*Submit(third, 4));
+  ASSERT_TRUE(after_close.ok()) << after_close.status();
+  // A new session whose first turn is stopped had nothing to lose: its id is simply free.
+  GenerateRequest stopped_new;
+  stopped_new.session_id = "new";
+  stopped_new.prompt_ids = testing::SyntheticPrompt(100, 3);
+  stopped_new.max_tokens = 2;
+  ASSERT_TRUE(Wait(*stop_in_prefill(stopped_new, 5)).ok());
+  stopped_new.prompt_ids = {7};
+  auto reused = Wait(*Submit(stopped_new, 6));
+  ASSERT_TRUE(reused.ok()) << reused.status();
 }
 
 TEST_F(SchedulerTest, ARequestThatDoesNotFitWaitsForMemoryAndOneThatNeverFitsFails) {

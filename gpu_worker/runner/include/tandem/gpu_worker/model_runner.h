@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <functional>
 #include <memory>
 #include <utility>
@@ -70,6 +71,11 @@ struct RunnerOptions {
   // H100 host (Llama-3-8B geometry, 32K): 0.86 s for 32K tokens with pages selection, 2.55 s
   // with MAW, i.e. ~0.1 s / ~0.3 s added to a step at 4096. 0 = settle a whole prompt at once.
   int64_t settle_tokens_per_step = 4096;
+  // settle_tokens_per_step as a SettleSlice budget (0: no bound).
+  int64_t settle_budget_per_step() const {
+    return settle_tokens_per_step > 0 ? settle_tokens_per_step
+                                      : std::numeric_limits<int64_t>::max();
+  }
 };
 
 struct ForwardOptions {

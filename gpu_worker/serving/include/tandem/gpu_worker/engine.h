@@ -34,6 +34,7 @@
 #include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/generate_request.h"
 #include "tandem/gpu_worker/generation.h"
+#include "tandem/gpu_worker/lost_sessions.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -194,7 +195,8 @@ class Engine {
   // Kept sessions between turns still settling a prompt (device prefill): Step moves a slice
   // of them after its own; with no generation running, the scheduler calls SettleIdle (a slice
   // of settle_tokens_per_step over them) between its looks at the queue, so neither a reply nor
-  // a waiting request waits for a whole settle. A settle that fails closes that session (logged).
+  // a waiting request waits for a whole settle. A settle that fails closes that session (logged;
+  // the next request naming it fails once with FAILED_PRECONDITION: LostSessions).
   bool IdleSettlePending() const;
   void SettleIdle();
   // Most tokens one Step may feed (the runner's chunk).
@@ -206,7 +208,8 @@ class Engine {
   // prepended (add_bos) unless the text already starts with it.
   absl::StatusOr<std::vector<int32_t>> Tokenize(const std::string& text, bool add_bos) const;
   std::string Detokenize(const std::vector<int32_t>& ids) const;
-  // Frees a kept session's device window and CPU node shards. NOT_FOUND if unknown.
+  // Frees a kept session's device window and CPU node shards; a lost one (LostSessions) is
+  // forgotten. NOT_FOUND if unknown.
   absl::Status CloseSession(const std::string& session_id);
   size_t open_sessions() const { return sessions_.size(); }
   // Device bytes of every open session's window and page summaries (running requests and kept
@@ -240,6 +243,9 @@ class Engine {
                                                         int64_t expected_offloaded);
   WindowGeometry window_geometry() const;
   WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
+  // Closes kept session `id` after a failure of its own (not the client's doing), remembering
+  // `reason` for the next request that names it.
+  void CloseLostSession(const std::string& id, const std::string& reason);
   // A slice of at most `budget` tokens over the idle settling sessions; returns what is left.
   int64_t SettleIdleSessions(int64_t budget);
   // RESOURCE_EXHAUSTED (saying what to change) when `more` bytes would pass kv_cache_bytes.
@@ -285,6 +291,7 @@ class Engine {
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
   std::set<std::string> busy_;   // sessions a live Generation is using
+  LostSessions lost_sessions_{0};   // sized to max_sessions by Create
   uint64_t next_anonymous_id_ = 0;
   std::string id_prefix_;
 };

@@ -54,6 +54,7 @@ class Generation {
   Sequence* seq = nullptr;
   std::string session_id;            // the engine's key (generated for one-shot requests)
   bool keep_session = false;         // false: the session is closed by End()
+  bool continues_session = false;    // the session was kept from an earlier turn
   int64_t prompt_tokens = 0;
   std::vector<int32_t> feed;         // tokens to feed; feed[0..fed) are in the model
   int64_t fed = 0;
