@@ -42,14 +42,11 @@ absl::StatusOr<std::unique_ptr<ExactRecompute>> ExactRecompute::Create(Backend& 
   TANDEM_ASSIGN_OR_RETURN(r->k_, backend.Allocate(kv_half));
   TANDEM_ASSIGN_OR_RETURN(r->v_, backend.Allocate(kv_half));
   TANDEM_ASSIGN_OR_RETURN(r->iota_, backend.Allocate(P * 4));
-  TANDEM_ASSIGN_OR_RETURN(r->zero_pos_, backend.Allocate(P * 4));
-  TANDEM_ASSIGN_OR_RETURN(r->part_o_, backend.Allocate(max_rows * c.num_q_heads * D * 4));
-  TANDEM_ASSIGN_OR_RETURN(r->part_lse_, backend.Allocate(max_rows * c.num_q_heads * 4));
   std::vector<int32_t> iota(P);
   std::iota(iota.begin(), iota.end(), 0);
   TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(r->iota_.data(), iota.data(), P * 4));
-  const std::vector<int32_t> zeros(P, 0);
-  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(r->zero_pos_.data(), zeros.data(), P * 4));
+  TANDEM_ASSIGN_OR_RETURN(r->attend_,
+                          StagedAttention::Create(backend, P, c.num_q_heads, D, max_rows));
   return r;
 }
 
@@ -231,21 +228,7 @@ absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& 
     wk.capacity = page_tokens_;
     wk.head_dim = D;
     TANDEM_RETURN_IF_ERROR(backend_.WriteKv(wk));
-    // Every entry is earlier than every query row: all visible (slot positions 0).
-    WindowAttentionParams wa = base;
-    wa.k_cache = k_.data();
-    wa.v_cache = v_.data();
-    wa.cache_dtype = window_.dtype;
-    wa.slot_pos = zero_pos_.as<int32_t>();
-    wa.num_slots = n;
-    wa.capacity = page_tokens_;
-    wa.o = part_o_.as<float>();
-    wa.lse = part_lse_.as<float>();
-    wa.maw = nullptr;
-    TANDEM_RETURN_IF_ERROR(backend_.WindowAttention(wa));
-    TANDEM_RETURN_IF_ERROR(
-        backend_.MergeStates({base.o, base.lse, part_o_.as<float>(), part_lse_.as<float>(),
-                              base.num_tokens * base.num_q_heads, D}));
+    TANDEM_RETURN_IF_ERROR(attend_->AttendAndMerge(base, k_.data(), v_.data(), window_.dtype, n));
   }
   return absl::OkStatus();
 }

@@ -19,9 +19,9 @@ size_t StagingPageBytes(const WindowGeometry& geometry, int64_t page_tokens) {
 
 size_t KvStreamer::DeviceBytesFor(const WindowGeometry& geometry, int64_t page_tokens,
                                   int64_t num_q_heads, int64_t max_rows, int slots) {
-  // Create's buffers: the slots, zero_pos_ [page_tokens] i32, part_o_ and part_lse_ (f32).
-  return slots * StagingPageBytes(geometry, page_tokens) + page_tokens * 4 +
-         max_rows * num_q_heads * (geometry.head_dim + 1) * 4;
+  // Create's buffers: the slots and the staged attention's.
+  return slots * StagingPageBytes(geometry, page_tokens) +
+         StagedAttention::DeviceBytesFor(page_tokens, num_q_heads, geometry.head_dim, max_rows);
 }
 
 absl::StatusOr<std::unique_ptr<KvStreamer>> KvStreamer::Create(Backend& backend,
@@ -38,19 +38,15 @@ absl::StatusOr<std::unique_ptr<KvStreamer>> KvStreamer::Create(Backend& backend,
     return absl::InvalidArgumentError("kv streamer: bad sizes");
   }
   auto streamer = std::unique_ptr<KvStreamer>(
-      new KvStreamer(backend, geometry, page_tokens, num_q_heads, max_rows, slots));
+      new KvStreamer(backend, geometry, page_tokens, slots));
   const size_t page_bytes = StagingPageBytes(geometry, page_tokens);
   for (int s = 0; s < slots; ++s) {
     TANDEM_ASSIGN_OR_RETURN(DeviceBuffer buffer, backend.Allocate(page_bytes));
     streamer->staging_.push_back(std::move(buffer));
   }
-  TANDEM_ASSIGN_OR_RETURN(streamer->zero_pos_, backend.Allocate(page_tokens * 4));
-  const std::vector<int32_t> zeros(page_tokens, 0);
-  TANDEM_RETURN_IF_ERROR(
-      backend.CopyToDevice(streamer->zero_pos_.data(), zeros.data(), zeros.size() * 4));
-  TANDEM_ASSIGN_OR_RETURN(streamer->part_o_,
-                          backend.Allocate(max_rows * num_q_heads * geometry.head_dim * 4));
-  TANDEM_ASSIGN_OR_RETURN(streamer->part_lse_, backend.Allocate(max_rows * num_q_heads * 4));
+  TANDEM_ASSIGN_OR_RETURN(
+      streamer->attend_,
+      StagedAttention::Create(backend, page_tokens, num_q_heads, geometry.head_dim, max_rows));
   return streamer;
 }
 
@@ -97,32 +93,17 @@ absl::Status KvStreamer::Issue(size_t index) {
 }
 
 absl::Status KvStreamer::AttendLayer(int64_t layer, size_t seq, const WindowAttentionParams& base) {
-  if (base.num_tokens > max_rows_ || base.num_q_heads != num_q_heads_) {
-    return absl::InvalidArgumentError("kv streamer: more query rows or heads than planned");
-  }
   const size_t row = geometry_.head_dim * DTypeBytes(geometry_.dtype);
   const size_t half = geometry_.num_kv_heads * page_tokens_ * row;
   while (next_ < items_.size() && items_[next_].layer == layer && items_[next_].seq == seq) {
     const Item& item = items_[next_];
     const int slot = static_cast<int>(next_ % slots_);
     TANDEM_RETURN_IF_ERROR(backend_.WaitUpload(slot));
-    WindowAttentionParams wa = base;
     const char* staged = static_cast<const char*>(staging_[slot].data());
-    wa.k_cache = staged;
-    wa.v_cache = staged + half;
-    wa.cache_dtype = geometry_.dtype;
-    wa.slot_pos = zero_pos_.as<int32_t>();
-    wa.num_slots = kvs_[item.seq]->page(item.layer, item.page).tokens;
-    wa.capacity = page_tokens_;
-    wa.o = part_o_.as<float>();
-    wa.lse = part_lse_.as<float>();
-    wa.maw = nullptr;
-    TANDEM_RETURN_IF_ERROR(backend_.WindowAttention(wa));
+    TANDEM_RETURN_IF_ERROR(attend_->AttendAndMerge(
+        base, staged, staged + half, geometry_.dtype,
+        kvs_[item.seq]->page(item.layer, item.page).tokens));
     TANDEM_RETURN_IF_ERROR(backend_.ReleaseUpload(slot));
-    TANDEM_RETURN_IF_ERROR(backend_.MergeStates({base.o, base.lse, part_o_.as<float>(),
-                                                 part_lse_.as<float>(),
-                                                 base.num_tokens * base.num_q_heads,
-                                                 base.head_dim}));
     const size_t refill = next_ + slots_;
     ++next_;
     if (refill < items_.size()) TANDEM_RETURN_IF_ERROR(Issue(refill));

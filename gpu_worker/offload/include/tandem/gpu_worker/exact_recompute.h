@@ -41,12 +41,14 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/staged_attention.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
@@ -126,7 +128,7 @@ class ExactRecompute {
   // as f32, its K|V rows, K and V of the window dtype.
   DeviceBuffer rows_[2], positions_dev_[2];
   DeviceBuffer x_, kv_, k_, v_;
-  DeviceBuffer iota_, zero_pos_;  // [page_tokens] i32
+  DeviceBuffer iota_;  // [page_tokens] i32 0, 1, ...: a page's own rows and slots
   // The pass's plan: (layer, page) in attend order; items_[next_] is attended next.
   struct Item {
     int64_t layer;
@@ -134,7 +136,7 @@ class ExactRecompute {
   };
   std::vector<Item> items_;
   size_t next_ = 0;
-  DeviceBuffer part_o_, part_lse_;  // [max_rows, q heads, head_dim], [.., q heads]
+  std::optional<StagedAttention> attend_;   // over the recomputed K/V of one page
 };
 
 }  // namespace tandem::gpu_worker

@@ -12,11 +12,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/offloaded_kv.h"
+#include "tandem/gpu_worker/staged_attention.h"
 
 namespace tandem::gpu_worker {
 
@@ -57,25 +59,16 @@ class KvStreamer {
     size_t seq;
     int64_t page;
   };
-  KvStreamer(Backend& backend, const WindowGeometry& geometry, int64_t page_tokens,
-             int64_t num_q_heads, int64_t max_rows, int slots)
-      : backend_(backend),
-        geometry_(geometry),
-        page_tokens_(page_tokens),
-        num_q_heads_(num_q_heads),
-        max_rows_(max_rows),
-        slots_(slots) {}
+  KvStreamer(Backend& backend, const WindowGeometry& geometry, int64_t page_tokens, int slots)
+      : backend_(backend), geometry_(geometry), page_tokens_(page_tokens), slots_(slots) {}
   absl::Status Issue(size_t index);   // queues the upload of items_[index] into its slot
 
   Backend& backend_;
   WindowGeometry geometry_;
   int64_t page_tokens_;
-  int64_t num_q_heads_;
-  int64_t max_rows_;
   int slots_;
   std::vector<DeviceBuffer> staging_;   // [slots] K then V of one page
-  DeviceBuffer zero_pos_;               // [page_tokens] i32 zeros: every entry visible
-  DeviceBuffer part_o_, part_lse_;      // [max_rows, num_q_heads, head_dim], [max_rows, ..]
+  std::optional<StagedAttention> attend_;   // over one staged page (set by Create)
   std::vector<const OffloadedKv*> kvs_;
   std::vector<Item> items_;
   size_t next_ = 0;                     // the next item to attend
