@@ -1,14 +1,16 @@
 // Renders every case of fixtures.json (made by make_fixtures.py with python3-jinja2, as
 // transformers' apply_chat_template renders) through RenderChat and requires the same bytes, or
 // an error carrying jinja2's message for conversations the template refuses.
-#include <chrono>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
 
+#include "cpu_time.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tandem/chat_template/chat_template.h"
@@ -125,7 +127,10 @@ TEST(ChatTemplateFixtures, EverySnippetMatchesJinja2) {
 }
 
 // A long conversation renders in well under a millisecond per message (the gateway renders the
-// template on every chat request). The bound is loose; the time is printed for reference.
+// template on every chat request). Measured as the rendering thread's CPU time, best of kRounds
+// renders: CI's loaded 2-core machine and its nice -n 19 sanitizer run stretch wall time
+// without bound. The bound is loose (1 ms per message; Release takes ~1.3 ms per render, ASan
+// ~90 ms) and scaled for sanitizer builds; the times are printed for reference.
 TEST(ChatTemplateFixtures, LongConversationRendersQuickly) {
   auto t = Template::Parse(ReadFile(TestDir() + "/templates/llama3_1.jinja"));
   ASSERT_TRUE(t.ok()) << t.status();
@@ -137,20 +142,23 @@ TEST(ChatTemplateFixtures, LongConversationRendersQuickly) {
   }
   ChatOptions options;
   options.bos_token = "<|begin_of_text|>";
-  auto start = std::chrono::steady_clock::now();
   constexpr int kRounds = 20;
   size_t bytes = 0;
+  double best_ms = std::numeric_limits<double>::infinity(), total_ms = 0;
   for (int r = 0; r < kRounds; ++r) {
+    const double start = test_timing::ThreadCpuMs();
     auto out = RenderChat(*t, messages, options);
+    const double ms = test_timing::ThreadCpuMs() - start;
     ASSERT_TRUE(out.ok()) << out.status();
     bytes = out->size();
+    best_ms = std::min(best_ms, ms);
+    total_ms += ms;
   }
-  double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() /
-      kRounds;
-  std::printf("llama3_1, 501 messages: %.3f ms per render, %zu bytes\n", ms, bytes);
+  std::printf("llama3_1, 501 messages: %.3f ms CPU per render (best of %d; mean %.3f), %zu "
+              "bytes\n",
+              best_ms, kRounds, total_ms / kRounds, bytes);
   EXPECT_GT(bytes, 20000u);
-  EXPECT_LT(ms, 500.0);
+  EXPECT_LT(best_ms, 500.0 * test_timing::kSanitizerSlowdown);
 }
 
 }  // namespace
