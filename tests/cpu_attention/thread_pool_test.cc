@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
@@ -45,11 +47,19 @@ TEST(ThreadPool, ZeroTasksCallsNothing) {
 TEST(ThreadPool, UsesSeveralThreads) {
   ThreadPool pool(4);
   std::mutex mu;
+  std::condition_variable entered;
   std::set<std::thread::id> ids;
-  pool.ParallelFor(64, [&](size_t) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    std::lock_guard<std::mutex> lock(mu);
+  pool.ParallelFor(64, [&](size_t i) {
+    std::unique_lock<std::mutex> lock(mu);
     ids.insert(std::this_thread::get_id());
+    entered.notify_all();
+    // Task 0 (claimed first) holds its thread until a second thread has run a task: without the
+    // wait, one thread (the caller) may run all 64 tasks before a descheduled worker wakes up on
+    // a loaded machine. Indices are claimed one at a time, so the others stay free to claim; a
+    // pool that never runs a task elsewhere fails after 10 s.
+    if (i == 0) {
+      entered.wait_for(lock, std::chrono::seconds(10), [&] { return ids.size() > 1; });
+    }
   });
   EXPECT_GT(ids.size(), 1u);
   EXPECT_LE(ids.size(), 4u);
