@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The Python SDK (clients/python, package `tandem`) against a real tandem-gpu-worker.
 
-One worker (cpu backend, stories260k, gpu mode: exact greedy) serves every case: greedy
+One worker (cpu backend, stories260k, gpu mode: exact greedy) serves every case but
+cancellation (a second worker, gutenberg-14m, whose context holds a long request): greedy
 generation equals the model's golden continuation (../shared/models/stories260k/golden.json),
 tokenize, a two-turn session equal to the one-shot generation over the same ids, close then
 NotFound, mode "exact" (the same greedy text, with its split) and GetCapacity (a context that
@@ -221,37 +222,60 @@ class ErrorTest(unittest.TestCase):
 
 
 class CancelTest(unittest.TestCase):
-    # 480 tokens: all the context but the prompt (512) would be filled if the worker did not stop;
-    # it does after the current token once the call is cancelled. Hybrid attention (window 16,
-    # the rest on the worker's embedded CPU node, exact with maw and beta 0) costs ~1 ms a token
-    # here, so the whole 480 would take ~0.5 s: far longer than the cancel takes to arrive.
-    LONG = 480
+    # On gutenberg-14m (its own worker; skipped without the model): its 8192-token context lets
+    # a request ask for 8000 tokens, all the context but the prompt, which the worker would fill
+    # if it did not stop after the current token once the call is cancelled. Hybrid attention
+    # (window 16, the rest on the worker's embedded CPU node, exact with maw and beta 0) costs
+    # milliseconds a token there, so the whole 8000 would take far longer (tens of seconds) than
+    # the cancel takes to arrive, even on a loaded CI machine. (stories260k's 512 positions left
+    # ~0.5 s of generation to race the cancel.)
+    LONG = 8000
     HYBRID = {"mode": "hybrid", "window": 16, "sink": 4, "selection": "maw", "beta": 0.0}
+    LONG_PROMPT = "It was a dark and stormy night"
+    LONG_MODEL_DIR = os.path.join(SHARED_DIR, "models", "gutenberg-14m")
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        if not os.path.exists(os.path.join(cls.LONG_MODEL_DIR, "config.json")):
+            raise unittest.SkipTest(f"no gutenberg-14m model at {cls.LONG_MODEL_DIR}")
+        cls.worker = WorkerProcess(WORKER_BIN, cls.LONG_MODEL_DIR)
+        cls.worker.start()
+        cls.client = tandem.Client(cls.worker.address, timeout=60)
+        # The greedy tokens the cancelled calls must start with, from calls that are not.
+        cls.hybrid_ids = list(cls.client.complete(cls.LONG_PROMPT, max_tokens=3,
+                                                  **cls.HYBRID).token_ids)
+        cls.gpu_first = cls.client.complete(cls.LONG_PROMPT, max_tokens=1)
+        cls.prompt_tokens = cls.gpu_first.usage.prompt_tokens
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.worker.stop()
 
     def test_breaking_the_loop_cancels_the_call(self) -> None:
-        session = client.session("py-cancel")
+        session = self.client.session("py-cancel")
         seen = []
-        for event in session.generate(PROMPT, max_tokens=self.LONG, ignore_eos=True,
+        for event in session.generate(self.LONG_PROMPT, max_tokens=self.LONG, ignore_eos=True,
                                       **self.HYBRID):
             if isinstance(event, tandem.Token):
                 seen.append(event.id)
                 if len(seen) == 3:
                     break   # the stream is dropped here: its call is cancelled
-        self.assertEqual(seen, CONTINUATION_IDS[:3])
+        self.assertEqual(seen, self.hybrid_ids)
         # The next turn waits for the cancelled one to end, then continues the session from the
         # tokens generated up to the cancel: far fewer than LONG.
         after = session.complete(" The end", max_tokens=1)
         self.assertEqual(after.mode, "hybrid")
         positions = after.device_kv_entries + after.cpu_kv_entries
-        generated = positions - len(PROMPT_IDS) - after.usage.total_tokens + 1
+        generated = positions - self.prompt_tokens - after.usage.total_tokens + 1
         self.assertGreaterEqual(generated, 3)
         self.assertLess(generated, self.LONG)
         session.close()
 
     def test_cancel_then_next_raises_cancelled(self) -> None:
-        stream = client.generate(PROMPT, max_tokens=self.LONG, ignore_eos=True)
+        stream = self.client.generate(self.LONG_PROMPT, max_tokens=self.LONG, ignore_eos=True)
         first = next(e for e in stream if isinstance(e, tandem.Token))
-        self.assertEqual(first.id, CONTINUATION_IDS[0])
+        self.assertEqual(first.id, self.gpu_first.token_ids[0])
         stream.cancel()
         self.assertTrue(stream.cancelled)
         with self.assertRaises(tandem.Cancelled):

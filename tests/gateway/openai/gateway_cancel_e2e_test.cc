@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "child_process.h"
+#include "free_port.h"
 #include "http_test_client.h"
 #include "service_test_util.h"
 
@@ -36,9 +37,12 @@ class GatewayCancelTest : public ::testing::Test {
     if (!std::filesystem::exists(GutenbergDir() / "config.json")) {
       GTEST_SKIP() << "gutenberg-14m not found under " << GutenbergDir();
     }
-    auto worker = ChildProcess::Start({TANDEM_GPU_WORKER_BIN, "--model=" + GutenbergDir().string(),
-                                       "--address=127.0.0.1:0", "--backend=cpu", "--cpu_threads=1",
-                                       "--mode=gpu", "--log_level=warn"});
+    worker_metrics_port_ = test_process::FreePort();
+    ASSERT_GT(worker_metrics_port_, 0);
+    auto worker = ChildProcess::Start(
+        {TANDEM_GPU_WORKER_BIN, "--model=" + GutenbergDir().string(), "--address=127.0.0.1:0",
+         "--backend=cpu", "--cpu_threads=1", "--mode=gpu", "--log_level=warn",
+         absl::StrCat("--metrics_address=127.0.0.1:", worker_metrics_port_)});
     ASSERT_TRUE(worker.ok()) << worker.status();
     worker_ = std::move(*worker);
     absl::StatusOr<int> worker_port = worker_->WaitListening();
@@ -69,9 +73,10 @@ class GatewayCancelTest : public ::testing::Test {
     return s.final.device_kv_entries() + s.final.cpu_kv_entries();
   }
 
-  // The gateway's metric `name` (a series without labels), or -1.
-  double Metric(const std::string& name) {
-    httplib::Client http("127.0.0.1", port_);
+  // The metric `name` (a series without labels) of the gateway or, at `port`, of another
+  // server; -1 when absent.
+  double Metric(const std::string& name, int port = 0) {
+    httplib::Client http("127.0.0.1", port == 0 ? port_ : port);
     auto res = http.Get("/metrics");
     if (!res) return -1;
     const std::string prefix = name + " ";
@@ -90,6 +95,17 @@ class GatewayCancelTest : public ::testing::Test {
     return false;
   }
 
+  // Waits up to `ms` for the worker to have generated at least `tokens` tokens (its counter
+  // tandem:generation_tokens_total, over every request it served).
+  bool WaitGenerated(double tokens, int ms) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (Metric("tandem:generation_tokens_total", worker_metrics_port_) >= tokens) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return false;
+  }
+
   Json Body(const std::string& session_id, bool stream) {
     return {{"prompt", "It was a dark and stormy night"},
             {"max_tokens", kMaxTokens},
@@ -103,6 +119,7 @@ class GatewayCancelTest : public ::testing::Test {
   std::string worker_address_;
   std::unique_ptr<v1::Generation::Stub> stub_;
   int port_ = 0;
+  int worker_metrics_port_ = 0;
 };
 
 TEST_F(GatewayCancelTest, HangingUpAStreamCancelsTheGeneration) {
@@ -128,19 +145,22 @@ TEST_F(GatewayCancelTest, HangingUpANonStreamedRequestCancelsTheGeneration) {
   testing::RawHttpConnection client(port_);
   ASSERT_TRUE(client.ok());
   ASSERT_TRUE(client.Post("/v1/completions", Body("cancel-whole", false).dump()));
-  // Nothing arrives before the end; wait until the gateway runs it, then leave.
+  // Nothing arrives before the end; wait until the gateway runs it and the worker has generated
+  // some tokens (the worker's counter, not a sleep: on a loaded machine the prompt alone can
+  // take longer than any fixed wait), then leave.
   const auto start = std::chrono::steady_clock::now();
   while (Metric("tandem:gateway_requests_running") != 1 &&
          std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_EQ(Metric("tandem:gateway_requests_running"), 1) << "the gateway never ran it";
+  ASSERT_TRUE(WaitGenerated(8, 30000)) << "the worker generated no 8 tokens in 30 s";
   client.Close();
   ASSERT_TRUE(WaitIdle(5000)) << "the generation still runs 5 s after the client left";
   EXPECT_EQ(Metric("tandem:gateway_client_disconnects_total"), 1);
   const int64_t positions = SessionPositions("cancel-whole");
-  EXPECT_GT(positions, 8);
-  EXPECT_LT(positions, kMaxTokens / 4);
+  EXPECT_GT(positions, 8);               // the prompt and at least 8 tokens ran
+  EXPECT_LT(positions, kMaxTokens / 4);  // far from the 8000 a finished request leaves
 }
 
 TEST_F(GatewayCancelTest, AWorkerLostMidStreamEndsTheStreamWithAnErrorEvent) {
