@@ -39,13 +39,21 @@ absl::Status TierContext::StartStreams() {
       return absl::InvalidArgumentError("offload sequences of one pass must share a page size");
     }
   }
-  if (streamer_ == nullptr) {
-    TANDEM_ASSIGN_OR_RETURN(streamer_, KvStreamer::Create(backend_, first->geometry(),
-                                                          first->page_tokens(), num_q_heads_,
-                                                          max_rows_));
+  TANDEM_RETURN_IF_ERROR(EnsureStreamer(first->geometry(), first->page_tokens()));
+  if (streamer_->page_tokens() != first->page_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "offload pages of ", first->page_tokens(), " tokens; the streamer was made for ",
+        streamer_->page_tokens()));
   }
   TANDEM_RETURN_IF_ERROR(streamer_->Begin(streams_));
   streaming_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status TierContext::EnsureStreamer(const WindowGeometry& geometry, int64_t page_tokens) {
+  if (streamer_ != nullptr) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(
+      streamer_, KvStreamer::Create(backend_, geometry, page_tokens, num_q_heads_, max_rows_));
   return absl::OkStatus();
 }
 

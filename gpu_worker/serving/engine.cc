@@ -331,6 +331,11 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
                                         [this](size_t bytes) { return CheckDeviceKv(bytes); }));
     seq->offload = std::move(tier);
   }
+  if (mode == AttentionMode::kOffload || mode == AttentionMode::kExact) {
+    // Before this session's prompt widens its window (WidenForPrefill).
+    TANDEM_RETURN_IF_ERROR(
+        runner_->PrepareHostStreaming(geometry, options_.offload_page_tokens));
+  }
   if (mode == AttentionMode::kOffload) {
     TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> kv,
                             OffloadedKv::Create(*backend_, geometry, options_.offload_page_tokens));

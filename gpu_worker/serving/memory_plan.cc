@@ -344,9 +344,10 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   if ((r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) && offloaded > 0) {
     const uint64_t bytes =
         KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
+    // Made when the session opens (ModelRunner::PrepareHostStreaming), so it is held beside a
+    // widened prefill too: never decode-only.
     Add(dev, "offload staging", bytes,
         absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
-    decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
   }
   // The runner's page-locked staging of evicted blocks (TierContext::ReadEvicted), made at the
   // first eviction and kept: backend memory on cpu (AllocateHost = Allocate), host on cuda.

@@ -192,6 +192,33 @@ TEST_F(DevicePrefill, OffKeepsTheOldPath) {
   EXPECT_GT(NodeStats(*engine).attend_calls(), 0u);
 }
 
+// Without --kv_cache_bytes a widened prompt takes what the device has left: the page streamer
+// that offload and exact decode steps need is made when their session opens, before the prompt
+// widens the window, not at the first decode step (where it could find no memory left).
+TEST_F(DevicePrefill, TheOffloadStreamerIsMadeBeforeThePromptWidensTheWindow) {
+  std::unique_ptr<Engine> engine = MakeEngine(true);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_FALSE(engine->runner().host_streaming_ready());
+  FirstToken first;
+  ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kHybrid, testing::SyntheticPrompt(80, 4)),
+                         &first)
+                  .ok());
+  EXPECT_FALSE(engine->runner().host_streaming_ready()) << "hybrid streams nothing from host";
+  int chunks = 0, chunks_with_streamer = 0;
+  GenerateCallbacks callbacks;
+  callbacks.on_prefill = [&](const PrefillProgress&) {
+    ++chunks;
+    chunks_with_streamer += engine->runner().host_streaming_ready() ? 1 : 0;
+  };
+  auto summary =
+      engine->Generate(Request(AttentionMode::kOffload, testing::SyntheticPrompt(kPrompt, 6)),
+                       callbacks);
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_GT(chunks, 1);
+  EXPECT_EQ(chunks_with_streamer, chunks);
+  EXPECT_GT(summary->cpu_kv_entries, 0);
+}
+
 // A budget that holds only part of the prompt: the window widens as far as it fits, the older
 // blocks leave during the prefill and later chunks attend over them from host pages (offload's
 // tier; hybrid's PrefillSpillTier). Both stay exact; the device KV never passes the budget.

@@ -50,6 +50,8 @@ class KvStreamer {
   // run, in order, before those of the next Begin.
   void Abandon() { next_ = items_.size(); }
 
+  int64_t page_tokens() const { return page_tokens_; }
+
   // Bytes uploaded since Create.
   uint64_t uploaded_bytes() const { return uploaded_bytes_; }
 

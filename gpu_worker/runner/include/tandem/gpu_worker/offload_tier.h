@@ -124,6 +124,13 @@ class TierContext {
   absl::Status StartStreams();
   // The streamer of this pass; null when no host tier streams in it.
   KvStreamer* streamer() { return streaming_ ? streamer_.get() : nullptr; }
+  // Makes the streamer (pages of `page_tokens` of `geometry`) if there is none yet; the first
+  // StartStreams with host tiers does it otherwise. The engine calls it when it opens a session
+  // with a host tier, before the session's prompt widens its window (device prefill), so that
+  // the widening, which takes what the device has left without --kv_cache_bytes, cannot take
+  // the streamer's memory and fail the first decode step.
+  absl::Status EnsureStreamer(const WindowGeometry& geometry, int64_t page_tokens);
+  bool has_streamer() const { return streamer_ != nullptr; }
 
   // --- Page selection scratch (device; grown on demand, contents unspecified), shared by the
   // selections queued one after the other on the device. Valid until the next call.

@@ -221,6 +221,7 @@ class Engine {
   const Model& model() const { return *model_; }
   Backend& backend() { return *backend_; }
   NodePool& nodes() { return *nodes_; }
+  const ModelRunner& runner() const { return *runner_; }
   const EngineOptions& options() const { return options_; }
 
  private:
