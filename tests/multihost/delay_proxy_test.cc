@@ -251,20 +251,27 @@ TEST_F(DelayProxyTest, HalfCloseTravelsBehindTheData) {
 }
 
 TEST_F(DelayProxyTest, DeadTargetAndResetCutTheClientAndTheProxyServesOn) {
-  // A port with nothing listening: bind, read the port, close.
-  int dead_port;
-  {
-    TestServer gone([](int) {});
-    dead_port = gone.port();
-  }
-  const int dead_proxy = StartProxy(dead_port, 5000);
+  // A port with nothing listening that nothing else can take meanwhile: a socket bound to it
+  // but never listening, held for the test (a released port could get another process's
+  // listener, which would hold the connection open until the read timed out). Connections to
+  // it are refused.
+  const int dead = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(dead, 0);
+  sockaddr_in dead_address{};
+  dead_address.sin_family = AF_INET;
+  dead_address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t dead_length = sizeof(dead_address);
+  ASSERT_EQ(bind(dead, reinterpret_cast<sockaddr*>(&dead_address), sizeof(dead_address)), 0);
+  ASSERT_EQ(getsockname(dead, reinterpret_cast<sockaddr*>(&dead_address), &dead_length), 0);
+  const int dead_proxy = StartProxy(ntohs(dead_address.sin_port), 5000);
   int fd = ConnectTo(dead_proxy);
   ASSERT_GE(fd, 0);  // the proxy accepts, then cannot reach the target
   char c;
   Clock::time_point start = Clock::now();
-  EXPECT_LE(recv(fd, &c, 1, 0), 0);
+  EXPECT_LE(recv(fd, &c, 1, 0), 0);  // (a read times out after 10 s: see ConnectTo)
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - start).count(), 5.0);
   close(fd);
+  close(dead);
 
   // A server that resets every connection after reading one byte.
   TestServer resetter([](int fd) {
