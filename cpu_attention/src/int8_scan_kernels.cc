@@ -165,53 +165,9 @@ TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byt
 
 }  // namespace
 
-TANDEM_INT8_AVX512 void Scores(const float* q, size_t rows, size_t d, const std::byte* const* k,
-                               size_t n, const float* k_scale, float* s, size_t ld) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) {  // groups of 4 rows, kKeys keys at a time
-    const float* qr = q + r * d;
-    float* sr = s + r * ld;
-    size_t c = 0;
-    for (; c + kKeys <= n; c += kKeys) {
-      __m128 sums[kKeys];
-      DotCodes4xK<kKeys>(qr, d, k + c, sums);
-      for (size_t j = 0; j < kKeys; ++j) {
-        float out[4];
-        _mm_storeu_ps(out, _mm_mul_ps(sums[j], _mm_set1_ps(k_scale[c + j])));
-        for (size_t i = 0; i < 4; ++i) sr[i * ld + c + j] = out[i];
-      }
-    }
-    for (; c < n; ++c) {
-      float out[4];
-      DotCodes<4>(qr, d, reinterpret_cast<const int8_t*>(k[c]), out);
-      for (size_t i = 0; i < 4; ++i) sr[i * ld + c] = out[i] * k_scale[c];
-    }
-  }
-  if (r == rows) return;
-  for (size_t c = 0; c < n; ++c) {  // the last 1 to 3 rows
-    const int8_t* kc = reinterpret_cast<const int8_t*>(k[c]);
-    float out[2];
-    size_t i = r;
-    if (i + 2 <= rows) {
-      DotCodes<2>(q + i * d, d, kc, out);
-      s[i * ld + c] = out[0] * k_scale[c];
-      s[(i + 1) * ld + c] = out[1] * k_scale[c];
-      i += 2;
-    }
-    if (i < rows) {
-      DotCodes<1>(q + i * d, d, kc, out);
-      s[i * ld + c] = out[0] * k_scale[c];
-    }
-  }
-}
-
-TANDEM_INT8_AVX512 void Accumulate(const float* p, size_t ld, size_t rows,
-                                   const std::byte* const* v, size_t n, size_t d, float* acc) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) AccumulateRows<4>(p + r * ld, ld, v, n, d, acc + r * d);
-  for (; r + 2 <= rows; r += 2) AccumulateRows<2>(p + r * ld, ld, v, n, d, acc + r * d);
-  if (r < rows) AccumulateRows<1>(p + r * ld, ld, v, n, d, acc + r * d);
-}
+#define TANDEM_INT8_TARGET TANDEM_INT8_AVX512
+#include "int8_scan_drivers.inc"
+#undef TANDEM_INT8_TARGET
 
 }  // namespace avx512
 
@@ -312,53 +268,9 @@ TANDEM_INT8_INLINE2 void AccumulateRows(const float* p, size_t ld, const std::by
 
 }  // namespace
 
-TANDEM_INT8_AVX2 void Scores(const float* q, size_t rows, size_t d, const std::byte* const* k,
-                             size_t n, const float* k_scale, float* s, size_t ld) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    const float* qr = q + r * d;
-    float* sr = s + r * ld;
-    size_t c = 0;
-    for (; c + kKeys <= n; c += kKeys) {
-      __m128 sums[kKeys];
-      DotCodes4xK<kKeys>(qr, d, k + c, sums);
-      for (size_t j = 0; j < kKeys; ++j) {
-        float out[4];
-        _mm_storeu_ps(out, _mm_mul_ps(sums[j], _mm_set1_ps(k_scale[c + j])));
-        for (size_t i = 0; i < 4; ++i) sr[i * ld + c + j] = out[i];
-      }
-    }
-    for (; c < n; ++c) {
-      float out[4];
-      DotCodes<4>(qr, d, reinterpret_cast<const int8_t*>(k[c]), out);
-      for (size_t i = 0; i < 4; ++i) sr[i * ld + c] = out[i] * k_scale[c];
-    }
-  }
-  if (r == rows) return;
-  for (size_t c = 0; c < n; ++c) {
-    const int8_t* kc = reinterpret_cast<const int8_t*>(k[c]);
-    float out[2];
-    size_t i = r;
-    if (i + 2 <= rows) {
-      DotCodes<2>(q + i * d, d, kc, out);
-      s[i * ld + c] = out[0] * k_scale[c];
-      s[(i + 1) * ld + c] = out[1] * k_scale[c];
-      i += 2;
-    }
-    if (i < rows) {
-      DotCodes<1>(q + i * d, d, kc, out);
-      s[i * ld + c] = out[0] * k_scale[c];
-    }
-  }
-}
-
-TANDEM_INT8_AVX2 void Accumulate(const float* p, size_t ld, size_t rows, const std::byte* const* v,
-                                 size_t n, size_t d, float* acc) {
-  size_t r = 0;
-  for (; r + 4 <= rows; r += 4) AccumulateRows<4>(p + r * ld, ld, v, n, d, acc + r * d);
-  for (; r + 2 <= rows; r += 2) AccumulateRows<2>(p + r * ld, ld, v, n, d, acc + r * d);
-  if (r < rows) AccumulateRows<1>(p + r * ld, ld, v, n, d, acc + r * d);
-}
+#define TANDEM_INT8_TARGET TANDEM_INT8_AVX2
+#include "int8_scan_drivers.inc"
+#undef TANDEM_INT8_TARGET
 
 }  // namespace avx2
 
