@@ -40,10 +40,15 @@ absl::Status TierContext::StartStreams() {
     }
   }
   TANDEM_RETURN_IF_ERROR(EnsureStreamer(first->geometry(), first->page_tokens()));
-  if (streamer_->page_tokens() != first->page_tokens()) {
+  const WindowGeometry& g = first->geometry();
+  const WindowGeometry& made = streamer_->geometry();
+  if (streamer_->page_tokens() != first->page_tokens() || made.num_kv_heads != g.num_kv_heads ||
+      made.head_dim != g.head_dim || made.dtype != g.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "offload pages of ", first->page_tokens(), " tokens; the streamer was made for ",
-        streamer_->page_tokens()));
+        "offload pages of ", first->page_tokens(), " tokens x ", g.num_kv_heads, " kv heads x ",
+        g.head_dim, " ", std::string(DTypeName(g.dtype)), "; the streamer was made for ",
+        streamer_->page_tokens(), " x ", made.num_kv_heads, " x ", made.head_dim, " ",
+        std::string(DTypeName(made.dtype))));
   }
   TANDEM_RETURN_IF_ERROR(streamer_->Begin(streams_));
   streaming_ = true;

@@ -20,7 +20,7 @@ absl::StatusOr<StagedAttention> StagedAttention::Create(Backend& backend, int64_
         "staged attention: bad sizes (capacity ", capacity, ", heads ", num_q_heads,
         ", head_dim ", head_dim, ", rows ", max_rows, ")"));
   }
-  StagedAttention a(backend, capacity, num_q_heads, max_rows);
+  StagedAttention a(backend, capacity, num_q_heads, head_dim, max_rows);
   TANDEM_ASSIGN_OR_RETURN(a.zero_pos_, backend.Allocate(capacity * 4));
   const std::vector<int32_t> zeros(capacity, 0);
   TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(a.zero_pos_.data(), zeros.data(), capacity * 4));
@@ -31,12 +31,12 @@ absl::StatusOr<StagedAttention> StagedAttention::Create(Backend& backend, int64_
 
 absl::Status StagedAttention::AttendAndMerge(const WindowAttentionParams& base, const void* k,
                                              const void* v, DType dtype, int64_t entries) {
-  if (base.num_tokens > max_rows_ || base.num_q_heads != num_q_heads_ || entries > capacity_ ||
-      entries < 0) {
+  if (base.num_tokens > max_rows_ || base.num_q_heads != num_q_heads_ ||
+      base.head_dim != head_dim_ || entries > capacity_ || entries < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "staged attention: ", base.num_tokens, " rows of ", base.num_q_heads, " heads over ",
-        entries, " entries; planned for ", max_rows_, " rows of ", num_q_heads_, " heads over ",
-        capacity_));
+        "staged attention: ", base.num_tokens, " rows of ", base.num_q_heads, " heads of ",
+        base.head_dim, " over ", entries, " entries; planned for ", max_rows_, " rows of ",
+        num_q_heads_, " heads of ", head_dim_, " over ", capacity_));
   }
   WindowAttentionParams wa = base;
   wa.k_cache = k;

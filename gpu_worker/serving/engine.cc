@@ -259,6 +259,20 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   if (!options_.device_prefill || window.options().window == WindowOptions::kUnlimited) return;
   const int64_t wanted = window.recent_tokens() + prompt_tokens;
   if (wanted <= window.configured_window()) return;
+  // A new hybrid session's prompt may fit only in part and spill to host pages
+  // (PrefillSpillTier), which stream through the runner's page streamer: it is made before the
+  // widening takes what the device has left (without --kv_cache_bytes, all of it).
+  const bool may_spill = seq.mode == AttentionMode::kHybrid && seq.offload != nullptr &&
+                         seq.offload->offloaded_tokens() == 0;
+  bool can_spill = may_spill;
+  if (may_spill) {
+    if (absl::Status made = runner_->PrepareHostStreaming(window.geometry(),
+                                                          options_.offload_page_tokens);
+        !made.ok()) {
+      spdlog::warn("session {}: prefill spill to host memory off: {}", seq.id, made.ToString());
+      can_spill = false;
+    }
+  }
   // Within the free part of the budget: the widened bytes count in DeviceKvBytes while they
   // are held, so concurrent prefills share what is left and never pass it. Without a budget
   // the device decides (WidenWithin narrows the widening while allocations fail).
@@ -275,8 +289,7 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   }
   // Part of the prompt leaves the device during the prefill: a new hybrid session's chunks
   // attend over it from pinned host pages on the device instead of on the CPU nodes.
-  if (*widened < wanted && seq.mode == AttentionMode::kHybrid && seq.offload != nullptr &&
-      seq.offload->offloaded_tokens() == 0) {
+  if (*widened < wanted && can_spill) {
     absl::StatusOr<std::unique_ptr<OffloadedKv>> kv =
         OffloadedKv::Create(*backend_, window.geometry(), options_.offload_page_tokens);
     if (!kv.ok()) {
@@ -434,7 +447,7 @@ absl::Status Engine::CloseSession(const std::string& session_id) {
 void Engine::CloseLostSession(const std::string& id, const std::string& reason) {
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
-  spdlog::error("session {}: closed, {}", id, reason);
+  spdlog::warn("session {}: closed, {}", id, reason);
   (void)it->second->CloseOffloaded();
   sessions_.erase(it);
   lost_sessions_.Remember(id, reason);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -436,12 +435,13 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     g.seq = nullptr;
   } else if (!g.keep_session || !consistent) {
     // A one-shot request, or a new session whose first turn did not complete: the client has
-    // nothing to continue.
+    // nothing to continue, and the summary names no kept session.
     auto it = sessions_.find(g.session_id);
     if (it != sessions_.end()) {
       (void)it->second->CloseOffloaded();
       sessions_.erase(it);
     }
+    summary.session_id.clear();
     g.seq = nullptr;
   } else if (g.remaining() == 1 && !g.seq->pending_token.has_value()) {
     g.seq->pending_token = g.feed[g.fed];   // sampled but not fed: the next turn feeds it

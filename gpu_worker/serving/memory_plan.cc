@@ -341,11 +341,15 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
     }
   }
-  if ((r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) && offloaded > 0) {
+  // The runner's page streamer (ModelRunner::PrepareHostStreaming): made when an offload or
+  // exact session opens, and before a hybrid prompt beyond the window widens it (the prefill
+  // spill streams through it), so it is held beside a widened prefill too: never decode-only.
+  const bool host_streams =
+      r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact ||
+      (r.mode == AttentionMode::kHybrid && setup.device_prefill && prompt > r.window);
+  if (host_streams) {
     const uint64_t bytes =
         KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
-    // Made when the session opens (ModelRunner::PrepareHostStreaming), so it is held beside a
-    // widened prefill too: never decode-only.
     Add(dev, "offload staging", bytes,
         absl::StrCat("2 upload slots of ", e.offload_page_tokens, "-token pages"));
   }

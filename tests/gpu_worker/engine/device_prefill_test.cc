@@ -193,30 +193,38 @@ TEST_F(DevicePrefill, OffKeepsTheOldPath) {
 }
 
 // Without --kv_cache_bytes a widened prompt takes what the device has left: the page streamer
-// that offload and exact decode steps need is made when their session opens, before the prompt
-// widens the window, not at the first decode step (where it could find no memory left).
+// that offload and exact decode steps (and a hybrid prompt's spill to host pages) need is made
+// when an offload session opens, or before a hybrid prompt beyond the window widens it, not at
+// the first pass that streams (where it could find no memory left).
 TEST_F(DevicePrefill, TheOffloadStreamerIsMadeBeforeThePromptWidensTheWindow) {
+  // Every prefill chunk of `r` sees the streamer made.
+  auto streamer_in_every_chunk = [](Engine& engine, const GenerateRequest& r) {
+    int chunks = 0, chunks_with_streamer = 0;
+    GenerateCallbacks callbacks;
+    callbacks.on_prefill = [&](const PrefillProgress&) {
+      ++chunks;
+      chunks_with_streamer += engine.runner().host_streaming_ready() ? 1 : 0;
+    };
+    auto summary = engine.Generate(r, callbacks);
+    EXPECT_TRUE(summary.ok()) << summary.status();
+    EXPECT_GT(chunks, 1);
+    EXPECT_EQ(chunks_with_streamer, chunks);
+  };
   std::unique_ptr<Engine> engine = MakeEngine(true);
   ASSERT_NE(engine, nullptr);
   EXPECT_FALSE(engine->runner().host_streaming_ready());
   FirstToken first;
-  ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kHybrid, testing::SyntheticPrompt(80, 4)),
+  ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kHybrid, testing::SyntheticPrompt(12, 4)),
                          &first)
                   .ok());
-  EXPECT_FALSE(engine->runner().host_streaming_ready()) << "hybrid streams nothing from host";
-  int chunks = 0, chunks_with_streamer = 0;
-  GenerateCallbacks callbacks;
-  callbacks.on_prefill = [&](const PrefillProgress&) {
-    ++chunks;
-    chunks_with_streamer += engine->runner().host_streaming_ready() ? 1 : 0;
-  };
-  auto summary =
-      engine->Generate(Request(AttentionMode::kOffload, testing::SyntheticPrompt(kPrompt, 6)),
-                       callbacks);
-  ASSERT_TRUE(summary.ok()) << summary.status();
-  EXPECT_GT(chunks, 1);
-  EXPECT_EQ(chunks_with_streamer, chunks);
-  EXPECT_GT(summary->cpu_kv_entries, 0);
+  EXPECT_FALSE(engine->runner().host_streaming_ready()) << "a prompt within the window";
+  streamer_in_every_chunk(*engine,
+                          Request(AttentionMode::kOffload, testing::SyntheticPrompt(kPrompt, 6)));
+
+  std::unique_ptr<Engine> hybrid_only = MakeEngine(true);
+  ASSERT_NE(hybrid_only, nullptr);
+  streamer_in_every_chunk(*hybrid_only,
+                          Request(AttentionMode::kHybrid, testing::SyntheticPrompt(kPrompt, 7)));
 }
 
 // A budget that holds only part of the prompt: the window widens as far as it fits, the older

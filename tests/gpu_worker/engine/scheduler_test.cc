@@ -54,9 +54,9 @@ class SchedulerTest : public ::testing::Test {
   }
 
   // Submits `request`; token events are logged as (tag, index) in submission-independent order.
-  std::shared_ptr<Outcome> Submit(GenerateRequest request, int tag,
-                                  std::function<bool()> cancelled = nullptr,
-                                  std::function<void(const PrefillProgress&)> on_prefill = nullptr) {
+  std::shared_ptr<Outcome> Submit(
+      GenerateRequest request, int tag, std::function<bool()> cancelled = nullptr,
+      std::function<void(const PrefillProgress&)> on_prefill = nullptr) {
     auto outcome = std::make_shared<Outcome>();
     GenerateCallbacks callbacks;
     callbacks.on_token = [this, tag](const TokenEvent& e) {
@@ -85,10 +85,13 @@ class SchedulerTest : public ::testing::Test {
     auto released = std::make_shared<std::shared_future<void>>(release.get_future().share());
     auto held = std::make_shared<std::promise<void>>();
     std::future<void> holding = held->get_future();
-    EXPECT_TRUE(scheduler_->Post([released, held](Engine&) {
-      held->set_value();
-      released->wait();
-    }));
+    if (!scheduler_->Post([released, held](Engine&) {
+          held->set_value();
+          released->wait();
+        })) {
+      ADD_FAILURE() << "the scheduler took no job";
+      return release;
+    }
     holding.wait();
     return release;
   }
@@ -281,7 +284,7 @@ TEST_F(SchedulerTest, AKeptSessionClosedAfterAStoppedTurnIsReportedOnceToItsNext
     EXPECT_EQ(summary->finish_reason, FinishReason::kCancelled);
     EXPECT_EQ(OpenSessions(), 0u);
   };
-  lose_it();
+  ASSERT_NO_FATAL_FAILURE(lose_it());
   GenerateRequest third;
   third.session_id = "conv";
   third.prompt_ids = {5, 6};
@@ -299,7 +302,7 @@ TEST_F(SchedulerTest, AKeptSessionClosedAfterAStoppedTurnIsReportedOnceToItsNext
   EXPECT_EQ(OpenSessions(), 1u);
   EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).ok());
   // A client that closes a lost session is not told again either.
-  lose_it();
+  ASSERT_NO_FATAL_FAILURE(lose_it());
   EXPECT_TRUE(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).ok());
   EXPECT_EQ(scheduler_->Run([](Engine& e) { return e.CloseSession("conv"); }).code(),
             absl::StatusCode::kNotFound);

@@ -51,6 +51,7 @@ class KvStreamer {
   void Abandon() { next_ = items_.size(); }
 
   int64_t page_tokens() const { return page_tokens_; }
+  const WindowGeometry& geometry() const { return geometry_; }
 
   // Bytes uploaded since Create.
   uint64_t uploaded_bytes() const { return uploaded_bytes_; }

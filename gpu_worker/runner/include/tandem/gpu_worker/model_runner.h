@@ -30,8 +30,8 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>

@@ -41,11 +41,16 @@ class StagedAttention {
                               DType dtype, int64_t entries);
 
  private:
-  StagedAttention(Backend& backend, int64_t capacity, int64_t num_q_heads, int64_t max_rows)
-      : backend_(&backend), capacity_(capacity), num_q_heads_(num_q_heads), max_rows_(max_rows) {}
+  StagedAttention(Backend& backend, int64_t capacity, int64_t num_q_heads, int64_t head_dim,
+                  int64_t max_rows)
+      : backend_(&backend),
+        capacity_(capacity),
+        num_q_heads_(num_q_heads),
+        head_dim_(head_dim),
+        max_rows_(max_rows) {}
 
   Backend* backend_;
-  int64_t capacity_, num_q_heads_, max_rows_;
+  int64_t capacity_, num_q_heads_, head_dim_, max_rows_;
   DeviceBuffer zero_pos_;            // [capacity] i32 zeros
   DeviceBuffer part_o_, part_lse_;   // [max_rows, num_q_heads, head_dim], [max_rows, num_q_heads]
 };

@@ -174,7 +174,8 @@ class Engine {
   // Validates `request`, opens or continues its session (reserving the device and CPU-node
   // memory it will need by its end) and builds its feed. Errors: as Generate's;
   // RESOURCE_EXHAUSTED when memory or sessions are short (a scheduler may retry once others
-  // end); FAILED_PRECONDITION when its session is in use by another generation.
+  // end); FAILED_PRECONDITION when its session is in use by another generation, or once after
+  // the engine closed it (LostSessions).
   absl::StatusOr<std::unique_ptr<Generation>> Begin(GenerateRequest request,
                                                     GenerateCallbacks callbacks,
                                                     Generation::Clock::time_point arrival);

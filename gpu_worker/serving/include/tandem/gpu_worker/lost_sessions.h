@@ -21,6 +21,11 @@ namespace tandem::gpu_worker {
 class LostSessions {
  public:
   explicit LostSessions(size_t capacity) : capacity_(capacity) {}
+  // Moves keep the entries' list iterators valid (std::list moves its nodes); copies would not.
+  LostSessions(LostSessions&&) = default;
+  LostSessions& operator=(LostSessions&&) = default;
+  LostSessions(const LostSessions&) = delete;
+  LostSessions& operator=(const LostSessions&) = delete;
 
   // Remembers that `id` was closed because of `reason` (replacing an earlier entry).
   void Remember(const std::string& id, std::string reason);
