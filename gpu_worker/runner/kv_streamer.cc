@@ -100,10 +100,11 @@ absl::Status KvStreamer::AttendLayer(int64_t layer, size_t seq, const WindowAtte
     const int slot = static_cast<int>(next_ % slots_);
     TANDEM_RETURN_IF_ERROR(backend_.WaitUpload(slot));
     const char* staged = static_cast<const char*>(staging_[slot].data());
-    TANDEM_RETURN_IF_ERROR(attend_->AttendAndMerge(
-        base, staged, staged + half, geometry_.dtype,
-        kvs_[item.seq]->page(item.layer, item.page).tokens));
+    TANDEM_RETURN_IF_ERROR(attend_->Attend(base, staged, staged + half, geometry_.dtype,
+                                           kvs_[item.seq]->page(item.layer, item.page).tokens));
+    // The merge reads only the partial state: the slot takes its next page meanwhile.
     TANDEM_RETURN_IF_ERROR(backend_.ReleaseUpload(slot));
+    TANDEM_RETURN_IF_ERROR(attend_->Merge(base));
     const size_t refill = next_ + slots_;
     ++next_;
     if (refill < items_.size()) TANDEM_RETURN_IF_ERROR(Issue(refill));

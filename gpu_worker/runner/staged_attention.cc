@@ -31,6 +31,12 @@ absl::StatusOr<StagedAttention> StagedAttention::Create(Backend& backend, int64_
 
 absl::Status StagedAttention::AttendAndMerge(const WindowAttentionParams& base, const void* k,
                                              const void* v, DType dtype, int64_t entries) {
+  TANDEM_RETURN_IF_ERROR(Attend(base, k, v, dtype, entries));
+  return Merge(base);
+}
+
+absl::Status StagedAttention::Attend(const WindowAttentionParams& base, const void* k,
+                                     const void* v, DType dtype, int64_t entries) {
   if (base.num_tokens > max_rows_ || base.num_q_heads != num_q_heads_ ||
       base.head_dim != head_dim_ || entries > capacity_ || entries < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -48,7 +54,10 @@ absl::Status StagedAttention::AttendAndMerge(const WindowAttentionParams& base, 
   wa.o = part_o_.as<float>();
   wa.lse = part_lse_.as<float>();
   wa.maw = nullptr;
-  TANDEM_RETURN_IF_ERROR(backend_->WindowAttention(wa));
+  return backend_->WindowAttention(wa);
+}
+
+absl::Status StagedAttention::Merge(const WindowAttentionParams& base) {
   return backend_->MergeStates({base.o, base.lse, part_o_.as<float>(), part_lse_.as<float>(),
                                 base.num_tokens * base.num_q_heads, base.head_dim});
 }

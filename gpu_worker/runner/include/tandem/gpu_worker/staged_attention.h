@@ -39,6 +39,11 @@ class StagedAttention {
   // which hold a partial state already.
   absl::Status AttendAndMerge(const WindowAttentionParams& base, const void* k, const void* v,
                               DType dtype, int64_t entries);
+  // The same in two steps, for a caller that frees the block between them (the merge reads
+  // only the partial state): Attend into the partial state, then Merge it into base.o / lse.
+  absl::Status Attend(const WindowAttentionParams& base, const void* k, const void* v,
+                      DType dtype, int64_t entries);
+  absl::Status Merge(const WindowAttentionParams& base);
 
  private:
   StagedAttention(Backend& backend, int64_t capacity, int64_t num_q_heads, int64_t head_dim,
