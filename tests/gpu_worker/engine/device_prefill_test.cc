@@ -150,7 +150,9 @@ TEST_F(DevicePrefill, FirstTokenEqualsGpuModeInHybridAndOffload) {
     EXPECT_EQ(NodeStats(*engine).attend_calls(), attends_before) << c.name;
     EXPECT_LE(summary->device_kv_entries, kSink + kWindow) << c.name;
     EXPECT_EQ(summary->device_kv_entries + summary->cpu_kv_entries, kPrompt) << c.name;
-    if (c.mode == AttentionMode::kHybrid) EXPECT_GT(NodeStats(*engine).blocks_in_use(), 0u);
+    if (c.mode == AttentionMode::kHybrid) {
+      EXPECT_GT(NodeStats(*engine).blocks_in_use(), 0u);
+    }
     // The next turn decodes through the tier (the node attends now).
     GenerateRequest next = r;
     next.prompt_ids = {403, 407};

@@ -88,8 +88,12 @@ void ExpectExactEqualsGpu(ExactRig& rig, ExactRateBook& book, double fetch_share
   const double share = fetch_share >= 0 ? fetch_share : tier.plan().fetch_share;
   // Blocks are split so that the host keeps round(share · total) of all offloaded entries.
   EXPECT_NEAR(static_cast<double>(tier.host_tokens()), share * offloaded, 1.0) << tag;
-  if (share == 0) EXPECT_EQ(tier.host_tokens(), 0) << tag;
-  if (share == 1) EXPECT_EQ(tier.node_tokens(), 0) << tag;
+  if (share == 0) {
+    EXPECT_EQ(tier.host_tokens(), 0) << tag;
+  }
+  if (share == 1) {
+    EXPECT_EQ(tier.node_tokens(), 0) << tag;
+  }
   std::printf("%s: fetch share %.2f: %lld host / %lld node entries, worst logit diff %.3g\n",
               tag.c_str(), share, static_cast<long long>(tier.host_tokens()),
               static_cast<long long>(tier.node_tokens()), worst);

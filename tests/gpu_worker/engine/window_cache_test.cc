@@ -108,7 +108,9 @@ TEST_P(WindowCacheTest, EvictsOldestBlocksWithTheirContents) {
     const int64_t recent = std::max<int64_t>(cache->next_position() - 4, 0) -
                            cache->evicted_tokens();
     EXPECT_LE(recent, 32);
-    if (!blocks.empty()) EXPECT_GT(recent, 32 - 8);   // whole blocks leave, no more than needed
+    if (!blocks.empty()) {
+      EXPECT_GT(recent, 32 - 8);   // whole blocks leave, no more than needed
+    }
     EXPECT_EQ(cache->entries(), cache->next_position() - evicted);
   }
   EXPECT_GT(evicted, 0);
