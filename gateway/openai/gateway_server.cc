@@ -7,6 +7,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "generation_handler.h"
 #include "spdlog/spdlog.h"
@@ -91,11 +92,7 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
       if (req.path == "/health" || req.path == "/metrics") {
         return httplib::Server::HandlerResponse::Unhandled;
       }
-      const std::string header = req.get_header_value("Authorization");
-      const std::string key = header.size() > 7 && (header.compare(0, 7, "Bearer ") == 0 ||
-                                                    header.compare(0, 7, "bearer ") == 0)
-                                  ? header.substr(7)
-                                  : "";
+      const std::string key = BearerToken(req);
       if (!key.empty() && s->options.api_keys->Lookup(key).has_value()) {
         return httplib::Server::HandlerResponse::Unhandled;
       }
@@ -224,9 +221,23 @@ void GatewayServer::AddRoutes() {
         }
         ApiError e;
         e.http_status = res.status;
-        if (res.status == 404) {
+        const bool post_route =
+            req.path == "/v1/completions" || req.path == "/v1/chat/completions";
+        if (res.status == 404 && post_route && req.method != "POST") {
+          e.http_status = res.status = 405;
+          e.message = absl::StrCat(req.path, " takes POST, not ", req.method);
+          e.type = "invalid_request_error";
+          res.set_header("Allow", "POST");
+        } else if (res.status == 404) {
           e.message = absl::StrCat("no route ", req.method, " ", req.path);
           e.type = "not_found_error";
+        } else if (res.status == 413 && absl::StartsWith(req.get_header_value("Content-Type"),
+                                                          "application/x-www-form-urlencoded")) {
+          // The HTTP library caps form bodies at 8 KiB before any handler runs.
+          e.message =
+              "the request body is over 8 KiB as application/x-www-form-urlencoded (curl's "
+              "--data default); send it with 'Content-Type: application/json'";
+          e.type = "invalid_request_error";
         } else if (res.status == 413) {
           e.message = absl::StrCat("the request body is over ", s->options.max_body_bytes,
                                    " bytes (--max_body_bytes)");

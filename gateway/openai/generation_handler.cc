@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "spdlog/spdlog.h"
@@ -256,11 +257,16 @@ std::string ServedModelName(const GatewayServer::Shared& shared,
   return slash == std::string::npos ? dir : dir.substr(slash + 1);
 }
 
+std::string BearerToken(const httplib::Request& req) {
+  const std::string header = req.get_header_value("Authorization");
+  if (header.size() <= 7 || !absl::EqualsIgnoreCase(header.substr(0, 7), "bearer ")) return "";
+  return header.substr(7);
+}
+
 std::string ApiKeyPrincipal(const GatewayServer::Shared& shared, const httplib::Request& req) {
   if (!shared.options.api_keys.has_value()) return "";
-  const std::string header = req.get_header_value("Authorization");
-  if (header.size() <= 7) return "";
-  return shared.options.api_keys->Lookup(header.substr(7)).value_or("");
+  const std::string key = BearerToken(req);
+  return key.empty() ? "" : shared.options.api_keys->Lookup(key).value_or("");
 }
 
 void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
@@ -293,7 +299,7 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     ApiError e{
         404,
         absl::StrCat("The model `", r.model, "` does not exist; this gateway serves `", model, "`"),
-        "not_found_error", "model", "model_not_found"};
+        "invalid_request_error", "model", "model_not_found"};
     res.status = 404;
     res.set_content(DumpJson(ErrorJson(e)), "application/json");
     shared.metrics.CountRequest(name, 404);

@@ -38,6 +38,9 @@ struct GatewayServer::Shared {
 // The principal of the request's API key ("" without --api_key_file; the pre-routing check
 // has already refused requests without a listed key).
 std::string ApiKeyPrincipal(const GatewayServer::Shared& shared, const httplib::Request& req);
+// The key of an `Authorization: Bearer <key>` header (the scheme is case-insensitive, RFC 7235);
+// "" when there is none.
+std::string BearerToken(const httplib::Request& req);
 
 // The model id clients see: --served_model_name, else the basename of the worker's model_dir.
 std::string ServedModelName(const GatewayServer::Shared& shared, const v1::ModelInfoResponse& info);

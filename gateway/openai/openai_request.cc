@@ -16,6 +16,9 @@ using Json = nlohmann::ordered_json;
 
 // Largest max_tokens accepted here (the worker caps it again at its context).
 constexpr int64_t kMaxTokensLimit = 1 << 20;
+// top_p 0 as the worker reads it: a mass no token falls below, so only the most probable one
+// is kept (the sampler always keeps it).
+constexpr float kSmallestTopP = 1e-30f;
 
 // Reads typed fields of one JSON object, remembering which keys were read so the rest can be
 // reported as ignored. A null value reads as absent.
@@ -100,6 +103,40 @@ absl::Status Unsupported(const std::string& field, absl::string_view what) {
   return InvalidField(field, absl::StrCat("'", field, "' ", what, " is not supported by tandem"));
 }
 
+// vLLM's extra sampling and structured-output parameters: a client that sends one expects it
+// honoured, so a value other than the neutral one is refused (400 naming it) rather than
+// ignored with only a line in the gateway's log.
+absl::Status RefuseUnhonouredExtras(Fields& f) {
+  for (const char* constrained : {"guided_json", "guided_regex", "guided_choice",
+                                  "guided_grammar", "guided_whitespace_pattern",
+                                  "structured_outputs"}) {
+    if (f.Find(constrained) != nullptr) {
+      return Unsupported(constrained, "(constrained decoding)");
+    }
+  }
+  f.Find("guided_decoding_backend");   // meaningless without the above
+  const struct {
+    const char* name;
+    double neutral;
+  } numbers[] = {{"repetition_penalty", 1.0}, {"length_penalty", 1.0}, {"min_p", 0.0},
+                 {"min_tokens", 0.0}};
+  for (const auto& n : numbers) {
+    TANDEM_ASSIGN_OR_RETURN(std::optional<double> v, f.Number(n.name));
+    if (v.has_value() && *v != n.neutral) {
+      return Unsupported(n.name, absl::StrCat("other than ", n.neutral));
+    }
+  }
+  if (const Json* ids = f.Find("stop_token_ids"); ids != nullptr) {
+    if (!ids->is_array()) return InvalidField("stop_token_ids", "'stop_token_ids' must be a list");
+    if (!ids->empty()) return Unsupported("stop_token_ids", "with entries (use 'stop')");
+  }
+  for (const char* flag : {"use_beam_search", "continue_final_message"}) {
+    TANDEM_ASSIGN_OR_RETURN(std::optional<bool> v, f.Bool(flag));
+    if (v.value_or(false)) return Unsupported(flag, "true");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadStop(Fields& f, v1::GenerateRequest* g) {
   const Json* stop = f.Find("stop");
   if (stop == nullptr) return absl::OkStatus();
@@ -149,13 +186,17 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> temperature, f.Number("temperature"));
   g.set_temperature(static_cast<float>(temperature.value_or(1.0)));
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> top_p, f.Number("top_p"));
-  if (top_p.has_value()) g.set_top_p(static_cast<float>(*top_p));
+  if (top_p.has_value()) {
+    if (!(*top_p >= 0 && *top_p <= 1)) {
+      return InvalidField("top_p", absl::StrCat("'top_p' must be in 0..1, got ", *top_p));
+    }
+    // 0 keeps only the most probable token (OpenAI's meaning), not "unset" (the proto's 0).
+    g.set_top_p(*top_p > 0 ? static_cast<float>(*top_p) : kSmallestTopP);
+  }
   TANDEM_RETURN_IF_ERROR(ReadStop(f, &g));
   TANDEM_ASSIGN_OR_RETURN(std::optional<int64_t> seed, f.Int("seed"));
-  if (seed.has_value()) {
-    if (*seed < 0) return InvalidField("seed", "'seed' must be >= 0");
-    g.set_seed(static_cast<uint64_t>(*seed));
-  }
+  // Any integer, as OpenAI and vLLM take it (a negative one is its two's complement).
+  if (seed.has_value()) g.set_seed(static_cast<uint64_t>(*seed));
   TANDEM_ASSIGN_OR_RETURN(std::optional<int64_t> n, f.Int("n"));
   if (n.has_value() && *n != 1) {
     return InvalidField("n", absl::StrCat("'n' must be 1 (one choice per request), got ", *n,
@@ -170,6 +211,7 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
     if (!bias->is_object()) return InvalidField("logit_bias", "'logit_bias' must be an object");
     if (!bias->empty()) return Unsupported("logit_bias", "with entries");
   }
+  TANDEM_RETURN_IF_ERROR(RefuseUnhonouredExtras(f));
 
   // tandem's fields.
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> mode, f.String("mode"));
@@ -322,10 +364,19 @@ absl::StatusOr<OpenAiRequest> ParseChatRequest(std::string_view body) {
     if (!tools->is_array()) return InvalidField("tools", "'tools' must be a list");
     if (!tools->empty()) r.tools = *tools;
   }
-  if (const Json* choice = f.Find("tool_choice"); choice != nullptr) {
-    if (!choice->is_string() || (*choice != "none" && *choice != "auto")) {
-      return Unsupported("tool_choice", "other than \"none\" or \"auto\"");
-    }
+  const Json* choice = f.Find("tool_choice");
+  if (choice != nullptr && (!choice->is_string() || (*choice != "none" && *choice != "auto"))) {
+    return Unsupported("tool_choice", "other than \"none\" or \"auto\"");
+  }
+  // With tools, OpenAI's default choice is "auto": the model may call one, and the client waits
+  // for `tool_calls`. tandem renders the tools into the prompt but does not parse calls out of
+  // the model's text, so it takes tools only with tool_choice "none" (as vLLM without
+  // --enable-auto-tool-choice).
+  if (!r.tools.is_null() && (choice == nullptr || *choice == "auto")) {
+    return InvalidField("tool_choice",
+                        "'tools' with tool_choice \"auto\" (the default) is not supported by "
+                        "tandem: it does not parse tool calls from the model's output; send "
+                        "\"tool_choice\": \"none\" to have the tools rendered into the prompt only");
   }
   f.Find("parallel_tool_calls");
   if (const Json* format = f.Find("response_format"); format != nullptr) {

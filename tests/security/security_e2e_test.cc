@@ -602,7 +602,13 @@ TEST_F(SecurityE2eTest, GatewayServesHttpsWithApiKeysToATokenWorker) {
   httplib::Result ok = https.Post("/v1/completions", alice, body, "application/json");
   expect("gateway: POST /v1/completions with alice's key (worker over TLS + token)", 200,
          status_of(ok));
-  if (ok) EXPECT_NE(ok->body.find("\"completion_tokens\":4"), std::string::npos) << ok->body;
+  if (ok) {
+    EXPECT_NE(ok->body.find("\"completion_tokens\":4"), std::string::npos) << ok->body;
+  }
+  // The scheme is case-insensitive (RFC 7235): "BEARER" is the same key.
+  httplib::Headers alice_upper = {{"Authorization", "BEARER sk-alice-0123456789abcdef"}};
+  expect("gateway: POST /v1/completions with alice's key, scheme in capitals", 200,
+         status_of(https.Post("/v1/completions", alice_upper, body, "application/json")));
   // Every HTTP client reaches the worker as the gateway's principal: the gateway itself keeps
   // kept sessions to the key that started them.
   httplib::Headers bob = {{"Authorization", "Bearer sk-bob-0123456789abcdef00"}};

@@ -268,8 +268,8 @@ TEST_F(GatewayE2eTest, ErrorsInOpenAisShapeWithTheirHttpStatus) {
       {"/v1/completions", R"({"prompt": "x", "n": 2})", 400, "invalid_request_error", "n",
        "'n' must be 1"},
       {"/v1/completions", "{not json", 400, "invalid_request_error", "", "not valid JSON"},
-      {"/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "not_found_error", "model",
-       "gpt-4"},
+      {"/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "invalid_request_error",
+       "model", "gpt-4"},
       // The worker refuses it (INVALID_ARGUMENT): 400 before any stream starts.
       {"/v1/completions", R"({"prompt": "x", "window": 3, "stream": true})", 400,
        "invalid_request_error", "", "window"},
@@ -289,6 +289,20 @@ TEST_F(GatewayE2eTest, ErrorsInOpenAisShapeWithTheirHttpStatus) {
     EXPECT_EQ(j["error"]["param"], c.param.empty() ? Json(nullptr) : Json(c.param));
     EXPECT_THAT(j["error"]["message"].get<std::string>(), HasSubstr(c.message_part));
   }
+  // A generation route asked with GET: 405 naming the method it takes.
+  auto get = http.Get("/v1/chat/completions");
+  ASSERT_TRUE(get);
+  EXPECT_EQ(get->status, 405) << get->body;
+  EXPECT_EQ(get->get_header_value("Allow"), "POST");
+  EXPECT_THAT(Json::parse(get->body)["error"]["message"].get<std::string>(), HasSubstr("POST"));
+  // A body over 8 KiB sent as a form (curl --data without a JSON Content-Type): the HTTP
+  // library refuses it before any handler, and the error says what to send instead.
+  const std::string big = R"({"prompt": ")" + std::string(9000, 'a') + R"(", "max_tokens": 1})";
+  auto form = http.Post("/v1/completions", big, "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 413) << form->body;
+  EXPECT_THAT(Json::parse(form->body)["error"]["message"].get<std::string>(),
+              HasSubstr("Content-Type: application/json"));
   // The gateway keeps serving.
   auto ok = post("/v1/completions", R"({"prompt": "Once", "max_tokens": 2})");
   ASSERT_TRUE(ok);

@@ -95,6 +95,20 @@ struct BadBody {
 
 void PrintTo(const BadBody& b, std::ostream* os) { *os << b.body; }
 
+// top_p 0 keeps only the most probable token (OpenAI), not "unset"; any integer seed is taken;
+// vLLM's extras at their neutral values are accepted.
+TEST(GatewayCompletionRequest, TopPZeroSeedsAndNeutralExtras) {
+  absl::StatusOr<OpenAiRequest> r = ParseCompletionRequest(
+      R"({"prompt": "x", "top_p": 0, "seed": -5, "repetition_penalty": 1, "min_p": 0,
+          "min_tokens": 0, "length_penalty": 1, "stop_token_ids": [], "use_beam_search": false,
+          "guided_decoding_backend": "xgrammar"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->generate.top_p(), 0.0f);
+  EXPECT_LT(r->generate.top_p(), 1e-20f);
+  EXPECT_EQ(r->generate.seed(), static_cast<uint64_t>(int64_t{-5}));
+  EXPECT_TRUE(r->ignored_fields.empty());
+}
+
 class GatewayCompletionRequestErrors : public ::testing::TestWithParam<BadBody> {};
 
 TEST_P(GatewayCompletionRequestErrors, NameTheField) {
@@ -116,7 +130,21 @@ INSTANTIATE_TEST_SUITE_P(
         BadBody{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
         BadBody{R"({"prompt": "x", "stop": 3})", "stop", "string or a list"},
         BadBody{R"({"prompt": "x", "stop": ["a", 1]})", "stop", "string or a list"},
-        BadBody{R"({"prompt": "x", "seed": -1})", "seed", ">= 0"},
+        BadBody{R"({"prompt": "x", "top_p": 1.5})", "top_p", "0..1"},
+        BadBody{R"({"prompt": "x", "top_p": -0.1})", "top_p", "0..1"},
+        BadBody{R"({"prompt": "x", "guided_json": {"type": "object"}})", "guided_json",
+                "not supported"},
+        BadBody{R"({"prompt": "x", "guided_choice": ["a", "b"]})", "guided_choice",
+                "not supported"},
+        BadBody{R"({"prompt": "x", "structured_outputs": {"regex": "a+"}})", "structured_outputs",
+                "not supported"},
+        BadBody{R"({"prompt": "x", "repetition_penalty": 1.3})", "repetition_penalty",
+                "other than 1"},
+        BadBody{R"({"prompt": "x", "min_p": 0.1})", "min_p", "other than 0"},
+        BadBody{R"({"prompt": "x", "min_tokens": 5})", "min_tokens", "other than 0"},
+        BadBody{R"({"prompt": "x", "stop_token_ids": [5]})", "stop_token_ids", "not supported"},
+        BadBody{R"({"prompt": "x", "use_beam_search": true})", "use_beam_search",
+                "not supported"},
         BadBody{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
         BadBody{R"({"prompt": "x", "logprobs": 6})", "logprobs", "0..5"},
         BadBody{R"({"prompt": "x", "logprobs": true})", "logprobs", "0..5"},
@@ -177,6 +205,16 @@ TEST(GatewayChatRequest, MapsMessagesLogprobsAndMaxCompletionTokens) {
   EXPECT_TRUE(r->generate.prompt_text().empty());  // rendered later with the template
 }
 
+// Tools with tool_choice "none" are rendered into the prompt (the template gets them).
+TEST(GatewayChatRequest, ToolsWithChoiceNoneAreTaken) {
+  absl::StatusOr<OpenAiRequest> r = ParseChatRequest(
+      R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none",
+          "tools": [{"type": "function", "function": {"name": "f"}}]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->tools.is_array());
+  EXPECT_EQ(r->tools.size(), 1u);
+}
+
 TEST(GatewayChatRequest, Errors) {
   const BadBody cases[] = {
       {R"({"model": "m"})", "messages", "'messages' is required"},
@@ -193,6 +231,13 @@ TEST(GatewayChatRequest, Errors) {
       {R"({"messages": [{"role": "user", "content": "x"}], "n": 3})", "n", "'n' must be 1"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
        "tool_choice", "not supported"},
+      // Tools with the default (auto) choice: calls would never be parsed out of the text.
+      {R"({"messages": [{"role": "user", "content": "x"}],
+           "tools": [{"type": "function", "function": {"name": "f"}}]})",
+       "tool_choice", "rendered into the prompt only"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
+           "tools": [{"type": "function", "function": {"name": "f"}}]})",
+       "tool_choice", "does not parse tool calls"},
       {R"({"messages": [{"role": "user", "content": "x"}],
            "response_format": {"type": "json_object"}})",
        "response_format", "not supported"},
