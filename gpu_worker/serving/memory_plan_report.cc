@@ -109,6 +109,7 @@ absl::Status AnswerCapacity(Engine& engine, const v1::GetCapacityRequest& reques
   for (size_t i = 0; i < plan.node_bytes.size(); ++i) {
     response->add_node_bytes(plan.node_bytes[i]);
     response->add_node_addresses(plan.node_addresses[i]);
+    response->add_node_kv_storage(i < plan.node_kv_storage.size() ? plan.node_kv_storage[i] : "");
   }
   response->set_fits(plan.fits);
   response->set_largest_context(plan.largest_context);

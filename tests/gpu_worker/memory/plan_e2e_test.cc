@@ -252,6 +252,10 @@ TEST(PlanE2eTest, GetCapacityOfARunningWorker) {
   EXPECT_LT(response.largest_context(), 8192);
   ASSERT_EQ(response.node_addresses_size(), 1);
   EXPECT_GT(response.node_bytes(0), uint64_t{64} << 20);
+  // The node's KV storage, machine-readable, as the table says it.
+  ASSERT_EQ(response.node_kv_storage_size(), 1);
+  EXPECT_THAT(response.node_kv_storage(0), ::testing::MatchesRegex("(int8|bf16|f32) \\(.*\\)"));
+  EXPECT_THAT(response.text(), HasSubstr(response.node_kv_storage(0)));
   // One more token than the largest does not fit, the largest does.
   v1::GetCapacityRequest edge = request;
   edge.set_context(response.largest_context());
