@@ -164,6 +164,24 @@ TEST_F(GatewayE2eTest, CurlCompletionEqualsTheWorkersGreedyText) {
             Json({{"prompt_tokens", 5}, {"completion_tokens", 40}, {"total_tokens", 45}}));
 }
 
+// top_p 0 keeps only the most probable token (OpenAI): at temperature 1, any seed gives the
+// greedy text.
+TEST_F(GatewayE2eTest, TopPZeroIsGreedyWhateverTheSeed) {
+  const gpu_worker::testing::Stream reference = Direct(golden_.prompt_text, 12);
+  ASSERT_TRUE(reference.status.ok()) << reference.status.error_message();
+  for (int seed : {1, 2, 3}) {
+    CommandResult r = CurlPost("/v1/completions",
+                               {{"prompt", golden_.prompt_text},
+                                {"max_tokens", 12},
+                                {"temperature", 1},
+                                {"top_p", 0},
+                                {"seed", seed}},
+                               false);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(Json::parse(r.out)["choices"][0]["text"], reference.text) << "seed " << seed;
+  }
+}
+
 TEST_F(GatewayE2eTest, CurlStreamsAChatCompletionAsSse) {
   const Json body = {{"messages", {{{"role", "user"}, {"content", "Once upon a time"}}}},
                      {"max_tokens", 24},
