@@ -305,6 +305,7 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     shared.metrics.CountRequest(name, 404);
     return;
   }
+  ApplyModelDefaults(*info, &r);
   const int64_t context_cap = std::min<int64_t>(std::max<int64_t>(info->max_context(), 1), 1 << 20);
   r.generate.set_max_tokens(r.max_tokens.value_or(
       endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, context_cap) : context_cap));

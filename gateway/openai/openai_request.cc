@@ -185,6 +185,7 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
   }
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> temperature, f.Number("temperature"));
   g.set_temperature(static_cast<float>(temperature.value_or(1.0)));
+  r->temperature_given = temperature.has_value();
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> top_p, f.Number("top_p"));
   if (top_p.has_value()) {
     if (!(*top_p >= 0 && *top_p <= 1)) {
@@ -192,6 +193,7 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
     }
     // 0 keeps only the most probable token (OpenAI's meaning), not "unset" (the proto's 0).
     g.set_top_p(*top_p > 0 ? static_cast<float>(*top_p) : kSmallestTopP);
+    r->top_p_given = true;
   }
   TANDEM_RETURN_IF_ERROR(ReadStop(f, &g));
   TANDEM_ASSIGN_OR_RETURN(std::optional<int64_t> seed, f.Int("seed"));
@@ -238,6 +240,7 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
       return InvalidField("top_k", "'top_k' must be -1 (no limit), 0 (no limit) or positive");
     }
     g.set_top_k(*top_k == -1 ? 0 : static_cast<int32_t>(*top_k));
+    r->top_k_given = true;
   }
   TANDEM_ASSIGN_OR_RETURN(std::optional<bool> progress, f.Bool("return_progress"));
   r->return_progress = progress.value_or(false);
@@ -396,6 +399,15 @@ absl::StatusOr<OpenAiRequest> ParseChatRequest(std::string_view body) {
   r.generate.set_top_logprobs(r.top_logprobs);
   r.ignored_fields = f.Unread();
   return r;
+}
+
+void ApplyModelDefaults(const v1::ModelInfoResponse& info, OpenAiRequest* r) {
+  v1::GenerateRequest& g = r->generate;
+  if (!r->temperature_given && info.has_default_temperature()) {
+    g.set_temperature(info.default_temperature());
+  }
+  if (!r->top_p_given && info.has_default_top_p()) g.set_top_p(info.default_top_p());
+  if (!r->top_k_given && info.has_default_top_k()) g.set_top_k(info.default_top_k());
 }
 
 }  // namespace tandem::gateway

@@ -141,6 +141,34 @@ absl::Status ReadSpecialTokens(const json& obj, absl::string_view source, ModelC
   return absl::OkStatus();
 }
 
+// generation_config.json's temperature (0..100), top_p ((0, 1]) and top_k (>= 0), as vLLM's
+// --generation-config auto takes them; absent or null fields stay unset.
+absl::Status ReadSamplingDefaults(const json& obj, absl::string_view source,
+                                  SamplingDefaults* out) {
+  if (const json* t = FindField(obj, "temperature")) {
+    TANDEM_ASSIGN_OR_RETURN(double v, JsonToDouble(*t, Where(source, "temperature")));
+    if (!(v >= 0 && v <= 100)) {
+      return Invalid(source, absl::StrCat("temperature = ", v, " must be in 0..100"));
+    }
+    out->temperature = static_cast<float>(v);
+  }
+  if (const json* p = FindField(obj, "top_p")) {
+    TANDEM_ASSIGN_OR_RETURN(double v, JsonToDouble(*p, Where(source, "top_p")));
+    if (!(v > 0 && v <= 1)) {
+      return Invalid(source, absl::StrCat("top_p = ", v, " must be in (0, 1]"));
+    }
+    out->top_p = static_cast<float>(v);
+  }
+  if (const json* k = FindField(obj, "top_k")) {
+    TANDEM_ASSIGN_OR_RETURN(int64_t v, JsonToInt64(*k, Where(source, "top_k")));
+    if (v < 0 || v > std::numeric_limits<int32_t>::max()) {
+      return Invalid(source, absl::StrCat("top_k = ", v, " must be >= 0"));
+    }
+    out->top_k = static_cast<int32_t>(v);
+  }
+  return absl::OkStatus();
+}
+
 // Reads a non-negative number field into *out, which keeps its value when the field is absent
 // or null. transformers treats 0 as "not set" for beta_fast, beta_slow, mscale, mscale_all_dim
 // (`x or default`), so the caller's default of 0 or the field's default carries that meaning.
@@ -484,6 +512,7 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_d
     TANDEM_ASSIGN_OR_RETURN(std::string gen_text, ReadSmallFile(gen_path, kMaxConfigBytes));
     TANDEM_ASSIGN_OR_RETURN(json gen, internal::ParseJsonObject(gen_text, gen_path.string()));
     TANDEM_RETURN_IF_ERROR(ReadSpecialTokens(gen, gen_path.string(), &config));
+    TANDEM_RETURN_IF_ERROR(ReadSamplingDefaults(gen, gen_path.string(), &config.sampling_defaults));
   }
   return config;
 }

@@ -476,6 +476,7 @@ ModelInfo Engine::info() const {
   info.bos_token = chat_.bos_token;
   info.eos_token = chat_.eos_token;
   info.eos_token_ids = eos_sorted_;
+  info.sampling_defaults = model_->config.sampling_defaults;
   return info;
 }
 

@@ -198,6 +198,10 @@ void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst) {
   dst->set_bos_token(info.bos_token);
   dst->set_eos_token(info.eos_token);
   dst->mutable_eos_token_ids()->Add(info.eos_token_ids.begin(), info.eos_token_ids.end());
+  const SamplingDefaults& d = info.sampling_defaults;
+  if (d.temperature.has_value()) dst->set_default_temperature(*d.temperature);
+  if (d.top_p.has_value()) dst->set_default_top_p(*d.top_p);
+  if (d.top_k.has_value()) dst->set_default_top_k(*d.top_k);
 }
 
 // One Generate call. The scheduler produces its messages through the callbacks (Enqueue) and

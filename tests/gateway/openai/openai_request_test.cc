@@ -109,6 +109,34 @@ TEST(GatewayCompletionRequest, TopPZeroSeedsAndNeutralExtras) {
   EXPECT_TRUE(r->ignored_fields.empty());
 }
 
+// The model's recommended sampling (generation_config.json, via ModelInfoResponse) fills what
+// the request leaves out, and only that; without it OpenAI's defaults stay.
+TEST(GatewayCompletionRequest, ModelDefaultsFillOnlyWhatTheRequestLeftOut) {
+  v1::ModelInfoResponse info;
+  info.set_default_temperature(0.6f);
+  info.set_default_top_p(0.9f);
+  info.set_default_top_k(20);
+  absl::StatusOr<OpenAiRequest> bare = ParseCompletionRequest(R"({"prompt": "x"})");
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  ApplyModelDefaults(info, &*bare);
+  EXPECT_FLOAT_EQ(bare->generate.temperature(), 0.6f);
+  EXPECT_FLOAT_EQ(bare->generate.top_p(), 0.9f);
+  EXPECT_EQ(bare->generate.top_k(), 20);
+  absl::StatusOr<OpenAiRequest> given = ParseCompletionRequest(
+      R"({"prompt": "x", "temperature": 0, "top_p": 1, "top_k": -1})");
+  ASSERT_TRUE(given.ok()) << given.status();
+  ApplyModelDefaults(info, &*given);
+  EXPECT_FLOAT_EQ(given->generate.temperature(), 0.0f);
+  EXPECT_FLOAT_EQ(given->generate.top_p(), 1.0f);
+  EXPECT_EQ(given->generate.top_k(), 0);
+  absl::StatusOr<OpenAiRequest> plain = ParseCompletionRequest(R"({"prompt": "x"})");
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ApplyModelDefaults(v1::ModelInfoResponse(), &*plain);
+  EXPECT_FLOAT_EQ(plain->generate.temperature(), 1.0f);
+  EXPECT_FLOAT_EQ(plain->generate.top_p(), 0.0f);   // the proto's unset: no cut
+  EXPECT_EQ(plain->generate.top_k(), 0);
+}
+
 class GatewayCompletionRequestErrors : public ::testing::TestWithParam<BadBody> {};
 
 TEST_P(GatewayCompletionRequestErrors, NameTheField) {

@@ -300,6 +300,40 @@ TEST(ModelConfigTest, GenerationConfigOverridesSpecialTokens) {
   EXPECT_THAT(broken.status().message(), HasSubstr("generation_config.json"));
 }
 
+// generation_config.json's recommended sampling becomes sampling_defaults; absent fields stay
+// unset, and a value out of range is INVALID_ARGUMENT naming it.
+TEST(ModelConfigTest, GenerationConfigSamplingDefaults) {
+  TempDir dir;
+  WriteFile(dir.path() / "config.json", Patched(""));
+  absl::StatusOr<ModelConfig> none = LoadModelConfig(dir.path());
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->sampling_defaults.temperature.has_value());
+  EXPECT_FALSE(none->sampling_defaults.top_p.has_value());
+  EXPECT_FALSE(none->sampling_defaults.top_k.has_value());
+
+  WriteFile(dir.path() / "generation_config.json",
+            R"({"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20})");
+  absl::StatusOr<ModelConfig> some = LoadModelConfig(dir.path());
+  ASSERT_TRUE(some.ok()) << some.status();
+  EXPECT_FLOAT_EQ(*some->sampling_defaults.temperature, 0.6f);
+  EXPECT_FLOAT_EQ(*some->sampling_defaults.top_p, 0.9f);
+  EXPECT_EQ(*some->sampling_defaults.top_k, 20);
+
+  WriteFile(dir.path() / "generation_config.json", R"({"temperature": 0.7, "top_p": null})");
+  absl::StatusOr<ModelConfig> partial = LoadModelConfig(dir.path());
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  EXPECT_FLOAT_EQ(*partial->sampling_defaults.temperature, 0.7f);
+  EXPECT_FALSE(partial->sampling_defaults.top_p.has_value());
+
+  for (const char* bad : {R"({"top_p": 0})", R"({"top_p": 1.5})", R"({"temperature": -1})",
+                          R"({"top_k": -3})", R"({"temperature": "hot"})"}) {
+    WriteFile(dir.path() / "generation_config.json", bad);
+    absl::StatusOr<ModelConfig> refused = LoadModelConfig(dir.path());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(refused.status().message(), HasSubstr("generation_config.json")) << bad;
+  }
+}
+
 TEST(ModelConfigTest, MissingConfigIsNotFound) {
   TempDir dir;
   EXPECT_EQ(LoadModelConfig(dir.path()).status().code(), absl::StatusCode::kNotFound);

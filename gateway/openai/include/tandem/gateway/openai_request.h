@@ -56,9 +56,18 @@ struct OpenAiRequest {
   v1::GenerateRequest generate;
 
   std::vector<std::string> ignored_fields;  // top-level keys not understood
+  // Which sampling fields the request gave; the others take the model's (ApplyModelDefaults).
+  bool temperature_given = false;
+  bool top_p_given = false;
+  bool top_k_given = false;
 };
 
 absl::StatusOr<OpenAiRequest> ParseCompletionRequest(std::string_view body);
 absl::StatusOr<OpenAiRequest> ParseChatRequest(std::string_view body);
+
+// The sampling fields `r` left out take what the model's generation_config.json recommends
+// (ModelInfoResponse.default_*, as vLLM's --generation-config auto); without those, OpenAI's
+// defaults stay (temperature 1, top_p 1, no top-k).
+void ApplyModelDefaults(const v1::ModelInfoResponse& info, OpenAiRequest* r);
 
 }  // namespace tandem::gateway

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,6 +49,14 @@ struct RopeScaling {
   bool truncate = true;
 };
 
+// The sampling the model's authors recommend, from generation_config.json (vLLM's
+// --generation-config auto): used by the OpenAI gateway where a request leaves it unset.
+struct SamplingDefaults {
+  std::optional<float> temperature;   // 0..100
+  std::optional<float> top_p;         // (0, 1]
+  std::optional<int32_t> top_k;       // >= 0 (0: no limit)
+};
+
 struct ModelConfig {
   std::string model_type;  // "llama", "mistral" or "qwen2"
   int64_t hidden_size = 0;
@@ -68,6 +77,7 @@ struct ModelConfig {
   DType weight_dtype = DType::kF32;    // from "dtype" / "torch_dtype"; kF32 if absent
   // Sliding-window attention length in tokens (0: full attention); see the top of this file.
   int64_t sliding_window = 0;
+  SamplingDefaults sampling_defaults;  // generation_config.json's; unset when absent
 };
 
 // Parses the text of a config.json. Fields absent from the file take transformers' defaults for
@@ -77,7 +87,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json);
 
 // Reads model_dir/config.json; if model_dir/generation_config.json exists, its non-null
 // bos_token_id overrides the config's and its eos_token_id (an int or a list) is added to the
-// config's (the EOS set is the union, config.json's first).
+// config's (the EOS set is the union, config.json's first); its temperature, top_p and top_k
+// become sampling_defaults (INVALID_ARGUMENT naming the field when out of range).
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_dir);
 
 // RoPE inverse frequencies, [head_dim / 2] f32, bit-for-bit the computation of transformers

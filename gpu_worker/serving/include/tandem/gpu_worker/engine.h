@@ -159,6 +159,7 @@ struct ModelInfo {
   // The ids generation stops at, ascending: config.json's and generation_config.json's
   // eos_token_id and tokenizer_config.json's eos_token (tokenizer.h LoadTokenizer).
   std::vector<int32_t> eos_token_ids;
+  SamplingDefaults sampling_defaults;   // generation_config.json's (model_config.h)
 };
 
 class Engine {
