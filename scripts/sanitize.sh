@@ -62,8 +62,9 @@ cd "$build"
 default_exclude='_NOT_BUILT$|^(clients|security|metrics)\.|^chat_template_fixtures_fresh$|PerplexityAt8192'
 default_exclude+='|^(Stories260k|EngineRequests|PageSelectionEngine|SchedulerTest|SchedulerOptionsTest'
 default_exclude+='|EngineLogprobs|EosChatTest|ExactEngine)\.'
-# The device-prefill engine cases serve stories260k; its runner-level case and WindowWiden run.
-default_exclude+='|^DevicePrefill\.(FirstTokenEquals|OffKeeps|APartlyFitting|ConcurrentLongPrompts)'
+# The device-prefill engine cases serve stories260k (all of DevicePrefill.*); its runner-level
+# case (DevicePrefillRunner.*) and WindowWiden run.
+default_exclude+='|^DevicePrefill\.'
 # So do the prompt-settle engine cases (PromptSettleRing, the window's part, runs).
 default_exclude+='|^PromptSettle\.'
 if [ $# -eq 0 ]; then set -- -L 'unit|e2e' -E "$default_exclude"; fi
