@@ -55,6 +55,9 @@ ABSL_FLAG(int, shutdown_grace_ms, 5000,
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve HTTPS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::vector<std::string>, cors_origins, {},
+          "browser origins whose pages may call the API (CORS), e.g. https://app.example.com, "
+          "or * for any; none = same-origin pages only (non-browser clients are unaffected)");
 ABSL_FLAG(std::string, api_key_file, "",
           "API keys clients must send ('Authorization: Bearer <key>'), one per line, optionally "
           "'key name'; others get 401. /health and /metrics stay open");
@@ -85,6 +88,7 @@ absl::Status SecurityFromFlags(tandem::gateway::GatewayOptions* o) {
     if (!keys.ok()) return UsageError(absl::StrCat("--api_key_file: ", keys.status().message()));
     o->api_keys = *std::move(keys);
   }
+  o->cors_origins = absl::GetFlag(FLAGS_cors_origins);
   std::string token;
   if (const std::string path = absl::GetFlag(FLAGS_worker_token_file); !path.empty()) {
     absl::StatusOr<std::string> read = tandem::security::ReadClientToken(path);

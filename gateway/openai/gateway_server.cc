@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "cors_policy.h"
 #include "generation_handler.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
@@ -85,11 +86,15 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   http.set_write_timeout(options.write_timeout_s, 0);
   http.set_keep_alive_timeout(options.keep_alive_s);
   http.set_tcp_nodelay(true);
-  if (options.api_keys.has_value()) {
-    // Every route but health and metrics needs a listed key (OpenAI's 401 otherwise).
-    http.set_pre_routing_handler([s = server->shared_.get()](const httplib::Request& req,
-                                                             httplib::Response& res) {
-      if (req.path == "/health" || req.path == "/metrics") {
+  // CORS first (a browser's preflight carries no API key), then the API key: every route but
+  // health and metrics needs a listed one (OpenAI's 401 otherwise).
+  TANDEM_ASSIGN_OR_RETURN(CorsPolicy cors, CorsPolicy::Parse(options.cors_origins));
+  if (cors.enabled() || options.api_keys.has_value()) {
+    http.set_pre_routing_handler([s = server->shared_.get(), cors](const httplib::Request& req,
+                                                                   httplib::Response& res) {
+      if (cors.AnswerPreflight(req, res)) return httplib::Server::HandlerResponse::Handled;
+      cors.Decorate(req, res);
+      if (!s->options.api_keys.has_value() || req.path == "/health" || req.path == "/metrics") {
         return httplib::Server::HandlerResponse::Unhandled;
       }
       const std::string key = BearerToken(req);

@@ -365,6 +365,63 @@ TEST_F(GatewayE2eTest, ModelsAndHealth) {
   EXPECT_EQ(Json::parse(health->body)["workers_serving"], 1);
 }
 
+// CORS: off by default; with --cors_origins, a browser's preflight from a listed origin is
+// answered (204, the methods and the headers it asked for) and its responses carry
+// Access-Control-Allow-Origin; another origin gets neither. A bad origin stops the gateway.
+TEST_F(GatewayE2eTest, CorsOnlyForListedOrigins) {
+  const httplib::Headers preflight = {{"Origin", "https://app.example"},
+                                      {"Access-Control-Request-Method", "POST"},
+                                      {"Access-Control-Request-Headers", "authorization, content-type"}};
+  {
+    httplib::Client off("127.0.0.1", port_);
+    auto res = off.Options("/v1/completions", preflight);
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, 405);   // the route takes POST
+    EXPECT_FALSE(res->has_header("Access-Control-Allow-Origin"));
+  }
+  std::unique_ptr<ChildProcess> first = std::move(gateway_);
+  StartGateway({"--workers=" + worker_address_, "--cors_origins=https://app.example"});
+  httplib::Client http("127.0.0.1", port_);
+  auto pre = http.Options("/v1/completions", preflight);
+  ASSERT_TRUE(pre);
+  EXPECT_EQ(pre->status, 204);
+  EXPECT_EQ(pre->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  EXPECT_THAT(pre->get_header_value("Access-Control-Allow-Methods"), HasSubstr("POST"));
+  EXPECT_EQ(pre->get_header_value("Access-Control-Allow-Headers"), "authorization, content-type");
+  const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
+  auto allowed = http.Post("/v1/completions", {{"Origin", "https://app.example"}}, body,
+                           "application/json");
+  ASSERT_TRUE(allowed);
+  EXPECT_EQ(allowed->status, 200) << allowed->body;
+  EXPECT_EQ(allowed->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  auto error = http.Post("/v1/completions", {{"Origin", "https://app.example"}},
+                         R"({"prompt": "x", "n": 2})", "application/json");
+  ASSERT_TRUE(error);
+  EXPECT_EQ(error->status, 400);
+  EXPECT_EQ(error->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
+  auto other = http.Post("/v1/completions", {{"Origin", "https://other.example"}}, body,
+                         "application/json");
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 200);
+  EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin"));
+  httplib::Headers other_preflight = preflight;
+  other_preflight.erase("Origin");
+  other_preflight.emplace("Origin", "https://other.example");
+  auto refused = http.Options("/v1/completions", other_preflight);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(refused->status, 403);
+  EXPECT_FALSE(refused->has_header("Access-Control-Allow-Origin"));
+
+  absl::StatusOr<CommandResult> bad =
+      RunCommand({TANDEM_GATEWAY_BIN, "--address=127.0.0.1:0", "--workers=" + worker_address_,
+                  "--cors_origins=app.example"});
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_NE(bad->exit_code, 0);
+  EXPECT_THAT(bad->err, HasSubstr("--cors_origins"));
+  absl::StatusOr<int> code = first->Terminate();
+  ASSERT_TRUE(code.ok());
+}
+
 TEST_F(GatewayE2eTest, ServedModelNameAndNoTemplate) {
   // A second gateway on the same worker: another name, and no --chat_template (stories260k has
   // no chat template of its own).

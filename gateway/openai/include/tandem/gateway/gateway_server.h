@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 #include <thread>
 
 #include "absl/status/statusor.h"
@@ -52,6 +53,9 @@ struct GatewayOptions {
   // API keys clients must send ("Authorization: Bearer <key>", security::TokenTable); none =
   // no key needed. /health and /metrics stay open.
   std::optional<security::TokenTable> api_keys;
+  // Browser origins allowed to call the API (CORS): exact origins, or "*" for any; empty = none
+  // (cors_policy.h).
+  std::vector<std::string> cors_origins;
 };
 
 class GatewayServer {
