@@ -100,6 +100,9 @@ void ResponseBuilder::AddLogprobs(const v1::TokenDelta& delta, const TokenPiece&
     if (static_cast<int>(top.size()) >= top_logprobs_) break;
     if (!top.contains(t.text())) top[t.text()] = Floor(t.logprob());
   }
+  // "The API will always return the logprob of the sampled token, so there may be up to
+  // logprobs+1 elements" (OpenAI's legacy completions; vLLM does the same).
+  if (top_logprobs_ > 0 && !top.contains(sampled.text)) top[sampled.text] = logprob;
   (*logprobs)["tokens"].push_back(sampled.text);
   (*logprobs)["token_logprobs"].push_back(logprob);
   (*logprobs)["top_logprobs"].push_back(std::move(top));

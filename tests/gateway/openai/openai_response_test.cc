@@ -153,7 +153,8 @@ TEST(GatewayCompletionChunks, TextAndLegacyLogprobs) {
   const Json& lp = (*c1)["choices"][0]["logprobs"];
   EXPECT_EQ(lp["tokens"], Json({" upon"}));
   EXPECT_EQ(lp["token_logprobs"], Json({-2.0}));
-  EXPECT_EQ(lp["top_logprobs"], Json::array({{{" on", -1.0}}}));
+  // The sampled token is always among them (OpenAI: up to logprobs + 1 entries).
+  EXPECT_EQ(lp["top_logprobs"], Json::array({{{" on", -1.0}, {" upon", -2.0}}}));
   EXPECT_EQ(lp["text_offset"], Json({4}));  // after "Once"
   EXPECT_FALSE(b.FinishChunk(v1::FINISH_REASON_LENGTH).contains("usage"));
   EXPECT_EQ(b.FinishChunk(v1::FINISH_REASON_LENGTH)["choices"][0]["text"], "");
