@@ -184,6 +184,11 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
     r->max_tokens = *max_tokens;
   }
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> temperature, f.Number("temperature"));
+  if (temperature.has_value() && !(*temperature >= 0 && *temperature <= 100)) {
+    // The worker's range (OpenAI's is 0..2, vLLM takes more).
+    return InvalidField("temperature",
+                        absl::StrCat("'temperature' must be in 0..100, got ", *temperature));
+  }
   g.set_temperature(static_cast<float>(temperature.value_or(1.0)));
   r->temperature_given = temperature.has_value();
   TANDEM_ASSIGN_OR_RETURN(std::optional<double> top_p, f.Number("top_p"));

@@ -158,6 +158,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadBody{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
         BadBody{R"({"prompt": "x", "stop": 3})", "stop", "string or a list"},
         BadBody{R"({"prompt": "x", "stop": ["a", 1]})", "stop", "string or a list"},
+        BadBody{R"({"prompt": "x", "temperature": -1})", "temperature", "0..100"},
         BadBody{R"({"prompt": "x", "top_p": 1.5})", "top_p", "0..1"},
         BadBody{R"({"prompt": "x", "top_p": -0.1})", "top_p", "0..1"},
         BadBody{R"({"prompt": "x", "guided_json": {"type": "object"}})", "guided_json",
