@@ -3,12 +3,8 @@
 // metrics ports; one Generate of N tokens; both /metrics scraped over HTTP and read back with
 // the test's parser: token counters, request success, histogram counts, node attends and
 // scanned bytes; promtool on each scrape where installed. Skipped without ../shared/models.
-#include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -20,6 +16,7 @@
 #include <vector>
 
 #include "child_process.h"
+#include "free_port.h"
 #include "gtest/gtest.h"
 #include "promtool.h"
 #include "tandem/v1/generation.grpc.pb.h"
@@ -30,27 +27,10 @@ namespace {
 
 using metrics_test::Exposition;
 using test_process::ChildProcess;
+using test_process::FreePort;   // the servers get explicit ports, as a deployment gives them
 
 std::filesystem::path Stories260kDir() {
   return std::filesystem::path(TANDEM_SHARED_DIR) / "models" / "stories260k";
-}
-
-// A port free on 127.0.0.1 now (bound to port 0 and released): the servers get explicit ports,
-// as a deployment gives them.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
-  close(fd);
-  return port;
 }
 
 // GET /metrics, parsed; the raw text in `text`.
