@@ -215,6 +215,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->keep_session = keep;
   g->continues_session = continuing;
   g->prompt_tokens = static_cast<int64_t>(prompt.size());
+  g->feeds_pending_token = seq->pending_token.has_value();
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
@@ -382,6 +383,16 @@ absl::Status Engine::AddLogprobs(const Generation& g, const float* logits, Token
   return absl::OkStatus();
 }
 
+absl::Status Engine::RestoreUntouchedSession(Generation& g) {
+  Sequence& seq = *g.seq;
+  if (g.feeds_pending_token) seq.pending_token = g.feed[0];
+  // Undo what Begin prepared for this prompt: the widened window (back to the configured one,
+  // or to the settle of the last prompt that was under way) and the prefill spill.
+  seq.prefill_end = seq.window.next_position();
+  EndPrefillSpill(seq);
+  return seq.window.Narrow();
+}
+
 absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
   busy_.erase(g.session_id);
   const Clock::time_point now = Clock::now();
@@ -395,8 +406,11 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     }
   }
   // A session whose prompt was not fed whole (stopped in prefill) or whose pass failed holds a
-  // state no client asked for: it is closed even when kept.
-  bool consistent = g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled;
+  // state no client asked for: it is closed even when kept. A continued turn stopped before
+  // any of its feed entered the model left it as the last turn did: it stays.
+  const bool untouched = g.continues_session && g.fed == 0 && g.failure.ok() &&
+                         RestoreUntouchedSession(g).ok();
+  bool consistent = (g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled) || untouched;
   GenerateSummary summary = std::move(g.summary);
   summary.session_id = g.keep_session ? g.session_id : "";
   summary.prompt_tokens = g.prompt_tokens;
@@ -443,7 +457,7 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     }
     summary.session_id.clear();
     g.seq = nullptr;
-  } else if (g.remaining() == 1 && !g.seq->pending_token.has_value()) {
+  } else if (!untouched && g.remaining() == 1 && !g.seq->pending_token.has_value()) {
     g.seq->pending_token = g.feed[g.fed];   // sampled but not fed: the next turn feeds it
   }
   if (!failure.ok()) return failure;

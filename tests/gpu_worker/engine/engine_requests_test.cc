@@ -8,6 +8,7 @@
 
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/generation.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -129,6 +130,53 @@ TEST_F(EngineRequests, MultiTurnHybridMatchesGpuAndCloses) {
   EXPECT_EQ(engine_->CloseSession("chat-gpu").code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(NodeStats().blocks_in_use(), 0u);
   EXPECT_EQ(NodeStats().sessions(), 0u);
+}
+
+// A continued turn that ends before any of its feed entered the model (e.g. cancelled while it
+// waited for its first prefill chunk) leaves the session as the turn before left it, pending
+// token and widened window included: the next turn gives what it gives without the stopped one.
+TEST_F(EngineRequests, AContinuedTurnStoppedBeforeItsFirstChunkKeepsTheSession) {
+  for (AttentionMode mode : {AttentionMode::kGpu, AttentionMode::kHybrid}) {
+    SCOPED_TRACE(static_cast<int>(mode));
+    auto turn = [&](const std::string& id, const char* prompt,
+                    int max_tokens) -> absl::StatusOr<GenerateSummary> {
+      GenerateRequest r;
+      r.session_id = id;
+      r.prompt_text = prompt;
+      r.max_tokens = max_tokens;
+      r.ignore_eos = true;
+      r.mode = mode;
+      r.beta = 0.0f;
+      return engine_->Generate(r);
+    };
+    // A prompt of 40+ tokens past the 32-token window: its turn widens the window.
+    const char* long_prompt =
+        " The dog said that the cat and the bird went to the park to play in the sun with a "
+        "big red ball and a little blue kite, and they were very happy all day long";
+    ASSERT_TRUE(turn("stopped", "Once upon a time", 9).ok());
+    GenerateRequest stopped;
+    stopped.session_id = "stopped";
+    stopped.prompt_text = long_prompt;
+    stopped.max_tokens = 4;
+    GenerateCallbacks gone;
+    gone.cancelled = [] { return true; };
+    auto g = engine_->Begin(stopped, gone, Generation::Clock::now());
+    ASSERT_TRUE(g.ok()) << g.status();
+    auto ended = engine_->End(**g);
+    ASSERT_TRUE(ended.ok()) << ended.status();
+    EXPECT_EQ(ended->finish_reason, FinishReason::kCancelled);
+    EXPECT_EQ(ended->completion_tokens, 0);
+    ASSERT_EQ(engine_->open_sessions(), 1u);
+    auto continued = turn("stopped", long_prompt, 12);
+    ASSERT_TRUE(continued.ok()) << continued.status();
+    // The same two turns in a session that saw no stopped one.
+    ASSERT_TRUE(turn("plain", "Once upon a time", 9).ok());
+    auto reference = turn("plain", long_prompt, 12);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    EXPECT_EQ(continued->token_ids, reference->token_ids);
+    EXPECT_TRUE(engine_->CloseSession("stopped").ok());
+    EXPECT_TRUE(engine_->CloseSession("plain").ok());
+  }
 }
 
 TEST_F(EngineRequests, ContinuedSessionKeepsItsMode) {

@@ -261,6 +261,9 @@ class Engine {
   // from pinned host pages on the device; EndPrefillSpill unwraps it once the prompt is in.
   void WidenForPrefill(Sequence& seq, int64_t prompt_tokens);
   void EndPrefillSpill(Sequence& seq);
+  // A continued turn `g` that ends before any of its feed entered the model: gives the session
+  // back its pending token and undoes the prompt's widening, so it is as the last turn left it.
+  absl::Status RestoreUntouchedSession(Generation& g);
   // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
   absl::Status SampleNext(Generation& g, const float* logits);
   // The sampled token's log-probability and the request's top candidates (logprobs.h) into
