@@ -41,7 +41,7 @@ absl::StatusOr<int32_t> RunSample(const SampleParams& p) {
   }
   const int64_t best = ArgMax(p.logits, p.vocab);
   if (best < 0) return absl::InvalidArgumentError("Sample: every logit is NaN");
-  if (p.temperature <= 0.0f || p.logits[best] == -std::numeric_limits<float>::infinity()) {
+  if (p.ArgmaxOnly() || p.logits[best] == -std::numeric_limits<float>::infinity()) {
     return static_cast<int32_t>(best);
   }
   if (std::isinf(p.logits[best])) return static_cast<int32_t>(best);  // +inf takes all mass

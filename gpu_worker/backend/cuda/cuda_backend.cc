@@ -650,16 +650,18 @@ absl::StatusOr<int32_t> CudaBackend::Sample(const SampleParams& p) {
     return Invalid("Sample", absl::StrCat("uniform ", p.uniform, " not in [0, 1)"));
   }
   TANDEM_RETURN_IF_ERROR(Activate());
+  // The kernel's argmax path (temperature 0) where nothing else can be chosen: no sort.
+  const bool argmax_only = p.ArgmaxOnly();
   const cuda_backend::SampleArgs args{.logits = p.logits,
                                       .vocab = p.vocab,
-                                      .temperature = p.temperature,
+                                      .temperature = argmax_only ? 0.0f : p.temperature,
                                       .top_k = p.top_k,
                                       .top_p = p.top_p,
                                       .uniform = p.uniform,
                                       .result = static_cast<int32_t*>(result_device_.get())};
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  if (p.temperature > 0.0f) {
+  if (!argmax_only) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::SampleWorkspaceBytes(p.vocab, &workspace_bytes));
     TANDEM_ASSIGN_OR_RETURN(workspace, workspace_.Reserve(workspace_bytes, stream()));
   }

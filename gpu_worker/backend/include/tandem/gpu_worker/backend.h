@@ -215,6 +215,14 @@ struct SampleParams {
   int32_t top_k = 0;
   float top_p = 1.0f;
   float uniform = 0.0f;           // in [0, 1), drawn by the caller's seeded generator
+
+  // Whether the rule above can keep only the most probable token, so the argmax is the answer
+  // without a softmax or a sort: temperature <= 0, or a top_p no token's mass falls below (the
+  // most probable token holds at least 1 / vocab of any softmax, and of a top-k cut of it).
+  bool ArgmaxOnly() const {
+    return temperature <= 0.0f ||
+           (top_p > 0.0f && static_cast<double>(top_p) * static_cast<double>(vocab) <= 1.0);
+  }
 };
 
 // out[t] = log_softmax(logits[t, :])[targets[t]]: the log-probability of each target token.
