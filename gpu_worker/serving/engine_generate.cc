@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -43,7 +44,8 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   absl::StatusOr<GenerateSummary> summary = End(*g);
   // The synchronous path has no scheduler to settle a kept session between turns: it settles
   // here, after the reply is complete, so its wider window does not hold device memory.
-  while (busy_.empty() && IdleSettlePending()) SettleIdle();
+  // One unbounded pass moves every pending block (a failing session is closed as lost).
+  if (busy_.empty()) SettleIdleSessions(std::numeric_limits<int64_t>::max());
   return summary;
 }
 
@@ -215,7 +217,6 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->keep_session = keep;
   g->continues_session = continuing;
   g->prompt_tokens = static_cast<int64_t>(prompt.size());
-  g->feeds_pending_token = seq->pending_token.has_value();
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
@@ -385,7 +386,8 @@ absl::Status Engine::AddLogprobs(const Generation& g, const float* logits, Token
 
 absl::Status Engine::RestoreUntouchedSession(Generation& g) {
   Sequence& seq = *g.seq;
-  if (g.feeds_pending_token) seq.pending_token = g.feed[0];
+  // Nothing was sampled: the feed is [pending token] + prompt, or the prompt alone.
+  if (g.feed.size() > static_cast<size_t>(g.prompt_tokens)) seq.pending_token = g.feed[0];
   // Undo what Begin prepared for this prompt: the widened window (back to the configured one,
   // or to the settle of the last prompt that was under way) and the prefill spill.
   seq.prefill_end = seq.window.next_position();
@@ -408,9 +410,10 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
   // A session whose prompt was not fed whole (stopped in prefill) or whose pass failed holds a
   // state no client asked for: it is closed even when kept. A continued turn stopped before
   // any of its feed entered the model left it as the last turn did: it stays.
-  const bool untouched = g.continues_session && g.fed == 0 && g.failure.ok() &&
-                         RestoreUntouchedSession(g).ok();
-  bool consistent = (g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled) || untouched;
+  bool untouched = g.continues_session && g.fed == 0 && g.failure.ok();
+  if (untouched) untouched = RestoreUntouchedSession(g).ok();   // failed: closed as lost
+  const bool consistent =
+      (g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled) || untouched;
   GenerateSummary summary = std::move(g.summary);
   summary.session_id = g.keep_session ? g.session_id : "";
   summary.prompt_tokens = g.prompt_tokens;

@@ -32,8 +32,6 @@ namespace {
 constexpr float kLogprobTolerance = 1e-4f;
 constexpr int64_t kWindow = 16, kSink = 4, kChunk = 64, kPrompt = 300;
 
-// A prompt of `n` token ids from the model's vocabulary (BOS first).
-
 EngineOptions Options(bool device_prefill, size_t kv_cap) {
   EngineOptions options;
   options.model_dir = testing::ModelDir("stories260k").string();

@@ -55,7 +55,6 @@ class Generation {
   std::string session_id;            // the engine's key (generated for one-shot requests)
   bool keep_session = false;         // false: the session is closed by End()
   bool continues_session = false;    // the session was kept from an earlier turn
-  bool feeds_pending_token = false;  // feed[0] is the session's pending token (sampled, unfed)
   int64_t prompt_tokens = 0;
   std::vector<int32_t> feed;         // tokens to feed; feed[0..fed) are in the model
   int64_t fed = 0;
