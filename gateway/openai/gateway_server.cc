@@ -2,8 +2,10 @@
 
 #include <httplib.h>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <iterator>
 #include <thread>
 #include <utility>
 
@@ -18,6 +20,11 @@
 
 namespace tandem::gateway {
 namespace {
+
+// The generation endpoints (POST only): registered from here, and a GET on one is a 405.
+constexpr std::pair<const char*, Endpoint> kGenerationRoutes[] = {
+    {"/v1/completions", Endpoint::kCompletions},
+    {"/v1/chat/completions", Endpoint::kChatCompletions}};
 
 void SendJson(httplib::Response& res, int status, const nlohmann::json& body) {
   res.status = status;
@@ -148,12 +155,11 @@ void GatewayServer::AddRoutes() {
   httplib::Server& http = *http_;
   Shared* s = shared_.get();
 
-  http.Post("/v1/completions", [s](const httplib::Request& req, httplib::Response& res) {
-    HandleGeneration(*s, Endpoint::kCompletions, req, res);
-  });
-  http.Post("/v1/chat/completions", [s](const httplib::Request& req, httplib::Response& res) {
-    HandleGeneration(*s, Endpoint::kChatCompletions, req, res);
-  });
+  for (const auto& [path, endpoint] : kGenerationRoutes) {
+    http.Post(path, [s, endpoint = endpoint](const httplib::Request& req, httplib::Response& res) {
+      HandleGeneration(*s, endpoint, req, res);
+    });
+  }
 
   http.Get("/v1/models", [s](const httplib::Request&, httplib::Response& res) {
     absl::StatusOr<v1::ModelInfoResponse> info = s->pool->ModelInfo();
@@ -227,7 +233,8 @@ void GatewayServer::AddRoutes() {
         ApiError e;
         e.http_status = res.status;
         const bool post_route =
-            req.path == "/v1/completions" || req.path == "/v1/chat/completions";
+            std::any_of(std::begin(kGenerationRoutes), std::end(kGenerationRoutes),
+                        [&](const auto& route) { return req.path == route.first; });
         if (res.status == 404 && post_route && req.method != "POST") {
           e.http_status = res.status = 405;
           e.message = absl::StrCat(req.path, " takes POST, not ", req.method);
@@ -238,10 +245,11 @@ void GatewayServer::AddRoutes() {
           e.type = "not_found_error";
         } else if (res.status == 413 && absl::StartsWith(req.get_header_value("Content-Type"),
                                                           "application/x-www-form-urlencoded")) {
-          // The HTTP library caps form bodies at 8 KiB before any handler runs.
-          e.message =
-              "the request body is over 8 KiB as application/x-www-form-urlencoded (curl's "
-              "--data default); send it with 'Content-Type: application/json'";
+          // The HTTP library caps form bodies before any handler runs.
+          e.message = absl::StrCat(
+              "the request body is over ", CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH / 1024,
+              " KiB as application/x-www-form-urlencoded (curl's --data default); send it with "
+              "'Content-Type: application/json'");
           e.type = "invalid_request_error";
         } else if (res.status == 413) {
           e.message = absl::StrCat("the request body is over ", s->options.max_body_bytes,

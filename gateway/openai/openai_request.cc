@@ -103,10 +103,26 @@ absl::Status Unsupported(const std::string& field, absl::string_view what) {
   return InvalidField(field, absl::StrCat("'", field, "' ", what, " is not supported by tandem"));
 }
 
-// vLLM's extra sampling and structured-output parameters: a client that sends one expects it
-// honoured, so a value other than the neutral one is refused (400 naming it) rather than
-// ignored with only a line in the gateway's log.
-absl::Status RefuseUnhonouredExtras(Fields& f) {
+// Sampling parameters tandem does not implement (OpenAI's penalties, vLLM's extras and
+// structured output): a client that sends one expects it honoured, so a value other than the
+// neutral one is refused (400 naming it) rather than ignored with only a line in the log.
+absl::Status RefuseUnhonouredSampling(Fields& f) {
+  const struct {
+    const char* name;
+    double neutral;
+  } numbers[] = {{"presence_penalty", 0.0}, {"frequency_penalty", 0.0},
+                 {"repetition_penalty", 1.0}, {"length_penalty", 1.0}, {"min_p", 0.0},
+                 {"min_tokens", 0.0}};
+  for (const auto& n : numbers) {
+    TANDEM_ASSIGN_OR_RETURN(std::optional<double> v, f.Number(n.name));
+    if (v.has_value() && *v != n.neutral) {
+      return Unsupported(n.name, absl::StrCat("other than ", n.neutral));
+    }
+  }
+  if (const Json* bias = f.Find("logit_bias"); bias != nullptr) {
+    if (!bias->is_object()) return InvalidField("logit_bias", "'logit_bias' must be an object");
+    if (!bias->empty()) return Unsupported("logit_bias", "with entries");
+  }
   for (const char* constrained : {"guided_json", "guided_regex", "guided_choice",
                                   "guided_grammar", "guided_whitespace_pattern",
                                   "structured_outputs"}) {
@@ -115,17 +131,6 @@ absl::Status RefuseUnhonouredExtras(Fields& f) {
     }
   }
   f.Find("guided_decoding_backend");   // meaningless without the above
-  const struct {
-    const char* name;
-    double neutral;
-  } numbers[] = {{"repetition_penalty", 1.0}, {"length_penalty", 1.0}, {"min_p", 0.0},
-                 {"min_tokens", 0.0}};
-  for (const auto& n : numbers) {
-    TANDEM_ASSIGN_OR_RETURN(std::optional<double> v, f.Number(n.name));
-    if (v.has_value() && *v != n.neutral) {
-      return Unsupported(n.name, absl::StrCat("other than ", n.neutral));
-    }
-  }
   if (const Json* ids = f.Find("stop_token_ids"); ids != nullptr) {
     if (!ids->is_array()) return InvalidField("stop_token_ids", "'stop_token_ids' must be a list");
     if (!ids->empty()) return Unsupported("stop_token_ids", "with entries (use 'stop')");
@@ -210,15 +215,7 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
                                           "; send several requests instead"));
   }
   f.Find("user");  // accepted and ignored, as vLLM does
-  for (const char* penalty : {"presence_penalty", "frequency_penalty"}) {
-    TANDEM_ASSIGN_OR_RETURN(std::optional<double> p, f.Number(penalty));
-    if (p.has_value() && *p != 0) return Unsupported(penalty, "other than 0");
-  }
-  if (const Json* bias = f.Find("logit_bias"); bias != nullptr) {
-    if (!bias->is_object()) return InvalidField("logit_bias", "'logit_bias' must be an object");
-    if (!bias->empty()) return Unsupported("logit_bias", "with entries");
-  }
-  TANDEM_RETURN_IF_ERROR(RefuseUnhonouredExtras(f));
+  TANDEM_RETURN_IF_ERROR(RefuseUnhonouredSampling(f));
 
   // tandem's fields.
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> mode, f.String("mode"));
