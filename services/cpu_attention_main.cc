@@ -17,6 +17,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "spdlog/spdlog.h"
+#include "tandem/cpu_attention/sparse_attention.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/common/byte_size.h"
 #include "parse_flags.h"
 #include "tandem/cpu_attention/server.h"
@@ -93,6 +95,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   spdlog::set_level(spdlog::level::from_str(absl::GetFlag(FLAGS_log_level)));
+  if (const absl::Status isa = tandem::CheckCpuIsaEnvironment(); !isa.ok()) {
+    std::fprintf(stderr, "tandem-cpu-attention: %s\n", std::string(isa.message()).c_str());
+    return 2;
+  }
+  spdlog::info("{}; bf16 KV attention: {}", tandem::CpuIsaSummary(),
+               tandem::cpu_attention::Bf16AttentionPath());
 
   // Block the stop signals in every thread; the main thread waits for them below.
   sigset_t stop_signals;

@@ -21,6 +21,7 @@
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/memory_plan.h"
@@ -425,6 +426,10 @@ int main(int argc, char** argv) {
   }
   if (positional.size() > 1) {
     std::fprintf(stderr, "tandem-gpu-worker: unexpected argument '%s'\n", positional[1]);
+    return 2;
+  }
+  if (const absl::Status isa = tandem::CheckCpuIsaEnvironment(); !isa.ok()) {
+    std::fprintf(stderr, "tandem-gpu-worker: %s\n", std::string(isa.message()).c_str());
     return 2;
   }
   absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> options = OptionsFromFlags();

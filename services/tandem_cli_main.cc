@@ -55,6 +55,7 @@
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/grpc_status.h"
@@ -843,6 +844,10 @@ int main(int argc, char** argv) {
   const std::string command = args.size() > 1 ? args[1] : "";
   if (args.size() > 2) {
     std::fprintf(stderr, "tandem: unexpected argument '%s'\n", args[2]);
+    return 2;
+  }
+  if (const absl::Status isa = tandem::CheckCpuIsaEnvironment(); !isa.ok()) {
+    std::fprintf(stderr, "tandem: %s\n", std::string(isa.message()).c_str());
     return 2;
   }
   if (command == "generate" || command == "tokenize") {

@@ -1,4 +1,5 @@
 #include "tandem/cpu_attention/cpu_attention_node.h"
+#include "tandem/cpu_attention/kernel_self_check.h"
 
 #include <algorithm>
 #include <chrono>
@@ -91,6 +92,11 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("kv_dtype must be bf16 (as sent) or int8, got ",
                      kv_store::KvDTypeName(options.kv_dtype)));
+  }
+  {
+    // Refuse to serve with kernels that do not work here (kernel_self_check.h).
+    ThreadPool check_pool(1);
+    TANDEM_RETURN_IF_ERROR(CheckAttentionKernels(check_pool));
   }
   return std::unique_ptr<CpuAttentionNode>(new CpuAttentionNode(options));
 }

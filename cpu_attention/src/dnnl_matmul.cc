@@ -3,6 +3,7 @@
 #include <functional>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::cpu_attention::internal {
@@ -17,7 +18,17 @@ dnnl::memory::desc Md(int64_t rows, int64_t cols, MmType type,
   return dnnl::memory::desc({rows, cols}, ToDnnl(type), {strides[0], strides[1]});
 }
 
+const char* TypeName(MmType t) { return t == MmType::kBf16 ? "bf16" : "f32"; }
+
+std::string Dim(int64_t d) { return d == kRuntimeDim ? "?" : absl::StrCat(d); }
+
 }  // namespace
+
+std::string DescribeMatmul(const MatmulDesc& d) {
+  return absl::StrCat("attention matmul [", Dim(d.m), ", ", Dim(d.k), "] ", TypeName(d.src_type),
+                      " x [", Dim(d.k), ", ", Dim(d.n), "] ", TypeName(d.wei_type), " -> ",
+                      TypeName(d.dst_type));
+}
 
 size_t MatmulDescHash::operator()(const MatmulDesc& d) const {
   size_t h = 0;
@@ -42,8 +53,9 @@ ThreadMatmuls& ThreadMatmuls::ForThisThread() {
 
 absl::Status ThreadMatmuls::Init() {
   if (stream_.has_value()) return absl::OkStatus();
-  TANDEM_DNNL_CALL(engine_.emplace(dnnl::engine::kind::cpu, 0));
-  TANDEM_DNNL_CALL(stream_.emplace(*engine_));
+  TANDEM_DNNL_CALL("creating the oneDNN CPU engine and stream",
+                   engine_.emplace(dnnl::engine::kind::cpu, 0);
+                   stream_.emplace(*engine_));
   return absl::OkStatus();
 }
 
@@ -57,7 +69,7 @@ absl::Status ThreadMatmuls::Lookup(const MatmulDesc& desc, Entry** entry) {
   Entry e;
   e.desc = desc;
   e.runtime = desc.m == kRuntimeDim || desc.k == kRuntimeDim || desc.n == kRuntimeDim;
-  TANDEM_DNNL_CALL({
+  TANDEM_DNNL_CALL(absl::StrCat("creating the ", DescribeMatmul(desc)), {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     const auto src_md = Md(desc.m, desc.k, desc.src_type, desc.src_strides);
@@ -93,7 +105,9 @@ absl::Status ThreadMatmuls::Run(const MatmulDesc& desc, int64_t m, int64_t k, in
                                 const void* src, const void* wei, void* dst) {
   Entry* e = nullptr;
   TANDEM_RETURN_IF_ERROR(Lookup(desc, &e));
-  TANDEM_DNNL_CALL({
+  TANDEM_DNNL_CALL(absl::StrCat("running the ", DescribeMatmul(desc), " with m ", m, ", k ", k,
+                                ", n ", n),
+                   {
     if (e->scratch_bytes > 0) e->scratch.set_data_handle(scratch_.Get<std::byte>(e->scratch_bytes));
     if (e->runtime) {
       std::unordered_map<int, dnnl::memory> args = e->args;

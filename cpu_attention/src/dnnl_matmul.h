@@ -14,28 +14,12 @@
 #include <list>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 #include "absl/status/status.h"
-#include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
-
-// Runs the statement (oneDNN calls) in a function returning absl::Status; a dnnl::error or any
-// other exception becomes INTERNAL naming the statement, file and line. No exception leaves
-// cpu_attention.
-#define TANDEM_DNNL_CALL(...)                                                                     \
-  do {                                                                                            \
-    try {                                                                                         \
-      __VA_ARGS__;                                                                                \
-    } catch (const ::dnnl::error& tandem_dnnl_e_) {                                               \
-      return ::absl::InternalError(::absl::StrFormat(                                             \
-          "oneDNN call `%s` failed at %s:%d: %s (dnnl_status_t %d)", #__VA_ARGS__, __FILE__,      \
-          __LINE__, tandem_dnnl_e_.what(), static_cast<int>(tandem_dnnl_e_.status)));             \
-    } catch (const std::exception& tandem_dnnl_e_) {                                              \
-      return ::absl::InternalError(::absl::StrFormat("`%s` failed at %s:%d: %s", #__VA_ARGS__,    \
-                                                     __FILE__, __LINE__, tandem_dnnl_e_.what())); \
-    }                                                                                             \
-  } while (0)
+#include "tandem/common/dnnl_call.h"
 
 namespace tandem::cpu_attention::internal {
 
@@ -60,6 +44,9 @@ struct MatmulDesc {
 struct MatmulDescHash {
   size_t operator()(const MatmulDesc& d) const;
 };
+
+// "[m, k] bf16 · [k, n] bf16 -> f32" for error messages (runtime sizes print as "?").
+std::string DescribeMatmul(const MatmulDesc& desc);
 
 // The calling thread's primitives. Not thread-safe: use only through ForThisThread().
 class ThreadMatmuls {

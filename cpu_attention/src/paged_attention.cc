@@ -12,22 +12,25 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
-#include "int8_scan_kernels.h"
+#include "row_scan_kernels.h"
 #include "tandem/common/exp2_approx.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/cpu_attention/merge_state.h"
 #include "tandem/kv_store/int8_rows.h"
 
 // The library is built without -march and runs on other hosts than the build: the scan is
-// compiled for AVX-512, AVX2 and baseline x86-64 and the loader picks one (target_clones).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TANDEM_PAGED_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define TANDEM_ALWAYS_INLINE inline __attribute__((always_inline))
+// compiled for AVX-512, AVX2 and baseline x86-64, and ActiveCpuIsa() picks one per call
+// (TANDEM_CPU_ISA forces a lesser one, so tests run every path on any host). GCC and clang.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TANDEM_PAGED_X86 1
+#define TANDEM_PAGED_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2")))
+#define TANDEM_PAGED_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
 #else
-#define TANDEM_PAGED_CLONES
-#define TANDEM_ALWAYS_INLINE inline
+#define TANDEM_PAGED_X86 0
 #endif
+#define TANDEM_ALWAYS_INLINE inline __attribute__((always_inline))
 
 namespace tandem::cpu_attention {
 namespace {
@@ -168,8 +171,9 @@ struct PieceArgs {
   float scale;
   RowsOut out;
   float* work;
-  // int8: the register-widening kernels of int8_scan_kernels.h (nullptr: the f32-tile path)
-  const internal::Int8ScanKernels* int8_kernels = nullptr;
+  // int8 and bf16: the register-widening kernels of row_scan_kernels.h (nullptr: the portable
+  // path: f32 tiles for int8, GCC vector types for bf16)
+  const internal::RowScanKernels* row_kernels = nullptr;
 };
 
 // int8 pieces also widen the chunk's K and V codes into f32 tiles [kChunk, D] each.
@@ -216,7 +220,7 @@ TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_byte
 // Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
 // row [D codes][f32 scale], kv_store/int8_rows.h: s = scale_k * (q · codes) and the V scale is
 // folded into p after the softmax sums, so the row's scales cost two multiplies per key). On
-// AVX-512 or AVX2 (a.int8_kernels) the codes are widened in registers; else once
+// AVX-512 or AVX2 (a.row_kernels) the codes are widened in registers; else once
 // per chunk into L1/L2-resident f32 tiles (exact: |code| <= 127) that the f32 dot products and
 // axpys then read.
 template <typename Elem>
@@ -279,13 +283,13 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
         k_scale[c] = kv_store::Int8RowScale(kp[c], a.D);
         v_scale[c] = kv_store::Int8RowScale(vp[c], a.D);
       }
-      if (a.int8_kernels != nullptr) {
-        a.int8_kernels->scores(qs, R, D, kp, c_n, k_scale, s, kChunk);
-        scored = true;
-      }
+    }
+    if (a.row_kernels != nullptr) {
+      a.row_kernels->scores(qs, R, D, kp, c_n, kInt8 ? k_scale : nullptr, s, kChunk);
+      scored = true;
     }
     if constexpr (kInt8) {
-      for (size_t c = 0; c < c_n && a.int8_kernels == nullptr; ++c) {
+      for (size_t c = 0; c < c_n && a.row_kernels == nullptr; ++c) {
         WidenCodes(kp[c], D, k_tile + c * D);
         WidenCodes(vp[c], D, v_tile + c * D);
         kp[c] = reinterpret_cast<const std::byte*>(k_tile + c * D);
@@ -337,11 +341,9 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       }
     }
     // acc[r] += p[r, c] * v_c.
-    if constexpr (kInt8) {
-      if (a.int8_kernels != nullptr) {
-        a.int8_kernels->accumulate(s, kChunk, R, vp, c_n, D, acc);
-        continue;
-      }
+    if (a.row_kernels != nullptr) {
+      a.row_kernels->accumulate(s, kChunk, R, vp, c_n, D, acc);
+      continue;
     }
     size_t r = 0;
     for (; r + 4 <= R; r += 4) AccumulateRows<4, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
@@ -359,9 +361,43 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   }
 }
 
-TANDEM_PAGED_CLONES void ComputePieceBf16(const PieceArgs& a) { ComputePieceImpl<uint16_t>(a); }
-TANDEM_PAGED_CLONES void ComputePieceF32(const PieceArgs& a) { ComputePieceImpl<float>(a); }
-TANDEM_PAGED_CLONES void ComputePieceInt8(const PieceArgs& a) { ComputePieceImpl<int8_t>(a); }
+// One compiled copy of the scan per instruction set and element type.
+template <typename Elem>
+void ComputePiecePortable(const PieceArgs& a) {
+  ComputePieceImpl<Elem>(a);
+}
+#if TANDEM_PAGED_X86
+template <typename Elem>
+TANDEM_PAGED_AVX2 void ComputePieceAvx2(const PieceArgs& a) {
+  ComputePieceImpl<Elem>(a);
+}
+template <typename Elem>
+TANDEM_PAGED_AVX512 void ComputePieceAvx512(const PieceArgs& a) {
+  ComputePieceImpl<Elem>(a);
+}
+#endif
+
+using PieceKernel = void (*)(const PieceArgs&);
+
+template <typename Elem>
+PieceKernel PieceKernelFor(CpuIsa isa) {
+#if TANDEM_PAGED_X86
+  if (isa == CpuIsa::kAvx512) return ComputePieceAvx512<Elem>;
+  if (isa == CpuIsa::kAvx2) return ComputePieceAvx2<Elem>;
+#endif
+  return ComputePiecePortable<Elem>;
+}
+
+PieceKernel PieceKernelFor(kv_store::KvDType dtype, CpuIsa isa) {
+  switch (dtype) {
+    case kv_store::KvDType::kBf16:
+      return PieceKernelFor<uint16_t>(isa);
+    case kv_store::KvDType::kInt8:
+      return PieceKernelFor<int8_t>(isa);
+    default:
+      return PieceKernelFor<float>(isa);
+  }
+}
 
 // Entries [begin, end) of problem `problem` (in the concatenation of its runs), computed by one
 // task. slot < 0: writes the problem's output rows; else partial state `slot`, merged into
@@ -465,8 +501,11 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   slot_floats = max_rows * D + max_rows;
   std::vector<float> partials(static_cast<size_t>(num_slots) * slot_floats);
 
-  const internal::Int8ScanKernels* int8_kernels =
-      params.dtype == kv_store::KvDType::kInt8 ? internal::GetInt8ScanKernels() : nullptr;
+  const internal::RowScanKernels* row_kernels =
+      params.dtype == kv_store::KvDType::kInt8   ? internal::GetInt8ScanKernels()
+      : params.dtype == kv_store::KvDType::kBf16 ? internal::GetBf16ScanKernels()
+                                                 : nullptr;
+  const PieceKernel compute_piece = PieceKernelFor(params.dtype, ActiveCpuIsa());
   std::vector<absl::Status> statuses(num_ranges);
   pool.ParallelFor(num_ranges, [&](size_t r) {
     try {
@@ -493,16 +532,10 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
           float* base = partials.data() + piece.slot * slot_floats;
           a.out = RowsOut{base, G * D, base + rows * D, G};
         }
-        a.int8_kernels = int8_kernels;
+        a.row_kernels = row_kernels;
         a.work = work_buffer.Get<float>(
             WorkFloats(rows, D, params.dtype == kv_store::KvDType::kInt8));
-        if (params.dtype == kv_store::KvDType::kBf16) {
-          ComputePieceBf16(a);
-        } else if (params.dtype == kv_store::KvDType::kInt8) {
-          ComputePieceInt8(a);
-        } else {
-          ComputePieceF32(a);
-        }
+        compute_piece(a);
       }
     } catch (const std::bad_alloc&) {
       statuses[r] = absl::ResourceExhaustedError("paged attention: scratch allocation failed");

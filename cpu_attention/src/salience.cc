@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
-#include "int8_scan_kernels.h"
+#include "row_scan_kernels.h"
 #include "tandem/common/bf16.h"
 #include "tandem/kv_store/int8_rows.h"
 
@@ -56,10 +56,10 @@ void BlockKeys(const kv_store::Shard& shard, size_t b, uint32_t entries, float* 
 
 // scores [rows, e] of block b: q · k (q pre-scaled) over its keys. int8 rows with `int8` kernels
 // (AVX-512 or AVX2) are scored from their codes in place (k_scale * (q · codes),
-// int8_scan_kernels.h); else the keys are widened into `keys` first. rows_k, scales_k:
+// row_scan_kernels.h); else the keys are widened into `keys` first. rows_k, scales_k:
 // [block_tokens] scratch.
 void ScoreBlock(const kv_store::Shard& shard, size_t b, uint32_t e, const float* q, size_t rows,
-                const internal::Int8ScanKernels* int8, float* keys, const std::byte** rows_k,
+                const internal::RowScanKernels* int8, float* keys, const std::byte** rows_k,
                 float* scales_k, float* scores) {
   const uint32_t D = shard.format().head_dim;
   if (int8 != nullptr) {
@@ -107,7 +107,7 @@ absl::Status ComputeSalience(const AttentionParams& params, const kv_store::Shar
     const size_t bt = fmt.block_tokens;
     std::vector<float> qs(M * D), keys(bt * D), scores(M * bt), scales_k(bt);
     std::vector<const std::byte*> rows_k(bt);
-    const internal::Int8ScanKernels* int8 =
+    const internal::RowScanKernels* int8 =
         fmt.dtype == KvDType::kInt8 ? internal::GetInt8ScanKernels() : nullptr;
     auto score = [&](size_t b, uint32_t e) {
       ScoreBlock(shard, b, e, qs.data(), M, int8, keys.data(), rows_k.data(), scales_k.data(),

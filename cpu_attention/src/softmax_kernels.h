@@ -256,8 +256,8 @@ TANDEM_AVX512_BF16
 #pragma GCC diagnostic pop
 #endif  // TANDEM_X86_KERNELS
 
-// The fastest kernels this CPU runs (chosen once). TANDEM_SOFTMAX_KERNELS=portable forces the
-// portable ones (for tests and comparisons).
+// The fastest kernels of ActiveCpuIsa() (tandem/cpu_isa: TANDEM_CPU_ISA=avx2 or =portable
+// leaves out the hand-written AVX-512 ones, for tests and comparisons).
 const SoftmaxKernels& GetSoftmaxKernels();
 
 }  // namespace tandem::cpu_attention::internal

@@ -16,6 +16,7 @@
 #include "dnnl_matmul.h"
 #include "softmax_kernels.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/cpu_attention/merge_state.h"
 #include "tandem/cpu_attention/paged_attention.h"
 #include "tandem/kv_store/int8_rows.h"
@@ -57,7 +58,7 @@ constexpr uint32_t kPadShapes = 4;
 // shares the memory bus with 15 others. The serving host rules.
 constexpr uint32_t kInt8ChunkKeys = 512;
 // int8 KV with at most this many query rows (T * G) skips the dequantised matmuls: PagedAttention's
-// scan reads the codes in place (int8_scan_kernels.h). One thread, 8 kv heads x 4096 entries in
+// scan reads the codes in place (row_scan_kernels.h). One thread, 8 kv heads x 4096 entries in
 // cache, G 4 (2-core EPYC, AVX-512 kernels): 4 rows 0.50 ms scan vs 1.24 ms matmuls, 8 rows
 // 0.91 vs 1.60 ms, 12 rows 1.42 vs 1.68 ms, 16 rows 2.28 vs 1.99 ms, 32 rows 3.92 vs 3.44 ms.
 // NOTE: in cache; the 16-core host's memory-bound scan may favour a higher bound (unmeasured).
@@ -398,22 +399,14 @@ const SoftmaxKernels& GetSoftmaxKernels() {
   static const SoftmaxKernels kAvx512{avx512::RowMax, avx512::ExpSplit, portable::ExpF32, "avx512"};
   static const SoftmaxKernels kAvx512Bf16{avx512::RowMax, avx512::ExpSplitBf16, portable::ExpF32,
                                           "avx512_bf16"};
-  static const SoftmaxKernels* const best = [] {
+  static const bool has_bf16 = [] {
     __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    if (avx512 && __builtin_cpu_supports("avx512bf16")) return &kAvx512Bf16;
-    return avx512 ? &kAvx512 : &kPortable;
+    return __builtin_cpu_supports("avx512bf16");
   }();
-  const char* force = std::getenv("TANDEM_SOFTMAX_KERNELS");
-  if (force != nullptr) {
-    if (std::strcmp(force, "portable") == 0) return kPortable;
-    if (std::strcmp(force, "avx512") == 0 && best != &kPortable) return kAvx512;
-  }
-  return *best;
-#else
-  return kPortable;
+  // The AVX2 set has no hand-written softmax: the portable kernels' AVX2 clones serve it.
+  if (ActiveCpuIsa() == CpuIsa::kAvx512) return has_bf16 ? kAvx512Bf16 : kAvx512;
 #endif
+  return kPortable;
 }
 
 }  // namespace internal
@@ -517,12 +510,13 @@ absl::Status SparseAttentionImpl(const AttentionParams& params, std::span<const 
   return absl::OkStatus();
 }
 
-// int8 KV with few query rows: each head's rows as one run (or a few: KvRun counts 32 bits)
-// of PagedAttention's fused int8 scan.
-absl::Status Int8Scan(const AttentionParams& params, std::span<const HeadProblem> heads,
-                      ThreadPool& pool) {
+// The heads as runs of PagedAttention's scan, which widens the stored rows in registers: int8 KV
+// with few query rows, and bf16 KV where oneDNN has no bf16 matmul. Each head's rows are one run
+// (or a few: KvRun counts 32 bits).
+absl::Status ScanAttention(const AttentionParams& params, std::span<const HeadProblem> heads,
+                           ThreadPool& pool) {
   constexpr uint64_t kMaxRun = uint64_t{1} << 30;
-  const size_t row_bytes = kv_store::BlockFormat{16, params.head_dim, KvDType::kInt8}.row_bytes();
+  const size_t row_bytes = kv_store::BlockFormat{16, params.head_dim, params.dtype}.row_bytes();
   std::vector<KvRun> runs;
   std::vector<PagedProblem> problems(heads.size());
   for (size_t h = 0; h < heads.size(); ++h) {
@@ -544,7 +538,7 @@ absl::Status Int8Scan(const AttentionParams& params, std::span<const HeadProblem
     pr.lse_token_stride = params.lse_token_stride;
   }
   PagedParams pp;
-  pp.dtype = KvDType::kInt8;
+  pp.dtype = params.dtype;
   pp.head_dim = params.head_dim;
   pp.group = params.group;
   pp.scale = params.scale;
@@ -552,7 +546,19 @@ absl::Status Int8Scan(const AttentionParams& params, std::span<const HeadProblem
   return PagedAttention(pp, runs, problems, pool);
 }
 
+// bf16 KV runs on oneDNN's bf16 matmuls where it has them (AVX-512: AVX512_BF16 or AMX on
+// newer parts); oneDNN 2.6 creates none on an AVX2-only CPU, or under TANDEM_CPU_ISA below
+// avx512 (with DNNL_MAX_CPU_ISA, the forced-path tests), and the scan serves instead.
+bool Bf16OnOneDnn() {
+  return ActiveCpuIsa() == CpuIsa::kAvx512 && OneDnnHasBf16Matmul();
+}
+
 }  // namespace
+
+std::string Bf16AttentionPath() {
+  if (Bf16OnOneDnn()) return "oneDNN bf16 matmuls";
+  return absl::StrFormat("register-widening scan (%s)", CpuIsaName(ActiveCpuIsa()));
+}
 
 absl::Status SparseAttention(const AttentionParams& params, std::span<const HeadProblem> heads,
                              ThreadPool& pool) {
@@ -560,7 +566,10 @@ absl::Status SparseAttention(const AttentionParams& params, std::span<const Head
   try {
     if (params.dtype == KvDType::kInt8 &&
         uint64_t{params.group} * params.num_tokens <= kInt8ScanMaxRows) {
-      return Int8Scan(params, heads, pool);
+      return ScanAttention(params, heads, pool);
+    }
+    if (params.dtype == KvDType::kBf16 && !Bf16OnOneDnn()) {
+      return ScanAttention(params, heads, pool);
     }
     return SparseAttentionImpl(params, heads, pool);
   } catch (const std::bad_alloc&) {

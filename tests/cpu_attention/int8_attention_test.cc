@@ -33,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
 #include "tandem/cpu_attention/paged_attention.h"
+#include "scoped_cpu_isa.h"
 #include "tandem/cpu_attention/reference_attention.h"
 #include "tandem/cpu_attention/salience.h"
 #include "tandem/cpu_attention/sparse_attention.h"
@@ -296,15 +297,8 @@ const std::vector<size_t> kCounts = {0, 1, 37, 1100};
 
 // The int8 scan's kernel variants: "" = what this CPU runs (AVX-512 where present), "avx2" (AVX2
 // where present, else as ""), "portable" = the f32-tile path every CPU runs
-// (cpu_attention/src/int8_scan_kernels.h; TANDEM_INT8_KERNELS forces one).
-// Sets the variable for the scope and restores "unset" after.
-class ScopedInt8Kernels {
- public:
-  explicit ScopedInt8Kernels(const char* variant) { setenv("TANDEM_INT8_KERNELS", variant, 1); }
-  ~ScopedInt8Kernels() { unsetenv("TANDEM_INT8_KERNELS"); }
-  ScopedInt8Kernels(const ScopedInt8Kernels&) = delete;
-  ScopedInt8Kernels& operator=(const ScopedInt8Kernels&) = delete;
-};
+// (cpu_attention/src/row_scan_kernels.h; TANDEM_CPU_ISA forces one).
+using ScopedInt8Kernels = tandem::testing::ScopedCpuIsa;
 constexpr const char* kInt8Variants[] = {"", "avx2", "portable"};
 
 TEST_P(Int8KernelTest, MawPathMatchesReferences) {
@@ -331,7 +325,7 @@ TEST_P(Int8KernelTest, MawPathMatchesReferences) {
     problems.push_back(hp);
   }
   for (const char* variant : kInt8Variants) {
-    SCOPED_TRACE(absl::StrCat("TANDEM_INT8_KERNELS='", variant, "'"));
+    SCOPED_TRACE(absl::StrCat("TANDEM_CPU_ISA='", variant, "'"));
     ScopedInt8Kernels kernels(variant);
     std::fill(c.o.begin(), c.o.end(), 12345.0f);
     std::fill(c.lse.begin(), c.lse.end(), 12345.0f);
@@ -375,7 +369,7 @@ TEST_P(Int8KernelTest, PagePathMatchesReferences) {
   p.head_dim = D;
   p.group = G;
   for (const char* variant : kInt8Variants) {
-    SCOPED_TRACE(absl::StrCat("TANDEM_INT8_KERNELS='", variant, "'"));
+    SCOPED_TRACE(absl::StrCat("TANDEM_CPU_ISA='", variant, "'"));
     ScopedInt8Kernels kernels(variant);
     std::fill(c.o.begin(), c.o.end(), 12345.0f);
     std::fill(c.lse.begin(), c.lse.end(), 12345.0f);
@@ -450,7 +444,7 @@ void CheckInt8Salience(uint32_t D, uint32_t G, uint32_t T) {
   p.dtype = KvDType::kF32;
   ASSERT_TRUE(ComputeSalience(p, *(*f32_session)->shard(0, 0), q.data(), a32).ok());
   for (const char* variant : kInt8Variants) {
-    SCOPED_TRACE(absl::StrCat("TANDEM_INT8_KERNELS='", variant, "'"));
+    SCOPED_TRACE(absl::StrCat("TANDEM_CPU_ISA='", variant, "'"));
     ScopedInt8Kernels kernels(variant);
     std::vector<float> a8(n, -1.0f);
     p.dtype = KvDType::kInt8;

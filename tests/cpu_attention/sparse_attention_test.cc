@@ -22,6 +22,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
+#include "scoped_cpu_isa.h"
+#include "tandem/cpu_attention/kernel_self_check.h"
 #include "tandem/cpu_attention/reference_attention.h"
 #include "tandem/cpu_attention/thread_pool.h"
 
@@ -299,23 +301,35 @@ TEST(SparseAttention, ConcurrentCallersShareThePool) {
   }
 }
 
-// Every softmax kernel variant this CPU runs (the library picks the fastest; the environment
-// variable TANDEM_SOFTMAX_KERNELS forces one) gives results within the same tolerance.
-TEST(SparseAttention, SoftmaxKernelVariants) {
+// Every kernel variant this CPU runs (the library picks the fastest; TANDEM_CPU_ISA forces a
+// lesser set: "portable" and "avx2" take the register-widening scan for bf16 KV, as an AVX2-only
+// CPU does, and the portable softmax) gives results within the same tolerance.
+TEST(SparseAttention, KernelVariants) {
   ThreadPool pool(2);
-  for (const char* variant : {"portable", "avx512", ""}) {
-    setenv("TANDEM_SOFTMAX_KERNELS", variant, 1);
+  for (const char* variant : {"portable", "avx2", "avx512", ""}) {
+    tandem::testing::ScopedCpuIsa isa(variant);
     for (KvDType dtype : {KvDType::kBf16, KvDType::kF32}) {
       for (uint32_t G : {1u, 3u, 8u}) {
-        Problem pr(128, G, 2, dtype, {1, 15, 16, 17, 700, 4099}, 40 + G);
-        auto heads = pr.Heads();
-        ASSERT_TRUE(SparseAttention(pr.Params(1024), heads, pool).ok());
-        SCOPED_TRACE(absl::StrCat("kernels=", variant, " G=", G));
-        pr.Check(OTol(dtype));
+        for (uint32_t T : {1u, 5u}) {
+          Problem pr(128, G, T, dtype, {1, 15, 16, 17, 700, 4099}, 40 + G + T);
+          auto heads = pr.Heads();
+          ASSERT_TRUE(SparseAttention(pr.Params(1024), heads, pool).ok());
+          SCOPED_TRACE(absl::StrCat("TANDEM_CPU_ISA=", variant, " G=", G, " T=", T));
+          pr.Check(OTol(dtype));
+        }
       }
     }
   }
-  unsetenv("TANDEM_SOFTMAX_KERNELS");
+}
+
+// The node's start-up check passes on every path this CPU runs.
+TEST(KernelSelfCheck, PassesOnEveryPath) {
+  ThreadPool pool(2);
+  for (const char* variant : {"portable", "avx2", ""}) {
+    tandem::testing::ScopedCpuIsa isa(variant);
+    const absl::Status status = CheckAttentionKernels(pool);
+    EXPECT_TRUE(status.ok()) << "TANDEM_CPU_ISA=" << variant << ": " << status;
+  }
 }
 
 TEST(SparseAttention, AllHeadsEmpty) {

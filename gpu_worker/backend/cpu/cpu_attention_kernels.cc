@@ -8,9 +8,10 @@
 #include <limits>
 #include <numbers>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cpu_dnnl.h"
 #include "cpu_vector_kernels.h"
+#include "tandem/common/dnnl_call.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/merge_state.h"
 
@@ -133,7 +134,8 @@ absl::Status TileScores(const Plan& plan, const WindowAttentionParams& p, const 
                         TileKind kind, const float* qs, const float* k, int64_t s0, int64_t ns,
                         float* scores) {
   const int64_t M = unit.nt * plan.G;
-  TANDEM_CPU_DNNL_STATUS(
+  TANDEM_DNNL_STATUS(
+      absl::StrCat("window attention scores [", M, ", ", plan.D, "] x [", plan.D, ", ", ns, "]"),
       dnnl_sgemm('N', 'T', M, ns, plan.D, 1.0f, qs, plan.D, k, plan.D, 0.0f, scores, ns));
   if (kind == TileKind::kMasked) {
     for (int64_t r = 0; r < M; ++r) {
@@ -195,7 +197,9 @@ absl::Status AttentionUnit(const Plan& plan, const WindowAttentionParams& p, con
       row_m[r] = m_new;
       if (alpha != 1.0f) ScaleRow(acc + r * D, D, alpha);
     }
-    TANDEM_CPU_DNNL_STATUS(dnnl_sgemm('N', 'N', M, D, ns, 1.0f, scores, ns, v, D, 1.0f, acc, D));
+    TANDEM_DNNL_STATUS(
+        absl::StrCat("window attention P·V [", M, ", ", ns, "] x [", ns, ", ", D, "]"),
+        dnnl_sgemm('N', 'N', M, D, ns, 1.0f, scores, ns, v, D, 1.0f, acc, D));
   }
 
   for (int64_t r = 0; r < M; ++r) {

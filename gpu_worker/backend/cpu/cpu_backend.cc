@@ -26,6 +26,7 @@
 #include "tandem/common/bf16.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/cpu_attention/merge_state.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/random_values.h"
@@ -78,7 +79,9 @@ absl::Status CheckSlot(const char* op, int slot) {
 class CpuBackend final : public Backend {
  public:
   CpuBackend(unsigned threads, std::unique_ptr<cpu::CpuMatmul> matmul)
-      : description_(absl::StrCat("cpu: ", threads, " threads, ", CpuModelName())),
+      : description_(absl::StrCat("cpu: ", threads, " threads, ", CpuModelName(), "; ",
+                                  CpuIsaSummary(), "; bf16 weights: ",
+                                  cpu::CpuMatmul::Bf16PathName())),
         counters_(std::make_shared<MemoryCounters>()),
         matmul_(std::move(matmul)),
         attention_(static_cast<int>(threads)),
@@ -270,6 +273,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(unsigned threads,
   if (threads == 0) threads = UsableCores();
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<cpu::CpuMatmul> matmul,
                           cpu::CpuMatmul::Create(static_cast<int>(threads)));
+  TANDEM_RETURN_IF_ERROR(matmul->SelfCheck());
   return std::unique_ptr<Backend>(new CpuBackend(threads, std::move(matmul)));
 }
 

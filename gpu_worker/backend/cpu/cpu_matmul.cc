@@ -1,13 +1,18 @@
 #include "cpu_matmul.h"
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 #include <functional>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "cpu_dnnl.h"
 #include "cpu_vector_kernels.h"
+#include "tandem/common/bf16.h"
+#include "tandem/common/dnnl_call.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 
 namespace tandem::gpu_worker::cpu {
 namespace {
@@ -18,7 +23,81 @@ using dt = dnnl::memory::data_type;
 // than it saves, and much more on a loaded host where a descheduled thread stalls the team.
 constexpr double kParallelFlops = 4e6;
 
+std::string DescribeKey(int64_t m, int64_t n, int64_t k, bool bf16) {
+  const char* type = bf16 ? "bf16" : "f32";
+  return absl::StrCat("MatMul [", m, ", ", k, "] ", type, " x [", k, ", ", n, "] ", type,
+                      " -> f32");
+}
+
 }  // namespace
+
+bool CpuMatmul::Bf16OnOneDnn() {
+  return ActiveCpuIsa() == CpuIsa::kAvx512 && OneDnnHasBf16Matmul();
+}
+
+std::string CpuMatmul::Bf16PathName() {
+  return Bf16OnOneDnn() ? "oneDNN bf16"
+                        : "widened f32 panels (oneDNN has no bf16 matmul for this CPU's kernels)";
+}
+
+absl::Status CpuMatmul::SelfCheck() {
+  constexpr int64_t m = 5, n = 40, k = 72;
+  std::vector<float> x(m * k), w32(n * k), bias(n), y0(m * n);
+  for (int64_t i = 0; i < m * k; ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+  for (int64_t i = 0; i < n * k; ++i) w32[i] = std::cos(0.11f * static_cast<float>(i));
+  for (int64_t i = 0; i < n; ++i) bias[i] = 0.01f * static_cast<float>(i);
+  for (int64_t i = 0; i < m * n; ++i) y0[i] = 0.5f;
+  for (const DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+    // The weights and inputs as the GEMM sees them (rounded to the weight dtype).
+    std::vector<uint16_t> w16(n * k);
+    std::vector<float> w_seen(n * k), x_seen(m * k);
+    for (int64_t i = 0; i < n * k; ++i) {
+      if (dtype == DType::kBF16) w16[i] = FloatToBf16(w32[i]);
+      if (dtype == DType::kF16) w16[i] = FloatToF16(w32[i]);
+      w_seen[i] = dtype == DType::kBF16  ? Bf16ToFloat(w16[i])
+                  : dtype == DType::kF16 ? F16ToFloat(w16[i])
+                                         : w32[i];
+    }
+    for (int64_t i = 0; i < m * k; ++i) {
+      x_seen[i] = dtype == DType::kBF16  ? Bf16ToFloat(FloatToBf16(x[i]))
+                  : dtype == DType::kF16 ? F16ToFloat(FloatToF16(x[i]))
+                                         : x[i];
+    }
+    std::vector<float> y = y0;
+    MatMulParams p;
+    p.x = x.data();
+    p.w = dtype == DType::kF32 ? static_cast<const void*>(w32.data()) : w16.data();
+    p.w_dtype = dtype;
+    p.bias = bias.data();
+    p.y = y.data();
+    p.m = m;
+    p.n = n;
+    p.k = k;
+    p.accumulate = true;
+    absl::Status status = Run(p);
+    double worst = 0.0;
+    for (int64_t r = 0; status.ok() && r < m; ++r) {
+      for (int64_t c = 0; c < n; ++c) {
+        double ref = y0[r * n + c] + bias[c];
+        for (int64_t i = 0; i < k; ++i) {
+          ref += static_cast<double>(x_seen[r * k + i]) * w_seen[c * k + i];
+        }
+        worst = std::max(worst, std::abs(ref - y[r * n + c]));
+      }
+    }
+    if (status.ok() && !(worst <= 1e-3)) {
+      status = absl::InternalError(
+          absl::StrCat("the result differs from the reference by ", worst, " (bound 1e-3)"));
+    }
+    if (!status.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the cpu backend's ", std::string(DTypeName(dtype)), " matmul does not run correctly on this CPU (",
+          CpuIsaSummary(), "; bf16 path: ", Bf16PathName(), "): ", status.message(),
+          ". Try TANDEM_CPU_ISA=avx2 or =portable, and report it with the output of lscpu"));
+    }
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateMatMul(const MatMulParams& p) {
   if (p.x == nullptr || p.w == nullptr || p.y == nullptr) {
@@ -56,13 +135,17 @@ size_t CpuMatmul::KeyHash::operator()(const Key& key) const {
 }
 
 CpuMatmul::CpuMatmul(dnnl::engine engine, dnnl::stream stream, int threads)
-    : engine_(std::move(engine)), stream_(std::move(stream)), threads_(threads) {}
+    : engine_(std::move(engine)),
+      stream_(std::move(stream)),
+      threads_(threads),
+      bf16_panels_(threads) {}
 
 absl::StatusOr<std::unique_ptr<CpuMatmul>> CpuMatmul::Create(int threads) {
   std::optional<dnnl::engine> engine;
   std::optional<dnnl::stream> stream;
-  TANDEM_CPU_DNNL_CALL(engine.emplace(dnnl::engine::kind::cpu, 0));
-  TANDEM_CPU_DNNL_CALL(stream.emplace(*engine));
+  TANDEM_DNNL_CALL("creating the oneDNN CPU engine and stream",
+                   engine.emplace(dnnl::engine::kind::cpu, 0);
+                   stream.emplace(*engine));
   return std::unique_ptr<CpuMatmul>(
       new CpuMatmul(std::move(*engine), std::move(*stream), std::max(1, threads)));
 }
@@ -75,7 +158,7 @@ absl::Status CpuMatmul::Lookup(const Key& key, Entry** entry) {
   }
   Entry e;
   e.key = key;
-  TANDEM_CPU_DNNL_CALL({
+  TANDEM_DNNL_CALL(absl::StrCat("creating the ", DescribeKey(key.m, key.n, key.k, key.bf16)), {
     const dt in_type = key.bf16 ? dt::bf16 : dt::f32;
     const dnnl::memory::desc src_md({key.m, key.k}, in_type, {key.k, 1});
     const dnnl::memory::desc wei_md({key.k, key.n}, in_type, {1, key.k});  // wᵀ view of [n, k]
@@ -111,6 +194,7 @@ absl::Status CpuMatmul::Lookup(const Key& key, Entry** entry) {
 }
 
 absl::Status CpuMatmul::Run(const MatMulParams& p) {
+  if (p.w_dtype == DType::kBF16 && !Bf16OnOneDnn()) return RunBf16Panels(p);
   if (p.m > kRowGranule && p.m % kRowGranule != 0) {
     MatMulParams head = p, tail = p;
     head.m = p.m - p.m % kRowGranule;
@@ -121,6 +205,18 @@ absl::Status CpuMatmul::Run(const MatMulParams& p) {
     return RunRows(tail);
   }
   return RunRows(p);
+}
+
+absl::Status CpuMatmul::RunBf16Panels(const MatMulParams& p) {
+  const size_t mk = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
+  // x rounded to bf16 but kept as f32, for the widened panels (cpu_bf16_panel_gemm.h).
+  float* xr = src_.Get<float>(mk);
+  if (xr == nullptr) return absl::ResourceExhaustedError("MatMul: out of memory for bf16 x");
+  RoundToBf16(p.x, xr, static_cast<int64_t>(mk));
+  const double flops =
+      2.0 * static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k);
+  return bf16_panels_.Run(xr, static_cast<const uint16_t*>(p.w), p.bias, p.y, p.m, p.n, p.k,
+                          p.accumulate, flops < kParallelFlops ? 1 : threads_);
 }
 
 absl::Status CpuMatmul::RunRows(const MatMulParams& p) {
@@ -161,7 +257,7 @@ absl::Status CpuMatmul::RunRows(const MatMulParams& p) {
   OmpThreadsScope omp_threads(key.threads);  // oneDNN sizes and runs its team from this
   Entry* e = nullptr;
   TANDEM_RETURN_IF_ERROR(Lookup(key, &e));
-  TANDEM_CPU_DNNL_CALL({
+  TANDEM_DNNL_CALL(absl::StrCat("running the ", DescribeKey(key.m, key.n, key.k, key.bf16)), {
     std::unordered_map<int, dnnl::memory> args;
     e->src.set_data_handle(const_cast<void*>(src));
     e->wei.set_data_handle(const_cast<void*>(wei));

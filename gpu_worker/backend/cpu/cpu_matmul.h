@@ -2,7 +2,9 @@
 // matmul primitives cached by shape.
 //
 // Numerics (backend.h): bf16 weights: x is rounded to bf16 and oneDNN multiplies bf16 · bf16
-// into f32 sums (AMX / AVX512_BF16 where present); f32 weights: f32 · f32; f16 weights: oneDNN
+// into f32 sums (AMX / AVX512_BF16 where present); where oneDNN has no bf16 matmul (CPUs without
+// AVX-512, or TANDEM_CPU_ISA below avx512) the same products run on widened weight panels
+// (cpu_bf16_panel_gemm.h); f32 weights: f32 · f32; f16 weights: oneDNN
 // 2.6 has no f16 matmul on CPUs, so x is rounded to f16 and both operands run as f32 (products of
 // two f16 values are exact in f32, so only the summation order differs from an f16 GEMM).
 //
@@ -18,10 +20,12 @@
 #include <list>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "cpu_bf16_panel_gemm.h"
 #include "cpu_scratch.h"
 #include "tandem/gpu_worker/backend.h"
 
@@ -43,11 +47,24 @@ class CpuMatmul {
   // Runs p (already validated by ValidateMatMul) and waits for it.
   absl::Status Run(const MatMulParams& p);
 
+  // A start-up check: small bf16, f16 and f32 products (with bias and accumulate) against a
+  // double-precision reference. FAILED_PRECONDITION saying which failed on this CPU and what to
+  // do, so a worker that cannot compute refuses to start instead of failing every request.
+  absl::Status SelfCheck();
+
   size_t cached() const { return lru_.size(); }
+
+  // Whether bf16 weights run on oneDNN's bf16 matmul (else on Bf16PanelGemm): AVX-512 active
+  // and oneDNN creates one. Start-up logs say which.
+  static bool Bf16OnOneDnn();
+  // "oneDNN bf16" or "f32 panels (...)": the bf16 path, for the backend's description.
+  static std::string Bf16PathName();
 
  private:
   // One primitive call over all p.m rows.
   absl::Status RunRows(const MatMulParams& p);
+  // bf16 weights where oneDNN has no bf16 matmul: all rows through bf16_panels_.
+  absl::Status RunBf16Panels(const MatMulParams& p);
   struct Key {
     int64_t m = 0, n = 0, k = 0;
     bool bf16 = false;  // bf16 src and weights; else f32
@@ -78,6 +95,7 @@ class CpuMatmul {
   ScratchBuffer src_;      // x converted: bf16 [m, k], or f16-rounded f32 [m, k]
   ScratchBuffer weights_;  // f16 weights as f32 [n, k]
   ScratchBuffer scratchpad_;
+  Bf16PanelGemm bf16_panels_;
 };
 
 // INVALID_ARGUMENT when p breaks the MatMulParams contract (null pointers, non-positive sizes,

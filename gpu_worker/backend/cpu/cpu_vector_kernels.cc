@@ -20,6 +20,17 @@ void Bf16ToF32(const uint16_t* src, float* dst, int64_t n) {
 }
 
 TANDEM_CPU_CLONES
+void RoundToBf16(const float* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = std::bit_cast<uint32_t>(src[i]);
+    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    dst[i] = std::bit_cast<float>(nan ? (u | 0x400000u) & 0xffff0000u : rounded);
+  }
+}
+
+TANDEM_CPU_CLONES
 void F32ToBf16(const float* src, uint16_t* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {

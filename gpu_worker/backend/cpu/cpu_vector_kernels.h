@@ -47,6 +47,8 @@ inline uint16_t FloatToF16(float f) {
 void Bf16ToF32(const uint16_t* src, float* dst, int64_t n);
 // dst[i] = bf16(src[i]), round to nearest even (NaN stays NaN), as tandem::FloatToBf16.
 void F32ToBf16(const float* src, uint16_t* dst, int64_t n);
+// dst[i] = float(bf16(src[i])): the value F32ToBf16 then Bf16ToF32 give, in one pass.
+void RoundToBf16(const float* src, float* dst, int64_t n);
 
 // max_i x[i] (-inf for n = 0).
 float RowMax(const float* x, int64_t n);

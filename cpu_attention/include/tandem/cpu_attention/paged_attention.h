@@ -20,7 +20,7 @@
 // x86-64 and picked at run time, because oneDNN primitive calls per 16-row page cost more than
 // the scan; the rows ahead are prefetched (short scattered runs defeat the hardware prefetcher).
 // int8 rows on AVX-512 CPUs go through hand-written kernels that widen the codes in registers
-// (src/int8_scan_kernels.h); SparseAttention routes its few-row int8 problems here too.
+// (src/row_scan_kernels.h); SparseAttention routes its few-row int8 problems here too.
 #pragma once
 
 #include <cstddef>

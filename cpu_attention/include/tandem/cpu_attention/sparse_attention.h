@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <span>
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/kv_store/block_format.h"
@@ -55,5 +57,10 @@ struct AttentionParams {
 // (naming the oneDNN call) if oneDNN fails. Thread-safe; uses `pool` for the tasks.
 absl::Status SparseAttention(const AttentionParams& params, std::span<const HeadProblem> heads,
                              ThreadPool& pool);
+
+// What bf16 KV runs on under the active instruction set: "oneDNN bf16 matmuls" (AVX-512 where
+// oneDNN 2.6 has them) or "register-widening scan (<set>)" (AVX2-only CPUs, TANDEM_CPU_ISA below
+// avx512). For start-up logs.
+std::string Bf16AttentionPath();
 
 }  // namespace tandem::cpu_attention

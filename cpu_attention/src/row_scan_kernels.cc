@@ -1,8 +1,10 @@
-#include "int8_scan_kernels.h"
+#include "row_scan_kernels.h"
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+
+#include "tandem/cpu_isa/cpu_isa.h"
 
 // GCC and clang (the sanitizer builds) alike: the kernels carry their own target attribute.
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -39,6 +41,14 @@ TANDEM_INT8_INLINE __m512 Widen16(const int8_t* p) {
 TANDEM_INT8_INLINE __m512 Widen16(const int8_t* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
+// 16 bf16 values (raw bits) at p as f32 lanes: the bits shifted into the high half (exact).
+TANDEM_INT8_INLINE __m512 Widen16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+TANDEM_INT8_INLINE __m512 Widen16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 
 // [Σ a0, Σ a1, Σ a2, Σ a3]: one reduction tree for four rows (13 instructions, against ~8 per
 // row for separate horizontal sums).
@@ -53,8 +63,8 @@ TANDEM_INT8_INLINE __m128 Reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 }
 
 // Dot products of NR query rows (q + i * d) with one row of d codes; out[i] = the sums.
-template <int NR>
-TANDEM_INT8_INLINE void DotCodes(const float* q, size_t d, const int8_t* k, float* out) {
+template <int NR, typename Code>
+TANDEM_INT8_INLINE void DotCodes(const float* q, size_t d, const Code* k, float* out) {
   __m512 acc[NR];
   for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
   size_t x = 0;
@@ -80,13 +90,13 @@ TANDEM_INT8_INLINE void DotCodes(const float* q, size_t d, const int8_t* k, floa
 // The same for four rows and NK code rows k[0..NK) at once: 4 * NK independent FMA chains (one
 // key's 4 chains of d / 16 dependent FMAs leave the FMA units waiting on their latency).
 // out[j]: the four sums of key j.
-template <int NK>
+template <int NK, typename Code>
 TANDEM_INT8_INLINE void DotCodes4xK(const float* q, size_t d, const std::byte* const* k,
                                     __m128* out) {
   __m512 a[NK][4];
-  const int8_t* kr[NK];
+  const Code* kr[NK];
   for (int j = 0; j < NK; ++j) {
-    kr[j] = reinterpret_cast<const int8_t*>(k[j]);
+    kr[j] = reinterpret_cast<const Code*>(k[j]);
     for (int i = 0; i < 4; ++i) a[j][i] = _mm512_setzero_ps();
   }
   size_t x = 0;
@@ -112,7 +122,7 @@ TANDEM_INT8_INLINE void DotCodes4xK(const float* q, size_t d, const std::byte* c
 // Columns [x, x + 16 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows; the last
 // vector covers the lanes of `last` only. NOTE: NR x NV <= 16 accumulators stay in registers
 // over all n keys (an axpy per key would store and reload them).
-template <int NR, int NV>
+template <int NR, int NV, typename Code>
 TANDEM_INT8_INLINE void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
                                         size_t n, size_t d, size_t x, __mmask16 last, float* acc) {
   __m512 a[NR][NV];
@@ -122,7 +132,7 @@ TANDEM_INT8_INLINE void AccumulateSlice(const float* p, size_t ld, const std::by
     }
   }
   for (size_t c = 0; c < n; ++c) {
-    const int8_t* row = reinterpret_cast<const int8_t*>(v[c]) + x;
+    const Code* row = reinterpret_cast<const Code*>(v[c]) + x;
     __m512 w[NV];
     for (int j = 0; j < NV - 1; ++j) w[j] = Widen16(row + 16 * j);
     w[NV - 1] = Widen16(row + 16 * (NV - 1), last);
@@ -139,7 +149,7 @@ TANDEM_INT8_INLINE void AccumulateSlice(const float* p, size_t ld, const std::by
 }
 
 // All columns of NR rows: slices of up to 4 vectors (64 columns), the last one maybe shorter.
-template <int NR>
+template <int NR, typename Code>
 TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byte* const* v,
                                        size_t n, size_t d, float* acc) {
   for (size_t x = 0; x < d; x += 64) {
@@ -148,16 +158,16 @@ TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byt
     const __mmask16 last = cols % 16 == 0 ? 0xffff : 0x00ff;
     switch (nv) {
       case 1:
-        AccumulateSlice<NR, 1>(p, ld, v, n, d, x, last, acc);
+        AccumulateSlice<NR, 1, Code>(p, ld, v, n, d, x, last, acc);
         break;
       case 2:
-        AccumulateSlice<NR, 2>(p, ld, v, n, d, x, last, acc);
+        AccumulateSlice<NR, 2, Code>(p, ld, v, n, d, x, last, acc);
         break;
       case 3:
-        AccumulateSlice<NR, 3>(p, ld, v, n, d, x, last, acc);
+        AccumulateSlice<NR, 3, Code>(p, ld, v, n, d, x, last, acc);
         break;
       default:
-        AccumulateSlice<NR, 4>(p, ld, v, n, d, x, last, acc);
+        AccumulateSlice<NR, 4, Code>(p, ld, v, n, d, x, last, acc);
         break;
     }
   }
@@ -165,9 +175,16 @@ TANDEM_INT8_INLINE void AccumulateRows(const float* p, size_t ld, const std::byt
 
 }  // namespace
 
-#define TANDEM_INT8_TARGET TANDEM_INT8_AVX512
-#include "int8_scan_drivers.inc"
-#undef TANDEM_INT8_TARGET
+#define TANDEM_SCAN_TARGET TANDEM_INT8_AVX512
+namespace int8 {
+using Code = int8_t;
+#include "row_scan_drivers.inc"
+}  // namespace int8
+namespace bf16 {
+using Code = uint16_t;
+#include "row_scan_drivers.inc"
+}  // namespace bf16
+#undef TANDEM_SCAN_TARGET
 
 }  // namespace avx512
 
@@ -185,6 +202,11 @@ TANDEM_INT8_INLINE2 __m256 Widen8(const int8_t* p) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
+// 8 bf16 values (raw bits) at p as f32 lanes (reads exactly 16 bytes).
+TANDEM_INT8_INLINE2 __m256 Widen8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 
 // [Σ a0, Σ a1, Σ a2, Σ a3] (hadd as in avx512::Reduce4).
 TANDEM_INT8_INLINE2 __m128 Reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -199,8 +221,8 @@ TANDEM_INT8_INLINE2 float HSum(__m256 a) {
   return _mm_cvtss_f32(x);
 }
 
-template <int NR>
-TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const int8_t* k, float* out) {
+template <int NR, typename Code>
+TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const Code* k, float* out) {
   __m256 acc[NR];
   for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
   for (size_t x = 0; x < d; x += 8) {
@@ -216,13 +238,13 @@ TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const int8_t* k, flo
   }
 }
 
-template <int NK>
+template <int NK, typename Code>
 TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* const* k,
                                      __m128* out) {
   __m256 a[NK][4];
-  const int8_t* kr[NK];
+  const Code* kr[NK];
   for (int j = 0; j < NK; ++j) {
-    kr[j] = reinterpret_cast<const int8_t*>(k[j]);
+    kr[j] = reinterpret_cast<const Code*>(k[j]);
     for (int i = 0; i < 4; ++i) a[j][i] = _mm256_setzero_ps();
   }
   for (size_t x = 0; x < d; x += 8) {
@@ -237,7 +259,7 @@ TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* 
 }
 
 // Columns [x, x + 8 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows.
-template <int NR, int NV>
+template <int NR, int NV, typename Code>
 TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
                                          size_t n, size_t d, size_t x, float* acc) {
   __m256 a[NR][NV];
@@ -245,7 +267,7 @@ TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::b
     for (int j = 0; j < NV; ++j) a[i][j] = _mm256_loadu_ps(acc + i * d + x + 8 * j);
   }
   for (size_t c = 0; c < n; ++c) {
-    const int8_t* row = reinterpret_cast<const int8_t*>(v[c]) + x;
+    const Code* row = reinterpret_cast<const Code*>(v[c]) + x;
     __m256 w[NV];
     for (int j = 0; j < NV; ++j) w[j] = Widen8(row + 8 * j);
     for (int i = 0; i < NR; ++i) {
@@ -258,45 +280,62 @@ TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::b
   }
 }
 
-template <int NR>
+template <int NR, typename Code>
 TANDEM_INT8_INLINE2 void AccumulateRows(const float* p, size_t ld, const std::byte* const* v,
                                         size_t n, size_t d, float* acc) {
   size_t x = 0;
-  for (; x + 16 <= d; x += 16) AccumulateSlice<NR, 2>(p, ld, v, n, d, x, acc);
-  if (x < d) AccumulateSlice<NR, 1>(p, ld, v, n, d, x, acc);
+  for (; x + 16 <= d; x += 16) AccumulateSlice<NR, 2, Code>(p, ld, v, n, d, x, acc);
+  if (x < d) AccumulateSlice<NR, 1, Code>(p, ld, v, n, d, x, acc);
 }
 
 }  // namespace
 
-#define TANDEM_INT8_TARGET TANDEM_INT8_AVX2
-#include "int8_scan_drivers.inc"
-#undef TANDEM_INT8_TARGET
+#define TANDEM_SCAN_TARGET TANDEM_INT8_AVX2
+namespace int8 {
+using Code = int8_t;
+#include "row_scan_drivers.inc"
+}  // namespace int8
+namespace bf16 {
+using Code = uint16_t;
+#include "row_scan_drivers.inc"
+}  // namespace bf16
+#undef TANDEM_SCAN_TARGET
 
 }  // namespace avx2
 
-const Int8ScanKernels* GetInt8ScanKernels() {
-  static const Int8ScanKernels kAvx512{avx512::Scores, avx512::Accumulate, "avx512"};
-  static const Int8ScanKernels kAvx2{avx2::Scores, avx2::Accumulate, "avx2"};
-  static const Int8ScanKernels* const best = []() -> const Int8ScanKernels* {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+const RowScanKernels* GetInt8ScanKernels() {
+  static const RowScanKernels kAvx512{avx512::int8::Scores, avx512::int8::Accumulate, "avx512"};
+  static const RowScanKernels kAvx2{avx2::int8::Scores, avx2::int8::Accumulate, "avx2"};
+  switch (ActiveCpuIsa()) {
+    case CpuIsa::kAvx512:
       return &kAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &kAvx2;
-    return nullptr;
-  }();
-  const char* force = std::getenv("TANDEM_INT8_KERNELS");
-  if (force == nullptr || best == nullptr) return best;
-  if (std::strcmp(force, "portable") == 0) return nullptr;
-  if (std::strcmp(force, "avx2") == 0) return &kAvx2;  // every AVX-512 CPU has AVX2 and FMA
-  return best;
+    case CpuIsa::kAvx2:
+      return &kAvx2;
+    case CpuIsa::kPortable:
+      break;
+  }
+  return nullptr;
+}
+
+const RowScanKernels* GetBf16ScanKernels() {
+  static const RowScanKernels kAvx512{avx512::bf16::Scores, avx512::bf16::Accumulate, "avx512"};
+  static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate, "avx2"};
+  switch (ActiveCpuIsa()) {
+    case CpuIsa::kAvx512:
+      return &kAvx512;
+    case CpuIsa::kAvx2:
+      return &kAvx2;
+    case CpuIsa::kPortable:
+      break;
+  }
+  return nullptr;
 }
 
 #pragma GCC diagnostic pop
 #else  // not x86-64 GCC or clang: the portable path only
 
-const Int8ScanKernels* GetInt8ScanKernels() { return nullptr; }
+const RowScanKernels* GetInt8ScanKernels() { return nullptr; }
+const RowScanKernels* GetBf16ScanKernels() { return nullptr; }
 
 #endif
 
