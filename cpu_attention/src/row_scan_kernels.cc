@@ -303,32 +303,33 @@ using Code = uint16_t;
 
 }  // namespace avx2
 
-const RowScanKernels* GetInt8ScanKernels() {
-  static const RowScanKernels kAvx512{avx512::int8::Scores, avx512::int8::Accumulate, "avx512"};
-  static const RowScanKernels kAvx2{avx2::int8::Scores, avx2::int8::Accumulate, "avx2"};
+namespace {
+
+// The kernels of ActiveCpuIsa(): one of a row type's two sets, or the portable path (nullptr).
+const RowScanKernels* ForActiveIsa(const RowScanKernels& avx512, const RowScanKernels& avx2) {
   switch (ActiveCpuIsa()) {
     case CpuIsa::kAvx512:
-      return &kAvx512;
+      return &avx512;
     case CpuIsa::kAvx2:
-      return &kAvx2;
+      return &avx2;
     case CpuIsa::kPortable:
       break;
   }
   return nullptr;
 }
 
+}  // namespace
+
+const RowScanKernels* GetInt8ScanKernels() {
+  static const RowScanKernels kAvx512{avx512::int8::Scores, avx512::int8::Accumulate, "avx512"};
+  static const RowScanKernels kAvx2{avx2::int8::Scores, avx2::int8::Accumulate, "avx2"};
+  return ForActiveIsa(kAvx512, kAvx2);
+}
+
 const RowScanKernels* GetBf16ScanKernels() {
   static const RowScanKernels kAvx512{avx512::bf16::Scores, avx512::bf16::Accumulate, "avx512"};
   static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate, "avx2"};
-  switch (ActiveCpuIsa()) {
-    case CpuIsa::kAvx512:
-      return &kAvx512;
-    case CpuIsa::kAvx2:
-      return &kAvx2;
-    case CpuIsa::kPortable:
-      break;
-  }
-  return nullptr;
+  return ForActiveIsa(kAvx512, kAvx2);
 }
 
 #pragma GCC diagnostic pop
