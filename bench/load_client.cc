@@ -171,7 +171,13 @@ RequestRecord LoadPhase::Send(v1::Generation::Stub& stub, size_t thread, uint64_
       workload_.prompt_lengths->Sample(rng, std::max<int64_t>(target_.max_context - output, 1));
   v1::GenerateRequest request = target_.request_template;
   const std::vector<int32_t> ids = workload_.prompts->Make(index, prompt, rng);
-  request.mutable_prompt_ids()->mutable_ids()->Assign(ids.begin(), ids.end());
+  auto* prompt_ids = request.mutable_prompt_ids()->mutable_ids();
+  if (workload_.shared_prefixes != nullptr && !workload_.shared_prefixes->empty()) {
+    const std::vector<int32_t>& prefix =
+        (*workload_.shared_prefixes)[index % workload_.shared_prefixes->size()];
+    prompt_ids->Assign(prefix.begin(), prefix.end());
+  }
+  prompt_ids->Add(ids.begin(), ids.end());
   request.set_max_tokens(output);
 
   RequestRecord record;
@@ -207,6 +213,7 @@ RequestRecord LoadPhase::Send(v1::Generation::Stub& stub, size_t thread, uint64_
       ++record.output_tokens;
     } else if (message.has_final()) {
       got_final = true;
+      record.cached_tokens = message.final().usage().cached_tokens();
       if (message.final().usage().prompt_tokens() > 0) {
         record.prompt_tokens = message.final().usage().prompt_tokens();
       }

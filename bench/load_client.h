@@ -57,6 +57,10 @@ struct LoadWorkload {
   const LengthSampler* prompt_lengths = nullptr;
   const LengthSampler* output_lengths = nullptr;
   uint64_t seed = 0;  // request i's lengths and prompt come from RequestSeed(seed, i)
+  // Documents prompts start with (none: null or empty): request i sends document
+  // i mod their count, then its own prompt_lengths ids. The worker's prefix cache can serve a
+  // document after its first request.
+  const std::vector<std::vector<int32_t>>* shared_prefixes = nullptr;
 };
 
 // One phase of a run (the warmup or the measured requests): `threads` client threads, each with

@@ -70,6 +70,12 @@ ABSL_FLAG(double, output_spread, 0, "output length spread, as --prompt_spread");
 ABSL_FLAG(std::string, prompt_source, "random",
           "random (ids in [1, vocab)) or a UTF-8 text file whose tokens are sliced into prompts");
 ABSL_FLAG(uint64_t, load_seed, 0, "seed of lengths, random prompts and arrival times");
+ABSL_FLAG(int64_t, shared_prefix_tokens, 0,
+          "length of the documents prompts start with (request i: document i mod "
+          "--shared_prefixes, then its own --prompt_tokens; the same documents in every run "
+          "with the same --shared_prefix_seed): the prefix cache's workload; 0 = none");
+ABSL_FLAG(int64_t, shared_prefixes, 1, "number of --shared_prefix_tokens documents (1..1024)");
+ABSL_FLAG(uint64_t, shared_prefix_seed, 0, "seed of the documents' ids");
 ABSL_FLAG(bool, ignore_eos, true, "request field: generate past EOS (exact output lengths)");
 ABSL_FLAG(std::string, mode, "", "request field: gpu or hybrid; empty = the worker's default");
 ABSL_FLAG(std::optional<double>, beta, std::nullopt, "request field: hybrid beta");
@@ -284,8 +290,28 @@ int main(int argc, char** argv) {
     prompts = tb::PromptSource::Corpus(std::move(*ids));
   }
   if (!prompts.ok()) return Fail(prompts.status(), 1);
+  const int64_t shared_prefix_tokens = absl::GetFlag(FLAGS_shared_prefix_tokens);
+  if (shared_prefix_tokens < 0 ||
+      shared_prefix_tokens + settings->prompt.mean + settings->output.mean > target.max_context) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+                    "--shared_prefix_tokens ", shared_prefix_tokens,
+                    " must be >= 0 and leave room for --prompt_tokens + --output_tokens in the "
+                    "model's context (", target.max_context, ")")),
+                2);
+  }
+  const int64_t documents = absl::GetFlag(FLAGS_shared_prefixes);
+  if (documents < 1 || documents > 1024) {
+    return Fail(absl::InvalidArgumentError("--shared_prefixes must be in 1..1024"), 2);
+  }
+  std::mt19937_64 prefix_rng(absl::GetFlag(FLAGS_shared_prefix_seed));
+  std::vector<std::vector<int32_t>> shared_prefixes;
+  for (int64_t d = 0; d < documents && shared_prefix_tokens > 0; ++d) {
+    // Corpus prompts: documents are slices far from the requests' own ones.
+    shared_prefixes.push_back(prompts->Make(static_cast<uint64_t>(kMaxRequests + 1 + d),
+                                            shared_prefix_tokens, prefix_rng));
+  }
   const tb::LoadWorkload workload{&*prompts, &*prompt_lengths, &*output_lengths,
-                                  absl::GetFlag(FLAGS_load_seed)};
+                                  absl::GetFlag(FLAGS_load_seed), &shared_prefixes};
 
   const bool open_loop = settings->request_rate > 0;
   const std::string loop =

@@ -98,6 +98,7 @@ void LoadCollector::Add(const RequestRecord& r) {
   }
   ++ok_;
   input_tokens_ += r.prompt_tokens;
+  cached_tokens_ += r.cached_tokens;
   output_tokens_ += r.output_tokens;
   e2e_.Add(r.end_s - r.send_s);
   if (r.first_token_s >= 0) ttft_.Add(r.first_token_s - r.send_s);
@@ -128,6 +129,7 @@ LoadCollector::Report LoadCollector::Finish() const {
   r.error_sample = error_sample_;
   r.duration_s = any_ ? last_end_s_ - first_send_s_ : 0;
   r.input_tokens = input_tokens_;
+  r.cached_tokens = cached_tokens_;
   r.output_tokens = output_tokens_;
   if (r.duration_s > 0) {
     r.request_throughput = static_cast<double>(ok_) / r.duration_s;
@@ -182,6 +184,7 @@ nlohmann::ordered_json ReportJson(const LoadCollector::Report& r,
   j["error_samples"] = r.error_sample;
   j["duration"] = r.duration_s;
   j["total_input_tokens"] = r.input_tokens;
+  j["total_cached_tokens"] = r.cached_tokens;
   j["total_output_tokens"] = r.output_tokens;
   j["request_throughput"] = r.request_throughput;
   j["input_throughput"] = r.input_tok_s;
@@ -233,6 +236,7 @@ std::string ReportTable(const LoadCollector::Report& r) {
   }
   line("Benchmark duration (s):", num(r.duration_s, 2));
   line("Total input tokens:", absl::StrCat(r.input_tokens));
+  line("Cached input tokens:", absl::StrCat(r.cached_tokens));
   line("Total generated tokens:", absl::StrCat(r.output_tokens));
   line("Request throughput (req/s):", num(r.request_throughput, 2));
   line("Input token throughput (tok/s):", num(r.input_tok_s, 2));

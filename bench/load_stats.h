@@ -54,6 +54,7 @@ struct RequestRecord {
   double first_token_s = -1;  // first `token` message received; -1 when none came
   double end_s = 0;           // the stream's status received
   int64_t prompt_tokens = 0;  // ids sent
+  int64_t cached_tokens = 0;  // of those, served by the worker's prefix cache (usage)
   int64_t output_tokens = 0;  // `token` messages received
   int code = 0;               // grpc::StatusCode; 0 = OK with a `final` message
   std::string message;        // the error's message
@@ -72,6 +73,7 @@ class LoadCollector {
     std::map<std::string, std::string> error_sample;  // status code name -> first message
     double duration_s = 0;          // first send -> last end over all recorded requests
     int64_t input_tokens = 0;       // prompt tokens of successful requests
+    int64_t cached_tokens = 0;      // of those, served by the prefix cache
     int64_t output_tokens = 0;      // tokens received by successful requests
     double request_throughput = 0;  // successful requests / duration
     double input_tok_s = 0, output_tok_s = 0, total_tok_s = 0;
@@ -92,7 +94,7 @@ class LoadCollector {
   std::map<std::string, std::string> error_sample_;
   double first_send_s_ = 0, last_end_s_ = 0;
   bool any_ = false;
-  int64_t input_tokens_ = 0, output_tokens_ = 0;
+  int64_t input_tokens_ = 0, output_tokens_ = 0, cached_tokens_ = 0;
   // TTFT: send -> first token; ITL: token gaps; TPOT: (end - first token) / (tokens - 1) per
   // request with >= 2 tokens; E2E: send -> end; queue: due -> sent (open loop).
   LatencyStats ttft_, itl_, tpot_, e2e_, queue_;

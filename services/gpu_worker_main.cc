@@ -75,7 +75,20 @@ ABSL_FLAG(int64_t, max_context, 0,
           "sliding window");
 ABSL_FLAG(std::string, kv_dtype, "auto", "KV dtype: auto (the weights' kind), bf16 or f32");
 ABSL_FLAG(int64_t, block_tokens, 16, "tokens per evicted KV block");
-ABSL_FLAG(uint32_t, max_sessions, 64, "sessions (kept and one-shot) held at most");
+ABSL_FLAG(uint32_t, max_sessions, 64,
+          "sessions (kept, one-shot and prefix-cached) held at most; cached ones are evicted "
+          "first");
+ABSL_FLAG(bool, prefix_cache, true,
+          "automatic prefix caching: a one-shot request's KV stays cached when it ends (LRU, "
+          "evicted under memory pressure) and a later request of the same scope whose prompt "
+          "starts with the same tokens prefills only the rest (usage.cached_tokens)");
+ABSL_FLAG(int64_t, prefix_cache_min_tokens, 16,
+          "fewest leading tokens a prompt must share with a cached one to reuse it");
+ABSL_FLAG(std::string, prefix_cache_scope, "principal",
+          "who shares cached prefixes: 'principal' (each caller's token or certificate, plus "
+          "the request's cache_salt) or 'shared' (every caller; cache_salt still separates). "
+          "A cache hit is faster, so a caller can tell from timing whether a prompt was cached "
+          "in its scope");
 ABSL_FLAG(int64_t, max_batch, 64,
           "requests decoded together in one step (continuous batching); <= step_tokens");
 ABSL_FLAG(int64_t, step_tokens, 0,
@@ -228,6 +241,17 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
   e.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   e.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  e.prefix_cache = absl::GetFlag(FLAGS_prefix_cache);
+  e.prefix_cache_min_tokens = absl::GetFlag(FLAGS_prefix_cache_min_tokens);
+  const std::string scope = absl::GetFlag(FLAGS_prefix_cache_scope);
+  if (scope != "principal" && scope != "shared") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--prefix_cache_scope must be 'principal' or 'shared', got '", scope, "'"));
+  }
+  e.prefix_cache_shared_scope = scope == "shared";
+  if (e.prefix_cache_min_tokens < 1) {
+    return absl::InvalidArgumentError("--prefix_cache_min_tokens must be >= 1");
+  }
   e.random_weights = absl::GetFlag(FLAGS_random_weights);
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   e.device_prefill = absl::GetFlag(FLAGS_device_prefill);

@@ -320,6 +320,12 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     prompt = std::move(*rendered);
   }
 
+  // The prefix cache's scope: every request reaches the worker as the gateway's one principal,
+  // so the API key's principal goes in front of the client's cache_salt.
+  if (const std::string principal = ApiKeyPrincipal(shared, req); !principal.empty()) {
+    r.generate.set_cache_salt(
+        absl::StrCat(principal.size(), ":", principal, "/", r.generate.cache_salt()));
+  }
   if (shared.owners != nullptr && !r.generate.session_id().empty()) {
     const absl::Status claimed =
         shared.owners->Claim(r.generate.session_id(), ApiKeyPrincipal(shared, req));
@@ -333,7 +339,14 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
                          " requests in flight (--max_concurrent_requests); retry later")),
                      res);
   }
-  absl::StatusOr<WorkerPool::Lease> lease = shared.pool->Acquire(r.generate.session_id());
+  // One-shot requests that start alike go where the last such one went (its prefix cache).
+  const std::string prefix_key =
+      r.generate.session_id().empty()
+          ? WorkerPool::PrefixKey(r.generate.cache_salt(),
+                                  prompt.has_value() ? prompt->text : r.generate.prompt_text())
+          : "";
+  absl::StatusOr<WorkerPool::Lease> lease =
+      shared.pool->Acquire(r.generate.session_id(), prefix_key);
   if (!lease.ok()) return SendError(shared, name, lease.status(), res);
   if (prompt.has_value()) {
     const absl::Status s = SetChatPrompt(*prompt, lease->continued_session(), lease->stub(),

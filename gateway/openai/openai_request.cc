@@ -16,6 +16,8 @@ using Json = nlohmann::ordered_json;
 
 // Largest max_tokens accepted here (the worker caps it again at its context).
 constexpr int64_t kMaxTokensLimit = 1 << 20;
+// The worker takes 256 bytes of salt; the gateway prefixes the API key's principal.
+constexpr size_t kMaxCacheSaltBytes = 128;
 // top_p 0 as the worker reads it: a mass no token falls below, so only the most probable one
 // is kept (the sampler always keeps it).
 constexpr float kSmallestTopP = 1e-30f;
@@ -234,6 +236,15 @@ absl::Status ReadCommon(Fields& f, OpenAiRequest* r) {
   if (dense_layers.has_value()) g.set_dense_layers(*dense_layers);
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> session_id, f.String("session_id"));
   if (session_id.has_value()) g.set_session_id(*session_id);
+  // vLLM's field: requests share cached prefixes only with the same salt (and API key).
+  TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> cache_salt, f.String("cache_salt"));
+  if (cache_salt.has_value()) {
+    if (cache_salt->size() > kMaxCacheSaltBytes) {
+      return InvalidField("cache_salt", absl::StrCat("cache_salt: ", cache_salt->size(),
+                                                     " bytes; at most ", kMaxCacheSaltBytes));
+    }
+    g.set_cache_salt(*cache_salt);
+  }
   TANDEM_ASSIGN_OR_RETURN(std::optional<bool> ignore_eos, f.Bool("ignore_eos"));
   g.set_ignore_eos(ignore_eos.value_or(false));
   TANDEM_ASSIGN_OR_RETURN(std::optional<int64_t> top_k, f.Int("top_k"));

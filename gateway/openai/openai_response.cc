@@ -48,9 +48,12 @@ std::string FinishReasonName(v1::FinishReason reason) {
 }
 
 Json UsageJson(const v1::Usage& usage) {
+  // prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (OpenAI's
+  // and vLLM's field).
   return {{"prompt_tokens", usage.prompt_tokens()},
           {"completion_tokens", usage.completion_tokens()},
-          {"total_tokens", usage.total_tokens()}};
+          {"total_tokens", usage.total_tokens()},
+          {"prompt_tokens_details", {{"cached_tokens", usage.cached_tokens()}}}};
 }
 
 ResponseBuilder::ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs,

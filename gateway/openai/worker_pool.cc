@@ -209,13 +209,35 @@ void WorkerPool::Remember(const std::string& session_id, size_t index) {
   }
 }
 
-absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session_id) {
+std::string WorkerPool::PrefixKey(const std::string& scope, const std::string& prompt) {
+  if (prompt.size() < kPrefixKeyBytes) return "";
+  // The sticky map's keys share one space with session ids, which never contain '\n'.
+  return absl::StrCat("\nprefix ", scope.size(), ":", scope, "\n",
+                      absl::string_view(prompt).substr(0, kPrefixKeyBytes));
+}
+
+absl::StatusOr<WorkerPool::Lease> WorkerPool::Acquire(const std::string& session_id,
+                                                      const std::string& prefix_key) {
   size_t index;
   bool continued = false;
   if (session_id.empty()) {
     const std::optional<size_t> best = LeastLoaded();
     if (!best.has_value()) return absl::UnavailableError("no GPU worker is serving");
     index = *best;
+    if (!prefix_key.empty()) {
+      std::lock_guard lock(sticky_mu_);
+      auto it = sticky_.find(prefix_key);
+      if (it != sticky_.end()) {
+        const Worker& last = *workers_[it->second.worker];
+        if (last.serving.load() && last.outstanding.load() <=
+                                       workers_[index]->outstanding.load() + kAffinitySlack) {
+          index = it->second.worker;
+        }
+        sticky_lru_.erase(it->second.lru);
+        sticky_.erase(it);
+      }
+      Remember(prefix_key, index);
+    }
   } else {
     std::lock_guard lock(sticky_mu_);
     auto it = sticky_.find(session_id);

@@ -1,8 +1,11 @@
 #include "tandem/gpu_worker/sequence.h"
 
+#include <algorithm>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
+#include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
 
@@ -45,6 +48,18 @@ std::string_view AttentionModeName(AttentionMode mode) {
       return "exact";
   }
   return "unknown";
+}
+
+absl::Status Sequence::TruncateTo(int64_t positions) {
+  if (positions > static_cast<int64_t>(tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", id, ": truncate to ", positions,
+                                                   " of ", tokens.size(), " tokens"));
+  }
+  TANDEM_RETURN_IF_ERROR(window.Truncate(positions));
+  tokens.resize(static_cast<size_t>(positions));
+  pending_token.reset();
+  prefill_end = std::min(prefill_end, positions);
+  return absl::OkStatus();
 }
 
 }  // namespace tandem::gpu_worker

@@ -287,6 +287,37 @@ absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
   return &new_slots_;
 }
 
+absl::Status WindowCache::Truncate(int64_t positions) {
+  if (positions < 0 || positions > next_pos_) {
+    return absl::InvalidArgumentError(absl::StrCat("window cache: truncate to ", positions,
+                                                   " positions of ", next_pos_));
+  }
+  if (positions == next_pos_) return absl::OkStatus();
+  if (evicted_tokens_ > 0 && positions < options_.sink + evicted_tokens_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "window cache: cannot truncate to ", positions, " positions: positions before ",
+        options_.sink + evicted_tokens_, " have left the device"));
+  }
+  // Runs of consecutive slots (a ring wraps at most once per run of positions).
+  int64_t pos = positions;
+  while (pos < next_pos_) {
+    const int64_t first_slot = SlotOf(pos);
+    int64_t count = 1;
+    while (pos + count < next_pos_ && SlotOf(pos + count) == first_slot + count) ++count;
+    std::fill_n(slot_pos_.begin() + first_slot, count, -1);
+    for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+      for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
+        TANDEM_RETURN_IF_ERROR(backend_->Fill(maw(l) + h * capacity_ + first_slot, -1.0f, count));
+      }
+    }
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + first_slot,
+                                                  slot_pos_.data() + first_slot, count * 4));
+    pos += count;
+  }
+  next_pos_ = positions;
+  return absl::OkStatus();
+}
+
 std::vector<EvictedBlock> WindowCache::EvictionsBeforeAppend(int64_t count) const {
   std::vector<EvictedBlock> blocks;
   if (options_.window == WindowOptions::kUnlimited || count <= 0) return blocks;

@@ -86,6 +86,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   auto engine = std::unique_ptr<Engine>(new Engine());
   engine->options_ = options;
   engine->lost_sessions_ = LostSessions(options.max_sessions);
+  engine->prefix_cache_ = PrefixCache(options.block_tokens);
+  if (options.prefix_cache_min_tokens < 1) {
+    return absl::InvalidArgumentError("prefix_cache_min_tokens must be >= 1");
+  }
   if (options.prefill_chunk < 1 || options.prefill_chunk > 65536) {
     return absl::InvalidArgumentError("prefill_chunk must be in 1..65536");
   }
@@ -440,11 +444,71 @@ absl::Status Engine::CloseSession(const std::string& session_id) {
     return absl::NotFoundError(absl::StrCat("no session '", session_id, "'"));
   }
   absl::Status closed = it->second->CloseOffloaded();
+  prefix_cache_.Take(session_id);
   sessions_.erase(it);
   return closed;
 }
 
+std::string Engine::PrefixCacheKey(const GenerateRequest& request,
+                                   const SequenceSpec& spec) const {
+  // Fields joined by a byte no principal, salt or number contains; lengths first, so no two
+  // different tuples give one key.
+  const std::string principal = options_.prefix_cache_shared_scope ? "" : request.principal;
+  std::string key = absl::StrCat(principal.size(), ":", principal, "\x1f",
+                                 request.cache_salt.size(), ":", request.cache_salt, "\x1f",
+                                 std::string(AttentionModeName(spec.mode)));
+  if (spec.mode != AttentionMode::kGpu) {
+    absl::StrAppend(&key, "\x1f", spec.window, "\x1f", spec.sink, "\x1f",
+                    spec.selection == SelectionRule::kPages ? "pages" : "maw");
+  }
+  return key;
+}
+
+Sequence* Engine::TakeCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+                                   int64_t* common) {
+  const std::optional<PrefixCache::Hit> hit =
+      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
+  if (!hit.has_value()) return nullptr;
+  auto it = sessions_.find(hit->session_id);
+  if (it == sessions_.end() || SessionBusy(hit->session_id)) {
+    prefix_cache_.Take(hit->session_id);   // not a cached session any more
+    return nullptr;
+  }
+  Sequence& seq = *it->second;
+  if (absl::Status truncated = seq.TruncateTo(hit->common); !truncated.ok()) {
+    // Its tokens after the common prefix left the device (a long generation in a bounded
+    // window): this prompt cannot reuse it; it stays cached for prompts that extend it.
+    spdlog::debug("prefix cache: {}: {}", hit->session_id, truncated.ToString());
+    return nullptr;
+  }
+  prefix_cache_.Take(hit->session_id);
+  *common = hit->common;
+  return &seq;
+}
+
+bool Engine::EvictCachedSession() {
+  const std::optional<std::string> lru = prefix_cache_.LeastRecentlyUsed();
+  if (!lru.has_value()) return false;
+  prefix_cache_.Take(*lru);
+  auto it = sessions_.find(*lru);
+  if (it != sessions_.end()) {
+    if (absl::Status closed = it->second->CloseOffloaded(); !closed.ok()) {
+      spdlog::warn("prefix cache: evicting {}: {}", *lru, closed.ToString());
+    }
+    sessions_.erase(it);
+  }
+  ++prefix_cache_evictions_;
+  return true;
+}
+
+absl::Status Engine::WithCacheEviction(const std::function<absl::Status()>& attempt) {
+  absl::Status status = attempt();
+  while (absl::IsResourceExhausted(status) && EvictCachedSession()) status = attempt();
+  return status;
+}
+
 void Engine::CloseLostSession(const std::string& id, const std::string& reason) {
+  prefix_cache_.Take(id);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   spdlog::warn("session {}: closed, {}", id, reason);

@@ -6,6 +6,7 @@
 #include <limits>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
@@ -116,7 +117,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   }
 
   auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
-  const bool continuing = existing != sessions_.end();
+  bool continuing = existing != sessions_.end();
   if (!continuing && !request.session_id.empty()) {
     if (std::optional<std::string> lost = lost_sessions_.Take(request.session_id)) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -146,6 +147,23 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
   }
   TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
+  // Automatic prefix cache: a one-shot request continues the cached session sharing the
+  // longest prefix with its prompt (truncated to it) and feeds only the rest.
+  const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
+  std::string cache_key;
+  int64_t cached = 0;
+  if (options_.prefix_cache && request.session_id.empty()) {
+    cache_key = PrefixCacheKey(request, spec);
+    if (Sequence* hit = TakeCachedPrefix(cache_key, prompt, &cached)) {
+      existing = sessions_.find(hit->id);
+      continuing = true;
+      prompt.erase(prompt.begin(), prompt.begin() + cached);
+    }
+  }
+  // A cached session taken above goes back to the cache if this request is refused below.
+  auto recache = absl::MakeCleanup([&] {
+    if (cached > 0) prefix_cache_.Insert(existing->first, cache_key, existing->second->tokens);
+  });
   const int64_t already = continuing ? static_cast<int64_t>(existing->second->tokens.size()) +
                                            (existing->second->pending_token ? 1 : 0)
                                      : 0;
@@ -154,6 +172,8 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
         absl::StrCat("the prompt (", prompt.size(), " tokens", continuing ? " after " : "",
                      continuing ? absl::StrCat(already, " in the session") : "",
                      ") leaves no room in the model's context of ", max_context_, " tokens"));
+  }
+  while (!continuing && sessions_.size() >= options_.max_sessions && EvictCachedSession()) {
   }
   if (!continuing && sessions_.size() >= options_.max_sessions) {
     return absl::ResourceExhaustedError(
@@ -170,42 +190,45 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   Sequence* seq = nullptr;
   if (continuing) {
     seq = existing->second.get();
-    if (seq->mode == AttentionMode::kGpu) {
-      WindowOptions grown = seq->window.options();
-      SequenceSpec gpu_spec;
-      gpu_spec.mode = AttentionMode::kGpu;
-      grown.max_context =
-          std::max(grown.max_context, WindowOptionsFor(gpu_spec, planned).max_context);
-      const size_t bytes = WindowCache::BytesFor(seq->window.geometry(), grown);
-      TANDEM_RETURN_IF_ERROR(CheckDeviceKv(bytes > seq->window.device_bytes()
-                                               ? bytes - seq->window.device_bytes()
-                                               : 0));
-      TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
-    }
-    if (seq->selection == SelectionRule::kPages) {
-      if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
-        seq->page_policy = page_policy;
+    TANDEM_RETURN_IF_ERROR(WithCacheEviction([&]() -> absl::Status {
+      if (seq->mode == AttentionMode::kGpu) {
+        WindowOptions grown = seq->window.options();
+        SequenceSpec gpu_spec;
+        gpu_spec.mode = AttentionMode::kGpu;
+        grown.max_context =
+            std::max(grown.max_context, WindowOptionsFor(gpu_spec, planned).max_context);
+        const size_t bytes = WindowCache::BytesFor(seq->window.geometry(), grown);
+        TANDEM_RETURN_IF_ERROR(CheckDeviceKv(
+            bytes > seq->window.device_bytes() ? bytes - seq->window.device_bytes() : 0));
+        TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
       }
-      TANDEM_RETURN_IF_ERROR(ReservePages(*seq, offloaded_by_end(seq->window.options().window,
-                                                                 seq->window.options().sink)));
-    }
-    TANDEM_RETURN_IF_ERROR(seq->ReserveOffloaded(
-        offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
+      if (seq->selection == SelectionRule::kPages) {
+        if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
+          seq->page_policy = page_policy;
+        }
+        TANDEM_RETURN_IF_ERROR(ReservePages(
+            *seq, offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
+      }
+      return seq->ReserveOffloaded(
+          offloaded_by_end(seq->window.options().window, seq->window.options().sink));
+    }));
     RebuildLostKv(*seq);   // a new turn starts with the shards a lost CPU node held
   } else {
-    const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
     size_t need = WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned));
     if (mode == AttentionMode::kHybrid && selection == SelectionRule::kPages) {
       need += PageIndex::BytesFor(window_geometry(), options_.page_tokens,
                                   offloaded_by_end(window, sink));
     }
-    TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
-    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Sequence> fresh,
-                            NewSequence(id, spec,
-                                        planned, offloaded_by_end(window, sink)));
+    std::unique_ptr<Sequence> fresh;
+    TANDEM_RETURN_IF_ERROR(WithCacheEviction([&]() -> absl::Status {
+      TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
+      TANDEM_ASSIGN_OR_RETURN(fresh, NewSequence(id, spec, planned, offloaded_by_end(window, sink)));
+      return absl::OkStatus();
+    }));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);
   }
+  std::move(recache).Cancel();
 
   const uint64_t seed =
       request.sampling.seed.has_value() ? *request.sampling.seed : std::random_device{}();
@@ -217,6 +240,8 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->keep_session = keep;
   g->continues_session = continuing;
   g->prompt_tokens = static_cast<int64_t>(prompt.size());
+  g->cache_key = std::move(cache_key);
+  g->cached_tokens = cached;
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
@@ -416,7 +441,8 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
       (g.failure.ok() && g.remaining() <= 1 && g.first_token_sampled) || untouched;
   GenerateSummary summary = std::move(g.summary);
   summary.session_id = g.keep_session ? g.session_id : "";
-  summary.prompt_tokens = g.prompt_tokens;
+  summary.prompt_tokens = g.prompt_tokens + g.cached_tokens;
+  summary.cached_tokens = g.cached_tokens;
   summary.mode = g.seq->mode;
   summary.total_s = Seconds(g.arrival, now);
   summary.finish_reason = g.reason.value_or(FinishReason::kCancelled);
@@ -449,6 +475,13 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
                          ? absl::StrCat("a turn failed: ", g.failure.ToString())
                          : std::string("a turn was stopped (cancelled or past its deadline) "
                                        "before its prompt was read whole"));
+    g.seq = nullptr;
+  } else if (!g.keep_session && consistent && !g.cache_key.empty() &&
+             static_cast<int64_t>(g.seq->tokens.size()) >= options_.prefix_cache_min_tokens) {
+    // A one-shot request that ended in a state a later prompt can continue: cached
+    // (prefix_cache.h). Its last sampled token is not fed: a prompt that repeats it feeds it.
+    prefix_cache_.Insert(g.session_id, g.cache_key, g.seq->tokens);
+    summary.session_id.clear();
     g.seq = nullptr;
   } else if (!g.keep_session || !consistent) {
     // A one-shot request, or a new session whose first turn did not complete: the client has

@@ -42,6 +42,11 @@ absl::StatusOr<GenerateRequest> ToEngineRequest(const v1::GenerateRequest& reque
                                                 int64_t max_context) {
   GenerateRequest dst;
   dst.session_id = request.session_id();
+  if (request.cache_salt().size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("cache_salt: ", request.cache_salt().size(),
+                                                   " bytes; at most 256"));
+  }
+  dst.cache_salt = request.cache_salt();
   switch (request.prompt_case()) {
     case v1::GenerateRequest::kPromptText:
       dst.prompt_text = request.prompt_text();
@@ -150,6 +155,7 @@ void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst) {
   usage->set_prompt_tokens(summary.prompt_tokens);
   usage->set_completion_tokens(summary.completion_tokens);
   usage->set_total_tokens(summary.prompt_tokens + summary.completion_tokens);
+  usage->set_cached_tokens(summary.cached_tokens);
   dst->set_time_to_first_token_seconds(summary.time_to_first_token_s);
   dst->set_mean_token_latency_seconds(summary.mean_token_latency_s);
   dst->set_p50_token_latency_seconds(summary.p50_token_latency_s);
@@ -371,6 +377,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                 deadline - std::chrono::system_clock::now());
     }
+    converted->principal = *principal;   // the prefix cache's scope
     std::function<void(bool)> on_end;
     if (owners_ != nullptr && !converted->session_id.empty()) {
       absl::StatusOr<std::function<void(bool)>> claimed =
@@ -474,6 +481,9 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   return RunUnary(*scheduler_, context, [response](Engine& engine) {
     ToProto(engine.info(), response);
     response->set_open_sessions(engine.open_sessions());
+    response->set_prefix_cache_sessions(engine.prefix_cache().size());
+    response->set_prefix_cache_tokens(engine.prefix_cache().cached_tokens());
+    response->set_prefix_cache_evictions(engine.prefix_cache_evictions());
     return absl::OkStatus();
   });
 }

@@ -239,6 +239,13 @@ void Scheduler::Publish() {
     if (m->gpu_kv_cache_usage != nullptr && budget > 0) {
       m->gpu_kv_cache_usage->Set(static_cast<double>(bytes) / static_cast<double>(budget));
     }
+    m->prefix_cache_sessions->Set(static_cast<double>(engine_->prefix_cache().size()));
+    m->prefix_cache_tokens->Set(static_cast<double>(engine_->prefix_cache().cached_tokens()));
+    const uint64_t evictions = engine_->prefix_cache_evictions();
+    if (evictions > counted_evictions_) {
+      m->prefix_cache_evictions->Increment(static_cast<double>(evictions - counted_evictions_));
+      counted_evictions_ = evictions;
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = local_stats_;
@@ -256,6 +263,9 @@ void Scheduler::CountStep() {
       if (r.counted_tokens == 0) {
         m->time_to_first_token->Observe(g.summary.time_to_first_token_s);
         prompts += g.prompt_tokens;
+        if (g.cached_tokens > 0) {
+          m->prefix_cache_hit_tokens->Increment(static_cast<double>(g.cached_tokens));
+        }
       } else if (static_cast<size_t>(r.counted_tokens - 1) < g.latencies.size()) {
         m->inter_token_latency->Observe(g.latencies[r.counted_tokens - 1]);
       }

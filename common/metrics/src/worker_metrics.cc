@@ -51,6 +51,20 @@ absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& regist
       m.degraded_steps,
       AddCounter(registry, "tandem:degraded_steps_total",
                  "Layer attends of a sequence in which some CPU node did not answer in time."));
+  TANDEM_ASSIGN_OR_RETURN(
+      m.prefix_cache_hit_tokens,
+      AddCounter(registry, "tandem:prefix_cache_hit_tokens_total",
+                 "Prompt tokens whose KV came from the prefix cache (not prefilled)."));
+  TANDEM_ASSIGN_OR_RETURN(m.prefix_cache_sessions,
+                          AddGauge(registry, "tandem:prefix_cache_sessions",
+                                   "Finished requests' sessions kept in the prefix cache."));
+  TANDEM_ASSIGN_OR_RETURN(m.prefix_cache_tokens,
+                          AddGauge(registry, "tandem:prefix_cache_tokens",
+                                   "Tokens held by the prefix cache's sessions."));
+  TANDEM_ASSIGN_OR_RETURN(
+      m.prefix_cache_evictions,
+      AddCounter(registry, "tandem:prefix_cache_evictions_total",
+                 "Cached sessions closed to make room (least recently used first)."));
   TANDEM_ASSIGN_OR_RETURN(m.request_success,
                           AddCounterFamily(registry, "tandem:request_success_total",
                                            "Requests that ended with a result, by finish reason."));

@@ -160,8 +160,45 @@ TEST_F(GatewayE2eTest, CurlCompletionEqualsTheWorkersGreedyText) {
   EXPECT_EQ(j["model"], "stories260k");
   EXPECT_EQ(j["choices"][0]["text"], reference.text);
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
-  EXPECT_EQ(j["usage"],
-            Json({{"prompt_tokens", 5}, {"completion_tokens", 40}, {"total_tokens", 45}}));
+  EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 5},
+                              {"completion_tokens", 40},
+                              {"total_tokens", 45},
+                              {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
+}
+
+// The prefix cache through HTTP: a prompt resent with a new ending reports the reused part in
+// usage.prompt_tokens_details.cached_tokens and gives the text of a cold run (the same request
+// under another cache_salt, which never shares a cached prefix).
+TEST_F(GatewayE2eTest, AResentPromptReportsCachedTokensAndTheColdRunsText) {
+  const std::string document =
+      "Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+      "park with her friends. One day, she saw a big red ball";
+  auto complete = [&](const std::string& prompt, const std::string& salt) {
+    Json body = {{"prompt", prompt}, {"max_tokens", 8}, {"temperature", 0}};
+    if (!salt.empty()) body["cache_salt"] = salt;
+    CommandResult r = CurlPost("/v1/completions", body, false);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return Json::parse(r.out);
+  };
+  const Json first = complete(document + ".", "");
+  ASSERT_TRUE(first.contains("usage")) << first.dump();
+  EXPECT_EQ(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const Json second = complete(document + " and a small dog.", "");
+  const Json cold = complete(document + " and a small dog.", "another tenant");
+  ASSERT_TRUE(second.contains("usage")) << second.dump();
+  const int64_t cached = second["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_GE(cached, 16);
+  EXPECT_LT(cached, second["usage"]["prompt_tokens"].get<int64_t>());
+  EXPECT_EQ(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  EXPECT_EQ(second["usage"]["prompt_tokens"], cold["usage"]["prompt_tokens"]);
+  EXPECT_EQ(second["choices"][0]["text"], cold["choices"][0]["text"]);
+  // A salt longer than the gateway takes is refused naming the field.
+  CommandResult r = CurlPost("/v1/completions",
+                             {{"prompt", document}, {"max_tokens", 1},
+                              {"cache_salt", std::string(200, 's')}},
+                             false);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Json::parse(r.out)["error"]["param"], "cache_salt") << r.out;
 }
 
 // top_p 0 keeps only the most probable token (OpenAI): at temperature 1, any seed gives the

@@ -19,6 +19,11 @@
 //                                                        gRPC code name, e.g. "RESOURCE_EXHAUSTED")
 //   tandem:degraded_steps_total              counter    (sequence, layer) attends of a step in
 //                                                        which some CPU node did not answer
+//   tandem:prefix_cache_hit_tokens_total     counter    prompt tokens served by the prefix
+//                                                        cache (not prefilled)
+//   tandem:prefix_cache_sessions             gauge      finished requests' sessions cached
+//   tandem:prefix_cache_tokens               gauge      tokens those sessions hold
+//   tandem:prefix_cache_evictions_total      counter    cached sessions closed for room
 //
 // The CPU tier's usage (tier="cpu") is exported by each CPU node (node_metrics.h), which knows
 // its pool exactly; the worker's view of it is only as fresh as its last Stats call.
@@ -51,6 +56,10 @@ struct WorkerMetrics {
   prometheus::Counter* prompt_tokens = nullptr;
   prometheus::Counter* generation_tokens = nullptr;
   prometheus::Counter* degraded_steps = nullptr;
+  prometheus::Counter* prefix_cache_hit_tokens = nullptr;
+  prometheus::Gauge* prefix_cache_sessions = nullptr;
+  prometheus::Gauge* prefix_cache_tokens = nullptr;
+  prometheus::Counter* prefix_cache_evictions = nullptr;
   prometheus::Family<prometheus::Counter>* request_success = nullptr;
   prometheus::Family<prometheus::Counter>* request_failure = nullptr;
 

@@ -4,6 +4,10 @@
 // - a request with a session_id goes to the worker that already holds that session (a sticky
 //   map, least recently used entries forgotten past `max_sticky_sessions`); a new session goes
 //   where a one-shot request would;
+// - a one-shot request with a prefix key (its prompt's leading bytes and cache scope, see
+//   PrefixKey) goes to the worker that served the last request with that key, whose prefix
+//   cache may hold that start, unless that worker is not serving or has more than
+//   kAffinitySlack more requests outstanding than the least loaded one;
 // - otherwise the serving worker with the fewest outstanding requests (ties: round-robin).
 //
 // Thread-safe. Leases must not outlive the pool.
@@ -88,7 +92,16 @@ class WorkerPool {
 
   // The worker for a request (see the header). UNAVAILABLE when no worker is serving, or when
   // the worker holding `session_id` is not.
-  absl::StatusOr<Lease> Acquire(const std::string& session_id);
+  absl::StatusOr<Lease> Acquire(const std::string& session_id, const std::string& prefix_key = "");
+
+  // Outstanding requests a worker may have beyond the least loaded one and still get the
+  // requests whose prompts start as its last ones did.
+  static constexpr int64_t kAffinitySlack = 4;
+  // Bytes of a prompt's start that name its prefix key.
+  static constexpr size_t kPrefixKeyBytes = 4096;
+  // The routing key of a one-shot prompt: its scope (the cache salt the worker will see) and its
+  // first kPrefixKeyBytes bytes; empty for a prompt shorter than that (nothing worth routing).
+  static std::string PrefixKey(const std::string& scope, const std::string& prompt);
 
   // Closes a kept session (Generation.CloseSession) on the worker holding it: the remembered
   // one (UNAVAILABLE when it is not serving), else every serving worker in turn (the entry may

@@ -69,6 +69,11 @@ struct Sequence {
   absl::Status CloseOffloaded();
   std::vector<double> MeanSelectedShare() const;
 
+  // Keeps the first `positions` tokens and forgets the rest and the pending token (a cached
+  // session reused by a prompt that shares only that prefix). The forgotten tokens must all be
+  // on the device (WindowCache::Truncate): FAILED_PRECONDITION otherwise, leaving it unchanged.
+  absl::Status TruncateTo(int64_t positions);
+
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const { return offload ? offload->offloaded_tokens() : 0; }
 };

@@ -93,6 +93,14 @@ class WindowCache {
   // blocks start at block boundaries). FAILED_PRECONDITION / INVALID_ARGUMENT otherwise.
   absl::Status Skip(int64_t count);
 
+  // Forgets positions [positions, next_position()): their slots become empty (as Release leaves
+  // them) and the next Append continues at `positions`. A cached session reused for a prompt
+  // that shares only its first `positions` tokens (prefix_cache.h) drops the rest this way.
+  // Only tokens still on the device can go: FAILED_PRECONDITION when a position at or after
+  // `positions` has left it (evicted to the tier); INVALID_ARGUMENT when `positions` is
+  // negative or past next_position(). No-op when it equals next_position().
+  absl::Status Truncate(int64_t positions);
+
   // Raises the context limit of an unlimited-window (gpu mode) cache to `max_context`
   // positions, moving its KV into larger device buffers: a session sized for one request that a
   // later turn extends. No-op when the limit is already that high. FAILED_PRECONDITION for a

@@ -38,6 +38,7 @@
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/prefix_cache.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
 #include "tandem/gpu_worker/tokenizer.h"
@@ -67,7 +68,20 @@ struct EngineOptions {
   // models), "bf16" or "f32".
   std::string kv_dtype = "auto";
   int64_t block_tokens = 16;       // tokens per evicted block (and per CPU node block when >= 16)
+  // Sessions open at once: kept ones, running requests' and the prefix cache's (which are
+  // evicted first when a request needs the room).
   uint32_t max_sessions = 64;
+  // Automatic prefix caching (prefix_cache.h): a one-shot request's session stays cached when it
+  // ends (prompt and generated tokens, wherever its mode keeps KV), and a later one-shot request
+  // of the same scope whose prompt shares at least prefix_cache_min_tokens leading ids with it
+  // continues it, prefilling only the rest. Cached sessions are evicted least-recently-used
+  // before a request would be refused for memory or max_sessions. false: one-shot requests free
+  // their KV when they end.
+  bool prefix_cache = false;
+  int64_t prefix_cache_min_tokens = 16;
+  // true: one scope for every caller (GenerateRequest::principal is ignored; cache_salt still
+  // separates); false: the caller's principal is part of the scope.
+  bool prefix_cache_shared_scope = false;
   int64_t offload_page_tokens = 4096;   // `offload` mode: tokens per host page (one upload)
   // Defaults of requests that leave the tandem fields unset.
   AttentionMode default_mode = AttentionMode::kHybrid;
@@ -213,7 +227,11 @@ class Engine {
   // Frees a kept session's device window and CPU node shards; a lost one (LostSessions) is
   // forgotten. NOT_FOUND if unknown.
   absl::Status CloseSession(const std::string& session_id);
-  size_t open_sessions() const { return sessions_.size(); }
+  // Kept sessions and running requests' (the prefix cache's sessions are not counted).
+  size_t open_sessions() const { return sessions_.size() - prefix_cache_.size(); }
+  // The prefix cache: sessions kept for reuse and the tokens they hold.
+  const PrefixCache& prefix_cache() const { return prefix_cache_; }
+  uint64_t prefix_cache_evictions() const { return prefix_cache_evictions_; }
   // Device bytes of every open session's window and page summaries (running requests and kept
   // sessions between turns): what the --kv_cache_bytes admission check counts.
   size_t DeviceKvBytes() const;
@@ -280,6 +298,19 @@ class Engine {
   // the page_summary_bytes cap; RESOURCE_EXHAUSTED (saying what to change) otherwise.
   absl::Status ReservePages(Sequence& seq, int64_t expected_offloaded) const;
   absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
+  // The prefix cache's scope key of a one-shot request: principal (unless shared) and salt, and
+  // the settings a continued session keeps (mode; window, sink and selection off gpu mode).
+  std::string PrefixCacheKey(const GenerateRequest& request, const SequenceSpec& spec) const;
+  // The cached session of `key` sharing the longest prefix with `prompt` (at least
+  // prefix_cache_min_tokens), taken out of the cache and truncated to that prefix; its length
+  // in *common. nullptr on a miss (a session that cannot be truncated that far stays cached).
+  Sequence* TakeCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+                             int64_t* common);
+  // Closes the least recently used cached session; false when none is cached.
+  bool EvictCachedSession();
+  // Runs `attempt`, and again after each eviction of a cached session while it fails with
+  // RESOURCE_EXHAUSTED and one is left: the cache never refuses a request room it could free.
+  absl::Status WithCacheEviction(const std::function<absl::Status()>& attempt);
 
   EngineOptions options_;
   std::unique_ptr<Model> model_;
@@ -299,6 +330,8 @@ class Engine {
   std::set<std::string> busy_;   // sessions a live Generation is using
   LostSessions lost_sessions_{0};   // sized to max_sessions by Create
   uint64_t next_anonymous_id_ = 0;
+  PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create
+  uint64_t prefix_cache_evictions_ = 0;
   std::string id_prefix_;
 };
 

@@ -55,6 +55,11 @@ struct GenerateRequest {
   // Unset: no deadline. A request still running at its deadline ends with DEADLINE_EXCEEDED
   // (checked between steps).
   std::optional<std::chrono::steady_clock::time_point> deadline;
+  // Prefix cache scope (prefix_cache.h) of a one-shot request: the caller's principal (the
+  // service sets it from the call's credentials; ignored when the engine shares one scope) and
+  // the request's cache_salt (at most 256 bytes). Only requests with equal scopes share KV.
+  std::string principal;
+  std::string cache_salt;
 };
 
 struct PrefillProgress {
@@ -93,7 +98,10 @@ struct ExactSplitSummary {
 
 struct GenerateSummary {
   std::string session_id;          // the session used (generated for one-shot requests)
+  // Prompt tokens of the request (a session turn: its new tokens; a one-shot request: all of
+  // them), of which cached_tokens came from the prefix cache instead of a prefill.
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;
   int64_t completion_tokens = 0;
   double time_to_first_token_s = 0.0;
   double total_s = 0.0;

@@ -54,7 +54,11 @@ class Generation {
   Sequence* seq = nullptr;
   std::string session_id;            // the engine's key (generated for one-shot requests)
   bool keep_session = false;         // false: the session is closed by End()
-  bool continues_session = false;    // the session was kept from an earlier turn
+  bool continues_session = false;    // the session was kept from an earlier turn (or cached)
+  // Prefix cache: the scope key the session is cached under when this one-shot request ends
+  // (empty: not cached), and the prompt's leading tokens a cached session already held.
+  std::string cache_key;
+  int64_t cached_tokens = 0;
   int64_t prompt_tokens = 0;
   std::vector<int32_t> feed;         // tokens to feed; feed[0..fed) are in the model
   int64_t fed = 0;

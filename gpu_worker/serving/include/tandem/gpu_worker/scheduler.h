@@ -149,6 +149,7 @@ class Scheduler {
   uint64_t next_order_ = 0;
   bool admission_blocked_ = false;   // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
+  uint64_t counted_evictions_ = 0;   // Engine::prefix_cache_evictions() already exported
   std::thread thread_;
 };
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Issue 25 on the GPU host (through the device tool): the prefix cache's TTFT. A long prompt
+# (a "document" of --shared_prefix_tokens random ids + a 64-token question), then the same
+# document with other questions, per mode, Llama-3-8B geometry with random weights
+# (tandem-gpu-worker --random_weights; the tokenizer is gutenberg-14m's), driven by tandem-load
+# over gRPC. Prepared here by:
+#   cmake --build build --target tandem-gpu-worker tandem-load tandem-geometry
+#   mkdir -p /tmp/pbundle/bin && cp build/services/tandem-gpu-worker build/bench/tandem-load \
+#     build/services/tandem-geometry /tmp/pbundle/bin/
+#   ../shared/tools/gpu-bundle.sh /tmp/pbundle .carry/tandem.tar.xz build/lib
+#   git rev-parse HEAD > .carry/commit
+#   mkdir -p .carry/shared/models && cp -r ../shared/models/gutenberg-14m .carry/shared/models/
+# and run with carry [".carry"]. CONTEXTS (default 131072) are the document lengths; MODES
+# (default "gpu hybrid") the worker modes; QA=1 adds the document-QA load (32 clients, 4
+# documents of QA_TOKENS, 4 questions each) with the cache on and off. Logs go under $OUT.
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/tandem
+tar xJf .carry/tandem.tar.xz -C /tmp/tandem && source /tmp/tandem/env.sh
+export TANDEM_SHARED_DIR=$PWD/.carry/shared
+{
+  echo "commit: $(cat .carry/commit 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GB"
+} 2>&1 | tee "$out/host.txt"
+
+model=/tmp/llama3-8b
+tandem-geometry --preset=llama3-8b --config_only --out="$model" > /dev/null
+cp "$TANDEM_SHARED_DIR"/models/gutenberg-14m/tokenizer*.json "$model"/
+python3 - "$model/config.json" "$TANDEM_SHARED_DIR/models/gutenberg-14m/config.json" <<'PY'
+import json, sys
+config, donor = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+for key in ("bos_token_id", "eos_token_id"):
+    config[key] = donor.get(key, 0)
+json.dump(config, open(sys.argv[1], "w"), indent=2)
+PY
+
+start_worker() {   # start_worker NAME ARGS...: sets $port and $wpid
+  local name=$1
+  shift
+  tandem-gpu-worker --model "$model" --random_weights --backend cuda --address 127.0.0.1:0 \
+    --prefill_chunk 4096 --log_level warn "$@" > "$out/worker_$name.log" 2>&1 &
+  wpid=$!
+  port=
+  for _ in $(seq 1 240); do
+    port=$(awk '/^LISTENING/ {print $2}' "$out/worker_$name.log")
+    [[ -n "$port" ]] && return 0
+    kill -0 "$wpid" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "worker $name did not start:"; tail -5 "$out/worker_$name.log"
+  return 1
+}
+stop_worker() { kill "$wpid" 2>/dev/null; wait "$wpid" 2>/dev/null; }
+ask() {   # ask NAME SEED TOKENS ARGS...: one request: the document + question SEED
+  local name=$1 seed=$2 tokens=$3
+  shift 3
+  tandem-load --target "127.0.0.1:$port" --concurrency 1 --num_requests 1 --progress_s 0 \
+    --shared_prefix_tokens "$tokens" --prompt_tokens 64 --output_tokens 8 --load_seed "$seed" \
+    "$@" > "$out/load_$name.txt" 2>&1
+  echo "[$name] $(grep -E 'Median TTFT' "$out/load_$name.txt" | tr -s ' ') |" \
+       "$(grep -E 'Cached input' "$out/load_$name.txt" | tr -s ' ')"
+}
+
+for mode in ${MODES:-gpu hybrid}; do
+  for tokens in ${CONTEXTS:-131072}; do
+    args=(--mode "$mode")
+    wargs=(--mode "$mode")
+    if [[ $mode == hybrid ]]; then
+      wargs+=(--window 4096 --selection pages --embedded_pool_bytes "$(( tokens / 4096 + 8 ))GiB")
+    fi
+    start_worker "${mode}_$tokens" "${wargs[@]}" || continue
+    ask "${mode}_${tokens}_cold" 1 "$tokens" "${args[@]}"
+    ask "${mode}_${tokens}_hit1" 2 "$tokens" "${args[@]}"
+    ask "${mode}_${tokens}_hit2" 3 "$tokens" "${args[@]}"
+    stop_worker
+  done
+done
+
+if [[ ${QA:-0} == 1 ]]; then
+  for cache in true false; do
+    start_worker "qa_$cache" --mode gpu --prefix_cache="$cache" --max_batch 64 || continue
+    tandem-load --target "127.0.0.1:$port" --concurrency 32 --num_requests 128 --progress_s 0 \
+      --shared_prefix_tokens "${QA_TOKENS:-32768}" --shared_prefixes 4 --prompt_tokens 64 \
+      --output_tokens 32 --mode gpu --json_out "$out/qa_$cache.json" > "$out/qa_$cache.txt" 2>&1
+    echo "[qa cache=$cache]"
+    grep -E 'Successful|Failed req|duration|Request throughput|Median TTFT|P99 TTFT|Cached input' \
+      "$out/qa_$cache.txt"
+    stop_worker
+  done
+fi

@@ -1,0 +1,259 @@
+// Automatic prefix caching: the index (PrefixCache: block-hash chains, scopes, LRU) and the
+// engine on stories260k (a one-shot request's KV reused by a later prompt that starts with the
+// same tokens, in gpu, hybrid and offload mode, giving the tokens of a cold run; isolation
+// between principals and salts; eviction under the session limit and the device KV budget).
+#include "tandem/gpu_worker/prefix_cache.h"
+
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "engine_test_util.h"
+#include "tandem/gpu_worker/engine.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+std::vector<int32_t> Ids(int64_t n, int32_t salt) { return testing::SyntheticPrompt(n, salt); }
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(PrefixCacheIndex, LongestCommonPrefixWithinTheScope) {
+  PrefixCache cache(16);
+  const std::vector<int32_t> doc = Ids(100, 1);
+  cache.Insert("a", "alice", std::vector<int32_t>(doc.begin(), doc.begin() + 40));
+  cache.Insert("b", "alice", Concat(doc, Ids(10, 7)));   // the document, then another question
+  cache.Insert("c", "bob", doc);
+  // The document plus a new question: b shares the whole document (100 ids), a only 40.
+  const std::vector<int32_t> prompt = Concat(doc, Ids(20, 9));
+  auto hit = cache.Match("alice", prompt, 16);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->session_id, "b");
+  EXPECT_EQ(hit->common, 100 + (Ids(10, 7)[0] == Ids(20, 9)[0] ? 1 : 0));
+  // Another scope never matches, whatever it holds.
+  hit = cache.Match("bob", prompt, 16);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->session_id, "c");
+  EXPECT_FALSE(cache.Match("carol", prompt, 1).has_value());
+  // Below the minimum: no hit.
+  EXPECT_FALSE(cache.Match("alice", Ids(10, 1), 16).has_value());
+  // At least one prompt token is left to feed.
+  hit = cache.Match("bob", doc, 16);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->common, 99);
+  EXPECT_EQ(cache.size(), 3u);
+  EXPECT_EQ(cache.cached_tokens(), 40 + 110 + 100);
+}
+
+TEST(PrefixCacheIndex, IdsDecideNotBlockBoundaries) {
+  PrefixCache cache(16);
+  std::vector<int32_t> held = Ids(50, 3);
+  cache.Insert("s", "", held);
+  // Differs inside the second block: the common prefix stops there, not at a block boundary.
+  std::vector<int32_t> prompt = held;
+  prompt[20] += 1;
+  auto hit = cache.Match("", prompt, 1);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->common, 20);
+  // Differs in the first id: nothing shared.
+  prompt = held;
+  prompt[0] = 2;
+  EXPECT_FALSE(cache.Match("", prompt, 1).has_value());
+}
+
+TEST(PrefixCacheIndex, LeastRecentlyUsedOrderAndTake) {
+  PrefixCache cache(4);
+  cache.Insert("x", "", Ids(8, 1));
+  cache.Insert("y", "", Ids(8, 2));
+  EXPECT_EQ(cache.LeastRecentlyUsed(), "x");
+  cache.Insert("x", "", Ids(9, 1));   // re-inserted after its next turn: most recent
+  EXPECT_EQ(cache.LeastRecentlyUsed(), "y");
+  EXPECT_TRUE(cache.Take("y"));
+  EXPECT_FALSE(cache.Take("y"));
+  EXPECT_EQ(cache.LeastRecentlyUsed(), "x");
+  EXPECT_EQ(cache.cached_tokens(), 9);
+  EXPECT_TRUE(cache.Take("x"));
+  EXPECT_FALSE(cache.LeastRecentlyUsed().has_value());
+  EXPECT_EQ(cache.cached_tokens(), 0);
+}
+
+TEST(PrefixCacheIndex, BlockKeysNameTheWholePrefix) {
+  const std::vector<int32_t> a = Ids(48, 1);
+  std::vector<int32_t> b = a;
+  b[3] += 1;   // first block differs: every later key differs too
+  const auto ka = PrefixCache::BlockKeys(a, 16), kb = PrefixCache::BlockKeys(b, 16);
+  ASSERT_EQ(ka.size(), 3u);
+  ASSERT_EQ(kb.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(ka[i], kb[i]);
+  EXPECT_EQ(PrefixCache::BlockKeys(std::vector<int32_t>(a.begin(), a.begin() + 40), 16),
+            std::vector<uint64_t>(ka.begin(), ka.begin() + 2));
+}
+
+class EnginePrefixCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+    TANDEM_SKIP_WITHOUT_BACKEND();
+  }
+
+  static EngineOptions Options(bool cache) {
+    EngineOptions options;
+    options.model_dir = testing::ModelDir("stories260k").string();
+    options.backend = testing::TestBackendName();
+    options.nodes.embedded.pool_bytes = 64ull << 20;
+    options.prefill_chunk = 32;
+    // A bounded window holds the last 64 tokens: a prompt may diverge from a cached session
+    // only where that session's tokens are still on the device (WindowCache::Truncate).
+    options.default_window = 64;
+    options.default_sink = 4;
+    options.prefix_cache = cache;
+    return options;
+  }
+
+  static std::unique_ptr<Engine> Make(const EngineOptions& options) {
+    auto engine = Engine::Create(options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    return engine.ok() ? std::move(*engine) : nullptr;
+  }
+
+  static GenerateRequest Request(std::vector<int32_t> ids, AttentionMode mode, int64_t tokens) {
+    GenerateRequest r;
+    r.prompt_ids = std::move(ids);
+    r.max_tokens = tokens;
+    r.ignore_eos = true;
+    r.mode = mode;
+    if (mode == AttentionMode::kHybrid) r.beta = 0.0f;   // exact: every offloaded entry
+    return r;
+  }
+};
+
+// The second request resends the first one's prompt with a different ending: it reuses the
+// prompt's KV (truncating the first request's generated tokens away) and gives the tokens a
+// cold run gives. Then a chat-style third request resends the second's prompt and answer
+// plus a new turn: every token held is reused.
+TEST_F(EnginePrefixCache, AResentPromptReusesItsKvAndMatchesAColdRun) {
+  for (AttentionMode mode : {AttentionMode::kGpu, AttentionMode::kHybrid, AttentionMode::kOffload}) {
+    SCOPED_TRACE(std::string(AttentionModeName(mode)));
+    auto cached = Make(Options(true));
+    auto cold = Make(Options(false));
+    ASSERT_NE(cached, nullptr);
+    ASSERT_NE(cold, nullptr);
+    const std::vector<int32_t> doc = Ids(150, 5);
+
+    auto first = cached->Generate(Request(Concat(doc, Ids(12, 1)), mode, 20));
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_EQ(first->cached_tokens, 0);
+    EXPECT_EQ(first->prompt_tokens, 162);
+    EXPECT_EQ(cached->prefix_cache().size(), 1u);
+
+    const std::vector<int32_t> second_prompt = Concat(doc, Ids(30, 2));
+    auto second = cached->Generate(Request(second_prompt, mode, 24));
+    ASSERT_TRUE(second.ok()) << second.status();
+    auto second_cold = cold->Generate(Request(second_prompt, mode, 24));
+    ASSERT_TRUE(second_cold.ok()) << second_cold.status();
+    EXPECT_EQ(second->cached_tokens, 150 + (Ids(12, 1)[0] == Ids(30, 2)[0] ? 1 : 0));
+    EXPECT_EQ(second->prompt_tokens, 180);
+    EXPECT_EQ(second_cold->cached_tokens, 0);
+    EXPECT_EQ(second->token_ids, second_cold->token_ids);
+
+    // Chat: the history (prompt + answer) and a new turn.
+    const std::vector<int32_t> third_prompt =
+        Concat(Concat(second_prompt, second->token_ids), Ids(10, 3));
+    auto third = cached->Generate(Request(third_prompt, mode, 16));
+    ASSERT_TRUE(third.ok()) << third.status();
+    auto third_cold = cold->Generate(Request(third_prompt, mode, 16));
+    ASSERT_TRUE(third_cold.ok()) << third_cold.status();
+    // All the second request fed: its prompt and its answer but the last token (sampled, not
+    // fed; the third prompt feeds it).
+    EXPECT_EQ(third->cached_tokens, 180 + 24 - 1);
+    EXPECT_EQ(third->token_ids, third_cold->token_ids);
+    EXPECT_EQ(cold->open_sessions(), 0u);
+  }
+}
+
+TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {
+  for (bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared scope" : "principal scope");
+    EngineOptions options = Options(true);
+    options.prefix_cache_shared_scope = shared;
+    auto engine = Make(options);
+    ASSERT_NE(engine, nullptr);
+    const std::vector<int32_t> doc = Ids(120, 8);
+    GenerateRequest alice = Request(Concat(doc, Ids(5, 1)), AttentionMode::kGpu, 4);
+    alice.principal = "alice";
+    ASSERT_TRUE(engine->Generate(alice).ok());
+
+    GenerateRequest bob = Request(Concat(doc, Ids(5, 2)), AttentionMode::kGpu, 4);
+    bob.principal = "bob";
+    auto b = engine->Generate(bob);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->cached_tokens > 0, shared) << "another principal hit only in a shared scope";
+
+    GenerateRequest salted = Request(Concat(doc, Ids(5, 3)), AttentionMode::kGpu, 4);
+    salted.principal = "alice";
+    salted.cache_salt = "tenant-2";
+    auto s = engine->Generate(salted);
+    ASSERT_TRUE(s.ok()) << s.status();
+    EXPECT_EQ(s->cached_tokens, 0) << "another salt never hits";
+
+    GenerateRequest again = Request(Concat(doc, Ids(5, 4)), AttentionMode::kGpu, 4);
+    again.principal = "alice";
+    auto a = engine->Generate(again);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_GE(a->cached_tokens, 120);
+
+    // Another mode is another scope: its sessions hold another layout.
+    GenerateRequest hybrid = Request(Concat(doc, Ids(5, 5)), AttentionMode::kHybrid, 4);
+    hybrid.principal = "alice";
+    auto h = engine->Generate(hybrid);
+    ASSERT_TRUE(h.ok()) << h.status();
+    EXPECT_EQ(h->cached_tokens, 0);
+  }
+}
+
+// More distinct prompts than sessions or device KV allow: cached sessions are evicted, least
+// recently used first, and no request fails.
+TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
+  EngineOptions options = Options(true);
+  options.max_sessions = 3;
+  auto engine = Make(options);
+  ASSERT_NE(engine, nullptr);
+  for (int32_t i = 0; i < 8; ++i) {
+    auto s = engine->Generate(Request(Ids(100, 20 + i), AttentionMode::kHybrid, 8));
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    EXPECT_EQ(engine->open_sessions(), 0u);
+    EXPECT_LE(engine->prefix_cache().size(), 3u);
+  }
+  EXPECT_EQ(engine->prefix_cache().size(), 3u);
+  EXPECT_EQ(engine->prefix_cache_evictions(), 5u);
+  // The most recent survive: the last prompt hits, the first does not.
+  auto last = engine->Generate(Request(Concat(Ids(100, 27), Ids(4, 1)), AttentionMode::kHybrid, 4));
+  ASSERT_TRUE(last.ok());
+  EXPECT_GE(last->cached_tokens, 100);
+  auto first = engine->Generate(Request(Concat(Ids(100, 20), Ids(4, 1)), AttentionMode::kHybrid, 4));
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->cached_tokens, 0);
+
+  // gpu mode under a device KV budget that holds about two sessions.
+  EngineOptions budgeted = Options(true);
+  auto probe = Make(budgeted);
+  ASSERT_NE(probe, nullptr);
+  ASSERT_TRUE(probe->Generate(Request(Ids(100, 1), AttentionMode::kGpu, 8)).ok());
+  budgeted.kv_cache_bytes = probe->DeviceKvBytes() * 5 / 2;
+  ASSERT_GT(budgeted.kv_cache_bytes, 0u);
+  auto tight = Make(budgeted);
+  ASSERT_NE(tight, nullptr);
+  for (int32_t i = 0; i < 6; ++i) {
+    auto s = tight->Generate(Request(Ids(100, 40 + i), AttentionMode::kGpu, 8));
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+    EXPECT_LE(tight->DeviceKvBytes(), budgeted.kv_cache_bytes);
+  }
+  EXPECT_GE(tight->prefix_cache_evictions(), 3u);
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
