@@ -46,6 +46,8 @@ export interface GenerateOptions extends CallOptions {
   denseLayers?: number;
   /** Continue (or create) this kept session. */
   sessionId?: string;
+  /** Prefix-cache scope beside the caller's credentials: only equal salts share cached KV. */
+  cacheSalt?: string;
   /** Aborting cancels the call; the loop then throws Cancelled. */
   signal?: AbortSignal;
   /** A GenerateRequest field added to the proto later (camelCase or snake_case). */
@@ -94,6 +96,8 @@ export interface Usage {
   promptTokens: number;
   completionTokens: number;
   totalTokens: number;
+  /** Of promptTokens, those the worker's prefix cache served (not prefilled). */
+  cachedTokens: number;
 }
 
 /**

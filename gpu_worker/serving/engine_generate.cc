@@ -182,7 +182,8 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
 
   // --- The session, with the memory it needs by the end of this request reserved: device
   // window (gpu mode), page summaries and CPU-node room are checked before anything runs.
-  std::string id = request.session_id;
+  // A cached session keeps its id; another one-shot request gets a new one.
+  std::string id = continuing ? existing->first : request.session_id;
   if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
   const int64_t planned = std::min<int64_t>(
       max_context_, already + static_cast<int64_t>(prompt.size()) + request.max_tokens);

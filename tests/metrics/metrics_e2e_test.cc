@@ -145,9 +145,15 @@ TEST_F(MetricsE2eTest, WorkerAndNodeCountOneGeneration) {
               final.time_to_first_token_seconds(), 1e-6);
   EXPECT_NEAR(*w.Value("tandem:e2e_request_latency_seconds_sum"), final.total_seconds(), 1e-6);
   EXPECT_EQ(w.Value("tandem:degraded_steps_total"), double(final.degraded_steps()));
-  // No --kv_cache_bytes: no share of a budget, only the bytes (none once the request ended).
+  // The finished request's session stays in the prefix cache (prompt and generated tokens but
+  // the last, sampled and not fed), its window on the device and the rest on the node.
+  EXPECT_EQ(w.Value("tandem:prefix_cache_sessions"), 1.0);
+  EXPECT_EQ(w.Value("tandem:prefix_cache_tokens"), double(kPrompt + kTokens - 1));
+  EXPECT_EQ(w.Value("tandem:prefix_cache_hit_tokens_total"), 0.0);
+  EXPECT_EQ(w.Value("tandem:prefix_cache_evictions_total"), 0.0);
+  // No --kv_cache_bytes: no share of a budget, only the bytes (the cached session's window).
   EXPECT_TRUE(w.Find("tandem:kv_cache_usage_perc").empty());
-  EXPECT_EQ(w.Value("tandem:kv_cache_used_bytes", {{"tier", "gpu"}}), 0.0);
+  EXPECT_GT(w.Value("tandem:kv_cache_used_bytes", {{"tier", "gpu"}}).value_or(0), 0.0);
   CheckWithPromtool(worker_text, "tandem-gpu-worker");
 
   std::string node_text;
@@ -157,7 +163,7 @@ TEST_F(MetricsE2eTest, WorkerAndNodeCountOneGeneration) {
   EXPECT_GT(attends, 0.0);
   EXPECT_GT(n.Value("tandem:node_scanned_bytes_total").value_or(0), 0.0);
   EXPECT_EQ(n.Value("tandem:node_pool_bytes", {{"state", "total"}}), double(64 << 20));
-  EXPECT_EQ(n.Value("tandem:node_sessions_open"), 0.0);  // the one-shot session was closed
+  EXPECT_EQ(n.Value("tandem:node_sessions_open"), 1.0);  // the one-shot session, cached
   EXPECT_EQ(n.Value("tandem:node_attends_in_flight"), 0.0);
   const std::optional<double> usage = n.Value("tandem:kv_cache_usage_perc", {{"tier", "cpu"}});
   ASSERT_TRUE(usage.has_value());

@@ -63,7 +63,8 @@ test('greedy stream is the golden continuation', async () => {
   const r = final.result;
   assert.equal(r.text, CONTINUATION_TEXT);
   assert.deepEqual(r.tokenIds, CONTINUATION_IDS);
-  assert.deepEqual(r.usage, { promptTokens: 5, completionTokens: 56, totalTokens: 61 });
+  assert.deepEqual(r.usage,
+                   { promptTokens: 5, completionTokens: 56, totalTokens: 61, cachedTokens: 0 });
   assert.equal(r.finishReason, 'length');
   assert.equal(r.mode, 'gpu');
   assert.equal(r.sessionId, '');

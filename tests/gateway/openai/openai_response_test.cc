@@ -87,10 +87,13 @@ TEST(GatewayChatChunks, RoleTokensFinishAndUsage) {
   EXPECT_EQ(finish["choices"][0]["finish_reason"], "stop");
 
   v1::Usage usage = Final(v1::FINISH_REASON_EOS, 7, 2).usage();
+  usage.set_cached_tokens(5);   // the prefix cache served 5 of the 7 (OpenAI's details field)
   const Json last = b.UsageChunk(usage);
   EXPECT_EQ(last["choices"], Json::array());
-  EXPECT_EQ(last["usage"],
-            Json({{"prompt_tokens", 7}, {"completion_tokens", 2}, {"total_tokens", 9}}));
+  EXPECT_EQ(last["usage"], Json({{"prompt_tokens", 7},
+                                 {"completion_tokens", 2},
+                                 {"total_tokens", 9},
+                                 {"prompt_tokens_details", {{"cached_tokens", 5}}}}));
 }
 
 TEST(GatewayChatAggregate, MessageUsageAndFinish) {
@@ -177,8 +180,10 @@ TEST(GatewayCompletionAggregate, TextLogprobsAndUsage) {
   EXPECT_EQ(lp["token_logprobs"], Json({-0.5, -0.75}));
   EXPECT_EQ(lp["top_logprobs"], Json::array({Json::object(), Json::object()}));
   EXPECT_EQ(lp["text_offset"], Json({0, 4}));
-  EXPECT_EQ(j["usage"],
-            Json({{"prompt_tokens", 4}, {"completion_tokens", 2}, {"total_tokens", 6}}));
+  EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 4},
+                              {"completion_tokens", 2},
+                              {"total_tokens", 6},
+                              {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
 }
 
 TEST(GatewayProgress, LlamaCppShape) {

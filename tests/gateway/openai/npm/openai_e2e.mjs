@@ -28,7 +28,10 @@ const whole = await client.completions.create({ model, prompt, max_tokens: 40, t
 assert.equal(whole.object, 'text_completion');
 assert.equal(whole.choices[0].text, process.env.EXPECTED_COMPLETION);
 assert.equal(whole.choices[0].finish_reason, 'length');
-assert.deepEqual(whole.usage, { prompt_tokens: 5, completion_tokens: 40, total_tokens: 45 });
+assert.deepEqual(whole.usage, {
+  prompt_tokens: 5, completion_tokens: 40, total_tokens: 45,
+  prompt_tokens_details: { cached_tokens: 0 },  // shorter than a cacheable prefix
+});
 
 let streamed = '';
 let usage = null;
@@ -73,7 +76,11 @@ for await (const chunk of chatStream) {
 }
 assert.equal(role, 'assistant');
 assert.equal(chatStreamed, chat.choices[0].message.content);
-assert.deepEqual(chatUsage, chat.usage);
+// The same conversation again: the prefix cache serves all of its prompt but the last token.
+assert.equal(chat.usage.prompt_tokens_details.cached_tokens, 0);
+assert.equal(chatUsage.prompt_tokens_details.cached_tokens, chat.usage.prompt_tokens - 1);
+assert.deepEqual({ ...chatUsage, prompt_tokens_details: undefined },
+                 { ...chat.usage, prompt_tokens_details: undefined });
 
 // Chat logprobs: one entry per token; greedy picks the most likely token.
 const withLogprobs = await client.chat.completions.create({
