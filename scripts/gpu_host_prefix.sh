@@ -10,7 +10,8 @@
 #   ../shared/tools/gpu-bundle.sh /tmp/pbundle .carry/tandem.tar.xz build/lib
 #   git rev-parse HEAD > .carry/commit
 #   mkdir -p .carry/shared/models && cp -r ../shared/models/gutenberg-14m .carry/shared/models/
-# and run with carry [".carry"]. CONTEXTS (default 131072) are the document lengths; MODES
+# and run with carry [".carry"]. CONTEXTS (default 131000: with the 64-token question and 8
+# generated tokens, the model's 131072) are the document lengths; MODES
 # (default "gpu hybrid") the worker modes; QA=1 adds the document-QA load (32 clients, 4
 # documents of QA_TOKENS, 4 questions each) with the cache on and off. Logs go under $OUT.
 set -uo pipefail
@@ -63,7 +64,7 @@ ask() {   # ask NAME SEED TOKENS ARGS...: one request: the document + question S
 }
 
 for mode in ${MODES:-gpu hybrid}; do
-  for tokens in ${CONTEXTS:-131072}; do
+  for tokens in ${CONTEXTS:-131000}; do
     args=(--mode "$mode")
     wargs=(--mode "$mode")
     if [[ $mode == hybrid ]]; then
@@ -79,7 +80,9 @@ done
 
 if [[ ${QA:-0} == 1 ]]; then
   for cache in true false; do
-    start_worker "qa_$cache" --mode gpu --prefix_cache="$cache" --max_batch 64 || continue
+    # A device KV budget makes requests beyond it wait instead of failing the allocation.
+    start_worker "qa_$cache" --mode gpu --prefix_cache="$cache" --max_batch 64 \
+      --kv_cache_bytes "${QA_KV_BYTES:-80GiB}" || continue
     tandem-load --target "127.0.0.1:$port" --concurrency 32 --num_requests 128 --progress_s 0 \
       --shared_prefix_tokens "${QA_TOKENS:-32768}" --shared_prefixes 4 --prompt_tokens 64 \
       --output_tokens 32 --mode gpu --json_out "$out/qa_$cache.json" > "$out/qa_$cache.txt" 2>&1
