@@ -28,11 +28,17 @@ export TANDEM_SHARED_DIR=$PWD/.carry/shared
 model=/tmp/llama3-8b
 tandem-geometry --preset=llama3-8b --config_only --out="$model" > /dev/null
 cp "$TANDEM_SHARED_DIR"/models/gutenberg-14m/tokenizer*.json "$model"/
-python3 - "$model/config.json" "$TANDEM_SHARED_DIR/models/gutenberg-14m/config.json" <<'PY'
+max_tokens=0
+for t in ${CONTEXTS:-131000}; do (( t + 72 > max_tokens )) && max_tokens=$(( t + 72 )); done
+python3 - "$model/config.json" "$TANDEM_SHARED_DIR/models/gutenberg-14m/config.json" \
+  "$max_tokens" <<'PY'
 import json, sys
 config, donor = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 for key in ("bos_token_id", "eos_token_id"):
     config[key] = donor.get(key, 0)
+# Documents longer than Llama-3-8B's 128K: a longer position range (timing only; the weights
+# are random anyway).
+config["max_position_embeddings"] = max(config["max_position_embeddings"], int(sys.argv[3]))
 json.dump(config, open(sys.argv[1], "w"), indent=2)
 PY
 
@@ -68,12 +74,14 @@ for mode in ${MODES:-gpu hybrid}; do
     args=(--mode "$mode")
     wargs=(--mode "$mode")
     if [[ $mode == hybrid ]]; then
-      wargs+=(--window 4096 --selection pages --embedded_pool_bytes "$(( tokens / 4096 + 8 ))GiB")
+      # 128 KiB of bf16 KV per token (32 layers x 8 kv heads x 128 x K,V), plus room.
+      wargs+=(--window 4096 --selection pages --embedded_pool_bytes "$(( tokens / 8192 + 8 ))GiB")
     fi
     start_worker "${mode}_$tokens" "${wargs[@]}" || continue
     ask "${mode}_${tokens}_cold" 1 "$tokens" "${args[@]}"
     ask "${mode}_${tokens}_hit1" 2 "$tokens" "${args[@]}"
     ask "${mode}_${tokens}_hit2" 3 "$tokens" "${args[@]}"
+    grep -E 'Failed|error' "$out/load_${mode}_${tokens}_cold.txt" | head -3
     stop_worker
   done
 done
