@@ -65,7 +65,8 @@ default_exclude+='|EngineLogprobs|EosChatTest|ExactEngine)\.'
 # The device-prefill engine cases serve stories260k (all of DevicePrefill.*); its runner-level
 # case (DevicePrefillRunner.*) and WindowWiden run.
 default_exclude+='|^DevicePrefill\.'
-# So do the prompt-settle engine cases (PromptSettleRing, the window's part, runs).
-default_exclude+='|^PromptSettle\.'
+# So do the prompt-settle engine cases (PromptSettleRing, the window's part, runs) and the
+# prefix cache's engine cases (PrefixCacheIndex, the index, runs).
+default_exclude+='|^PromptSettle\.|^EnginePrefixCache\.'
 if [ $# -eq 0 ]; then set -- -L 'unit|e2e' -E "$default_exclude"; fi
 nice -n "$nice_level" ctest --output-on-failure --timeout 900 -j "$jobs" "$@"
