@@ -2,7 +2,9 @@
 // creates bf16 matmuls only with AVX-512; on AVX2-only hosts (AMD EPYC Rome/Milan, Intel client
 // parts) and under TANDEM_CPU_ISA below avx512, CpuMatmul runs its bf16 weights here instead.
 //
-// y [m, n] = x [m, k] · w [n, k]ᵀ (+ bias [n]) (+ y), by panels of weight rows: each task widens
+// y [m, n] = x [m, k] · w [n, k]ᵀ (+ bias [n]) (+ y). Decode-sized products (m <= 4) on AVX2
+// CPUs widen each weight row in registers and dot it with every x row (a GEMV: the bf16 weights
+// are read once). Larger ones go by panels of weight rows: each task widens
 // one panel of w (kPanelBytes of f32, L2-resident) and multiplies it with oneDNN's f32 sgemm
 // (AVX2/FMA kernels on such a host). x must already hold bf16-rounded values (CpuMatmul rounds
 // it as for the oneDNN bf16 path), so every product is of two bf16 values, exact in f32, and the
