@@ -287,6 +287,19 @@ absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
   return &new_slots_;
 }
 
+absl::Status WindowCache::EmptySlots(int64_t first_slot, int64_t count) {
+  std::fill_n(slot_pos_.begin() + first_slot, count, -1);
+  // A slot's MAW starts "fresh" (-1) so its next token takes its first attention weight as is
+  // (Create marks every slot fresh; reuse happens only after a release or a truncation).
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
+      TANDEM_RETURN_IF_ERROR(backend_->Fill(maw(l) + h * capacity_ + first_slot, -1.0f, count));
+    }
+  }
+  return backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + first_slot,
+                                slot_pos_.data() + first_slot, count * 4);
+}
+
 absl::Status WindowCache::Truncate(int64_t positions) {
   if (positions < 0 || positions > next_pos_) {
     return absl::InvalidArgumentError(absl::StrCat("window cache: truncate to ", positions,
@@ -304,14 +317,7 @@ absl::Status WindowCache::Truncate(int64_t positions) {
     const int64_t first_slot = SlotOf(pos);
     int64_t count = 1;
     while (pos + count < next_pos_ && SlotOf(pos + count) == first_slot + count) ++count;
-    std::fill_n(slot_pos_.begin() + first_slot, count, -1);
-    for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-      for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
-        TANDEM_RETURN_IF_ERROR(backend_->Fill(maw(l) + h * capacity_ + first_slot, -1.0f, count));
-      }
-    }
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + first_slot,
-                                                  slot_pos_.data() + first_slot, count * 4));
+    TANDEM_RETURN_IF_ERROR(EmptySlots(first_slot, count));
     pos += count;
   }
   next_pos_ = positions;
@@ -417,17 +423,7 @@ absl::Status WindowCache::Release(const std::vector<EvictedBlock>& blocks) {
     if (b.first_pos != options_.sink + evicted_tokens_) {
       return absl::FailedPreconditionError("window cache: blocks must be released oldest first");
     }
-    std::fill_n(slot_pos_.begin() + b.first_slot, b.count, -1);
-    // A slot's MAW starts "fresh" (-1) so its next token takes its first attention weight as is
-    // (Create marks every slot fresh; reuse happens only after a release).
-    for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-      for (int64_t h = 0; h < geometry_.num_kv_heads; ++h) {
-        TANDEM_RETURN_IF_ERROR(
-            backend_->Fill(maw(l) + h * capacity_ + b.first_slot, -1.0f, b.count));
-      }
-    }
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(slot_pos_dev_.as<int32_t>() + b.first_slot,
-                                                  slot_pos_.data() + b.first_slot, b.count * 4));
+    TANDEM_RETURN_IF_ERROR(EmptySlots(b.first_slot, b.count));
     evicted_tokens_ += b.count;
   }
   // After Narrow(): once the blocks beyond the configured window have left, the ring shrinks.

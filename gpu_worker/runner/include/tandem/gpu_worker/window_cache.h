@@ -186,6 +186,9 @@ class WindowCache {
   absl::Status Relayout(const WindowOptions& target);
   // Relayout to the configured window (its ring), ending the re-laid state.
   absl::Status Shrink();
+  // Marks slots [first_slot, first_slot + count) empty (position -1, MAW fresh), on the host
+  // mirror and the device (Release and Truncate).
+  absl::Status EmptySlots(int64_t first_slot, int64_t count);
   int64_t SlotOf(int64_t pos) const;
   int64_t RecentTokens() const;
 
