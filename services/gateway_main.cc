@@ -37,9 +37,16 @@ ABSL_FLAG(std::string, chat_template, "",
 ABSL_FLAG(tandem::ByteSize, max_body_bytes, tandem::ByteSize{32ull << 20},
           "largest request body accepted (413 beyond)");
 ABSL_FLAG(int, max_concurrent_requests, 256, "generations in flight at most; more get 429");
-ABSL_FLAG(int, http_threads, 0, "HTTP connection threads; 0 = max_concurrent_requests + 16");
+ABSL_FLAG(int, http_threads, 0,
+          "HTTP connection threads (one per open connection); 0 = max_concurrent_requests + 128");
 ABSL_FLAG(int, request_timeout_s, 3600, "deadline of one generation on its worker, seconds");
-ABSL_FLAG(int, read_timeout_s, 60, "seconds to read one HTTP request");
+ABSL_FLAG(int, read_timeout_s, 10,
+          "a client that sends nothing for this long while sending a request is dropped, seconds");
+ABSL_FLAG(int, header_timeout_s, 10,
+          "a request's line and headers must arrive within this many seconds of the connection's "
+          "opening or its previous response, else the connection is closed");
+ABSL_FLAG(int, body_timeout_s, 30,
+          "a request body must arrive whole within this many seconds of its headers (else 408)");
 ABSL_FLAG(int, write_timeout_s, 60,
           "seconds a client may stop reading before it is dropped (its generation cancelled)");
 ABSL_FLAG(int, keep_alive_s, 5, "idle keep-alive connections are closed after this, seconds");
@@ -139,6 +146,8 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
   o.http_threads = absl::GetFlag(FLAGS_http_threads);
   o.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);
   o.read_timeout_s = absl::GetFlag(FLAGS_read_timeout_s);
+  o.header_timeout_s = absl::GetFlag(FLAGS_header_timeout_s);
+  o.body_timeout_s = absl::GetFlag(FLAGS_body_timeout_s);
   o.write_timeout_s = absl::GetFlag(FLAGS_write_timeout_s);
   o.keep_alive_s = absl::GetFlag(FLAGS_keep_alive_s);
   o.disconnect_poll_ms = absl::GetFlag(FLAGS_disconnect_poll_ms);

@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "cors_policy.h"
 #include "generation_handler.h"
+#include "connection_reaper.h"
+#include "request_guard.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gateway/sse.h"
@@ -46,10 +48,12 @@ nlohmann::json ModelJson(const std::string& id, const v1::ModelInfoResponse& inf
 
 absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const GatewayOptions& options) {
   if (options.max_concurrent_requests < 1 || options.request_timeout_s < 1 ||
-      options.read_timeout_s < 1 || options.write_timeout_s < 1 || options.keep_alive_s < 1 ||
+      options.read_timeout_s < 1 || options.header_timeout_s < 1 || options.body_timeout_s < 1 ||
+      options.write_timeout_s < 1 ||
+      options.keep_alive_s < 1 ||
       options.max_body_bytes < 1024 || options.http_threads < 0) {
     return absl::InvalidArgumentError(
-        "max_concurrent_requests, request/read/write timeouts and keep_alive must be >= 1, "
+        "max_concurrent_requests, request/read/header/body/write timeouts and keep_alive must be >= 1, "
         "max_body_bytes >= 1 KiB, http_threads >= 0");
   }
   std::unique_ptr<GatewayServer> server(new GatewayServer());
@@ -82,39 +86,48 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
     server->http_ = std::move(https);
   }
   httplib::Server& http = *server->http_;
-  // Generations hold their connection's thread while they run: enough threads for the cap plus
-  // the cheap endpoints (health, metrics, models) and idle keep-alive connections.
+  // Each open connection holds a thread (httplib): generations while they run, and clients
+  // still sending a request until the header/body deadlines cut them off. Enough threads for the
+  // cap plus the cheap endpoints, idle keep-alive connections and slow clients; an idle thread
+  // costs its stack's address space, not memory.
   const size_t threads = options.http_threads > 0
                              ? static_cast<size_t>(options.http_threads)
-                             : static_cast<size_t>(options.max_concurrent_requests) + 16;
+                             : static_cast<size_t>(options.max_concurrent_requests) + 128;
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   http.set_payload_max_length(options.max_body_bytes);
   http.set_read_timeout(options.read_timeout_s, 0);
   http.set_write_timeout(options.write_timeout_s, 0);
   http.set_keep_alive_timeout(options.keep_alive_s);
   http.set_tcp_nodelay(true);
-  // CORS first (a browser's preflight carries no API key), then the API key: every route but
-  // health and metrics needs a listed one (OpenAI's 401 otherwise).
+  // Before any body is read: its framing (a lying or absurd length is answered at once), then
+  // CORS (a browser's preflight carries no API key), then the API key: every route but health
+  // and metrics needs a listed one (OpenAI's 401 otherwise).
   TANDEM_ASSIGN_OR_RETURN(CorsPolicy cors, CorsPolicy::Parse(options.cors_origins));
-  if (cors.enabled() || options.api_keys.has_value()) {
-    http.set_pre_routing_handler([s = server->shared_.get(), cors](const httplib::Request& req,
-                                                                   httplib::Response& res) {
-      if (cors.AnswerPreflight(req, res)) return httplib::Server::HandlerResponse::Handled;
-      cors.Decorate(req, res);
-      if (!s->options.api_keys.has_value() || req.path == "/health" || req.path == "/metrics") {
-        return httplib::Server::HandlerResponse::Unhandled;
-      }
-      const std::string key = BearerToken(req);
-      if (!key.empty() && s->options.api_keys->Lookup(key).has_value()) {
-        return httplib::Server::HandlerResponse::Unhandled;
-      }
-      const ApiError e = FromStatus(absl::UnauthenticatedError(
-          key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
-                      : "incorrect API key provided"));
-      SendJson(res, e.http_status, ErrorJson(e));
+  http.set_pre_routing_handler([s = server->shared_.get(), cors](const httplib::Request& req,
+                                                                 httplib::Response& res) {
+    if (s->reaper != nullptr) s->reaper->HeadersArrived(req.remote_addr, req.remote_port);
+    if (const ApiError framing = CheckBodyFraming(req, s->options.max_body_bytes);
+        framing.http_status != 0) {
+      RefuseAndClose(framing, res);
+      s->metrics.CountRequest(req.path, framing.http_status);
       return httplib::Server::HandlerResponse::Handled;
-    });
-  }
+    }
+    if (cors.AnswerPreflight(req, res)) return httplib::Server::HandlerResponse::Handled;
+    cors.Decorate(req, res);
+    if (!s->options.api_keys.has_value() || req.path == "/health" || req.path == "/metrics") {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    const std::string key = BearerToken(req);
+    if (!key.empty() && s->options.api_keys->Lookup(key).has_value()) {
+      return httplib::Server::HandlerResponse::Unhandled;
+    }
+    const ApiError e = FromStatus(absl::UnauthenticatedError(
+        key.empty() ? "missing API key: send 'Authorization: Bearer <key>'"
+                    : "incorrect API key provided"));
+    // The body is not read: the connection cannot serve another request.
+    RefuseAndClose(e, res);
+    return httplib::Server::HandlerResponse::Handled;
+  });
   server->AddRoutes();
 
   const int port = options.port == 0
@@ -125,6 +138,8 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
         absl::StrCat("cannot bind ", options.host, ":", options.port, " (in use?)"));
   }
   server->port_ = port;
+  server->shared_->reaper = std::make_unique<ConnectionReaper>(
+      port, std::chrono::seconds(options.header_timeout_s));
   server->listener_ = std::thread([s = server.get()] {
     if (!s->http_->listen_after_bind()) spdlog::error("the HTTP listener stopped with an error");
   });
@@ -155,9 +170,18 @@ void GatewayServer::AddRoutes() {
   httplib::Server& http = *http_;
   Shared* s = shared_.get();
 
+  // The body is read here, against the deadline (request_guard.h), not by httplib before.
   for (const auto& [path, endpoint] : kGenerationRoutes) {
-    http.Post(path, [s, endpoint = endpoint](const httplib::Request& req, httplib::Response& res) {
-      HandleGeneration(*s, endpoint, req, res);
+    http.Post(path, [s, endpoint = endpoint](const httplib::Request& req, httplib::Response& res,
+                                             const httplib::ContentReader& reader) {
+      std::string body;
+      ApiError late;
+      if (!ReadBodyWithin(reader, std::chrono::seconds(s->options.body_timeout_s), &body, &late)) {
+        RefuseAndClose(late, res);
+        s->metrics.CountRequest(req.path, late.http_status);
+        return;
+      }
+      HandleGeneration(*s, endpoint, req, body, res);
     });
   }
 
@@ -262,7 +286,8 @@ void GatewayServer::AddRoutes() {
         res.set_content(DumpJson(ErrorJson(e)), "application/json");
         return httplib::Server::HandlerResponse::Handled;
       }));
-  http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+  http.set_logger([s](const httplib::Request& req, const httplib::Response& res) {
+    if (s->reaper != nullptr) s->reaper->ResponseSent(req.remote_addr, req.remote_port);
     spdlog::debug("{} {} {} from {}:{}", req.method, req.path, res.status, req.remote_addr,
                   req.remote_port);
   });

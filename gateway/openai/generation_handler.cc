@@ -210,8 +210,8 @@ bool WriteStream(GatewayServer::Shared& shared, StreamState& st, httplib::DataSi
     sink.done();
     return true;
   }
-  if (!write(SseData(builder.FinishChunk(final->finish_reason())))) return false;
-  if (st.include_usage && !write(SseData(builder.UsageChunk(final->usage())))) return false;
+  if (!write(SseData(builder.FinishChunk(*final)))) return false;
+  if (st.include_usage && !write(SseData(builder.UsageChunk(*final)))) return false;
   if (!write(SseDone())) return false;
   sink.done();
   RecordSuccess(shared, *final, st.arrival);
@@ -278,13 +278,13 @@ void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
 }
 
 void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
-                      httplib::Response& res) {
+                      std::string_view body, httplib::Response& res) {
   const Clock::time_point arrival = Clock::now();
   const std::string name =
       endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions";
   absl::StatusOr<OpenAiRequest> parsed = endpoint == Endpoint::kChatCompletions
-                                             ? ParseChatRequest(req.body)
-                                             : ParseCompletionRequest(req.body);
+                                             ? ParseChatRequest(body)
+                                             : ParseCompletionRequest(body);
   if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
   OpenAiRequest& r = *parsed;
   if (!r.ignored_fields.empty()) {

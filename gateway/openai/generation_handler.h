@@ -7,9 +7,11 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "absl/status/status.h"
 #include "prometheus/registry.h"
+#include "connection_reaper.h"
 #include "session_owners.h"
 #include "tandem/gateway/api_error.h"
 #include "tandem/gateway/chat_prompt.h"
@@ -33,6 +35,8 @@ struct GatewayServer::Shared {
   std::atomic<int> in_flight{0};  // generations admitted and not finished
   // Session owners by API key (null without --api_key_file).
   std::unique_ptr<SessionOwners> owners;
+  // Closes connections slow to send their headers (made once the port is bound; null before).
+  std::unique_ptr<ConnectionReaper> reaper;
 };
 
 // The principal of the request's API key ("" without --api_key_file; the pre-routing check
@@ -49,8 +53,8 @@ std::string ServedModelName(const GatewayServer::Shared& shared, const v1::Model
 void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
                const absl::Status& status, httplib::Response& res);
 
-// One completions / chat completions request, streamed or not.
+// One completions / chat completions request (its JSON `body`), streamed or not.
 void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
-                      httplib::Response& res);
+                      std::string_view body, httplib::Response& res);
 
 }  // namespace tandem::gateway

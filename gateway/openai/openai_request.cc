@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gateway/api_error.h"
+#include "tandem/gateway/bounded_json.h"
 
 namespace tandem::gateway {
 namespace {
@@ -90,15 +91,16 @@ class Fields {
 };
 
 absl::StatusOr<Json> ParseBody(std::string_view body) {
-  Json j;
-  try {
-    j = Json::parse(body);
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the request body is not valid JSON: ", e.what()));
-  }
+  TANDEM_ASSIGN_OR_RETURN(Json j, ParseBoundedJson(body));
   if (!j.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
   return j;
+}
+
+// A list field over its bound: 400 naming it.
+absl::Status CheckListSize(const std::string& field, size_t size, size_t limit) {
+  if (size <= limit) return absl::OkStatus();
+  return InvalidField(field, absl::StrCat("'", field, "' has ", size, " entries; at most ",
+                                          limit));
 }
 
 absl::Status Unsupported(const std::string& field, absl::string_view what) {
@@ -123,6 +125,7 @@ absl::Status RefuseUnhonouredSampling(Fields& f) {
   }
   if (const Json* bias = f.Find("logit_bias"); bias != nullptr) {
     if (!bias->is_object()) return InvalidField("logit_bias", "'logit_bias' must be an object");
+    TANDEM_RETURN_IF_ERROR(CheckListSize("logit_bias", bias->size(), kMaxLogitBiasEntries));
     if (!bias->empty()) return Unsupported("logit_bias", "with entries");
   }
   for (const char* constrained : {"guided_json", "guided_regex", "guided_choice",
@@ -135,6 +138,7 @@ absl::Status RefuseUnhonouredSampling(Fields& f) {
   f.Find("guided_decoding_backend");   // meaningless without the above
   if (const Json* ids = f.Find("stop_token_ids"); ids != nullptr) {
     if (!ids->is_array()) return InvalidField("stop_token_ids", "'stop_token_ids' must be a list");
+    TANDEM_RETURN_IF_ERROR(CheckListSize("stop_token_ids", ids->size(), kMaxStopStrings));
     if (!ids->empty()) return Unsupported("stop_token_ids", "with entries (use 'stop')");
   }
   for (const char* flag : {"use_beam_search", "continue_final_message"}) {
@@ -147,16 +151,19 @@ absl::Status RefuseUnhonouredSampling(Fields& f) {
 absl::Status ReadStop(Fields& f, v1::GenerateRequest* g) {
   const Json* stop = f.Find("stop");
   if (stop == nullptr) return absl::OkStatus();
-  if (stop->is_string()) {
-    g->add_stop(stop->get<std::string>());
-    return absl::OkStatus();
-  }
-  if (!stop->is_array())
-    return InvalidField("stop", "'stop' must be a string or a list of strings");
-  for (const Json& s : *stop) {
+  auto add = [g](const Json& s) {
     if (!s.is_string()) return InvalidField("stop", "'stop' must be a string or a list of strings");
-    g->add_stop(s.get<std::string>());
-  }
+    const std::string& text = s.get_ref<const std::string&>();
+    if (text.size() > kMaxStopBytes) {
+      return InvalidField("stop", absl::StrCat("a 'stop' string has ", text.size(),
+                                               " bytes; at most ", kMaxStopBytes));
+    }
+    g->add_stop(text);
+    return absl::OkStatus();
+  };
+  if (!stop->is_array()) return add(*stop);
+  TANDEM_RETURN_IF_ERROR(CheckListSize("stop", stop->size(), kMaxStopStrings));
+  for (const Json& s : *stop) TANDEM_RETURN_IF_ERROR(add(s));
   return absl::OkStatus();
 }
 
@@ -348,6 +355,7 @@ absl::StatusOr<OpenAiRequest> ParseChatRequest(std::string_view body) {
   if (!messages->is_array() || messages->empty()) {
     return InvalidField("messages", "'messages' must be a non-empty list of messages");
   }
+  TANDEM_RETURN_IF_ERROR(CheckListSize("messages", messages->size(), kMaxMessages));
   for (size_t i = 0; i < messages->size(); ++i) {
     const Json& m = (*messages)[i];
     const std::string where = absl::StrCat("messages[", i, "]");
@@ -378,6 +386,7 @@ absl::StatusOr<OpenAiRequest> ParseChatRequest(std::string_view body) {
   }
   if (const Json* tools = f.Find("tools"); tools != nullptr) {
     if (!tools->is_array()) return InvalidField("tools", "'tools' must be a list");
+    TANDEM_RETURN_IF_ERROR(CheckListSize("tools", tools->size(), kMaxTools));
     if (!tools->empty()) r.tools = *tools;
   }
   const Json* choice = f.Find("tool_choice");

@@ -47,13 +47,21 @@ std::string FinishReasonName(v1::FinishReason reason) {
   }
 }
 
-Json UsageJson(const v1::Usage& usage) {
+Json UsageJson(const v1::GenerateFinal& final) {
+  const v1::Usage& usage = final.usage();
   // prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (OpenAI's
-  // and vLLM's field).
+  // and vLLM's field); degraded_steps: tandem's count of steps without a node's answer.
   return {{"prompt_tokens", usage.prompt_tokens()},
           {"completion_tokens", usage.completion_tokens()},
           {"total_tokens", usage.total_tokens()},
-          {"prompt_tokens_details", {{"cached_tokens", usage.cached_tokens()}}}};
+          {"prompt_tokens_details", {{"cached_tokens", usage.cached_tokens()}}},
+          {"degraded_steps", final.degraded_steps()}};
+}
+
+Json TandemJson(const v1::GenerateFinal& final) {
+  return {{"degraded", final.degraded()},
+          {"degraded_steps", final.degraded_steps()},
+          {"mode", final.mode()}};
 }
 
 ResponseBuilder::ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs,
@@ -143,7 +151,8 @@ std::optional<Json> ResponseBuilder::TokenChunk(const v1::TokenDelta& delta,
   return j;
 }
 
-Json ResponseBuilder::FinishChunk(v1::FinishReason reason) const {
+Json ResponseBuilder::FinishChunk(const v1::GenerateFinal& final) const {
+  const v1::FinishReason reason = final.finish_reason();
   Json choice = {{"index", 0}};
   if (meta_.endpoint == Endpoint::kChatCompletions) {
     choice["delta"] = Json::object();
@@ -155,13 +164,14 @@ Json ResponseBuilder::FinishChunk(v1::FinishReason reason) const {
   choice["finish_reason"] = name.empty() ? Json(nullptr) : Json(name);
   Json j = Envelope(true);
   j["choices"] = Json::array({std::move(choice)});
+  j["tandem"] = TandemJson(final);
   return j;
 }
 
-Json ResponseBuilder::UsageChunk(const v1::Usage& usage) const {
+Json ResponseBuilder::UsageChunk(const v1::GenerateFinal& final) const {
   Json j = Envelope(true);
   j["choices"] = Json::array();
-  j["usage"] = UsageJson(usage);
+  j["usage"] = UsageJson(final);
   return j;
 }
 
@@ -195,7 +205,8 @@ Json ResponseBuilder::Aggregate(const v1::GenerateFinal& final) const {
   choice["finish_reason"] = name.empty() ? Json(nullptr) : Json(name);
   Json j = Envelope(false);
   j["choices"] = Json::array({std::move(choice)});
-  j["usage"] = UsageJson(final.usage());
+  j["usage"] = UsageJson(final);
+  j["tandem"] = TandemJson(final);
   return j;
 }
 

@@ -132,6 +132,7 @@ class ChildProcess {
   }
 
   // What the child printed so far (stdout: what WaitListening has not consumed).
+  pid_t pid() const { return pid_; }
   const std::string& stdout_text() const { return stdout_; }
   const std::string& stderr_text() const { return stderr_; }
   std::string log() const { return stdout_ + stderr_; }

@@ -163,7 +163,10 @@ TEST_F(GatewayE2eTest, CurlCompletionEqualsTheWorkersGreedyText) {
   EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 5},
                               {"completion_tokens", 40},
                               {"total_tokens", 45},
-                              {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
+                              {"prompt_tokens_details", {{"cached_tokens", 0}}},
+                              {"degraded_steps", 0}}));
+  // tandem's mark: no step ran without a CPU node's answer.
+  EXPECT_EQ(j["tandem"], Json({{"degraded", false}, {"degraded_steps", 0}, {"mode", "hybrid"}}));
 }
 
 // The prefix cache through HTTP: a prompt resent with a new ending reports the reused part in

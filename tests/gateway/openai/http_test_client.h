@@ -32,6 +32,30 @@ class RawHttpConnection {
 
   bool ok() const { return fd_ >= 0; }
 
+  // Sends `bytes` as they are (hostile framing, a byte at a time); false once the peer is gone.
+  bool SendRaw(const std::string& bytes) {
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      const ssize_t n = send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      sent += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  // True when the peer has closed the connection (a read returns end of file or an error),
+  // reading whatever arrived before.
+  bool PeerClosed() {
+    while (true) {
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, 0) <= 0) return false;
+      char buffer[4096];
+      const ssize_t n = recv(fd_, buffer, sizeof(buffer), MSG_DONTWAIT);
+      if (n <= 0) return true;
+      received_.append(buffer, static_cast<size_t>(n));
+    }
+  }
+
   bool Post(const std::string& path, const std::string& json_body) {
     const std::string request = absl::StrCat(
         "POST ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n",

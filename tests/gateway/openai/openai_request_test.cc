@@ -9,6 +9,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "tandem/gateway/api_error.h"
 
 namespace tandem::gateway {
@@ -279,6 +280,76 @@ TEST(GatewayChatRequest, Errors) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.body;
     EXPECT_EQ(ParamOf(r.status()), c.param) << r.status();
     EXPECT_NE(r.status().message().find(c.message_part), std::string::npos) << r.status();
+  }
+}
+
+}  // namespace
+}  // namespace tandem::gateway
+
+namespace tandem::gateway {
+namespace {
+
+// A JSON list of `n` copies of `item`.
+std::string ListOf(size_t n, const std::string& item) {
+  std::string list = "[";
+  for (size_t i = 0; i < n; ++i) list += (i > 0 ? "," : "") + item;
+  return list + "]";
+}
+
+// Every list field is bounded: one entry past the bound is a 400 naming the field, the bound
+// itself is taken (or refused for another reason, as logit_bias with entries is).
+TEST(GatewayRequestBounds, ListFieldsOverTheirBoundAreRefusedNamingThem) {
+  const std::string msg = R"({"role":"user","content":"x"})";
+  const std::string one_msg = "[" + msg + "]";
+  struct Case {
+    std::string body;
+    bool chat;
+    const char* param;
+  };
+  std::string bias = "{";
+  for (size_t i = 0; i <= kMaxLogitBiasEntries; ++i) {
+    bias += (i > 0 ? "," : "") + ("\"" + std::to_string(i) + "\":1");
+  }
+  bias += "}";
+  const Case cases[] = {
+      {R"({"messages":)" + ListOf(kMaxMessages + 1, msg) + "}", true, "messages"},
+      {R"({"messages":)" + one_msg + R"(,"tool_choice":"none","tools":)" +
+           ListOf(kMaxTools + 1, R"({"type":"function","function":{"name":"f"}})") + "}",
+       true, "tools"},
+      {R"({"prompt":"x","stop":)" + ListOf(kMaxStopStrings + 1, R"("s")") + "}", false, "stop"},
+      {R"({"prompt":"x","stop":")" + std::string(kMaxStopBytes + 1, 'a') + R"("})", false,
+       "stop"},
+      {R"({"prompt":"x","stop_token_ids":)" + ListOf(kMaxStopStrings + 1, "1") + "}", false,
+       "stop_token_ids"},
+      {R"({"prompt":"x","logit_bias":)" + bias + "}", false, "logit_bias"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<OpenAiRequest> r =
+        c.chat ? ParseChatRequest(c.body) : ParseCompletionRequest(c.body);
+    ASSERT_FALSE(r.ok()) << c.param;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.param;
+    EXPECT_EQ(ParamOf(r.status()), c.param) << r.status();
+    EXPECT_NE(r.status().message().find("at most"), std::string::npos) << r.status();
+  }
+  EXPECT_TRUE(ParseChatRequest(R"({"messages":)" + ListOf(kMaxMessages, msg) + "}").ok());
+  EXPECT_TRUE(
+      ParseCompletionRequest(R"({"prompt":"x","stop":)" + ListOf(kMaxStopStrings, R"("s")") + "}")
+          .ok());
+}
+
+// The shapes that crashed or stalled the gateway: arrays nested 100000 deep in each field a
+// request may nest, answered as a 400 without recursion.
+TEST(GatewayRequestBounds, DeepNestingInAnyFieldIsA400) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  for (const std::string& body :
+       {R"({"prompt":)" + deep + "}", R"({"messages":)" + deep + "}",
+        R"({"messages":[{"role":"user","content":)" + deep + "}]}",
+        R"({"messages":[{"role":"user","content":"x"}],"tools":)" + deep + "}"}) {
+    absl::StatusOr<OpenAiRequest> r = absl::StrContains(body, "messages")
+                                          ? ParseChatRequest(body)
+                                          : ParseCompletionRequest(body);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("nested deeper than"), std::string::npos) << r.status();
   }
 }
 

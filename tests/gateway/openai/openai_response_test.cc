@@ -82,18 +82,38 @@ TEST(GatewayChatChunks, RoleTokensFinishAndUsage) {
   // An empty delta (text held back) sends nothing without logprobs.
   EXPECT_FALSE(b.TokenChunk(Delta(6, "", 1), {}).has_value());
 
-  const Json finish = b.FinishChunk(v1::FINISH_REASON_EOS);
+  v1::GenerateFinal final = Final(v1::FINISH_REASON_EOS, 7, 2);
+  final.mutable_usage()->set_cached_tokens(5);  // the prefix cache served 5 of the 7
+  final.set_mode("hybrid");
+  const Json finish = b.FinishChunk(final);
   EXPECT_EQ(finish["choices"][0]["delta"], Json::object());
   EXPECT_EQ(finish["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(finish["tandem"],
+            Json({{"degraded", false}, {"degraded_steps", 0}, {"mode", "hybrid"}}));
 
-  v1::Usage usage = Final(v1::FINISH_REASON_EOS, 7, 2).usage();
-  usage.set_cached_tokens(5);   // the prefix cache served 5 of the 7 (OpenAI's details field)
-  const Json last = b.UsageChunk(usage);
+  const Json last = b.UsageChunk(final);
   EXPECT_EQ(last["choices"], Json::array());
   EXPECT_EQ(last["usage"], Json({{"prompt_tokens", 7},
                                  {"completion_tokens", 2},
                                  {"total_tokens", 9},
-                                 {"prompt_tokens_details", {{"cached_tokens", 5}}}}));
+                                 {"prompt_tokens_details", {{"cached_tokens", 5}}},
+                                 {"degraded_steps", 0}}));
+}
+
+// A generation that ran some steps without a CPU node's answer says so where every client
+// looks: the aggregate's and the finish chunk's "tandem" object and usage.degraded_steps.
+TEST(GatewayDegradedAnswer, MarkedInTheAggregateTheFinishChunkAndUsage) {
+  v1::GenerateFinal final = Final(v1::FINISH_REASON_LENGTH, 4, 3);
+  final.set_degraded(true);
+  final.set_degraded_steps(2);
+  final.set_mode("hybrid");
+  ResponseBuilder aggregate(Meta(Endpoint::kChatCompletions), false, 0, false);
+  const Json j = aggregate.Aggregate(final);
+  EXPECT_EQ(j["tandem"], Json({{"degraded", true}, {"degraded_steps", 2}, {"mode", "hybrid"}}));
+  EXPECT_EQ(j["usage"]["degraded_steps"], 2);
+  ResponseBuilder stream(Meta(Endpoint::kCompletions), false, 0, true);
+  EXPECT_EQ(stream.FinishChunk(final)["tandem"]["degraded"], true);
+  EXPECT_EQ(stream.UsageChunk(final)["usage"]["degraded_steps"], 2);
 }
 
 TEST(GatewayChatAggregate, MessageUsageAndFinish) {
@@ -159,8 +179,8 @@ TEST(GatewayCompletionChunks, TextAndLegacyLogprobs) {
   // The sampled token is always among them (OpenAI: up to logprobs + 1 entries).
   EXPECT_EQ(lp["top_logprobs"], Json::array({{{" on", -1.0}, {" upon", -2.0}}}));
   EXPECT_EQ(lp["text_offset"], Json({4}));  // after "Once"
-  EXPECT_FALSE(b.FinishChunk(v1::FINISH_REASON_LENGTH).contains("usage"));
-  EXPECT_EQ(b.FinishChunk(v1::FINISH_REASON_LENGTH)["choices"][0]["text"], "");
+  EXPECT_FALSE(b.FinishChunk(Final(v1::FINISH_REASON_LENGTH, 1, 2)).contains("usage"));
+  EXPECT_EQ(b.FinishChunk(Final(v1::FINISH_REASON_LENGTH, 1, 2))["choices"][0]["text"], "");
 }
 
 TEST(GatewayCompletionAggregate, TextLogprobsAndUsage) {
@@ -183,7 +203,8 @@ TEST(GatewayCompletionAggregate, TextLogprobsAndUsage) {
   EXPECT_EQ(j["usage"], Json({{"prompt_tokens", 4},
                               {"completion_tokens", 2},
                               {"total_tokens", 6},
-                              {"prompt_tokens_details", {{"cached_tokens", 0}}}}));
+                              {"prompt_tokens_details", {{"cached_tokens", 0}}},
+                              {"degraded_steps", 0}}));
 }
 
 TEST(GatewayProgress, LlamaCppShape) {

@@ -31,7 +31,9 @@ assert.equal(whole.choices[0].finish_reason, 'length');
 assert.deepEqual(whole.usage, {
   prompt_tokens: 5, completion_tokens: 40, total_tokens: 45,
   prompt_tokens_details: { cached_tokens: 0 },  // shorter than a cacheable prefix
+  degraded_steps: 0,  // tandem's: every step had its CPU nodes' answers
 });
+assert.deepEqual(whole.tandem, { degraded: false, degraded_steps: 0, mode: 'hybrid' });
 
 let streamed = '';
 let usage = null;

@@ -21,13 +21,9 @@
 #include <string>
 #include <thread>
 
-namespace tandem::gateway {
+#include "tandem/gateway/accepted_sockets.h"
 
-// The socket of the connection local_port <- remote_addr:remote_port (numeric address as httplib
-// reports it), or -1 when none of this process' sockets matches.
-// NOTE: one getpeername per open descriptor of the process (/proc/self/fd), once per
-// generation request: ~0.5 us each, well under a millisecond at a few hundred connections.
-int FindRequestSocket(int local_port, const std::string& remote_addr, int remote_port);
+namespace tandem::gateway {
 
 // True when the peer of `fd` has closed the connection (or it failed); false while it is open,
 // including when unread bytes wait (a pipelined request).

@@ -7,7 +7,10 @@
 //   GET  /metrics                                      Prometheus text (gateway_metrics.h)
 // Every error is OpenAI's JSON error object (api_error.h), unknown routes included.
 //
-// Bounds: request bodies over max_body_bytes -> 413; more than max_concurrent_requests
+// Bounds: request bodies over max_body_bytes -> 413 (a Content-Length over it or not a byte count
+// is refused before the body is read); headers slower than header_timeout_s -> the connection
+// is closed; a body slower than body_timeout_s -> 408; a JSON body is
+// parsed within nesting and size bounds (bounded_json.h); more than max_concurrent_requests
 // generations in flight -> 429; each generation has a deadline of request_timeout_s on the
 // worker; a client that stops reading for write_timeout_s is dropped (and its generation
 // cancelled); a client that hangs up is noticed within disconnect_poll_ms and its generation
@@ -40,9 +43,15 @@ struct GatewayOptions {
   std::string chat_template;      // template source that overrides the worker's
   size_t max_body_bytes = 32 << 20;
   int max_concurrent_requests = 256;  // generations in flight; more -> 429
-  int http_threads = 0;               // 0 = max_concurrent_requests + 16
+  int http_threads = 0;               // 0 = max_concurrent_requests + 128
   int request_timeout_s = 3600;       // deadline of one generation on the worker
-  int read_timeout_s = 60;            // reading one request
+  // A client that sends nothing for read_timeout_s while sending a request is dropped; a
+  // request's line and headers must arrive within header_timeout_s of the connection's arrival
+  // or previous response (else it is closed: connection_reaper.h); a body must arrive whole
+  // within body_timeout_s of its headers (408; request_guard.h).
+  int read_timeout_s = 10;
+  int header_timeout_s = 10;
+  int body_timeout_s = 30;
   int write_timeout_s = 60;           // a client that reads nothing for this long is dropped
   int keep_alive_s = 5;               // idle keep-alive connections are closed after this
   int disconnect_poll_ms = 50;

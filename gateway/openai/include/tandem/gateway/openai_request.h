@@ -14,8 +14,13 @@
 // are ignored (listed in `ignored_fields` so the caller can log them); null is the same as
 // absent. Errors: INVALID_ARGUMENT naming the field (ParamOf) for bad JSON, a wrong type, a
 // value out of range or an unsupported option.
+//
+// Bounds (a request's cost is linear in its bytes and bounded in its lists): the body is parsed
+// by ParseBoundedJson (nesting and keys per object, bounded_json.h); messages, tools, stop,
+// stop_token_ids and logit_bias are bounded by the constants below (400 naming the field).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -29,6 +34,12 @@
 namespace tandem::gateway {
 
 enum class Endpoint { kCompletions, kChatCompletions };
+
+inline constexpr size_t kMaxMessages = 16384;         // chat messages of one request
+inline constexpr size_t kMaxTools = 1024;             // OpenAI takes 128
+inline constexpr size_t kMaxStopStrings = 64;         // OpenAI takes 4 (also stop_token_ids)
+inline constexpr size_t kMaxStopBytes = 4096;         // one stop string
+inline constexpr size_t kMaxLogitBiasEntries = 1024;  // refused with entries anyway
 
 struct OpenAiRequest {
   Endpoint endpoint = Endpoint::kCompletions;

@@ -4,8 +4,14 @@
 //   chat:        choices[0].delta {role, content} | message {role, content};
 //                logprobs {content: [{token, logprob, bytes, top_logprobs: [...]}]}
 //   completions: choices[0].text; logprobs {tokens, token_logprobs, top_logprobs, text_offset}
-//   usage {prompt_tokens, completion_tokens, total_tokens}; with include_usage every chunk has
-//   "usage": null and the last chunk has empty choices and the usage.
+//   usage {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens,
+//   degraded_steps}; with include_usage every chunk has "usage": null and the last chunk has
+//   empty choices and the usage.
+// tandem's extra, on the aggregate and on the stream's finish chunk:
+//   "tandem": {degraded, degraded_steps, mode}: degraded is true when some decode step ran
+//   without a CPU node's answer (node lost mid-request: that part of the KV was skipped, so the
+//   text may differ from what exact attention gives); OpenAI's clients ignore the field, and a
+//   client that must not accept a degraded answer checks it (or usage.degraded_steps).
 // finish_reason: max_tokens -> "length", EOS and stop strings -> "stop", a full context ->
 // "length" (the model could not go on). Log-probabilities of -inf become -9999.0 (JSON has no
 // infinity; OpenAI and vLLM use the same floor).
@@ -51,10 +57,10 @@ class ResponseBuilder {
   // One token's chunk; nullopt when it carries nothing (empty text and no logprobs). A delta
   // whose index was seen already (the worker's held-back text) adds text only.
   std::optional<nlohmann::json> TokenChunk(const v1::TokenDelta& delta, const TokenPiece& sampled);
-  // Empty delta / text with the finish_reason.
-  nlohmann::json FinishChunk(v1::FinishReason reason) const;
+  // Empty delta / text with the finish_reason, and the "tandem" object.
+  nlohmann::json FinishChunk(const v1::GenerateFinal& final) const;
   // include_usage: empty choices and the usage.
-  nlohmann::json UsageChunk(const v1::Usage& usage) const;
+  nlohmann::json UsageChunk(const v1::GenerateFinal& final) const;
   // return_progress: llama.cpp's prompt_progress {total, cache, processed, time_ms}, no choices.
   nlohmann::json ProgressChunk(const v1::PrefillProgress& progress) const;
 
@@ -80,7 +86,9 @@ class ResponseBuilder {
   nlohmann::json aggregate_logprobs_;  // Append: the logprobs so far (null without)
 };
 
-// The usage object of `usage`.
-nlohmann::json UsageJson(const v1::Usage& usage);
+// The usage object of a finished generation.
+nlohmann::json UsageJson(const v1::GenerateFinal& final);
+// The "tandem" object of a finished generation: {degraded, degraded_steps, mode}.
+nlohmann::json TandemJson(const v1::GenerateFinal& final);
 
 }  // namespace tandem::gateway
