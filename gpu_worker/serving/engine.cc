@@ -115,6 +115,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
   }
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
+  engine->max_token_bytes_ = MaxTokenBytes(*engine->tokenizer_);
   TANDEM_ASSIGN_OR_RETURN(engine->chat_, LoadChatConfig(options.model_dir));
   engine->eos_sorted_ = engine->tokenizer_->eos_ids();
   std::sort(engine->eos_sorted_.begin(), engine->eos_sorted_.end());

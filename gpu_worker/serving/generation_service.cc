@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/common/grpc_status.h"
 #include "tandem/gpu_worker/memory_plan.h"
+#include "prompt_encoder.h"
 #include "request_parsing.h"
 #include "session_ownership.h"
 #include "tandem/common/status_macros.h"
@@ -328,7 +329,7 @@ class GenerationService::GenerateReactor final
 };
 
 GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info,
-                                     ServiceSecurity security)
+                                     const Tokenizer& tokenizer, ServiceSecurity security)
     : scheduler_(scheduler),
       max_context_(info.max_context),
       vocab_size_(info.vocab_size),
@@ -336,7 +337,9 @@ GenerationService::GenerationService(Scheduler* scheduler, const ModelInfo& info
       owners_(authenticator_.identifies_callers() || security.max_sessions_per_principal > 0
                   ? std::make_unique<internal::SessionOwnership>(
                         security.max_sessions_per_principal)
-                  : nullptr) {}
+                  : nullptr),
+      encoder_(std::make_unique<PromptEncoder>(tokenizer, info.max_context)),
+      tokenizer_(tokenizer) {}
 
 absl::StatusOr<std::function<void(bool kept)>> GenerationService::ClaimSession(
     const std::string& id, const std::string& principal) {
@@ -388,9 +391,37 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
       }
       on_end = *std::move(claimed);
     }
+    if (converted->prompt_ids.empty()) {
+      // A text prompt: refused at once when it cannot fit, else tokenized on the encoder's
+      // threads, and only then handed to the scheduler.
+      StartAfterEncoding(reactor, *std::move(converted), std::move(on_end));
+      return reactor;
+    }
     reactor->Start(*scheduler_, *std::move(converted), std::move(on_end));
   }
   return reactor;
+}
+
+void GenerationService::StartAfterEncoding(GenerateReactor* reactor, GenerateRequest request,
+                                           std::function<void(bool kept)> on_end) {
+  auto refuse = [reactor, on_end](const absl::Status& status) {
+    if (on_end) on_end(false);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (absl::Status fits = encoder_->CheckFits(request.prompt_text); !fits.ok()) {
+    return refuse(fits);
+  }
+  std::string text = std::move(request.prompt_text);
+  auto pending = std::make_shared<GenerateRequest>(std::move(request));
+  Scheduler* scheduler = scheduler_;
+  const absl::Status queued = encoder_->Encode(
+      std::move(text), [reactor, scheduler, pending, on_end, refuse](
+                           absl::StatusOr<std::vector<int32_t>> ids) {
+        if (!ids.ok()) return refuse(ids.status());
+        pending->prompt_text_ids = *std::move(ids);
+        reactor->Start(*scheduler, std::move(*pending), on_end);
+      });
+  if (!queued.ok()) refuse(queued);
 }
 
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
@@ -408,14 +439,25 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
     reactor->Finish(ToGrpcStatus(parsed));
     return reactor;
   }
-  return RunUnary(*scheduler_, context, [request, response_bytes](Engine& engine) {
-    absl::StatusOr<std::vector<int32_t>> ids = engine.Tokenize(request->text(), request->add_bos());
-    if (!ids.ok()) return ids.status();
-    v1::TokenizeResponse response;
-    response.mutable_token_ids()->Add(ids->begin(), ids->end());
-    response.set_count(static_cast<int64_t>(ids->size()));
-    return SerializeReply(response, response_bytes);
-  });
+  // Off the scheduler thread, as Generate's text prompts; any text within the context's bound.
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status fits = encoder_->CheckFits(request->text()); !fits.ok()) {
+    reactor->Finish(ToGrpcStatus(fits));
+    return reactor;
+  }
+  const Tokenizer& tokenizer = tokenizer_;
+  const absl::Status queued = encoder_->Encode(
+      request->text(), [reactor, request, response_bytes, &tokenizer](
+                           absl::StatusOr<std::vector<int32_t>> ids) {
+        if (!ids.ok()) return reactor->Finish(ToGrpcStatus(ids.status()));
+        if (request->add_bos()) AddPromptBos(tokenizer, &*ids);
+        v1::TokenizeResponse response;
+        response.mutable_token_ids()->Add(ids->begin(), ids->end());
+        response.set_count(static_cast<int64_t>(ids->size()));
+        reactor->Finish(ToGrpcStatus(SerializeReply(response, response_bytes)));
+      });
+  if (!queued.ok()) reactor->Finish(ToGrpcStatus(queued));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,

@@ -24,7 +24,8 @@ absl::Status ValidateSessionId(const std::string& id) {
 }
 
 absl::Status ValidateGenerateRequest(const GenerateRequest& request, int64_t max_context) {
-  if (request.prompt_text.empty() && request.prompt_ids.empty()) {
+  if (request.prompt_text.empty() && request.prompt_ids.empty() &&
+      !request.prompt_text_ids.has_value()) {
     return absl::InvalidArgumentError("prompt: empty; set prompt_text or prompt_ids");
   }
   const int64_t max_tokens_limit =

@@ -53,13 +53,14 @@ absl::StatusOr<std::unique_ptr<GpuWorkerServer>> GpuWorkerServer::Start(
     server->embedded_node_.store(&engine->nodes().embedded()->node(), std::memory_order_release);
   }
   NodePool& nodes = engine->nodes();   // (lives with the engine, in the scheduler)
+  const Tokenizer& tokenizer = engine->tokenizer();   // (likewise)
   TANDEM_ASSIGN_OR_RETURN(server->scheduler_,
                           Scheduler::Create(std::move(engine), scheduler_options));
   ServiceSecurity security{
       security::Authenticator(options.tokens, /*allowed_peers=*/{}, !options.tls.ca.empty()),
       options.max_sessions_per_principal};
   server->service_ = std::make_unique<GenerationService>(server->scheduler_.get(), server->info_,
-                                                         std::move(security));
+                                                         tokenizer, std::move(security));
   server->max_message_bytes_ = options.max_message_bytes;
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -3,6 +3,7 @@
 // for log-probability candidates.
 #include "tandem/gpu_worker/tokenizer.h"
 
+#include <algorithm>
 #include <system_error>
 
 #include "absl/status/status.h"
@@ -66,11 +67,48 @@ absl::StatusOr<std::vector<int32_t>> EncodePrompt(const Tokenizer& tokenizer,
                                                   std::string_view text, bool add_bos) {
   TANDEM_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
                           tokenizer.Encode(text, /*add_bos=*/false, /*parse_special=*/true));
-  const int32_t bos = tokenizer.bos_id();
-  if (add_bos && tokenizer.adds_bos() && (ids.empty() || ids.front() != bos)) {
-    ids.insert(ids.begin(), bos);
-  }
+  if (add_bos) AddPromptBos(tokenizer, &ids);
   return ids;
+}
+
+void AddPromptBos(const Tokenizer& tokenizer, std::vector<int32_t>* ids) {
+  const int32_t bos = tokenizer.bos_id();
+  if (tokenizer.adds_bos() && (ids->empty() || ids->front() != bos)) {
+    ids->insert(ids->begin(), bos);
+  }
+}
+
+size_t MaxTokenBytes(const Tokenizer& tokenizer) {
+  size_t longest = 1;
+  for (int32_t id = 0; id < tokenizer.vocab_size(); ++id) {
+    const size_t bytes = tokenizer.IsSpecial(id)
+                             ? tokenizer.Decode({id}, /*skip_special=*/false).size()
+                             : tokenizer.TokenBytes(id).size();
+    longest = std::max(longest, bytes);
+  }
+  return longest;
+}
+
+absl::Status CheckPromptTextFits(std::string_view text, int64_t room_tokens,
+                                 size_t max_token_bytes) {
+  const uint64_t bound = static_cast<uint64_t>(std::max<int64_t>(room_tokens, 0)) *
+                         max_token_bytes * kPromptBytesSlack;
+  if (text.size() <= bound) return absl::OkStatus();
+  // SentencePiece collapses whitespace runs: count each run as one byte (one pass, only for a
+  // text over the bound).
+  uint64_t counted = 0;
+  bool in_space = false;
+  for (const char c : text) {
+    const bool space = c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+    if (!space || !in_space) ++counted;
+    in_space = space;
+  }
+  if (counted <= bound) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "the prompt text (", text.size(), " bytes) cannot fit the ", room_tokens,
+      " tokens left in the model's context: prompts over ", kPromptBytesSlack,
+      " x tokens x ", max_token_bytes, " bytes (this tokenizer's longest token) are refused "
+      "before tokenizing"));
 }
 
 TokenPiece DescribeToken(const Tokenizer& tokenizer, int32_t id) {

@@ -204,6 +204,25 @@ TEST_F(GenerationServiceTest, BadRequestsAreInvalidArgumentNamingTheField) {
   }
 }
 
+// A prompt text far past the context (3 MB for 512 tokens) is refused before it is tokenized,
+// by Generate and by Tokenize, and the worker goes on serving.
+TEST_F(GenerationServiceTest, APromptTextPastTheContextIsRefusedBeforeTokenizing) {
+  const std::string huge(3 << 20, 'a');
+  const auto start = std::chrono::steady_clock::now();
+  Stream s = testing::Generate(*stub_, TextRequest(huge, 8, "gpu"));
+  EXPECT_EQ(s.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.status.error_message(), HasSubstr("refused before tokenizing"));
+  v1::TokenizeRequest tokenize;
+  tokenize.set_text(huge);
+  v1::TokenizeResponse tokens;
+  const grpc::Status status = stub_->Tokenize(testing::Deadline().get(), tokenize, &tokens);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("refused before tokenizing"));
+  // Tokenizing 3 MB takes seconds here; the refusals take the transfer only.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ExpectStillServing();
+}
+
 TEST_F(GenerationServiceTest, TokenizeDetokenizeAndModelInfo) {
   v1::TokenizeRequest tokenize;
   tokenize.set_text(golden_.prompt_text);

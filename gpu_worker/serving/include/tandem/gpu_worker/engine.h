@@ -315,6 +315,7 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
+  size_t max_token_bytes_ = 1;   // MaxTokenBytes(*tokenizer_): bounds prompt text before tokenizing
   ChatConfig chat_;
   std::vector<int32_t> eos_sorted_;   // tokenizer_->eos_ids(), ascending (ModelInfo)
   std::vector<float> logits_host_;    // [vocab]: one logits row for AddLogprobs, reused

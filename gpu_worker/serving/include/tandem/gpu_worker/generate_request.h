@@ -32,6 +32,10 @@ struct GenerateRequest {
   // on the first turn of a session when the tokenizer adds one).
   std::string prompt_text;
   std::vector<int32_t> prompt_ids;
+  // prompt_text already tokenized off the scheduler thread (EncodePrompt with add_bos = false;
+  // the worker's PromptEncoder); Begin adds BOS on a session's first turn as for prompt_text.
+  // Unset: Begin checks prompt_text's size (CheckPromptTextFits) and tokenizes it itself.
+  std::optional<std::vector<int32_t>> prompt_text_ids;
   int64_t max_tokens = 16;         // >= 1
   SamplingOptions sampling;
   std::vector<std::string> stop;   // stop strings (at most 16, each 1..256 bytes)

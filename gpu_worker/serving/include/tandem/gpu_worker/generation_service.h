@@ -26,6 +26,8 @@
 
 namespace tandem::gpu_worker {
 
+class PromptEncoder;
+
 namespace internal {
 class SessionOwnership;
 }  // namespace internal
@@ -68,7 +70,10 @@ class GenerationService final
   // `scheduler` must outlive the service and keep accepting work until the gRPC server that
   // serves this service has shut down (calls in flight finish from the scheduler thread).
   // `info` is the engine's: max_context bounds max_tokens, vocab_size the ids to detokenize.
-  GenerationService(Scheduler* scheduler, const ModelInfo& info, ServiceSecurity security = {});
+  // `tokenizer` (the engine's, outliving the service) tokenizes prompt texts off the scheduler
+  // thread (PromptEncoder: Generate's and Tokenize's texts, bounded by the context first).
+  GenerationService(Scheduler* scheduler, const ModelInfo& info, const Tokenizer& tokenizer,
+                    ServiceSecurity security = {});
   ~GenerationService() override;
 
   // request: a serialized v1::GenerateRequest; the stream carries v1::GenerateResponse.
@@ -100,6 +105,10 @@ class GenerationService final
   // engine), or the refusal.
   absl::StatusOr<std::function<void(bool kept)>> ClaimSession(const std::string& id,
                                                               const std::string& principal);
+  // Generate's text prompt: checked against the context, tokenized on encoder_'s threads, then
+  // started on the scheduler (or finished with the refusal; on_end(false) then).
+  void StartAfterEncoding(GenerateReactor* reactor, GenerateRequest request,
+                          std::function<void(bool kept)> on_end);
 
   Scheduler* scheduler_;
   int64_t max_context_;
@@ -108,6 +117,8 @@ class GenerationService final
   // Null when callers cannot be told apart and sessions per principal are unbounded (the
   // insecure default: nothing to enforce).
   std::unique_ptr<internal::SessionOwnership> owners_;
+  std::unique_ptr<PromptEncoder> encoder_;
+  const Tokenizer& tokenizer_;
 };
 
 }  // namespace tandem::gpu_worker

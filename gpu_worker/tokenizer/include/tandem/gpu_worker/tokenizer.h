@@ -13,6 +13,7 @@
 // tokenizer.model exists as well, it is used instead). Nothing throws.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -20,6 +21,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace tandem::gpu_worker {
@@ -83,6 +85,23 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> ParseTokenizerJson(std::string_view t
 // does not already start with it (templates often write it), so a prompt never starts with two.
 absl::StatusOr<std::vector<int32_t>> EncodePrompt(const Tokenizer& tokenizer,
                                                   std::string_view text, bool add_bos);
+
+// EncodePrompt's BOS step for ids encoded with add_bos = false (e.g. off the scheduler thread,
+// before it is known whether the prompt starts a sequence).
+void AddPromptBos(const Tokenizer& tokenizer, std::vector<int32_t>* ids);
+
+// The most bytes of text one token stands for (its TokenBytes, or a special token's text): a
+// text of N bytes needs at least N / MaxTokenBytes tokens, up to normalisation (SentencePiece
+// may collapse whitespace runs; NFC may compose characters). One pass over the vocabulary.
+size_t MaxTokenBytes(const Tokenizer& tokenizer);
+
+// A prompt text longer than room_tokens x max_token_bytes x kPromptBytesSlack bytes, counting
+// each run of whitespace as one byte (SentencePiece collapses them), cannot fit room_tokens (the
+// slack covers normalisation that composes characters): INVALID_ARGUMENT saying so, so that a
+// 10 MB prompt for a 4K-token model is refused in milliseconds instead of tokenized.
+inline constexpr uint64_t kPromptBytesSlack = 4;
+absl::Status CheckPromptTextFits(std::string_view text, int64_t room_tokens,
+                                 size_t max_token_bytes);
 
 // Token `id` on its own, as log-probability candidates report it (OpenAI's `token` and `bytes`).
 struct TokenPiece {
