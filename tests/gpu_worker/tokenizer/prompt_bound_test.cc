@@ -3,6 +3,7 @@
 // CheckPromptTextFits refuses exactly past kPromptBytesSlack x room x MaxTokenBytes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -51,8 +52,14 @@ TEST_P(PromptBoundTest, TokensTimesMaxTokenBytesCoverEveryText) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, PromptBoundTest,
-                         ::testing::Values("stories260k", "gutenberg-14m"));
+// Named by model (scripts/sanitize.sh leaves out the stories260k case: its SentencePiece
+// tokenizer cannot load under ASan).
+INSTANTIATE_TEST_SUITE_P(Models, PromptBoundTest, ::testing::Values("stories260k", "gutenberg-14m"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           std::string name = info.param;
+                           name.erase(std::remove(name.begin(), name.end(), '-'), name.end());
+                           return name;
+                         });
 
 TEST(CheckPromptTextFits, RefusesExactlyPastTheBound) {
   const size_t bound = 100 * 7 * kPromptBytesSlack;
