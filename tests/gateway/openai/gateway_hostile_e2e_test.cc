@@ -198,7 +198,7 @@ TEST_F(GatewayHostileE2eTest, SlowClientsAreCutOff) {
 
 TEST_F(GatewayHostileE2eTest, ManyHostileConnectionsDoNotDelayOthers) {
   const double rss_before = RssMib(gateway_->pid());
-  const double baseline = MedianSmallCompletion(5);
+  const double baseline = MedianSmallCompletion(7);
   // 40 connections that send half a request line and stall, 10 that trickle headers.
   std::vector<std::unique_ptr<RawHttpConnection>> hostile;
   for (int i = 0; i < 50; ++i) {
@@ -206,9 +206,10 @@ TEST_F(GatewayHostileE2eTest, ManyHostileConnectionsDoNotDelayOthers) {
     ASSERT_TRUE(hostile.back()->SendRaw("POST /v1/compl"));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const double loaded = MedianSmallCompletion(5);
-  // 2x, plus 100 ms for a loaded 2-core CI machine's scheduling noise.
-  EXPECT_LT(loaded, 2 * baseline + 0.1) << "baseline " << baseline << " s";
+  const double loaded = MedianSmallCompletion(7);
+  // 2x, plus 250 ms for the scheduling noise of a 2-core CI machine running other tests at once
+  // (alone here: 2x + 0.1 s holds).
+  EXPECT_LT(loaded, 2 * baseline + 0.25) << "baseline " << baseline << " s";
   // Every one of them is closed within the header timeout (2 s) and a scan.
   std::this_thread::sleep_for(std::chrono::milliseconds(3000));
   int closed = 0;
