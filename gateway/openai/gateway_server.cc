@@ -12,8 +12,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "cors_policy.h"
-#include "generation_handler.h"
 #include "connection_reaper.h"
+#include "generation_handler.h"
 #include "request_guard.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
@@ -49,12 +49,11 @@ nlohmann::json ModelJson(const std::string& id, const v1::ModelInfoResponse& inf
 absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const GatewayOptions& options) {
   if (options.max_concurrent_requests < 1 || options.request_timeout_s < 1 ||
       options.read_timeout_s < 1 || options.header_timeout_s < 1 || options.body_timeout_s < 1 ||
-      options.write_timeout_s < 1 ||
-      options.keep_alive_s < 1 ||
-      options.max_body_bytes < 1024 || options.http_threads < 0) {
+      options.write_timeout_s < 1 || options.keep_alive_s < 1 || options.max_body_bytes < 1024 ||
+      options.http_threads < 0) {
     return absl::InvalidArgumentError(
-        "max_concurrent_requests, request/read/header/body/write timeouts and keep_alive must be >= 1, "
-        "max_body_bytes >= 1 KiB, http_threads >= 0");
+        "max_concurrent_requests, request/read/header/body/write timeouts and keep_alive must be "
+        ">= 1, max_body_bytes >= 1 KiB, http_threads >= 0");
   }
   std::unique_ptr<GatewayServer> server(new GatewayServer());
   auto shared = std::make_unique<Shared>();
@@ -176,7 +175,8 @@ void GatewayServer::AddRoutes() {
                                              const httplib::ContentReader& reader) {
       std::string body;
       ApiError late;
-      if (!ReadBodyWithin(reader, std::chrono::seconds(s->options.body_timeout_s), &body, &late)) {
+      if (!ReadBodyWithin(req, reader, std::chrono::seconds(s->options.body_timeout_s), &body,
+                          &late)) {
         RefuseAndClose(late, res);
         s->metrics.CountRequest(req.path, late.http_status);
         return;
@@ -270,10 +270,7 @@ void GatewayServer::AddRoutes() {
         } else if (res.status == 413 && absl::StartsWith(req.get_header_value("Content-Type"),
                                                           "application/x-www-form-urlencoded")) {
           // The HTTP library caps form bodies before any handler runs.
-          e.message = absl::StrCat(
-              "the request body is over ", CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH / 1024,
-              " KiB as application/x-www-form-urlencoded (curl's --data default); send it with "
-              "'Content-Type: application/json'");
+          e.message = FormBodyTooLargeMessage();
           e.type = "invalid_request_error";
         } else if (res.status == 413) {
           e.message = absl::StrCat("the request body is over ", s->options.max_body_bytes,

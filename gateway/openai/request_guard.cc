@@ -11,6 +11,13 @@
 
 namespace tandem::gateway {
 
+std::string FormBodyTooLargeMessage() {
+  return absl::StrCat("the request body is over ",
+                      CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH / 1024,
+                      " KiB as application/x-www-form-urlencoded (curl's --data default); send "
+                      "it with 'Content-Type: application/json'");
+}
+
 ApiError CheckBodyFraming(const httplib::Request& req, size_t max_body_bytes) {
   ApiError e;
   e.http_status = 0;
@@ -35,10 +42,7 @@ ApiError CheckBodyFraming(const httplib::Request& req, size_t max_body_bytes) {
                               "application/x-www-form-urlencoded")) {
     // curl's --data default: a JSON body sent as a form, which httplib caps.
     e.http_status = 413;
-    e.message = absl::StrCat(
-        "the request body is over ", CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH / 1024,
-        " KiB as application/x-www-form-urlencoded (curl's --data default); send it with "
-        "'Content-Type: application/json'");
+    e.message = FormBodyTooLargeMessage();
   } else if (length > max_body_bytes) {
     e.http_status = 413;
     e.message = absl::StrCat("the request body (Content-Length ", length, ") is over ",
@@ -47,9 +51,12 @@ ApiError CheckBodyFraming(const httplib::Request& req, size_t max_body_bytes) {
   return e;
 }
 
-bool ReadBodyWithin(const httplib::ContentReader& reader, std::chrono::milliseconds timeout,
-                    std::string* body, ApiError* error) {
+bool ReadBodyWithin(const httplib::Request& req, const httplib::ContentReader& reader,
+                    std::chrono::milliseconds timeout, std::string* body, ApiError* error) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (uint64_t length = 0; absl::SimpleAtoi(req.get_header_value("Content-Length"), &length)) {
+    body->reserve(length);
+  }
   bool late = false;
   const bool read = reader([&](const char* data, size_t size) {
     if (std::chrono::steady_clock::now() > deadline) {

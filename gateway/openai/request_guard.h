@@ -24,11 +24,16 @@ namespace tandem::gateway {
 // fine.
 ApiError CheckBodyFraming(const httplib::Request& req, size_t max_body_bytes);
 
-// Reads the body through `reader` into `body`; false when it did not arrive whole within
+// The 413 message for a form-encoded body over httplib's form cap (here for one with a
+// Content-Length; the error handler for a chunked one, which httplib caps itself).
+std::string FormBodyTooLargeMessage();
+
+// Reads the body through `reader` into `body` (reserving Content-Length, which
+// CheckBodyFraming has bounded); false when it did not arrive whole within
 // `timeout` (then `error` says why: 408 for the deadline or a read that failed, e.g. the idle
 // limit or a client that hung up).
-bool ReadBodyWithin(const httplib::ContentReader& reader, std::chrono::milliseconds timeout,
-                    std::string* body, ApiError* error);
+bool ReadBodyWithin(const httplib::Request& req, const httplib::ContentReader& reader,
+                    std::chrono::milliseconds timeout, std::string* body, ApiError* error);
 
 // Answers `res` with `error` and asks httplib to close the connection after it.
 void RefuseAndClose(const ApiError& error, httplib::Response& res);

@@ -142,16 +142,17 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     }
   }
   std::vector<int32_t> prompt = request.prompt_ids;
-  if (prompt.empty() && request.prompt_text_ids.has_value()) {
-    prompt = *request.prompt_text_ids;   // tokenized off this thread (PromptEncoder)
-    if (!continuing) AddPromptBos(*tokenizer_, &prompt);
-    if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
-  } else if (prompt.empty()) {
-    const int64_t in_session =
-        continuing ? static_cast<int64_t>(existing->second->tokens.size()) : 0;
-    TANDEM_RETURN_IF_ERROR(
-        CheckPromptTextFits(request.prompt_text, max_context_ - in_session, max_token_bytes_));
-    TANDEM_ASSIGN_OR_RETURN(prompt, Tokenize(request.prompt_text, /*add_bos=*/!continuing));
+  if (prompt.empty()) {
+    if (request.prompt_text_ids.has_value()) {
+      prompt = *request.prompt_text_ids;   // tokenized off this thread (PromptEncoder)
+      if (!continuing) AddPromptBos(*tokenizer_, &prompt);
+    } else {
+      const int64_t in_session =
+          continuing ? static_cast<int64_t>(existing->second->tokens.size()) : 0;
+      TANDEM_RETURN_IF_ERROR(
+          CheckPromptTextFits(request.prompt_text, max_context_ - in_session, max_token_bytes_));
+      TANDEM_ASSIGN_OR_RETURN(prompt, Tokenize(request.prompt_text, /*add_bos=*/!continuing));
+    }
     if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
   }
   TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
