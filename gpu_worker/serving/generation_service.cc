@@ -11,12 +11,15 @@
 #include "tandem/common/grpc_status.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "prompt_encoder.h"
-#include "request_parsing.h"
 #include "session_ownership.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/rpc_message/raw_message.h"
 
 namespace tandem::gpu_worker {
 namespace {
+
+using rpc_message::ParseRequest;
+using rpc_message::SerializeReply;
 
 // Runs `work` on the scheduler thread (between steps) and finishes the unary reactor with its status. A call the
 // client already cancelled is finished as CANCELLED without running.
@@ -445,12 +448,12 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
     reactor->Finish(ToGrpcStatus(fits));
     return reactor;
   }
-  const Tokenizer& tokenizer = tokenizer_;
+  const Tokenizer* tokenizer = &tokenizer_;
   const absl::Status queued = encoder_->Encode(
-      request->text(), [reactor, request, response_bytes, &tokenizer](
+      request->text(), [reactor, request, response_bytes, tokenizer](
                            absl::StatusOr<std::vector<int32_t>> ids) {
         if (!ids.ok()) return reactor->Finish(ToGrpcStatus(ids.status()));
-        if (request->add_bos()) AddPromptBos(tokenizer, &*ids);
+        if (request->add_bos()) AddPromptBos(*tokenizer, &*ids);
         v1::TokenizeResponse response;
         response.mutable_token_ids()->Add(ids->begin(), ids->end());
         response.set_count(static_cast<int64_t>(ids->size()));

@@ -4,9 +4,11 @@
 #include "tandem/cpu_attention/server.h"
 
 #include <chrono>
+#include <future>
 #include <random>
 #include <thread>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -188,6 +190,66 @@ TEST_F(GrpcServiceTest, BadMessageEndsStreamAndEarlierOnesStay) {
   entries[0].v.resize(50 * 64);
   entries[0].maw.resize(50);
   ExpectAttendMatches(*stub_, "s", g, entries, 6);
+}
+
+// Bytes that do not parse as the method's request are INVALID_ARGUMENT with a message on every
+// method (gRPC's generated handlers answered UNIMPLEMENTED with none), and a garbage AppendKv
+// message ends its stream with INVALID_ARGUMENT naming it (it used to end it as a clean
+// half-close: OK); the earlier messages stay and the node keeps serving.
+TEST_F(GrpcServiceTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod) {
+  grpc::GenericStub generic(channel_);
+  grpc::ByteBuffer garbage;
+  {
+    const std::string bytes = "\xff\xff\xff\xff";   // a tag whose varint never ends
+    grpc::Slice slice(bytes);
+    garbage = grpc::ByteBuffer(&slice, 1);
+  }
+  for (const char* method : {"OpenSession", "Attend", "Reselect", "CloseSession", "Stats",
+                             "ReshardSession"}) {
+    SCOPED_TRACE(method);
+    auto ctx = Deadline();
+    grpc::ByteBuffer reply;
+    std::promise<grpc::Status> done;
+    generic.UnaryCall(ctx.get(), absl::StrCat("/tandem.v1.CpuAttention/", method),
+                      grpc::StubOptions(), &garbage, &reply,
+                      [&done](grpc::Status s) { done.set_value(std::move(s)); });
+    const grpc::Status s = done.get_future().get();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("is not a valid tandem.v1."), std::string::npos)
+        << s.error_message();
+  }
+  // ExportShard (a server stream): the same answer before any chunk.
+  {
+    v1::ExportShardRequest request;
+    request.set_session_id("\xff\xfe");   // not UTF-8: protobuf's parser would refuse it
+    auto ctx = Deadline();
+    auto reader = stub_->ExportShard(ctx.get(), request);
+    v1::ExportShardChunk chunk;
+    EXPECT_FALSE(reader->Read(&chunk));
+    const grpc::Status s = reader->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_NE(s.error_message().find("session_id is not valid UTF-8"), std::string::npos)
+        << s.error_message();
+  }
+  // AppendKv: one good message, then one that does not parse.
+  Geometry g{1, 4, 1, 64};
+  ASSERT_TRUE(Open(OpenRequest("s", g, 16, true, 0)).ok());
+  std::mt19937 rng(9);
+  std::vector<HeadEntries> entries(1);
+  AddRandomEntries(entries, 20, 64, true, 1e-3f, rng);
+  v1::AppendKvRequest bad = AppendRequest("s", 0, entries, 10, 10, 64, true, 64);
+  bad.set_session_id("s\xff");
+  v1::AppendKvResponse totals;
+  const grpc::Status s =
+      Stream({AppendRequest("s", 0, entries, 0, 10, 64, true, 64), bad}, &totals);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("message 1: session_id is not valid UTF-8"), std::string::npos)
+      << s.error_message();
+  EXPECT_EQ(Stats().stored_bytes(), 10u * (2 * 64 * 2 + 4));
+  entries[0].k.resize(10 * 64);
+  entries[0].v.resize(10 * 64);
+  entries[0].maw.resize(10);
+  ExpectAttendMatches(*stub_, "s", g, entries, 7);
 }
 
 TEST_F(GrpcServiceTest, ErrorsCarryCodesAndMessages) {

@@ -11,9 +11,9 @@
 #include <string>
 
 #include "fuzz_check.h"
-#include "request_parsing.h"
 #include "tandem/gpu_worker/generation_service.h"
 #include "tandem/gpu_worker/request_validation.h"
+#include "tandem/rpc_message/raw_message.h"
 #include "tandem/v1/generation.pb.h"
 
 namespace gw = tandem::gpu_worker;
@@ -51,7 +51,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::Slice slice(data, size);
   grpc::ByteBuffer bytes(&slice, 1);
   tandem::v1::GenerateRequest request;
-  const absl::Status parsed = gw::ParseRequest(bytes, &request);
+  const absl::Status parsed = tandem::rpc_message::ParseRequest(bytes, &request);
   if (!parsed.ok()) {
     FUZZ_CHECK(parsed.code() == absl::StatusCode::kInvalidArgument, parsed.ToString());
     FUZZ_CHECK(!parsed.message().empty(), "a parse error without a message");

@@ -20,7 +20,22 @@ namespace tandem::cpu_attention {
 
 class RequestExecutor;
 
-class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
+// Every method is raw (request bytes in, reply bytes out) and parses its request with
+// rpc_message::ParseRequest: bytes that do not parse are INVALID_ARGUMENT with a message on
+// every method (gRPC's generated handlers answered UNIMPLEMENTED with none, and a garbage
+// AppendKv message ended the stream as if the client had half-closed: OK). The wire format is
+// tandem.v1.CpuAttention's, unchanged for clients.
+using RawCpuAttentionService = v1::CpuAttention::WithRawCallbackMethod_OpenSession<
+    v1::CpuAttention::WithRawCallbackMethod_AppendKv<
+        v1::CpuAttention::WithRawCallbackMethod_Attend<
+            v1::CpuAttention::WithRawCallbackMethod_Reselect<
+                v1::CpuAttention::WithRawCallbackMethod_CloseSession<
+                    v1::CpuAttention::WithRawCallbackMethod_Stats<
+                        v1::CpuAttention::WithRawCallbackMethod_ReshardSession<
+                            v1::CpuAttention::WithRawCallbackMethod_ExportShard<
+                                v1::CpuAttention::CallbackService>>>>>>>>;
+
+class CpuAttentionGrpcService final : public RawCpuAttentionService {
  public:
   // `node` must outlive the service. executor_threads >= 1. `max_message_bytes` is the server's
   // send limit: ExportShard chunks stay below it (and below 16 MiB). `authenticator` decides
@@ -30,28 +45,29 @@ class CpuAttentionGrpcService final : public v1::CpuAttention::CallbackService {
                           security::Authenticator authenticator = {});
   ~CpuAttentionGrpcService() override;
 
+  // Requests and replies: serialized tandem.v1 messages of the method's types.
   grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
-                                        const v1::OpenSessionRequest* request,
-                                        v1::OpenSessionResponse* response) override;
-  grpc::ServerReadReactor<v1::AppendKvRequest>* AppendKv(
-      grpc::CallbackServerContext* context, v1::AppendKvResponse* response) override;
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* AppendKv(grpc::CallbackServerContext* context,
+                                                      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Reselect(grpc::CallbackServerContext* context,
-                                     const v1::ReselectRequest* request,
-                                     v1::ReselectResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
-                                         const v1::CloseSessionRequest* request,
-                                         v1::CloseSessionResponse* response) override;
+                                         const grpc::ByteBuffer* request,
+                                         grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
-                                  const v1::StatsRequest* request,
-                                  v1::StatsResponse* response) override;
+                                  const grpc::ByteBuffer* request,
+                                  grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ReshardSession(grpc::CallbackServerContext* context,
-                                           const v1::ReshardSessionRequest* request,
-                                           v1::ReshardSessionResponse* response) override;
-  grpc::ServerWriteReactor<v1::ExportShardChunk>* ExportShard(
-      grpc::CallbackServerContext* context, const v1::ExportShardRequest* request) override;
+                                           const grpc::ByteBuffer* request,
+                                           grpc::ByteBuffer* response) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* ExportShard(grpc::CallbackServerContext* context,
+                                                          const grpc::ByteBuffer* request) override;
 
  private:
   class AppendKvReactor;

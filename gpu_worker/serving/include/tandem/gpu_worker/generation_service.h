@@ -56,7 +56,7 @@ void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst);
 void ToProto(const ModelInfo& info, v1::ModelInfoResponse* dst);
 
 // Generate and Tokenize are raw-callback methods: their request bytes are parsed by the service
-// (request_parsing.h), so text that is not UTF-8 is INVALID_ARGUMENT naming the field instead of
+// (tandem/rpc_message/raw_message.h), so text that is not UTF-8 is INVALID_ARGUMENT naming the field instead of
 // gRPC's bare UNIMPLEMENTED. The wire format is the proto's.
 //
 // Security: every method authenticates its caller first (UNAUTHENTICATED without a valid

@@ -1,4 +1,4 @@
-#include "request_parsing.h"
+#include "tandem/rpc_message/raw_message.h"
 
 #include <grpcpp/impl/codegen/proto_utils.h>
 
@@ -10,7 +10,7 @@
 #include "google/protobuf/stubs/common.h"
 #include "google/protobuf/unknown_field_set.h"
 
-namespace tandem::gpu_worker {
+namespace tandem::rpc_message {
 
 absl::Status ParseRequest(const grpc::ByteBuffer& src, google::protobuf::Message* dst) {
   dst->Clear();
@@ -49,6 +49,7 @@ absl::Status ParseRequest(const grpc::ByteBuffer& src, google::protobuf::Message
 }
 
 absl::Status SerializeReply(const google::protobuf::Message& src, grpc::ByteBuffer* dst) {
+  dst->Clear();   // gRPC's writer serializes only into an empty buffer (a stream reuses one)
   bool own_buffer = false;
   const grpc::Status status =
       grpc::SerializationTraits<google::protobuf::Message>::Serialize(src, dst, &own_buffer);
@@ -59,4 +60,4 @@ absl::Status SerializeReply(const google::protobuf::Message& src, grpc::ByteBuff
   return absl::OkStatus();
 }
 
-}  // namespace tandem::gpu_worker
+}  // namespace tandem::rpc_message
