@@ -3,6 +3,9 @@
 //
 // Exit status: 0 after a signal-driven shutdown, 1 when the server cannot start (bad model,
 // unreachable CPU nodes, address in use), 2 for a bad command line.
+#include <unistd.h>
+
+#include <cctype>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -27,6 +30,7 @@
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/worker_server.h"
+#include "tandem/kv_store/kv_store.h"
 #include "tandem/security/credentials.h"
 #include "tandem/security/token_file.h"
 
@@ -160,6 +164,15 @@ ABSL_FLAG(int, control_deadline_ms, 30000,
 ABSL_FLAG(int, cpu_nodes_probe_ms, 250,
           "period of the health probe (Stats) of CPU nodes that failed a call; they rejoin "
           "placement once they answer; 0 = only at --cpu_nodes_refresh_s");
+ABSL_FLAG(std::string, worker_name, "",
+          "this worker's name on the CPU nodes, the same across its restarts and unique among "
+          "workers (1..128 of [A-Za-z0-9._:-]): its sessions there are leased to it, and a "
+          "restarted worker frees what its previous process held; \"\" = host:port of "
+          "--address");
+ABSL_FLAG(double, node_lease_s, 10.0,
+          "lease period of this worker's sessions on remote CPU nodes, renewed every third of "
+          "it: the nodes close them 2 periods after the worker is gone; 0 = no lease (they stay "
+          "until closed)");
 ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
           "KV memory of the embedded CPU node, e.g. 16GiB");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
@@ -210,6 +223,33 @@ absl::Status SecurityFromFlags(tandem::gpu_worker::WorkerServerOptions* options)
   }
   options->engine.nodes.tls_server_name = absl::GetFlag(FLAGS_node_tls_server_name);
   return absl::OkStatus();
+}
+
+// --worker_name and --node_lease_s: the lease of this worker's sessions on remote CPU nodes.
+absl::Status NodeLeaseFromFlags(tandem::gpu_worker::NodePoolOptions* nodes,
+                                const std::string& address) {
+  const double lease_s = absl::GetFlag(FLAGS_node_lease_s);
+  if (!(lease_s == 0 || (lease_s >= 0.1 && lease_s <= 3600))) {
+    return UsageError("--node_lease_s must be 0 or in 0.1..3600");
+  }
+  nodes->lease_period_ms = static_cast<int>(std::lround(lease_s * 1000));
+  nodes->lease_holder = absl::GetFlag(FLAGS_worker_name);
+  if (nodes->lease_holder.empty()) {
+    // host:port, with any character a name may not hold made '-'.
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "worker");
+    const size_t colon = address.rfind(':');
+    nodes->lease_holder = absl::StrCat(
+        host, ":", colon == std::string::npos ? "0" : address.substr(colon + 1));
+    for (char& c : nodes->lease_holder) {
+      if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
+          c != '-') {
+        c = '-';
+      }
+    }
+    if (nodes->lease_holder.size() > 128) nodes->lease_holder.resize(128);
+  }
+  return tandem::kv_store::ValidateName("--worker_name", nodes->lease_holder);
 }
 
 absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
@@ -345,6 +385,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   if (e.nodes.probe_ms < 0 || e.nodes.probe_ms > 60000) {
     return UsageError("--cpu_nodes_probe_ms must be in 0..60000");
   }
+  TANDEM_RETURN_IF_ERROR(NodeLeaseFromFlags(&e.nodes, options.address));
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;
   if (max_message < (1u << 20) || max_message > (1u << 30)) {
     return UsageError("--max_message_bytes must be in 1MiB..1GiB");

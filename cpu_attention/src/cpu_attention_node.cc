@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "node_requests.h"
 #include "paged_plan.h"
+#include "session_leases.h"
 #include "session_owners.h"
 #include "shm_session_server.h"
 #include "tandem/common/scan_rate.h"
@@ -25,6 +26,7 @@
 #include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/kv_store/int8_rows.h"
 #include "tandem/metrics/node_metrics.h"
+#include "spdlog/spdlog.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -114,7 +116,10 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
                                                                      options.release_free_after)
                     : nullptr),
       pool_(options.threads),
-      owners_(std::make_unique<internal::SessionOwners>(options.max_sessions_per_principal)) {}
+      owners_(std::make_unique<internal::SessionOwners>(options.max_sessions_per_principal)),
+      leases_(std::make_unique<internal::SessionLeases>()) {
+  lease_reaper_ = std::thread([this] { ReapLapsedLeases(); });
+}
 
 absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request,
                                            v1::OpenSessionResponse* response,
@@ -142,6 +147,13 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
     // Another principal's parent reads as an unknown one: fork_from is no oracle of ids.
     TANDEM_RETURN_IF_ERROR(
         owners_->Check(request.fork_from().parent_session_id(), caller, /*parent=*/true));
+  }
+  if (request.has_lease()) {
+    TANDEM_RETURN_IF_ERROR(internal::SessionLeases::Check(request.lease()));
+    TANDEM_ASSIGN_OR_RETURN(
+        internal::SessionLeases::Renewal renewal,
+        leases_->Renew(caller, request.lease(), internal::SessionLeases::Clock::now()));
+    CloseExpired(renewal.superseded, "superseded by a newer incarnation of their holder");
   }
 
   // The session's bookkeeping is charged to the pool before it is allocated (the store bounds
@@ -171,6 +183,13 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
   }
   owners_->Add(request.session_id(), caller, charge);
   std::shared_ptr<Session> session = *std::move(opened);
+  if (request.has_lease()) {
+    if (absl::Status attached = leases_->Attach(request.session_id(), caller, request.lease());
+        !attached.ok()) {
+      (void)CloseOpenSession(request.session_id());
+      return attached;
+    }
+  }
   if (request.has_fork_from()) response->set_shared_entries(request.fork_from().prefix_tokens());
   response->set_block_size(session->format().block_tokens);
   response->set_bytes_per_block(session->format().block_bytes());
@@ -587,20 +606,60 @@ absl::Status CpuAttentionNode::CloseSession(const v1::CloseSessionRequest& reque
                                             const std::string& caller) {
   // Before anything is torn down: another principal must not stop the owner's shm channel.
   TANDEM_RETURN_IF_ERROR(owners_->Check(request.session_id(), caller));
+  TANDEM_ASSIGN_OR_RETURN(uint64_t released, CloseOpenSession(request.session_id()));
+  response->set_blocks_released(released);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> CpuAttentionNode::CloseOpenSession(const std::string& id) {
   std::unique_ptr<ShmSessionServer> shm;   // joined outside the lock
   {
     std::lock_guard lock(shm_mu_);
-    auto it = shm_servers_.find(request.session_id());
+    auto it = shm_servers_.find(id);
     if (it != shm_servers_.end()) {
       shm = std::move(it->second);
       shm_servers_.erase(it);
     }
   }
   shm.reset();
-  TANDEM_ASSIGN_OR_RETURN(uint64_t released, store_.CloseSession(request.session_id()));
-  Budget().Release(owners_->Remove(request.session_id()));
-  response->set_blocks_released(released);
+  TANDEM_ASSIGN_OR_RETURN(uint64_t released, store_.CloseSession(id));
+  Budget().Release(owners_->Remove(id));
+  leases_->Detach(id);
+  return released;
+}
+
+absl::Status CpuAttentionNode::RenewLease(const v1::RenewLeaseRequest& request,
+                                          v1::RenewLeaseResponse* response,
+                                          const std::string& caller) {
+  if (!request.has_lease()) return absl::InvalidArgumentError("lease is required");
+  TANDEM_RETURN_IF_ERROR(internal::SessionLeases::Check(request.lease()));
+  TANDEM_ASSIGN_OR_RETURN(
+      internal::SessionLeases::Renewal renewal,
+      leases_->Renew(caller, request.lease(), internal::SessionLeases::Clock::now()));
+  CloseExpired(renewal.superseded, "superseded by a newer incarnation of their holder");
+  response->set_sessions(renewal.sessions);
+  response->set_lapsed_sessions(renewal.lapsed);
+  response->set_superseded_sessions(static_cast<uint32_t>(renewal.superseded.size()));
   return absl::OkStatus();
+}
+
+void CpuAttentionNode::CloseExpired(const std::vector<std::string>& ids, const char* why) {
+  if (ids.empty()) return;
+  size_t closed = 0;
+  for (const std::string& id : ids) {
+    // NOT_FOUND: its owner closed it meanwhile.
+    if (CloseOpenSession(id).ok()) ++closed;
+  }
+  sessions_expired_.fetch_add(closed, std::memory_order_relaxed);
+  spdlog::info("closed {} session(s) {}", closed, why);
+}
+
+void CpuAttentionNode::ReapLapsedLeases() {
+  for (;;) {
+    const std::vector<std::string> lapsed = leases_->WaitLapsed();
+    if (lapsed.empty()) return;   // stopped
+    CloseExpired(lapsed, "whose lease lapsed (not renewed for 2 x its period)");
+  }
 }
 
 v1::StatsResponse CpuAttentionNode::Stats() const {
@@ -622,6 +681,8 @@ v1::StatsResponse CpuAttentionNode::Stats() const {
   r.set_free_bytes(s.capacity_bytes - std::min(s.used_bytes, s.capacity_bytes));
   r.set_node_id(node_id_);
   r.set_kv_storage(kv_store::KvDTypeName(options_.kv_dtype));
+  r.set_leases(static_cast<uint32_t>(leases_->leases()));
+  r.set_sessions_expired(sessions_expired_.load(std::memory_order_relaxed));
   {
     std::lock_guard lock(shm_mu_);
     r.set_shm_channels(static_cast<uint32_t>(shm_servers_.size()));
@@ -779,6 +840,8 @@ absl::Status CpuAttentionNode::ExportShard(
 }
 
 CpuAttentionNode::~CpuAttentionNode() {
+  leases_->Stop();
+  lease_reaper_.join();
   std::map<std::string, std::unique_ptr<ShmSessionServer>> servers;
   {
     std::lock_guard lock(shm_mu_);

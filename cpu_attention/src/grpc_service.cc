@@ -256,6 +256,18 @@ grpc::ServerUnaryReactor* CpuAttentionGrpcService::CloseSession(
       });
 }
 
+grpc::ServerUnaryReactor* CpuAttentionGrpcService::RenewLease(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  absl::StatusOr<std::string> caller = authenticator_.Authenticate(*context);
+  if (!caller.ok()) return Refused(context->DefaultReactor(), caller.status());
+  return RunParsed<v1::RenewLeaseRequest, v1::RenewLeaseResponse>(
+      *executor_, context, request, response,
+      [this, caller = *std::move(caller)](const auto& r, auto* out) {
+        return node_->RenewLease(r, out, caller);
+      });
+}
+
 grpc::ServerUnaryReactor* CpuAttentionGrpcService::Stats(grpc::CallbackServerContext* context,
                                                          const grpc::ByteBuffer* request,
                                                          grpc::ByteBuffer* response) {

@@ -99,6 +99,8 @@ v1::OpenSessionRequest RemoteKv::OpenRequest(
     shard->set_layer(layer);
     shard->set_kv_head(head);
   }
+  // Closed by the node when this process is gone (node_pool.h, "Leases").
+  if (std::optional<v1::SessionLease> lease = pool_.lease()) *request.mutable_lease() = *lease;
   return request;
 }
 

@@ -15,7 +15,6 @@
 namespace tandem::kv_store {
 namespace {
 
-constexpr size_t kMaxSessionIdChars = 128;
 constexpr uint32_t kMaxAppendEntries = 65536;
 // Rows of K (or V) one quantisation task of a large int8 Append takes: ~0.3 ms of work at
 // head_dim 128, coarse enough that the task overhead does not show, fine enough that an 8 MiB
@@ -26,28 +25,28 @@ constexpr size_t kQuantizeSliceRows = 1024;
 constexpr size_t kMaxShardsPerSession = 65536;
 constexpr uint32_t kMaxPageTokens = 4096;
 
-absl::Status ValidateSessionId(const std::string& id) {
-  if (id.empty() || id.size() > kMaxSessionIdChars) {
-    return absl::InvalidArgumentError(absl::StrCat("session id must have 1..", kMaxSessionIdChars,
-                                                   " characters, got ", id.size()));
-  }
-  for (char c : id) {
-    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == ':' || c == '-';
-    if (!ok) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("session id '", id, "' has a character outside [A-Za-z0-9._:-]: code ",
-                       static_cast<int>(static_cast<unsigned char>(c))));
-    }
-  }
-  return absl::OkStatus();
-}
-
 BlockFormat FormatOf(const SessionOptions& options) {
   return BlockFormat{options.block_tokens, options.geometry.head_dim, options.storage_dtype()};
 }
 
 }  // namespace
+
+absl::Status ValidateName(absl::string_view what, const std::string& name) {
+  if (name.empty() || name.size() > kMaxNameChars) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " must have 1..", kMaxNameChars, " characters, got ", name.size()));
+  }
+  for (char c : name) {
+    const bool ok = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == ':' || c == '-';
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " '", name, "' has a character outside [A-Za-z0-9._:-]: code ",
+                       static_cast<int>(static_cast<unsigned char>(c))));
+    }
+  }
+  return absl::OkStatus();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Geometry, Session
@@ -312,7 +311,7 @@ absl::Status KvStore::CheckNewSessionLocked(const std::string& id) const {
 
 absl::StatusOr<std::shared_ptr<Session>> KvStore::OpenSession(const std::string& id,
                                                               SessionOptions options) {
-  TANDEM_RETURN_IF_ERROR(ValidateSessionId(id));
+  TANDEM_RETURN_IF_ERROR(ValidateName("session id", id));
   TANDEM_RETURN_IF_ERROR(ValidateOptions(options));
   std::lock_guard<std::mutex> lock(mu_);
   TANDEM_RETURN_IF_ERROR(CheckNewSessionLocked(id));
@@ -326,7 +325,7 @@ absl::StatusOr<std::shared_ptr<Session>> KvStore::ForkSession(const std::string&
                                                               SessionOptions options,
                                                               const std::string& parent_id,
                                                               uint64_t prefix_tokens) {
-  TANDEM_RETURN_IF_ERROR(ValidateSessionId(id));
+  TANDEM_RETURN_IF_ERROR(ValidateName("session id", id));
   TANDEM_RETURN_IF_ERROR(ValidateOptions(options));
   std::shared_ptr<Session> parent;
   {

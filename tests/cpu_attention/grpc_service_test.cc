@@ -205,7 +205,7 @@ TEST_F(GrpcServiceTest, UnparseableRequestsAreInvalidArgumentOnEveryMethod) {
     garbage = grpc::ByteBuffer(&slice, 1);
   }
   for (const char* method : {"OpenSession", "Attend", "Reselect", "CloseSession", "Stats",
-                             "ReshardSession"}) {
+                             "ReshardSession", "RenewLease"}) {
     SCOPED_TRACE(method);
     auto ctx = Deadline();
     grpc::ByteBuffer reply;

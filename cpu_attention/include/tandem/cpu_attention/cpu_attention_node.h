@@ -21,6 +21,10 @@
 // StartExport read a shard's entries out in chunks, AppendKv with `selected` imports them with
 // their flags. SetDraining(true) makes the node refuse new sessions and shards (UNAVAILABLE)
 // while it keeps serving everything else.
+//
+// Leases: sessions opened with a SessionLease close when it lapses or a newer incarnation of its
+// holder supersedes it (cpu_attention.proto, "Leases"), on a reaper thread of the node that
+// sleeps until the next deadline.
 #pragma once
 
 #include <atomic>
@@ -31,6 +35,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -97,6 +102,7 @@ class ShmSessionServer;
 class CpuAttentionNode;
 namespace internal {
 class SessionOwners;
+class SessionLeases;
 }  // namespace internal
 
 // An ExportShard in progress: the validated range and the next entry to read. Made by
@@ -147,6 +153,10 @@ class CpuAttentionNode {
                             v1::CloseSessionResponse* response,
                             const std::string& caller = security::kAnonymous);
   v1::StatsResponse Stats() const;
+  // Renews the caller's lease, closing the sessions of the holder's older incarnations
+  // (see the proto for the errors).
+  absl::Status RenewLease(const v1::RenewLeaseRequest& request, v1::RenewLeaseResponse* response,
+                          const std::string& caller = security::kAnonymous);
   // Adds empty shards and drops owned ones (see the proto for the errors). Atomic.
   absl::Status ReshardSession(const v1::ReshardSessionRequest& request,
                               v1::ReshardSessionResponse* response,
@@ -243,6 +253,13 @@ class CpuAttentionNode {
   // Maps the requested channel for a just-opened session; sets transport in `response`.
   void StartShm(const std::shared_ptr<kv_store::Session>& session, const v1::ShmChannelSpec& spec,
                 v1::OpenSessionResponse* response);
+  // Closes a session whatever its owner (after the owner check, or for a lapsed or superseded
+  // lease): its shm channel, blocks, charge, owner and lease records. Returns the blocks
+  // released; NOT_FOUND when it is not open.
+  absl::StatusOr<uint64_t> CloseOpenSession(const std::string& id);
+  // Closes sessions of a lapsed or superseded lease; `why` goes to the log.
+  void CloseExpired(const std::vector<std::string>& ids, const char* why);
+  void ReapLapsedLeases();   // the reaper thread's loop
 
   const NodeOptions options_;
   const std::string node_id_;
@@ -251,6 +268,8 @@ class CpuAttentionNode {
   ThreadPool pool_;
   std::atomic<bool> draining_{false};
   std::unique_ptr<internal::SessionOwners> owners_;
+  std::unique_ptr<internal::SessionLeases> leases_;
+  std::atomic<uint64_t> sessions_expired_{0};
 
   std::atomic<uint64_t> attend_calls_{0};
   std::atomic<uint32_t> attend_in_flight_{0};
@@ -261,6 +280,7 @@ class CpuAttentionNode {
   // Declared last so the channel threads stop before the store and pool they use go away.
   mutable std::mutex shm_mu_;
   std::map<std::string, std::unique_ptr<ShmSessionServer>> shm_servers_;  // by session id
+  std::thread lease_reaper_;   // started last, stopped first (the destructor)
 };
 
 }  // namespace tandem::cpu_attention

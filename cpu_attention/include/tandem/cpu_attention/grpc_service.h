@@ -33,7 +33,8 @@ using RawCpuAttentionService = v1::CpuAttention::WithRawCallbackMethod_OpenSessi
                     v1::CpuAttention::WithRawCallbackMethod_Stats<
                         v1::CpuAttention::WithRawCallbackMethod_ReshardSession<
                             v1::CpuAttention::WithRawCallbackMethod_ExportShard<
-                                v1::CpuAttention::CallbackService>>>>>>>>;
+                                v1::CpuAttention::WithRawCallbackMethod_RenewLease<
+                                    v1::CpuAttention::CallbackService>>>>>>>>>;
 
 class CpuAttentionGrpcService final : public RawCpuAttentionService {
  public:
@@ -68,6 +69,9 @@ class CpuAttentionGrpcService final : public RawCpuAttentionService {
                                            grpc::ByteBuffer* response) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* ExportShard(grpc::CallbackServerContext* context,
                                                           const grpc::ByteBuffer* request) override;
+  grpc::ServerUnaryReactor* RenewLease(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
  private:
   class AppendKvReactor;

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "tandem/kv_store/block_pool.h"
 #include "tandem/kv_store/memory_budget.h"
 #include "tandem/kv_store/shard.h"
@@ -172,6 +173,12 @@ struct StoreStats {
   uint64_t resident_block_bytes = 0;
   uint32_t sessions = 0;
 };
+
+// Names clients choose (session ids, lease holders): 1..kMaxNameChars characters of
+// [A-Za-z0-9._:-], so they print, log and travel in URLs and metric labels unescaped.
+inline constexpr size_t kMaxNameChars = 128;
+// INVALID_ARGUMENT "<what> ..." naming the rule `name` breaks.
+absl::Status ValidateName(absl::string_view what, const std::string& name);
 
 class KvStore {
  public:

@@ -20,6 +20,12 @@
 // that dies while no session calls it leaves placement (and readiness) within a probe. Sessions a failed node still held are closed there when it answers
 // again with the same node id (DeferClose): a node that was only stopped or cut off frees them.
 //
+// Leases (issue 26; cpu_attention.proto "Leases"): with a lease_holder and lease_period_ms, every
+// session RemoteKv opens on a remote node carries this process's lease (lease()), and a thread
+// renews it on every listed node each lease_period_ms / 3, in parallel. The first renewal runs
+// in Create, so a restarted worker frees what its previous process held at once; a worker that
+// dies is freed by the nodes within 2 x lease_period_ms. The embedded node needs none.
+//
 // Thread-safe: Refresh may run on its own thread while sessions use stubs and snapshots.
 #pragma once
 
@@ -29,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,6 +82,11 @@ struct NodePoolOptions {
   // Replaces the address list and the DNS name as the source of nodes (tests; other discovery
   // systems). Called at Create and on every Refresh.
   NodeDiscovery discovery;
+  // The lease of this worker's sessions on remote nodes (see Leases above): the holder name,
+  // the same across restarts (--worker_name), and the renewal period; "" or 0 = no lease
+  // (sessions stay until closed).
+  std::string lease_holder;
+  int lease_period_ms = 0;
 };
 
 // What the pool last learned about one node.
@@ -133,6 +145,9 @@ class NodePool {
   // The in-process node, or nullptr when the nodes are remote.
   cpu_attention::CpuAttentionServer* embedded() const { return embedded_.get(); }
   NodeTransport transport() const { return transport_; }
+  // The lease RemoteKv puts on the sessions it opens, or nullopt (no holder, or the embedded
+  // node). Its incarnation is this pool's start time in microseconds since the epoch.
+  std::optional<v1::SessionLease> lease() const { return lease_; }
 
  private:
   struct Node {
@@ -153,6 +168,10 @@ class NodePool {
   bool ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats);
   // Calls the accepting watcher if any_accepting changed since its last call.
   void NotifyAccepting();
+  void LeaseLoop();
+  // Renews the lease on every listed node at once and waits for the answers (each within
+  // probe_deadline_ms); logs what the nodes say the worker lost.
+  void RenewLeases();
 
   const NodePoolOptions options_;
   std::unique_ptr<cpu_attention::CpuAttentionServer> embedded_;
@@ -180,6 +199,8 @@ class NodePool {
   bool stop_ = false;
   std::thread refresher_;
   std::thread prober_;
+  std::optional<v1::SessionLease> lease_;   // set by Create, then constant
+  std::thread leaser_;
 };
 
 // Resolves "name:port" to "ip:port" strings (IPv6 as "[ip]:port"), sorted and deduplicated.
