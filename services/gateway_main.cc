@@ -36,6 +36,11 @@ ABSL_FLAG(std::string, chat_template, "",
           "Jinja chat template file used instead of the model's tokenizer_config.json one");
 ABSL_FLAG(tandem::ByteSize, max_body_bytes, tandem::ByteSize{32ull << 20},
           "largest request body accepted (413 beyond)");
+ABSL_FLAG(int64_t, responses_store_entries, 10000,
+          "Responses API answers kept for previous_response_id and GET /v1/responses/{id} (least "
+          "recently used dropped first); 0 = none stored");
+ABSL_FLAG(tandem::ByteSize, responses_store_bytes, tandem::ByteSize{256ull << 20},
+          "memory for those answers and their conversations");
 ABSL_FLAG(int, max_concurrent_requests, 256, "generations in flight at most; more get 429");
 ABSL_FLAG(int, http_threads, 0,
           "HTTP connection threads (one per open connection); 0 = max_concurrent_requests + 128");
@@ -142,6 +147,12 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
     }
   }
   o.max_body_bytes = absl::GetFlag(FLAGS_max_body_bytes).bytes;
+  const int64_t store_entries = absl::GetFlag(FLAGS_responses_store_entries);
+  if (store_entries < 0 || store_entries > 100000000) {
+    return absl::InvalidArgumentError("--responses_store_entries must be in 0..100000000");
+  }
+  o.responses_store_entries = static_cast<size_t>(store_entries);
+  o.responses_store_bytes = absl::GetFlag(FLAGS_responses_store_bytes).bytes;
   o.max_concurrent_requests = absl::GetFlag(FLAGS_max_concurrent_requests);
   o.http_threads = absl::GetFlag(FLAGS_http_threads);
   o.request_timeout_s = absl::GetFlag(FLAGS_request_timeout_s);

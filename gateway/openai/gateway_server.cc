@@ -14,6 +14,7 @@
 #include "cors_policy.h"
 #include "connection_reaper.h"
 #include "generation_handler.h"
+#include "responses_handler.h"
 #include "request_guard.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
@@ -24,9 +25,22 @@ namespace tandem::gateway {
 namespace {
 
 // The generation endpoints (POST only): registered from here, and a GET on one is a 405.
-constexpr std::pair<const char*, Endpoint> kGenerationRoutes[] = {
-    {"/v1/completions", Endpoint::kCompletions},
-    {"/v1/chat/completions", Endpoint::kChatCompletions}};
+using BodyHandler = void (*)(GatewayServer::Shared&, const httplib::Request&, std::string_view,
+                             httplib::Response&);
+struct GenerationRoute {
+  const char* path;
+  BodyHandler handle;
+};
+const GenerationRoute kGenerationRoutes[] = {
+    {"/v1/completions",
+     [](GatewayServer::Shared& s, const httplib::Request& req, std::string_view body,
+        httplib::Response& res) { HandleGeneration(s, Endpoint::kCompletions, req, body, res); }},
+    {"/v1/chat/completions",
+     [](GatewayServer::Shared& s, const httplib::Request& req, std::string_view body,
+        httplib::Response& res) {
+       HandleGeneration(s, Endpoint::kChatCompletions, req, body, res);
+     }},
+    {"/v1/responses", HandleResponses}};
 
 void SendJson(httplib::Response& res, int status, const nlohmann::json& body) {
   res.status = status;
@@ -64,6 +78,8 @@ absl::StatusOr<std::unique_ptr<GatewayServer>> GatewayServer::Start(const Gatewa
   TANDEM_ASSIGN_OR_RETURN(shared->metrics, GatewayMetrics::Create(*shared->registry));
   TANDEM_ASSIGN_OR_RETURN(shared->pool, WorkerPool::Create(options.workers));
   shared->watcher = std::make_unique<DisconnectWatcher>(options.disconnect_poll_ms);
+  shared->responses = std::make_unique<ResponseStore>(options.responses_store_entries,
+                                                      options.responses_store_bytes);
   if (options.api_keys.has_value()) {
     shared->owners = std::make_unique<SessionOwners>(options.workers.max_sticky_sessions);
   }
@@ -170,9 +186,10 @@ void GatewayServer::AddRoutes() {
   Shared* s = shared_.get();
 
   // The body is read here, against the deadline (request_guard.h), not by httplib before.
-  for (const auto& [path, endpoint] : kGenerationRoutes) {
-    http.Post(path, [s, endpoint = endpoint](const httplib::Request& req, httplib::Response& res,
-                                             const httplib::ContentReader& reader) {
+  for (const GenerationRoute& route : kGenerationRoutes) {
+    http.Post(route.path, [s, handle = route.handle](const httplib::Request& req,
+                                                     httplib::Response& res,
+                                                     const httplib::ContentReader& reader) {
       std::string body;
       ApiError late;
       if (!ReadBodyWithin(req, reader, std::chrono::seconds(s->options.body_timeout_s), &body,
@@ -181,9 +198,17 @@ void GatewayServer::AddRoutes() {
         s->metrics.CountRequest(req.path, late.http_status);
         return;
       }
-      HandleGeneration(*s, endpoint, req, body, res);
+      handle(*s, req, body, res);
     });
   }
+  http.Get(R"(/v1/responses/([A-Za-z0-9_]+))",
+           [s](const httplib::Request& req, httplib::Response& res) {
+             HandleGetResponse(*s, req, res);
+           });
+  http.Delete(R"(/v1/responses/([A-Za-z0-9_]+))",
+              [s](const httplib::Request& req, httplib::Response& res) {
+                HandleDeleteResponse(*s, req, res);
+              });
 
   http.Get("/v1/models", [s](const httplib::Request&, httplib::Response& res) {
     absl::StatusOr<v1::ModelInfoResponse> info = s->pool->ModelInfo();
@@ -258,7 +283,7 @@ void GatewayServer::AddRoutes() {
         e.http_status = res.status;
         const bool post_route =
             std::any_of(std::begin(kGenerationRoutes), std::end(kGenerationRoutes),
-                        [&](const auto& route) { return req.path == route.first; });
+                        [&](const GenerationRoute& route) { return req.path == route.path; });
         if (res.status == 404 && post_route && req.method != "POST") {
           e.http_status = res.status = 405;
           e.message = absl::StrCat(req.path, " takes POST, not ", req.method);

@@ -130,19 +130,16 @@ class GenerateCall {
 // the connection's thread after it).
 struct StreamState {
   std::unique_ptr<GenerateCall> call;
-  std::optional<ResponseBuilder> builder;
+  std::unique_ptr<AnswerWriter> writer;
   v1::GenerateResponse first;  // read before answering: a request the worker refuses gets
                                // its HTTP status, not a 200 with an error event
-  bool return_progress = false;
-  bool include_usage = false;
-  bool logprobs = false;
   std::string endpoint;
   Clock::time_point arrival;
 };
 
-TokenPiece PieceOf(GatewayServer::Shared& shared, const GenerateCall& call, bool logprobs,
-                   const v1::TokenDelta& delta) {
-  if (!logprobs) return {};
+TokenPiece PieceOf(GatewayServer::Shared& shared, const GenerateCall& call,
+                   const AnswerWriter& writer, const v1::TokenDelta& delta) {
+  if (!writer.wants_pieces()) return {};
   return shared.pieces.Sampled(delta, call.stub(), shared.options.workers.rpc_timeout_ms);
 }
 
@@ -157,15 +154,12 @@ void RecordSuccess(GatewayServer::Shared& shared, const v1::GenerateFinal& final
 // The SSE body of a streamed answer; false when the client is gone (the call is cancelled).
 bool WriteStream(GatewayServer::Shared& shared, StreamState& st, httplib::DataSink& sink) {
   auto write = [&](const std::string& text) {
-    if (sink.write(text.data(), text.size())) return true;
+    if (text.empty() || sink.write(text.data(), text.size())) return true;
     st.call->ClientGone();
     return false;
   };
-  ResponseBuilder& builder = *st.builder;
-  if (builder.meta().endpoint == Endpoint::kChatCompletions &&
-      !write(SseData(builder.RoleChunk()))) {
-    return false;
-  }
+  AnswerWriter& writer = *st.writer;
+  if (!write(writer.StreamStart())) return false;
   std::optional<v1::GenerateFinal> final;
   bool first_token = true;
   v1::GenerateResponse message = std::move(st.first);
@@ -176,14 +170,14 @@ bool WriteStream(GatewayServer::Shared& shared, StreamState& st, httplib::DataSi
         if (!write(SseComment(absl::StrCat("prefill ", p.processed(), "/", p.total())))) {
           return false;
         }
-        if (st.return_progress && !write(SseData(builder.ProgressChunk(p)))) return false;
+        if (!write(writer.StreamProgress(p))) return false;
         break;
       }
       case v1::GenerateResponse::kToken: {
         const v1::TokenDelta& delta = message.token();
-        std::optional<nlohmann::json> chunk =
-            builder.TokenChunk(delta, PieceOf(shared, *st.call, st.logprobs, delta));
-        if (chunk.has_value() && !write(SseData(*chunk))) return false;
+        if (!write(writer.StreamToken(delta, PieceOf(shared, *st.call, writer, delta)))) {
+          return false;
+        }
         if (first_token) {
           shared.metrics.time_to_first_token->Observe(SecondsSince(st.arrival));
           first_token = false;
@@ -203,29 +197,25 @@ bool WriteStream(GatewayServer::Shared& shared, StreamState& st, httplib::DataSi
     status = absl::InternalError("the worker's stream ended without its final message");
   }
   if (!status.ok()) {
-    // Headers are sent: the error goes as an event, then the stream ends (as vLLM does).
+    // Headers are sent: the error goes as an event, then the stream ends.
     spdlog::warn("{}: stream failed after it started: {}", st.endpoint, status.ToString());
-    write(SseData(ErrorJson(FromStatus(status))));
-    write(SseDone());
+    write(writer.StreamError(FromStatus(status)));
     sink.done();
     return true;
   }
-  if (!write(SseData(builder.FinishChunk(*final)))) return false;
-  if (st.include_usage && !write(SseData(builder.UsageChunk(*final)))) return false;
-  if (!write(SseDone())) return false;
+  if (!write(writer.StreamFinish(*final))) return false;
   sink.done();
   RecordSuccess(shared, *final, st.arrival);
   return true;
 }
 
 void AnswerWhole(GatewayServer::Shared& shared, const std::string& endpoint, GenerateCall& call,
-                 ResponseBuilder& builder, bool logprobs, Clock::time_point arrival,
-                 httplib::Response& res) {
+                 AnswerWriter& writer, Clock::time_point arrival, httplib::Response& res) {
   std::optional<v1::GenerateFinal> final;
   v1::GenerateResponse message;
   while (call.Read(&message)) {
     if (message.has_token()) {
-      builder.Append(message.token(), PieceOf(shared, call, logprobs, message.token()));
+      writer.Append(message.token(), PieceOf(shared, call, writer, message.token()));
     } else if (message.has_final()) {
       final = message.final();
     }
@@ -241,7 +231,7 @@ void AnswerWhole(GatewayServer::Shared& shared, const std::string& endpoint, Gen
   }
   if (!status.ok()) return SendError(shared, endpoint, status, res);
   res.status = 200;
-  res.set_content(DumpJson(builder.Aggregate(*final)), "application/json");
+  res.set_content(writer.Whole(*final), "application/json");
   shared.metrics.CountRequest(endpoint, 200);
   RecordSuccess(shared, *final, arrival);
 }
@@ -279,14 +269,26 @@ void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
 
 void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
                       std::string_view body, httplib::Response& res) {
-  const Clock::time_point arrival = Clock::now();
   const std::string name =
       endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions";
   absl::StatusOr<OpenAiRequest> parsed = endpoint == Endpoint::kChatCompletions
                                              ? ParseChatRequest(body)
                                              : ParseCompletionRequest(body);
   if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
-  OpenAiRequest& r = *parsed;
+  RunGeneration(
+      shared, name, *std::move(parsed),
+      [endpoint](const std::string& model, const OpenAiRequest& r) {
+        return MakeCompletionsWriter(ResponseMeta{endpoint, NewResponseId(endpoint),
+                                                  static_cast<int64_t>(std::time(nullptr)), model},
+                                     r);
+      },
+      req, res);
+}
+
+void RunGeneration(GatewayServer::Shared& shared, const std::string& name, OpenAiRequest r,
+                   const WriterFactory& make_writer, const httplib::Request& req,
+                   httplib::Response& res) {
+  const Clock::time_point arrival = Clock::now();
   if (!r.ignored_fields.empty()) {
     // As vLLM: unknown fields are accepted, and said so.
     spdlog::warn("{}: fields present in the request but ignored: {}", name,
@@ -308,10 +310,10 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
   ApplyModelDefaults(*info, &r);
   const int64_t context_cap = std::min<int64_t>(std::max<int64_t>(info->max_context(), 1), 1 << 20);
   r.generate.set_max_tokens(r.max_tokens.value_or(
-      endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, context_cap) : context_cap));
+      r.endpoint == Endpoint::kCompletions ? std::min<int64_t>(16, context_cap) : context_cap));
 
   std::optional<RenderedPrompt> prompt;
-  if (endpoint == Endpoint::kChatCompletions) {
+  if (r.endpoint != Endpoint::kCompletions) {   // chat and Responses: messages
     absl::StatusOr<std::shared_ptr<const chat_template::Template>> tmpl =
         shared.templates->Get(*info);
     if (!tmpl.ok()) return SendError(shared, name, tmpl.status(), res);
@@ -319,7 +321,6 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
     if (!rendered.ok()) return SendError(shared, name, rendered.status(), res);
     prompt = std::move(*rendered);
   }
-
   // The prefix cache's scope: every request reaches the worker as the gateway's one principal,
   // so the API key's principal goes in front of the client's cache_salt.
   if (const std::string principal = ApiKeyPrincipal(shared, req); !principal.empty()) {
@@ -370,10 +371,8 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
         name);
   }
 
-  ResponseBuilder builder(ResponseMeta{endpoint, NewResponseId(endpoint),
-                                       static_cast<int64_t>(std::time(nullptr)), model},
-                          r.logprobs, r.top_logprobs, r.include_usage);
-  if (!r.stream) return AnswerWhole(shared, name, *call, builder, r.logprobs, arrival, res);
+  std::unique_ptr<AnswerWriter> writer = make_writer(model, r);
+  if (!r.stream) return AnswerWhole(shared, name, *call, *writer, arrival, res);
 
   auto st = std::make_shared<StreamState>();
   st->call = std::move(call);
@@ -387,10 +386,7 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
                      status.ok() ? absl::InternalError("the worker's stream ended empty") : status,
                      res);
   }
-  st->builder.emplace(std::move(builder));
-  st->return_progress = r.return_progress;
-  st->include_usage = r.include_usage;
-  st->logprobs = r.logprobs;
+  st->writer = std::move(writer);
   st->endpoint = name;
   st->arrival = arrival;
   shared.metrics.CountRequest(name, 200);

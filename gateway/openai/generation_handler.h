@@ -1,17 +1,21 @@
-// The generation endpoints (POST /v1/completions, /v1/chat/completions) and the state every
-// handler of GatewayServer shares. Private to tandem::gateway.
+// The generation endpoints (POST /v1/completions, /v1/chat/completions; /v1/responses in
+// responses_handler.h runs through RunGeneration too) and the state every handler of
+// GatewayServer shares. Private to tandem::gateway.
 #pragma once
 
 #include <httplib.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "prometheus/registry.h"
+#include "answer_writer.h"
 #include "connection_reaper.h"
+#include "response_store.h"
 #include "session_owners.h"
 #include "tandem/gateway/api_error.h"
 #include "tandem/gateway/chat_prompt.h"
@@ -37,6 +41,8 @@ struct GatewayServer::Shared {
   std::unique_ptr<SessionOwners> owners;
   // Closes connections slow to send their headers (made once the port is bound; null before).
   std::unique_ptr<ConnectionReaper> reaper;
+  // Stored Responses API answers (previous_response_id, GET /v1/responses/{id}).
+  std::unique_ptr<ResponseStore> responses;
 };
 
 // The principal of the request's API key ("" without --api_key_file; the pre-routing check
@@ -56,5 +62,17 @@ void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
 // One completions / chat completions request (its JSON `body`), streamed or not.
 void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
                       std::string_view body, httplib::Response& res);
+
+// Makes the writer of one answer once the served model's name is known (`r`: the request as it
+// runs, the model's defaults applied).
+using WriterFactory = std::function<std::unique_ptr<AnswerWriter>(const std::string& model,
+                                                                  const OpenAiRequest& r)>;
+// Runs the parsed request `r` on a worker (model check, the model's sampling defaults, the chat
+// template for chat and Responses requests, the prefix-cache scope, admission, routing) and
+// answers `res` with `make_writer`'s answer, streamed or not. `name`: the route, for metrics and
+// logs.
+void RunGeneration(GatewayServer::Shared& shared, const std::string& name, OpenAiRequest r,
+                   const WriterFactory& make_writer, const httplib::Request& req,
+                   httplib::Response& res);
 
 }  // namespace tandem::gateway

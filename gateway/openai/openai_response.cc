@@ -26,12 +26,16 @@ Json ByteList(const std::string& bytes) {
 
 }  // namespace
 
-std::string NewResponseId(Endpoint endpoint) {
+std::string RandomHex(int digits) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string id = endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-";
-  for (int i = 0; i < 24; ++i) id.push_back(kHex[rng() & 15]);
-  return id;
+  std::string hex;
+  for (int i = 0; i < digits; ++i) hex.push_back(kHex[rng() & 15]);
+  return hex;
+}
+
+std::string NewResponseId(Endpoint endpoint) {
+  return (endpoint == Endpoint::kChatCompletions ? "chatcmpl-" : "cmpl-") + RandomHex(24);
 }
 
 std::string FinishReasonName(v1::FinishReason reason) {

@@ -315,6 +315,25 @@ TEST_F(GatewayE2eTest, NpmOpenAiClient) {
   EXPECT_THAT(r->out, HasSubstr("ALL OK"));
 }
 
+// The Responses API with openai's responses.create and the Vercel AI SDK's default provider
+// (npm/responses_e2e.mjs says what it checks).
+TEST_F(GatewayE2eTest, NpmResponsesApiClients) {
+  const std::filesystem::path npm_dir = TANDEM_GATEWAY_NPM_DIR;
+  if (!std::filesystem::exists(npm_dir / "node_modules" / "@ai-sdk" / "openai" / "package.json")) {
+    GTEST_SKIP() << "the npm packages are not installed in " << npm_dir
+                 << " (scripts/setup.sh runs npm ci there)";
+  }
+  absl::StatusOr<CommandResult> node_version = RunCommand({"/usr/bin/env", "node", "--version"});
+  if (!node_version.ok() || node_version->exit_code != 0) GTEST_SKIP() << "node is not installed";
+  absl::StatusOr<CommandResult> r =
+      RunCommand({"/usr/bin/env", "GATEWAY_URL=" + url_,
+                  absl::StrCat("CHAT_PROMPT_TOKENS=", DirectTokenCount(kChatPrompt)), "node",
+                  (npm_dir / "responses_e2e.mjs").string()});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("ALL OK"));
+}
+
 TEST_F(GatewayE2eTest, ErrorsInOpenAisShapeWithTheirHttpStatus) {
   httplib::Client http("127.0.0.1", port_);
   auto post = [&](const std::string& path, const std::string& body) {

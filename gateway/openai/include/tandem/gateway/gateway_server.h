@@ -65,6 +65,11 @@ struct GatewayOptions {
   // Browser origins allowed to call the API (CORS): exact origins, or "*" for any; empty = none
   // (cors_policy.h).
   std::vector<std::string> cors_origins;
+  // Stored Responses API answers (store: true; previous_response_id, GET /v1/responses/{id}):
+  // at most this many, and this many bytes of their conversations and response objects, the
+  // least recently used dropped first. 0 entries = nothing is stored.
+  size_t responses_store_entries = 10000;
+  size_t responses_store_bytes = 256 << 20;
 };
 
 class GatewayServer {

@@ -33,7 +33,8 @@
 
 namespace tandem::gateway {
 
-enum class Endpoint { kCompletions, kChatCompletions };
+// kResponses: POST /v1/responses (responses_request.h), run as a chat request.
+enum class Endpoint { kCompletions, kChatCompletions, kResponses };
 
 inline constexpr size_t kMaxMessages = 16384;         // chat messages of one request
 inline constexpr size_t kMaxTools = 1024;             // OpenAI takes 128
@@ -55,7 +56,7 @@ struct OpenAiRequest {
   // 16 as OpenAI's legacy API; chat: up to the context, as OpenAI and vLLM).
   std::optional<int64_t> max_tokens;
 
-  // Chat only: the messages (key order kept: templates print them with tojson), tools (null =
+  // Chat and Responses: the messages (key order kept: templates print them with tojson), tools (null =
   // none), chat_template_kwargs (null = none) and add_generation_prompt.
   nlohmann::ordered_json messages;
   nlohmann::ordered_json tools;

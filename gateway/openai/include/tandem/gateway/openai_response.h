@@ -44,6 +44,8 @@ struct ResponseMeta {
 
 // "cmpl-" / "chatcmpl-" + 24 random hex digits.
 std::string NewResponseId(Endpoint endpoint);
+// `digits` random lowercase hex digits (ids; not a secret).
+std::string RandomHex(int digits);
 // "length" / "stop"; "" for FINISH_REASON_CANCELLED / UNSPECIFIED (no OpenAI equivalent).
 std::string FinishReasonName(v1::FinishReason reason);
 
