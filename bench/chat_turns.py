@@ -49,6 +49,8 @@ def stream(port, path, body):
             usage, response_id = event["response"]["usage"], event["response"]["id"]
         elif event["type"] == "error":
             sys.exit("%s: %s" % (path, event["message"]))
+    if ttft is None:
+        sys.exit("%s: the answer had no text to time (a model whose tokens have none?)" % path)
     return ttft, text, usage, response_id
 
 

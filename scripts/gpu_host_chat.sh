@@ -2,8 +2,8 @@
 # Issue 25 on the GPU host (through the device tool): a 3-turn OpenAI chat over a ~32K-token
 # document through tandem-gateway (bench/chat_turns.py: chat completions with the history
 # resent, and the Responses API with previous_response_id), per worker mode. Llama-3-8B geometry
-# with random weights (tandem-gpu-worker --random_weights; gutenberg-14m's tokenizer, so the
-# document is real text); the gateway renders tests/gateway/openai/chatml.jinja. Prepared here by:
+# with random weights and gutenberg-14m's 4096-token vocabulary (tandem-gpu-worker
+# --random_weights; its tokenizer, so the document is real text and every token has text); the gateway renders tests/gateway/openai/chatml.jinja. Prepared here by:
 #   cmake --build build --target tandem-gpu-worker tandem-gateway tandem-geometry
 #   mkdir -p /tmp/cbundle/bin && cp build/services/{tandem-gpu-worker,tandem-gateway,tandem-geometry} \
 #     /tmp/cbundle/bin/
@@ -31,7 +31,8 @@ cp "$shared"/models/gutenberg-14m/tokenizer*.json "$model"/
 python3 - "$model/config.json" "$shared/models/gutenberg-14m/config.json" <<'PY'
 import json, sys
 config, donor = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
-for key in ("bos_token_id", "eos_token_id"):
+# The tokenizer's vocabulary, so every sampled id has text (a streamed delta to time).
+for key in ("bos_token_id", "eos_token_id", "vocab_size"):
     config[key] = donor.get(key, 0)
 json.dump(config, open(sys.argv[1], "w"), indent=2)
 PY
