@@ -11,12 +11,14 @@
 #   mkdir -p .carry/shared/models .carry/shared/data/gutenberg-eval
 #   cp -r ../shared/models/gutenberg-14m ../shared/models/stories260k .carry/shared/models/
 #   cp ../shared/data/gutenberg-eval/10315.txt .carry/shared/data/gutenberg-eval/
+#   mkdir -p .carry/lib && cp -L build/lib/* .carry/lib/   # SentencePiece, loaded at run time
 # and run with carry [".carry"]. Prints each executable's GoogleTest summary; logs under $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out" /tmp/tandem
 tar xJf .carry/tandem.tar.xz -C /tmp/tandem && source /tmp/tandem/env.sh
 export TANDEM_SHARED_DIR=$PWD/.carry/shared
+export LD_LIBRARY_PATH="$PWD/.carry/lib:$LD_LIBRARY_PATH"
 # The node tests start tandem-cpu-attention from the build tree's path compiled into them.
 mkdir -p build/services && ln -sf /tmp/tandem/bin/tandem-cpu-attention build/services/
 {
