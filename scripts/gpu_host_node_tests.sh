@@ -10,7 +10,8 @@
 #   git rev-parse HEAD > .carry/commit
 #   mkdir -p .carry/shared/models .carry/shared/data/gutenberg-eval
 #   cp -r ../shared/models/gutenberg-14m ../shared/models/stories260k .carry/shared/models/
-#   cp ../shared/data/gutenberg-eval/*.txt .carry/shared/data/gutenberg-eval/   # the eval books
+#   cp ../shared/data/gutenberg-eval/{10101,10146,10315,10321,10533,10576,10633,10659,10675,\
+#     10717,10840,10978}.txt .carry/shared/data/gutenberg-eval/   # golden.json's eval books
 #   mkdir -p .carry/lib && cp -L build/lib/* .carry/lib/   # SentencePiece, loaded at run time
 # and run with carry [".carry"]. Prints each executable's GoogleTest summary; logs under $OUT.
 set -uo pipefail

@@ -42,7 +42,8 @@ if [ ! -f "$build/CMakeCache.txt" ]; then
 fi
 default_targets="common_byte_size_test kv_store_test cpu_attention_kernel_test
   cpu_attention_paged_test cpu_attention_shm_test cpu_attention_shm_handler_test
-  cpu_attention_service_test cpu_attention_paged_node_test metrics_test backend_cpu_test
+  cpu_attention_service_test cpu_attention_paged_node_test cpu_attention_lease_test metrics_test
+  backend_cpu_test
   gpu_model_test gpu_model_rope_test gpu_worker_rope_reference_test gpu_worker_geometry_test
   gpu_worker_random_model_test tokenizer_test placement_planner_test node_loss_test
   gpu_worker_engine_test chat_template_engine_test chat_template_fixtures_test
