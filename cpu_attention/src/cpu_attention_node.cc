@@ -22,6 +22,7 @@
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/salience.h"
+#include "tandem/cpu_attention/session_lease.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/kv_store/int8_rows.h"
@@ -149,7 +150,7 @@ absl::Status CpuAttentionNode::OpenSession(const v1::OpenSessionRequest& request
         owners_->Check(request.fork_from().parent_session_id(), caller, /*parent=*/true));
   }
   if (request.has_lease()) {
-    TANDEM_RETURN_IF_ERROR(internal::SessionLeases::Check(request.lease()));
+    TANDEM_RETURN_IF_ERROR(CheckSessionLease(request.lease()));
     TANDEM_ASSIGN_OR_RETURN(
         internal::SessionLeases::Renewal renewal,
         leases_->Renew(caller, request.lease(), internal::SessionLeases::Clock::now()));
@@ -632,7 +633,7 @@ absl::Status CpuAttentionNode::RenewLease(const v1::RenewLeaseRequest& request,
                                           v1::RenewLeaseResponse* response,
                                           const std::string& caller) {
   if (!request.has_lease()) return absl::InvalidArgumentError("lease is required");
-  TANDEM_RETURN_IF_ERROR(internal::SessionLeases::Check(request.lease()));
+  TANDEM_RETURN_IF_ERROR(CheckSessionLease(request.lease()));
   TANDEM_ASSIGN_OR_RETURN(
       internal::SessionLeases::Renewal renewal,
       leases_->Renew(caller, request.lease(), internal::SessionLeases::Clock::now()));

@@ -3,22 +3,25 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/cpu_attention/session_lease.h"
 #include "tandem/kv_store/kv_store.h"
 
-namespace tandem::cpu_attention::internal {
+namespace tandem::cpu_attention {
 
-absl::Status SessionLeases::Check(const v1::SessionLease& lease) {
+absl::Status CheckSessionLease(const v1::SessionLease& lease) {
   if (absl::Status s = kv_store::ValidateName("lease holder", lease.holder()); !s.ok()) return s;
   if (lease.incarnation() == 0) {
     return absl::InvalidArgumentError("lease incarnation must be > 0");
   }
-  if (lease.period_ms() < kMinPeriodMs || lease.period_ms() > kMaxPeriodMs) {
-    return absl::InvalidArgumentError(absl::StrCat("lease period_ms must be in ", kMinPeriodMs,
-                                                   "..", kMaxPeriodMs, ", got ",
-                                                   lease.period_ms()));
+  if (lease.period_ms() < kMinLeasePeriodMs || lease.period_ms() > kMaxLeasePeriodMs) {
+    return absl::InvalidArgumentError(absl::StrCat("lease period_ms must be in ",
+                                                   kMinLeasePeriodMs, "..", kMaxLeasePeriodMs,
+                                                   ", got ", lease.period_ms()));
   }
   return absl::OkStatus();
 }
+
+namespace internal {
 
 absl::StatusOr<SessionLeases::Renewal> SessionLeases::Renew(const std::string& principal,
                                                             const v1::SessionLease& lease,
@@ -149,4 +152,5 @@ bool SessionLeases::PruneLocked(Clock::time_point now) {
   return leases_.size() < before;
 }
 
-}  // namespace tandem::cpu_attention::internal
+}  // namespace internal
+}  // namespace tandem::cpu_attention

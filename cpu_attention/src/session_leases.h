@@ -33,13 +33,7 @@ class SessionLeases {
  public:
   using Clock = std::chrono::steady_clock;
 
-  static constexpr uint32_t kMinPeriodMs = 100;
-  static constexpr uint32_t kMaxPeriodMs = 3600 * 1000;
   static constexpr size_t kMaxLeases = 4096;
-
-  // INVALID_ARGUMENT naming the field for a malformed lease (holder syntax, incarnation 0,
-  // period out of range).
-  static absl::Status Check(const v1::SessionLease& lease);
 
   struct Renewal {
     uint32_t sessions = 0;         // attached to the lease now
@@ -50,7 +44,7 @@ class SessionLeases {
   // Renews (principal, lease.holder) until now + 2 x period, creating it if absent. A newer
   // incarnation (or any, once the lease lapsed) takes the lease over and detaches the older
   // incarnations' sessions; an older one is FAILED_PRECONDITION. RESOURCE_EXHAUSTED when the
-  // table is full of live leases. Call Check first.
+  // table is full of live leases. The lease passed CheckSessionLease (session_lease.h).
   absl::StatusOr<Renewal> Renew(const std::string& principal, const v1::SessionLease& lease,
                                 Clock::time_point now);
 

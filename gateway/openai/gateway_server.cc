@@ -42,11 +42,6 @@ const GenerationRoute kGenerationRoutes[] = {
      }},
     {"/v1/responses", HandleResponses}};
 
-void SendJson(httplib::Response& res, int status, const nlohmann::json& body) {
-  res.status = status;
-  res.set_content(DumpJson(body), "application/json");
-}
-
 nlohmann::json ModelJson(const std::string& id, const v1::ModelInfoResponse& info,
                          int64_t created) {
   return {{"id", id},

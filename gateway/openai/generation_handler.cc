@@ -259,16 +259,21 @@ std::string ApiKeyPrincipal(const GatewayServer::Shared& shared, const httplib::
   return key.empty() ? "" : shared.options.api_keys->Lookup(key).value_or("");
 }
 
+void SendJson(httplib::Response& res, int status, const nlohmann::json& body) {
+  res.status = status;
+  res.set_content(DumpJson(body), "application/json");
+}
+
 void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
                const absl::Status& status, httplib::Response& res) {
   const ApiError error = FromStatus(status);
-  res.status = error.http_status;
-  res.set_content(DumpJson(ErrorJson(error)), "application/json");
+  SendJson(res, error.http_status, ErrorJson(error));
   shared.metrics.CountRequest(endpoint, error.http_status);
 }
 
 void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const httplib::Request& req,
                       std::string_view body, httplib::Response& res) {
+  const Clock::time_point arrival = Clock::now();
   const std::string name =
       endpoint == Endpoint::kChatCompletions ? "/v1/chat/completions" : "/v1/completions";
   absl::StatusOr<OpenAiRequest> parsed = endpoint == Endpoint::kChatCompletions
@@ -276,7 +281,7 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
                                              : ParseCompletionRequest(body);
   if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
   RunGeneration(
-      shared, name, *std::move(parsed),
+      shared, name, arrival, *std::move(parsed),
       [endpoint](const std::string& model, const OpenAiRequest& r) {
         return MakeCompletionsWriter(ResponseMeta{endpoint, NewResponseId(endpoint),
                                                   static_cast<int64_t>(std::time(nullptr)), model},
@@ -285,10 +290,9 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
       req, res);
 }
 
-void RunGeneration(GatewayServer::Shared& shared, const std::string& name, OpenAiRequest r,
-                   const WriterFactory& make_writer, const httplib::Request& req,
-                   httplib::Response& res) {
-  const Clock::time_point arrival = Clock::now();
+void RunGeneration(GatewayServer::Shared& shared, const std::string& name,
+                   Clock::time_point arrival, OpenAiRequest r, const WriterFactory& make_writer,
+                   const httplib::Request& req, httplib::Response& res) {
   if (!r.ignored_fields.empty()) {
     // As vLLM: unknown fields are accepted, and said so.
     spdlog::warn("{}: fields present in the request but ignored: {}", name,
@@ -302,8 +306,7 @@ void RunGeneration(GatewayServer::Shared& shared, const std::string& name, OpenA
         404,
         absl::StrCat("The model `", r.model, "` does not exist; this gateway serves `", model, "`"),
         "invalid_request_error", "model", "model_not_found"};
-    res.status = 404;
-    res.set_content(DumpJson(ErrorJson(e)), "application/json");
+    SendJson(res, 404, ErrorJson(e));
     shared.metrics.CountRequest(name, 404);
     return;
   }

@@ -6,6 +6,7 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -55,6 +56,8 @@ std::string BearerToken(const httplib::Request& req);
 // The model id clients see: --served_model_name, else the basename of the worker's model_dir.
 std::string ServedModelName(const GatewayServer::Shared& shared, const v1::ModelInfoResponse& info);
 
+// Answers `res` with `body` as JSON and HTTP `status`.
+void SendJson(httplib::Response& res, int status, const nlohmann::json& body);
 // Answers `res` with the OpenAI error of `status` and counts it under `endpoint`.
 void SendError(const GatewayServer::Shared& shared, const std::string& endpoint,
                const absl::Status& status, httplib::Response& res);
@@ -70,8 +73,9 @@ using WriterFactory = std::function<std::unique_ptr<AnswerWriter>(const std::str
 // Runs the parsed request `r` on a worker (model check, the model's sampling defaults, the chat
 // template for chat and Responses requests, the prefix-cache scope, admission, routing) and
 // answers `res` with `make_writer`'s answer, streamed or not. `name`: the route, for metrics and
-// logs.
-void RunGeneration(GatewayServer::Shared& shared, const std::string& name, OpenAiRequest r,
+// logs; `arrival`: when the request arrived (latency metrics count from it).
+void RunGeneration(GatewayServer::Shared& shared, const std::string& name,
+                   std::chrono::steady_clock::time_point arrival, OpenAiRequest r,
                    const WriterFactory& make_writer, const httplib::Request& req,
                    httplib::Response& res);
 

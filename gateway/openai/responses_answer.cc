@@ -28,12 +28,12 @@ Json Usage(const v1::GenerateFinal& final) {
 
 }  // namespace
 
-ResponsesEcho EchoOf(const ResponsesRequest& request) {
+ResponsesEcho EchoOf(const ResponsesRequest& request, const OpenAiRequest& running) {
   ResponsesEcho echo;
   echo.instructions = request.instructions;
-  echo.max_output_tokens = request.chat.max_tokens.value_or(0);
-  echo.temperature = request.chat.generate.temperature();
-  echo.top_p = request.chat.generate.top_p() > 0 ? request.chat.generate.top_p() : 1.0;
+  echo.max_output_tokens = running.max_tokens.value_or(0);
+  echo.temperature = running.generate.temperature();
+  echo.top_p = running.generate.top_p() > 0 ? running.generate.top_p() : 1.0;
   echo.previous_response_id = request.previous_response_id;
   echo.store = request.store;
   echo.metadata = request.metadata;
@@ -118,7 +118,6 @@ std::string ResponsesAnswer::StreamStart() {
 }
 
 void ResponsesAnswer::Append(const v1::TokenDelta& delta) {
-  last_index_ = std::max<int64_t>(last_index_, delta.index());
   text_ += delta.text();
 }
 

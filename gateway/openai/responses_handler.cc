@@ -1,5 +1,6 @@
 #include "responses_handler.h"
 
+#include <chrono>
 #include <ctime>
 #include <memory>
 #include <string>
@@ -61,15 +62,11 @@ class ResponsesWriter final : public AnswerWriter {
   Json conversation_;      // the turns before this answer
 };
 
-void SendJson(httplib::Response& res, const nlohmann::json& body) {
-  res.status = 200;
-  res.set_content(DumpJson(body), "application/json");
-}
-
 }  // namespace
 
 void HandleResponses(GatewayServer::Shared& shared, const httplib::Request& req,
                      std::string_view body, httplib::Response& res) {
+  const auto arrival = std::chrono::steady_clock::now();
   absl::StatusOr<ResponsesRequest> parsed = ParseResponsesRequest(body);
   if (!parsed.ok()) return SendError(shared, kRoute, parsed.status(), res);
   ResponsesRequest& request = *parsed;
@@ -100,16 +97,14 @@ void HandleResponses(GatewayServer::Shared& shared, const httplib::Request& req,
                                                " messages; at most ", kMaxMessages)),
                      res);
   }
-  ResponsesEcho echo = EchoOf(request);
   ResponseStore* store = request.store ? shared.responses.get() : nullptr;
+  OpenAiRequest chat = std::move(request.chat);
   RunGeneration(
-      shared, kRoute, std::move(request.chat),
-      [&echo, &principal, &conversation, store](const std::string& model,
-                                                const OpenAiRequest& r) {
-        echo.temperature = r.generate.temperature();   // the model's defaults applied
-        echo.top_p = r.generate.top_p() > 0 ? r.generate.top_p() : 1.0;
+      shared, kRoute, arrival, std::move(chat),
+      [&request, &principal, &conversation, store](const std::string& model,
+                                                   const OpenAiRequest& r) {
         return std::make_unique<ResponsesWriter>(
-            ResponsesAnswer(model, static_cast<int64_t>(std::time(nullptr)), std::move(echo)),
+            ResponsesAnswer(model, static_cast<int64_t>(std::time(nullptr)), EchoOf(request, r)),
             store, std::move(principal), std::move(conversation));
       },
       req, res);
@@ -120,7 +115,7 @@ void HandleGetResponse(GatewayServer::Shared& shared, const httplib::Request& re
   absl::StatusOr<std::shared_ptr<const ResponseStore::Entry>> entry =
       shared.responses->Get(req.matches[1], ApiKeyPrincipal(shared, req));
   if (!entry.ok()) return SendError(shared, kRoute, entry.status(), res);
-  SendJson(res, nlohmann::json((*entry)->response));
+  SendJson(res, 200, nlohmann::json((*entry)->response));
   shared.metrics.CountRequest(kRoute, 200);
 }
 
@@ -129,7 +124,7 @@ void HandleDeleteResponse(GatewayServer::Shared& shared, const httplib::Request&
   const std::string id = req.matches[1];
   const absl::Status deleted = shared.responses->Delete(id, ApiKeyPrincipal(shared, req));
   if (!deleted.ok()) return SendError(shared, kRoute, deleted, res);
-  SendJson(res, {{"id", id}, {"object", "response"}, {"deleted", true}});
+  SendJson(res, 200, {{"id", id}, {"object", "response"}, {"deleted", true}});
   shared.metrics.CountRequest(kRoute, 200);
 }
 

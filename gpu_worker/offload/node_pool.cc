@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/kv_store/kv_store.h"
+#include "tandem/cpu_attention/session_lease.h"
 #include "tandem/security/credentials.h"
 
 namespace tandem::gpu_worker {
@@ -92,12 +92,19 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
         "node pool: refresh_ms, stats_deadline_ms, connect_timeout_ms, probe_ms, "
         "probe_deadline_ms and lease_period_ms must be >= 0 (deadlines > 0)");
   }
-  if (!options.lease_holder.empty()) {
-    TANDEM_RETURN_IF_ERROR(kv_store::ValidateName("node pool: lease holder", options.lease_holder));
-    if (options.lease_period_ms > 0 && (options.lease_period_ms < 100 ||
-                                        options.lease_period_ms > 3600 * 1000)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "node pool: lease_period_ms must be in 100..3600000, got ", options.lease_period_ms));
+  // This process's lease, checked by the nodes' own rule before any node is called; remote
+  // nodes only (the embedded one goes with the process).
+  std::optional<v1::SessionLease> lease;
+  if (!options.lease_holder.empty() && options.lease_period_ms > 0) {
+    lease.emplace();
+    lease->set_holder(options.lease_holder);
+    lease->set_incarnation(static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::microseconds>(
+            std::chrono::system_clock::now().time_since_epoch())
+            .count()));
+    lease->set_period_ms(static_cast<uint32_t>(options.lease_period_ms));
+    if (absl::Status valid = cpu_attention::CheckSessionLease(*lease); !valid.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("node pool: ", valid.message()));
     }
   }
   auto pool = std::unique_ptr<NodePool>(new NodePool(options));
@@ -148,15 +155,8 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
     }
   }
   (void)pool->Refresh();
-  if (!options.lease_holder.empty() && options.lease_period_ms > 0) {
-    v1::SessionLease lease;
-    lease.set_holder(options.lease_holder);
-    lease.set_incarnation(static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(
-            std::chrono::system_clock::now().time_since_epoch())
-            .count()));
-    lease.set_period_ms(static_cast<uint32_t>(options.lease_period_ms));
-    pool->lease_ = lease;
+  if (lease.has_value()) {
+    pool->lease_ = std::move(lease);
     pool->RenewLeases();   // frees the sessions a previous process of this holder left
     NodePool* p = pool.get();
     pool->leaser_ = std::thread([p] { p->LeaseLoop(); });

@@ -1,7 +1,7 @@
 // NodePool's lease upkeep (node_pool.h, "Leases"): renewals on every listed node, in parallel,
 // each lease_period_ms / 3, so one slow or dead node delays no other's renewal.
 #include <chrono>
-#include <condition_variable>
+#include <latch>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -39,25 +39,19 @@ void NodePool::RenewLeases() {
       calls.back()->node = i;
     }
   }
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  size_t pending = calls.size();
+  std::latch done(static_cast<std::ptrdiff_t>(calls.size()));
   for (auto& call : calls) {
     call->context.set_deadline(std::chrono::system_clock::now() +
                                std::chrono::milliseconds(options_.probe_deadline_ms));
     *call->request.mutable_lease() = *lease_;
     Call* c = call.get();
     stub(c->node).async()->RenewLease(&c->context, &c->request, &c->response,
-                                      [c, &done_mu, &done_cv, &pending](grpc::Status s) {
-                                        std::lock_guard<std::mutex> lock(done_mu);
+                                      [c, &done](grpc::Status s) {
                                         c->status = std::move(s);
-                                        if (--pending == 0) done_cv.notify_all();
+                                        done.count_down();
                                       });
   }
-  {
-    std::unique_lock<std::mutex> lock(done_mu);
-    done_cv.wait(lock, [&pending] { return pending == 0; });
-  }
+  done.wait();
   for (const auto& c : calls) {
     if (c->status.error_code() == grpc::StatusCode::FAILED_PRECONDITION) {
       spdlog::error("CPU node {}: {}; its sessions of this worker are closed", address(c->node),

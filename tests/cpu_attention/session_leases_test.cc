@@ -13,6 +13,7 @@
 
 #include "service_test_util.h"
 #include "tandem/cpu_attention/cpu_attention_node.h"
+#include "tandem/cpu_attention/session_lease.h"
 
 namespace tandem::cpu_attention {
 namespace {
@@ -37,17 +38,17 @@ std::vector<std::string> Sorted(std::vector<std::string> ids) {
 }
 
 TEST(SessionLeasesTest, MalformedLeasesNameTheField) {
-  EXPECT_TRUE(SessionLeases::Check(Lease("w-1:50051", 1, 1000)).ok());
-  const absl::Status holder = SessionLeases::Check(Lease("w 1", 1, 1000));
+  EXPECT_TRUE(CheckSessionLease(Lease("w-1:50051", 1, 1000)).ok());
+  const absl::Status holder = CheckSessionLease(Lease("w 1", 1, 1000));
   EXPECT_EQ(holder.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(holder.message().find("lease holder"), std::string::npos) << holder;
-  EXPECT_EQ(SessionLeases::Check(Lease("", 1, 1000)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(SessionLeases::Check(Lease(std::string(129, 'a'), 1, 1000)).code(),
+  EXPECT_EQ(CheckSessionLease(Lease("", 1, 1000)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckSessionLease(Lease(std::string(129, 'a'), 1, 1000)).code(),
             absl::StatusCode::kInvalidArgument);
-  const absl::Status incarnation = SessionLeases::Check(Lease("w", 0, 1000));
+  const absl::Status incarnation = CheckSessionLease(Lease("w", 0, 1000));
   EXPECT_NE(incarnation.message().find("incarnation"), std::string::npos) << incarnation;
   for (uint32_t period : {0u, 99u, 3600001u}) {
-    const absl::Status s = SessionLeases::Check(Lease("w", 1, period));
+    const absl::Status s = CheckSessionLease(Lease("w", 1, period));
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << period;
     EXPECT_NE(s.message().find("period_ms"), std::string::npos) << s;
   }

@@ -39,7 +39,9 @@ struct ResponsesEcho {
   bool store = true;
   nlohmann::ordered_json metadata = nlohmann::ordered_json::object();
 };
-ResponsesEcho EchoOf(const ResponsesRequest& request);
+// `request`'s own fields, and the sampling and max_output_tokens of `running` (its chat request
+// as it runs: the model's defaults applied).
+ResponsesEcho EchoOf(const ResponsesRequest& request, const OpenAiRequest& running);
 
 class ResponsesAnswer {
  public:
@@ -74,7 +76,6 @@ class ResponsesAnswer {
   const int64_t created_at_;
   const ResponsesEcho echo_;
   std::string text_;
-  int64_t last_index_ = -1;   // highest TokenDelta.index seen (a repeat only adds text)
   int64_t sequence_ = 0;
 };
 

@@ -145,8 +145,8 @@ class NodePool {
   // The in-process node, or nullptr when the nodes are remote.
   cpu_attention::CpuAttentionServer* embedded() const { return embedded_.get(); }
   NodeTransport transport() const { return transport_; }
-  // The lease RemoteKv puts on the sessions it opens, or nullopt (no holder, or the embedded
-  // node). Its incarnation is this pool's start time in microseconds since the epoch.
+  // The lease RemoteKv puts on the sessions it opens, or nullopt (no holder or period, or the
+  // embedded node). Its incarnation is this pool's start time in microseconds since the epoch.
   std::optional<v1::SessionLease> lease() const { return lease_; }
 
  private:
