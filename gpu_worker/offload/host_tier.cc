@@ -5,6 +5,11 @@
 
 namespace tandem::gpu_worker {
 
+absl::StatusOr<std::unique_ptr<OffloadTier>> HostTier::Fork(const TierFork&) const {
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> copy, kv_->Clone());
+  return std::make_unique<HostTier>(std::move(copy));
+}
+
 absl::Status HostTier::BeginPass(TierContext& context, size_t stream) {
   if (kv_->num_pages(0) > 0) context.AddStream(stream, kv_.get());
   return absl::OkStatus();

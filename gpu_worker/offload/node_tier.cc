@@ -20,6 +20,19 @@ double Seconds(Clock::time_point since) {
 NodeTier::NodeTier(std::unique_ptr<RemoteKv> remote, std::unique_ptr<PageIndex> pages)
     : remote_(std::move(remote)), pages_(std::move(pages)) {}
 
+absl::StatusOr<std::unique_ptr<OffloadTier>> NodeTier::Fork(const TierFork& fork) const {
+  std::unique_ptr<PageIndex> pages;
+  if (pages_ != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(PageIndex copy, pages_->Fork(fork.expected_tokens));
+    pages = std::make_unique<PageIndex>(std::move(copy));
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote,
+                          remote_->Fork(fork.session_id, fork.expected_tokens));
+  auto tier = std::make_unique<NodeTier>(std::move(remote), std::move(pages));
+  tier->set_recompute(fork.recompute);
+  return tier;
+}
+
 double NodeTier::off_device_work() const {
   // What the nodes scanned per row at the last attend of each layer; before any, everything
   // they hold (an upper bound: MAW keeps a share, pages a budget).

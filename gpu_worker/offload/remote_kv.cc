@@ -171,13 +171,66 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::OpenOnce(NodePool& pool,
     // On failure the destructor closes the sessions opened so far.
     TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, kv->transport_, request));
   }
+  kv->CreateMigrator();
+  return kv;
+}
+
+void RemoteKv::CreateMigrator() {
   ShardMigratorOptions mo;
-  mo.session_id = options.session_id;
-  mo.head_dim = options.head_dim;
-  mo.kv_dtype = options.kv_dtype;
-  mo.deadline_ms = options.control_deadline_ms;
-  mo.chunk_entries = options.migration_chunk_entries;
-  kv->migrator_ = std::make_unique<ShardMigrator>(pool, mo);
+  mo.session_id = options_.session_id;
+  mo.head_dim = options_.head_dim;
+  mo.kv_dtype = options_.kv_dtype;
+  mo.deadline_ms = options_.control_deadline_ms;
+  mo.chunk_entries = options_.migration_chunk_entries;
+  migrator_ = std::make_unique<ShardMigrator>(pool_, mo);
+}
+
+absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Fork(const std::string& session_id,
+                                                         int64_t expected_tokens) const {
+  if (closed_ || attend_layer_ >= 0) {
+    return absl::FailedPreconditionError("RemoteKv: fork of a closed session or mid-attend");
+  }
+  if (!migrating_.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session ", options_.session_id, ": a shard migration is under way"));
+  }
+  for (int node : placement_) {
+    if (node < 0 || lost_[node] || suspect_[node]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session ", options_.session_id, ": a node holding its shards is lost or suspect"));
+    }
+  }
+  RemoteKvOptions options = options_;
+  options.session_id = session_id;
+  options.expected_tokens = std::max<int64_t>(expected_tokens, offloaded_tokens_);
+  auto kv = std::unique_ptr<RemoteKv>(new RemoteKv(pool_, options));
+  kv->transport_ = transport_;
+  kv->pool_generation_ = pool_generation_;
+  kv->synced_generation_ = synced_generation_;
+  kv->placement_ = placement_;
+  kv->node_rate_ = node_rate_;
+  kv->node_rate_.resize(kv->opened_.size(), 0.0);
+  kv->shard_selected_ = shard_selected_;
+  kv->shard_held_ = shard_held_;
+  kv->counters_.modelled_step_seconds = counters_.modelled_step_seconds;
+  for (size_t n = 0; n < opened_.size(); ++n) {
+    if (!opened_[n]) continue;
+    std::vector<std::pair<uint32_t, uint32_t>> mine;
+    for (int64_t l = 0; l < options.num_layers; ++l) {
+      for (uint32_t h : HeadsOf(n, l)) mine.emplace_back(static_cast<uint32_t>(l), h);
+    }
+    if (mine.empty()) continue;
+    v1::OpenSessionRequest request = kv->OpenRequest(mine);
+    if (offloaded_tokens_ > 0) {
+      v1::ForkFrom* from = request.mutable_fork_from();
+      from->set_parent_session_id(options_.session_id);
+      from->set_prefix_tokens(static_cast<uint64_t>(offloaded_tokens_));
+    }
+    // On failure the destructor closes the sessions opened so far.
+    TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, transport_, request));
+  }
+  kv->offloaded_tokens_ = offloaded_tokens_;
+  kv->CreateMigrator();
   return kv;
 }
 

@@ -43,6 +43,20 @@ size_t OffloadedKv::HalfPageBytes(const WindowGeometry& geometry, int64_t page_t
   return geometry.num_kv_heads * page_tokens * geometry.head_dim * DTypeBytes(geometry.dtype);
 }
 
+absl::StatusOr<std::unique_ptr<OffloadedKv>> OffloadedKv::Clone() const {
+  auto copy = std::unique_ptr<OffloadedKv>(new OffloadedKv(backend_, geometry_, page_tokens_));
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (const DeviceBuffer& page : layers_[l]) {
+      TANDEM_ASSIGN_OR_RETURN(DeviceBuffer fresh, backend_.AllocateHost(page.bytes()));
+      std::memcpy(fresh.data(), page.data(), page.bytes());
+      copy->host_bytes_ += fresh.bytes();
+      copy->layers_[l].push_back(std::move(fresh));
+    }
+  }
+  copy->tokens_ = tokens_;
+  return copy;
+}
+
 OffloadedKv::Page OffloadedKv::page(int64_t layer, int64_t index) const {
   const DeviceBuffer& buffer = layers_[layer][index];
   const char* base = static_cast<const char*>(buffer.data());

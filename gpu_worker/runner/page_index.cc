@@ -61,18 +61,36 @@ absl::Status PageIndex::Reserve(int64_t pages) {
     }
     fresh[l] = std::move(*buffer);
   }
-  const size_t old_head_bytes = static_cast<size_t>(capacity_pages_) * PageBytes();
-  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    const size_t used = static_cast<size_t>(pages_[l]) * PageBytes();
-    for (int64_t g = 0; g < geometry_.num_kv_heads && used > 0; ++g) {
-      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(fresh[l].as<char>() + g * head_bytes,
-                                                    layers_[l].as<char>() + g * old_head_bytes,
-                                                    used));
-    }
-  }
+  TANDEM_RETURN_IF_ERROR(CopyPagesInto(fresh, grown));
   layers_ = std::move(fresh);
   capacity_pages_ = grown;
   return absl::OkStatus();
+}
+
+absl::Status PageIndex::CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t dst_capacity) const {
+  const size_t src_head_bytes = static_cast<size_t>(capacity_pages_) * PageBytes();
+  const size_t dst_head_bytes = static_cast<size_t>(dst_capacity) * PageBytes();
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    const size_t used = static_cast<size_t>(pages_[l]) * PageBytes();
+    for (int64_t g = 0; g < geometry_.num_kv_heads && used > 0; ++g) {
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(dst[l].as<char>() + g * dst_head_bytes,
+                                                    layers_[l].as<char>() + g * src_head_bytes,
+                                                    used));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PageIndex> PageIndex::Fork(int64_t reserve_tokens) const {
+  int64_t written = 0;
+  for (int64_t pages : pages_) written = std::max(written, pages);
+  TANDEM_ASSIGN_OR_RETURN(
+      PageIndex fork,
+      Create(*backend_, geometry_, page_tokens_,
+             std::max(reserve_tokens, written * page_tokens_)));
+  TANDEM_RETURN_IF_ERROR(CopyPagesInto(fork.layers_, fork.capacity_pages_));
+  fork.pages_ = pages_;
+  return fork;
 }
 
 absl::Status PageIndex::Append(int64_t layer, const void* k_cache, int64_t capacity,

@@ -62,4 +62,24 @@ absl::Status Sequence::TruncateTo(int64_t positions) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, int64_t positions,
+                                                         int64_t max_context,
+                                                         const TierForkFor& tier_fork) const {
+  if (positions < 0 || positions > static_cast<int64_t>(tokens.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence ", id, ": fork of ", positions,
+                                                   " of ", tokens.size(), " tokens"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(WindowCache fork_window, window.Fork(positions, max_context));
+  auto fork = std::make_unique<Sequence>(std::move(fork_id), mode, std::move(fork_window));
+  fork->selection = selection;
+  fork->page_policy = page_policy;
+  fork->tokens.assign(tokens.begin(), tokens.begin() + positions);
+  fork->prefill_end = std::min(prefill_end, positions);
+  if (offload != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(fork->offload, offload->Fork(tier_fork(*fork)));
+    fork->pages = fork->offload->page_index();
+  }
+  return fork;
+}
+
 }  // namespace tandem::gpu_worker

@@ -102,8 +102,17 @@ size_t WindowCache::BytesFor(const WindowGeometry& geometry, const WindowOptions
 
 absl::Status WindowCache::Relayout(const WindowOptions& target) {
   TANDEM_ASSIGN_OR_RETURN(WindowCache dst, Create(*backend_, geometry_, target));
+  TANDEM_RETURN_IF_ERROR(CopyPositionsInto(dst, next_pos_));
+  dst.configured_window_ = configured_window_;
+  // The copies are queued on the device; the old buffers are freed when `dst` replaces them
+  // (the backend's free waits for queued work that may still read them).
+  *this = std::move(dst);
+  return absl::OkStatus();
+}
+
+absl::Status WindowCache::CopyPositionsInto(WindowCache& dst, int64_t end) const {
   if (dst.options_.sink != options_.sink || dst.options_.block != options_.block) {
-    return absl::InternalError("window cache: a re-layout keeps the sink and the block");
+    return absl::InternalError("window cache: a copy keeps the sink and the block");
   }
   // Empty slots below scan_slots are read by the attention (with weight 0): they must hold
   // finite values, and the new ring may leave gaps (0 bits are 0 in f32 and bf16).
@@ -125,10 +134,10 @@ absl::Status WindowCache::Relayout(const WindowOptions& target) {
     }
   };
   const int64_t sink = options_.sink, block = options_.block;
-  if (next_pos_ > 0 && sink > 0) add(0, std::min(sink, next_pos_));
-  for (int64_t p = sink + evicted_tokens_; p < next_pos_;) {
+  if (end > 0 && sink > 0) add(0, std::min(sink, end));
+  for (int64_t p = sink + evicted_tokens_; p < end;) {
     // Up to the end of p's block: a block is contiguous in every ring.
-    const int64_t count = std::min(block - (p - sink) % block, next_pos_ - p);
+    const int64_t count = std::min(block - (p - sink) % block, end - p);
     add(p, count);
     p += count;
   }
@@ -156,13 +165,49 @@ absl::Status WindowCache::Relayout(const WindowOptions& target) {
   TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(dst.slot_pos_dev_.data(), dst.slot_pos_.data(),
                                                 dst.slot_pos_.size() * 4));
   dst.scan_slots_ = scan;
-  dst.next_pos_ = next_pos_;
+  dst.next_pos_ = end;
   dst.evicted_tokens_ = evicted_tokens_;
-  dst.configured_window_ = configured_window_;
-  // The copies are queued on the device; the old buffers are freed when `dst` replaces them
-  // (the backend's free waits for queued work that may still read them).
-  *this = std::move(dst);
   return absl::OkStatus();
+}
+
+absl::StatusOr<WindowOptions> WindowCache::ForkOptions(int64_t positions,
+                                                       int64_t max_context) const {
+  if (positions < 0 || positions > next_pos_) {
+    return absl::InvalidArgumentError(absl::StrCat("window cache: fork of ", positions,
+                                                   " positions of ", next_pos_));
+  }
+  if (evicted_tokens_ > 0 && positions < options_.sink + evicted_tokens_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "window cache: cannot fork ", positions, " positions: positions before ",
+        options_.sink + evicted_tokens_, " have left the device"));
+  }
+  if (widened()) {
+    return absl::FailedPreconditionError("window cache: a widened window (a prefill) is not forked");
+  }
+  WindowOptions target = options_;
+  target.max_context = std::max(options_.max_context, max_context);
+  const int64_t recent = std::max<int64_t>(positions - options_.sink, 0) - evicted_tokens_;
+  if (options_.window != WindowOptions::kUnlimited && recent > options_.window) {
+    target.window = CeilDiv(recent, options_.block) * options_.block;   // still settling
+  }
+  return target;
+}
+
+absl::StatusOr<size_t> WindowCache::ForkBytes(int64_t positions, int64_t max_context) const {
+  TANDEM_ASSIGN_OR_RETURN(const WindowOptions target, ForkOptions(positions, max_context));
+  return BytesFor(geometry_, target);
+}
+
+absl::StatusOr<WindowCache> WindowCache::Fork(int64_t positions, int64_t max_context) const {
+  TANDEM_ASSIGN_OR_RETURN(const WindowOptions target, ForkOptions(positions, max_context));
+  TANDEM_ASSIGN_OR_RETURN(WindowCache fork, Create(*backend_, geometry_, target));
+  TANDEM_RETURN_IF_ERROR(CopyPositionsInto(fork, positions));
+  if (target.window != options_.window) {
+    // Narrowed with the prefix's pending blocks on a wider ring: settling, as this one is.
+    fork.options_.window = options_.window;
+    fork.configured_window_ = options_.window;
+  }
+  return fork;
 }
 
 absl::Status WindowCache::Grow(int64_t max_context) {

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
@@ -465,8 +466,9 @@ std::string Engine::PrefixCacheKey(const GenerateRequest& request,
   return key;
 }
 
-Sequence* Engine::TakeCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
-                                   int64_t* common) {
+Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+                                     int64_t planned, int64_t* common, bool* forked) {
+  *forked = false;
   const std::optional<PrefixCache::Hit> hit =
       prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
   if (!hit.has_value()) return nullptr;
@@ -476,6 +478,20 @@ Sequence* Engine::TakeCachedPrefix(const std::string& key, const std::vector<int
     return nullptr;
   }
   Sequence& seq = *it->second;
+  // Continuing in place keeps one copy; a fork keeps the cached tokens the prompt does not share
+  // for whoever sends them next (the same document with another question, or the parent's own
+  // next turn). A tail shorter than a block is a chat turn re-rendered at its end: not worth a
+  // copy.
+  const int64_t dropped = static_cast<int64_t>(seq.tokens.size()) - hit->common;
+  if (dropped >= options_.block_tokens) {
+    absl::StatusOr<Sequence*> fork = ForkCachedSession(key, hit->session_id, hit->common, planned);
+    if (fork.ok()) {
+      *common = hit->common;
+      *forked = true;
+      return *fork;
+    }
+    spdlog::debug("prefix cache: no fork of {}: {}", hit->session_id, fork.status().ToString());
+  }
   if (absl::Status truncated = seq.TruncateTo(hit->common); !truncated.ok()) {
     // Its tokens after the common prefix left the device (a long generation in a bounded
     // window): this prompt cannot reuse it; it stays cached for prompts that extend it.
@@ -485,6 +501,46 @@ Sequence* Engine::TakeCachedPrefix(const std::string& key, const std::vector<int
   prefix_cache_.Take(hit->session_id);
   *common = hit->common;
   return &seq;
+}
+
+absl::StatusOr<Sequence*> Engine::ForkCachedSession(const std::string& key,
+                                                    const std::string& parent_id, int64_t common,
+                                                    int64_t planned) {
+  const Sequence& parent = *sessions_.at(parent_id);
+  // Out of the cache while room is made, so that the room is not made by evicting it; back in
+  // afterwards as the most recently used (a document others are reading).
+  prefix_cache_.Take(parent_id);
+  auto recache = absl::MakeCleanup([&] { prefix_cache_.Insert(parent_id, key, parent.tokens); });
+  while (sessions_.size() >= options_.max_sessions) {
+    if (!EvictCachedSession()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
+    }
+  }
+  const std::string id = absl::StrCat("anon-", next_anonymous_id_++);
+  const WindowOptions& wo = parent.window.options();
+  const int64_t expected_offloaded =
+      wo.window == WindowOptions::kUnlimited ? 0
+                                             : std::max<int64_t>(0, planned - wo.window - wo.sink);
+  TANDEM_ASSIGN_OR_RETURN(size_t device_bytes, parent.window.ForkBytes(common, planned));
+  if (parent.pages != nullptr) {
+    device_bytes += PageIndex::BytesFor(window_geometry(), parent.pages->page_tokens(),
+                                        std::max(expected_offloaded, parent.offloaded_entries()));
+  }
+  auto tier_fork = [&](Sequence& fork) {
+    return TierFork{absl::StrCat(id_prefix_, ".", id), expected_offloaded,
+                    MakeRecomputeKv(*runner_, fork, options_.prefill_chunk,
+                                    [this](size_t bytes) { return CheckDeviceKv(bytes); })};
+  };
+  std::unique_ptr<Sequence> fork;
+  TANDEM_RETURN_IF_ERROR(WithCacheEviction([&]() -> absl::Status {
+    TANDEM_RETURN_IF_ERROR(CheckDeviceKv(device_bytes));
+    TANDEM_ASSIGN_OR_RETURN(fork, parent.Fork(id, common, planned, tier_fork));
+    return absl::OkStatus();
+  }));
+  Sequence* seq = fork.get();
+  sessions_[id] = std::move(fork);
+  return seq;
 }
 
 bool Engine::EvictCachedSession() {

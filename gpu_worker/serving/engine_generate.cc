@@ -161,17 +161,27 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
   std::string cache_key;
   int64_t cached = 0;
+  bool forked = false;
   if (options_.prefix_cache && request.session_id.empty()) {
     cache_key = PrefixCacheKey(request, spec);
-    if (Sequence* hit = TakeCachedPrefix(cache_key, prompt, &cached)) {
+    const int64_t planned =
+        std::min<int64_t>(max_context_, static_cast<int64_t>(prompt.size()) + request.max_tokens);
+    if (Sequence* hit = ReuseCachedPrefix(cache_key, prompt, planned, &cached, &forked)) {
       existing = sessions_.find(hit->id);
       continuing = true;
       prompt.erase(prompt.begin(), prompt.begin() + cached);
     }
   }
-  // A cached session taken above goes back to the cache if this request is refused below.
+  // If this request is refused below, a cached session taken above goes back to the cache and a
+  // fork made for it is closed (its parent is still cached).
   auto recache = absl::MakeCleanup([&] {
-    if (cached > 0) prefix_cache_.Insert(existing->first, cache_key, existing->second->tokens);
+    if (cached == 0) return;
+    if (forked) {
+      (void)existing->second->CloseOffloaded();
+      sessions_.erase(existing);
+    } else {
+      prefix_cache_.Insert(existing->first, cache_key, existing->second->tokens);
+    }
   });
   const int64_t already = continuing ? static_cast<int64_t>(existing->second->tokens.size()) +
                                            (existing->second->pending_token ? 1 : 0)

@@ -175,6 +175,94 @@ TEST_F(EnginePrefixCache, AResentPromptReusesItsKvAndMatchesAColdRun) {
   }
 }
 
+// Runs generations begun together to their ends, one engine step at a time (each step decodes
+// one token of every decoding generation and prefills the others within the step's budget).
+std::vector<absl::StatusOr<GenerateSummary>> RunTogether(
+    Engine& engine, std::vector<std::unique_ptr<Generation>>& generations) {
+  for (;;) {
+    std::vector<Engine::StepItem> items;
+    int64_t budget = engine.max_step_tokens();
+    for (auto& g : generations) {
+      if (g->finished() || budget <= 0) continue;
+      const int64_t n = g->prefilling() ? std::min(budget, g->remaining()) : 1;
+      items.push_back({g.get(), n});
+      budget -= n;
+    }
+    if (items.empty()) break;
+    (void)engine.Step(items);   // failures are recorded in the generations
+  }
+  std::vector<absl::StatusOr<GenerateSummary>> summaries;
+  for (auto& g : generations) summaries.push_back(engine.End(*g));
+  return summaries;
+}
+
+// Several questions over one document. A later question forks the cached session that holds
+// the document instead of truncating it: readers running at the same time all reuse it, and the
+// first reader's session keeps its own tokens (its next turn reuses every one of them). The CPU
+// nodes share the forked blocks; the window and page summaries are copied. Every answer equals
+// a cold run's.
+TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
+  struct Case {
+    AttentionMode mode;
+    bool pages;
+  };
+  for (const Case c : {Case{AttentionMode::kGpu, false}, Case{AttentionMode::kHybrid, false},
+                       Case{AttentionMode::kHybrid, true}, Case{AttentionMode::kOffload, false}}) {
+    SCOPED_TRACE(std::string(AttentionModeName(c.mode)) + (c.pages ? " pages" : ""));
+    auto cached = Make(Options(true));
+    auto cold = Make(Options(false));
+    ASSERT_NE(cached, nullptr);
+    ASSERT_NE(cold, nullptr);
+    auto request = [&](std::vector<int32_t> ids, int64_t tokens) {
+      GenerateRequest r = Request(std::move(ids), c.mode, tokens);
+      if (c.pages) {   // a budget that covers every page: exact, as beta 0 is
+        r.beta.reset();
+        r.selection = SelectionRule::kPages;
+        r.select_tokens = 4096;
+      }
+      return r;
+    };
+    const std::vector<int32_t> doc = Ids(150, 6);
+    const std::vector<int32_t> first_prompt = Concat(doc, Ids(12, 1));
+    auto first = cached->Generate(request(first_prompt, 20));
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_EQ(cached->prefix_cache().size(), 1u);
+
+    // Two readers at once, each with its own question: both fork the first one's session.
+    const std::vector<std::vector<int32_t>> questions = {Concat(doc, Ids(30, 2)),
+                                                         Concat(doc, Ids(20, 3))};
+    std::vector<std::unique_ptr<Generation>> readers;
+    for (const auto& prompt : questions) {
+      auto g = cached->Begin(request(prompt, 16), {}, Generation::Clock::now());
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_GE((*g)->cached_tokens, 150);
+      readers.push_back(std::move(*g));
+    }
+    EXPECT_EQ(cached->prefix_cache().size(), 1u) << "the document's session stays cached";
+    EXPECT_EQ(cached->open_sessions(), 2u);
+    auto answers = RunTogether(*cached, readers);
+    for (size_t i = 0; i < questions.size(); ++i) {
+      ASSERT_TRUE(answers[i].ok()) << answers[i].status();
+      auto reference = cold->Generate(request(questions[i], 16));
+      ASSERT_TRUE(reference.ok()) << reference.status();
+      EXPECT_EQ(answers[i]->token_ids, reference->token_ids) << "reader " << i;
+      EXPECT_EQ(answers[i]->degraded_steps, 0u);
+    }
+    EXPECT_EQ(cached->prefix_cache().size(), 3u);
+    EXPECT_EQ(cached->open_sessions(), 0u);
+
+    // The first reader's next turn: its whole history is still cached.
+    const std::vector<int32_t> next_turn =
+        Concat(Concat(first_prompt, first->token_ids), Ids(8, 4));
+    auto turn = cached->Generate(request(next_turn, 12));
+    ASSERT_TRUE(turn.ok()) << turn.status();
+    EXPECT_EQ(turn->cached_tokens, 162 + 20 - 1);
+    auto turn_cold = cold->Generate(request(next_turn, 12));
+    ASSERT_TRUE(turn_cold.ok()) << turn_cold.status();
+    EXPECT_EQ(turn->token_ids, turn_cold->token_ids);
+  }
+}
+
 TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {
   for (bool shared : {false, true}) {
     SCOPED_TRACE(shared ? "shared scope" : "principal scope");

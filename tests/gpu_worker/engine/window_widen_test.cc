@@ -256,6 +256,61 @@ TEST_P(WindowWidenTest, NarrowWithoutEvictionsAndRefusals) {
   EXPECT_EQ(gpu->Widen(100).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// Fork (a cached prefix continued by another request): the fork holds the parent's positions
+// before the cut at their slots, with their K, V and MAW, and the parent is unchanged. A
+// settling parent's pending blocks come along pending, and leave the fork as they leave the
+// parent; a cut among evicted positions, or in a widened window, is refused.
+TEST_P(WindowWidenTest, ForkCopiesThePrefixAndSettlesItsPendingBlocks) {
+  auto parent = WindowCache::Create(*backend_, geometry_, options_);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  for (int i = 0; i < 4; ++i) {   // wrapped and evicted before
+    Feed(*parent, 17);
+    ASSERT_TRUE(parent->Release(parent->PendingEvictions()).ok());
+  }
+  const int64_t recent = parent->entries() - options_.sink;
+  ASSERT_TRUE(parent->Widen(recent + 120).ok());
+  for (int64_t fed = 0; fed < 120; fed += 20) Feed(*parent, 20);
+  EXPECT_FALSE(parent->Fork(parent->next_position(), 1000).ok()) << "widened: a prefill";
+  ASSERT_TRUE(parent->Narrow().ok());
+  ASSERT_TRUE(parent->settling());
+  const int64_t end = parent->next_position();
+  const int64_t first_on_device = options_.sink + parent->evicted_tokens();
+
+  // Cut among the evicted positions: refused (their KV is the tier's, before the cut).
+  auto refused = parent->Fork(first_on_device - 1, 1000);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(parent->Fork(end + 1, 1000).status().code(), absl::StatusCode::kInvalidArgument);
+
+  for (const int64_t cut : {end - 10, first_on_device + 40, first_on_device}) {
+    SCOPED_TRACE(cut);
+    auto fork = parent->Fork(cut, 2000);
+    ASSERT_TRUE(fork.ok()) << fork.status();
+    EXPECT_EQ(fork->next_position(), cut);
+    EXPECT_EQ(fork->evicted_tokens(), parent->evicted_tokens());
+    EXPECT_EQ(fork->options().max_context, 2000);
+    EXPECT_EQ(fork->configured_window(), 32);
+    EXPECT_EQ(fork->device_bytes(), *parent->ForkBytes(cut, 2000));
+    ExpectContents(*fork);
+    // Pending blocks leave it oldest first, as the parent's would; then it works on.
+    EXPECT_EQ(fork->settling(), cut - first_on_device > 32);
+    while (!fork->PendingEvictions().empty()) {
+      ASSERT_TRUE(fork->Release(fork->PendingEvictions()).ok());
+    }
+    EXPECT_FALSE(fork->relaid());
+    EXPECT_EQ(fork->device_bytes(), WindowCache::BytesFor(geometry_, [&] {
+                WindowOptions o = options_;
+                o.max_context = 2000;
+                return o;
+              }()));
+    Feed(*fork, 20);
+    ASSERT_TRUE(fork->Release(fork->PendingEvictions()).ok());
+    ExpectContents(*fork);
+  }
+  EXPECT_EQ(parent->next_position(), end);
+  ExpectContents(*parent);
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypes, WindowWidenTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 

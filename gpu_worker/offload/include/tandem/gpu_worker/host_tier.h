@@ -43,6 +43,8 @@ class HostTier final : public OffloadTier {
   absl::Status Reserve(int64_t) override { return absl::OkStatus(); }
   absl::Status Maintain() override { return absl::OkStatus(); }
   absl::Status Close() override { return absl::OkStatus(); }
+  // A copy of the host pages (OffloadedKv::Clone).
+  absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
   std::vector<double> MeanSelectedShare() const override { return {}; }
 
   const OffloadedKv& kv() const { return *kv_; }

@@ -58,6 +58,8 @@ class NodeTier final : public OffloadTier {
   }
   absl::Status Maintain() override { return remote_->Maintain(); }
   absl::Status Close() override { return remote_->Close(); }
+  // RemoteKv::Fork (the nodes share the blocks) and a device copy of the page summaries.
+  absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
   std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }
 
   // Device bytes page selection takes for a pass of `num_tokens` query rows over `num_pages`
@@ -68,7 +70,7 @@ class NodeTier final : public OffloadTier {
 
   RemoteKv& remote() { return *remote_; }
   const RemoteKv& remote() const { return *remote_; }
-  PageIndex* page_index() { return pages_.get(); }   // null unless selection = pages
+  PageIndex* page_index() override { return pages_.get(); }   // null unless selection = pages
 
  private:
   // Selection = pages: queues the choice of the pages of `rows` on the device and the download

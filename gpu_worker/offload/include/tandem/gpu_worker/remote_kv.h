@@ -58,6 +58,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/dtype.h"
 #include "tandem/gpu_worker/node_pool.h"
+#include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/placement_planner.h"
 #include "tandem/gpu_worker/shard_migrator.h"
@@ -152,13 +153,7 @@ struct PlacementCounters {
   double last_plan_ms = 0;            // wall time of the last plan
 };
 
-// Receives the recomputed K/V of one layer for RemoteKv::RebuildLost, head-major as Append:
-//   k, v: [num_kv_heads, tokens, head_dim] of kv_dtype (tokens = the offloaded entries per shard)
-using RebuiltLayerSink =
-    std::function<absl::Status(int64_t layer, const void* k, const void* v, int64_t tokens)>;
-// Recomputes K/V of the first `tokens` offloaded positions and calls sink once per layer, in
-// layer order.
-using RecomputeKv = std::function<absl::Status(int64_t tokens, const RebuiltLayerSink& sink)>;
+// RebuiltLayerSink and RecomputeKv (what RebuildLost appends) are offload_tier.h's.
 
 // Selection counters of one layer, summed over its kv heads.
 struct LayerSelection {
@@ -228,6 +223,15 @@ class RemoteKv {
 
   absl::Status Close();
 
+  // A session `session_id` on the same nodes holding this one's offloaded entries, its shards
+  // placed as this one's and opened with fork_from: the nodes share the blocks by reference
+  // (copy-on-write), nothing is copied. Options as this one's but the id and expected_tokens.
+  // FAILED_PRECONDITION while a migration or a lost node's rebuild is pending (the fork would
+  // not know where its shards are); a node's OpenSession error (the sessions opened so far are
+  // closed).
+  absl::StatusOr<std::unique_ptr<RemoteKv>> Fork(const std::string& session_id,
+                                                 int64_t expected_tokens) const;
+
   // Node (pool index) of every shard, [layer * H_kv + kv_head].
   const std::vector<int>& placement() const { return placement_; }
   // Pool indices of the nodes holding shards of this session.
@@ -294,6 +298,8 @@ class RemoteKv {
   // Counts a node's shards (placed or arriving by migration).
   size_t ShardsOn(size_t node) const;
   absl::Status OpenOn(size_t node, NodeTransport transport, v1::OpenSessionRequest& request);
+  // The migrator of a session opened (Open, Fork).
+  void CreateMigrator();
   // Open() once over the accepting nodes (Open retries it without nodes that fail).
   static absl::StatusOr<std::unique_ptr<RemoteKv>> OpenOnce(NodePool& pool,
                                                             const RemoteKvOptions& options);

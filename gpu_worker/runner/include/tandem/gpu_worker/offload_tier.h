@@ -35,6 +35,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -47,6 +48,7 @@ namespace tandem::gpu_worker {
 
 class KvStreamer;
 class OffloadedKv;
+class PageIndex;
 
 // Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
 // rows of exp(lse_selected - lse_all), and the rows): RunnerOptions::measure_captured_mass.
@@ -210,6 +212,22 @@ class TierContext {
   std::vector<float> evict_maw_;
 };
 
+// Receives recomputed K/V of one layer (what rebuilds entries a lost CPU node held),
+// head-major: k, v [num_kv_heads, tokens, head_dim] of the KV dtype (tokens = the offloaded
+// entries per (layer, kv head)).
+using RebuiltLayerSink =
+    std::function<absl::Status(int64_t layer, const void* k, const void* v, int64_t tokens)>;
+// Recomputes K/V of the first `tokens` offloaded positions of a sequence and calls sink once per
+// layer, in layer order.
+using RecomputeKv = std::function<absl::Status(int64_t tokens, const RebuiltLayerSink& sink)>;
+
+// What a tier's fork (OffloadTier::Fork) is given for the sequence it will belong to.
+struct TierFork {
+  std::string session_id;   // the name of the fork's stored copy (its session on CPU nodes)
+  int64_t expected_tokens = 0;   // offloaded entries the new sequence is expected to reach
+  RecomputeKv recompute;    // rebuilds what a lost node held, from the new sequence's tokens
+};
+
 class OffloadTier {
  public:
   virtual ~OffloadTier() = default;
@@ -272,6 +290,17 @@ class OffloadTier {
   // may be retried later; it does not fail the sequence. True when it recomputed something.
   virtual absl::StatusOr<bool> Rebuild() { return false; }
   virtual absl::Status Close() = 0;
+  // A tier for another sequence that holds the same offloaded entries (a fork of a cached
+  // prefix: several requests continue one document). Shares the storage where the tier can (CPU
+  // nodes: copy-on-write blocks) and copies it otherwise; this tier is unchanged. Between passes
+  // only. UNIMPLEMENTED where the tier cannot fork (the caller then does without);
+  // FAILED_PRECONDITION in a state that cannot be forked now (a migration or rebuild pending).
+  virtual absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& /*fork*/) const {
+    return absl::UnimplementedError("this offload tier cannot be forked");
+  }
+  // The page summaries of a tier that selects by pages (the engine counts their device bytes);
+  // null otherwise.
+  virtual PageIndex* page_index() { return nullptr; }
   // Mean selected/held share per layer over the tier's life; empty when it attends everything.
   virtual std::vector<double> MeanSelectedShare() const = 0;
 };

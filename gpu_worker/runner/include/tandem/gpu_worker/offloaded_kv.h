@@ -31,6 +31,10 @@ class OffloadedKv {
   // layer): what Append allocates for them (the memory estimator's; no allocation).
   static size_t HostBytesFor(const WindowGeometry& geometry, int64_t page_tokens, int64_t tokens);
 
+  // A copy in pages of its own (a forked sequence's): RESOURCE_EXHAUSTED as Append when the
+  // host memory does not suffice.
+  absl::StatusOr<std::unique_ptr<OffloadedKv>> Clone() const;
+
   // Appends `n` entries of every kv head of `layer`, head-major: k, v [num_kv_heads, n, head_dim]
   // of the window dtype, in host memory (Append) or backend memory (AppendFromDevice).
   absl::Status Append(int64_t layer, const void* k_host, const void* v_host, int64_t n);

@@ -41,6 +41,11 @@ class PageIndex {
   // Ensures room for `pages` pages per (layer, kv head).
   absl::Status Reserve(int64_t pages);
 
+  // A copy on the device (a forked sequence's summaries), with room for `reserve_tokens`
+  // offloaded entries per (layer, kv head) or the pages written, whichever is more.
+  // RESOURCE_EXHAUSTED as Reserve.
+  absl::StatusOr<PageIndex> Fork(int64_t reserve_tokens) const;
+
   // Summarises `count` entries (a multiple of page_tokens) of `layer`'s K, the slots
   // [first_slot, first_slot + count) of k_cache [num_kv_heads, capacity, head_dim] (the index's
   // dtype), as that layer's next count / page_tokens pages. Grows the capacity if needed.
@@ -72,6 +77,9 @@ class PageIndex {
  private:
   PageIndex() = default;
   size_t PageBytes() const;   // one page of one kv head: 2 · head_dim · dtype bytes
+  // Copies the pages written of every (layer, kv head) into `dst` (per layer, heads of
+  // dst_capacity pages each).
+  absl::Status CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t dst_capacity) const;
 
   Backend* backend_ = nullptr;
   WindowGeometry geometry_;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -73,6 +74,18 @@ struct Sequence {
   // session reused by a prompt that shares only that prefix). The forgotten tokens must all be
   // on the device (WindowCache::Truncate): FAILED_PRECONDITION otherwise, leaving it unchanged.
   absl::Status TruncateTo(int64_t positions);
+
+  // A sequence `id` that continues this one's first `positions` tokens, this one unchanged (a
+  // fork of a cached prefix: several requests over one document, prefix_cache.h). Its window is
+  // WindowCache::Fork(positions, max_context); its tier this one's OffloadTier::Fork with what
+  // `tier_fork` gives for the new sequence (its rebuild hook refers to it); its tokens,
+  // selection and page policy this one's; its counters start at 0. Between passes only.
+  // INVALID_ARGUMENT beyond the tokens held; either fork's error (UNIMPLEMENTED: a tier that
+  // cannot fork; FAILED_PRECONDITION: positions after `positions` have left the device).
+  using TierForkFor = std::function<TierFork(Sequence& fork)>;
+  absl::StatusOr<std::unique_ptr<Sequence>> Fork(std::string fork_id, int64_t positions,
+                                                 int64_t max_context,
+                                                 const TierForkFor& tier_fork) const;
 
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const { return offload ? offload->offloaded_tokens() : 0; }

@@ -101,6 +101,20 @@ class WindowCache {
   // negative or past next_position(). No-op when it equals next_position().
   absl::Status Truncate(int64_t positions);
 
+  // A cache for another sequence that holds this one's positions [0, positions) as
+  // Truncate(positions) would leave them (a fork of a cached prefix: two requests continue one
+  // document), in buffers of its own: the same sink, block and window, the context limit raised
+  // to `max_context` if that is larger. The device copy covers the positions on the device (the
+  // sink and the recent ones before `positions`); the fork's tier holds the evicted ones. A
+  // settling ring's pending blocks below `positions` come along, still pending (the fork settles
+  // them into its own tier). FAILED_PRECONDITION when a position at or after `positions` has left
+  // the device (as Truncate) or the ring is widened (a prefill under way); INVALID_ARGUMENT for
+  // `positions` outside [0, next_position()]; RESOURCE_EXHAUSTED when the device memory does not
+  // suffice.
+  absl::StatusOr<WindowCache> Fork(int64_t positions, int64_t max_context) const;
+  // Device bytes Fork(positions, max_context) allocates; its errors for a fork it refuses.
+  absl::StatusOr<size_t> ForkBytes(int64_t positions, int64_t max_context) const;
+
   // Raises the context limit of an unlimited-window (gpu mode) cache to `max_context`
   // positions, moving its KV into larger device buffers: a session sized for one request that a
   // later turn extends. No-op when the limit is already that high. FAILED_PRECONDITION for a
@@ -184,6 +198,14 @@ class WindowCache {
   // position's K, V and MAW are copied to its slot in the new ring, a run of slots contiguous
   // in both rings per copy. RESOURCE_EXHAUSTED leaves the cache unchanged.
   absl::Status Relayout(const WindowOptions& target);
+  // Copies K, V, MAW and the slot table of positions [0, end) that are on the device into `dst`
+  // (same geometry, sink and block; empty), each to the slot dst's ring gives it, and leaves dst
+  // at next_position() = end with this cache's evicted positions. end >= the device's first
+  // recent position, so that dst holds every position it has not evicted.
+  absl::Status CopyPositionsInto(WindowCache& dst, int64_t end) const;
+  // The options of Fork(positions, max_context): this cache's, with the ring widened to hold the
+  // prefix's recent tokens when they exceed the window (a settling ring), or its errors.
+  absl::StatusOr<WindowOptions> ForkOptions(int64_t positions, int64_t max_context) const;
   // Relayout to the configured window (its ring), ending the re-laid state.
   absl::Status Shrink();
   // Marks slots [first_slot, first_slot + count) empty (position -1, MAW fresh), on the host

@@ -301,11 +301,21 @@ class Engine {
   // The prefix cache's scope key of a one-shot request: principal (unless shared) and salt, and
   // the settings a continued session keeps (mode; window, sink and selection off gpu mode).
   std::string PrefixCacheKey(const GenerateRequest& request, const SequenceSpec& spec) const;
-  // The cached session of `key` sharing the longest prefix with `prompt` (at least
-  // prefix_cache_min_tokens), taken out of the cache and truncated to that prefix; its length
-  // in *common. nullptr on a miss (a session that cannot be truncated that far stays cached).
-  Sequence* TakeCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
-                             int64_t* common);
+  // The session a one-shot request continues from the prefix cache: the cached session of `key`
+  // sharing the longest prefix with `prompt` (at least prefix_cache_min_tokens ids; its length
+  // in *common). When continuing it in place would drop a block or more of its own tokens
+  // (another question over the same document), the request gets a fork of it (ForkCachedSession,
+  // sized for `planned` positions; *forked) and it stays cached for the next reader; otherwise,
+  // or when no fork can be made, it is taken out of the cache and truncated to the prefix.
+  // nullptr on a miss (a session that cannot be truncated that far stays cached).
+  Sequence* ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+                              int64_t planned, int64_t* common, bool* forked);
+  // A new session continuing the first `common` tokens of cached session `parent_id` (of scope
+  // `key`), with room for `planned` positions: Sequence::Fork (CPU nodes share the blocks; the
+  // device window and page summaries are copied), after the room it needs is made by evicting
+  // other cached sessions. The parent stays cached, as the most recently used.
+  absl::StatusOr<Sequence*> ForkCachedSession(const std::string& key, const std::string& parent_id,
+                                              int64_t common, int64_t planned);
   // Closes the least recently used cached session; false when none is cached.
   bool EvictCachedSession();
   // Runs `attempt`, and again after each eviction of a cached session while it fails with
