@@ -471,20 +471,48 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
   *forked = false;
   const std::optional<PrefixCache::Hit> hit =
       prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
-  if (!hit.has_value()) return nullptr;
+  if (!hit.has_value()) {
+    // Nothing cached: a running request's session (a reader of the same document that came
+    // just before) may hold the prefix.
+    const std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
+    if (!running.has_value()) return nullptr;
+    absl::StatusOr<Sequence*> fork =
+        ForkSession(key, running->session_id, running->common, planned);
+    if (!fork.ok()) {
+      spdlog::debug("prefix cache: no fork of running {}: {}", running->session_id,
+                    fork.status().ToString());
+      return nullptr;
+    }
+    *common = running->common;
+    *forked = true;
+    return *fork;
+  }
   auto it = sessions_.find(hit->session_id);
   if (it == sessions_.end() || SessionBusy(hit->session_id)) {
     prefix_cache_.Take(hit->session_id);   // not a cached session any more
     return nullptr;
   }
   Sequence& seq = *it->second;
+  // A running request's session that shares more: forked (never taken; it is in use).
+  if (std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
+      running.has_value() && running->common > hit->common) {
+    absl::StatusOr<Sequence*> fork =
+        ForkSession(key, running->session_id, running->common, planned);
+    if (fork.ok()) {
+      *common = running->common;
+      *forked = true;
+      return *fork;
+    }
+    spdlog::debug("prefix cache: no fork of running {}: {}", running->session_id,
+                  fork.status().ToString());
+  }
   // Continuing in place keeps one copy; a fork keeps the cached tokens the prompt does not share
   // for whoever sends them next (the same document with another question, or the parent's own
   // next turn). A tail shorter than a block is a chat turn re-rendered at its end: not worth a
   // copy.
   const int64_t dropped = static_cast<int64_t>(seq.tokens.size()) - hit->common;
   if (dropped >= options_.block_tokens) {
-    absl::StatusOr<Sequence*> fork = ForkCachedSession(key, hit->session_id, hit->common, planned);
+    absl::StatusOr<Sequence*> fork = ForkSession(key, hit->session_id, hit->common, planned);
     if (fork.ok()) {
       *common = hit->common;
       *forked = true;
@@ -503,14 +531,34 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
   return &seq;
 }
 
-absl::StatusOr<Sequence*> Engine::ForkCachedSession(const std::string& key,
-                                                    const std::string& parent_id, int64_t common,
-                                                    int64_t planned) {
+std::optional<PrefixCache::Hit> Engine::RunningPrefix(const std::string& key,
+                                                      const std::vector<int32_t>& prompt) const {
+  std::optional<PrefixCache::Hit> best;
+  if (prompt.size() < 2) return best;
+  for (const auto& [id, g] : busy_) {
+    if (g->cache_key != key || g->seq == nullptr || g->seq->window.widened()) continue;
+    const std::vector<int32_t>& held = g->seq->tokens;
+    const size_t limit = std::min(held.size(), prompt.size() - 1);
+    size_t common = 0;
+    while (common < limit && held[common] == prompt[common]) ++common;
+    if (static_cast<int64_t>(common) < options_.prefix_cache_min_tokens) continue;
+    if (!best.has_value() || static_cast<int64_t>(common) > best->common) {
+      best = PrefixCache::Hit{id, static_cast<int64_t>(common)};
+    }
+  }
+  return best;
+}
+
+absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
+                                              const std::string& parent_id, int64_t common,
+                                              int64_t planned) {
   const Sequence& parent = *sessions_.at(parent_id);
-  // Out of the cache while room is made, so that the room is not made by evicting it; back in
-  // afterwards as the most recently used (a document others are reading).
-  prefix_cache_.Take(parent_id);
-  auto recache = absl::MakeCleanup([&] { prefix_cache_.Insert(parent_id, key, parent.tokens); });
+  // A cached parent is out of the cache while room is made, so that the room is not made by
+  // evicting it; back in afterwards as the most recently used (a document others are reading).
+  const bool cached = prefix_cache_.Take(parent_id);
+  auto recache = absl::MakeCleanup([&] {
+    if (cached) prefix_cache_.Insert(parent_id, key, parent.tokens);
+  });
   while (sessions_.size() >= options_.max_sessions) {
     if (!EvictCachedSession()) {
       return absl::ResourceExhaustedError(

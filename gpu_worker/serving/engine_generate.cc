@@ -86,31 +86,86 @@ bool Generation::CancelledBy(Clock::time_point now) const {
   return callbacks.cancelled && callbacks.cancelled();
 }
 
+absl::StatusOr<Engine::SequenceSpec> Engine::SpecFor(const GenerateRequest& request) const {
+  SequenceSpec spec;
+  spec.page_policy = options_.default_page_policy;
+  if (request.select_tokens.has_value()) spec.page_policy.select_tokens = *request.select_tokens;
+  if (request.dense_layers.has_value()) spec.page_policy.dense_layers = *request.dense_layers;
+  TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(spec.page_policy));
+  // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
+  spec.selection = request.selection.value_or(
+      request.beta.has_value() ? SelectionRule::kMaw : options_.default_selection);
+  if (spec.selection == SelectionRule::kPages) TANDEM_RETURN_IF_ERROR(CheckPagesUsable());
+  spec.mode = request.mode.value_or(options_.default_mode);
+  spec.beta = request.beta.value_or(options_.default_beta);
+  spec.window = request.window.value_or(options_.default_window);
+  spec.sink = request.sink.value_or(options_.default_sink);
+  if (spec.window < options_.block_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
+                                                   options_.block_tokens, " tokens), got ",
+                                                   spec.window));
+  }
+  if (spec.sink > max_context_) {
+    return absl::InvalidArgumentError(absl::StrCat("sink must be in 0..", max_context_));
+  }
+  return spec;
+}
+
+bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
+  if (!options_.prefix_cache || !request.session_id.empty()) return false;
+  std::vector<int32_t> prompt;
+  if (!request.prompt_ids.empty()) {
+    prompt = request.prompt_ids;
+  } else if (request.prompt_text_ids.has_value()) {
+    prompt = *request.prompt_text_ids;
+    AddPromptBos(*tokenizer_, &prompt);   // as Begin feeds it
+  } else {
+    return false;   // tokenized by Begin: not known yet
+  }
+  const absl::StatusOr<SequenceSpec> spec = SpecFor(request);
+  if (!spec.ok()) return false;   // Begin says why
+  const std::string key = PrefixCacheKey(request, *spec);
+  const std::optional<PrefixCache::Hit> cached =
+      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
+  const int64_t have = cached.has_value() ? cached->common : 0;
+  for (const auto& [id, g] : busy_) {
+    if (g->cache_key != key || !g->prefilling() || g->seq == nullptr) continue;
+    // What it will hold once its prompt is in: the tokens fed, then the rest of its feed.
+    const std::vector<int32_t>& held = g->seq->tokens;
+    const size_t limit = prompt.size() - 1;
+    size_t common = 0;
+    while (common < limit && common < held.size() && held[common] == prompt[common]) ++common;
+    if (common == held.size()) {
+      for (int64_t i = g->fed; i < static_cast<int64_t>(g->feed.size()) && common < limit &&
+                               g->feed[i] == prompt[common];
+           ++i) {
+        ++common;
+      }
+    }
+    // Worth it when its prompt, once in, gives this one at least a block more than what is
+    // there to reuse now: a cached session, or its fed part (a fork of it now; not while its
+    // window is widened for the prefill, which cannot be forked).
+    const int64_t fed_part = g->seq->window.widened() ? 0 : std::min(common, held.size());
+    const int64_t now = std::max<int64_t>(have, fed_part);
+    if (static_cast<int64_t>(common) >= options_.prefix_cache_min_tokens &&
+        static_cast<int64_t>(common) - now >= options_.block_tokens) {
+      return true;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest request,
                                                           GenerateCallbacks callbacks,
                                                           Generation::Clock::time_point arrival) {
   // --- Validation: everything is checked before any state changes.
   TANDEM_RETURN_IF_ERROR(ValidateGenerateRequest(request, 0));
-  PagePolicy page_policy = options_.default_page_policy;
-  if (request.select_tokens.has_value()) page_policy.select_tokens = *request.select_tokens;
-  if (request.dense_layers.has_value()) page_policy.dense_layers = *request.dense_layers;
-  TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(page_policy));
-  // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
-  const SelectionRule selection = request.selection.value_or(
-      request.beta.has_value() ? SelectionRule::kMaw : options_.default_selection);
-  if (selection == SelectionRule::kPages) TANDEM_RETURN_IF_ERROR(CheckPagesUsable());
-  const AttentionMode mode = request.mode.value_or(options_.default_mode);
-  const float beta = request.beta.value_or(options_.default_beta);
-  const int64_t window = request.window.value_or(options_.default_window);
-  const int64_t sink = request.sink.value_or(options_.default_sink);
-  if (window < options_.block_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
-                                                   options_.block_tokens, " tokens), got ",
-                                                   window));
-  }
-  if (sink > max_context_) {
-    return absl::InvalidArgumentError(absl::StrCat("sink must be in 0..", max_context_));
-  }
+  TANDEM_ASSIGN_OR_RETURN(const SequenceSpec spec, SpecFor(request));
+  const AttentionMode mode = spec.mode;
+  const int64_t window = spec.window;
+  const int64_t sink = spec.sink;
+  const SelectionRule selection = spec.selection;
+  const PagePolicy page_policy = spec.page_policy;
   if (!request.session_id.empty() && SessionBusy(request.session_id)) {
     return absl::FailedPreconditionError(
         absl::StrCat("session '", request.session_id, "' is in use by another request"));
@@ -158,7 +213,6 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   TANDEM_RETURN_IF_ERROR(ValidateIds(prompt));
   // Automatic prefix cache: a one-shot request continues the cached session sharing the
   // longest prefix with its prompt (truncated to it) and feeds only the rest.
-  const SequenceSpec spec{mode, beta, window, sink, selection, page_policy};
   std::string cache_key;
   int64_t cached = 0;
   bool forked = false;
@@ -275,7 +329,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->rng.seed(seed);
   g->degraded_before = seq->degraded_steps;
   g->last_token = arrival;
-  busy_.insert(id);
+  busy_[id] = g.get();
   return g;
 }
 

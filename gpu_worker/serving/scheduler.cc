@@ -164,6 +164,12 @@ void Scheduler::Admit() {
       ++it;
       continue;
     }
+    // A reader of a document another request is prefilling right now waits for that prefill
+    // and then forks it (Engine::PrefillWorthWaitingFor), instead of prefilling it beside it.
+    if (engine_->PrefillWorthWaitingFor(it->request)) {
+      ++it;
+      continue;
+    }
     absl::StatusOr<std::unique_ptr<Generation>> g =
         engine_->Begin(it->request, it->callbacks, it->arrival);
     if (!g.ok() && g.status().code() == absl::StatusCode::kResourceExhausted &&

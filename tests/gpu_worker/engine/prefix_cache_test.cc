@@ -4,6 +4,8 @@
 // between principals and salts; eviction under the session limit and the device KV budget).
 #include "tandem/gpu_worker/prefix_cache.h"
 
+#include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,6 +13,7 @@
 
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/scheduler.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -261,6 +264,98 @@ TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
     ASSERT_TRUE(turn_cold.ok()) << turn_cold.status();
     EXPECT_EQ(turn->token_ids, turn_cold->token_ids);
   }
+}
+
+// Readers of one document arriving together: while the first one's prompt is being prefilled,
+// the others are worth holding back (PrefillWorthWaitingFor; not readers of another document or
+// scope); once it is in, a reader forks the running session and prefills only its question.
+// The answers equal cold runs.
+TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
+  for (AttentionMode mode : {AttentionMode::kGpu, AttentionMode::kHybrid}) {
+    SCOPED_TRACE(std::string(AttentionModeName(mode)));
+    auto cached = Make(Options(true));
+    auto cold = Make(Options(false));
+    ASSERT_NE(cached, nullptr);
+    ASSERT_NE(cold, nullptr);
+    const std::vector<int32_t> doc = Ids(150, 9);
+    const GenerateRequest first = Request(Concat(doc, Ids(12, 1)), mode, 12);
+    const GenerateRequest second = Request(Concat(doc, Ids(20, 2)), mode, 12);
+    std::vector<std::unique_ptr<Generation>> readers;
+    auto a = cached->Begin(first, {}, Generation::Clock::now());
+    ASSERT_TRUE(a.ok()) << a.status();
+    readers.push_back(std::move(*a));
+    Generation& reader_a = *readers[0];
+
+    EXPECT_TRUE(cached->PrefillWorthWaitingFor(second));
+    EXPECT_FALSE(cached->PrefillWorthWaitingFor(Request(Concat(Ids(150, 10), Ids(20, 2)), mode, 4)))
+        << "another document";
+    GenerateRequest salted = second;
+    salted.cache_salt = "another tenant";
+    EXPECT_FALSE(cached->PrefillWorthWaitingFor(salted)) << "another scope";
+    GenerateRequest session_turn = second;
+    session_turn.session_id = "kept";
+    EXPECT_FALSE(cached->PrefillWorthWaitingFor(session_turn)) << "an explicit session";
+
+    // The first reader's prompt goes in (a chunk per step) and its first token comes out.
+    int64_t steps = 0;
+    while (reader_a.prefilling() && !reader_a.finished()) {
+      ASSERT_TRUE(cached
+                      ->Step({{&reader_a,
+                               std::min(cached->max_step_tokens(), reader_a.remaining())}})
+                      .ok());
+      ASSERT_LT(++steps, 100);
+      // Worth waiting while a block or more of the document is still to come (or, in hybrid
+      // mode, while its window is widened for the prefill: it cannot be forked before).
+      if (reader_a.prefilling() && (reader_a.seq->tokens.size() + 16 <= doc.size() ||
+                                    reader_a.seq->window.widened())) {
+        EXPECT_TRUE(cached->PrefillWorthWaitingFor(second)) << reader_a.seq->tokens.size();
+      }
+    }
+    EXPECT_FALSE(cached->PrefillWorthWaitingFor(second)) << "its prompt is in: fork it now";
+
+    auto b = cached->Begin(second, {}, Generation::Clock::now());
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_GE((*b)->cached_tokens, 150) << "forked from the running reader";
+    EXPECT_EQ(cached->prefix_cache().size(), 0u);
+    readers.push_back(std::move(*b));
+    auto answers = RunTogether(*cached, readers);
+    for (const auto& [i, request] : {std::pair{0, first}, std::pair{1, second}}) {
+      ASSERT_TRUE(answers[i].ok()) << answers[i].status();
+      auto reference = cold->Generate(request);
+      ASSERT_TRUE(reference.ok()) << reference.status();
+      EXPECT_EQ(answers[i]->token_ids, reference->token_ids) << "reader " << i;
+    }
+    EXPECT_EQ(cached->prefix_cache().size(), 2u);
+  }
+}
+
+// Through the scheduler: readers of one document submitted at once prefill it once.
+TEST_F(EnginePrefixCache, TheSchedulerHoldsReadersForARunningPrefill) {
+  auto engine = Make(Options(true));
+  ASSERT_NE(engine, nullptr);
+  auto scheduler = Scheduler::Create(std::move(engine), SchedulerOptions{});
+  ASSERT_TRUE(scheduler.ok()) << scheduler.status();
+  const std::vector<int32_t> doc = Ids(300, 11);
+  std::vector<std::future<absl::StatusOr<GenerateSummary>>> outcomes;
+  for (int32_t q = 0; q < 4; ++q) {
+    auto done = std::make_shared<std::promise<absl::StatusOr<GenerateSummary>>>();
+    outcomes.push_back(done->get_future());
+    ASSERT_TRUE((*scheduler)
+                    ->Submit(Request(Concat(doc, Ids(16, 30 + q)), AttentionMode::kGpu, 6), {},
+                             [done](absl::StatusOr<GenerateSummary> s) {
+                               done->set_value(std::move(s));
+                             })
+                    .ok());
+  }
+  int64_t prefilled = 0;
+  for (auto& outcome : outcomes) {
+    absl::StatusOr<GenerateSummary> s = outcome.get();
+    ASSERT_TRUE(s.ok()) << s.status();
+    prefilled += s->prompt_tokens - s->cached_tokens;
+  }
+  // The document once, and each question; a reader that came when less than a block of the
+  // document was left to prefill forked what was in and prefilled that rest itself.
+  EXPECT_LE(prefilled, 300 + 4 * 16 + 3 * 16);
 }
 
 TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {

@@ -22,7 +22,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -218,6 +217,12 @@ class Engine {
   // Most tokens one Step may feed (the runner's chunk).
   int64_t max_step_tokens() const { return options_.prefill_chunk; }
   bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
+  // Whether one-shot `request` should wait before Begin: a running request of its prefix cache
+  // scope is still prefilling a prompt that shares at least a block more with this one's than
+  // anything there is to reuse now. Once that prompt is in, this one forks it instead of
+  // prefilling the same document beside it (several readers of one document arriving at once).
+  // False for requests whose ids are not known yet (Begin tokenizes them) and invalid ones.
+  bool PrefillWorthWaitingFor(const GenerateRequest& request) const;
 
   absl::StatusOr<EvaluateResult> Evaluate(const EvaluateRequest& request);
   // tokenizer.h EncodePrompt: special tokens written in `text` become their ids; BOS is
@@ -298,24 +303,32 @@ class Engine {
   // the page_summary_bytes cap; RESOURCE_EXHAUSTED (saying what to change) otherwise.
   absl::Status ReservePages(Sequence& seq, int64_t expected_offloaded) const;
   absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
+  // The sequence settings of `request` (its fields, else the engine's defaults), checked.
+  absl::StatusOr<SequenceSpec> SpecFor(const GenerateRequest& request) const;
   // The prefix cache's scope key of a one-shot request: principal (unless shared) and salt, and
   // the settings a continued session keeps (mode; window, sink and selection off gpu mode).
   std::string PrefixCacheKey(const GenerateRequest& request, const SequenceSpec& spec) const;
   // The session a one-shot request continues from the prefix cache: the cached session of `key`
   // sharing the longest prefix with `prompt` (at least prefix_cache_min_tokens ids; its length
-  // in *common). When continuing it in place would drop a block or more of its own tokens
-  // (another question over the same document), the request gets a fork of it (ForkCachedSession,
-  // sized for `planned` positions; *forked) and it stays cached for the next reader; otherwise,
-  // or when no fork can be made, it is taken out of the cache and truncated to the prefix.
-  // nullptr on a miss (a session that cannot be truncated that far stays cached).
+  // in *common), or a running request's session of that scope whose fed tokens share more (it
+  // is in use: always forked). When continuing a cached session in place would drop a block or
+  // more of its own tokens (another question over the same document), the request gets a fork
+  // of it (ForkSession, sized for `planned` positions; *forked) and it stays cached for the next
+  // reader; otherwise, or when no fork can be made, it is taken out of the cache and truncated
+  // to the prefix. nullptr on a miss (a session that cannot be truncated that far stays cached).
   Sequence* ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
                               int64_t planned, int64_t* common, bool* forked);
-  // A new session continuing the first `common` tokens of cached session `parent_id` (of scope
-  // `key`), with room for `planned` positions: Sequence::Fork (CPU nodes share the blocks; the
-  // device window and page summaries are copied), after the room it needs is made by evicting
-  // other cached sessions. The parent stays cached, as the most recently used.
-  absl::StatusOr<Sequence*> ForkCachedSession(const std::string& key, const std::string& parent_id,
-                                              int64_t common, int64_t planned);
+  // The running one-shot session of scope `key` (past its prompt's device prefill) whose fed
+  // tokens share the longest prefix with `prompt` (at most prompt.size() - 1), if any.
+  std::optional<PrefixCache::Hit> RunningPrefix(const std::string& key,
+                                                const std::vector<int32_t>& prompt) const;
+  // A new session continuing the first `common` tokens of session `parent_id` (cached, of scope
+  // `key`, or running), with room for `planned` positions: Sequence::Fork (CPU nodes share the
+  // blocks; the device window and page summaries are copied), after the room it needs is made
+  // by evicting cached sessions other than the parent. A cached parent stays cached, as the
+  // most recently used.
+  absl::StatusOr<Sequence*> ForkSession(const std::string& key, const std::string& parent_id,
+                                        int64_t common, int64_t planned);
   // Closes the least recently used cached session; false when none is cached.
   bool EvictCachedSession();
   // Runs `attempt`, and again after each eviction of a cached session while it fails with
@@ -338,7 +351,8 @@ class Engine {
   std::map<std::string, std::unique_ptr<Sequence>> sessions_;
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
-  std::set<std::string> busy_;   // sessions a live Generation is using
+  // Sessions a live Generation is using, and that generation (from Begin to End).
+  std::map<std::string, const Generation*> busy_;
   LostSessions lost_sessions_{0};   // sized to max_sessions by Create
   uint64_t next_anonymous_id_ = 0;
   PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create

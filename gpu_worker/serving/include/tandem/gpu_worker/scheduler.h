@@ -10,7 +10,9 @@
 //      Engine::Begin reserves what a request needs by its end (device window, page summaries,
 //      CPU-node room); a request that does not fit while others run waits at the head of the
 //      queue until one ends (never an out-of-memory failure mid-run); one that cannot fit even
-//      alone fails with RESOURCE_EXHAUSTED;
+//      alone fails with RESOURCE_EXHAUSTED; a turn of a session in use, and a one-shot request
+//      whose document a running request is prefilling (it forks that request's session once
+//      the prompt is in: Engine::PrefillWorthWaitingFor), wait while others go ahead;
 //   4. runs one Engine::Step over every running generation: one decode token each, plus prompt
 //      tokens of prefilling generations up to step_tokens in all (chunked prefill interleaved
 //      with decode). Prefill tokens go to the shortest remaining prompt first, so a short
