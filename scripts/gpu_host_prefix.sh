@@ -13,7 +13,9 @@
 # and run with carry [".carry"]. CONTEXTS (default 131000: with the 64-token question and 8
 # generated tokens, the model's 131072) are the document lengths; MODES
 # (default "gpu hybrid") the worker modes; QA=1 adds the document-QA load (32 clients, 4
-# documents of QA_TOKENS, 4 questions each) with the cache on and off. Logs go under $OUT.
+# documents of QA_TOKENS, 4 questions each) per mode of QA_MODES (default gpu) with the cache
+# on and off (QA_CACHE, default "true false"); CONTEXTS="" skips the TTFT rows. Logs go under
+# $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out" /tmp/tandem
@@ -70,7 +72,7 @@ ask() {   # ask NAME SEED TOKENS ARGS...: one request: the document + question S
 }
 
 for mode in ${MODES:-gpu hybrid}; do
-  for tokens in ${CONTEXTS:-131000}; do
+  for tokens in ${CONTEXTS-131000}; do
     args=(--mode "$mode")
     wargs=(--mode "$mode")
     if [[ $mode == hybrid ]]; then
@@ -87,16 +89,22 @@ for mode in ${MODES:-gpu hybrid}; do
 done
 
 if [[ ${QA:-0} == 1 ]]; then
-  for cache in true false; do
-    # A device KV budget makes requests beyond it wait instead of failing the allocation.
-    start_worker "qa_$cache" --mode gpu --prefix_cache="$cache" --max_batch 64 \
-      --kv_cache_bytes "${QA_KV_BYTES:-80GiB}" || continue
-    tandem-load --target "127.0.0.1:$port" --concurrency 32 --num_requests 128 --progress_s 0 \
-      --shared_prefix_tokens "${QA_TOKENS:-32768}" --shared_prefixes 4 --prompt_tokens 64 \
-      --output_tokens 32 --mode gpu --json_out "$out/qa_$cache.json" > "$out/qa_$cache.txt" 2>&1
-    echo "[qa cache=$cache]"
-    grep -E 'Successful|Failed req|duration|Request throughput|Median TTFT|P99 TTFT|Cached input' \
-      "$out/qa_$cache.txt"
-    stop_worker
+  for mode in ${QA_MODES:-gpu}; do
+    for cache in ${QA_CACHE:-true false}; do
+      # A device KV budget makes requests beyond it wait instead of failing the allocation.
+      wargs=(--mode "$mode" --prefix_cache="$cache" --max_batch 64
+             --kv_cache_bytes "${QA_KV_BYTES:-80GiB}")
+      # Node memory for the 4 documents (forks share their blocks) and the misses' copies.
+      [[ $mode == hybrid ]] && wargs+=(--window 4096 --selection pages --embedded_pool_bytes 48GiB)
+      start_worker "qa_${mode}_$cache" "${wargs[@]}" || continue
+      tandem-load --target "127.0.0.1:$port" --concurrency 32 --num_requests 128 --progress_s 0 \
+        --shared_prefix_tokens "${QA_TOKENS:-32768}" --shared_prefixes 4 --prompt_tokens 64 \
+        --output_tokens 32 --mode "$mode" --json_out "$out/qa_${mode}_$cache.json" \
+        > "$out/qa_${mode}_$cache.txt" 2>&1
+      echo "[qa mode=$mode cache=$cache]"
+      grep -E 'Successful|Failed req|duration|Request throughput|Median TTFT|P99 TTFT|Cached input' \
+        "$out/qa_${mode}_$cache.txt"
+      stop_worker
+    done
   done
 fi
