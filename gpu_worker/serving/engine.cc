@@ -469,57 +469,43 @@ std::string Engine::PrefixCacheKey(const GenerateRequest& request,
 Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
                                      int64_t planned, int64_t* common, bool* forked) {
   *forked = false;
-  const std::optional<PrefixCache::Hit> hit =
-      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
-  if (!hit.has_value()) {
-    // Nothing cached: a running request's session (a reader of the same document that came
-    // just before) may hold the prefix.
-    const std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
-    if (!running.has_value()) return nullptr;
-    absl::StatusOr<Sequence*> fork =
-        ForkSession(key, running->session_id, running->common, planned);
+  auto fork_of = [&](const PrefixCache::Hit& parent) -> Sequence* {
+    absl::StatusOr<Sequence*> fork = ForkSession(key, parent.session_id, parent.common, planned);
     if (!fork.ok()) {
-      spdlog::debug("prefix cache: no fork of running {}: {}", running->session_id,
+      spdlog::debug("prefix cache: no fork of {}: {}", parent.session_id,
                     fork.status().ToString());
       return nullptr;
     }
-    *common = running->common;
+    *common = parent.common;
     *forked = true;
     return *fork;
-  }
-  auto it = sessions_.find(hit->session_id);
-  if (it == sessions_.end() || SessionBusy(hit->session_id)) {
+  };
+  std::optional<PrefixCache::Hit> hit =
+      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
+  if (hit.has_value() &&
+      (sessions_.count(hit->session_id) == 0 || SessionBusy(hit->session_id))) {
     prefix_cache_.Take(hit->session_id);   // not a cached session any more
-    return nullptr;
+    hit.reset();
   }
-  Sequence& seq = *it->second;
-  // A running request's session that shares more: forked (never taken; it is in use).
-  if (std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
-      running.has_value() && running->common > hit->common) {
-    absl::StatusOr<Sequence*> fork =
-        ForkSession(key, running->session_id, running->common, planned);
-    if (fork.ok()) {
-      *common = running->common;
-      *forked = true;
-      return *fork;
-    }
-    spdlog::debug("prefix cache: no fork of running {}: {}", running->session_id,
-                  fork.status().ToString());
+  // A running request's session that shares more (a reader of the same document that came just
+  // before): forked, never taken (it is in use).
+  if (const std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
+      running.has_value() && (!hit.has_value() || running->common > hit->common)) {
+    if (Sequence* fork = fork_of(*running)) return fork;
   }
+  // (A failed fork may have evicted or closed sessions: look the hit up again.)
+  if (!hit.has_value() || sessions_.count(hit->session_id) == 0) return nullptr;
   // Continuing in place keeps one copy; a fork keeps the cached tokens the prompt does not share
   // for whoever sends them next (the same document with another question, or the parent's own
   // next turn). A tail shorter than a block is a chat turn re-rendered at its end: not worth a
   // copy.
-  const int64_t dropped = static_cast<int64_t>(seq.tokens.size()) - hit->common;
+  const int64_t dropped =
+      static_cast<int64_t>(sessions_.at(hit->session_id)->tokens.size()) - hit->common;
   if (dropped >= options_.block_tokens) {
-    absl::StatusOr<Sequence*> fork = ForkSession(key, hit->session_id, hit->common, planned);
-    if (fork.ok()) {
-      *common = hit->common;
-      *forked = true;
-      return *fork;
-    }
-    spdlog::debug("prefix cache: no fork of {}: {}", hit->session_id, fork.status().ToString());
+    if (Sequence* fork = fork_of(*hit)) return fork;
+    if (sessions_.count(hit->session_id) == 0) return nullptr;
   }
+  Sequence& seq = *sessions_.at(hit->session_id);
   if (absl::Status truncated = seq.TruncateTo(hit->common); !truncated.ok()) {
     // Its tokens after the common prefix left the device (a long generation in a bounded
     // window): this prompt cannot reuse it; it stays cached for prompts that extend it.
@@ -552,7 +538,22 @@ std::optional<PrefixCache::Hit> Engine::RunningPrefix(const std::string& key,
 absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
                                               const std::string& parent_id, int64_t common,
                                               int64_t planned) {
-  const Sequence& parent = *sessions_.at(parent_id);
+  Sequence& parent = *sessions_.at(parent_id);
+  // A parent still settling its prompt into its tier finishes that first, once: its forks then
+  // share the settled entries on the CPU nodes instead of each appending its own copy of them.
+  if (parent.offload != nullptr && parent.window.settling()) {
+    if (absl::Status settled = runner_->SettleEvictions(parent); !settled.ok()) {
+      // As a failed settle slice: the parent's state is no longer consistent.
+      const std::string why = absl::StrCat("its prompt's move to the KV tier before a fork "
+                                           "failed: ", settled.ToString());
+      if (auto running = busy_.find(parent_id); running != busy_.end()) {
+        running->second->failure = absl::InternalError(why);   // End closes it
+      } else {
+        CloseLostSession(parent_id, why);
+      }
+      return absl::FailedPreconditionError(absl::StrCat("no fork of ", parent_id, ": ", why));
+    }
+  }
   // A cached parent is out of the cache while room is made, so that the room is not made by
   // evicting it; back in afterwards as the most recently used (a document others are reading).
   const bool cached = prefix_cache_.Take(parent_id);

@@ -273,8 +273,13 @@ TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
 TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
   for (AttentionMode mode : {AttentionMode::kGpu, AttentionMode::kHybrid}) {
     SCOPED_TRACE(std::string(AttentionModeName(mode)));
-    auto cached = Make(Options(true));
-    auto cold = Make(Options(false));
+    // A prompt settles into the nodes a block per step: the first reader is still settling
+    // when the second forks it.
+    EngineOptions slow_settle = Options(true);
+    slow_settle.settle_tokens_per_step = 16;
+    auto cached = Make(slow_settle);
+    slow_settle.prefix_cache = false;
+    auto cold = Make(slow_settle);
     ASSERT_NE(cached, nullptr);
     ASSERT_NE(cold, nullptr);
     const std::vector<int32_t> doc = Ids(150, 9);
@@ -313,9 +318,16 @@ TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
     }
     EXPECT_FALSE(cached->PrefillWorthWaitingFor(second)) << "its prompt is in: fork it now";
 
+    const bool was_settling = reader_a.seq->window.settling();
     auto b = cached->Begin(second, {}, Generation::Clock::now());
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_GE((*b)->cached_tokens, 150) << "forked from the running reader";
+    // A parent settling its prompt into the nodes finishes first: the fork shares those entries.
+    EXPECT_FALSE(reader_a.seq->window.settling()) << "was settling: " << was_settling;
+    if (mode == AttentionMode::kHybrid) {
+      EXPECT_TRUE(was_settling);
+      EXPECT_EQ(readers[0]->seq->offloaded_entries(), (*b)->seq->offloaded_entries());
+    }
     EXPECT_EQ(cached->prefix_cache().size(), 0u);
     readers.push_back(std::move(*b));
     auto answers = RunTogether(*cached, readers);

@@ -325,8 +325,9 @@ class Engine {
   // A new session continuing the first `common` tokens of session `parent_id` (cached, of scope
   // `key`, or running), with room for `planned` positions: Sequence::Fork (CPU nodes share the
   // blocks; the device window and page summaries are copied), after the room it needs is made
-  // by evicting cached sessions other than the parent. A cached parent stays cached, as the
-  // most recently used.
+  // by evicting cached sessions other than the parent. A parent still settling its prompt into
+  // its tier settles it first (once, so that its forks share those entries on the CPU nodes). A
+  // cached parent stays cached, as the most recently used.
   absl::StatusOr<Sequence*> ForkSession(const std::string& key, const std::string& parent_id,
                                         int64_t common, int64_t planned);
   // Closes the least recently used cached session; false when none is cached.
@@ -352,7 +353,7 @@ class Engine {
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
   // Sessions a live Generation is using, and that generation (from Begin to End).
-  std::map<std::string, const Generation*> busy_;
+  std::map<std::string, Generation*> busy_;
   LostSessions lost_sessions_{0};   // sized to max_sessions by Create
   uint64_t next_anonymous_id_ = 0;
   PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create
