@@ -447,6 +447,7 @@ absl::Status Engine::CloseSession(const std::string& session_id) {
   }
   absl::Status closed = it->second->CloseOffloaded();
   prefix_cache_.Take(session_id);
+  kept_scope_.erase(session_id);
   sessions_.erase(it);
   return closed;
 }
@@ -487,9 +488,9 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
     prefix_cache_.Take(hit->session_id);   // not a cached session any more
     hit.reset();
   }
-  // A running request's session that shares more (a reader of the same document that came just
-  // before): forked, never taken (it is in use).
-  if (const std::optional<PrefixCache::Hit> running = RunningPrefix(key, prompt);
+  // A session in use that shares more (a reader of the same document that came just before, or
+  // a kept session of this scope): forked, never taken.
+  if (const std::optional<PrefixCache::Hit> running = InUsePrefix(key, prompt);
       running.has_value() && (!hit.has_value() || running->common > hit->common)) {
     if (Sequence* fork = fork_of(*running)) return fork;
   }
@@ -517,20 +518,26 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
   return &seq;
 }
 
-std::optional<PrefixCache::Hit> Engine::RunningPrefix(const std::string& key,
-                                                      const std::vector<int32_t>& prompt) const {
+std::optional<PrefixCache::Hit> Engine::InUsePrefix(const std::string& key,
+                                                    const std::vector<int32_t>& prompt) const {
   std::optional<PrefixCache::Hit> best;
   if (prompt.size() < 2) return best;
-  for (const auto& [id, g] : busy_) {
-    if (g->cache_key != key || g->seq == nullptr || g->seq->window.widened()) continue;
-    const std::vector<int32_t>& held = g->seq->tokens;
-    const size_t limit = std::min(held.size(), prompt.size() - 1);
+  auto consider = [&](const std::string& id, const Sequence& seq) {
+    if (seq.window.widened()) return;   // a prefill under way: not forkable yet
+    const size_t limit = std::min(seq.tokens.size(), prompt.size() - 1);
     size_t common = 0;
-    while (common < limit && held[common] == prompt[common]) ++common;
-    if (static_cast<int64_t>(common) < options_.prefix_cache_min_tokens) continue;
+    while (common < limit && seq.tokens[common] == prompt[common]) ++common;
+    if (static_cast<int64_t>(common) < options_.prefix_cache_min_tokens) return;
     if (!best.has_value() || static_cast<int64_t>(common) > best->common) {
       best = PrefixCache::Hit{id, static_cast<int64_t>(common)};
     }
+  };
+  for (const auto& [id, g] : busy_) {   // running one-shot requests
+    if (g->cache_key == key && g->seq != nullptr) consider(id, *g->seq);
+  }
+  for (const auto& [id, scope] : kept_scope_) {   // kept sessions: pinned prefixes
+    auto it = sessions_.find(id);
+    if (scope == key && it != sessions_.end()) consider(id, *it->second);
   }
   return best;
 }
@@ -619,6 +626,7 @@ void Engine::CloseLostSession(const std::string& id, const std::string& reason) 
   if (it == sessions_.end()) return;
   spdlog::warn("session {}: closed, {}", id, reason);
   (void)it->second->CloseOffloaded();
+  kept_scope_.erase(id);
   sessions_.erase(it);
   lost_sessions_.Remember(id, reason);
 }

@@ -301,6 +301,10 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     }));
     seq = fresh.get();
     sessions_[id] = std::move(fresh);
+    // A kept session is a pinned prefix of its scope: one-shot requests fork it.
+    if (options_.prefix_cache && !request.session_id.empty()) {
+      kept_scope_[id] = PrefixCacheKey(request, spec);
+    }
   }
   std::move(recache).Cancel();
 
@@ -563,6 +567,7 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
     auto it = sessions_.find(g.session_id);
     if (it != sessions_.end()) {
       (void)it->second->CloseOffloaded();
+      kept_scope_.erase(g.session_id);
       sessions_.erase(it);
     }
     summary.session_id.clear();

@@ -370,6 +370,52 @@ TEST_F(EnginePrefixCache, TheSchedulerHoldsReadersForARunningPrefill) {
   EXPECT_LE(prefilled, 300 + 4 * 16 + 3 * 16);
 }
 
+// A kept session (opened with a session_id) is a pinned prefix of its scope: one-shot questions
+// over its document fork it (another principal never does), and the session itself goes on
+// unchanged (its next turn gives what a cold conversation gives).
+TEST_F(EnginePrefixCache, AKeptSessionIsAPinnedPrefixForOneShotRequests) {
+  for (AttentionMode mode : {AttentionMode::kGpu, AttentionMode::kHybrid}) {
+    SCOPED_TRACE(std::string(AttentionModeName(mode)));
+    auto cached = Make(Options(true));
+    auto cold = Make(Options(false));
+    ASSERT_NE(cached, nullptr);
+    ASSERT_NE(cold, nullptr);
+    const std::vector<int32_t> doc = Ids(150, 12);
+    GenerateRequest open = Request(Concat(doc, Ids(4, 1)), mode, 8);
+    open.session_id = "doc";
+    open.principal = "alice";
+    GenerateRequest turn = Request(Ids(6, 3), mode, 8);
+    turn.session_id = "doc";
+    turn.principal = "alice";
+    ASSERT_TRUE(cached->Generate(open).ok());
+
+    GenerateRequest question = Request(Concat(doc, Ids(20, 2)), mode, 12);
+    question.principal = "alice";
+    auto answer = cached->Generate(question);
+    ASSERT_TRUE(answer.ok()) << answer.status();
+    EXPECT_GE(answer->cached_tokens, 150) << "forked from the kept session";
+    auto reference = cold->Generate(question);
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    EXPECT_EQ(answer->token_ids, reference->token_ids);
+
+    GenerateRequest other = question;
+    other.principal = "bob";
+    other.prompt_ids = Concat(doc, Ids(20, 4));
+    auto bob = cached->Generate(other);
+    ASSERT_TRUE(bob.ok()) << bob.status();
+    EXPECT_EQ(bob->cached_tokens, 0) << "another principal never hits";
+
+    auto next = cached->Generate(turn);
+    ASSERT_TRUE(next.ok()) << next.status();
+    ASSERT_TRUE(cold->Generate(open).ok());
+    auto next_cold = cold->Generate(turn);
+    ASSERT_TRUE(next_cold.ok()) << next_cold.status();
+    EXPECT_EQ(next->token_ids, next_cold->token_ids) << "the kept session went on unchanged";
+    EXPECT_EQ(cached->open_sessions(), 1u);
+    ASSERT_TRUE(cached->CloseSession("doc").ok());
+  }
+}
+
 TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {
   for (bool shared : {false, true}) {
     SCOPED_TRACE(shared ? "shared scope" : "principal scope");

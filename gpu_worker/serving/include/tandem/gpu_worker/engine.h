@@ -310,18 +310,20 @@ class Engine {
   std::string PrefixCacheKey(const GenerateRequest& request, const SequenceSpec& spec) const;
   // The session a one-shot request continues from the prefix cache: the cached session of `key`
   // sharing the longest prefix with `prompt` (at least prefix_cache_min_tokens ids; its length
-  // in *common), or a running request's session of that scope whose fed tokens share more (it
-  // is in use: always forked). When continuing a cached session in place would drop a block or
+  // in *common), or a session in use of that scope whose fed tokens share more (InUsePrefix:
+  // always forked). When continuing a cached session in place would drop a block or
   // more of its own tokens (another question over the same document), the request gets a fork
   // of it (ForkSession, sized for `planned` positions; *forked) and it stays cached for the next
   // reader; otherwise, or when no fork can be made, it is taken out of the cache and truncated
   // to the prefix. nullptr on a miss (a session that cannot be truncated that far stays cached).
   Sequence* ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
                               int64_t planned, int64_t* common, bool* forked);
-  // The running one-shot session of scope `key` (past its prompt's device prefill) whose fed
-  // tokens share the longest prefix with `prompt` (at most prompt.size() - 1), if any.
-  std::optional<PrefixCache::Hit> RunningPrefix(const std::string& key,
-                                                const std::vector<int32_t>& prompt) const;
+  // The session in use of scope `key` whose fed tokens share the longest prefix (at least
+  // prefix_cache_min_tokens, at most prompt.size() - 1) with `prompt`, if any: a running
+  // one-shot request's, or a kept session's (a pinned prefix). Sessions whose window is widened
+  // for a prefill are passed over (not forkable yet).
+  std::optional<PrefixCache::Hit> InUsePrefix(const std::string& key,
+                                              const std::vector<int32_t>& prompt) const;
   // A new session continuing the first `common` tokens of session `parent_id` (cached, of scope
   // `key`, or running), with room for `planned` positions: Sequence::Fork (CPU nodes share the
   // blocks; the device window and page summaries are copied), after the room it needs is made
@@ -354,6 +356,9 @@ class Engine {
   int64_t max_context_ = 0;
   // Sessions a live Generation is using, and that generation (from Begin to End).
   std::map<std::string, Generation*> busy_;
+  // Kept sessions (opened with a session_id) and the prefix cache scope they were opened in:
+  // pinned prefixes that one-shot requests of that scope fork (never take, never evict).
+  std::map<std::string, std::string> kept_scope_;
   LostSessions lost_sessions_{0};   // sized to max_sessions by Create
   uint64_t next_anonymous_id_ = 0;
   PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create
