@@ -548,7 +548,11 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
   Sequence& parent = *sessions_.at(parent_id);
   // A parent still settling its prompt into its tier finishes that first, once: its forks then
   // share the settled entries on the CPU nodes instead of each appending its own copy of them.
-  if (parent.offload != nullptr && parent.window.settling()) {
+  // Not when the settle would take positions at or after `common` off the device (the fork
+  // then copies the pending blocks instead). The settle runs here, between steps, at once.
+  int64_t settled_end = parent.window.options().sink + parent.window.evicted_tokens();
+  for (const EvictedBlock& b : parent.window.PendingEvictions()) settled_end += b.count;
+  if (parent.offload != nullptr && parent.window.settling() && common >= settled_end) {
     if (absl::Status settled = runner_->SettleEvictions(parent); !settled.ok()) {
       // As a failed settle slice: the parent's state is no longer consistent.
       const std::string why = absl::StrCat("its prompt's move to the KV tier before a fork "
