@@ -112,7 +112,7 @@ absl::StatusOr<Engine::SequenceSpec> Engine::SpecFor(const GenerateRequest& requ
 }
 
 bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
-  if (!options_.prefix_cache || !request.session_id.empty()) return false;
+  if (!options_.prefix_cache || !request.session_id.empty() || busy_.empty()) return false;
   std::vector<int32_t> prompt;
   if (!request.prompt_ids.empty()) {
     prompt = request.prompt_ids;
@@ -122,17 +122,19 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
   } else {
     return false;   // tokenized by Begin: not known yet
   }
+  if (prompt.size() < 2) return false;
   const absl::StatusOr<SequenceSpec> spec = SpecFor(request);
   if (!spec.ok()) return false;   // Begin says why
   const std::string key = PrefixCacheKey(request, *spec);
-  const std::optional<PrefixCache::Hit> cached =
-      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
-  const int64_t have = cached.has_value() ? cached->common : 0;
+  // The longest prefix a cached session gives now: looked up (the prompt hashed) only for a
+  // running prefill that might be worth waiting for. Called per waiting request per scheduler
+  // iteration, so the common case (no such prefill) costs a comparison of ids per running one.
+  std::optional<int64_t> cached;
+  const size_t limit = prompt.size() - 1;
   for (const auto& [id, g] : busy_) {
     if (g->cache_key != key || !g->prefilling() || g->seq == nullptr) continue;
     // What it will hold once its prompt is in: the tokens fed, then the rest of its feed.
     const std::vector<int32_t>& held = g->seq->tokens;
-    const size_t limit = prompt.size() - 1;
     size_t common = 0;
     while (common < limit && common < held.size() && held[common] == prompt[common]) ++common;
     if (common == held.size()) {
@@ -143,12 +145,20 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
       }
     }
     // Worth it when its prompt, once in, gives this one at least a block more than what is
-    // there to reuse now: a cached session, or its fed part (a fork of it now; not while its
-    // window is widened for the prefill, which cannot be forked).
+    // there to reuse now: its fed part (a fork of it now; not while its window is widened for
+    // the prefill, which cannot be forked), or a cached session.
     const int64_t fed_part = g->seq->window.widened() ? 0 : std::min(common, held.size());
-    const int64_t now = std::max<int64_t>(have, fed_part);
-    if (static_cast<int64_t>(common) >= options_.prefix_cache_min_tokens &&
-        static_cast<int64_t>(common) - now >= options_.block_tokens) {
+    const int64_t gain = static_cast<int64_t>(common) - fed_part;
+    if (static_cast<int64_t>(common) < options_.prefix_cache_min_tokens ||
+        gain < options_.block_tokens) {
+      continue;
+    }
+    if (!cached.has_value()) {
+      const std::optional<PrefixCache::Hit> hit =
+          prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
+      cached = hit.has_value() ? hit->common : 0;
+    }
+    if (static_cast<int64_t>(common) - std::max(*cached, fed_part) >= options_.block_tokens) {
       return true;
     }
   }

@@ -300,6 +300,7 @@ TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
     GenerateRequest session_turn = second;
     session_turn.session_id = "kept";
     EXPECT_FALSE(cached->PrefillWorthWaitingFor(session_turn)) << "an explicit session";
+    EXPECT_FALSE(cached->PrefillWorthWaitingFor(Request({doc[0]}, mode, 4))) << "one token";
 
     // The first reader's prompt goes in (a chunk per step) and its first token comes out.
     int64_t steps = 0;
