@@ -452,26 +452,30 @@ absl::Status Engine::CloseSession(const std::string& session_id) {
   return closed;
 }
 
-std::string Engine::PrefixCacheKey(const GenerateRequest& request,
-                                   const SequenceSpec& spec) const {
+Engine::CacheScope Engine::PrefixCacheScope(const GenerateRequest& request,
+                                            const SequenceSpec& spec) const {
   // Fields joined by a byte no principal, salt or number contains; lengths first, so no two
   // different tuples give one key.
-  const std::string principal = options_.prefix_cache_shared_scope ? "" : request.principal;
-  std::string key = absl::StrCat(principal.size(), ":", principal, "\x1f",
-                                 request.cache_salt.size(), ":", request.cache_salt, "\x1f",
-                                 std::string(AttentionModeName(spec.mode)));
-  if (spec.mode != AttentionMode::kGpu) {
-    absl::StrAppend(&key, "\x1f", spec.window, "\x1f", spec.sink, "\x1f",
-                    spec.selection == SelectionRule::kPages ? "pages" : "maw");
-  }
-  return key;
+  auto key_of = [&](const std::string& principal) {
+    std::string key = absl::StrCat(principal.size(), ":", principal, "\x1f",
+                                   request.cache_salt.size(), ":", request.cache_salt, "\x1f",
+                                   std::string(AttentionModeName(spec.mode)));
+    if (spec.mode != AttentionMode::kGpu) {
+      absl::StrAppend(&key, "\x1f", spec.window, "\x1f", spec.sink, "\x1f",
+                      spec.selection == SelectionRule::kPages ? "pages" : "maw");
+    }
+    return key;
+  };
+  return {key_of(options_.prefix_cache_shared_scope ? "" : request.principal),
+          key_of(request.principal)};
 }
 
-Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+Sequence* Engine::ReuseCachedPrefix(const CacheScope& scope, const std::vector<int32_t>& prompt,
                                      int64_t planned, int64_t* common, bool* forked) {
   *forked = false;
   auto fork_of = [&](const PrefixCache::Hit& parent) -> Sequence* {
-    absl::StatusOr<Sequence*> fork = ForkSession(key, parent.session_id, parent.common, planned);
+    absl::StatusOr<Sequence*> fork =
+        ForkSession(scope.cache, parent.session_id, parent.common, planned);
     if (!fork.ok()) {
       spdlog::debug("prefix cache: no fork of {}: {}", parent.session_id,
                     fork.status().ToString());
@@ -482,19 +486,25 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
     return *fork;
   };
   std::optional<PrefixCache::Hit> hit =
-      prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
+      prefix_cache_.Match(scope.cache, prompt, options_.prefix_cache_min_tokens);
   if (hit.has_value() &&
       (sessions_.count(hit->session_id) == 0 || SessionBusy(hit->session_id))) {
     prefix_cache_.Take(hit->session_id);   // not a cached session any more
     hit.reset();
   }
   // A session in use that shares more (a reader of the same document that came just before, or
-  // a kept session of this scope): forked, never taken.
-  if (const std::optional<PrefixCache::Hit> running = InUsePrefix(key, prompt);
-      running.has_value() && (!hit.has_value() || running->common > hit->common)) {
-    if (Sequence* fork = fork_of(*running)) return fork;
+  // a kept session of the caller's): forked, never taken. The cached hit stays out of the cache
+  // meanwhile, so that the fork's room is not made by evicting it.
+  if (const std::optional<PrefixCache::Hit> in_use = InUsePrefix(scope, prompt);
+      in_use.has_value() && (!hit.has_value() || in_use->common > hit->common)) {
+    const bool hit_held = hit.has_value() && prefix_cache_.Take(hit->session_id);
+    Sequence* fork = fork_of(*in_use);
+    if (hit_held && sessions_.count(hit->session_id) > 0) {
+      prefix_cache_.Insert(hit->session_id, scope.cache, sessions_.at(hit->session_id)->tokens);
+    }
+    if (fork != nullptr) return fork;
   }
-  // (A failed fork may have evicted or closed sessions: look the hit up again.)
+  // (A failed fork may have closed sessions: look the hit up again.)
   if (!hit.has_value() || sessions_.count(hit->session_id) == 0) return nullptr;
   // Continuing in place keeps one copy; a fork keeps the cached tokens the prompt does not share
   // for whoever sends them next (the same document with another question, or the parent's own
@@ -518,12 +528,16 @@ Sequence* Engine::ReuseCachedPrefix(const std::string& key, const std::vector<in
   return &seq;
 }
 
-std::optional<PrefixCache::Hit> Engine::InUsePrefix(const std::string& key,
+std::optional<PrefixCache::Hit> Engine::InUsePrefix(const CacheScope& scope,
                                                     const std::vector<int32_t>& prompt) const {
   std::optional<PrefixCache::Hit> best;
   if (prompt.size() < 2) return best;
   auto consider = [&](const std::string& id, const Sequence& seq) {
     if (seq.window.widened()) return;   // a prefill under way: not forkable yet
+    if (seq.offload != nullptr && !seq.offload->can_fork()) return;
+    if (auto running = busy_.find(id); running != busy_.end() && !running->second->failure.ok()) {
+      return;   // failed in this iteration (its state may be inconsistent): End closes it
+    }
     const size_t limit = std::min(seq.tokens.size(), prompt.size() - 1);
     size_t common = 0;
     while (common < limit && seq.tokens[common] == prompt[common]) ++common;
@@ -532,12 +546,14 @@ std::optional<PrefixCache::Hit> Engine::InUsePrefix(const std::string& key,
       best = PrefixCache::Hit{id, static_cast<int64_t>(common)};
     }
   };
-  for (const auto& [id, g] : busy_) {   // running one-shot requests
-    if (g->cache_key == key && g->seq != nullptr) consider(id, *g->seq);
+  for (const auto& [id, g] : busy_) {   // running one-shot requests of the cache scope
+    if (g->cache_key == scope.cache && g->seq != nullptr) consider(id, *g->seq);
   }
-  for (const auto& [id, scope] : kept_scope_) {   // kept sessions: pinned prefixes
+  // Kept sessions are pinned prefixes of their own principal's scope only (even when one-shot
+  // requests share one scope: a conversation is not a cached prompt).
+  for (const auto& [id, own] : kept_scope_) {
     auto it = sessions_.find(id);
-    if (scope == key && it != sessions_.end()) consider(id, *it->second);
+    if (own == scope.own && it != sessions_.end()) consider(id, *it->second);
   }
   return best;
 }
@@ -546,6 +562,11 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
                                               const std::string& parent_id, int64_t common,
                                               int64_t planned) {
   Sequence& parent = *sessions_.at(parent_id);
+  // What cannot fork is known before any room is made or anything is moved.
+  if (parent.offload != nullptr && !parent.offload->can_fork()) {
+    return absl::UnimplementedError("its offload tier does not fork");
+  }
+  TANDEM_RETURN_IF_ERROR(parent.window.ForkBytes(common, planned).status());
   // A parent still settling its prompt into its tier finishes that first, once: its forks then
   // share the settled entries on the CPU nodes instead of each appending its own copy of them.
   // Not when the settle would take positions at or after `common` off the device (the fork

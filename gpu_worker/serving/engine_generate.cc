@@ -125,14 +125,19 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
   if (prompt.size() < 2) return false;
   const absl::StatusOr<SequenceSpec> spec = SpecFor(request);
   if (!spec.ok()) return false;   // Begin says why
-  const std::string key = PrefixCacheKey(request, *spec);
-  // The longest prefix a cached session gives now: looked up (the prompt hashed) only for a
-  // running prefill that might be worth waiting for. Called per waiting request per scheduler
-  // iteration, so the common case (no such prefill) costs a comparison of ids per running one.
-  std::optional<int64_t> cached;
+  const CacheScope scope = PrefixCacheScope(request, *spec);
+  // The longest prefix there is to reuse now (a cached session, or a fork of a session in use):
+  // looked up (the prompt hashed) only for a running prefill that might be worth waiting for.
+  // Called per waiting request per scheduler iteration, so the common case (no such prefill)
+  // costs a comparison of ids per running request.
+  std::optional<int64_t> reusable;
   const size_t limit = prompt.size() - 1;
   for (const auto& [id, g] : busy_) {
-    if (g->cache_key != key || !g->prefilling() || g->seq == nullptr) continue;
+    if (g->cache_key != scope.cache || !g->prefilling() || g->seq == nullptr ||
+        !g->failure.ok()) {
+      continue;
+    }
+    if (g->seq->offload != nullptr && !g->seq->offload->can_fork()) continue;   // no fork later
     // What it will hold once its prompt is in: the tokens fed, then the rest of its feed.
     const std::vector<int32_t>& held = g->seq->tokens;
     size_t common = 0;
@@ -153,12 +158,14 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
         gain < options_.block_tokens) {
       continue;
     }
-    if (!cached.has_value()) {
+    if (!reusable.has_value()) {
       const std::optional<PrefixCache::Hit> hit =
-          prefix_cache_.Match(key, prompt, options_.prefix_cache_min_tokens);
-      cached = hit.has_value() ? hit->common : 0;
+          prefix_cache_.Match(scope.cache, prompt, options_.prefix_cache_min_tokens);
+      const std::optional<PrefixCache::Hit> in_use = InUsePrefix(scope, prompt);
+      reusable = std::max(hit.has_value() ? hit->common : 0,
+                          in_use.has_value() ? in_use->common : 0);
     }
-    if (static_cast<int64_t>(common) - std::max(*cached, fed_part) >= options_.block_tokens) {
+    if (static_cast<int64_t>(common) - std::max(*reusable, fed_part) >= options_.block_tokens) {
       return true;
     }
   }
@@ -227,10 +234,11 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   int64_t cached = 0;
   bool forked = false;
   if (options_.prefix_cache && request.session_id.empty()) {
-    cache_key = PrefixCacheKey(request, spec);
+    const CacheScope scope = PrefixCacheScope(request, spec);
+    cache_key = scope.cache;
     const int64_t planned =
         std::min<int64_t>(max_context_, static_cast<int64_t>(prompt.size()) + request.max_tokens);
-    if (Sequence* hit = ReuseCachedPrefix(cache_key, prompt, planned, &cached, &forked)) {
+    if (Sequence* hit = ReuseCachedPrefix(scope, prompt, planned, &cached, &forked)) {
       existing = sessions_.find(hit->id);
       continuing = true;
       prompt.erase(prompt.begin(), prompt.begin() + cached);
@@ -313,7 +321,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     sessions_[id] = std::move(fresh);
     // A kept session is a pinned prefix of its scope: one-shot requests fork it.
     if (options_.prefix_cache && !request.session_id.empty()) {
-      kept_scope_[id] = PrefixCacheKey(request, spec);
+      kept_scope_[id] = PrefixCacheScope(request, spec).own;
     }
   }
   std::move(recache).Cancel();

@@ -192,6 +192,9 @@ void Scheduler::StepOnce() {
   std::vector<Engine::StepItem> items;
   std::vector<Running*> prefills;
   for (Running& r : running_) {
+    // One that failed between steps (a fork's settle of it: Engine::ForkSession) waits for
+    // EndFinished; a step must not carry it.
+    if (r.generation->finished()) continue;
     if (r.generation->prefilling()) {
       prefills.push_back(&r);
     } else {

@@ -415,6 +415,52 @@ TEST_F(EnginePrefixCache, AKeptSessionIsAPinnedPrefixForOneShotRequests) {
     EXPECT_EQ(cached->open_sessions(), 1u);
     ASSERT_TRUE(cached->CloseSession("doc").ok());
   }
+
+  // One scope for every caller's one-shot requests: a conversation still stays its principal's.
+  EngineOptions shared = Options(true);
+  shared.prefix_cache_shared_scope = true;
+  auto engine = Make(shared);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> doc = Ids(150, 13);
+  GenerateRequest open = Request(Concat(doc, Ids(4, 1)), AttentionMode::kGpu, 4);
+  open.session_id = "alice-doc";
+  open.principal = "alice";
+  ASSERT_TRUE(engine->Generate(open).ok());
+  GenerateRequest bob = Request(Concat(doc, Ids(20, 2)), AttentionMode::kGpu, 4);
+  bob.principal = "bob";
+  auto b = engine->Generate(bob);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->cached_tokens, 0) << "another principal's kept session, under the shared scope";
+  GenerateRequest alice = Request(Concat(doc, Ids(20, 3)), AttentionMode::kGpu, 4);
+  alice.principal = "alice";
+  auto a = engine->Generate(alice);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_GE(a->cached_tokens, 150) << "its own principal's one-shot request forks it";
+}
+
+// A tier that cannot fork (exact mode) continues the cached session in place, as before forks:
+// nothing is evicted for a fork that cannot be made, and the answer equals a cold run.
+TEST_F(EnginePrefixCache, ATierThatCannotForkContinuesTheCachedSessionInPlace) {
+  EngineOptions options = Options(true);
+  options.max_sessions = 2;
+  auto cached = Make(options);
+  options.prefix_cache = false;
+  auto cold = Make(options);
+  ASSERT_NE(cached, nullptr);
+  ASSERT_NE(cold, nullptr);
+  ASSERT_TRUE(cached->Generate(Request(Ids(100, 40), AttentionMode::kExact, 4)).ok());
+  const std::vector<int32_t> doc = Ids(150, 14);
+  ASSERT_TRUE(cached->Generate(Request(Concat(doc, Ids(12, 1)), AttentionMode::kExact, 20)).ok());
+  ASSERT_EQ(cached->prefix_cache().size(), 2u);
+  const GenerateRequest second = Request(Concat(doc, Ids(30, 2)), AttentionMode::kExact, 8);
+  auto answer = cached->Generate(second);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_GE(answer->cached_tokens, 150);
+  EXPECT_EQ(cached->prefix_cache_evictions(), 0u);
+  EXPECT_EQ(cached->prefix_cache().size(), 2u);
+  auto reference = cold->Generate(second);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  EXPECT_EQ(answer->token_ids, reference->token_ids);
 }
 
 TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {

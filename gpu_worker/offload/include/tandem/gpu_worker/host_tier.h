@@ -45,6 +45,7 @@ class HostTier final : public OffloadTier {
   absl::Status Close() override { return absl::OkStatus(); }
   // A copy of the host pages (OffloadedKv::Clone).
   absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
+  bool can_fork() const override { return true; }
   std::vector<double> MeanSelectedShare() const override { return {}; }
 
   const OffloadedKv& kv() const { return *kv_; }

@@ -60,6 +60,7 @@ class NodeTier final : public OffloadTier {
   absl::Status Close() override { return remote_->Close(); }
   // RemoteKv::Fork (the nodes share the blocks) and a device copy of the page summaries.
   absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
+  bool can_fork() const override { return true; }
   std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }
 
   // Device bytes page selection takes for a pass of `num_tokens` query rows over `num_pages`

@@ -224,8 +224,8 @@ class RemoteKv {
   absl::Status Close();
 
   // A session `session_id` on the same nodes holding this one's offloaded entries, its shards
-  // placed as this one's and opened with fork_from: the nodes share the blocks by reference
-  // (copy-on-write), nothing is copied. Options as this one's but the id and expected_tokens.
+  // placed as this one's and opened with fork_from (without it while none are offloaded): the
+  // nodes share the blocks by reference (copy-on-write), nothing is copied. Options as this one's but the id and expected_tokens.
   // FAILED_PRECONDITION while a migration or a lost node's rebuild is pending (the fork would
   // not know where its shards are); a node's OpenSession error (the sessions opened so far are
   // closed).

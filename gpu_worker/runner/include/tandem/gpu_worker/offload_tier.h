@@ -298,6 +298,8 @@ class OffloadTier {
   virtual absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& /*fork*/) const {
     return absl::UnimplementedError("this offload tier cannot be forked");
   }
+  // Whether Fork is implemented (asked before any room is made for a fork).
+  virtual bool can_fork() const { return false; }
   // The page summaries of a tier that selects by pages (the engine counts their device bytes);
   // null otherwise.
   virtual PageIndex* page_index() { return nullptr; }

@@ -305,24 +305,31 @@ class Engine {
   absl::Status ValidateIds(const std::vector<int32_t>& ids) const;
   // The sequence settings of `request` (its fields, else the engine's defaults), checked.
   absl::StatusOr<SequenceSpec> SpecFor(const GenerateRequest& request) const;
-  // The prefix cache's scope key of a one-shot request: principal (unless shared) and salt, and
-  // the settings a continued session keeps (mode; window, sink and selection off gpu mode).
-  std::string PrefixCacheKey(const GenerateRequest& request, const SequenceSpec& spec) const;
-  // The session a one-shot request continues from the prefix cache: the cached session of `key`
-  // sharing the longest prefix with `prompt` (at least prefix_cache_min_tokens ids; its length
+  // The prefix cache's scope keys of a request: its salt and the settings a continued session
+  // keeps (mode; window, sink and selection off gpu mode), with `cache` its principal unless
+  // the engine shares one scope (cached and running one-shot sessions match it) and `own`
+  // always its principal (kept sessions match it: a conversation is never shared).
+  struct CacheScope {
+    std::string cache;
+    std::string own;
+  };
+  CacheScope PrefixCacheScope(const GenerateRequest& request, const SequenceSpec& spec) const;
+  // The session a one-shot request continues from the prefix cache: the cached session of
+  // scope.cache sharing the longest prefix with `prompt` (at least prefix_cache_min_tokens ids; its length
   // in *common), or a session in use of that scope whose fed tokens share more (InUsePrefix:
   // always forked). When continuing a cached session in place would drop a block or
   // more of its own tokens (another question over the same document), the request gets a fork
   // of it (ForkSession, sized for `planned` positions; *forked) and it stays cached for the next
   // reader; otherwise, or when no fork can be made, it is taken out of the cache and truncated
   // to the prefix. nullptr on a miss (a session that cannot be truncated that far stays cached).
-  Sequence* ReuseCachedPrefix(const std::string& key, const std::vector<int32_t>& prompt,
+  Sequence* ReuseCachedPrefix(const CacheScope& scope, const std::vector<int32_t>& prompt,
                               int64_t planned, int64_t* common, bool* forked);
-  // The session in use of scope `key` whose fed tokens share the longest prefix (at least
+  // The session in use whose fed tokens share the longest prefix (at least
   // prefix_cache_min_tokens, at most prompt.size() - 1) with `prompt`, if any: a running
-  // one-shot request's, or a kept session's (a pinned prefix). Sessions whose window is widened
-  // for a prefill are passed over (not forkable yet).
-  std::optional<PrefixCache::Hit> InUsePrefix(const std::string& key,
+  // one-shot request's of scope.cache, or a kept session's of scope.own (a pinned prefix).
+  // Passed over: sessions whose window is widened for a prefill (not forkable yet), whose tier
+  // cannot fork, or whose generation failed in this iteration.
+  std::optional<PrefixCache::Hit> InUsePrefix(const CacheScope& scope,
                                               const std::vector<int32_t>& prompt) const;
   // A new session continuing the first `common` tokens of session `parent_id` (cached, of scope
   // `key`, or running), with room for `planned` positions: Sequence::Fork (CPU nodes share the
