@@ -14,7 +14,12 @@
 # generated tokens, the model's 131072) are the document lengths; MODES
 # (default "gpu hybrid") the worker modes; QA=1 adds the document-QA load (32 clients, 4
 # documents of QA_TOKENS, 4 questions each) per mode of QA_MODES (default gpu) with the cache
-# on and off (QA_CACHE, default "true false"); CONTEXTS="" skips the TTFT rows. Logs go under
+# on and off (QA_CACHE, default "true false"); CONTEXTS="" skips the TTFT rows. PARK=1 adds
+# the parking rows: per mode of PARK_MODES (default gpu) and document length of PARK_TOKENS
+# (default 32768), a device KV budget for about two documents (PARK_KV_BYTES, default 2.5
+# documents' KV), four documents read one after another and the first read again (parked in
+# host memory by then, or closed with --prefix_cache_host_bytes=0), then the round-robin load
+# of PARK_DOCS (default 6) documents under that budget with parking on and off. Logs go under
 # $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -105,6 +110,41 @@ if [[ ${QA:-0} == 1 ]]; then
       grep -E 'Successful|Failed req|duration|Request throughput|Median TTFT|P99 TTFT|Cached input' \
         "$out/qa_${mode}_$cache.txt"
       stop_worker
+    done
+  done
+fi
+
+if [[ ${PARK:-0} == 1 ]]; then
+  for mode in ${PARK_MODES:-gpu}; do
+    for tokens in ${PARK_TOKENS:-32768}; do
+      # One document's device KV: gpu mode all of it (128 KiB of bf16 K+V per token for this
+      # geometry, + MAW and the 72-token tail); hybrid its 4096-token window and summaries.
+      per_doc=$(( (tokens + 1024) * 132 * 1024 ))
+      wargs=(--mode "$mode" --max_batch 8)
+      if [[ $mode == hybrid ]]; then
+        per_doc=$(( (4096 + 4096 + 1024) * 132 * 1024 + tokens * 8 * 1024 ))
+        wargs+=(--window 4096 --selection pages --embedded_pool_bytes "$(( tokens / 2048 + 8 ))GiB")
+      fi
+      budget=${PARK_KV_BYTES:-$(( per_doc * 5 / 2 ))}
+      for host in auto 0; do
+        name="park_${mode}_${tokens}_host$host"
+        start_worker "$name" "${wargs[@]}" --kv_cache_bytes "$budget" \
+          --prefix_cache_host_bytes "$host" || continue
+        for doc in 1 2 3 4; do
+          ask "${name}_doc$doc" 1 "$tokens" --mode "$mode" --shared_prefix_seed "$doc"
+        done
+        ask "${name}_doc1_again" 2 "$tokens" --mode "$mode" --shared_prefix_seed 1
+        ask "${name}_doc1_third" 3 "$tokens" --mode "$mode" --shared_prefix_seed 1
+        tandem-load --target "127.0.0.1:$port" --concurrency 4 --num_requests 48 --progress_s 0 \
+          --shared_prefix_tokens "$tokens" --shared_prefixes "${PARK_DOCS:-6}" \
+          --shared_prefix_seed 7 --prompt_tokens 64 --output_tokens 8 --mode "$mode" \
+          > "$out/${name}_load.txt" 2>&1
+        echo "[$name load, ${PARK_DOCS:-6} documents round robin, budget $budget]"
+        grep -E 'Successful|Failed req|Request throughput|Median TTFT|P99 TTFT|Cached input' \
+          "$out/${name}_load.txt"
+        grep -iE 'parked|prefix cache' "$out/worker_$name.log" | head -3
+        stop_worker
+      done
     done
   done
 fi

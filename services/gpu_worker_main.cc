@@ -93,6 +93,11 @@ ABSL_FLAG(std::string, prefix_cache_scope, "principal",
           "the request's cache_salt) or 'shared' (every caller; cache_salt still separates). "
           "A cache hit is faster, so a caller can tell from timing whether a prompt was cached "
           "in its scope");
+ABSL_FLAG(std::string, prefix_cache_host_bytes, "auto",
+          "host memory (pinned) for cached sessions parked off the GPU when it needs their "
+          "room; a prompt that hits a parked session brings it back over PCIe instead of "
+          "prefilling it again. A byte size (0 = close them instead) or 'auto': a quarter of "
+          "the host's physical memory on the cuda backend, 0 on the cpu backend");
 ABSL_FLAG(int64_t, max_batch, 64,
           "requests decoded together in one step (continuous batching); <= step_tokens");
 ABSL_FLAG(int64_t, step_tokens, 0,
@@ -289,6 +294,15 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
         "--prefix_cache_scope must be 'principal' or 'shared', got '", scope, "'"));
   }
   e.prefix_cache_shared_scope = scope == "shared";
+  if (const std::string host = absl::GetFlag(FLAGS_prefix_cache_host_bytes); host != "auto") {
+    uint64_t bytes = 0;
+    std::string error;
+    if (!tandem::ParseByteSize(host, &bytes, &error)) {
+      return absl::InvalidArgumentError(absl::StrCat("--prefix_cache_host_bytes: ", error,
+                                                     ", or 'auto'"));
+    }
+    e.prefix_cache_host_bytes = bytes;
+  }
   if (e.prefix_cache_min_tokens < 1) {
     return absl::InvalidArgumentError("--prefix_cache_min_tokens must be >= 1");
   }

@@ -39,12 +39,15 @@ size_t PageIndex::BytesFor(const WindowGeometry& g, int64_t page_tokens, int64_t
 
 size_t PageIndex::PageBytes() const { return 2 * geometry_.head_dim * DTypeBytes(geometry_.dtype); }
 
-size_t PageIndex::device_bytes() const {
+size_t PageIndex::device_bytes() const { return parked() ? 0 : resident_bytes(); }
+
+size_t PageIndex::resident_bytes() const {
   return static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads * capacity_pages_ *
          PageBytes();
 }
 
 absl::Status PageIndex::Reserve(int64_t pages) {
+  if (parked()) return absl::FailedPreconditionError("page index: parked (Unpark first)");
   if (pages <= capacity_pages_) return absl::OkStatus();
   // Geometric growth keeps Append amortised O(1) in copies; an explicit reserve is exact.
   const int64_t grown = std::max(pages, capacity_pages_ + capacity_pages_ / 2);
@@ -81,7 +84,48 @@ absl::Status PageIndex::CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t ds
   return absl::OkStatus();
 }
 
+size_t PageIndex::ParkBytes() const {
+  const int64_t written = *std::max_element(pages_.begin(), pages_.end());
+  return static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads * written *
+         PageBytes();
+}
+
+absl::Status PageIndex::Park() {
+  if (parked()) return absl::FailedPreconditionError("page index: already parked");
+  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer host,
+                          backend_->AllocateHost(std::max<size_t>(ParkBytes(), 1)));
+  const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
+  const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
+        host.as<char>() + l * geometry_.num_kv_heads * used_head, used_head, layers_[l].data(),
+        device_head, used_head, geometry_.num_kv_heads));
+  }
+  parked_ = std::move(host);
+  for (DeviceBuffer& layer : layers_) layer = DeviceBuffer();
+  return absl::OkStatus();
+}
+
+absl::Status PageIndex::Unpark() {
+  if (!parked()) return absl::FailedPreconditionError("page index: not parked");
+  const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
+  std::vector<DeviceBuffer> fresh(geometry_.num_layers);
+  for (int64_t l = 0; l < geometry_.num_layers && capacity_pages_ > 0; ++l) {
+    TANDEM_ASSIGN_OR_RETURN(fresh[l], backend_->Allocate(device_head * geometry_.num_kv_heads));
+  }
+  const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
+  for (int64_t l = 0; l < geometry_.num_layers && used_head > 0; ++l) {
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(
+        fresh[l].data(), device_head, parked_.as<char>() + l * geometry_.num_kv_heads * used_head,
+        used_head, used_head, geometry_.num_kv_heads));
+  }
+  layers_ = std::move(fresh);
+  parked_ = DeviceBuffer();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<PageIndex> PageIndex::Fork(int64_t reserve_tokens) const {
+  if (parked()) return absl::FailedPreconditionError("page index: parked (Unpark first)");
   int64_t written = 0;
   for (int64_t pages : pages_) written = std::max(written, pages);
   TANDEM_ASSIGN_OR_RETURN(

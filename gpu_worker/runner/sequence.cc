@@ -82,4 +82,37 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, in
   return fork;
 }
 
+absl::Status Sequence::Park() {
+  TANDEM_RETURN_IF_ERROR(window.Park());
+  if (pages != nullptr) {
+    if (absl::Status parked = pages->Park(); !parked.ok()) {
+      // Back as it was; a failed upload of what just left is a device failure to report.
+      TANDEM_RETURN_IF_ERROR(window.Unpark());
+      return parked;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Sequence::Unpark() {
+  if (pages != nullptr && pages->parked()) TANDEM_RETURN_IF_ERROR(pages->Unpark());
+  if (absl::Status unparked = window.Unpark(); !unparked.ok()) {
+    if (pages != nullptr && !pages->parked()) TANDEM_RETURN_IF_ERROR(pages->Park());
+    return unparked;
+  }
+  return absl::OkStatus();
+}
+
+size_t Sequence::ParkBytes() const {
+  return window.ParkBytes() + (pages != nullptr ? pages->ParkBytes() : 0);
+}
+
+size_t Sequence::resident_bytes() const {
+  return window.resident_bytes() + (pages != nullptr ? pages->resident_bytes() : 0);
+}
+
+size_t Sequence::parked_bytes() const {
+  return window.parked_bytes() + (pages != nullptr ? pages->parked_bytes() : 0);
+}
+
 }  // namespace tandem::gpu_worker

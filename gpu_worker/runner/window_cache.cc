@@ -101,6 +101,7 @@ size_t WindowCache::BytesFor(const WindowGeometry& geometry, const WindowOptions
 }
 
 absl::Status WindowCache::Relayout(const WindowOptions& target) {
+  if (parked()) return absl::FailedPreconditionError("window cache: parked (Unpark first)");
   TANDEM_ASSIGN_OR_RETURN(WindowCache dst, Create(*backend_, geometry_, target));
   TANDEM_RETURN_IF_ERROR(CopyPositionsInto(dst, next_pos_));
   dst.configured_window_ = configured_window_;
@@ -172,6 +173,7 @@ absl::Status WindowCache::CopyPositionsInto(WindowCache& dst, int64_t end) const
 
 absl::StatusOr<WindowOptions> WindowCache::ForkOptions(int64_t positions,
                                                        int64_t max_context) const {
+  if (parked()) return absl::FailedPreconditionError("window cache: parked (Unpark first)");
   if (positions < 0 || positions > next_pos_) {
     return absl::InvalidArgumentError(absl::StrCat("window cache: fork of ", positions,
                                                    " positions of ", next_pos_));
@@ -302,6 +304,7 @@ int64_t WindowCache::RecentTokens() const {
 }
 
 absl::StatusOr<const std::vector<int32_t>*> WindowCache::Append(int64_t count) {
+  if (parked()) return absl::FailedPreconditionError("window cache: parked (Unpark first)");
   if (count <= 0 || count > options_.max_chunk) {
     return absl::InvalidArgumentError(
         absl::StrCat("window cache: append of ", count, " tokens; must be 1..", options_.max_chunk));
@@ -346,6 +349,7 @@ absl::Status WindowCache::EmptySlots(int64_t first_slot, int64_t count) {
 }
 
 absl::Status WindowCache::Truncate(int64_t positions) {
+  if (parked()) return absl::FailedPreconditionError("window cache: parked (Unpark first)");
   if (positions < 0 || positions > next_pos_) {
     return absl::InvalidArgumentError(absl::StrCat("window cache: truncate to ", positions,
                                                    " positions of ", next_pos_));
@@ -479,6 +483,82 @@ absl::Status WindowCache::Release(const std::vector<EvictedBlock>& blocks) {
   return absl::OkStatus();
 }
 
+size_t WindowCache::ParkBytes() const {
+  const size_t per_layer_head = static_cast<size_t>(scan_slots_) *
+                                (2 * geometry_.head_dim * DTypeBytes(geometry_.dtype) +
+                                 sizeof(float));   // K, V and MAW
+  return static_cast<size_t>(geometry_.num_layers * geometry_.num_kv_heads) * per_layer_head;
+}
+
+absl::Status WindowCache::Park() {
+  if (parked()) return absl::FailedPreconditionError("window cache: already parked");
+  if (widened() || settling()) {
+    return absl::FailedPreconditionError(
+        "window cache: a widened or settling window is not parked (its slots are moving)");
+  }
+  // (At least a byte: an empty cache parks too, and parked() is a held host buffer.)
+  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer host,
+                          backend_->AllocateHost(std::max<size_t>(ParkBytes(), 1)));
+  const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
+  const size_t used = scan_slots_ * row_bytes;   // one (layer, K|V, head) on the host
+  const size_t heads = geometry_.num_kv_heads;
+  char* kv_host = host.as<char>();
+  float* maw_host = reinterpret_cast<float*>(
+      kv_host + static_cast<size_t>(geometry_.num_layers) * 2 * heads * used);
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    char* layer_host = kv_host + static_cast<size_t>(l) * 2 * heads * used;
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(layer_host, used, k(l), capacity_ * row_bytes,
+                                                  used, heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(layer_host + heads * used, used, v(l),
+                                                  capacity_ * row_bytes, used, heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
+        maw_host + l * heads * scan_slots_, scan_slots_ * sizeof(float), maw(l),
+        capacity_ * sizeof(float), scan_slots_ * sizeof(float), heads));
+  }
+  parked_ = std::move(host);
+  kv_ = DeviceBuffer();
+  maw_ = DeviceBuffer();
+  slot_pos_dev_ = DeviceBuffer();
+  return absl::OkStatus();
+}
+
+absl::Status WindowCache::Unpark() {
+  if (!parked()) return absl::FailedPreconditionError("window cache: not parked");
+  const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
+  const size_t heads = geometry_.num_kv_heads;
+  const size_t maw_count = static_cast<size_t>(geometry_.num_layers) * heads * capacity_;
+  TANDEM_ASSIGN_OR_RETURN(
+      DeviceBuffer kv,
+      backend_->Allocate(static_cast<size_t>(geometry_.num_layers) * 2 * heads * capacity_ *
+                         row_bytes));
+  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer maw_dev, backend_->Allocate(maw_count * sizeof(float)));
+  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer slot_pos, backend_->Allocate(capacity_ * 4));
+  kv_ = std::move(kv);
+  maw_ = std::move(maw_dev);
+  slot_pos_dev_ = std::move(slot_pos);
+  // Slots past scan_slots were never written: their MAW starts fresh, as in Create.
+  TANDEM_RETURN_IF_ERROR(backend_->Fill(maw_.as<float>(), -1.0f, maw_count));
+  TANDEM_RETURN_IF_ERROR(
+      backend_->CopyToDevice(slot_pos_dev_.data(), slot_pos_.data(), slot_pos_.size() * 4));
+  const size_t used = scan_slots_ * row_bytes;
+  const char* kv_host = parked_.as<char>();
+  const float* maw_host = reinterpret_cast<const float*>(
+      kv_host + static_cast<size_t>(geometry_.num_layers) * 2 * heads * used);
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    const char* layer_host = kv_host + static_cast<size_t>(l) * 2 * heads * used;
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(k(l), capacity_ * row_bytes, layer_host,
+                                                    used, used, heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(v(l), capacity_ * row_bytes,
+                                                    layer_host + heads * used, used, used,
+                                                    heads));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(
+        maw(l), capacity_ * sizeof(float), maw_host + l * heads * scan_slots_,
+        scan_slots_ * sizeof(float), scan_slots_ * sizeof(float), heads));
+  }
+  parked_ = DeviceBuffer();
+  return absl::OkStatus();
+}
+
 void* WindowCache::k(int64_t layer) const {
   const size_t per_tensor =
       static_cast<size_t>(geometry_.num_kv_heads) * capacity_ * geometry_.head_dim *
@@ -499,6 +579,14 @@ float* WindowCache::maw(int64_t layer) const {
 
 size_t WindowCache::device_bytes() const {
   return kv_.bytes() + maw_.bytes() + slot_pos_dev_.bytes();
+}
+
+size_t WindowCache::resident_bytes() const {
+  const size_t per_slot = static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads *
+                              (2 * geometry_.head_dim * DTypeBytes(geometry_.dtype) +
+                               sizeof(float)) +
+                          4;   // K, V, MAW and the slot table
+  return static_cast<size_t>(capacity_) * per_slot;
 }
 
 }  // namespace tandem::gpu_worker

@@ -139,6 +139,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   TANDEM_ASSIGN_OR_RETURN(engine->kv_dtype_,
                           ResolveKvDType(options.kv_dtype, engine->model_->weights.dtype));
   TANDEM_ASSIGN_OR_RETURN(engine->backend_, MakeBackend(options));
+  if (!options.prefix_cache_host_bytes.has_value()) {
+    size_t host = 0;
+    const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+    if (engine->backend_->name() == "cuda" && pages > 0 && page_bytes > 0) {
+      host = static_cast<size_t>(pages) * static_cast<size_t>(page_bytes) / 4;
+    }
+    engine->options_.prefix_cache_host_bytes = host;
+  }
+  if (options.prefix_cache && *engine->options_.prefix_cache_host_bytes > 0) {
+    spdlog::info("prefix cache: cached sessions the device needs room from are parked in up to "
+                 "{} of host memory",
+                 FormatBytes(*engine->options_.prefix_cache_host_bytes));
+  }
   {
     // Refuse what cannot fit the device before the weights go up (memory_plan.h).
     TANDEM_ASSIGN_OR_RETURN(const MemoryPlanSetup setup,
@@ -506,6 +519,11 @@ Sequence* Engine::ReuseCachedPrefix(const CacheScope& scope, const std::vector<i
   }
   // (A failed fork may have closed sessions: look the hit up again.)
   if (!hit.has_value() || sessions_.count(hit->session_id) == 0) return nullptr;
+  // A parked hit comes back over PCIe first (both ways below read its window on the device).
+  if (sessions_.at(hit->session_id)->parked() &&
+      !UnparkCachedSession(scope.cache, hit->session_id)) {
+    return nullptr;
+  }
   // Continuing in place keeps one copy; a fork keeps the cached tokens the prompt does not share
   // for whoever sends them next (the same document with another question, or the parent's own
   // next turn). A tail shorter than a block is a chat turn re-rendered at its end: not worth a
@@ -593,7 +611,7 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
     if (cached) prefix_cache_.Insert(parent_id, key, parent.tokens);
   });
   while (sessions_.size() >= options_.max_sessions) {
-    if (!EvictCachedSession()) {
+    if (!CloseLeastRecentlyCached()) {
       return absl::ResourceExhaustedError(
           absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
     }
@@ -625,18 +643,101 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
 }
 
 bool Engine::EvictCachedSession() {
+  const std::optional<std::string> lru =
+      prefix_cache_.LeastRecentlyUsed([&](const std::string& id) {
+        auto it = sessions_.find(id);
+        return it == sessions_.end() || !it->second->parked();
+      });
+  if (!lru.has_value()) return false;
+  if (!ParkCachedSession(*lru)) CloseCachedSession(*lru);
+  return true;
+}
+
+bool Engine::CloseLeastRecentlyCached() {
   const std::optional<std::string> lru = prefix_cache_.LeastRecentlyUsed();
   if (!lru.has_value()) return false;
-  prefix_cache_.Take(*lru);
-  auto it = sessions_.find(*lru);
+  CloseCachedSession(*lru);
+  return true;
+}
+
+bool Engine::ParkCachedSession(const std::string& id) {
+  auto it = sessions_.find(id);
+  if (*options_.prefix_cache_host_bytes == 0 || it == sessions_.end()) return false;
+  Sequence& seq = *it->second;
+  const size_t need = seq.ParkBytes();
+  if (need > *options_.prefix_cache_host_bytes) return false;
+  auto is_parked = [&](const std::string& other) {
+    auto o = sessions_.find(other);
+    return o != sessions_.end() && o->second->parked();
+  };
+  while (ParkedBytes() + need > *options_.prefix_cache_host_bytes) {
+    const std::optional<std::string> oldest = prefix_cache_.LeastRecentlyUsed(is_parked);
+    if (!oldest.has_value()) return false;
+    CloseCachedSession(*oldest);
+  }
+  if (absl::Status parked = seq.Park(); !parked.ok()) {
+    spdlog::debug("prefix cache: {} not parked: {}", id, parked.ToString());
+    return false;
+  }
+  ++prefix_cache_parks_;
+  return true;
+}
+
+bool Engine::UnparkCachedSession(const std::string& key, const std::string& id) {
+  Sequence& seq = *sessions_.at(id);
+  // Out of the cache while room is made, so that the room is not made by closing it (to park
+  // another session in its host room); back in as the most recently used.
+  const bool cached = prefix_cache_.Take(id);
+  auto recache = absl::MakeCleanup([&] {
+    if (cached) prefix_cache_.Insert(id, key, seq.tokens);
+  });
+  const absl::Status unparked = WithCacheEviction([&]() -> absl::Status {
+    TANDEM_RETURN_IF_ERROR(CheckDeviceKv(seq.resident_bytes()));
+    return seq.Unpark();
+  });
+  if (unparked.ok()) {
+    ++prefix_cache_unparks_;
+    return true;
+  }
+  spdlog::info("prefix cache: {} stays parked: {}", id, unparked.ToString());
+  if (!absl::IsResourceExhausted(unparked)) {
+    std::move(recache).Cancel();   // a failed copy: its state is not to be trusted
+    CloseCachedSession(id);
+  }
+  return false;
+}
+
+void Engine::CloseCachedSession(const std::string& id) {
+  prefix_cache_.Take(id);
+  auto it = sessions_.find(id);
   if (it != sessions_.end()) {
     if (absl::Status closed = it->second->CloseOffloaded(); !closed.ok()) {
-      spdlog::warn("prefix cache: evicting {}: {}", *lru, closed.ToString());
+      spdlog::warn("prefix cache: evicting {}: {}", id, closed.ToString());
     }
     sessions_.erase(it);
   }
   ++prefix_cache_evictions_;
-  return true;
+}
+
+size_t Engine::parked_sessions() const {
+  size_t count = 0;
+  for (const auto& [id, seq] : sessions_) count += seq->parked() ? 1 : 0;
+  return count;
+}
+
+size_t Engine::CachedDeviceBytes() const {
+  size_t bytes = 0;
+  for (const auto& [id, seq] : sessions_) {
+    if (!prefix_cache_.contains(id)) continue;
+    bytes += seq->window.device_bytes() + (seq->pages ? seq->pages->device_bytes() : 0);
+  }
+  return bytes;
+}
+
+size_t Engine::ParkedBytes() const {
+  size_t bytes = 0;
+  for (const auto& [id, seq] : sessions_) bytes += seq->parked_bytes();
+  return bytes;
 }
 
 absl::Status Engine::WithCacheEviction(const std::function<absl::Status()>& attempt) {

@@ -264,7 +264,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
                      continuing ? absl::StrCat(already, " in the session") : "",
                      ") leaves no room in the model's context of ", max_context_, " tokens"));
   }
-  while (!continuing && sessions_.size() >= options_.max_sessions && EvictCachedSession()) {
+  while (!continuing && sessions_.size() >= options_.max_sessions && CloseLeastRecentlyCached()) {
   }
   if (!continuing && sessions_.size() >= options_.max_sessions) {
     return absl::ResourceExhaustedError(

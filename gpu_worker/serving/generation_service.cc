@@ -529,6 +529,10 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
     response->set_prefix_cache_sessions(engine.prefix_cache().size());
     response->set_prefix_cache_tokens(engine.prefix_cache().cached_tokens());
     response->set_prefix_cache_evictions(engine.prefix_cache_evictions());
+    response->set_prefix_cache_parked_sessions(engine.parked_sessions());
+    response->set_prefix_cache_host_bytes(engine.ParkedBytes());
+    response->set_prefix_cache_host_budget_bytes(
+        engine.options().prefix_cache_host_bytes.value_or(0));
     return absl::OkStatus();
   });
 }

@@ -78,4 +78,12 @@ std::optional<std::string> PrefixCache::LeastRecentlyUsed() const {
   return lru_.back().session_id;
 }
 
+std::optional<std::string> PrefixCache::LeastRecentlyUsed(
+    const std::function<bool(const std::string& session_id)>& eligible) const {
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    if (eligible(it->session_id)) return it->session_id;
+  }
+  return std::nullopt;
+}
+
 }  // namespace tandem::gpu_worker

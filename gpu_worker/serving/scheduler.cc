@@ -255,6 +255,16 @@ void Scheduler::Publish() {
       m->prefix_cache_evictions->Increment(static_cast<double>(evictions - counted_evictions_));
       counted_evictions_ = evictions;
     }
+    m->prefix_cache_gpu_bytes->Set(static_cast<double>(engine_->CachedDeviceBytes()));
+    m->prefix_cache_host_bytes->Set(static_cast<double>(engine_->ParkedBytes()));
+    if (const uint64_t parks = engine_->prefix_cache_parks(); parks > counted_parks_) {
+      m->prefix_cache_parks->Increment(static_cast<double>(parks - counted_parks_));
+      counted_parks_ = parks;
+    }
+    if (const uint64_t unparks = engine_->prefix_cache_unparks(); unparks > counted_unparks_) {
+      m->prefix_cache_unparks->Increment(static_cast<double>(unparks - counted_unparks_));
+      counted_unparks_ = unparks;
+    }
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_ = local_stats_;

@@ -65,6 +65,21 @@ absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& regist
       m.prefix_cache_evictions,
       AddCounter(registry, "tandem:prefix_cache_evictions_total",
                  "Cached sessions closed to make room (least recently used first)."));
+  TANDEM_ASSIGN_OR_RETURN(
+      prometheus::Family<prometheus::Gauge>* const cache_bytes,
+      AddGaugeFamily(registry, "tandem:prefix_cache_bytes",
+                     "Bytes held by the prefix cache's sessions, by tier: gpu (windows and page "
+                     "summaries on the device), host (sessions parked in pinned host memory)."));
+  m.prefix_cache_gpu_bytes = &cache_bytes->Add({{"tier", "gpu"}});
+  m.prefix_cache_host_bytes = &cache_bytes->Add({{"tier", "host"}});
+  TANDEM_ASSIGN_OR_RETURN(
+      m.prefix_cache_parks,
+      AddCounter(registry, "tandem:prefix_cache_parks_total",
+                 "Cached sessions moved off the device into host memory to make room."));
+  TANDEM_ASSIGN_OR_RETURN(
+      m.prefix_cache_unparks,
+      AddCounter(registry, "tandem:prefix_cache_unparks_total",
+                 "Parked cached sessions brought back to the device by a prompt that hit them."));
   TANDEM_ASSIGN_OR_RETURN(m.request_success,
                           AddCounterFamily(registry, "tandem:request_success_total",
                                            "Requests that ended with a result, by finish reason."));

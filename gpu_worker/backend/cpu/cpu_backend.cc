@@ -142,6 +142,24 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                            size_t row_bytes, size_t rows) override {
+    if (rows == 0 || row_bytes == 0) return absl::OkStatus();
+    if (dst == nullptr || src_host == nullptr) {
+      return absl::InvalidArgumentError("CopyToDevice2D: null pointer");
+    }
+    if (dst_pitch < row_bytes || src_pitch < row_bytes) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("CopyToDevice2D: pitches (dst %d, src %d) must be >= row_bytes %d",
+                          dst_pitch, src_pitch, row_bytes));
+    }
+    for (size_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<std::byte*>(dst) + r * dst_pitch,
+                  static_cast<const std::byte*>(src_host) + r * src_pitch, row_bytes);
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Fill(float* dst, float value, size_t count) override {
     if (count == 0) return absl::OkStatus();
     if (dst == nullptr) return absl::InvalidArgumentError("Fill: null pointer");

@@ -119,6 +119,8 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes) override;
   absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
                             size_t row_bytes, size_t rows) override;
+  absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                            size_t row_bytes, size_t rows) override;
   absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(float* dst, float value, size_t count) override;
   absl::Status Synchronize() override;
@@ -250,6 +252,21 @@ absl::Status CudaBackend::CopyToHost2D(void* dst_host, size_t dst_pitch, const v
   TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst_host, dst_pitch, src, src_pitch, row_bytes,
                                                 rows, cudaMemcpyDeviceToHost, stream()));
   return SyncStream();
+}
+
+absl::Status CudaBackend::CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host,
+                                         size_t src_pitch, size_t row_bytes, size_t rows) {
+  if (row_bytes == 0 || rows == 0) return absl::OkStatus();
+  if (dst == nullptr || src_host == nullptr) return Invalid("CopyToDevice2D", "null pointer");
+  if (dst_pitch < row_bytes || src_pitch < row_bytes) {
+    return Invalid("CopyToDevice2D", absl::StrCat("pitches (dst ", dst_pitch, ", src ",
+                                                  src_pitch, ") must be >= row_bytes ",
+                                                  row_bytes));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, src_host, src_pitch, row_bytes,
+                                                rows, cudaMemcpyHostToDevice, stream()));
+  return SyncStream();  // src_host may be reused as soon as this returns
 }
 
 absl::Status CudaBackend::CopyOnDevice(void* dst, const void* src, size_t bytes) {

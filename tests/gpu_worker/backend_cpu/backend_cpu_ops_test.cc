@@ -81,6 +81,16 @@ TEST(CpuBackendMemory, CopiesAndFill) {
     }
   }
   TANDEM_EXPECT_INVALID(backend->CopyToHost2D(packed.data(), 2, a, 16, 3, 4));
+  // And back, into columns 9..11 of rows 0..3 (pitch 16 floats); the rest unchanged.
+  const std::vector<float> before = dev.Download(a, 64);
+  TANDEM_ASSERT_OK(backend->CopyToDevice2D(a + 9, 16 * sizeof(float), packed.data(),
+                                           5 * sizeof(float), 3 * sizeof(float), 4));
+  const std::vector<float> after = dev.Download(a, 64);
+  for (int i = 0; i < 64; ++i) {
+    const int r = i / 16, c = i % 16;
+    EXPECT_EQ(after[i], c >= 9 && c < 12 ? packed[r * 5 + c - 9] : before[i]) << i;
+  }
+  TANDEM_EXPECT_INVALID(backend->CopyToDevice2D(a, 2, packed.data(), 16, 3, 4));
   TANDEM_EXPECT_INVALID(backend->CopyToHost(nullptr, a, 4));
   TANDEM_EXPECT_INVALID(backend->Fill(nullptr, 1.0f, 4));
 }

@@ -111,6 +111,27 @@ TEST_F(CudaMemoryTest, CopyOnDeviceFillAndCopy2D) {
   }
   EXPECT_TRUE(absl::IsInvalidArgument(
       backend_->CopyToHost2D(host.data(), 4, src.data(), 64, 16, 2)));  // pitch < row
+
+  // And back: the 6 packed rows into rows 1..6, columns 40..55, of the device matrix (pinned
+  // host memory, as a parked cache's); every other element unchanged.
+  auto pinned = backend_->AllocateHost(host.size() * sizeof(float));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  std::copy(host.begin(), host.end(), pinned->as<float>());
+  const std::vector<float> before = Download<float>(src, 10 * 64);
+  ASSERT_TRUE(backend_
+                  ->CopyToDevice2D(src.as<float>() + 1 * 64 + 40, 64 * sizeof(float),
+                                   pinned->data(), 20 * sizeof(float), 16 * sizeof(float), 6)
+                  .ok());
+  const std::vector<float> after = Download<float>(src, 10 * 64);
+  for (int r = 0; r < 10; ++r) {
+    for (int c = 0; c < 64; ++c) {
+      const bool written = r >= 1 && r < 7 && c >= 40 && c < 56;
+      EXPECT_EQ(after[r * 64 + c], written ? host[(r - 1) * 20 + c - 40] : before[r * 64 + c])
+          << r << "," << c;
+    }
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      backend_->CopyToDevice2D(src.data(), 4, pinned->data(), 64, 16, 2)));  // pitch < row
 }
 
 TEST_F(CudaMemoryTest, RejectsBrokenContracts) {

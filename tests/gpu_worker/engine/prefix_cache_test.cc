@@ -543,5 +543,86 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
   EXPECT_GE(tight->prefix_cache_evictions(), 3u);
 }
 
+// Under a device KV budget that holds about two cached sessions, the others are parked in host
+// memory instead of closed: a prompt that hits a parked one brings it back and gets the tokens
+// a never-parked hit gets (and, in gpu mode, a cold run's). gpu mode parks all its KV; hybrid
+// with pages its window and page summaries (its offloaded KV stays on the CPU node).
+TEST_F(EnginePrefixCache, ParkedSessionsComeBackAndGiveTheSameTokens) {
+  for (const bool pages : {false, true}) {
+    const AttentionMode mode = pages ? AttentionMode::kHybrid : AttentionMode::kGpu;
+    SCOPED_TRACE(pages ? "hybrid, pages" : "gpu");
+    auto request = [&](std::vector<int32_t> ids, int64_t tokens) {
+      GenerateRequest r = Request(std::move(ids), mode, tokens);
+      if (pages) {
+        r.selection = SelectionRule::kPages;
+        r.select_tokens = 16;
+        r.beta.reset();
+      }
+      return r;
+    };
+    auto probe = Make(Options(true));
+    ASSERT_NE(probe, nullptr);
+    ASSERT_TRUE(probe->Generate(request(Concat(Ids(100, 60), Ids(8, 1)), 8)).ok());
+    const size_t one = probe->DeviceKvBytes();   // one cached session on the device
+    ASSERT_GT(one, 0u);
+
+    EngineOptions options = Options(true);
+    options.kv_cache_bytes = one * 5 / 2;
+    options.prefix_cache_host_bytes = size_t{1} << 30;
+    auto parking = Make(options);
+    auto unbounded = Make(Options(true));   // the same requests, nothing parked
+    ASSERT_NE(parking, nullptr);
+    ASSERT_NE(unbounded, nullptr);
+    for (int32_t i = 0; i < 5; ++i) {
+      auto p = parking->Generate(request(Concat(Ids(100, 60 + i), Ids(8, 1)), 8));
+      ASSERT_TRUE(p.ok()) << i << ": " << p.status();
+      ASSERT_TRUE(unbounded->Generate(request(Concat(Ids(100, 60 + i), Ids(8, 1)), 8)).ok());
+      EXPECT_LE(parking->DeviceKvBytes(), options.kv_cache_bytes);
+    }
+    EXPECT_EQ(parking->prefix_cache_evictions(), 0u) << "parked, not closed";
+    EXPECT_EQ(parking->prefix_cache().size(), 5u);
+    EXPECT_GE(parking->prefix_cache_parks(), 3u);
+    EXPECT_EQ(parking->parked_sessions(), parking->prefix_cache_parks());
+    EXPECT_GT(parking->ParkedBytes(), 0u);
+    EXPECT_LE(parking->CachedDeviceBytes(), options.kv_cache_bytes);
+
+    // The first document, parked longest: back on the device, it serves the new question.
+    const std::vector<int32_t> question = Concat(Ids(100, 60), Ids(12, 2));
+    auto hit = parking->Generate(request(question, 12));
+    ASSERT_TRUE(hit.ok()) << hit.status();
+    auto reference = unbounded->Generate(request(question, 12));
+    ASSERT_TRUE(reference.ok()) << reference.status();
+    EXPECT_GE(hit->cached_tokens, 100);
+    EXPECT_EQ(hit->cached_tokens, reference->cached_tokens);
+    EXPECT_EQ(hit->token_ids, reference->token_ids);
+    EXPECT_EQ(parking->prefix_cache_unparks(), 1u);
+    EXPECT_LE(parking->DeviceKvBytes(), options.kv_cache_bytes);
+    if (!pages) {
+      auto cold = Make(Options(false))->Generate(request(question, 12));
+      ASSERT_TRUE(cold.ok()) << cold.status();
+      EXPECT_EQ(hit->token_ids, cold->token_ids);
+    }
+    EXPECT_EQ(parking->prefix_cache_evictions(), 0u);
+
+    // Host room for one parked session: the least recently parked are closed for the next.
+    EngineOptions one_parked = options;
+    one_parked.prefix_cache_host_bytes =
+        parking->ParkedBytes() / parking->parked_sessions() * 3 / 2;
+    auto small = Make(one_parked);
+    ASSERT_NE(small, nullptr);
+    for (int32_t i = 0; i < 5; ++i) {
+      ASSERT_TRUE(small->Generate(request(Concat(Ids(100, 60 + i), Ids(8, 1)), 8)).ok());
+      EXPECT_LE(small->ParkedBytes(), *one_parked.prefix_cache_host_bytes);
+    }
+    EXPECT_EQ(small->parked_sessions(), 1u);
+    EXPECT_GE(small->prefix_cache_evictions(), 2u);
+    // The oldest was closed: a miss, no failure.
+    auto oldest = small->Generate(request(question, 12));
+    ASSERT_TRUE(oldest.ok()) << oldest.status();
+    EXPECT_EQ(oldest->cached_tokens, 0);
+    if (!pages) EXPECT_EQ(oldest->token_ids, reference->token_ids);
+  }
+}
+
 }  // namespace
 }  // namespace tandem::gpu_worker

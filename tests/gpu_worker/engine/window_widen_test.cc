@@ -311,6 +311,64 @@ TEST_P(WindowWidenTest, ForkCopiesThePrefixAndSettlesItsPendingBlocks) {
   ExpectContents(*parent);
 }
 
+// A parked window holds no device memory and its K, V, MAW and slots in host memory; back on
+// the device every position is where it was, and it goes on (appends wrap the ring, evictions
+// leave oldest first). A widened or settling window is not parked.
+TEST_P(WindowWidenTest, ParkMovesTheWindowToTheHostAndUnparkRestoresIt) {
+  for (const int64_t window : {int64_t{32}, WindowOptions::kUnlimited}) {
+    SCOPED_TRACE(window == WindowOptions::kUnlimited ? "unlimited" : "bounded");
+    WindowOptions o = options_;
+    o.window = window;
+    o.max_context = 200;
+    auto cache = WindowCache::Create(*backend_, geometry_, o);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    for (int i = 0; i < 5; ++i) {   // a bounded ring wraps and evicts
+      Feed(*cache, 13);
+      ASSERT_TRUE(cache->Release(cache->PendingEvictions()).ok());
+    }
+    const size_t resident = cache->device_bytes();
+    EXPECT_EQ(cache->resident_bytes(), resident);
+    const size_t park_bytes = cache->ParkBytes();
+    EXPECT_EQ(park_bytes, static_cast<size_t>(kLayers * kHeads * cache->scan_slots()) *
+                              (2 * kDim * DTypeBytes(GetParam()) + 4));
+    const int64_t next = cache->next_position(), evicted = cache->evicted_tokens();
+
+    ASSERT_TRUE(cache->Park().ok());
+    EXPECT_TRUE(cache->parked());
+    EXPECT_EQ(cache->device_bytes(), 0u);
+    EXPECT_EQ(cache->parked_bytes(), park_bytes);
+    EXPECT_EQ(cache->resident_bytes(), resident);
+    EXPECT_EQ(cache->Park().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache->Append(1).status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache->Truncate(next - 1).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache->Fork(next, 200).status().code(), absl::StatusCode::kFailedPrecondition);
+
+    ASSERT_TRUE(cache->Unpark().ok());
+    EXPECT_FALSE(cache->parked());
+    EXPECT_EQ(cache->parked_bytes(), 0u);
+    EXPECT_EQ(cache->device_bytes(), resident);
+    EXPECT_EQ(cache->next_position(), next);
+    EXPECT_EQ(cache->evicted_tokens(), evicted);
+    EXPECT_EQ(cache->Unpark().code(), absl::StatusCode::kFailedPrecondition);
+    ExpectContents(*cache);
+    Feed(*cache, 19);
+    ASSERT_TRUE(cache->Release(cache->PendingEvictions()).ok());
+    ExpectContents(*cache);
+  }
+  // Its slots are about to move: a widened window (a prefill) and a settling one stay.
+  auto widened = WindowCache::Create(*backend_, geometry_, options_);
+  ASSERT_TRUE(widened.ok());
+  ASSERT_TRUE(widened->Widen(100).ok());
+  Feed(*widened, 20);
+  Feed(*widened, 20);
+  Feed(*widened, 20);
+  EXPECT_EQ(widened->Park().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(widened->Narrow().ok());
+  ASSERT_TRUE(widened->settling());
+  EXPECT_EQ(widened->Park().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(widened->parked());
+}
+
 INSTANTIATE_TEST_SUITE_P(DTypes, WindowWidenTest, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 

@@ -24,6 +24,11 @@
 //   tandem:prefix_cache_sessions             gauge      finished requests' sessions cached
 //   tandem:prefix_cache_tokens               gauge      tokens those sessions hold
 //   tandem:prefix_cache_evictions_total      counter    cached sessions closed for room
+//   tandem:prefix_cache_bytes{tier}          gauge      bytes the cached sessions hold:
+//                                                        tier="gpu" (windows and page summaries
+//                                                        on the device), "host" (parked ones)
+//   tandem:prefix_cache_parks_total          counter    cached sessions parked in host memory
+//   tandem:prefix_cache_unparks_total        counter    parked sessions a prompt brought back
 //
 // The CPU tier's usage (tier="cpu") is exported by each CPU node (node_metrics.h), which knows
 // its pool exactly; the worker's view of it is only as fresh as its last Stats call.
@@ -60,6 +65,10 @@ struct WorkerMetrics {
   prometheus::Gauge* prefix_cache_sessions = nullptr;
   prometheus::Gauge* prefix_cache_tokens = nullptr;
   prometheus::Counter* prefix_cache_evictions = nullptr;
+  prometheus::Gauge* prefix_cache_gpu_bytes = nullptr;    // prefix_cache_bytes{tier="gpu"}
+  prometheus::Gauge* prefix_cache_host_bytes = nullptr;   // prefix_cache_bytes{tier="host"}
+  prometheus::Counter* prefix_cache_parks = nullptr;
+  prometheus::Counter* prefix_cache_unparks = nullptr;
   prometheus::Family<prometheus::Counter>* request_success = nullptr;
   prometheus::Family<prometheus::Counter>* request_failure = nullptr;
 

@@ -326,6 +326,10 @@ class Backend {
   // dst_host + r·dst_pitch (used to gather one block of every kv head of a cache).
   virtual absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src,
                                     size_t src_pitch, size_t row_bytes, size_t rows) = 0;
+  // The reverse (a parked cache going back to the device, WindowCache::Unpark): row r goes
+  // from src_host + r·src_pitch to dst + r·dst_pitch. Returns once src_host may be reused.
+  virtual absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host,
+                                      size_t src_pitch, size_t row_bytes, size_t rows) = 0;
   virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
   // Sets `count` floats at dst to `value`.
   virtual absl::Status Fill(float* dst, float value, size_t count) = 0;

@@ -66,6 +66,16 @@ class PageIndex {
                                                  int64_t num_q_heads, int64_t select,
                                                  int32_t* pages, void* scratch) const;
 
+  // Parking, as WindowCache::Park: the pages written go to one host buffer (pinned on cuda)
+  // and the device buffers are freed (device_bytes() 0); Unpark() allocates the same capacity
+  // and copies them back. RESOURCE_EXHAUSTED leaves the index as it was.
+  absl::Status Park();
+  absl::Status Unpark();
+  bool parked() const { return parked_.data() != nullptr; }
+  size_t parked_bytes() const { return parked_.bytes(); }
+  size_t ParkBytes() const;   // host bytes Park() would take now
+  size_t resident_bytes() const;   // device bytes on the device (parked: after Unpark())
+
   int64_t page_tokens() const { return page_tokens_; }
   int64_t num_pages(int64_t layer) const { return pages_[layer]; }
   int64_t capacity_pages() const { return capacity_pages_; }
@@ -87,6 +97,8 @@ class PageIndex {
   int64_t capacity_pages_ = 0;
   std::vector<DeviceBuffer> layers_;   // per layer, see the file comment
   std::vector<int64_t> pages_;         // per layer: pages written
+  DeviceBuffer parked_;                // while parked, host: [layers][heads][written pages]
+                                       // pages, written = the most of any layer
 };
 
 }  // namespace tandem::gpu_worker

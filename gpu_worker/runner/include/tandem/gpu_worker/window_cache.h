@@ -177,6 +177,21 @@ class WindowCache {
   absl::Status Release(const std::vector<EvictedBlock>& blocks);
 
   // Device pointers for the attention of `layer`.
+  // Parking (a cached session under device-memory pressure, DESIGN "KV reuse across
+  // requests"): Park() copies K, V and MAW of the slots ever used, [0, scan_slots), to one host
+  // buffer (pinned on cuda) and frees the device buffers; Unpark() allocates them again and
+  // copies the slots back over PCIe. Every position keeps its slot, so the cache continues as
+  // if it had never left. While parked only the size and position accessors may be used
+  // (device_bytes() is 0). RESOURCE_EXHAUSTED (host or device memory) leaves the cache as it
+  // was; a parked cache does not park again, nor a widened or settling one (FAILED_PRECONDITION:
+  // its slots are about to move).
+  absl::Status Park();
+  absl::Status Unpark();
+  bool parked() const { return parked_.data() != nullptr; }
+  size_t parked_bytes() const { return parked_.bytes(); }   // host bytes held while parked
+  size_t ParkBytes() const;    // the host bytes Park() would take now
+  size_t resident_bytes() const;   // device bytes on the device (parked: after Unpark())
+
   void* k(int64_t layer) const;
   void* v(int64_t layer) const;
   float* maw(int64_t layer) const;
@@ -226,6 +241,8 @@ class WindowCache {
   DeviceBuffer kv_;               // per layer: K then V, [layers][2][num_kv_heads][capacity][D]
   DeviceBuffer maw_;              // [layers][num_kv_heads][capacity] f32
   DeviceBuffer slot_pos_dev_;     // [capacity] i32
+  DeviceBuffer parked_;           // while parked, host: [layers][K|V][heads][scan_slots][D]
+                                  // then MAW [layers][heads][scan_slots] f32
   std::vector<int32_t> slot_pos_; // host mirror of slot_pos_dev_
   std::vector<int32_t> new_slots_;
 };

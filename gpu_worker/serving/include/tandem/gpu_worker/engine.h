@@ -81,6 +81,15 @@ struct EngineOptions {
   // true: one scope for every caller (GenerateRequest::principal is ignored; cache_salt still
   // separates); false: the caller's principal is part of the scope.
   bool prefix_cache_shared_scope = false;
+  // Host bytes (pinned on cuda) for cached sessions parked off the device: when a request needs
+  // device memory, the least recently used cached session's window and page summaries move
+  // here instead of being closed (Sequence::Park) and come back over PCIe when a prompt hits
+  // it; the least recently used parked sessions are closed to make room. Its offloaded KV stays
+  // on its tier (CPU nodes, host pages). 0 = cached sessions are closed when the device needs
+  // their memory. Unset: a quarter of the host's physical memory on the cuda backend, 0 on the
+  // cpu backend (its device memory is host memory: parking would free nothing). Engine::options()
+  // reports the value in use.
+  std::optional<size_t> prefix_cache_host_bytes;
   int64_t offload_page_tokens = 4096;   // `offload` mode: tokens per host page (one upload)
   // Defaults of requests that leave the tandem fields unset.
   AttentionMode default_mode = AttentionMode::kHybrid;
@@ -237,6 +246,13 @@ class Engine {
   // The prefix cache: sessions kept for reuse and the tokens they hold.
   const PrefixCache& prefix_cache() const { return prefix_cache_; }
   uint64_t prefix_cache_evictions() const { return prefix_cache_evictions_; }
+  // Cached sessions parked in host memory (EngineOptions::prefix_cache_host_bytes): how many,
+  // the host bytes they hold, and how many times one was parked and brought back.
+  size_t parked_sessions() const;
+  size_t ParkedBytes() const;
+  size_t CachedDeviceBytes() const;   // device bytes of the cached sessions not parked
+  uint64_t prefix_cache_parks() const { return prefix_cache_parks_; }
+  uint64_t prefix_cache_unparks() const { return prefix_cache_unparks_; }
   // Device bytes of every open session's window and page summaries (running requests and kept
   // sessions between turns): what the --kv_cache_bytes admission check counts.
   size_t DeviceKvBytes() const;
@@ -339,8 +355,22 @@ class Engine {
   // cached parent stays cached, as the most recently used.
   absl::StatusOr<Sequence*> ForkSession(const std::string& key, const std::string& parent_id,
                                         int64_t common, int64_t planned);
-  // Closes the least recently used cached session; false when none is cached.
+  // Device memory for a request: the least recently used cached session that holds some is
+  // parked in host memory (ParkCachedSession), or closed when it cannot be. False when no cached
+  // session holds device memory.
   bool EvictCachedSession();
+  // A session slot (max_sessions): closes the least recently used cached session, parked or
+  // not; false when none is cached.
+  bool CloseLeastRecentlyCached();
+  // Parks cached session `id` within prefix_cache_host_bytes, closing the least recently used
+  // parked sessions to make room; false (nothing parked) when it cannot be.
+  bool ParkCachedSession(const std::string& id);
+  // Brings parked cached session `id` (of scope `key`) back to the device, making room by
+  // evicting other cached sessions; it stays cached, as the most recently used. False when the
+  // device cannot take it (it stays parked) or the copy failed (it is closed).
+  bool UnparkCachedSession(const std::string& key, const std::string& id);
+  // Closes cached session `id` and counts the eviction.
+  void CloseCachedSession(const std::string& id);
   // Runs `attempt`, and again after each eviction of a cached session while it fails with
   // RESOURCE_EXHAUSTED and one is left: the cache never refuses a request room it could free.
   absl::Status WithCacheEviction(const std::function<absl::Status()>& attempt);
@@ -370,6 +400,8 @@ class Engine {
   uint64_t next_anonymous_id_ = 0;
   PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create
   uint64_t prefix_cache_evictions_ = 0;
+  uint64_t prefix_cache_parks_ = 0;
+  uint64_t prefix_cache_unparks_ = 0;
   std::string id_prefix_;
 };
 

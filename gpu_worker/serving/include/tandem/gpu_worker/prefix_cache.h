@@ -13,6 +13,9 @@
 //
 // Eviction is least-recently-used: the engine evicts before it would refuse a request for memory
 // or for its session limit (the cache never makes a request fail that would run without it).
+// For device memory it first parks the session in host memory (Sequence::Park, within
+// EngineOptions::prefix_cache_host_bytes) and closes it only when it cannot; a parked entry
+// stays here and comes back over PCIe when a prompt hits it.
 //
 // Scope: entries match only requests of the same scope string (the engine builds it from the
 // caller's principal, the request's cache_salt and the attention settings a continued session
@@ -22,6 +25,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <optional>
 #include <span>
@@ -58,8 +62,11 @@ class PrefixCache {
   // Removes the entry (a request continues it, or it is closed). False if it was not cached.
   bool Take(const std::string& session_id);
 
-  // The least recently used entry, to evict; nullopt when empty.
+  // The least recently used entry, to evict; nullopt when empty. With `eligible`: the least
+  // recently used of the entries it accepts (e.g. those still holding device memory).
   std::optional<std::string> LeastRecentlyUsed() const;
+  std::optional<std::string> LeastRecentlyUsed(
+      const std::function<bool(const std::string& session_id)>& eligible) const;
 
   bool contains(const std::string& session_id) const { return index_.count(session_id) != 0; }
   size_t size() const { return lru_.size(); }

@@ -152,6 +152,8 @@ class Scheduler {
   bool admission_blocked_ = false;   // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
   uint64_t counted_evictions_ = 0;   // Engine::prefix_cache_evictions() already exported
+  uint64_t counted_parks_ = 0;       // Engine::prefix_cache_parks() already exported
+  uint64_t counted_unparks_ = 0;     // Engine::prefix_cache_unparks() already exported
   std::thread thread_;
 };
 
