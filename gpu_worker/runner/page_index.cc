@@ -90,18 +90,20 @@ size_t PageIndex::ParkBytes() const {
          PageBytes();
 }
 
-absl::Status PageIndex::Park() {
+absl::Status PageIndex::Park(ParkingPool& pool) {
   if (parked()) return absl::FailedPreconditionError("page index: already parked");
-  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer host,
-                          backend_->AllocateHost(std::max<size_t>(ParkBytes(), 1)));
+  TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(ParkBytes()));
+  // Host layout: [layers][heads][written pages], written = the most any layer wrote.
   const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
   const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
+  size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
-        host.as<char>() + l * geometry_.num_kv_heads * used_head, used_head, layers_[l].data(),
-        device_head, used_head, geometry_.num_kv_heads));
+    for (int64_t g = 0; g < geometry_.num_kv_heads; ++g, offset += used_head) {
+      TANDEM_RETURN_IF_ERROR(
+          space.CopyFromDevice(offset, layers_[l].as<char>() + g * device_head, used_head));
+    }
   }
-  parked_ = std::move(host);
+  parked_ = std::move(space);
   for (DeviceBuffer& layer : layers_) layer = DeviceBuffer();
   return absl::OkStatus();
 }
@@ -114,13 +116,15 @@ absl::Status PageIndex::Unpark() {
     TANDEM_ASSIGN_OR_RETURN(fresh[l], backend_->Allocate(device_head * geometry_.num_kv_heads));
   }
   const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
-  for (int64_t l = 0; l < geometry_.num_layers && used_head > 0; ++l) {
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(
-        fresh[l].data(), device_head, parked_.as<char>() + l * geometry_.num_kv_heads * used_head,
-        used_head, used_head, geometry_.num_kv_heads));
+  size_t offset = 0;
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (int64_t g = 0; g < geometry_.num_kv_heads; ++g, offset += used_head) {
+      TANDEM_RETURN_IF_ERROR(
+          parked_.CopyToDevice(fresh[l].as<char>() + g * device_head, offset, used_head));
+    }
   }
   layers_ = std::move(fresh);
-  parked_ = DeviceBuffer();
+  parked_.Release();
   return absl::OkStatus();
 }
 

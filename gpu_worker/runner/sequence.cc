@@ -82,24 +82,30 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, in
   return fork;
 }
 
-absl::Status Sequence::Park() {
-  TANDEM_RETURN_IF_ERROR(window.Park());
+absl::Status Sequence::Park(ParkingPool& pool) {
+  TANDEM_RETURN_IF_ERROR(window.Park(pool));
   if (pages != nullptr) {
-    if (absl::Status parked = pages->Park(); !parked.ok()) {
+    if (absl::Status parked = pages->Park(pool); !parked.ok()) {
       // Back as it was; a failed upload of what just left is a device failure to report.
       TANDEM_RETURN_IF_ERROR(window.Unpark());
       return parked;
     }
   }
+  parked_in_ = &pool;
   return absl::OkStatus();
 }
 
 absl::Status Sequence::Unpark() {
-  if (pages != nullptr && pages->parked()) TANDEM_RETURN_IF_ERROR(pages->Unpark());
-  if (absl::Status unparked = window.Unpark(); !unparked.ok()) {
-    if (pages != nullptr && !pages->parked()) TANDEM_RETURN_IF_ERROR(pages->Park());
-    return unparked;
+  if (!window.parked()) return absl::FailedPreconditionError("sequence: not parked");
+  TANDEM_RETURN_IF_ERROR(window.Unpark());
+  if (pages != nullptr && pages->parked()) {
+    if (absl::Status unparked = pages->Unpark(); !unparked.ok()) {
+      // Parked again as it was (into the pages the window just gave back).
+      TANDEM_RETURN_IF_ERROR(window.Park(*parked_in_));
+      return unparked;
+    }
   }
+  parked_in_ = nullptr;
   return absl::OkStatus();
 }
 

@@ -490,32 +490,33 @@ size_t WindowCache::ParkBytes() const {
   return static_cast<size_t>(geometry_.num_layers * geometry_.num_kv_heads) * per_layer_head;
 }
 
-absl::Status WindowCache::Park() {
+absl::Status WindowCache::Park(ParkingPool& pool) {
   if (parked()) return absl::FailedPreconditionError("window cache: already parked");
   if (widened() || settling()) {
     return absl::FailedPreconditionError(
         "window cache: a widened or settling window is not parked (its slots are moving)");
   }
-  // (At least a byte: an empty cache parks too, and parked() is a held host buffer.)
-  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer host,
-                          backend_->AllocateHost(std::max<size_t>(ParkBytes(), 1)));
+  TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(ParkBytes()));
+  // Host layout: K and V rows [layers][K|V][heads][scan_slots · D], then MAW rows
+  // [layers][heads][scan_slots]; one copy per row (a (layer, head)'s used slots are contiguous).
   const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
-  const size_t used = scan_slots_ * row_bytes;   // one (layer, K|V, head) on the host
-  const size_t heads = geometry_.num_kv_heads;
-  char* kv_host = host.as<char>();
-  float* maw_host = reinterpret_cast<float*>(
-      kv_host + static_cast<size_t>(geometry_.num_layers) * 2 * heads * used);
+  const size_t used = scan_slots_ * row_bytes, maw_used = scan_slots_ * sizeof(float);
+  const int64_t heads = geometry_.num_kv_heads;
+  size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    char* layer_host = kv_host + static_cast<size_t>(l) * 2 * heads * used;
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(layer_host, used, k(l), capacity_ * row_bytes,
-                                                  used, heads));
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(layer_host + heads * used, used, v(l),
-                                                  capacity_ * row_bytes, used, heads));
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToHost2D(
-        maw_host + l * heads * scan_slots_, scan_slots_ * sizeof(float), maw(l),
-        capacity_ * sizeof(float), scan_slots_ * sizeof(float), heads));
+    for (const void* tensor : {k(l), v(l)}) {
+      for (int64_t h = 0; h < heads; ++h, offset += used) {
+        TANDEM_RETURN_IF_ERROR(space.CopyFromDevice(
+            offset, static_cast<const char*>(tensor) + h * capacity_ * row_bytes, used));
+      }
+    }
   }
-  parked_ = std::move(host);
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (int64_t h = 0; h < heads; ++h, offset += maw_used) {
+      TANDEM_RETURN_IF_ERROR(space.CopyFromDevice(offset, maw(l) + h * capacity_, maw_used));
+    }
+  }
+  parked_ = std::move(space);
   kv_ = DeviceBuffer();
   maw_ = DeviceBuffer();
   slot_pos_dev_ = DeviceBuffer();
@@ -525,7 +526,7 @@ absl::Status WindowCache::Park() {
 absl::Status WindowCache::Unpark() {
   if (!parked()) return absl::FailedPreconditionError("window cache: not parked");
   const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
-  const size_t heads = geometry_.num_kv_heads;
+  const int64_t heads = geometry_.num_kv_heads;
   const size_t maw_count = static_cast<size_t>(geometry_.num_layers) * heads * capacity_;
   TANDEM_ASSIGN_OR_RETURN(
       DeviceBuffer kv,
@@ -540,22 +541,22 @@ absl::Status WindowCache::Unpark() {
   TANDEM_RETURN_IF_ERROR(backend_->Fill(maw_.as<float>(), -1.0f, maw_count));
   TANDEM_RETURN_IF_ERROR(
       backend_->CopyToDevice(slot_pos_dev_.data(), slot_pos_.data(), slot_pos_.size() * 4));
-  const size_t used = scan_slots_ * row_bytes;
-  const char* kv_host = parked_.as<char>();
-  const float* maw_host = reinterpret_cast<const float*>(
-      kv_host + static_cast<size_t>(geometry_.num_layers) * 2 * heads * used);
+  const size_t used = scan_slots_ * row_bytes, maw_used = scan_slots_ * sizeof(float);
+  size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    const char* layer_host = kv_host + static_cast<size_t>(l) * 2 * heads * used;
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(k(l), capacity_ * row_bytes, layer_host,
-                                                    used, used, heads));
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(v(l), capacity_ * row_bytes,
-                                                    layer_host + heads * used, used, used,
-                                                    heads));
-    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice2D(
-        maw(l), capacity_ * sizeof(float), maw_host + l * heads * scan_slots_,
-        scan_slots_ * sizeof(float), scan_slots_ * sizeof(float), heads));
+    for (void* tensor : {k(l), v(l)}) {
+      for (int64_t h = 0; h < heads; ++h, offset += used) {
+        TANDEM_RETURN_IF_ERROR(parked_.CopyToDevice(
+            static_cast<char*>(tensor) + h * capacity_ * row_bytes, offset, used));
+      }
+    }
   }
-  parked_ = DeviceBuffer();
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    for (int64_t h = 0; h < heads; ++h, offset += maw_used) {
+      TANDEM_RETURN_IF_ERROR(parked_.CopyToDevice(maw(l) + h * capacity_, offset, maw_used));
+    }
+  }
+  parked_.Release();
   return absl::OkStatus();
 }
 

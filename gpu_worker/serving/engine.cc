@@ -147,6 +147,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     }
     engine->options_.prefix_cache_host_bytes = host;
   }
+  engine->parking_ = std::make_unique<ParkingPool>(*engine->backend_,
+                                                   *engine->options_.prefix_cache_host_bytes);
   if (options.prefix_cache && *engine->options_.prefix_cache_host_bytes > 0) {
     spdlog::info("prefix cache: cached sessions the device needs room from are parked in up to "
                  "{} of host memory",
@@ -662,22 +664,27 @@ bool Engine::CloseLeastRecentlyCached() {
 
 bool Engine::ParkCachedSession(const std::string& id) {
   auto it = sessions_.find(id);
-  if (*options_.prefix_cache_host_bytes == 0 || it == sessions_.end()) return false;
+  if (parking_->max_bytes() == 0 || it == sessions_.end()) return false;
   Sequence& seq = *it->second;
-  const size_t need = seq.ParkBytes();
-  if (need > *options_.prefix_cache_host_bytes) return false;
+  if (parking_->PagesFor(seq.ParkBytes()) * parking_->page_bytes() > parking_->max_bytes()) {
+    return false;
+  }
   auto is_parked = [&](const std::string& other) {
     auto o = sessions_.find(other);
     return o != sessions_.end() && o->second->parked();
   };
-  while (ParkedBytes() + need > *options_.prefix_cache_host_bytes) {
-    const std::optional<std::string> oldest = prefix_cache_.LeastRecentlyUsed(is_parked);
-    if (!oldest.has_value()) return false;
+  for (;;) {
+    const absl::Status parked = seq.Park(*parking_);
+    if (parked.ok()) break;
+    // The pool is full: the least recently used parked session makes room.
+    const std::optional<std::string> oldest =
+        absl::IsResourceExhausted(parked) ? prefix_cache_.LeastRecentlyUsed(is_parked)
+                                          : std::nullopt;
+    if (!oldest.has_value()) {
+      spdlog::debug("prefix cache: {} not parked: {}", id, parked.ToString());
+      return false;
+    }
     CloseCachedSession(*oldest);
-  }
-  if (absl::Status parked = seq.Park(); !parked.ok()) {
-    spdlog::debug("prefix cache: {} not parked: {}", id, parked.ToString());
-    return false;
   }
   ++prefix_cache_parks_;
   return true;
@@ -734,11 +741,7 @@ size_t Engine::CachedDeviceBytes() const {
   return bytes;
 }
 
-size_t Engine::ParkedBytes() const {
-  size_t bytes = 0;
-  for (const auto& [id, seq] : sessions_) bytes += seq->parked_bytes();
-  return bytes;
-}
+size_t Engine::ParkedBytes() const { return parking_->in_use_bytes(); }
 
 absl::Status Engine::WithCacheEviction(const std::function<absl::Status()>& attempt) {
   absl::Status status = attempt();

@@ -333,12 +333,14 @@ TEST_P(WindowWidenTest, ParkMovesTheWindowToTheHostAndUnparkRestoresIt) {
                               (2 * kDim * DTypeBytes(GetParam()) + 4));
     const int64_t next = cache->next_position(), evicted = cache->evicted_tokens();
 
-    ASSERT_TRUE(cache->Park().ok());
+    ParkingPool pool(*backend_, size_t{1} << 30, 4096);
+    ASSERT_TRUE(cache->Park(pool).ok());
     EXPECT_TRUE(cache->parked());
     EXPECT_EQ(cache->device_bytes(), 0u);
-    EXPECT_EQ(cache->parked_bytes(), park_bytes);
+    EXPECT_EQ(cache->parked_bytes(), pool.PagesFor(park_bytes) * 4096);
+    EXPECT_EQ(pool.in_use_bytes(), cache->parked_bytes());
     EXPECT_EQ(cache->resident_bytes(), resident);
-    EXPECT_EQ(cache->Park().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(cache->Park(pool).code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(cache->Append(1).status().code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(cache->Truncate(next - 1).code(), absl::StatusCode::kFailedPrecondition);
     EXPECT_EQ(cache->Fork(next, 200).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -346,6 +348,7 @@ TEST_P(WindowWidenTest, ParkMovesTheWindowToTheHostAndUnparkRestoresIt) {
     ASSERT_TRUE(cache->Unpark().ok());
     EXPECT_FALSE(cache->parked());
     EXPECT_EQ(cache->parked_bytes(), 0u);
+    EXPECT_EQ(pool.in_use_bytes(), 0u);
     EXPECT_EQ(cache->device_bytes(), resident);
     EXPECT_EQ(cache->next_position(), next);
     EXPECT_EQ(cache->evicted_tokens(), evicted);
@@ -362,10 +365,19 @@ TEST_P(WindowWidenTest, ParkMovesTheWindowToTheHostAndUnparkRestoresIt) {
   Feed(*widened, 20);
   Feed(*widened, 20);
   Feed(*widened, 20);
-  EXPECT_EQ(widened->Park().code(), absl::StatusCode::kFailedPrecondition);
+  ParkingPool pool(*backend_, size_t{1} << 30);
+  EXPECT_EQ(widened->Park(pool).code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(widened->Narrow().ok());
   ASSERT_TRUE(widened->settling());
-  EXPECT_EQ(widened->Park().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(widened->Park(pool).code(), absl::StatusCode::kFailedPrecondition);
+  // A pool too small: refused, the window unchanged.
+  while (!widened->PendingEvictions().empty()) {
+    ASSERT_TRUE(widened->Release(widened->PendingEvictions()).ok());
+  }
+  ParkingPool tiny(*backend_, 64, 64);
+  EXPECT_EQ(widened->Park(tiny).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(widened->parked());
+  EXPECT_GT(widened->device_bytes(), 0u);
   EXPECT_FALSE(widened->parked());
 }
 

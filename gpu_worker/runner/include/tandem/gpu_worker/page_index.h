@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/parking_pool.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
@@ -66,14 +67,14 @@ class PageIndex {
                                                  int64_t num_q_heads, int64_t select,
                                                  int32_t* pages, void* scratch) const;
 
-  // Parking, as WindowCache::Park: the pages written go to one host buffer (pinned on cuda)
-  // and the device buffers are freed (device_bytes() 0); Unpark() allocates the same capacity
-  // and copies them back. RESOURCE_EXHAUSTED leaves the index as it was.
-  absl::Status Park();
+  // Parking, as WindowCache::Park: the pages written go to a space of `pool` (pinned host
+  // memory) and the device buffers are freed (device_bytes() 0); Unpark() allocates the same
+  // capacity and copies them back. RESOURCE_EXHAUSTED leaves the index as it was.
+  absl::Status Park(ParkingPool& pool);
   absl::Status Unpark();
-  bool parked() const { return parked_.data() != nullptr; }
-  size_t parked_bytes() const { return parked_.bytes(); }
-  size_t ParkBytes() const;   // host bytes Park() would take now
+  bool parked() const { return parked_.held(); }
+  size_t parked_bytes() const { return parked_.held_bytes(); }
+  size_t ParkBytes() const;   // the bytes Park() copies to the host now
   size_t resident_bytes() const;   // device bytes on the device (parked: after Unpark())
 
   int64_t page_tokens() const { return page_tokens_; }
@@ -97,8 +98,7 @@ class PageIndex {
   int64_t capacity_pages_ = 0;
   std::vector<DeviceBuffer> layers_;   // per layer, see the file comment
   std::vector<int64_t> pages_;         // per layer: pages written
-  DeviceBuffer parked_;                // while parked, host: [layers][heads][written pages]
-                                       // pages, written = the most of any layer
+  ParkingSpace parked_;                // while parked (Park() gives its layout)
 };
 
 }  // namespace tandem::gpu_worker

@@ -88,20 +88,23 @@ struct Sequence {
                                                  const TierForkFor& tier_fork) const;
 
   // Parking (a cached session when the device needs its memory, DESIGN "KV reuse across
-  // requests"): the window and the page summaries move to host memory (pinned on cuda) and
+  // requests"): the window and the page summaries move into `pool` (pinned host memory) and
   // free their device memory; the offloaded part stays where its tier holds it (CPU nodes,
   // host pages). Unpark() brings them back over PCIe before the sequence runs again. Between
   // passes only; either leaves the sequence as it was when it fails (RESOURCE_EXHAUSTED for
   // memory, FAILED_PRECONDITION for a widened or settling window).
-  absl::Status Park();
+  absl::Status Park(ParkingPool& pool);
   absl::Status Unpark();
   bool parked() const { return window.parked(); }
-  size_t ParkBytes() const;      // host bytes Park() would take now
-  size_t parked_bytes() const;   // host bytes held while parked
+  size_t ParkBytes() const;      // bytes Park() copies to the host now
+  size_t parked_bytes() const;   // pool bytes held while parked
   size_t resident_bytes() const;  // device bytes of window and summaries once on the device
 
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const { return offload ? offload->offloaded_tokens() : 0; }
+
+ private:
+  ParkingPool* parked_in_ = nullptr;   // while parked: the pool that holds it
 };
 
 }  // namespace tandem::gpu_worker

@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/parking_pool.h"
 
 namespace tandem::gpu_worker {
 
@@ -178,18 +179,18 @@ class WindowCache {
 
   // Device pointers for the attention of `layer`.
   // Parking (a cached session under device-memory pressure, DESIGN "KV reuse across
-  // requests"): Park() copies K, V and MAW of the slots ever used, [0, scan_slots), to one host
-  // buffer (pinned on cuda) and frees the device buffers; Unpark() allocates them again and
-  // copies the slots back over PCIe. Every position keeps its slot, so the cache continues as
-  // if it had never left. While parked only the size and position accessors may be used
-  // (device_bytes() is 0). RESOURCE_EXHAUSTED (host or device memory) leaves the cache as it
-  // was; a parked cache does not park again, nor a widened or settling one (FAILED_PRECONDITION:
-  // its slots are about to move).
-  absl::Status Park();
+  // requests"): Park() copies K, V and MAW of the slots ever used, [0, scan_slots), into a
+  // space of `pool` (pinned host memory) and frees the device buffers; Unpark() allocates them
+  // again and copies the slots back over PCIe. Every position keeps its slot, so the cache
+  // continues as if it had never left. While parked only the size and position accessors may
+  // be used (device_bytes() is 0). RESOURCE_EXHAUSTED (the pool or the device) leaves the cache
+  // as it was; a parked cache does not park again, nor a widened or settling one
+  // (FAILED_PRECONDITION: its slots are about to move).
+  absl::Status Park(ParkingPool& pool);
   absl::Status Unpark();
-  bool parked() const { return parked_.data() != nullptr; }
-  size_t parked_bytes() const { return parked_.bytes(); }   // host bytes held while parked
-  size_t ParkBytes() const;    // the host bytes Park() would take now
+  bool parked() const { return parked_.held(); }
+  size_t parked_bytes() const { return parked_.held_bytes(); }   // pool bytes while parked
+  size_t ParkBytes() const;    // the bytes Park() copies to the host now
   size_t resident_bytes() const;   // device bytes on the device (parked: after Unpark())
 
   void* k(int64_t layer) const;
@@ -241,8 +242,7 @@ class WindowCache {
   DeviceBuffer kv_;               // per layer: K then V, [layers][2][num_kv_heads][capacity][D]
   DeviceBuffer maw_;              // [layers][num_kv_heads][capacity] f32
   DeviceBuffer slot_pos_dev_;     // [capacity] i32
-  DeviceBuffer parked_;           // while parked, host: [layers][K|V][heads][scan_slots][D]
-                                  // then MAW [layers][heads][scan_slots] f32
+  ParkingSpace parked_;           // while parked (Park() gives its layout)
   std::vector<int32_t> slot_pos_; // host mirror of slot_pos_dev_
   std::vector<int32_t> new_slots_;
 };

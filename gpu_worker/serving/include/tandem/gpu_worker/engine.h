@@ -249,7 +249,7 @@ class Engine {
   // Cached sessions parked in host memory (EngineOptions::prefix_cache_host_bytes): how many,
   // the host bytes they hold, and how many times one was parked and brought back.
   size_t parked_sessions() const;
-  size_t ParkedBytes() const;
+  size_t ParkedBytes() const;         // pool pages in use (whole pages)
   size_t CachedDeviceBytes() const;   // device bytes of the cached sessions not parked
   uint64_t prefix_cache_parks() const { return prefix_cache_parks_; }
   uint64_t prefix_cache_unparks() const { return prefix_cache_unparks_; }
@@ -388,6 +388,8 @@ class Engine {
   std::unique_ptr<NodePool> nodes_;
   // `exact` mode's path rates: probed at the first exact session, corrected by its tiers.
   std::unique_ptr<ExactRateBook> exact_rates_;
+  // Pinned host memory of parked cached sessions (prefix_cache_host_bytes); outlives them.
+  std::unique_ptr<ParkingPool> parking_;
   std::map<std::string, std::unique_ptr<Sequence>> sessions_;
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
