@@ -19,7 +19,8 @@
 # (default 32768), a device KV budget for about two documents (PARK_KV_BYTES, default 2.5
 # documents' KV), four documents read one after another and the first read again (parked in
 # host memory by then, or closed with --prefix_cache_host_bytes=0), then the round-robin load
-# of PARK_DOCS (default 6) documents under that budget with parking on and off. Logs go under
+# of PARK_DOCS (default 6) documents under that budget with parking on and off (PARK_HOSTS,
+# default "auto 0", the --prefix_cache_host_bytes values). Logs go under
 # $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -126,7 +127,7 @@ if [[ ${PARK:-0} == 1 ]]; then
         wargs+=(--window 4096 --selection pages --embedded_pool_bytes "$(( tokens / 2048 + 8 ))GiB")
       fi
       budget=${PARK_KV_BYTES:-$(( per_doc * 5 / 2 ))}
-      for host in auto 0; do
+      for host in ${PARK_HOSTS:-auto 0}; do
         name="park_${mode}_${tokens}_host$host"
         start_worker "$name" "${wargs[@]}" --kv_cache_bytes "$budget" \
           --prefix_cache_host_bytes "$host" || continue
@@ -135,6 +136,8 @@ if [[ ${PARK:-0} == 1 ]]; then
         done
         ask "${name}_doc1_again" 2 "$tokens" --mode "$mode" --shared_prefix_seed 1
         ask "${name}_doc1_third" 3 "$tokens" --mode "$mode" --shared_prefix_seed 1
+        # Parked too, now with the pool pinned: the steady state's unpark (and park of another).
+        ask "${name}_doc2_again" 2 "$tokens" --mode "$mode" --shared_prefix_seed 2
         tandem-load --target "127.0.0.1:$port" --concurrency 4 --num_requests 48 --progress_s 0 \
           --shared_prefix_tokens "$tokens" --shared_prefixes "${PARK_DOCS:-6}" \
           --shared_prefix_seed 7 --prompt_tokens 64 --output_tokens 8 --mode "$mode" \

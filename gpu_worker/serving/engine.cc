@@ -745,7 +745,12 @@ size_t Engine::ParkedBytes() const { return parking_->in_use_bytes(); }
 
 absl::Status Engine::WithCacheEviction(const std::function<absl::Status()>& attempt) {
   absl::Status status = attempt();
-  while (absl::IsResourceExhausted(status) && EvictCachedSession()) status = attempt();
+  // Parking frees device memory only; when the room is short elsewhere (a CPU node's pool, host
+  // pages) nothing left to park, the least recently used cached sessions are closed.
+  while (absl::IsResourceExhausted(status) &&
+         (EvictCachedSession() || CloseLeastRecentlyCached())) {
+    status = attempt();
+  }
   return status;
 }
 

@@ -372,7 +372,8 @@ class Engine {
   // Closes cached session `id` and counts the eviction.
   void CloseCachedSession(const std::string& id);
   // Runs `attempt`, and again after each eviction of a cached session while it fails with
-  // RESOURCE_EXHAUSTED and one is left: the cache never refuses a request room it could free.
+  // RESOURCE_EXHAUSTED and one is left (parked first, closed once none is left to park): the
+  // cache never refuses a request room it could free.
   absl::Status WithCacheEviction(const std::function<absl::Status()>& attempt);
 
   EngineOptions options_;
