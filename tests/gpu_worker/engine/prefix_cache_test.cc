@@ -623,7 +623,9 @@ TEST_F(EnginePrefixCache, ParkedSessionsComeBackAndGiveTheSameTokens) {
     auto oldest = small->Generate(request(question, 12));
     ASSERT_TRUE(oldest.ok()) << oldest.status();
     EXPECT_EQ(oldest->cached_tokens, 0);
-    if (!pages) EXPECT_EQ(oldest->token_ids, reference->token_ids);
+    if (!pages) {
+      EXPECT_EQ(oldest->token_ids, reference->token_ids);
+    }
   }
 }
 
