@@ -8,9 +8,8 @@
 #include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/exact_tier.h"
-#include "tandem/gpu_worker/host_tier.h"
-#include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/random_values.h"
+#include "tandem/gpu_worker/tier_factory.h"
 
 namespace tandem::bench {
 namespace {
@@ -76,15 +75,9 @@ absl::Status FillRemote(gpu_worker::RemoteKv& remote, const gpu_worker::ModelCon
 
 // Page summaries of `offloaded` entries per (layer, kv head), summarised from a random K buffer
 // (the values only steer which pages win; the cost depends on the page count and budget).
-absl::StatusOr<std::unique_ptr<gpu_worker::PageIndex>> FillPageIndex(
-    Backend& backend, const gpu_worker::ModelConfig& c, const SyntheticContextOptions& o,
-    int64_t offloaded) {
-  const gpu_worker::WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim,
-                                            DType::kBF16};
-  TANDEM_ASSIGN_OR_RETURN(gpu_worker::PageIndex created,
-                          gpu_worker::PageIndex::Create(backend, geometry, o.summary_page_tokens,
-                                                        offloaded + o.extra_positions));
-  auto index = std::make_unique<gpu_worker::PageIndex>(std::move(created));
+absl::Status FillPageIndex(Backend& backend, const gpu_worker::ModelConfig& c,
+                           const SyntheticContextOptions& o, int64_t offloaded,
+                           gpu_worker::PageIndex& index) {
   const int64_t capacity = std::min<int64_t>(CeilTo(offloaded, o.block), 65536);
   const size_t count = static_cast<size_t>(c.num_kv_heads) * capacity * c.head_dim;
   TANDEM_ASSIGN_OR_RETURN(gpu_worker::DeviceBuffer k, backend.Allocate(count * 2));
@@ -94,12 +87,11 @@ absl::StatusOr<std::unique_ptr<gpu_worker::PageIndex>> FillPageIndex(
       const int64_t n = std::min(capacity, offloaded - done);
       // Varying start slots so layers and chunks get different summaries.
       const int64_t first = ((l * 7 + done / capacity) * o.block) % (capacity - n + 1);
-      TANDEM_RETURN_IF_ERROR(index->Append(l, k.data(), capacity, first - first % o.block, n));
+      TANDEM_RETURN_IF_ERROR(index.Append(l, k.data(), capacity, first - first % o.block, n));
       done += n;
     }
   }
-  TANDEM_RETURN_IF_ERROR(backend.Synchronize());
-  return index;
+  return backend.Synchronize();
 }
 
 absl::Status FillHostPages(Backend& backend, gpu_worker::OffloadedKv& kv,
@@ -250,28 +242,33 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
     TANDEM_RETURN_IF_ERROR(seq->window.Skip(offloaded));
     if (mode == AttentionMode::kExact) {
       TANDEM_ASSIGN_OR_RETURN(seq->offload, MakeExactTier(backend, c, *pool, id, o, offloaded));
-    } else if (mode == AttentionMode::kHybrid) {
-      gpu_worker::RemoteKvOptions ro = NodeSessionOptions(c, o, id);
-      ro.beta = o.beta;
-      ro.expected_tokens = offloaded + o.extra_positions;
-      ro.selection = o.selection;
-      ro.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
-      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::RemoteKv> remote,
-                              gpu_worker::RemoteKv::Open(*pool, ro));
-      TANDEM_RETURN_IF_ERROR(FillRemote(*remote, c, o, offloaded));
-      std::unique_ptr<gpu_worker::PageIndex> pages;
-      if (o.selection == gpu_worker::SelectionRule::kPages) {
+    } else {
+      // The serving path's tier (tier_factory.h), seeded with random entries.
+      gpu_worker::TierSpec tier;
+      tier.mode = mode;
+      tier.geometry = geometry;
+      tier.node = NodeSessionOptions(c, o, id);
+      tier.node.beta = o.beta;
+      tier.node.expected_tokens = offloaded + o.extra_positions;
+      tier.node.selection = o.selection;
+      tier.node.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
+      tier.summary_tokens = offloaded + o.extra_positions;
+      tier.host_page_tokens = o.page_tokens;
+      tier.seed_nodes = [&](gpu_worker::RemoteKv& remote) {
+        return FillRemote(remote, c, o, offloaded);
+      };
+      tier.seed_pages = [&](gpu_worker::PageIndex& index) {
+        return FillPageIndex(backend, c, o, offloaded, index);
+      };
+      tier.seed_host = [&](gpu_worker::OffloadedKv& kv) {
+        return FillHostPages(backend, kv, c, o, offloaded);
+      };
+      TANDEM_ASSIGN_OR_RETURN(seq->offload, gpu_worker::OpenOffloadTier(backend, pool, tier));
+      if (o.selection == gpu_worker::SelectionRule::kPages && mode == AttentionMode::kHybrid) {
         seq->selection = o.selection;
         seq->page_policy = o.page_policy;
-        TANDEM_ASSIGN_OR_RETURN(pages, FillPageIndex(backend, c, o, offloaded));
-        seq->pages = pages.get();
+        seq->pages = seq->offload->page_index();
       }
-      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(remote), std::move(pages));
-    } else {
-      TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<gpu_worker::OffloadedKv> kv,
-                              gpu_worker::OffloadedKv::Create(backend, geometry, o.page_tokens));
-      TANDEM_RETURN_IF_ERROR(FillHostPages(backend, *kv, c, o, offloaded));
-      seq->offload = std::make_unique<gpu_worker::HostTier>(std::move(kv));
     }
   }
   if (recent > 0) TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, recent, o.max_chunk));

@@ -71,6 +71,7 @@
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/prefill_spill_tier.h"
+#include "tandem/gpu_worker/tier_factory.h"
 #include "tandem/gpu_worker/random_values.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
@@ -713,52 +714,39 @@ class Bench {
     }
     auto seq = std::make_unique<Sequence>(absl::StrCat("prefill-", ++session_counter_), mode,
                                           std::move(*window));
-    if (mode == AttentionMode::kHybrid) {
-      gpu_worker::RemoteKvOptions ro;
-      ro.session_id = seq->id;
-      ro.num_layers = c.num_layers;
-      ro.num_q_heads = c.num_q_heads;
-      ro.num_kv_heads = c.num_kv_heads;
-      ro.head_dim = c.head_dim;
-      ro.kv_dtype = gpu_worker::DType::kBF16;
-      ro.beta = absl::GetFlag(FLAGS_prefill_beta);
-      ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(wo.block, 16, 256));
-      ro.attend_deadline_ms = 60000;
-      ro.control_deadline_ms = 600000;
-      ro.expected_tokens = tokens;
-      std::unique_ptr<gpu_worker::PageIndex> index;
-      if (pages) {
-        const int64_t page = absl::GetFlag(FLAGS_summary_page_tokens);
-        ro.selection = gpu_worker::SelectionRule::kPages;
-        ro.page_tokens = static_cast<uint32_t>(page);
-        auto created = gpu_worker::PageIndex::Create(backend_, g, page, 0);
-        absl::Status reserved = created.ok() ? created->Reserve((tokens + page - 1) / page)
-                                             : created.status();
-        if (!reserved.ok()) {
-          r["skipped"] = absl::StrCat("page summaries: ", reserved.message());
-          return r;
-        }
-        index = std::make_unique<gpu_worker::PageIndex>(std::move(*created));
-        seq->selection = gpu_worker::SelectionRule::kPages;
-        seq->page_policy.select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
-        seq->pages = index.get();
-        r["select_tokens"] = seq->page_policy.select_tokens;
-      }
-      auto remote = gpu_worker::RemoteKv::Open(*pool_, ro);
-      if (!remote.ok()) {
-        r["skipped"] = std::string(remote.status().message());
-        return r;
-      }
-      seq->offload = std::make_unique<gpu_worker::NodeTier>(std::move(*remote), std::move(index));
+    // The serving path's tier (Engine::NewSequence): a node session with page summaries on the
+    // device (hybrid), host pages (offload).
+    gpu_worker::TierSpec tier;
+    tier.mode = mode;
+    tier.geometry = g;
+    gpu_worker::RemoteKvOptions& ro = tier.node;
+    ro.session_id = seq->id;
+    ro.num_layers = c.num_layers;
+    ro.num_q_heads = c.num_q_heads;
+    ro.num_kv_heads = c.num_kv_heads;
+    ro.head_dim = c.head_dim;
+    ro.kv_dtype = gpu_worker::DType::kBF16;
+    ro.beta = absl::GetFlag(FLAGS_prefill_beta);
+    ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(wo.block, 16, 256));
+    ro.attend_deadline_ms = 60000;
+    ro.control_deadline_ms = 600000;
+    ro.expected_tokens = tokens;
+    if (mode == AttentionMode::kHybrid && pages) {
+      ro.selection = gpu_worker::SelectionRule::kPages;
+      ro.page_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_summary_page_tokens));
+      tier.summary_tokens = tokens;
+      seq->selection = gpu_worker::SelectionRule::kPages;
+      seq->page_policy.select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
+      r["select_tokens"] = seq->page_policy.select_tokens;
     }
-    if (mode == AttentionMode::kOffload) {
-      auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
-      if (!kv.ok()) {
-        r["skipped"] = std::string(kv.status().message());
-        return r;
-      }
-      seq->offload = std::make_unique<gpu_worker::HostTier>(std::move(*kv));
+    tier.host_page_tokens = absl::GetFlag(FLAGS_page_tokens);
+    auto opened = gpu_worker::OpenOffloadTier(backend_, pool_, tier);
+    if (!opened.ok()) {
+      r["skipped"] = std::string(opened.status().message());
+      return r;
     }
+    seq->offload = std::move(*opened);
+    if (seq->offload != nullptr) seq->pages = seq->offload->page_index();
     std::vector<int32_t> ids(tokens);
     for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
     const bool device_prefill = windowed && absl::GetFlag(FLAGS_device_prefill);
@@ -768,6 +756,7 @@ class Bench {
     // as far as the device allows with the headroom held back, and narrows after its last pass.
     seq->prefill_end = tokens;
     absl::Status s;
+    const gpu_worker::PrefillSpillTier* spill_tier = nullptr;   // while a prompt spills
     if (device_prefill) {
       const int64_t widen_mb = absl::GetFlag(FLAGS_prefill_widen_mb);
       const size_t widen_bytes = widen_mb > 0 ? static_cast<size_t>(widen_mb) << 20
@@ -785,8 +774,10 @@ class Bench {
         auto kv = gpu_worker::OffloadedKv::Create(backend_, g, absl::GetFlag(FLAGS_page_tokens));
         s = kv.status();
         if (s.ok()) {
-          seq->offload = std::make_unique<gpu_worker::PrefillSpillTier>(
+          auto spill = std::make_unique<gpu_worker::PrefillSpillTier>(
               std::move(seq->offload), std::make_unique<gpu_worker::HostTier>(std::move(*kv)));
+          spill_tier = spill.get();
+          seq->offload = std::move(spill);
           r["spilled_to_host"] = true;
         }
       }
@@ -803,10 +794,8 @@ class Bench {
     if (used.ok()) r["gpu_bytes_at_first_token"] = *used;
     // The first token is out; the host copy is dropped and the blocks beyond the window go to
     // the tier.
-    if (auto* spill = dynamic_cast<gpu_worker::PrefillSpillTier*>(seq->offload.get())) {
-      r["spilled_tokens"] = spill->spilled_tokens();
-      seq->offload = spill->TakeInner();
-    }
+    if (spill_tier != nullptr) r["spilled_tokens"] = spill_tier->spilled_tokens();
+    seq->EndPrefillSpill();
     // The serving path (Engine::Step): each decode step (pass, sample) is followed by a settle
     // slice; a step's time includes both.
     const int64_t per_step = runner_.options().settle_tokens_per_step;

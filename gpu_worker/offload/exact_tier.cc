@@ -12,6 +12,7 @@
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/memory_shortage.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -102,6 +103,19 @@ ExactTier::ExactTier(std::unique_ptr<OffloadedKv> host, std::unique_ptr<RemoteKv
 }
 
 int64_t ExactTier::host_tokens() const { return host_->tokens(host_->geometry().num_layers - 1); }
+
+std::optional<TierSplit> ExactTier::split() const {
+  return TierSplit{plan_.fetch_share,        plan_.node_share,   plan_.recompute_share,
+                   plan_.step_seconds,       plan_.fetch_only_seconds,
+                   plan_.recompute_pays,     plan_.recompute_reason,
+                   host_tokens(),            node_tokens()};
+}
+
+TierFootprint ExactTier::footprint() const {
+  // Layer inputs kept for recompute are host rows too (exact_recompute.h).
+  return {0, host_->host_bytes() + (recompute_ ? recompute_->host_bytes() : 0),
+          recovery_.on_host ? 0 : remote_->NodeBytes()};
+}
 
 double ExactTier::off_device_work() const {
   const ExactGeometry& g = options_.geometry;
@@ -340,16 +354,16 @@ absl::Status ExactTier::Reserve(int64_t tokens) {
   const long avail_pages = sysconf(_SC_AVPHYS_PAGES), page_size = sysconf(_SC_PAGESIZE);
   if (avail_pages > 0 && page_size > 0 &&
       more_bytes > static_cast<double>(avail_pages) * static_cast<double>(page_size)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return MarkShortOf(MemoryKind::kHost, absl::ResourceExhaustedError(absl::StrCat(
         "exact mode: the host share of the offloaded KV (", host_entries,
         " entries per (layer, kv head)) needs ", static_cast<int64_t>(more_bytes / (1 << 20)),
         " MiB more of pinned host memory and ",
         static_cast<int64_t>(static_cast<double>(avail_pages) * page_size / (1 << 20)),
-        " MiB are available: ask for fewer tokens or add CPU nodes"));
+        " MiB are available: ask for fewer tokens or add CPU nodes")));
   }
   const int64_t node_entries = total - std::min(total, host_entries);
   if (recovery_.on_host) return absl::OkStatus();  // the node session is closed
-  return remote_->Reserve(std::max(node_entries, node_tokens()));
+  return MarkShortOf(MemoryKind::kNodes, remote_->Reserve(std::max(node_entries, node_tokens())));
 }
 
 absl::Status ExactTier::Maintain() {

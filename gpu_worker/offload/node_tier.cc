@@ -26,9 +26,10 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> NodeTier::Fork(const TierFork& fork
     TANDEM_ASSIGN_OR_RETURN(PageIndex copy, pages_->Fork(fork.expected_tokens));
     pages = std::make_unique<PageIndex>(std::move(copy));
   }
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote,
-                          remote_->Fork(fork.session_id, fork.expected_tokens));
-  auto tier = std::make_unique<NodeTier>(std::move(remote), std::move(pages));
+  absl::StatusOr<std::unique_ptr<RemoteKv>> remote =
+      remote_->Fork(fork.session_id, fork.expected_tokens);
+  if (!remote.ok()) return MarkShortOf(MemoryKind::kNodes, remote.status());
+  auto tier = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));
   tier->set_recompute(fork.recompute);
   return tier;
 }
@@ -46,6 +47,10 @@ double NodeTier::off_device_work() const {
 }
 
 absl::Status NodeTier::BeginPass(TierContext&, size_t) { return absl::OkStatus(); }
+
+TierFootprint NodeTier::footprint() const {
+  return {pages_ != nullptr ? pages_->device_bytes() : 0, 0, remote_->NodeBytes()};
+}
 
 absl::Status NodeTier::PrepareAttend(TierContext& context, const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;

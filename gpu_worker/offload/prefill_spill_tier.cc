@@ -5,6 +5,12 @@
 
 namespace tandem::gpu_worker {
 
+TierFootprint PrefillSpillTier::footprint() const {
+  TierFootprint f = inner_ != nullptr ? inner_->footprint() : TierFootprint{};
+  f.host += spill_->footprint().host;
+  return f;
+}
+
 absl::Status PrefillSpillTier::BeginPass(TierContext& context, size_t stream) {
   if (spill_->offloaded_tokens() != inner_->offloaded_tokens()) {
     return absl::FailedPreconditionError(absl::StrCat(

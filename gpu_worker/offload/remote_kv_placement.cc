@@ -29,6 +29,18 @@ uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share, bool int8_
   return format.ShardBytes(n, static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)));
 }
 
+uint64_t RemoteKv::NodeBytes() const {
+  if (closed_) return 0;
+  const std::vector<NodeState> states = pool_.Snapshot();
+  uint64_t bytes = 0;
+  for (size_t s = 0; s < placement_.size(); ++s) {
+    if (placement_[s] < 0) continue;
+    const size_t n = static_cast<size_t>(placement_[s]);
+    bytes += ShardBytes(offloaded_tokens(), SelectedShare(s), n < states.size() && states[n].int8_kv);
+  }
+  return bytes;
+}
+
 double RemoteKv::SelectedShare(size_t shard) const {
   if (options_.beta == 0.0f) return 1.0;
   if (shard_held_[shard] > 0) {

@@ -98,10 +98,9 @@ absl::Status PageIndex::Park(ParkingPool& pool) {
   const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (int64_t g = 0; g < geometry_.num_kv_heads; ++g, offset += used_head) {
-      TANDEM_RETURN_IF_ERROR(
-          space.CopyFromDevice(offset, layers_[l].as<char>() + g * device_head, used_head));
-    }
+    TANDEM_RETURN_IF_ERROR(space.CopyRowsFromDevice(offset, layers_[l].data(), device_head,
+                                                    used_head, geometry_.num_kv_heads));
+    offset += geometry_.num_kv_heads * used_head;
   }
   parked_ = std::move(space);
   for (DeviceBuffer& layer : layers_) layer = DeviceBuffer();
@@ -118,10 +117,9 @@ absl::Status PageIndex::Unpark() {
   const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (int64_t g = 0; g < geometry_.num_kv_heads; ++g, offset += used_head) {
-      TANDEM_RETURN_IF_ERROR(
-          parked_.CopyToDevice(fresh[l].as<char>() + g * device_head, offset, used_head));
-    }
+    TANDEM_RETURN_IF_ERROR(parked_.CopyRowsToDevice(fresh[l].data(), device_head, offset,
+                                                    used_head, geometry_.num_kv_heads));
+    offset += geometry_.num_kv_heads * used_head;
   }
   layers_ = std::move(fresh);
   parked_.Release();

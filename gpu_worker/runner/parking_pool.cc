@@ -70,6 +70,54 @@ absl::Status ParkingSpace::CopyToDevice(void* dst, size_t offset, size_t count) 
   return absl::OkStatus();
 }
 
+absl::Status ParkingSpace::CopyRowsFromDevice(size_t offset, const void* src, size_t src_pitch,
+                                              size_t row_bytes, size_t rows) {
+  if (pool_ == nullptr || offset + rows * row_bytes > bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("parking space: ", rows, " rows of ", row_bytes,
+                                                   " bytes at ", offset, " of ", bytes_));
+  }
+  const size_t page = pool_->page_bytes();
+  const char* from = static_cast<const char*>(src);
+  for (size_t r = 0; r < rows && row_bytes > 0;) {
+    const size_t at = offset + r * row_bytes, in_page = at % page;
+    const size_t whole = std::min(rows - r, (page - in_page) / row_bytes);   // rows in this page
+    if (whole == 0) {   // row r crosses a page end
+      TANDEM_RETURN_IF_ERROR(CopyFromDevice(at, from + r * src_pitch, row_bytes));
+      ++r;
+      continue;
+    }
+    TANDEM_RETURN_IF_ERROR(pool_->backend().CopyToHost2D(pages_[at / page] + in_page, row_bytes,
+                                                         from + r * src_pitch, src_pitch,
+                                                         row_bytes, whole));
+    r += whole;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParkingSpace::CopyRowsToDevice(void* dst, size_t dst_pitch, size_t offset,
+                                            size_t row_bytes, size_t rows) const {
+  if (pool_ == nullptr || offset + rows * row_bytes > bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("parking space: ", rows, " rows of ", row_bytes,
+                                                   " bytes at ", offset, " of ", bytes_));
+  }
+  const size_t page = pool_->page_bytes();
+  char* to = static_cast<char*>(dst);
+  for (size_t r = 0; r < rows && row_bytes > 0;) {
+    const size_t at = offset + r * row_bytes, in_page = at % page;
+    const size_t whole = std::min(rows - r, (page - in_page) / row_bytes);
+    if (whole == 0) {
+      TANDEM_RETURN_IF_ERROR(CopyToDevice(to + r * dst_pitch, at, row_bytes));
+      ++r;
+      continue;
+    }
+    TANDEM_RETURN_IF_ERROR(pool_->backend().CopyToDevice2D(to + r * dst_pitch, dst_pitch,
+                                                           pages_[at / page] + in_page, row_bytes,
+                                                           row_bytes, whole));
+    r += whole;
+  }
+  return absl::OkStatus();
+}
+
 ParkingPool::ParkingPool(Backend& backend, size_t max_bytes, size_t page_bytes,
                          size_t slab_pages)
     : backend_(&backend),

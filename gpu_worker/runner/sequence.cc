@@ -117,6 +117,17 @@ size_t Sequence::resident_bytes() const {
   return window.resident_bytes() + (pages != nullptr ? pages->resident_bytes() : 0);
 }
 
+size_t Sequence::device_bytes() const {
+  return window.device_bytes() + (pages != nullptr ? pages->device_bytes() : 0);
+}
+
+void Sequence::EndPrefillSpill() {
+  if (offload == nullptr) return;
+  if (std::unique_ptr<OffloadTier> stays = offload->ReleaseAfterPrefill()) {
+    offload = std::move(stays);
+  }
+}
+
 size_t Sequence::parked_bytes() const {
   return window.parked_bytes() + (pages != nullptr ? pages->parked_bytes() : 0);
 }

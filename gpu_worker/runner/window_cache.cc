@@ -498,23 +498,23 @@ absl::Status WindowCache::Park(ParkingPool& pool) {
   }
   TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(ParkBytes()));
   // Host layout: K and V rows [layers][K|V][heads][scan_slots · D], then MAW rows
-  // [layers][heads][scan_slots]; one copy per row (a (layer, head)'s used slots are contiguous).
+  // [layers][heads][scan_slots]; a (layer, head)'s used slots are one contiguous row, a tensor's
+  // heads one strided copy.
   const size_t row_bytes = geometry_.head_dim * DTypeBytes(geometry_.dtype);
   const size_t used = scan_slots_ * row_bytes, maw_used = scan_slots_ * sizeof(float);
   const int64_t heads = geometry_.num_kv_heads;
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
     for (const void* tensor : {k(l), v(l)}) {
-      for (int64_t h = 0; h < heads; ++h, offset += used) {
-        TANDEM_RETURN_IF_ERROR(space.CopyFromDevice(
-            offset, static_cast<const char*>(tensor) + h * capacity_ * row_bytes, used));
-      }
+      TANDEM_RETURN_IF_ERROR(
+          space.CopyRowsFromDevice(offset, tensor, capacity_ * row_bytes, used, heads));
+      offset += heads * used;
     }
   }
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (int64_t h = 0; h < heads; ++h, offset += maw_used) {
-      TANDEM_RETURN_IF_ERROR(space.CopyFromDevice(offset, maw(l) + h * capacity_, maw_used));
-    }
+    TANDEM_RETURN_IF_ERROR(
+        space.CopyRowsFromDevice(offset, maw(l), capacity_ * sizeof(float), maw_used, heads));
+    offset += heads * maw_used;
   }
   parked_ = std::move(space);
   kv_ = DeviceBuffer();
@@ -545,16 +545,15 @@ absl::Status WindowCache::Unpark() {
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
     for (void* tensor : {k(l), v(l)}) {
-      for (int64_t h = 0; h < heads; ++h, offset += used) {
-        TANDEM_RETURN_IF_ERROR(parked_.CopyToDevice(
-            static_cast<char*>(tensor) + h * capacity_ * row_bytes, offset, used));
-      }
+      TANDEM_RETURN_IF_ERROR(
+          parked_.CopyRowsToDevice(tensor, capacity_ * row_bytes, offset, used, heads));
+      offset += heads * used;
     }
   }
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (int64_t h = 0; h < heads; ++h, offset += maw_used) {
-      TANDEM_RETURN_IF_ERROR(parked_.CopyToDevice(maw(l) + h * capacity_, offset, maw_used));
-    }
+    TANDEM_RETURN_IF_ERROR(
+        parked_.CopyRowsToDevice(maw(l), capacity_ * sizeof(float), offset, maw_used, heads));
+    offset += heads * maw_used;
   }
   parked_.Release();
   return absl::OkStatus();

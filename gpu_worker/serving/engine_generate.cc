@@ -12,7 +12,6 @@
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/engine.h"
-#include "tandem/gpu_worker/exact_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/request_validation.h"
 
@@ -46,13 +45,13 @@ absl::StatusOr<GenerateSummary> Engine::Generate(const GenerateRequest& request,
   // The synchronous path has no scheduler to settle a kept session between turns: it settles
   // here, after the reply is complete, so its wider window does not hold device memory.
   // One unbounded pass moves every pending block (a failing session is closed as lost).
-  if (busy_.empty()) SettleIdleSessions(std::numeric_limits<int64_t>::max());
+  if (sessions_->running().empty()) SettleIdleSessions(std::numeric_limits<int64_t>::max());
   return summary;
 }
 
 bool Engine::IdleSettlePending() const {
-  for (const auto& [id, seq] : sessions_) {
-    if (busy_.count(id) == 0 && seq->window.settling()) return true;
+  for (const auto& [id, seq] : sessions_->all()) {
+    if (!sessions_->busy(id) && seq->window.settling()) return true;
   }
   return false;
 }
@@ -62,9 +61,10 @@ void Engine::SettleIdle() {
 }
 
 int64_t Engine::SettleIdleSessions(int64_t budget) {
-  for (auto it = sessions_.begin(); it != sessions_.end() && budget > 0;) {
+  const auto& all = sessions_->all();
+  for (auto it = all.begin(); it != all.end() && budget > 0;) {
     Sequence& seq = *it->second;
-    if (busy_.count(it->first) > 0 || !seq.window.settling()) {
+    if (sessions_->busy(it->first) || !seq.window.settling()) {
       ++it;
       continue;
     }
@@ -112,7 +112,9 @@ absl::StatusOr<Engine::SequenceSpec> Engine::SpecFor(const GenerateRequest& requ
 }
 
 bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
-  if (!options_.prefix_cache || !request.session_id.empty() || busy_.empty()) return false;
+  if (!options_.prefix_cache || !request.session_id.empty() || sessions_->running().empty()) {
+    return false;
+  }
   std::vector<int32_t> prompt;
   if (!request.prompt_ids.empty()) {
     prompt = request.prompt_ids;
@@ -132,7 +134,7 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
   // costs a comparison of ids per running request.
   std::optional<int64_t> reusable;
   const size_t limit = prompt.size() - 1;
-  for (const auto& [id, g] : busy_) {
+  for (const auto& [id, g] : sessions_->running()) {
     if (g->cache_key != scope.cache || !g->prefilling() || g->seq == nullptr ||
         !g->failure.ok()) {
       continue;
@@ -140,14 +142,11 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
     if (g->seq->offload != nullptr && !g->seq->offload->can_fork()) continue;   // no fork later
     // What it will hold once its prompt is in: the tokens fed, then the rest of its feed.
     const std::vector<int32_t>& held = g->seq->tokens;
-    size_t common = 0;
-    while (common < limit && common < held.size() && held[common] == prompt[common]) ++common;
+    size_t common = CommonPrefixLength(held, prompt, limit);
     if (common == held.size()) {
-      for (int64_t i = g->fed; i < static_cast<int64_t>(g->feed.size()) && common < limit &&
-                               g->feed[i] == prompt[common];
-           ++i) {
-        ++common;
-      }
+      common += CommonPrefixLength(std::span<const int32_t>(g->feed).subspan(g->fed),
+                                   std::span<const int32_t>(prompt).subspan(common),
+                                   limit - common);
     }
     // Worth it when its prompt, once in, gives this one at least a block more than what is
     // there to reuse now: its fed part (a fork of it now; not while its window is widened for
@@ -160,7 +159,7 @@ bool Engine::PrefillWorthWaitingFor(const GenerateRequest& request) const {
     }
     if (!reusable.has_value()) {
       const std::optional<PrefixCache::Hit> hit =
-          prefix_cache_.Match(scope.cache, prompt, options_.prefix_cache_min_tokens);
+          kv_cache_->prefix().Match(scope.cache, prompt, options_.prefix_cache_min_tokens);
       const std::optional<PrefixCache::Hit> in_use = InUsePrefix(scope, prompt);
       reusable = std::max(hit.has_value() ? hit->common : 0,
                           in_use.has_value() ? in_use->common : 0);
@@ -188,10 +187,10 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
         absl::StrCat("session '", request.session_id, "' is in use by another request"));
   }
 
-  auto existing = request.session_id.empty() ? sessions_.end() : sessions_.find(request.session_id);
-  bool continuing = existing != sessions_.end();
+  Sequence* existing = request.session_id.empty() ? nullptr : sessions_->Find(request.session_id);
+  bool continuing = existing != nullptr;
   if (!continuing && !request.session_id.empty()) {
-    if (std::optional<std::string> lost = lost_sessions_.Take(request.session_id)) {
+    if (std::optional<std::string> lost = sessions_->lost().Take(request.session_id)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "session '", request.session_id, "' was closed by the worker after its last turn (",
           *lost, "); its context is gone: send the whole conversation again (a new request "
@@ -199,7 +198,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     }
   }
   if (continuing) {
-    const Sequence& s = *existing->second;
+    const Sequence& s = *existing;
     if (request.mode.has_value() && *request.mode != s.mode) {
       return absl::InvalidArgumentError("a continued session keeps its attention mode");
     }
@@ -220,7 +219,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       if (!continuing) AddPromptBos(*tokenizer_, &prompt);
     } else {
       const int64_t in_session =
-          continuing ? static_cast<int64_t>(existing->second->tokens.size()) : 0;
+          continuing ? static_cast<int64_t>(existing->tokens.size()) : 0;
       TANDEM_RETURN_IF_ERROR(
           CheckPromptTextFits(request.prompt_text, max_context_ - in_session, max_token_bytes_));
       TANDEM_ASSIGN_OR_RETURN(prompt, Tokenize(request.prompt_text, /*add_bos=*/!continuing));
@@ -239,7 +238,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     const int64_t planned =
         std::min<int64_t>(max_context_, static_cast<int64_t>(prompt.size()) + request.max_tokens);
     if (Sequence* hit = ReuseCachedPrefix(scope, prompt, planned, &cached, &forked)) {
-      existing = sessions_.find(hit->id);
+      existing = hit;
       continuing = true;
       prompt.erase(prompt.begin(), prompt.begin() + cached);
     }
@@ -249,14 +248,13 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   auto recache = absl::MakeCleanup([&] {
     if (cached == 0) return;
     if (forked) {
-      (void)existing->second->CloseOffloaded();
-      sessions_.erase(existing);
+      (void)sessions_->Close(existing->id);
     } else {
-      prefix_cache_.Insert(existing->first, cache_key, existing->second->tokens);
+      kv_cache_->Insert(existing->id, cache_key, existing->tokens);
     }
   });
-  const int64_t already = continuing ? static_cast<int64_t>(existing->second->tokens.size()) +
-                                           (existing->second->pending_token ? 1 : 0)
+  const int64_t already = continuing ? static_cast<int64_t>(existing->tokens.size()) +
+                                           (existing->pending_token ? 1 : 0)
                                      : 0;
   if (already + static_cast<int64_t>(prompt.size()) >= max_context_) {
     return absl::InvalidArgumentError(
@@ -264,25 +262,20 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
                      continuing ? absl::StrCat(already, " in the session") : "",
                      ") leaves no room in the model's context of ", max_context_, " tokens"));
   }
-  while (!continuing && sessions_.size() >= options_.max_sessions && CloseLeastRecentlyCached()) {
-  }
-  if (!continuing && sessions_.size() >= options_.max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("all ", options_.max_sessions, " sessions are in use"));
-  }
+  if (!continuing) TANDEM_RETURN_IF_ERROR(kv_cache_->MakeSessionRoom(options_.max_sessions));
 
   // --- The session, with the memory it needs by the end of this request reserved: device
   // window (gpu mode), page summaries and CPU-node room are checked before anything runs.
   // A cached session keeps its id; another one-shot request gets a new one.
-  std::string id = continuing ? existing->first : request.session_id;
-  if (id.empty()) id = absl::StrCat("anon-", next_anonymous_id_++);
+  std::string id = continuing ? existing->id : request.session_id;
+  if (id.empty()) id = sessions_->NewAnonymousId();
   const int64_t planned = std::min<int64_t>(
       max_context_, already + static_cast<int64_t>(prompt.size()) + request.max_tokens);
   auto offloaded_by_end = [&](int64_t w, int64_t k) { return std::max<int64_t>(0, planned - w - k); };
   Sequence* seq = nullptr;
   if (continuing) {
-    seq = existing->second.get();
-    TANDEM_RETURN_IF_ERROR(WithCacheEviction([&]() -> absl::Status {
+    seq = existing;
+    TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
       if (seq->mode == AttentionMode::kGpu) {
         WindowOptions grown = seq->window.options();
         SequenceSpec gpu_spec;
@@ -312,16 +305,15 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
                                   offloaded_by_end(window, sink));
     }
     std::unique_ptr<Sequence> fresh;
-    TANDEM_RETURN_IF_ERROR(WithCacheEviction([&]() -> absl::Status {
+    TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
       TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
       TANDEM_ASSIGN_OR_RETURN(fresh, NewSequence(id, spec, planned, offloaded_by_end(window, sink)));
       return absl::OkStatus();
     }));
-    seq = fresh.get();
-    sessions_[id] = std::move(fresh);
+    seq = &sessions_->Add(std::move(fresh));
     // A kept session is a pinned prefix of its scope: one-shot requests fork it.
     if (options_.prefix_cache && !request.session_id.empty()) {
-      kept_scope_[id] = PrefixCacheScope(request, spec).own;
+      sessions_->Keep(id, PrefixCacheScope(request, spec).own);
     }
   }
   std::move(recache).Cancel();
@@ -351,7 +343,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   g->rng.seed(seed);
   g->degraded_before = seq->degraded_steps;
   g->last_token = arrival;
-  busy_[id] = g.get();
+  sessions_->SetRunning(id, g.get());
   return g;
 }
 
@@ -386,10 +378,12 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
       g.callbacks.on_prefill({static_cast<int64_t>(g.feed.size()), g.fed, elapsed});
     }
     if (g.remaining() > 0) continue;
-    if (absl::Status s = SampleNext(g, runner_->batch_logits() + b * vocab); !s.ok()) {
+    if (absl::Status s = token_output_->Emit(g, runner_->batch_logits() + b * vocab); !s.ok()) {
       g.failure = s;
       if (first_failure.ok()) first_failure = s;
+      continue;
     }
+    if (!g.finished()) g.seq->MaintainOffloaded();   // between steps: migrations, re-plans
   }
   // Device prefill: once the first token is out, the host copy of a partly fitting prompt is
   // dropped, and the blocks a narrowed window still holds (WindowCache::settling) go to the
@@ -398,7 +392,7 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
     if (g.seq == nullptr || !g.first_token_sampled || g.seq->window.widened()) continue;
-    EndPrefillSpill(*g.seq);
+    g.seq->EndPrefillSpill();
   }
   int64_t settle_budget = runner_->options().settle_budget_per_step();
   for (const StepItem& item : items) {
@@ -424,87 +418,6 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
   return first_failure;
 }
 
-absl::Status Engine::SampleNext(Generation& g, const float* logits) {
-  const SamplingOptions& sampling = g.request.sampling;
-  SampleParams sp;
-  sp.logits = logits;
-  sp.vocab = model_->config.vocab_size;
-  sp.temperature = sampling.temperature;
-  sp.top_k = sampling.top_k;
-  sp.top_p = sampling.top_p;
-  sp.uniform = static_cast<float>(static_cast<double>(g.rng() >> 11) * 0x1.0p-53);
-  if (sp.uniform >= 1.0f) sp.uniform = std::nextafter(1.0f, 0.0f);
-  TANDEM_ASSIGN_OR_RETURN(const int32_t token, backend_->Sample(sp));
-
-  const Clock::time_point now = Clock::now();
-  GenerateSummary& summary = g.summary;
-  const int64_t i = summary.completion_tokens;
-  if (i == 0) {
-    summary.time_to_first_token_s = Seconds(g.arrival, now);
-  } else {
-    g.latencies.push_back(Seconds(g.last_token, now));
-  }
-  g.last_token = now;
-  g.first_token_sampled = true;
-  summary.token_ids.push_back(token);
-  summary.completion_tokens = i + 1;
-  const std::vector<int32_t>& eos = tokenizer_->eos_ids();
-  const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
-  TokenEvent event;
-  event.token_id = token;
-  event.index = i;
-  if (g.request.logprobs) TANDEM_RETURN_IF_ERROR(AddLogprobs(g, logits, &event));
-  std::optional<FinishReason> reason;
-  if (is_eos && !g.request.ignore_eos) {
-    reason = FinishReason::kEos;
-  } else {
-    event.text = g.stops.Push(g.decoder.Push(token));
-    if (g.stops.stopped()) reason = FinishReason::kStop;
-  }
-  // Known before the token is reported: whether it is the last, so that its message carries
-  // the text still held back (one message per token).
-  if (!reason.has_value() && i + 1 == g.request.max_tokens) reason = FinishReason::kLength;
-  if (!reason.has_value() && static_cast<int64_t>(g.seq->tokens.size()) + 1 >= max_context_) {
-    reason = FinishReason::kContext;
-  }
-  if (reason.has_value() && *reason != FinishReason::kStop) {
-    event.text += g.stops.Push(g.decoder.Flush());
-    event.text += g.stops.Flush();
-  }
-  summary.text += event.text;
-  const bool proceed = g.callbacks.on_token ? g.callbacks.on_token(event) : true;
-  // The last sampled token is fed at the start of the session's next turn.
-  g.seq->pending_token = token;
-  if (!reason.has_value() && !proceed) reason = FinishReason::kCancelled;
-  g.reason = reason;
-  if (!reason.has_value()) {   // the next step feeds it
-    g.seq->pending_token.reset();
-    g.feed.assign(1, token);
-    g.fed = 0;
-    g.seq->MaintainOffloaded();   // between steps: migrations, placement re-plans
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Engine::AddLogprobs(const Generation& g, const float* logits, TokenEvent* event) {
-  const int64_t vocab = model_->config.vocab_size;
-  logits_host_.resize(static_cast<size_t>(vocab));
-  TANDEM_RETURN_IF_ERROR(
-      backend_->CopyToHost(logits_host_.data(), logits, logits_host_.size() * sizeof(float)));
-  // A vocabulary smaller than the request's top_logprobs (toy models) lists every token.
-  const int32_t top_n = static_cast<int32_t>(std::min<int64_t>(g.request.top_logprobs, vocab));
-  TANDEM_ASSIGN_OR_RETURN(StepLogprobs step, ComputeStepLogprobs(logits_host_.data(), vocab,
-                                                                 event->token_id, top_n));
-  event->logprob = step.sampled;
-  event->top_logprobs.reserve(step.top.size());
-  for (const LogprobCandidate& c : step.top) {
-    TokenPiece piece = DescribeToken(*tokenizer_, c.token_id);
-    event->top_logprobs.push_back(
-        TokenAlternative{c.token_id, c.logprob, std::move(piece.raw), std::move(piece.text)});
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Engine::RestoreUntouchedSession(Generation& g) {
   Sequence& seq = *g.seq;
   // Nothing was sampled: the feed is [pending token] + prompt, or the prompt alone.
@@ -512,12 +425,12 @@ absl::Status Engine::RestoreUntouchedSession(Generation& g) {
   // Undo what Begin prepared for this prompt: the widened window (back to the configured one,
   // or to the settle of the last prompt that was under way) and the prefill spill.
   seq.prefill_end = seq.window.next_position();
-  EndPrefillSpill(seq);
+  seq.EndPrefillSpill();
   return seq.window.Narrow();
 }
 
 absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
-  busy_.erase(g.session_id);
+  sessions_->ClearRunning(g.session_id);
   const Clock::time_point now = Clock::now();
   absl::Status failure = g.failure;
   if (failure.ok() && !g.reason.has_value()) {   // stopped between steps
@@ -556,14 +469,7 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
   summary.degraded = summary.degraded_steps > 0;
   summary.device_kv_entries = g.seq->device_entries();
   summary.cpu_kv_entries = g.seq->offloaded_entries();
-  if (const auto* exact = dynamic_cast<const ExactTier*>(g.seq->offload.get())) {
-    const ExactPlan& p = exact->plan();
-    summary.exact_split = ExactSplitSummary{p.fetch_share,     p.node_share,
-                                            p.recompute_share, p.step_seconds,
-                                            p.fetch_only_seconds, p.recompute_pays,
-                                            p.recompute_reason, exact->host_tokens(),
-                                            exact->node_tokens()};
-  }
+  if (g.seq->offload != nullptr) summary.exact_split = g.seq->offload->split();
   if (g.keep_session && !consistent && g.continues_session) {
     // The client holds a conversation the worker no longer has: its next turn is told so.
     CloseLostSession(g.session_id,
@@ -576,18 +482,13 @@ absl::StatusOr<GenerateSummary> Engine::End(Generation& g) {
              static_cast<int64_t>(g.seq->tokens.size()) >= options_.prefix_cache_min_tokens) {
     // A one-shot request that ended in a state a later prompt can continue: cached
     // (prefix_cache.h). Its last sampled token is not fed: a prompt that repeats it feeds it.
-    prefix_cache_.Insert(g.session_id, g.cache_key, g.seq->tokens);
+    kv_cache_->Insert(g.session_id, g.cache_key, g.seq->tokens);
     summary.session_id.clear();
     g.seq = nullptr;
   } else if (!g.keep_session || !consistent) {
     // A one-shot request, or a new session whose first turn did not complete: the client has
     // nothing to continue, and the summary names no kept session.
-    auto it = sessions_.find(g.session_id);
-    if (it != sessions_.end()) {
-      (void)it->second->CloseOffloaded();
-      kept_scope_.erase(g.session_id);
-      sessions_.erase(it);
-    }
+    if (sessions_->contains(g.session_id)) (void)sessions_->Close(g.session_id);
     summary.session_id.clear();
     g.seq = nullptr;
   } else if (!untouched && g.remaining() == 1 && !g.seq->pending_token.has_value()) {

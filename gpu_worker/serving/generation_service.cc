@@ -173,7 +173,7 @@ void ToProto(const GenerateSummary& summary, v1::GenerateFinal* dst) {
   dst->set_session_id(summary.session_id);
   dst->set_mode(std::string(AttentionModeName(summary.mode)));
   if (summary.exact_split.has_value()) {
-    const ExactSplitSummary& e = *summary.exact_split;
+    const TierSplit& e = *summary.exact_split;
     v1::ExactSplit* split = dst->mutable_exact_split();
     split->set_fetch_share(e.fetch_share);
     split->set_node_share(e.node_share);
@@ -526,11 +526,11 @@ grpc::ServerUnaryReactor* GenerationService::GetModelInfo(grpc::CallbackServerCo
   return RunUnary(*scheduler_, context, [response](Engine& engine) {
     ToProto(engine.info(), response);
     response->set_open_sessions(engine.open_sessions());
-    response->set_prefix_cache_sessions(engine.prefix_cache().size());
-    response->set_prefix_cache_tokens(engine.prefix_cache().cached_tokens());
-    response->set_prefix_cache_evictions(engine.prefix_cache_evictions());
-    response->set_prefix_cache_parked_sessions(engine.parked_sessions());
-    response->set_prefix_cache_host_bytes(engine.ParkedBytes());
+    response->set_prefix_cache_sessions(engine.kv_cache().cached_sessions());
+    response->set_prefix_cache_tokens(engine.kv_cache().prefix().cached_tokens());
+    response->set_prefix_cache_evictions(engine.kv_cache().evictions());
+    response->set_prefix_cache_parked_sessions(engine.kv_cache().parked_sessions());
+    response->set_prefix_cache_host_bytes(engine.kv_cache().host_bytes());
     response->set_prefix_cache_host_budget_bytes(
         engine.options().prefix_cache_host_bytes.value_or(0));
     return absl::OkStatus();

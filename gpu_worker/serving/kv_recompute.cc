@@ -46,6 +46,7 @@ class LayerInputRelay final : public OffloadTier {
   int64_t offloaded_tokens() const override { return 0; }
   bool wants_maw() const override { return false; }
   double off_device_work() const override { return 0.0; }
+  TierFootprint footprint() const override { return {}; }   // holds nothing of its own
   absl::Status BeginPass(TierContext&, size_t) override { return absl::OkStatus(); }
   bool wants_layer_inputs() const override { return target_.wants_layer_inputs(); }
   // xn: [rows, hidden] f32 (device) at positions first_pos, ...

@@ -1,5 +1,7 @@
 #include "tandem/gpu_worker/memory_plan.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -284,6 +286,13 @@ MemoryPlanRequest MemoryPlanRequest::Defaults(const EngineOptions& e) {
   return r;
 }
 
+size_t ParkingBudgetBytes(const EngineOptions& options, const std::string& backend) {
+  if (options.prefix_cache_host_bytes.has_value()) return *options.prefix_cache_host_bytes;
+  const long pages = sysconf(_SC_PHYS_PAGES), page_bytes = sysconf(_SC_PAGESIZE);
+  if (backend != "cuda" || pages <= 0 || page_bytes <= 0) return 0;
+  return static_cast<size_t>(pages) * static_cast<size_t>(page_bytes) / 4;
+}
+
 absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                                           const MemoryPlanRequest& r) {
   TANDEM_RETURN_IF_ERROR(ValidateRequest(setup, r));
@@ -490,6 +499,12 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   }
   if (setup.backend == "cpu") {
     Add(host, "device memory (cpu backend)", dev.total_bytes, "the cpu backend computes in RAM");
+  }
+  if (const size_t parking = e.prefix_cache ? ParkingBudgetBytes(e, setup.backend) : 0;
+      parking > 0) {
+    Add(host, "parked cached sessions", parking,
+        "at most --prefix_cache_host_bytes, pinned as the prefix cache first parks sessions "
+        "there and kept");
   }
   host.capacity_bytes = setup.host_available_bytes;
   Judge(host, "host memory");

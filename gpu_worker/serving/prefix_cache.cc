@@ -3,6 +3,13 @@
 #include <algorithm>
 
 namespace tandem::gpu_worker {
+
+size_t CommonPrefixLength(std::span<const int32_t> a, std::span<const int32_t> b, size_t limit) {
+  limit = std::min({limit, a.size(), b.size()});
+  size_t n = 0;
+  while (n < limit && a[n] == b[n]) ++n;
+  return n;
+}
 namespace {
 
 // splitmix64's finaliser: a cheap, well-mixed 64-bit step for the chain.
@@ -55,7 +62,9 @@ std::optional<PrefixCache::Hit> PrefixCache::Match(const std::string& scope,
     size_t common = std::min(limit, blocks * static_cast<size_t>(block_tokens_));
     // The keys matched: confirm the ids (a collision must not give a wrong hit).
     if (!std::equal(prompt.begin(), prompt.begin() + common, e.tokens.begin())) common = 0;
-    while (common < limit && prompt[common] == e.tokens[common]) ++common;
+    common += CommonPrefixLength(prompt.subspan(common),
+                                 std::span<const int32_t>(e.tokens).subspan(common),
+                                 limit - common);
     if (static_cast<int64_t>(common) < min_common) continue;
     if (!best.has_value() || static_cast<int64_t>(common) > best->common) {
       best = Hit{e.session_id, static_cast<int64_t>(common)};

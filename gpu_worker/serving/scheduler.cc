@@ -248,20 +248,22 @@ void Scheduler::Publish() {
     if (m->gpu_kv_cache_usage != nullptr && budget > 0) {
       m->gpu_kv_cache_usage->Set(static_cast<double>(bytes) / static_cast<double>(budget));
     }
-    m->prefix_cache_sessions->Set(static_cast<double>(engine_->prefix_cache().size()));
-    m->prefix_cache_tokens->Set(static_cast<double>(engine_->prefix_cache().cached_tokens()));
-    const uint64_t evictions = engine_->prefix_cache_evictions();
+    m->prefix_cache_sessions->Set(static_cast<double>(engine_->kv_cache().cached_sessions()));
+    m->prefix_cache_tokens->Set(static_cast<double>(engine_->kv_cache().prefix().cached_tokens()));
+    const uint64_t evictions = engine_->kv_cache().evictions();
     if (evictions > counted_evictions_) {
       m->prefix_cache_evictions->Increment(static_cast<double>(evictions - counted_evictions_));
       counted_evictions_ = evictions;
     }
-    m->prefix_cache_gpu_bytes->Set(static_cast<double>(engine_->CachedDeviceBytes()));
-    m->prefix_cache_host_bytes->Set(static_cast<double>(engine_->ParkedBytes()));
-    if (const uint64_t parks = engine_->prefix_cache_parks(); parks > counted_parks_) {
+    const TierFootprint cached = engine_->kv_cache().footprint();
+    m->prefix_cache_gpu_bytes->Set(static_cast<double>(cached.device));
+    m->prefix_cache_host_bytes->Set(static_cast<double>(cached.host));
+    m->prefix_cache_node_bytes->Set(static_cast<double>(cached.nodes));
+    if (const uint64_t parks = engine_->kv_cache().parks(); parks > counted_parks_) {
       m->prefix_cache_parks->Increment(static_cast<double>(parks - counted_parks_));
       counted_parks_ = parks;
     }
-    if (const uint64_t unparks = engine_->prefix_cache_unparks(); unparks > counted_unparks_) {
+    if (const uint64_t unparks = engine_->kv_cache().unparks(); unparks > counted_unparks_) {
       m->prefix_cache_unparks->Increment(static_cast<double>(unparks - counted_unparks_));
       counted_unparks_ = unparks;
     }

@@ -69,9 +69,11 @@ absl::StatusOr<WorkerMetrics> WorkerMetrics::Create(prometheus::Registry& regist
       prometheus::Family<prometheus::Gauge>* const cache_bytes,
       AddGaugeFamily(registry, "tandem:prefix_cache_bytes",
                      "Bytes held by the prefix cache's sessions, by tier: gpu (windows and page "
-                     "summaries on the device), host (sessions parked in pinned host memory)."));
+                     "summaries on the device), host (sessions parked in pinned host memory, host "
+                     "pages), nodes (their KV on the CPU nodes)."));
   m.prefix_cache_gpu_bytes = &cache_bytes->Add({{"tier", "gpu"}});
   m.prefix_cache_host_bytes = &cache_bytes->Add({{"tier", "host"}});
+  m.prefix_cache_node_bytes = &cache_bytes->Add({{"tier", "nodes"}});
   TANDEM_ASSIGN_OR_RETURN(
       m.prefix_cache_parks,
       AddCounter(registry, "tandem:prefix_cache_parks_total",

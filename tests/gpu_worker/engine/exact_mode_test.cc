@@ -329,7 +329,7 @@ TEST_F(ExactEngine, GenerateMatchesGpuAndReportsTheSplit) {
     EXPECT_FALSE(exact->degraded);
     ASSERT_TRUE(exact->exact_split.has_value());
     EXPECT_FALSE(gpu->exact_split.has_value());
-    const ExactSplitSummary& split = *exact->exact_split;
+    const TierSplit& split = *exact->exact_split;
     EXPECT_EQ(split.fetch_share, 0.5);
     EXPECT_EQ(split.node_share, 0.5);
     EXPECT_EQ(split.host_entries + split.node_entries, exact->cpu_kv_entries);

@@ -79,5 +79,45 @@ TEST_F(ParkingPoolTest, PagesAreKeptAndReusedWithinTheBudget) {
   EXPECT_EQ(none.Take(1).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Strided rows (a tensor's heads): packed in the space, rows within a page in one 2D copy and
+// rows across page ends in pieces; back to a device tensor of another pitch, exactly.
+TEST_F(ParkingPoolTest, StridedRowsRoundTripAcrossPageEnds) {
+  ParkingPool pool(*backend_, 64 * 100, /*page_bytes=*/64, /*slab_pages=*/4);
+  constexpr size_t kRows = 9, kRow = 24, kPitch = 40, kOffset = 50;   // rows cross page ends
+  std::vector<uint8_t> host(kRows * kPitch);
+  std::iota(host.begin(), host.end(), 3);
+  auto device = backend_->Allocate(host.size());
+  ASSERT_TRUE(device.ok());
+  ASSERT_TRUE(backend_->CopyToDevice(device->data(), host.data(), host.size()).ok());
+  auto space = pool.Take(kOffset + kRows * kRow);
+  ASSERT_TRUE(space.ok()) << space.status();
+  ASSERT_TRUE(space->CopyRowsFromDevice(kOffset, device->data(), kPitch, kRow, kRows).ok());
+  // Packed: row r at kOffset + r·kRow, read back whole.
+  auto packed = backend_->Allocate(kRows * kRow);
+  ASSERT_TRUE(packed.ok());
+  ASSERT_TRUE(space->CopyToDevice(packed->data(), kOffset, kRows * kRow).ok());
+  std::vector<uint8_t> got(kRows * kRow);
+  ASSERT_TRUE(backend_->CopyToHost(got.data(), packed->data(), got.size()).ok());
+  for (size_t r = 0; r < kRows; ++r) {
+    for (size_t b = 0; b < kRow; ++b) ASSERT_EQ(got[r * kRow + b], host[r * kPitch + b]);
+  }
+  // Back to a tensor of pitch 32 (zeroed first): each row in place, the gaps untouched.
+  constexpr size_t kBackPitch = 32;
+  std::vector<uint8_t> zeros(kRows * kBackPitch, 0);
+  auto back = backend_->Allocate(zeros.size());
+  ASSERT_TRUE(back.ok());
+  ASSERT_TRUE(backend_->CopyToDevice(back->data(), zeros.data(), zeros.size()).ok());
+  ASSERT_TRUE(space->CopyRowsToDevice(back->data(), kBackPitch, kOffset, kRow, kRows).ok());
+  std::vector<uint8_t> out(zeros.size());
+  ASSERT_TRUE(backend_->CopyToHost(out.data(), back->data(), out.size()).ok());
+  for (size_t r = 0; r < kRows; ++r) {
+    for (size_t b = 0; b < kBackPitch; ++b) {
+      ASSERT_EQ(out[r * kBackPitch + b], b < kRow ? host[r * kPitch + b] : 0) << r << " " << b;
+    }
+  }
+  EXPECT_EQ(space->CopyRowsFromDevice(kOffset + 1, device->data(), kPitch, kRow, kRows).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace tandem::gpu_worker

@@ -154,7 +154,7 @@ TEST_F(EnginePrefixCache, AResentPromptReusesItsKvAndMatchesAColdRun) {
     ASSERT_TRUE(first.ok()) << first.status();
     EXPECT_EQ(first->cached_tokens, 0);
     EXPECT_EQ(first->prompt_tokens, 162);
-    EXPECT_EQ(cached->prefix_cache().size(), 1u);
+    EXPECT_EQ(cached->kv_cache().cached_sessions(), 1u);
 
     const std::vector<int32_t> second_prompt = Concat(doc, Ids(30, 2));
     auto second = cached->Generate(Request(second_prompt, mode, 24));
@@ -232,7 +232,7 @@ TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
     const std::vector<int32_t> first_prompt = Concat(doc, Ids(12, 1));
     auto first = cached->Generate(request(first_prompt, 20));
     ASSERT_TRUE(first.ok()) << first.status();
-    ASSERT_EQ(cached->prefix_cache().size(), 1u);
+    ASSERT_EQ(cached->kv_cache().cached_sessions(), 1u);
 
     // Two readers at once, each with its own question: both fork the first one's session.
     const std::vector<std::vector<int32_t>> questions = {Concat(doc, Ids(30, 2)),
@@ -244,7 +244,7 @@ TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
       EXPECT_GE((*g)->cached_tokens, 150);
       readers.push_back(std::move(*g));
     }
-    EXPECT_EQ(cached->prefix_cache().size(), 1u) << "the document's session stays cached";
+    EXPECT_EQ(cached->kv_cache().cached_sessions(), 1u) << "the document's session stays cached";
     EXPECT_EQ(cached->open_sessions(), 2u);
     auto answers = RunTogether(*cached, readers);
     for (size_t i = 0; i < questions.size(); ++i) {
@@ -254,7 +254,7 @@ TEST_F(EnginePrefixCache, QuestionsOverOneDocumentForkItsCachedPrefix) {
       EXPECT_EQ(answers[i]->token_ids, reference->token_ids) << "reader " << i;
       EXPECT_EQ(answers[i]->degraded_steps, 0u);
     }
-    EXPECT_EQ(cached->prefix_cache().size(), 3u);
+    EXPECT_EQ(cached->kv_cache().cached_sessions(), 3u);
     EXPECT_EQ(cached->open_sessions(), 0u);
 
     // The first reader's next turn: its whole history is still cached.
@@ -332,7 +332,7 @@ TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
       EXPECT_TRUE(was_settling);
       EXPECT_EQ(readers[0]->seq->offloaded_entries(), (*b)->seq->offloaded_entries());
     }
-    EXPECT_EQ(cached->prefix_cache().size(), 0u);
+    EXPECT_EQ(cached->kv_cache().cached_sessions(), 0u);
     readers.push_back(std::move(*b));
     auto answers = RunTogether(*cached, readers);
     for (const auto& [i, request] : {std::pair{0, first}, std::pair{1, second}}) {
@@ -341,7 +341,7 @@ TEST_F(EnginePrefixCache, ReadersArrivingTogetherShareOnePrefill) {
       ASSERT_TRUE(reference.ok()) << reference.status();
       EXPECT_EQ(answers[i]->token_ids, reference->token_ids) << "reader " << i;
     }
-    EXPECT_EQ(cached->prefix_cache().size(), 2u);
+    EXPECT_EQ(cached->kv_cache().cached_sessions(), 2u);
   }
 }
 
@@ -454,13 +454,13 @@ TEST_F(EnginePrefixCache, ATierThatCannotForkContinuesTheCachedSessionInPlace) {
   ASSERT_TRUE(cached->Generate(Request(Ids(100, 40), AttentionMode::kExact, 4)).ok());
   const std::vector<int32_t> doc = Ids(150, 14);
   ASSERT_TRUE(cached->Generate(Request(Concat(doc, Ids(12, 1)), AttentionMode::kExact, 20)).ok());
-  ASSERT_EQ(cached->prefix_cache().size(), 2u);
+  ASSERT_EQ(cached->kv_cache().cached_sessions(), 2u);
   const GenerateRequest second = Request(Concat(doc, Ids(30, 2)), AttentionMode::kExact, 8);
   auto answer = cached->Generate(second);
   ASSERT_TRUE(answer.ok()) << answer.status();
   EXPECT_GE(answer->cached_tokens, 150);
-  EXPECT_EQ(cached->prefix_cache_evictions(), 0u);
-  EXPECT_EQ(cached->prefix_cache().size(), 2u);
+  EXPECT_EQ(cached->kv_cache().evictions(), 0u);
+  EXPECT_EQ(cached->kv_cache().cached_sessions(), 2u);
   auto reference = cold->Generate(second);
   ASSERT_TRUE(reference.ok()) << reference.status();
   EXPECT_EQ(answer->token_ids, reference->token_ids);
@@ -517,10 +517,10 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
     auto s = engine->Generate(Request(Ids(100, 20 + i), AttentionMode::kHybrid, 8));
     ASSERT_TRUE(s.ok()) << i << ": " << s.status();
     EXPECT_EQ(engine->open_sessions(), 0u);
-    EXPECT_LE(engine->prefix_cache().size(), 3u);
+    EXPECT_LE(engine->kv_cache().cached_sessions(), 3u);
   }
-  EXPECT_EQ(engine->prefix_cache().size(), 3u);
-  EXPECT_EQ(engine->prefix_cache_evictions(), 5u);
+  EXPECT_EQ(engine->kv_cache().cached_sessions(), 3u);
+  EXPECT_EQ(engine->kv_cache().evictions(), 5u);
   // The most recent survive: the last prompt hits, the first does not.
   auto last = engine->Generate(Request(Concat(Ids(100, 27), Ids(4, 1)), AttentionMode::kHybrid, 4));
   ASSERT_TRUE(last.ok());
@@ -543,7 +543,7 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
     ASSERT_TRUE(s.ok()) << i << ": " << s.status();
     EXPECT_LE(tight->DeviceKvBytes(), budgeted.kv_cache_bytes);
   }
-  EXPECT_GE(tight->prefix_cache_evictions(), 3u);
+  EXPECT_GE(tight->kv_cache().evictions(), 3u);
 }
 
 // Under a device KV budget that holds about two cached sessions, the others are parked in host
@@ -582,12 +582,12 @@ TEST_F(EnginePrefixCache, ParkedSessionsComeBackAndGiveTheSameTokens) {
       ASSERT_TRUE(unbounded->Generate(request(Concat(Ids(100, 60 + i), Ids(8, 1)), 8)).ok());
       EXPECT_LE(parking->DeviceKvBytes(), options.kv_cache_bytes);
     }
-    EXPECT_EQ(parking->prefix_cache_evictions(), 0u) << "parked, not closed";
-    EXPECT_EQ(parking->prefix_cache().size(), 5u);
-    EXPECT_GE(parking->prefix_cache_parks(), 3u);
-    EXPECT_EQ(parking->parked_sessions(), parking->prefix_cache_parks());
-    EXPECT_GT(parking->ParkedBytes(), 0u);
-    EXPECT_LE(parking->CachedDeviceBytes(), options.kv_cache_bytes);
+    EXPECT_EQ(parking->kv_cache().evictions(), 0u) << "parked, not closed";
+    EXPECT_EQ(parking->kv_cache().cached_sessions(), 5u);
+    EXPECT_GE(parking->kv_cache().parks(), 3u);
+    EXPECT_EQ(parking->kv_cache().parked_sessions(), parking->kv_cache().parks());
+    EXPECT_GT(parking->kv_cache().host_bytes(), 0u);
+    EXPECT_LE(parking->kv_cache().device_bytes(), options.kv_cache_bytes);
 
     // The first document, parked longest: back on the device, it serves the new question.
     const std::vector<int32_t> question = Concat(Ids(100, 60), Ids(12, 2));
@@ -598,27 +598,27 @@ TEST_F(EnginePrefixCache, ParkedSessionsComeBackAndGiveTheSameTokens) {
     EXPECT_GE(hit->cached_tokens, 100);
     EXPECT_EQ(hit->cached_tokens, reference->cached_tokens);
     EXPECT_EQ(hit->token_ids, reference->token_ids);
-    EXPECT_EQ(parking->prefix_cache_unparks(), 1u);
+    EXPECT_EQ(parking->kv_cache().unparks(), 1u);
     EXPECT_LE(parking->DeviceKvBytes(), options.kv_cache_bytes);
     if (!pages) {
       auto cold = Make(Options(false))->Generate(request(question, 12));
       ASSERT_TRUE(cold.ok()) << cold.status();
       EXPECT_EQ(hit->token_ids, cold->token_ids);
     }
-    EXPECT_EQ(parking->prefix_cache_evictions(), 0u);
+    EXPECT_EQ(parking->kv_cache().evictions(), 0u);
 
     // Host room for one parked session: the least recently parked are closed for the next.
     EngineOptions one_parked = options;
     one_parked.prefix_cache_host_bytes =
-        parking->ParkedBytes() / parking->parked_sessions() * 3 / 2;
+        parking->kv_cache().host_bytes() / parking->kv_cache().parked_sessions() * 3 / 2;
     auto small = Make(one_parked);
     ASSERT_NE(small, nullptr);
     for (int32_t i = 0; i < 5; ++i) {
       ASSERT_TRUE(small->Generate(request(Concat(Ids(100, 60 + i), Ids(8, 1)), 8)).ok());
-      EXPECT_LE(small->ParkedBytes(), *one_parked.prefix_cache_host_bytes);
+      EXPECT_LE(small->kv_cache().host_bytes(), *one_parked.prefix_cache_host_bytes);
     }
-    EXPECT_EQ(small->parked_sessions(), 1u);
-    EXPECT_GE(small->prefix_cache_evictions(), 2u);
+    EXPECT_EQ(small->kv_cache().parked_sessions(), 1u);
+    EXPECT_GE(small->kv_cache().evictions(), 2u);
     // The oldest was closed: a miss, no failure.
     auto oldest = small->Generate(request(question, 12));
     ASSERT_TRUE(oldest.ok()) << oldest.status();

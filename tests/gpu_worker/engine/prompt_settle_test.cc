@@ -469,6 +469,7 @@ class AppendFails : public OffloadTier {
   int64_t offloaded_tokens() const override { return inner_->offloaded_tokens(); }
   bool wants_maw() const override { return inner_->wants_maw(); }
   double off_device_work() const override { return inner_->off_device_work(); }
+  TierFootprint footprint() const override { return inner_->footprint(); }
   absl::Status BeginPass(TierContext& context, size_t stream) override {
     return inner_->BeginPass(context, stream);
   }

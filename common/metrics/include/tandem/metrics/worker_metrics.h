@@ -26,7 +26,10 @@
 //   tandem:prefix_cache_evictions_total      counter    cached sessions closed for room
 //   tandem:prefix_cache_bytes{tier}          gauge      bytes the cached sessions hold:
 //                                                        tier="gpu" (windows and page summaries
-//                                                        on the device), "host" (parked ones)
+//                                                        on the device), "host" (parked ones,
+//                                                        and host pages of offload/exact
+//                                                        sessions), "nodes" (their KV on the
+//                                                        CPU nodes, as the nodes charge it)
 //   tandem:prefix_cache_parks_total          counter    cached sessions parked in host memory
 //   tandem:prefix_cache_unparks_total        counter    parked sessions a prompt brought back
 //
@@ -67,6 +70,7 @@ struct WorkerMetrics {
   prometheus::Counter* prefix_cache_evictions = nullptr;
   prometheus::Gauge* prefix_cache_gpu_bytes = nullptr;    // prefix_cache_bytes{tier="gpu"}
   prometheus::Gauge* prefix_cache_host_bytes = nullptr;   // prefix_cache_bytes{tier="host"}
+  prometheus::Gauge* prefix_cache_node_bytes = nullptr;   // prefix_cache_bytes{tier="nodes"}
   prometheus::Counter* prefix_cache_parks = nullptr;
   prometheus::Counter* prefix_cache_unparks = nullptr;
   prometheus::Family<prometheus::Counter>* request_success = nullptr;

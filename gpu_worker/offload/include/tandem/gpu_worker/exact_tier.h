@@ -112,6 +112,8 @@ class ExactTier final : public OffloadTier {
   absl::StatusOr<bool> Rebuild() override;
   absl::Status Close() override { return remote_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return {}; }
+  std::optional<TierSplit> split() const override;
+  TierFootprint footprint() const override;
 
   // Entries kept as layer inputs given directly (tandem-bench's synthetic contexts; the serving
   // path takes them from the runner): rows [n, hidden] host, of

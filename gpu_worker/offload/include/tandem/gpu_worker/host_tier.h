@@ -47,6 +47,7 @@ class HostTier final : public OffloadTier {
   absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
   bool can_fork() const override { return true; }
   std::vector<double> MeanSelectedShare() const override { return {}; }
+  TierFootprint footprint() const override { return {0, kv_->host_bytes(), 0}; }
 
   const OffloadedKv& kv() const { return *kv_; }
   OffloadedKv& kv() { return *kv_; }

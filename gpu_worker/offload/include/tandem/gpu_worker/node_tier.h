@@ -17,6 +17,7 @@
 #include <memory>
 #include <vector>
 
+#include "tandem/gpu_worker/memory_shortage.h"
 #include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -51,10 +52,11 @@ class NodeTier final : public OffloadTier {
   // waits kRebuildRetry.
   absl::StatusOr<bool> Rebuild() override;
 
-  // (A new turn: first finds nodes an idle session lost, RemoteKv::CheckNodes.)
+  // (A new turn: first finds nodes an idle session lost, RemoteKv::CheckNodes.) Room short is
+  // the nodes' (MarkShortOf).
   absl::Status Reserve(int64_t tokens) override {
     remote_->CheckNodes();
-    return remote_->Reserve(tokens);
+    return MarkShortOf(MemoryKind::kNodes, remote_->Reserve(tokens));
   }
   absl::Status Maintain() override { return remote_->Maintain(); }
   absl::Status Close() override { return remote_->Close(); }
@@ -62,6 +64,7 @@ class NodeTier final : public OffloadTier {
   absl::StatusOr<std::unique_ptr<OffloadTier>> Fork(const TierFork& fork) const override;
   bool can_fork() const override { return true; }
   std::vector<double> MeanSelectedShare() const override { return remote_->MeanSelectedShare(); }
+  TierFootprint footprint() const override;
 
   // Device bytes page selection takes for a pass of `num_tokens` query rows over `num_pages`
   // pages per (layer, kv head), `per_head` chosen: this tier's page ids plus the scoring

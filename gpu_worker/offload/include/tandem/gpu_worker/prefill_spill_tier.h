@@ -4,7 +4,7 @@
 // page summaries) and also to pinned host pages (`spill`), and the prefill's chunks attend over
 // them from the host pages, streamed to the device and attended there exactly, instead of on
 // the nodes (whose prompt attention is a compute-bound GEMM on their cores). Once the prompt is
-// in, the engine takes `inner` back (TakeInner) and drops the host copy: decode attends on the
+// in, the sequence takes `inner` back (ReleaseAfterPrefill) and drops the host copy: decode attends on the
 // nodes as usual.
 //
 // Only for a tier that held nothing when the prompt started (a new session): the host pages
@@ -30,7 +30,7 @@ class PrefillSpillTier final : public OffloadTier {
       : inner_(std::move(inner)), spill_(std::move(spill)) {}
 
   // The tier this one wraps (this one is then empty and must be dropped).
-  std::unique_ptr<OffloadTier> TakeInner() { return std::move(inner_); }
+  std::unique_ptr<OffloadTier> ReleaseAfterPrefill() override { return std::move(inner_); }
   // Tokens per (layer, kv head) in the host copy.
   int64_t spilled_tokens() const { return spill_->offloaded_tokens(); }
 
@@ -62,6 +62,8 @@ class PrefillSpillTier final : public OffloadTier {
   absl::StatusOr<bool> Rebuild() override { return inner_->Rebuild(); }
   absl::Status Close() override { return inner_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return inner_->MeanSelectedShare(); }
+  // The inner tier's, plus the host copy while it exists.
+  TierFootprint footprint() const override;
 
  private:
   std::unique_ptr<OffloadTier> inner_;

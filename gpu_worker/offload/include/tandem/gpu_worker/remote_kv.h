@@ -253,6 +253,9 @@ class RemoteKv {
   uint64_t shm_attends() const { return shm_attends_; }
   uint64_t shm_append_chunks() const { return shm_append_chunks_; }
   const RemoteKvOptions& options() const { return options_; }
+  // What this session's shards take on the nodes now (ShardBytes of its offloaded entries, on
+  // each shard's node); 0 once closed.
+  uint64_t NodeBytes() const;
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -221,6 +221,26 @@ using RebuiltLayerSink =
 // layer, in layer order.
 using RecomputeKv = std::function<absl::Status(int64_t tokens, const RebuiltLayerSink& sink)>;
 
+// Where a tier that splits its entries between paths keeps them, and why (ExactTier: host pages
+// streamed each step, CPU nodes attending densely, layer inputs recomputed into K/V; its
+// planner's shares and modelled step times, exact_planner.h). Reported in a request's summary.
+struct TierSplit {
+  double fetch_share = 0, node_share = 0, recompute_share = 0;
+  double modelled_step_s = 0, modelled_fetch_only_s = 0;
+  bool recompute_pays = false;
+  std::string recompute_reason;
+  int64_t host_entries = 0, node_entries = 0;   // per (layer, kv head), now
+};
+
+// The memory a tier's KV takes now, by where it lives (bytes): page summaries on the device,
+// pinned host pages, and the CPU nodes' pools (as the nodes charge it: whole blocks in their
+// storage dtype, kv_store::BlockFormat::ShardBytes).
+struct TierFootprint {
+  size_t device = 0;
+  size_t host = 0;
+  size_t nodes = 0;
+};
+
 // What a tier's fork (OffloadTier::Fork) is given for the sequence it will belong to.
 struct TierFork {
   std::string session_id;   // the name of the fork's stored copy (its session on CPU nodes)
@@ -305,6 +325,14 @@ class OffloadTier {
   virtual PageIndex* page_index() { return nullptr; }
   // Mean selected/held share per layer over the tier's life; empty when it attends everything.
   virtual std::vector<double> MeanSelectedShare() const = 0;
+  // Where its KV is now (TierFootprint): what the engine counts and what eviction frees.
+  virtual TierFootprint footprint() const = 0;
+  // A tier that splits its entries between paths says how (TierSplit); others give nothing.
+  virtual std::optional<TierSplit> split() const { return std::nullopt; }
+  // A tier that serves only while a prompt is prefilled (PrefillSpillTier: the part that left
+  // the device attended from host pages) gives back the tier that stays once the prompt is in;
+  // the sequence then holds that one. Null from a tier that stays as it is.
+  virtual std::unique_ptr<OffloadTier> ReleaseAfterPrefill() { return nullptr; }
 };
 
 }  // namespace tandem::gpu_worker

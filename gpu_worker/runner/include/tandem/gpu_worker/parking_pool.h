@@ -41,6 +41,14 @@ class ParkingSpace {
   // Device [src, src + count) to logical bytes [offset, offset + count), and back.
   absl::Status CopyFromDevice(size_t offset, const void* src, size_t count);
   absl::Status CopyToDevice(void* dst, size_t offset, size_t count) const;
+  // Strided rows (a parked tensor's (layer, head) rows): `rows` device rows of `row_bytes`, row
+  // r at src + r·src_pitch, packed at logical bytes [offset, offset + rows·row_bytes); and back,
+  // row r to dst + r·dst_pitch. The rows that lie within one page go in one 2D copy
+  // (Backend::CopyToHost2D / CopyToDevice2D), a row across a page end in two pieces.
+  absl::Status CopyRowsFromDevice(size_t offset, const void* src, size_t src_pitch,
+                                  size_t row_bytes, size_t rows);
+  absl::Status CopyRowsToDevice(void* dst, size_t dst_pitch, size_t offset, size_t row_bytes,
+                                size_t rows) const;
 
   // The pages back to the pool; the space holds nothing after.
   void Release();

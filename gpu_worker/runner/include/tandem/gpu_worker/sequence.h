@@ -100,6 +100,13 @@ struct Sequence {
   size_t parked_bytes() const;   // pool bytes held while parked
   size_t resident_bytes() const;  // device bytes of window and summaries once on the device
 
+  // Device bytes of its window and page summaries now (0 while parked): what the engine's
+  // --kv_cache_bytes admission counts.
+  size_t device_bytes() const;
+  // The tier that holds this prompt's spill is dropped once the prompt is in
+  // (OffloadTier::ReleaseAfterPrefill); a no-op for other tiers.
+  void EndPrefillSpill();
+
   int64_t device_entries() const { return window.entries(); }
   int64_t offloaded_entries() const { return offload ? offload->offloaded_tokens() : 0; }
 

@@ -33,13 +33,15 @@
 #include "tandem/gpu_worker/exact_probe.h"
 #include "tandem/gpu_worker/generate_request.h"
 #include "tandem/gpu_worker/generation.h"
-#include "tandem/gpu_worker/lost_sessions.h"
+#include "tandem/gpu_worker/kv_cache_manager.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/prefix_cache.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
+#include "tandem/gpu_worker/session_table.h"
+#include "tandem/gpu_worker/token_output.h"
 #include "tandem/gpu_worker/tokenizer.h"
 
 namespace tandem::gpu_worker {
@@ -225,7 +227,7 @@ class Engine {
   void SettleIdle();
   // Most tokens one Step may feed (the runner's chunk).
   int64_t max_step_tokens() const { return options_.prefill_chunk; }
-  bool SessionBusy(const std::string& session_id) const { return busy_.count(session_id) > 0; }
+  bool SessionBusy(const std::string& session_id) const { return sessions_->busy(session_id); }
   // Whether one-shot `request` should wait before Begin: a running request of its prefix cache
   // scope is still prefilling a prompt that shares at least a block more with this one's than
   // anything there is to reuse now. Once that prompt is in, this one forks it instead of
@@ -242,20 +244,12 @@ class Engine {
   // forgotten. NOT_FOUND if unknown.
   absl::Status CloseSession(const std::string& session_id);
   // Kept sessions and running requests' (the prefix cache's sessions are not counted).
-  size_t open_sessions() const { return sessions_.size() - prefix_cache_.size(); }
-  // The prefix cache: sessions kept for reuse and the tokens they hold.
-  const PrefixCache& prefix_cache() const { return prefix_cache_; }
-  uint64_t prefix_cache_evictions() const { return prefix_cache_evictions_; }
-  // Cached sessions parked in host memory (EngineOptions::prefix_cache_host_bytes): how many,
-  // the host bytes they hold, and how many times one was parked and brought back.
-  size_t parked_sessions() const;
-  size_t ParkedBytes() const;         // pool pages in use (whole pages)
-  size_t CachedDeviceBytes() const;   // device bytes of the cached sessions not parked
-  uint64_t prefix_cache_parks() const { return prefix_cache_parks_; }
-  uint64_t prefix_cache_unparks() const { return prefix_cache_unparks_; }
+  size_t open_sessions() const { return sessions_->size() - kv_cache_->cached_sessions(); }
+  // The prefix cache: the sessions kept for reuse, where they are, and what it evicted.
+  const KvCacheManager& kv_cache() const { return *kv_cache_; }
   // Device bytes of every open session's window and page summaries (running requests and kept
   // sessions between turns): what the --kv_cache_bytes admission check counts.
-  size_t DeviceKvBytes() const;
+  size_t DeviceKvBytes() const { return sessions_->DeviceBytes(); }
 
   ModelInfo info() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -286,7 +280,7 @@ class Engine {
   WindowGeometry window_geometry() const;
   WindowOptions WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const;
   // Closes kept session `id` after a failure of its own (not the client's doing), remembering
-  // `reason` for the next request that names it.
+  // `reason` for the next request that names it (out of the prefix cache too).
   void CloseLostSession(const std::string& id, const std::string& reason);
   // A slice of at most `budget` tokens over the idle settling sessions; returns what is left.
   int64_t SettleIdleSessions(int64_t budget);
@@ -299,22 +293,19 @@ class Engine {
   // PrefillSpillTier (prefill_spill_tier.h) so that the chunks attend over the part that left
   // from pinned host pages on the device; EndPrefillSpill unwraps it once the prompt is in.
   void WidenForPrefill(Sequence& seq, int64_t prompt_tokens);
-  void EndPrefillSpill(Sequence& seq);
   // A continued turn `g` that ends before any of its feed entered the model: gives the session
   // back its pending token and undoes the prompt's widening, so it is as the last turn left it.
   absl::Status RestoreUntouchedSession(Generation& g);
-  // Samples the next token of `g` from `logits` (device, [vocab]) and reports it.
-  absl::Status SampleNext(Generation& g, const float* logits);
-  // The sampled token's log-probability and the request's top candidates (logprobs.h) into
-  // `event`, from `logits` (device, [vocab]). NOTE: copies the row to the host (vocab · 4 bytes,
-  // 512 KiB for a 128K vocabulary); called only for requests that ask for logprobs.
-  absl::Status AddLogprobs(const Generation& g, const float* logits, TokenEvent* event);
   // INVALID_ARGUMENT when page_tokens does not divide block_tokens (pages start at blocks).
   absl::Status CheckPagesUsable() const;
   // INVALID_ARGUMENT for a budget policy out of range.
   absl::Status ValidatePagePolicy(const PagePolicy& policy) const;
   // Device bytes of every open session's page summaries.
   size_t PageSummaryBytes() const;
+  // RESOURCE_EXHAUSTED (saying what to change) when page summaries of `need` bytes for
+  // `expected_offloaded` entries, beside `others` bytes of other sessions', pass the
+  // page_summary_bytes cap.
+  absl::Status CheckPageSummaries(int64_t expected_offloaded, size_t need, size_t others) const;
   // Grows `seq`'s page summaries to `expected_offloaded` entries per (layer, kv head) within
   // the page_summary_bytes cap; RESOURCE_EXHAUSTED (saying what to change) otherwise.
   absl::Status ReservePages(Sequence& seq, int64_t expected_offloaded) const;
@@ -355,56 +346,25 @@ class Engine {
   // cached parent stays cached, as the most recently used.
   absl::StatusOr<Sequence*> ForkSession(const std::string& key, const std::string& parent_id,
                                         int64_t common, int64_t planned);
-  // Device memory for a request: the least recently used cached session that holds some is
-  // parked in host memory (ParkCachedSession), or closed when it cannot be. False when no cached
-  // session holds device memory.
-  bool EvictCachedSession();
-  // A session slot (max_sessions): closes the least recently used cached session, parked or
-  // not; false when none is cached.
-  bool CloseLeastRecentlyCached();
-  // Parks cached session `id` within prefix_cache_host_bytes, closing the least recently used
-  // parked sessions to make room; false (nothing parked) when it cannot be.
-  bool ParkCachedSession(const std::string& id);
-  // Brings parked cached session `id` (of scope `key`) back to the device, making room by
-  // evicting other cached sessions; it stays cached, as the most recently used. False when the
-  // device cannot take it (it stays parked) or the copy failed (it is closed).
-  bool UnparkCachedSession(const std::string& key, const std::string& id);
-  // Closes cached session `id` and counts the eviction.
-  void CloseCachedSession(const std::string& id);
-  // Runs `attempt`, and again after each eviction of a cached session while it fails with
-  // RESOURCE_EXHAUSTED and one is left (parked first, closed once none is left to park): the
-  // cache never refuses a request room it could free.
-  absl::Status WithCacheEviction(const std::function<absl::Status()>& attempt);
-
   EngineOptions options_;
   std::unique_ptr<Model> model_;
   std::unique_ptr<Tokenizer> tokenizer_;
   size_t max_token_bytes_ = 1;   // MaxTokenBytes(*tokenizer_): bounds prompt text before tokenizing
   ChatConfig chat_;
   std::vector<int32_t> eos_sorted_;   // tokenizer_->eos_ids(), ascending (ModelInfo)
-  std::vector<float> logits_host_;    // [vocab]: one logits row for AddLogprobs, reused
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<DeviceModel> device_model_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<NodePool> nodes_;
   // `exact` mode's path rates: probed at the first exact session, corrected by its tiers.
   std::unique_ptr<ExactRateBook> exact_rates_;
-  // Pinned host memory of parked cached sessions (prefix_cache_host_bytes); outlives them.
-  std::unique_ptr<ParkingPool> parking_;
-  std::map<std::string, std::unique_ptr<Sequence>> sessions_;
+  // The open sessions; the prefix cache over them (cleared in ~Engine before it goes: parked
+  // sessions hold its host pages); what becomes of each step's logits rows.
+  std::unique_ptr<SessionTable> sessions_;
+  std::unique_ptr<KvCacheManager> kv_cache_;
+  std::unique_ptr<TokenOutput> token_output_;
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
-  // Sessions a live Generation is using, and that generation (from Begin to End).
-  std::map<std::string, Generation*> busy_;
-  // Kept sessions (opened with a session_id) and the prefix cache scope they were opened in:
-  // pinned prefixes that one-shot requests of that scope fork (never take, never evict).
-  std::map<std::string, std::string> kept_scope_;
-  LostSessions lost_sessions_{0};   // sized to max_sessions by Create
-  uint64_t next_anonymous_id_ = 0;
-  PrefixCache prefix_cache_{16};   // re-made with block_tokens by Create
-  uint64_t prefix_cache_evictions_ = 0;
-  uint64_t prefix_cache_parks_ = 0;
-  uint64_t prefix_cache_unparks_ = 0;
   std::string id_prefix_;
 };
 

@@ -91,15 +91,6 @@ struct TokenEvent {
 enum class FinishReason { kLength, kStop, kEos, kContext, kCancelled };
 std::string_view FinishReasonName(FinishReason reason);
 
-// mode exact: the split of the session's offloaded KV (exact_planner.h; proto ExactSplit).
-struct ExactSplitSummary {
-  double fetch_share = 0, node_share = 0, recompute_share = 0;
-  double modelled_step_s = 0, modelled_fetch_only_s = 0;
-  bool recompute_pays = false;
-  std::string recompute_reason;
-  int64_t host_entries = 0, node_entries = 0;   // per (layer, kv head), at the end
-};
-
 struct GenerateSummary {
   std::string session_id;          // the session used (generated for one-shot requests)
   // Prompt tokens of the request (a session turn: its new tokens; a one-shot request: all of
@@ -120,7 +111,9 @@ struct GenerateSummary {
   int64_t device_kv_entries = 0;   // per (layer, kv head), at the end
   int64_t cpu_kv_entries = 0;      // per (layer, kv head), at the end
   AttentionMode mode = AttentionMode::kHybrid;
-  std::optional<ExactSplitSummary> exact_split;   // mode exact only
+  // mode exact: the split of the session's offloaded KV at the end (OffloadTier::split,
+  // exact_planner.h; proto ExactSplit).
+  std::optional<TierSplit> exact_split;
 };
 
 struct GenerateCallbacks {

@@ -51,6 +51,11 @@ WindowOptions SequenceWindowOptions(const EngineOptions& options, int64_t max_co
                                     AttentionMode mode, int64_t window, int64_t sink,
                                     int64_t planned_positions);
 
+// Host bytes the prefix cache may park cached sessions in (EngineOptions::
+// prefix_cache_host_bytes): the option when set, else a quarter of the host's physical memory on
+// the cuda backend and 0 on the cpu backend (its device memory is host memory).
+size_t ParkingBudgetBytes(const EngineOptions& options, const std::string& backend);
+
 // The engine's KV dtype for --kv_dtype (`auto`: f32 for f32 weights, else bf16).
 absl::StatusOr<DType> ResolveKvDType(const std::string& kv_dtype, DType weight_dtype);
 

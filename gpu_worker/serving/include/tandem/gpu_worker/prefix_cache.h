@@ -35,6 +35,9 @@
 
 namespace tandem::gpu_worker {
 
+// The leading ids `a` and `b` share, at most `limit` (and at most the shorter's length).
+size_t CommonPrefixLength(std::span<const int32_t> a, std::span<const int32_t> b, size_t limit);
+
 class PrefixCache {
  public:
   // block_tokens >= 1: the hash granularity (the engine's KV block).

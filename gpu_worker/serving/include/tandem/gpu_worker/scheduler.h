@@ -151,9 +151,9 @@ class Scheduler {
   uint64_t next_order_ = 0;
   bool admission_blocked_ = false;   // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
-  uint64_t counted_evictions_ = 0;   // Engine::prefix_cache_evictions() already exported
-  uint64_t counted_parks_ = 0;       // Engine::prefix_cache_parks() already exported
-  uint64_t counted_unparks_ = 0;     // Engine::prefix_cache_unparks() already exported
+  uint64_t counted_evictions_ = 0;   // KvCacheManager::evictions() already exported
+  uint64_t counted_parks_ = 0;       // KvCacheManager::parks() already exported
+  uint64_t counted_unparks_ = 0;     // KvCacheManager::unparks() already exported
   std::thread thread_;
 };
 
