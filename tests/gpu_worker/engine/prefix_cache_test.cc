@@ -544,6 +544,31 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
     EXPECT_LE(tight->DeviceKvBytes(), budgeted.kv_cache_bytes);
   }
   EXPECT_GE(tight->kv_cache().evictions(), 3u);
+
+  // hybrid under a CPU node pool that holds about two cached sessions: the shortage is the
+  // node's (memory_shortage.h), so cached sessions holding node memory are closed, never parked
+  // (parking frees device memory only), and the room they free is seen at once (the pool's
+  // Stats are refreshed before a refused open is retried): every request runs.
+  EngineOptions pooled = Options(true);
+  auto node_probe = Make(pooled);
+  ASSERT_NE(node_probe, nullptr);
+  ASSERT_TRUE(node_probe->Generate(Request(Ids(100, 60), AttentionMode::kHybrid, 8)).ok());
+  ASSERT_TRUE(node_probe->nodes().Refresh().ok());
+  const NodeState node = node_probe->nodes().Snapshot().at(0);
+  const uint64_t one = node.capacity_bytes - node.free_bytes;   // one cached session
+  ASSERT_GT(one, 0u);
+  EXPECT_EQ(node_probe->kv_cache().footprint().nodes > 0, true);
+  pooled.nodes.embedded.pool_bytes = one * 5 / 2;
+  pooled.prefix_cache_host_bytes = size_t{1} << 30;
+  auto small_pool = Make(pooled);
+  ASSERT_NE(small_pool, nullptr);
+  for (int32_t i = 0; i < 6; ++i) {
+    auto s = small_pool->Generate(Request(Ids(100, 70 + i), AttentionMode::kHybrid, 8));
+    ASSERT_TRUE(s.ok()) << i << ": " << s.status();
+  }
+  EXPECT_GE(small_pool->kv_cache().evictions(), 3u);
+  EXPECT_EQ(small_pool->kv_cache().parks(), 0u);
+  EXPECT_LE(small_pool->kv_cache().footprint().nodes, pooled.nodes.embedded.pool_bytes);
 }
 
 // Under a device KV budget that holds about two cached sessions, the others are parked in host
