@@ -1,5 +1,8 @@
 // Engine: the GPU worker's generation logic: the model on a backend, the CPU attention nodes,
-// sessions, sampling, detokenisation and stop conditions. The Generation service and the CLI
+// and each request from admission to its summary. It owns the open sessions (SessionTable), the
+// prefix cache over them with its tiers and eviction (KvCacheManager), the tier each new
+// session's offloaded KV lives in (OpenOffloadTier) and what becomes of each logits row
+// (TokenOutput: sampling, logprobs, detokenization, stops). The Generation service and the CLI
 // are thin layers over it.
 //
 // Many requests run at once: Begin() admits one (a Generation), Step() advances a batch of
