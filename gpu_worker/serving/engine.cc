@@ -344,21 +344,20 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   TierSpec tier;
   tier.mode = spec.mode;
   tier.geometry = geometry;
+  // hybrid and exact: the node session; exact opens it dense (ExactTier: no selection).
   tier.node = NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
-  tier.node.beta = spec.beta;
-  tier.node.expected_tokens = expected_offloaded;
-  tier.node.selection = seq->selection;
-  tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
-  tier.summary_tokens = expected_offloaded;
   tier.host_page_tokens = options_.offload_page_tokens;
   // Lost CPU nodes' entries are rebuilt from K/V recomputed here (kv_recompute.h).
   auto device_room = [this](size_t bytes) { return CheckDeviceKv(bytes); };
   if (spec.mode == AttentionMode::kHybrid) {
+    tier.node.beta = spec.beta;
+    tier.node.expected_tokens = expected_offloaded;
+    tier.node.selection = seq->selection;
+    tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
+    tier.summary_tokens = expected_offloaded;
     tier.node_recompute = MakeRecomputeKv(*runner_, *seq, options_.prefill_chunk, device_room);
   }
   if (spec.mode == AttentionMode::kExact) {
-    // Exact sessions open their node session dense (ExactTier: no selection).
-    tier.node = NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
     const size_t kv_bytes = DTypeBytes(kv_dtype_);
     tier.exact.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, kv_bytes,
                            kv_bytes};
