@@ -251,23 +251,34 @@ absl::Status NodePool::Refresh() {
   const size_t count = size();
   for (size_t i = 0; i < count; ++i) {
     if (!state(i).listed) continue;
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(options_.stats_deadline_ms));
-    v1::StatsRequest request;
     v1::StatsResponse stats;
-    const grpc::Status s = stub(i).Stats(&ctx, request, &stats);
-    std::lock_guard<std::mutex> lock(mu_);
-    ApplyStatsLocked(i, s, stats);
+    grpc::Status s;
+    AskStats(i, options_.stats_deadline_ms, &stats, &s);
   }
   NotifyAccepting();
   return discovery_status;
 }
 
+bool NodePool::AskStats(size_t i, int deadline_ms, v1::StatsResponse* stats,
+                        grpc::Status* status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    claims_.AskingStats(i);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
+  *status = stub(i).Stats(&ctx, v1::StatsRequest(), stats);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (status->ok()) claims_.SawStats(i);
+  return ApplyStatsLocked(i, *status, *stats);
+}
+
 bool NodePool::ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats) {
   NodeState& st = nodes_[i]->state;
   const bool was_accepting = st.accepting();
+  const bool was_refused = st.refused;
   st.reachable = s.ok();
+  st.refused = s.error_code() == grpc::StatusCode::UNAVAILABLE;
   if (s.ok()) {
     if (!st.node_id.empty() && st.node_id != stats.node_id()) {
       spdlog::warn("CPU node {} restarted (id {} -> {}): its shards are lost", st.address,
@@ -283,6 +294,10 @@ bool NodePool::ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::Stats
     st.threads = stats.threads();
     st.sessions = stats.sessions();
     st.int8_kv = stats.kv_storage() == "int8";
+  }
+  // A node that only missed a deadline and is now found refusing: its sessions look again.
+  if (st.refused && !was_refused && !was_accepting) {
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
   if (st.accepting() == was_accepting) return false;
   generation_.fetch_add(1, std::memory_order_acq_rel);
@@ -319,15 +334,59 @@ std::string NodePool::address(size_t i) const {
 
 NodeState NodePool::state(size_t i) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return nodes_.at(i)->state;
+  return StateLocked(i, 0);
 }
 
-std::vector<NodeState> NodePool::Snapshot() const {
+std::vector<NodeState> NodePool::Snapshot(uint64_t except_claim) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<NodeState> out;
   out.reserve(nodes_.size());
-  for (const auto& node : nodes_) out.push_back(node->state);
+  for (size_t i = 0; i < nodes_.size(); ++i) out.push_back(StateLocked(i, except_claim));
   return out;
+}
+
+NodeState NodePool::StateLocked(size_t i, uint64_t except_claim) const {
+  NodeState st = nodes_.at(i)->state;
+  st.claimed_bytes = claims_.Pending(i, except_claim);
+  st.free_bytes = st.free_bytes > st.claimed_bytes ? st.free_bytes - st.claimed_bytes : 0;
+  return st;
+}
+
+NodeClaim NodePool::Claim() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return NodeClaim(this, claims_.Add());
+}
+
+NodeClaim::NodeClaim(NodeClaim&& other) noexcept : pool_(other.pool_), id_(other.id_) {
+  other.pool_ = nullptr;
+  other.id_ = 0;
+}
+
+NodeClaim& NodeClaim::operator=(NodeClaim&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    pool_ = other.pool_;
+    id_ = other.id_;
+    other.pool_ = nullptr;
+    other.id_ = 0;
+  }
+  return *this;
+}
+
+void NodeClaim::Set(size_t node, uint64_t projected_bytes, uint64_t charged_bytes) {
+  if (pool_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(pool_->mu_);
+  pool_->claims_.Set(id_, node, projected_bytes, charged_bytes);
+}
+
+void NodeClaim::Reset() {
+  if (pool_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    pool_->claims_.Remove(id_);
+  }
+  pool_ = nullptr;
+  id_ = 0;
 }
 
 size_t NodePool::accepting_count() const {

@@ -15,8 +15,17 @@ void NodePool::ReportFailure(size_t i, const absl::Status& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (i >= nodes_.size()) return;
     NodeState& st = nodes_[i]->state;
-    if (!st.reachable) return;
+    const bool refused = why.code() == absl::StatusCode::kUnavailable;
+    if (!st.reachable) {
+      // Found refusing after a missed deadline: the sessions there look again (SyncWithPool).
+      if (refused && !st.refused) {
+        st.refused = true;
+        generation_.fetch_add(1, std::memory_order_acq_rel);
+      }
+      return;
+    }
     st.reachable = false;
+    st.refused = refused;
     generation_.fetch_add(1, std::memory_order_acq_rel);
     spdlog::warn("CPU node {} failed a call ({}): out of placement until it answers again",
                  st.address, std::string(why.message()));
@@ -87,17 +96,13 @@ void NodePool::ProbeOnce() {
   if (probe.empty()) return;
   bool changed = false;
   for (size_t i : probe) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(options_.probe_deadline_ms));
-    v1::StatsRequest request;
     v1::StatsResponse stats;
-    const grpc::Status s = stub(i).Stats(&ctx, request, &stats);
+    grpc::Status s;
+    changed |= AskStats(i, options_.probe_deadline_ms, &stats, &s);
+    if (!s.ok()) continue;
     std::vector<PendingClose> closes;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      changed |= ApplyStatsLocked(i, s, stats);
-      if (!s.ok()) continue;
       // Sessions of a process that is gone are gone with it; those of the same process close.
       auto it = std::stable_partition(pending_closes_.begin(), pending_closes_.end(),
                                       [i](const PendingClose& c) { return c.node != i; });

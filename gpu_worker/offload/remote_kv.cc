@@ -27,6 +27,7 @@ absl::StatusOr<PlacementPolicy> ParsePlacementPolicy(const std::string& name) {
 RemoteKv::RemoteKv(NodePool& pool, const RemoteKvOptions& options)
     : pool_(pool),
       options_(options),
+      claim_(pool.Claim()),
       placement_(options.num_layers * options.num_kv_heads, -1),
       shard_selected_(placement_.size(), 0),
       shard_held_(placement_.size(), 0),
@@ -39,14 +40,22 @@ RemoteKv::RemoteKv(NodePool& pool, const RemoteKvOptions& options)
 
 void RemoteKv::GrowNodeSlots() {
   const size_t n = pool_.size();
-  if (opened_.size() >= n) return;
-  opened_.resize(n, false);
-  lost_.resize(n, false);
-  suspect_.resize(n, false);
-  node_ids_.resize(n);
-  shm_.resize(n);
-  grpc_.resize(n);
-  node_rate_.resize(n, 0.0);
+  if (opened_.size() < n) {
+    opened_.resize(n, false);
+    lost_.resize(n, false);
+    suspect_.resize(n, false);
+    node_ids_.resize(n);
+    shm_.resize(n);
+    grpc_.resize(n);
+    node_rate_.resize(n, 0.0);
+  }
+  if (node_int8_.size() < opened_.size()) {
+    // Until a session opens there (OpenOn): what the pool last heard.
+    const std::vector<NodeState> states = pool_.Snapshot();
+    for (size_t i = node_int8_.size(); i < opened_.size(); ++i) {
+      node_int8_.push_back(i < states.size() && states[i].int8_kv);
+    }
+  }
 }
 
 std::vector<uint32_t> RemoteKv::HeadsOf(size_t node, int64_t layer) const {
@@ -109,6 +118,12 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Open(NodePool& pool,
   // A node that fails its OpenSession leaves placement (OpenOn reports it): plan again over the
   // others, at most once per node.
   absl::StatusOr<std::unique_ptr<RemoteKv>> kv = OpenOnce(pool, options);
+  if (absl::IsResourceExhausted(kv.status())) {
+    // The pool's free bytes are as fresh as its last Stats: room freed since (sessions closed
+    // to make room for this one) is seen after a refresh.
+    (void)pool.Refresh();
+    kv = OpenOnce(pool, options);
+  }
   for (size_t attempt = 0; attempt < pool.size() && !kv.ok() && IsNodeFailure(kv.status()) &&
                            pool.accepting_count() > 0;
        ++attempt) {
@@ -160,6 +175,7 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::OpenOnce(NodePool& pool,
   }
   TANDEM_RETURN_IF_ERROR(kv->CheckCapacity(nodes, shards, plan->node_of));
   kv->placement_ = plan->node_of;
+  kv->UpdateClaim();   // before the first OpenOn: the next session plans against it
   kv->counters_.modelled_step_seconds = plan->step_seconds;
   for (size_t n = 0; n < kv->opened_.size(); ++n) {
     std::vector<std::pair<uint32_t, uint32_t>> mine;
@@ -208,6 +224,10 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Fork(const std::string& sess
   kv->pool_generation_ = pool_generation_;
   kv->synced_generation_ = synced_generation_;
   kv->placement_ = placement_;
+  for (size_t n = 0; n < std::min(node_int8_.size(), kv->node_int8_.size()); ++n) {
+    kv->node_int8_[n] = node_int8_[n];
+  }
+  kv->fork_prefix_tokens_ = offloaded_tokens_;
   kv->node_rate_ = node_rate_;
   kv->node_rate_.resize(kv->opened_.size(), 0.0);
   kv->shard_selected_ = shard_selected_;
@@ -230,6 +250,7 @@ absl::StatusOr<std::unique_ptr<RemoteKv>> RemoteKv::Fork(const std::string& sess
     TANDEM_RETURN_IF_ERROR(kv->OpenOn(n, transport_, request));
   }
   kv->offloaded_tokens_ = offloaded_tokens_;
+  kv->UpdateClaim();
   kv->CreateMigrator();
   return kv;
 }
@@ -266,7 +287,9 @@ absl::Status RemoteKv::OpenOn(size_t n, NodeTransport transport,
   }
   opened_[n] = true;
   lost_[n] = suspect_[n] = false;
-  node_ids_[n] = pool_.state(n).node_id;
+  const NodeState state = pool_.state(n);
+  node_ids_[n] = state.node_id;
+  node_int8_[n] = state.int8_kv;
   if (channel != nullptr && response.transport() == v1::TRANSPORT_SHM) {
     shm_[n] = std::make_unique<ShmLink>(std::move(channel), pool_.address(n), Session());
   } else if (transport == NodeTransport::kShm) {
@@ -311,7 +334,10 @@ absl::Status RemoteKv::Append(int64_t layer, const void* k, const void* v, const
     // The node's shards miss these entries now: they are rebuilt elsewhere (RebuildLost).
     if (!s.ok()) MarkLost(n, s);
   }
-  if (layer == options_.num_layers - 1) offloaded_tokens_ += num_tokens;
+  if (layer == options_.num_layers - 1) {
+    offloaded_tokens_ += num_tokens;
+    UpdateClaim();
+  }
   return absl::OkStatus();
 }
 
@@ -507,6 +533,7 @@ absl::Status RemoteKv::Close() {
     }
   }
   migrator_.reset();   // stops the copy in progress; the targets' sessions close below
+  UpdateClaim();       // withdrawn
   absl::Status first_error;
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (absl::Status s = CloseOn(n); !s.ok() && first_error.ok()) first_error = s;

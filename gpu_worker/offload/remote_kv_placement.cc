@@ -29,16 +29,39 @@ uint64_t RemoteKv::ShardBytes(int64_t entries, double selected_share, bool int8_
   return format.ShardBytes(n, static_cast<uint64_t>(std::ceil(static_cast<double>(n) * share)));
 }
 
-uint64_t RemoteKv::NodeBytes() const {
-  if (closed_) return 0;
-  const std::vector<NodeState> states = pool_.Snapshot();
-  uint64_t bytes = 0;
+void RemoteKv::UpdateClaim() {
+  GrowNodeSlots();
+  if (closed_) {
+    claim_.Reset();
+    node_bytes_ = 0;
+    return;
+  }
+  const int64_t final_tokens = std::max(expected_tokens_, offloaded_tokens_);
+  // A fork's first fork_prefix_tokens_ entries are its parent's blocks, charged once.
+  auto own_bytes = [&](int64_t entries, size_t shard, size_t node) {
+    const double share = SelectedShare(shard);
+    const uint64_t all = ShardBytes(entries, share, node_int8_[node]);
+    const uint64_t shared = ShardBytes(std::min(entries, fork_prefix_tokens_), share,
+                                       node_int8_[node]);
+    return all - std::min(all, shared);
+  };
+  std::vector<uint64_t> projected(opened_.size(), 0);
+  std::vector<uint64_t> charged(opened_.size(), 0);
   for (size_t s = 0; s < placement_.size(); ++s) {
     if (placement_[s] < 0) continue;
     const size_t n = static_cast<size_t>(placement_[s]);
-    bytes += ShardBytes(offloaded_tokens(), SelectedShare(s), n < states.size() && states[n].int8_kv);
+    projected[n] += own_bytes(final_tokens, s, n);
+    charged[n] += own_bytes(offloaded_tokens_, s, n);
   }
-  return bytes;
+  // A shard being copied takes its whole size on the target (a copy shares no blocks).
+  for (const auto& [shard, to] : migrating_) {
+    projected[to] += ShardBytes(final_tokens, SelectedShare(shard), node_int8_[to]);
+  }
+  node_bytes_ = 0;
+  for (size_t n = 0; n < opened_.size(); ++n) {
+    claim_.Set(n, projected[n], charged[n]);
+    node_bytes_ += charged[n];
+  }
 }
 
 double RemoteKv::SelectedShare(size_t shard) const {
@@ -50,7 +73,8 @@ double RemoteKv::SelectedShare(size_t shard) const {
 }
 
 std::vector<PlacementNode> RemoteKv::PlannerNodes() const {
-  const std::vector<NodeState> states = pool_.Snapshot();
+  // Free bytes less the other sessions' claims (ours is part of held_here).
+  const std::vector<NodeState> states = pool_.Snapshot(claim_.id());
   std::vector<PlacementNode> nodes(states.size());
   std::vector<uint64_t> held_here(states.size(), 0);
   for (size_t s = 0; s < placement_.size(); ++s) {
@@ -147,6 +171,7 @@ absl::Status RemoteKv::StartMigration(size_t shard, size_t to) {
   migrating_[shard] = to;
   migrator_->Enqueue({layer, head, static_cast<size_t>(from), to});
   ++counters_.migrations_started;
+  UpdateClaim();
   return absl::OkStatus();
 }
 
@@ -154,6 +179,7 @@ void RemoteKv::AbandonMigration(const MigrationJob& job) {
   const size_t shard = job.layer * options_.num_kv_heads + job.kv_head;
   migrating_.erase(shard);
   ++counters_.migrations_failed;
+  UpdateClaim();
   if (opened_[job.to]) {
     if (ShardsOn(job.to) == 0) {
       CloseEmptyOn(job.to);
@@ -190,6 +216,7 @@ absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished
   placement_[shard] = static_cast<int>(job.to);
   migrating_.erase(shard);
   ++counters_.migrations_done;
+  UpdateClaim();
   if (ShardsOn(job.from) == 0) {
     CloseEmptyOn(job.from);
   } else if (absl::Status s = Reshard(job.from, {}, {shard}); !s.ok()) {
@@ -249,10 +276,16 @@ absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
   // later re-plan) where it was.
   const int64_t expected = std::max(expected_tokens_, expected_tokens);
   GrowNodeSlots();
-  const std::vector<PlacementNode> nodes = PlannerNodes();
+  std::vector<PlacementNode> nodes = PlannerNodes();
   const std::vector<PlacementShard> shards = PlannerShards(expected);
+  if (!CheckCapacity(nodes, shards, placement_).ok()) {
+    // The pool's free bytes are as fresh as its last Stats: look again before moving shards.
+    (void)pool_.Refresh();
+    nodes = PlannerNodes();
+  }
   if (CheckCapacity(nodes, shards, placement_).ok()) {
     expected_tokens_ = expected;
+    UpdateClaim();
     return absl::OkStatus();
   }
   // Some node would overflow: move shards now (the copies run while the turn prefills).
@@ -265,10 +298,15 @@ absl::Status RemoteKv::Reserve(int64_t expected_tokens) {
                           PlanMoves(ReplanKind::kForcedOnly, nodes, shards));
   for (size_t s = 0; s < placement_.size(); ++s) {
     if (plan.node_of[s] != placement_[s] && !lost_[placement_[s]]) {
-      TANDEM_RETURN_IF_ERROR(StartMigration(s, static_cast<size_t>(plan.node_of[s])));
+      absl::Status started = StartMigration(s, static_cast<size_t>(plan.node_of[s]));
+      if (!started.ok()) {
+        UpdateClaim();
+        return started;
+      }
     }
   }
   expected_tokens_ = expected;
+  UpdateClaim();
   return absl::OkStatus();
 }
 

@@ -79,7 +79,13 @@ void RemoteKv::SyncWithPool() {
                       absl::StrCat("CPU node ", st.address, " restarted: its sessions are gone")));
       continue;
     }
-    // Out of placement after someone's failed call: skipped until it answers again.
+    // Refusing calls (connection refused or reset): its process is gone with our shards.
+    if (!st.reachable && st.refused) {
+      MarkLost(n, absl::UnavailableError(absl::StrCat(
+                      "CPU node ", st.address, " refuses calls: its process is taken as gone")));
+      continue;
+    }
+    // Out of placement after someone's missed deadline: skipped until it answers again.
     suspect_[n] = !st.reachable;
   }
 }
@@ -188,6 +194,7 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
     for (size_t n = 0; n < source.size(); ++n) {
       if (source[n]) lost_[n] = true;
     }
+    UpdateClaim();
     return why;
   };
   for (const auto& [to, list] : to_node) {
@@ -235,6 +242,7 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
     if (lost_[n] && ShardsOn(n) == 0) lost_[n] = false;
   }
   counters_.shards_rebuilt += rebuilt;
+  UpdateClaim();
   counters_.last_rebuild_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   spdlog::info("session {}: rebuilt {} shards ({} entries each) on {} node(s) in {:.1f} ms",
                options_.session_id, rebuilt, tokens, to_node.size(), counters_.last_rebuild_ms);

@@ -23,12 +23,6 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> OpenNodeTier(Backend& backend, Node
     pages = std::make_unique<PageIndex>(std::move(index));
   }
   absl::StatusOr<std::unique_ptr<RemoteKv>> remote = RemoteKv::Open(nodes, spec.node);
-  if (absl::IsResourceExhausted(remote.status())) {
-    // The pool's view of the nodes' free memory is as fresh as its last Stats: room freed since
-    // (sessions closed to make room for this one) is seen after a refresh.
-    (void)nodes.Refresh();
-    remote = RemoteKv::Open(nodes, spec.node);
-  }
   if (!remote.ok()) return MarkShortOf(MemoryKind::kNodes, remote.status());
   if (spec.seed_nodes) TANDEM_RETURN_IF_ERROR(spec.seed_nodes(**remote));
   auto tier = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));

@@ -49,7 +49,9 @@ absl::Status KvCacheManager::WithEviction(const std::function<absl::Status()>& a
 }
 
 bool KvCacheManager::MakeRoomIn(MemoryKind kind) {
-  if (kind == MemoryKind::kDevice) return EvictFromDevice() || CloseLeastRecentlyUsed();
+  // Parked sessions hold no device memory: closing them would empty the cache and free nothing
+  // the request lacks.
+  if (kind == MemoryKind::kDevice) return EvictFromDevice();
   const std::optional<std::string> lru = prefix_.LeastRecentlyUsed([&](const std::string& id) {
     const Sequence* seq = sessions_.Find(id);
     if (seq == nullptr || seq->offload == nullptr) return false;
@@ -74,10 +76,12 @@ absl::Status KvCacheManager::MakeSessionRoom(size_t max_sessions) {
 bool KvCacheManager::EvictFromDevice() {
   const std::optional<std::string> lru = prefix_.LeastRecentlyUsed([&](const std::string& id) {
     const Sequence* seq = sessions_.Find(id);
-    return seq == nullptr || !seq->parked();
+    return seq == nullptr || seq->device_bytes() > 0;
   });
   if (!lru.has_value()) return false;
-  if (!Park(*lru)) Close(*lru);
+  if (sessions_.Find(*lru) == nullptr || sessions_.Find(*lru)->parked() || !Park(*lru)) {
+    Close(*lru);
+  }
   return true;
 }
 

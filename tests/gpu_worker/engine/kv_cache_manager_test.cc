@@ -1,5 +1,6 @@
 // KvCacheManager over a SessionTable: eviction is least recently used and explicit (parked while
-// the host pool has room, the oldest parked closed to make room, closed when parking is off),
+// the host pool has room, the oldest parked closed to make room, closed when parking is off,
+// parked ones kept through a device shortage they cannot cure),
 // a parked session comes back whole, the session limit closes cached sessions only, and a
 // session in use is never a hit.
 #include "tandem/gpu_worker/kv_cache_manager.h"
@@ -132,6 +133,25 @@ TEST_F(KvCacheManagerTest, EvictionParksTheOldestAndClosesParkedOnesForRoom) {
   EXPECT_TRUE(table.contains("b"));
   EXPECT_FALSE(table.contains("c"));
   EXPECT_EQ(cache.evictions(), 2u);
+}
+
+// A parked session holds no device memory: a device shortage that parking cannot cure (the
+// running requests hold the rest) leaves it cached for the next hit instead of emptying the cache.
+TEST_F(KvCacheManagerTest, ADeviceShortageKeepsWhatIsParked) {
+  SessionTable table(8);
+  KvCacheManager cache(*backend_, table, Options(2 * kPage), AnyRoom);
+  Open(table, "a", 24);
+  Open(table, "b", 24);
+  cache.Insert("a", "scope", table.Find("a")->tokens);
+  cache.Insert("b", "scope", table.Find("b")->tokens);
+  const absl::Status status = cache.WithEviction([] { return absl::ResourceExhaustedError("device"); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(table.Find("a")->parked());
+  EXPECT_TRUE(table.Find("b")->parked());
+  EXPECT_EQ(cache.parks(), 2u);
+  EXPECT_EQ(cache.evictions(), 0u);
+  EXPECT_EQ(cache.cached_sessions(), 2u);
+  EXPECT_EQ(cache.device_bytes(), 0u);
 }
 
 TEST_F(KvCacheManagerTest, WithoutAHostBudgetEvictionCloses) {

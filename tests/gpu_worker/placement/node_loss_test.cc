@@ -4,7 +4,8 @@
 // which the partial states equal those of a session on one healthy node again; new sessions go
 // to the survivors; a node restarted on its port rejoins (the health watch: within probe_ms plus
 // the reconnect backoff, printed; checked within kEventBoundMs), and the pool's accepting watcher
-// (the worker's readiness) follows.
+// (the worker's readiness) follows; a node the health watch finds gone before the session calls
+// it is lost at the session's next attend.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -282,6 +283,34 @@ TEST_F(NodeLossTest, LostNodeDegradesThenShardsAreRebuiltAndExactAgain) {
     EXPECT_EQ(nodes_[i]->node().Stats().sessions(), 0u);
     EXPECT_EQ(nodes_[i]->node().Stats().blocks_in_use(), 0u);
   }
+}
+
+// The health watch may find a dead node before any call of the session does (its connection
+// drops while the session is idle). The pool then records that it refuses calls (not that it
+// missed a deadline), so the session's next attend loses it at once, as a refused call of its
+// own would: its shards wait for a rebuild instead of staying degraded until the next append.
+TEST_F(NodeLossTest, ANodeTheWatchFoundGoneIsLostAtTheNextAttend) {
+  auto kv = RemoteKv::Open(*pool_, Options("watched"));
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  History history;
+  history.Append({kv->get()}, 40);
+  const size_t lost = PoolIndex(ports_[2]);
+  nodes_[2].reset();
+  for (const auto t = Clock::now(); pool_->state(lost).accepting() && MsSince(t) < kWaitMs;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_FALSE(pool_->state(lost).accepting()) << "the health watch never noticed";
+  EXPECT_TRUE(pool_->state(lost).refused);
+  EXPECT_TRUE((*kv)->needs_rebuild());   // the pool's view changed since the session looked
+  int degraded = 0;
+  for (int64_t l = 0; l < kLayers; ++l) degraded += Attend(**kv, l, history.Query()).degraded;
+  EXPECT_GT(degraded, 0);
+  EXPECT_EQ((*kv)->placement_counters().nodes_lost, 1u);
+  EXPECT_TRUE((*kv)->needs_rebuild());
+  ASSERT_TRUE((*kv)->RebuildLost(history.Recompute()).ok());
+  EXPECT_FALSE((*kv)->needs_rebuild());
+  for (int64_t l = 0; l < kLayers; ++l) EXPECT_FALSE(Attend(**kv, l, history.Query()).degraded);
+  ASSERT_TRUE((*kv)->Close().ok());
 }
 
 TEST_F(NodeLossTest, RestartedNodeRejoinsAndReadinessFollows) {

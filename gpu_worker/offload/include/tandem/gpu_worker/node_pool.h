@@ -26,6 +26,11 @@
 // in Create, so a restarted worker frees what its previous process held at once; a worker that
 // dies is freed by the nodes within 2 x lease_period_ms. The embedded node needs none.
 //
+// Claims (node_claims.h): every open session claims the bytes it will charge on each node by the
+// end of its expected length; state() and Snapshot() report free_bytes less what the other
+// sessions' claims will still charge beyond the node's last Stats, so sessions opened together
+// are not placed against the same free bytes.
+//
 // Thread-safe: Refresh may run on its own thread while sessions use stubs and snapshots.
 #pragma once
 
@@ -44,6 +49,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/cpu_attention/server.h"
+#include "tandem/gpu_worker/node_claims.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 
 namespace tandem::gpu_worker {
@@ -94,15 +100,46 @@ struct NodeState {
   std::string address;           // "in-process" for the embedded node
   bool listed = true;            // named by the last discovery
   bool reachable = true;         // answered the last Stats call
+  // Out of placement by an UNAVAILABLE call (connection refused or reset), not a missed
+  // deadline: its process is taken as gone with the sessions it held (rebuilt elsewhere).
+  bool refused = false;
   bool draining = false;         // reported draining in Stats (e.g. SIGTERM on scale-down)
   std::string node_id;           // Stats.node_id: changes when the process restarts
   uint64_t capacity_bytes = 0;
+  // Free in the last Stats less what this worker's open sessions will still charge beyond it
+  // (claimed_bytes; the caller's own claim excepted where it names one).
   uint64_t free_bytes = 0;
+  uint64_t claimed_bytes = 0;
   double scan_bytes_per_second = 0;   // the node's own moving average (0 = not measured yet)
   uint32_t threads = 0;          // Stats.threads: attention threads (0 = not known yet)
   uint32_t sessions = 0;
   bool int8_kv = false;          // Stats.kv_storage "int8": K/V rows of head_dim + 4 bytes
   bool accepting() const { return listed && reachable && !draining; }
+};
+
+class NodePool;
+
+// One open session's claim on node memory (see "Claims"); withdrawn when destroyed or reset.
+class NodeClaim {
+ public:
+  NodeClaim() = default;
+  ~NodeClaim() { Reset(); }
+  NodeClaim(NodeClaim&& other) noexcept;
+  NodeClaim& operator=(NodeClaim&& other) noexcept;
+  NodeClaim(const NodeClaim&) = delete;
+  NodeClaim& operator=(const NodeClaim&) = delete;
+
+  // The session will charge `projected_bytes` on node `node` by the end of its expected length
+  // and has charged `charged_bytes` there so far.
+  void Set(size_t node, uint64_t projected_bytes, uint64_t charged_bytes);
+  void Reset();
+  uint64_t id() const { return id_; }   // 0 = none
+
+ private:
+  friend class NodePool;
+  NodeClaim(NodePool* pool, uint64_t id) : pool_(pool), id_(id) {}
+  NodePool* pool_ = nullptr;
+  uint64_t id_ = 0;
 };
 
 class NodePool {
@@ -118,8 +155,12 @@ class NodePool {
   size_t size() const;
   v1::CpuAttention::Stub& stub(size_t i) const;
   std::string address(size_t i) const;
+  // Node i's state (every claim subtracted from free_bytes), and every node's with the claim
+  // `except` (an id of NodeClaim, 0 = none) left out: a session re-planning itself.
   NodeState state(size_t i) const;
-  std::vector<NodeState> Snapshot() const;
+  std::vector<NodeState> Snapshot(uint64_t except_claim = 0) const;
+  // A new, empty claim on node memory for one session (see "Claims").
+  NodeClaim Claim();
   size_t accepting_count() const;
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
@@ -166,6 +207,11 @@ class NodePool {
   // Stores a Stats answer (or failure) into node i's state; returns whether accepting changed.
   // Needs mu_.
   bool ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats);
+  // state of node i with the claims other than `except_claim` subtracted. Needs mu_.
+  NodeState StateLocked(size_t i, uint64_t except_claim) const;
+  // Sends Stats to node i (claims noted as seen by it) and stores the answer; returns whether
+  // accepting changed. Takes mu_ around the bookkeeping, not the call.
+  bool AskStats(size_t i, int deadline_ms, v1::StatsResponse* stats, grpc::Status* status);
   // Calls the accepting watcher if any_accepting changed since its last call.
   void NotifyAccepting();
   void LeaseLoop();
@@ -180,6 +226,7 @@ class NodePool {
   mutable std::mutex mu_;
   // Nodes are never destroyed before the pool, so references to their stubs stay valid.
   std::vector<std::unique_ptr<Node>> nodes_;   // guarded by mu_ (the vector; see above)
+  NodeClaims claims_;                          // guarded by mu_
   std::atomic<uint64_t> generation_{0};
   std::mutex refresh_mu_;   // one Refresh at a time
 
@@ -201,6 +248,8 @@ class NodePool {
   std::thread prober_;
   std::optional<v1::SessionLease> lease_;   // set by Create, then constant
   std::thread leaser_;
+
+  friend class NodeClaim;
 };
 
 // Resolves "name:port" to "ip:port" strings (IPv6 as "[ip]:port"), sorted and deduplicated.

@@ -253,9 +253,10 @@ class RemoteKv {
   uint64_t shm_attends() const { return shm_attends_; }
   uint64_t shm_append_chunks() const { return shm_append_chunks_; }
   const RemoteKvOptions& options() const { return options_; }
-  // What this session's shards take on the nodes now (ShardBytes of its offloaded entries, on
-  // each shard's node); 0 once closed.
-  uint64_t NodeBytes() const;
+  // What this session's own entries take on the nodes now (ShardBytes of its offloaded entries
+  // on each shard's node, less the prefix a fork shares with its parent); 0 once closed. O(1):
+  // kept up to date by UpdateClaim.
+  uint64_t NodeBytes() const { return closed_ ? 0 : node_bytes_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -311,8 +312,13 @@ class RemoteKv {
   void MarkLost(size_t node, const absl::Status& why);
   // A call to `node` failed: DEADLINE_EXCEEDED makes it suspect, anything else lost.
   void NodeFailed(size_t node, const absl::Status& why);
-  // Marks lost the opened nodes the pool took out of placement or that restarted.
+  // Marks lost the opened nodes that restarted or that the pool found refusing calls; marks
+  // suspect those out of placement otherwise (a missed deadline).
   void SyncWithPool();
+  // Tells the pool what this session will charge on each node by the end of its expected length
+  // and has charged so far (NodePool "Claims"), and updates NodeBytes(). After every change of
+  // placement, expected length or offloaded entries.
+  void UpdateClaim();
   // The gRPC link to `node` (made on first use), and what links know of the session.
   GrpcLink& Grpc(size_t node);
   LinkSession Session() const;
@@ -333,6 +339,7 @@ class RemoteKv {
   std::vector<bool> lost_;
   std::vector<bool> suspect_;   // per node: missed a deadline, out of placement (skipped)
   std::vector<std::string> node_ids_;   // per node: Stats.node_id when our session was opened
+  std::vector<bool> node_int8_;         // per node: stores int8 rows (Stats.kv_storage)
   uint64_t synced_generation_ = 0;      // pool generation SyncWithPool last looked at
   // Per node: its shared-memory link, or null when it is served over gRPC; its gRPC link (for
   // appends and attends without shm, and attends too large for the channel).
@@ -340,6 +347,9 @@ class RemoteKv {
   std::vector<std::unique_ptr<GrpcLink>> grpc_;
   bool closed_ = false;
   int64_t offloaded_tokens_ = 0;
+  int64_t fork_prefix_tokens_ = 0;   // entries shared with the parent (Fork), charged to it
+  NodeClaim claim_;                  // what this session will charge on each node
+  uint64_t node_bytes_ = 0;          // NodeBytes()
 
   // The Attend in flight.
   int64_t attend_layer_ = -1;

@@ -96,13 +96,12 @@ class KvCacheManager {
 
  private:
   // Frees memory of `kind` (the kind a RESOURCE_EXHAUSTED attempt was short of,
-  // memory_shortage.h): device: EvictFromDevice, else the least recently used cached session
-  // is closed (room short where the status does not say); host pages or CPU nodes: the least
-  // recently used cached session whose tier holds that kind is closed (parking would free
-  // device memory only). False when nothing cached holds it.
+  // memory_shortage.h): device: EvictFromDevice (parked sessions hold none and stay cached);
+  // host pages or CPU nodes: the least recently used cached session whose tier holds that kind
+  // is closed (parking would free device memory only). False when nothing cached holds it.
   bool MakeRoomIn(MemoryKind kind);
-  // Parks or closes the least recently used cached session holding device memory; false when
-  // none does.
+  // Parks (or, when it cannot be parked, closes) the least recently used cached session holding
+  // device memory; false when none does.
   bool EvictFromDevice();
   // Closes the least recently used cached session, parked or not; false when none is cached.
   bool CloseLeastRecentlyUsed();
