@@ -61,7 +61,10 @@ absl::StatusOr<std::unique_ptr<ExactTier>> OpenExactTier(Backend& backend, NodeP
   const int64_t host_entries =
       static_cast<int64_t>(std::floor(plan.fetch_share * options.expected_tokens));
   ro.expected_tokens = std::max<int64_t>(0, options.expected_tokens - host_entries);
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<RemoteKv> remote, RemoteKv::Open(pool, ro));
+  absl::StatusOr<std::unique_ptr<RemoteKv>> opened = RemoteKv::Open(pool, ro);
+  // Refused for room: the nodes' pools are short (eviction closes a cached session holding some).
+  if (!opened.ok()) return MarkShortOf(MemoryKind::kNodes, opened.status());
+  std::unique_ptr<RemoteKv> remote = std::move(*opened);
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<OffloadedKv> host,
                           OffloadedKv::Create(backend, geometry, page_tokens));
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ExactTier> tier,

@@ -278,7 +278,9 @@ bool NodePool::ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::Stats
   const bool was_accepting = st.accepting();
   const bool was_refused = st.refused;
   st.reachable = s.ok();
-  st.refused = s.error_code() == grpc::StatusCode::UNAVAILABLE;
+  // Kept through a missed deadline (a dead host's probes may alternate), cleared by an answer.
+  if (s.ok()) st.refused = false;
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) st.refused = true;
   if (s.ok()) {
     if (!st.node_id.empty() && st.node_id != stats.node_id()) {
       spdlog::warn("CPU node {} restarted (id {} -> {}): its shards are lost", st.address,

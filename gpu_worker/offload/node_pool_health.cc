@@ -15,17 +15,10 @@ void NodePool::ReportFailure(size_t i, const absl::Status& why) {
     std::lock_guard<std::mutex> lock(mu_);
     if (i >= nodes_.size()) return;
     NodeState& st = nodes_[i]->state;
-    const bool refused = why.code() == absl::StatusCode::kUnavailable;
-    if (!st.reachable) {
-      // Found refusing after a missed deadline: the sessions there look again (SyncWithPool).
-      if (refused && !st.refused) {
-        st.refused = true;
-        generation_.fetch_add(1, std::memory_order_acq_rel);
-      }
-      return;
-    }
+    // Not `refused`: only the pool's own Stats call says that (a session's made-up status for a
+    // suspect node, or a draining node's UNAVAILABLE, must not lose the node for everyone).
+    if (!st.reachable) return;
     st.reachable = false;
-    st.refused = refused;
     generation_.fetch_add(1, std::memory_order_acq_rel);
     spdlog::warn("CPU node {} failed a call ({}): out of placement until it answers again",
                  st.address, std::string(why.message()));

@@ -37,31 +37,31 @@ void RemoteKv::UpdateClaim() {
     return;
   }
   const int64_t final_tokens = std::max(expected_tokens_, offloaded_tokens_);
-  // A fork's first fork_prefix_tokens_ entries are its parent's blocks, charged once.
+  // A fork's whole blocks of its first fork_prefix_tokens_ entries are its parent's, charged
+  // once; the partial last block and the selected rows are copied on write (kv_store Shard).
+  const int64_t block = options_.block_tokens != 0 ? options_.block_tokens : 64;
+  const int64_t shared_entries = fork_prefix_tokens_ / block * block;
   auto own_bytes = [&](int64_t entries, size_t shard, size_t node) {
-    const double share = SelectedShare(shard);
-    const uint64_t all = ShardBytes(entries, share, node_int8_[node]);
-    const uint64_t shared = ShardBytes(std::min(entries, fork_prefix_tokens_), share,
-                                       node_int8_[node]);
+    const uint64_t all = ShardBytes(entries, SelectedShare(shard), node_int8_[node]);
+    const uint64_t shared =
+        ShardBytes(std::min(entries, shared_entries), /*selected_share=*/0.0, node_int8_[node]);
     return all - std::min(all, shared);
   };
   std::vector<uint64_t> projected(opened_.size(), 0);
   std::vector<uint64_t> charged(opened_.size(), 0);
+  node_bytes_ = 0;
   for (size_t s = 0; s < placement_.size(); ++s) {
     if (placement_[s] < 0) continue;
     const size_t n = static_cast<size_t>(placement_[s]);
     projected[n] += own_bytes(final_tokens, s, n);
     charged[n] += own_bytes(offloaded_tokens_, s, n);
+    node_bytes_ += ShardBytes(offloaded_tokens_, SelectedShare(s), node_int8_[n]);
   }
   // A shard being copied takes its whole size on the target (a copy shares no blocks).
   for (const auto& [shard, to] : migrating_) {
     projected[to] += ShardBytes(final_tokens, SelectedShare(shard), node_int8_[to]);
   }
-  node_bytes_ = 0;
-  for (size_t n = 0; n < opened_.size(); ++n) {
-    claim_.Set(n, projected[n], charged[n]);
-    node_bytes_ += charged[n];
-  }
+  for (size_t n = 0; n < opened_.size(); ++n) claim_.Set(n, projected[n], charged[n]);
 }
 
 double RemoteKv::SelectedShare(size_t shard) const {
@@ -216,6 +216,9 @@ absl::Status RemoteKv::CompleteMigration(const ShardMigrator::Finished& finished
   placement_[shard] = static_cast<int>(job.to);
   migrating_.erase(shard);
   ++counters_.migrations_done;
+  // The copy holds all its blocks: claimed as not shared from here on (for every shard, on the
+  // safe side: the claim tracks the prefix per session, not per shard).
+  fork_prefix_tokens_ = 0;
   UpdateClaim();
   if (ShardsOn(job.from) == 0) {
     CloseEmptyOn(job.from);

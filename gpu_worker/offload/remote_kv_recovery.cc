@@ -242,6 +242,7 @@ absl::Status RemoteKv::RebuildLost(const RecomputeKv& recompute) {
     if (lost_[n] && ShardsOn(n) == 0) lost_[n] = false;
   }
   counters_.shards_rebuilt += rebuilt;
+  fork_prefix_tokens_ = 0;   // rebuilt shards share nothing (see CompleteMigration)
   UpdateClaim();
   counters_.last_rebuild_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   spdlog::info("session {}: rebuilt {} shards ({} entries each) on {} node(s) in {:.1f} ms",

@@ -2,7 +2,8 @@
 // opened one after another on one in-process node before any of their entries arrive are not
 // placed against the same free bytes (the second is refused at Open, not by a failed AppendKv
 // later); a closed session's room is seen again after the Refresh that Open does on a refusal;
-// once a session's entries are all charged and the node reported them, it claims nothing more.
+// once a session's entries are all charged and the node reported them, it claims nothing more;
+// a fork claims what it adds beyond the whole blocks it shares with its parent.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -143,9 +144,27 @@ TEST_F(NodeClaimTest, AForkClaimsOnlyWhatItAddsToThePrefixItShares) {
   auto fork = (*parent)->Fork("fork", tokens_);
   ASSERT_TRUE(fork.ok()) << fork.status();
   EXPECT_EQ(pool_->state(0).claimed_bytes, SessionBlockBytes(tokens_) - SessionBlockBytes(prefix));
-  EXPECT_EQ((*fork)->NodeBytes(), 0u);
+  // What its entries take (shared or not: evicting for node room must see it once the parent
+  // is gone).
+  EXPECT_EQ((*fork)->NodeBytes(), SessionBlockBytes(prefix));
   Append(**fork, tokens_ - prefix);
-  EXPECT_EQ((*fork)->NodeBytes(), SessionBlockBytes(tokens_) - SessionBlockBytes(prefix));
+  EXPECT_EQ((*fork)->NodeBytes(), SessionBlockBytes(tokens_));
+  ASSERT_TRUE(pool_->Refresh().ok());
+  EXPECT_EQ(pool_->state(0).claimed_bytes, 0u);
+}
+
+// A fork of a prefix that ends inside a block gets its own copy of that block (copy-on-write):
+// it claims that block too.
+TEST_F(NodeClaimTest, AForkClaimsThePartialBlockItCopies) {
+  const int64_t prefix = kBlock * 3 + kBlock / 2;
+  auto parent = RemoteKv::Open(*pool_, Options("parent", prefix));
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  Append(**parent, prefix);
+  ASSERT_TRUE(pool_->Refresh().ok());
+  auto fork = (*parent)->Fork("fork", prefix + kBlock);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(pool_->state(0).claimed_bytes,
+            SessionBlockBytes(prefix + kBlock) - SessionBlockBytes(kBlock * 3));
 }
 
 }  // namespace

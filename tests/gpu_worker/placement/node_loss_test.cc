@@ -313,6 +313,35 @@ TEST_F(NodeLossTest, ANodeTheWatchFoundGoneIsLostAtTheNextAttend) {
   ASSERT_TRUE((*kv)->Close().ok());
 }
 
+// A failure a session reports (another session's call, or a draining node's UNAVAILABLE) only
+// takes a node out of placement: the other sessions skip it (suspect) and keep their shards there,
+// and it comes back when the health watch hears from it. Only the pool's own Stats call finding
+// it refusing loses it for everyone.
+TEST_F(NodeLossTest, AFailureReportedByASessionLosesTheNodeForNoOtherSession) {
+  auto kv = RemoteKv::Open(*pool_, Options("bystander"));
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  History history;
+  history.Append({kv->get()}, 40);
+  const size_t reported = PoolIndex(ports_[0]);
+  pool_->ReportFailure(reported, absl::UnavailableError("a call of another session (test)"));
+  EXPECT_FALSE(pool_->state(reported).accepting());
+  EXPECT_FALSE(pool_->state(reported).refused);
+  int degraded = 0;
+  for (int64_t l = 0; l < kLayers; ++l) degraded += Attend(**kv, l, history.Query()).degraded;
+  EXPECT_EQ((*kv)->placement_counters().nodes_lost, 0u);
+  // The node answers the health watch and is back; nothing needed a rebuild.
+  for (const auto t = Clock::now(); !pool_->state(reported).accepting() && MsSince(t) < kWaitMs;) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(pool_->state(reported).accepting());
+  for (int64_t l = 0; l < kLayers; ++l) EXPECT_FALSE(Attend(**kv, l, history.Query()).degraded);
+  EXPECT_EQ((*kv)->placement_counters().nodes_lost, 0u);
+  EXPECT_EQ((*kv)->placement_counters().shards_rebuilt, 0u);
+  std::printf("reported node: %d of %lld attends degraded before it was back\n", degraded,
+              static_cast<long long>(kLayers));
+  ASSERT_TRUE((*kv)->Close().ok());
+}
+
 TEST_F(NodeLossTest, RestartedNodeRejoinsAndReadinessFollows) {
   EXPECT_EQ(ready_.load(), 1);
   auto kv = RemoteKv::Open(*pool_, Options("rejoin"));
