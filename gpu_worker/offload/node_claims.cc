@@ -33,6 +33,12 @@ void NodeClaims::SawStats(size_t node) {
   }
 }
 
+void NodeClaims::Forget(size_t node) {
+  for (auto& [id, nodes] : claims_) {
+    if (node < nodes.size()) nodes[node].seen = nodes[node].asking = 0;
+  }
+}
+
 uint64_t NodeClaims::Pending(size_t node, uint64_t except) const {
   uint64_t pending = 0;
   for (const auto& [id, nodes] : claims_) {

@@ -261,15 +261,28 @@ absl::Status NodePool::Refresh() {
 
 bool NodePool::AskStats(size_t i, int deadline_ms, v1::StatsResponse* stats,
                         grpc::Status* status) {
+  uint64_t ticket = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    ticket = ++nodes_.at(i)->stats_asked;
     claims_.AskingStats(i);
   }
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadline_ms));
   *status = stub(i).Stats(&ctx, v1::StatsRequest(), stats);
   std::lock_guard<std::mutex> lock(mu_);
-  if (status->ok()) claims_.SawStats(i);
+  Node& node = *nodes_[i];
+  if (ticket < node.stats_applied) return false;   // the probe and Refresh asked at once
+  node.stats_applied = ticket;
+  if (status->ok()) {
+    if (!node.state.node_id.empty() && node.state.node_id != stats->node_id()) {
+      claims_.Forget(i);
+    } else if (ticket == node.stats_asked) {
+      // (With a later call in flight, the charges it noted may be missing here: its answer
+      // marks them seen.)
+      claims_.SawStats(i);
+    }
+  }
   return ApplyStatsLocked(i, *status, *stats);
 }
 

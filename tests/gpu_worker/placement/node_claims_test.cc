@@ -45,6 +45,12 @@ TEST(NodeClaimsTest, PendingIsWhatIsStillToChargeBeyondTheLastStats) {
   EXPECT_EQ(claims.size(), 1u);
   claims.Set(a, 1, 99, 0);   // a removed id is ignored
   EXPECT_EQ(claims.Pending(1), 300u);
+
+  // The node restarted: what b charged there is gone with the old process, all of b is pending.
+  claims.Forget(1);
+  EXPECT_EQ(claims.Pending(1), 500u);
+  claims.SawStats(1);   // (nothing asked since: stays forgotten)
+  EXPECT_EQ(claims.Pending(1), 500u);
 }
 
 constexpr int64_t kLayers = 3, kQHeads = 4, kKvHeads = 2, kDim = 16, kBlock = 16;

@@ -37,6 +37,8 @@ class NodeClaims {
   // answer. SawStats(node) once the answer arrived.
   void AskingStats(size_t node);
   void SawStats(size_t node);
+  // `node` restarted (a new node id): its process holds none of what the claims charged there.
+  void Forget(size_t node);
   // Bytes the claims other than `except` (0 = none excepted) will still charge on `node`
   // beyond its last Stats answer.
   uint64_t Pending(size_t node, uint64_t except = 0) const;

@@ -100,8 +100,9 @@ struct NodeState {
   std::string address;           // "in-process" for the embedded node
   bool listed = true;            // named by the last discovery
   bool reachable = true;         // answered the last Stats call
-  // Out of placement by an UNAVAILABLE call (connection refused or reset), not a missed
-  // deadline: its process is taken as gone with the sessions it held (rebuilt elsewhere).
+  // The pool's own Stats call (health watch, Refresh) got UNAVAILABLE (connection refused or
+  // reset) and no answer since: its process is taken as gone with the sessions it held (they are
+  // rebuilt elsewhere). A missed deadline keeps it; a failure a session reports never sets it.
   bool refused = false;
   bool draining = false;         // reported draining in Stats (e.g. SIGTERM on scale-down)
   std::string node_id;           // Stats.node_id: changes when the process restarts
@@ -195,6 +196,10 @@ class NodePool {
     NodeState state;
     std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::CpuAttention::Stub> stub;
+    // Stats calls sent (AskStats numbers them) and the latest one whose answer was stored: an
+    // answer that lands after a later call's is stale and dropped.
+    uint64_t stats_asked = 0;
+    uint64_t stats_applied = 0;
   };
   explicit NodePool(const NodePoolOptions& options);
   absl::StatusOr<std::vector<std::string>> Discover() const;
@@ -209,7 +214,8 @@ class NodePool {
   bool ApplyStatsLocked(size_t i, const grpc::Status& s, const v1::StatsResponse& stats);
   // state of node i with the claims other than `except_claim` subtracted. Needs mu_.
   NodeState StateLocked(size_t i, uint64_t except_claim) const;
-  // Sends Stats to node i (claims noted as seen by it) and stores the answer; returns whether
+  // Sends Stats to node i and stores the answer unless an answer to a later call is already in
+  // (claims' charges noted as seen by it; forgotten when the node restarted); returns whether
   // accepting changed. Takes mu_ around the bookkeeping, not the call.
   bool AskStats(size_t i, int deadline_ms, v1::StatsResponse* stats, grpc::Status* status);
   // Calls the accepting watcher if any_accepting changed since its last call.
