@@ -272,7 +272,9 @@ bool NodePool::AskStats(size_t i, int deadline_ms, v1::StatsResponse* stats,
   *status = stub(i).Stats(&ctx, v1::StatsRequest(), stats);
   std::lock_guard<std::mutex> lock(mu_);
   Node& node = *nodes_[i];
-  if (ticket < node.stats_applied) return false;   // the probe and Refresh asked at once
+  // Stale: a later call's answer is in (the probe and Refresh asked at once), or a failure was
+  // reported after this call was sent (ReportFailure).
+  if (ticket <= node.stats_applied) return false;
   node.stats_applied = ticket;
   if (status->ok()) {
     if (!node.state.node_id.empty() && node.state.node_id != stats->node_id()) {

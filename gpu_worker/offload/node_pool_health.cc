@@ -19,6 +19,8 @@ void NodePool::ReportFailure(size_t i, const absl::Status& why) {
     // suspect node, or a draining node's UNAVAILABLE, must not lose the node for everyone).
     if (!st.reachable) return;
     st.reachable = false;
+    // Answers to Stats calls sent before this failure would put it back: dropped (AskStats).
+    nodes_[i]->stats_applied = nodes_[i]->stats_asked;
     generation_.fetch_add(1, std::memory_order_acq_rel);
     spdlog::warn("CPU node {} failed a call ({}): out of placement until it answers again",
                  st.address, std::string(why.message()));
@@ -52,8 +54,10 @@ void NodePool::UnwatchAccepting() {
 }
 
 void NodePool::NotifyAccepting() {
-  const bool any = accepting_count() > 0;
+  // Counted under watch_mu_ (then mu_; never the other way): a count taken before another
+  // thread's newer one must not be applied after it (readiness stuck at the older value).
   std::lock_guard<std::mutex> lock(watch_mu_);
+  const bool any = accepting_count() > 0;
   if (!on_accepting_ || last_accepting_ == static_cast<int>(any)) return;
   last_accepting_ = static_cast<int>(any);
   on_accepting_(any);
