@@ -79,9 +79,9 @@ bool KvCacheManager::EvictFromDevice() {
     return seq == nullptr || seq->device_bytes() > 0;
   });
   if (!lru.has_value()) return false;
-  if (sessions_.Find(*lru) == nullptr || sessions_.Find(*lru)->parked() || !Park(*lru)) {
-    Close(*lru);
-  }
+  const Sequence* seq = sessions_.Find(*lru);
+  // (A parked session still holding device bytes cannot be parked again: closed.)
+  if (seq == nullptr || seq->parked() || !Park(*lru)) Close(*lru);
   return true;
 }
 
