@@ -8,6 +8,7 @@
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/memory_shortage.h"
 #include "tandem/gpu_worker/node_tier.h"
+#include "tandem/gpu_worker/tier_traits.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -34,8 +35,7 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> OpenNodeTier(Backend& backend, Node
 
 absl::StatusOr<std::unique_ptr<OffloadTier>> OpenOffloadTier(Backend& backend, NodePool* nodes,
                                                              const TierSpec& spec) {
-  const bool on_nodes = spec.mode == AttentionMode::kHybrid || spec.mode == AttentionMode::kExact;
-  if (on_nodes && nodes == nullptr) {
+  if (TraitsOf(spec.mode, spec.node.selection).entries_on_nodes && nodes == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat(std::string(AttentionModeName(spec.mode)), " mode needs CPU attention nodes"));
   }

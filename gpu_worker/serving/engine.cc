@@ -21,6 +21,7 @@
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/prefill_spill_tier.h"
 #include "tandem/gpu_worker/tier_factory.h"
+#include "tandem/gpu_worker/tier_traits.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 
@@ -259,8 +260,8 @@ WindowGeometry Engine::window_geometry() const {
 }
 
 WindowOptions Engine::WindowOptionsFor(const SequenceSpec& spec, int64_t planned_positions) const {
-  return SequenceWindowOptions(options_, max_context_, spec.mode, spec.window, spec.sink,
-                               planned_positions);
+  return SequenceWindowOptions(options_, max_context_, TraitsOf(spec.mode, spec.selection),
+                               spec.window, spec.sink, planned_positions);
 }
 
 absl::Status Engine::CheckDeviceKv(size_t more) const {
@@ -280,11 +281,11 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   if (!options_.device_prefill || window.options().window == WindowOptions::kUnlimited) return;
   const int64_t wanted = window.recent_tokens() + prompt_tokens;
   if (wanted <= window.configured_window()) return;
-  // A new hybrid session's prompt may fit only in part and spill to host pages
-  // (PrefillSpillTier), which stream through the runner's page streamer: it is made before the
+  // A new session's prompt may fit only in part and spill to host pages (PrefillSpillTier, where
+  // the tier spills), which stream through the runner's page streamer: it is made before the
   // widening takes what the device has left (without --kv_cache_bytes, all of it).
-  const bool may_spill = seq.mode == AttentionMode::kHybrid && seq.offload != nullptr &&
-                         seq.offload->offloaded_tokens() == 0;
+  const bool may_spill = TraitsOf(seq.mode, seq.selection).spills_prefill &&
+                         seq.offload != nullptr && seq.offload->offloaded_tokens() == 0;
   bool can_spill = may_spill;
   if (may_spill) {
     if (absl::Status made = runner_->PrepareHostStreaming(window.geometry(),
@@ -332,8 +333,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   TANDEM_ASSIGN_OR_RETURN(WindowCache cache, WindowCache::Create(*backend_, geometry,
                                                                  WindowOptionsFor(spec, planned_positions)));
   auto seq = std::make_unique<Sequence>(id, spec.mode, std::move(cache));
-  const bool pages = spec.mode == AttentionMode::kHybrid && spec.selection == SelectionRule::kPages;
-  if (pages) {
+  const TierTraits traits = TraitsOf(spec.mode, spec.selection);
+  if (traits.page_summaries) {
     seq->selection = SelectionRule::kPages;
     seq->page_policy = spec.page_policy;
     TANDEM_RETURN_IF_ERROR(CheckPageSummaries(
@@ -341,39 +342,38 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
         PageIndex::BytesFor(geometry, options_.page_tokens, expected_offloaded),
         PageSummaryBytes()));
   }
+  if (!traits.windowed) return seq;   // no tier: every position stays in the window
+  // Every option of every tier; OpenOffloadTier gives each tier the ones it reads.
   TierSpec tier;
   tier.mode = spec.mode;
   tier.geometry = geometry;
-  // hybrid and exact: the node session; exact opens it dense (ExactTier: no selection).
+  // The node session (hybrid; exact opens it dense, ExactTier: no selection).
   tier.node = NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
+  tier.node.beta = spec.beta;
+  tier.node.expected_tokens = expected_offloaded;
+  tier.node.selection = seq->selection;
+  tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
+  tier.summary_tokens = expected_offloaded;
   tier.host_page_tokens = options_.offload_page_tokens;
+  // The exact planner's split.
+  const size_t kv_bytes = DTypeBytes(kv_dtype_);
+  tier.exact.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, kv_bytes,
+                         kv_bytes};
+  tier.exact.expected_tokens = expected_offloaded;
+  tier.exact.plan.force_fetch_share = options_.exact_fetch_share;
+  tier.exact.plan.allow_recompute = options_.exact_recompute;
+  tier.exact.model = device_model_.get();
+  tier.exact.replan_every_steps = options_.replan_every_steps;
+  if (traits.measures_rates && exact_rates_ == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(exact_rates_, ExactRateBook::Measure(*backend_, *nodes_,
+                                                                 tier.exact.geometry, kv_dtype_));
+  }
+  tier.exact_rates = exact_rates_.get();
   // Lost CPU nodes' entries are rebuilt from K/V recomputed here (kv_recompute.h).
   auto device_room = [this](size_t bytes) { return CheckDeviceKv(bytes); };
-  if (spec.mode == AttentionMode::kHybrid) {
-    tier.node.beta = spec.beta;
-    tier.node.expected_tokens = expected_offloaded;
-    tier.node.selection = seq->selection;
-    tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
-    tier.summary_tokens = expected_offloaded;
-    tier.node_recompute = MakeRecomputeKv(*runner_, *seq, options_.prefill_chunk, device_room);
-  }
-  if (spec.mode == AttentionMode::kExact) {
-    const size_t kv_bytes = DTypeBytes(kv_dtype_);
-    tier.exact.geometry = {c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, kv_bytes,
-                           kv_bytes};
-    tier.exact.expected_tokens = expected_offloaded;
-    tier.exact.plan.force_fetch_share = options_.exact_fetch_share;
-    tier.exact.plan.allow_recompute = options_.exact_recompute;
-    tier.exact.model = device_model_.get();
-    tier.exact.replan_every_steps = options_.replan_every_steps;
-    if (exact_rates_ == nullptr) {
-      TANDEM_ASSIGN_OR_RETURN(exact_rates_, ExactRateBook::Measure(*backend_, *nodes_,
-                                                                   tier.exact.geometry, kv_dtype_));
-    }
-    tier.exact_rates = exact_rates_.get();
-    tier.exact_recompute = MakeRecomputeAt(*runner_, *seq, options_.prefill_chunk, device_room);
-  }
-  if (spec.mode == AttentionMode::kOffload || spec.mode == AttentionMode::kExact) {
+  tier.node_recompute = MakeRecomputeKv(*runner_, *seq, options_.prefill_chunk, device_room);
+  tier.exact_recompute = MakeRecomputeAt(*runner_, *seq, options_.prefill_chunk, device_room);
+  if (traits.streams_host_pages) {
     // Before this session's prompt widens its window (WidenForPrefill).
     TANDEM_RETURN_IF_ERROR(runner_->PrepareHostStreaming(geometry, options_.offload_page_tokens));
   }

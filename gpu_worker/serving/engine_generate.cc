@@ -13,7 +13,9 @@
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/logprobs.h"
+#include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/request_validation.h"
+#include "tandem/gpu_worker/tier_traits.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -199,15 +201,16 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   }
   if (continuing) {
     const Sequence& s = *existing;
+    const TierTraits traits = TraitsOf(s.mode, s.selection);
     if (request.mode.has_value() && *request.mode != s.mode) {
       return absl::InvalidArgumentError("a continued session keeps its attention mode");
     }
-    if (s.mode == AttentionMode::kHybrid &&
+    if (traits.windowed &&
         ((request.window.has_value() && *request.window != s.window.options().window) ||
          (request.sink.has_value() && *request.sink != s.window.options().sink))) {
       return absl::InvalidArgumentError("a continued session keeps its window and sink");
     }
-    if (s.mode == AttentionMode::kHybrid && request.selection.has_value() &&
+    if (traits.selects && request.selection.has_value() &&
         *request.selection != s.selection) {
       return absl::InvalidArgumentError("a continued session keeps its selection");
     }
@@ -275,19 +278,19 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   Sequence* seq = nullptr;
   if (continuing) {
     seq = existing;
+    const TierTraits traits = TraitsOf(seq->mode, seq->selection);
     TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
-      if (seq->mode == AttentionMode::kGpu) {
+      if (!traits.windowed) {   // the window holds every position: it grows in place
         WindowOptions grown = seq->window.options();
-        SequenceSpec gpu_spec;
-        gpu_spec.mode = AttentionMode::kGpu;
-        grown.max_context =
-            std::max(grown.max_context, WindowOptionsFor(gpu_spec, planned).max_context);
+        grown.max_context = std::max(
+            grown.max_context, SequenceWindowOptions(options_, max_context_, traits, 0, 0, planned)
+                                   .max_context);
         const size_t bytes = WindowCache::BytesFor(seq->window.geometry(), grown);
         TANDEM_RETURN_IF_ERROR(CheckDeviceKv(
             bytes > seq->window.device_bytes() ? bytes - seq->window.device_bytes() : 0));
         TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
       }
-      if (seq->selection == SelectionRule::kPages) {
+      if (traits.page_summaries) {
         if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
           seq->page_policy = page_policy;
         }
@@ -299,11 +302,10 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     }));
     RebuildLostKv(*seq);   // a new turn starts with the shards a lost CPU node held
   } else {
-    size_t need = WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned));
-    if (mode == AttentionMode::kHybrid && selection == SelectionRule::kPages) {
-      need += PageIndex::BytesFor(window_geometry(), options_.page_tokens,
-                                  offloaded_by_end(window, sink));
-    }
+    const size_t need =
+        WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned)) +
+        PageSummaryBytesFor(TraitsOf(mode, selection), window_geometry(), options_.page_tokens,
+                            offloaded_by_end(window, sink));
     std::unique_ptr<Sequence> fresh;
     TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
       TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));
@@ -333,7 +335,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
-  if (continuing && seq->mode == AttentionMode::kHybrid) {
+  if (continuing && TraitsOf(seq->mode, seq->selection).selects) {
     seq->reselect_pending = true;
     seq->reselect_beta = g->request.beta;
   }

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/kv_recompute.h"
+#include "tandem/gpu_worker/tier_traits.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -23,9 +24,10 @@ Engine::CacheScope Engine::PrefixCacheScope(const GenerateRequest& request,
     std::string key = absl::StrCat(principal.size(), ":", principal, "\x1f",
                                    request.cache_salt.size(), ":", request.cache_salt, "\x1f",
                                    std::string(AttentionModeName(spec.mode)));
-    if (spec.mode != AttentionMode::kGpu) {
-      absl::StrAppend(&key, "\x1f", spec.window, "\x1f", spec.sink, "\x1f",
-                      spec.selection == SelectionRule::kPages ? "pages" : "maw");
+    const TierTraits traits = TraitsOf(spec.mode, spec.selection);
+    if (traits.windowed) absl::StrAppend(&key, "\x1f", spec.window, "\x1f", spec.sink);
+    if (traits.selects) {
+      absl::StrAppend(&key, "\x1f", spec.selection == SelectionRule::kPages ? "pages" : "maw");
     }
     return key;
   };

@@ -111,7 +111,8 @@ absl::Status ValidateRequest(const MemoryPlanSetup& setup, const MemoryPlanReque
     return absl::InvalidArgumentError(absl::StrCat(
         "no memory estimate for mode '", std::string(AttentionModeName(r.mode)), "' yet"));
   }
-  if (r.mode != AttentionMode::kGpu && (r.window < setup.engine.block_tokens || r.sink < 0)) {
+  if (TraitsOf(r.mode, r.selection).windowed &&
+      (r.window < setup.engine.block_tokens || r.sink < 0)) {
     return absl::InvalidArgumentError(absl::StrCat("window must be >= the block size (",
                                                    setup.engine.block_tokens, ") and sink >= 0"));
   }
@@ -141,8 +142,7 @@ void PlanNodes(const MemoryPlanSetup& setup, const MemoryPlanRequest& r, int64_t
   const uint32_t block_tokens = e.block_tokens >= 16 && e.block_tokens <= 256
                                     ? static_cast<uint32_t>(e.block_tokens)
                                     : kNodeDefaultBlockTokens;
-  // Exact sessions are opened with kPages (dense attends, no selected copy).
-  const bool maw = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kMaw;
+  const bool maw = TraitsOf(r.mode, r.selection).node_selected_copies;
   const double share = !maw             ? 0.0
                        : r.beta == 0.0f ? 1.0
                                         : RemoteKvOptions{}.expected_selected_share;
@@ -249,13 +249,13 @@ PlanNode PlanNodeOf(const NodeState& node, DType kv_dtype) {
 }  // namespace
 
 WindowOptions SequenceWindowOptions(const EngineOptions& options, int64_t max_context,
-                                    AttentionMode mode, int64_t window, int64_t sink,
+                                    const TierTraits& traits, int64_t window, int64_t sink,
                                     int64_t planned_positions) {
   WindowOptions wo;
   wo.block = options.block_tokens;
   wo.max_chunk = options.prefill_chunk;
   wo.max_context = max_context;
-  if (mode == AttentionMode::kGpu) {
+  if (!traits.windowed) {
     constexpr int64_t kGranule = 256;
     wo.window = WindowOptions::kUnlimited;
     wo.sink = 0;
@@ -300,7 +300,8 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   const EngineOptions& e = setup.engine;
   const int64_t C = e.prefill_chunk;
   const WindowGeometry geometry{c.num_layers, c.num_kv_heads, c.head_dim, setup.kv_dtype};
-  const bool offloads = r.mode != AttentionMode::kGpu;
+  const TierTraits traits = TraitsOf(r.mode, r.selection);
+  const bool offloads = traits.windowed;
   const int64_t prompt = r.prompt > 0 ? r.prompt : r.context;
   const int64_t offloaded = offloads ? std::max<int64_t>(0, r.context - r.window - r.sink) : 0;
   MemoryPlan plan;
@@ -318,22 +319,21 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   Add(dev, "activations", ModelRunner::ActivationBytes(c, runner, r.batch > 1),
       absl::StrCat(C, "-token chunk", r.batch > 1 ? ", batched logits" : ""));
   const WindowOptions wo =
-      SequenceWindowOptions(e, setup.max_context, r.mode, r.window, r.sink, r.context);
+      SequenceWindowOptions(e, setup.max_context, traits, r.window, r.sink, r.context);
   uint64_t device_kv = WindowCache::BytesFor(geometry, wo) * r.batch;
-  Add(dev, r.mode == AttentionMode::kGpu ? "kv (all on the device)" : "kv windows", device_kv,
+  Add(dev, traits.windowed ? "kv windows" : "kv (all on the device)", device_kv,
       absl::StrCat(r.batch, " x ",
-                   r.mode == AttentionMode::kGpu
-                       ? absl::StrCat("all ", wo.max_context, " positions")
-                       : absl::StrCat("sink ", r.sink, " + window ", r.window, " + one chunk")));
+                   traits.windowed
+                       ? absl::StrCat("sink ", r.sink, " + window ", r.window, " + one chunk")
+                       : absl::StrCat("all ", wo.max_context, " positions")));
   // Buffers only decode steps use (made after the prompt is in). A widened prefill's window
   // meets them only while its settle goes a slice per decode step (settle_tokens_per_step > 0,
   // the default): then both count; settled all at once, the two phases' extras do not add up.
   const bool settle_at_once = e.settle_tokens_per_step == 0;
   uint64_t decode_only = 0;
-  const bool pages = r.mode == AttentionMode::kHybrid && r.selection == SelectionRule::kPages;
-  uint64_t summaries = 0;
-  if (pages) {
-    summaries = PageIndex::BytesFor(geometry, e.page_tokens, offloaded) * r.batch;
+  const uint64_t summaries =
+      PageSummaryBytesFor(traits, geometry, e.page_tokens, offloaded) * r.batch;
+  if (traits.page_summaries) {
     Add(dev, "page summaries", summaries,
         absl::StrCat(r.batch, " x ", CeilDiv(offloaded, e.page_tokens), " pages of ", e.page_tokens,
                      " tokens (min/max keys)"));
@@ -350,12 +350,11 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
     }
   }
-  // The runner's page streamer (ModelRunner::PrepareHostStreaming): made when an offload or
-  // exact session opens, and before a hybrid prompt beyond the window widens it (the prefill
+  // The runner's page streamer (ModelRunner::PrepareHostStreaming): made when a streaming tier's
+  // session opens, and before a spilling tier's prompt beyond the window widens it (the prefill
   // spill streams through it), so it is held beside a widened prefill too: never decode-only.
-  const bool host_streams =
-      r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact ||
-      (r.mode == AttentionMode::kHybrid && setup.device_prefill && prompt > r.window);
+  const bool host_streams = traits.streams_host_pages ||
+                            (traits.spills_prefill && setup.device_prefill && prompt > r.window);
   if (host_streams) {
     const uint64_t bytes =
         KvStreamer::DeviceBytesFor(geometry, e.offload_page_tokens, c.num_q_heads, C);
@@ -372,7 +371,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   if (evict_staging > 0 && setup.backend == "cpu") {
     Add(dev, "eviction staging", evict_staging, evict_note);
   }
-  if (r.mode == AttentionMode::kExact) {
+  if (traits.measures_rates) {
     // ExactRateBook::Measure at the engine's first exact session: transient.
     const ExactGeometry g{c.num_layers,
                           c.num_kv_heads,
@@ -422,7 +421,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
                      "-token prompt while it is prefilled",
                      bytes < full ? absl::StrCat(" (", 100 * bytes / full, "% of it fits)") : "",
                      decode_only > 0 ? ", less the decode-only buffers" : ""));
-    if (bytes < full && r.mode == AttentionMode::kHybrid) {
+    if (bytes < full && traits.spills_prefill) {
       // A hybrid prompt beyond the widened window spills (PrefillSpillTier): the blocks that
       // leave during the prefill are also kept in pinned host pages, attended from there on
       // the device, until the first token. The widest window within `bytes`:
@@ -450,37 +449,26 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   }
 
   // --- CPU nodes (hybrid; exact: the entries the planner leaves to them).
-  // Exact: the split (ExactPlanner's fetch share) is made at run time from measured rates
-  // unless --exact_fetch_share forces it; unforced, each side is sized for all of the entries,
-  // the most it may be given.
+  // A split tier (exact) splits at run time from measured rates unless --exact_fetch_share
+  // forces it; unforced, each side is sized for all of the entries, the most it may be given.
   const double fetch = e.exact_fetch_share >= 0 ? std::min(e.exact_fetch_share, 1.0) : -1.0;
-  const int64_t host_entries =
-      r.mode == AttentionMode::kOffload ? offloaded
-      : r.mode == AttentionMode::kExact
-          ? (fetch < 0 ? offloaded : static_cast<int64_t>(std::ceil(fetch * offloaded)))
-          : 0;
-  const int64_t node_entries =
-      r.mode == AttentionMode::kHybrid ? offloaded
-      : r.mode == AttentionMode::kExact
-          ? (fetch < 0 ? offloaded
-                       : offloaded - static_cast<int64_t>(std::floor(fetch * offloaded)))
-          : 0;
-  // What an exact plan assumes of the split, per side.
-  auto exact_note = [&](double share) -> std::string {
-    if (r.mode != AttentionMode::kExact) return "";
+  const EntrySplit entries = SplitEntries(traits, offloaded, fetch);
+  // What a split plan assumes, per side.
+  auto split_note = [&](double share) -> std::string {
+    if (!(traits.entries_on_host && traits.entries_on_nodes)) return "";
     if (fetch < 0) return "; exact: at most, the planner splits at run time";
     return absl::StrCat("; exact: ", share * 100, "% of them");
   };
-  const bool uses_nodes = r.mode == AttentionMode::kHybrid || r.mode == AttentionMode::kExact;
-  if (uses_nodes) PlanNodes(setup, r, node_entries, exact_note(1 - fetch), plan);
+  const bool uses_nodes = traits.entries_on_nodes;
+  if (uses_nodes) PlanNodes(setup, r, entries.nodes, split_note(1 - fetch), plan);
 
   // --- Host.
   MemoryTier& host = plan.host;
-  if (r.mode == AttentionMode::kOffload || r.mode == AttentionMode::kExact) {
+  if (traits.entries_on_host) {
     Add(host, "pinned KV pages",
-        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, host_entries) * r.batch,
-        absl::StrCat(r.batch, " x ", host_entries, " offloaded tokens in ", e.offload_page_tokens,
-                     "-token pages", exact_note(fetch)));
+        OffloadedKv::HostBytesFor(geometry, e.offload_page_tokens, entries.host) * r.batch,
+        absl::StrCat(r.batch, " x ", entries.host, " offloaded tokens in ", e.offload_page_tokens,
+                     "-token pages", split_note(fetch)));
   }
   if (spilled > 0) {
     Add(host, "prefill spill pages",

@@ -21,6 +21,10 @@
 // workspace (32 MiB, its documented default on Hopper), and MAW's selected copies on the nodes
 // (RemoteKvOptions::expected_selected_share of the entries, the placement's projection).
 //
+// Which lines a request's plan has follows the TierTraits of its mode (tier_traits.h: window or
+// all positions, page summaries, where the entries live, the host streamer, the rate probe), as
+// the engine's admission and sessions do; the plan never branches on the mode itself.
+//
 // Layout: here in serving/ because it reads the engine's options and modes and is used by the
 // worker's main and the Generation service; it allocates nothing and runs on any thread.
 #pragma once
@@ -37,18 +41,20 @@
 #include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/sequence.h"
+#include "tandem/gpu_worker/tier_traits.h"
 #include "tandem/gpu_worker/window_cache.h"
 #include "tandem/kv_store/block_format.h"
 #include "tandem/v1/generation.pb.h"
 
 namespace tandem::gpu_worker {
 
-// The device window of a sequence opened in `mode` that plans to reach `planned_positions`
-// (prompt + max_tokens, all turns so far), under the engine's `max_context`: gpu mode holds
-// every position (rounded up to 256 so that a later turn often fits without Grow); hybrid and
-// offload hold sink + window. The engine opens every sequence with it.
+// The device window of a sequence whose tier has `traits` and that plans to reach
+// `planned_positions` (prompt + max_tokens, all turns so far), under the engine's `max_context`:
+// an unwindowed tier (gpu mode) holds every position (rounded up to 256 so that a later turn
+// often fits without Grow); the others hold sink + window. The engine opens every sequence with
+// it.
 WindowOptions SequenceWindowOptions(const EngineOptions& options, int64_t max_context,
-                                    AttentionMode mode, int64_t window, int64_t sink,
+                                    const TierTraits& traits, int64_t window, int64_t sink,
                                     int64_t planned_positions);
 
 // Host bytes the prefix cache may park cached sessions in (EngineOptions::
