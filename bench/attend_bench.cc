@@ -22,7 +22,7 @@
 //        --n N1,N2,... (per-head entries; default 1024,4096,32768: 32 heads x 32768 = 1M)
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
 //        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
-//        --select_tokens S (0 = no paged run) --page_tokens P (16)
+//        --select_tokens S (0 = no paged run) --page_tokens P (16) --pool_spin_us U (100)
 //        --node_kv_dtype bf16|int8|bf16,int8 (bf16): how the node rows (d), (e) store KV; a list
 //        runs (d) and (e) once per dtype on the same data and machine and prints each one's time
 //        per call against the first's (int8 vs bf16 per entry: the issue 15 comparison).
@@ -77,6 +77,8 @@ ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
 ABSL_FLAG(uint32_t, select_tokens, 0,
           "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
 ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
+ABSL_FLAG(uint32_t, pool_spin_us, 100,
+          "the pools' threads spin this long after a call before sleeping (NodeOptions)");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "how the node rows (node_attend, node_paged_attend) store KV: bf16 or int8, or a "
           "comma-separated list (bf16,int8) timing each on the same data (the raw oneDNN and "
@@ -99,6 +101,7 @@ struct Flags {
   uint64_t footprint_mib = 1024;
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
+  uint32_t pool_spin_us = 100;
   std::vector<kv_store::KvDType> node_kv_dtypes = {kv_store::KvDType::kBf16};
 };
 
@@ -127,6 +130,8 @@ bool ReadFlags(Flags& f) {
   set(FLAGS_footprint_mib, f.footprint_mib);
   f.select_tokens = absl::GetFlag(FLAGS_select_tokens);
   f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  f.pool_spin_us = absl::GetFlag(FLAGS_pool_spin_us);
+  if (f.pool_spin_us > 100000) return false;
   if (f.page_tokens < 1 || f.page_tokens > 4096) return false;
   f.node_kv_dtypes.clear();
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_node_kv_dtype), ',')) {
@@ -444,6 +449,8 @@ NodeRig MakeNodeRig(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype,
   options.pool_bytes = 3 * kv.copies * kv.bytes_per_copy() + (256ull << 20);
   options.threads = f.threads;
   options.chunk_keys = f.chunk;
+  options.tasks_per_thread = f.tasks_per_thread;
+  options.pool_spin_us = f.pool_spin_us;
   options.block_tokens = 256;
   options.kv_dtype = kv_dtype;
   auto node = CpuAttentionNode::Create(options);
@@ -596,7 +603,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "bad flags (tandem-attend-bench --help lists them)\n");
     return 2;
   }
-  ThreadPool pool(f.threads);
+  ThreadPool pool(f.threads, std::chrono::microseconds(f.pool_spin_us));
   const unsigned threads = pool.num_threads();
   const uint32_t rows = f.group * f.tokens;
   Emit({{"bench", "config"},
@@ -610,6 +617,7 @@ int Main(int argc, char** argv) {
         {"reps", f.reps},
         {"chunk", f.chunk},
         {"tasks_per_thread", f.tasks_per_thread},
+        {"pool_spin_us", f.pool_spin_us},
         {"node_kv_dtype", DTypeNames(f.node_kv_dtypes)},
         {"dnnl_isa", IsaName(dnnl::get_effective_cpu_isa())},
         {"cpu_isa", CpuIsaName(ActiveCpuIsa())},
@@ -665,6 +673,7 @@ int Main(int argc, char** argv) {
     std::vector<uint64_t> scanned;
     const std::vector<double> node_times =
         TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/false, &scanned);
+    std::vector<double> node_gbs_of(f.node_kv_dtypes.size());   // dense, per dtype
     const double first_node_s = node_times[0];
     const double first_node_gbs = static_cast<double>(scanned[0]) / first_node_s / 1e9;
     for (size_t i = 0; i < f.node_kv_dtypes.size(); ++i) {
@@ -672,6 +681,7 @@ int Main(int argc, char** argv) {
       const uint64_t node_bytes = scanned[i];
       const double node_s = node_times[i];
       const double node_gbs = static_cast<double>(node_bytes) / node_s / 1e9;
+      node_gbs_of[i] = node_gbs;
       Emit({{"bench", "node_attend"},
             {"node_kv_dtype", kv_store::KvDTypeName(dtype)},
             {"n_per_head", n},
@@ -706,6 +716,7 @@ int Main(int argc, char** argv) {
             {"median_s", paged_s},
             {"kv_gbs", paged_gbs},
             {"kv_gbs_per_thread", paged_gbs / threads},
+            {"ratio_to_node_attend", paged_gbs / node_gbs_of[i]},
             {"ratio_to_read", paged_gbs / mem.read_gbs}});
       dtype_rows.push_back({dtype, n, paged_bytes, paged_s, true});
     }

@@ -41,6 +41,10 @@ ABSL_FLAG(std::string, metrics_address, "",
           "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9401; port 0: any free); "
           "\"\" = off");
 ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process may use");
+ABSL_FLAG(unsigned, tasks_per_thread, 2, "tasks per attention thread one Attend is cut into (1..64)");
+ABSL_FLAG(unsigned, pool_spin_us, 100,
+          "attention threads spin this long after a call before sleeping (0..100000; 0: sleep at "
+          "once, for hosts shared with other work)");
 ABSL_FLAG(tandem::ByteSize, pool_bytes, tandem::ByteSize{8ull << 30},
           "memory for KV blocks and selected copies, e.g. 64GiB");
 ABSL_FLAG(unsigned, block_tokens, 64, "default tokens per KV block (16..256)");
@@ -113,6 +117,8 @@ int main(int argc, char** argv) {
   options.address = absl::GetFlag(FLAGS_address);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.node.threads = absl::GetFlag(FLAGS_threads);
+  options.node.tasks_per_thread = absl::GetFlag(FLAGS_tasks_per_thread);
+  options.node.pool_spin_us = absl::GetFlag(FLAGS_pool_spin_us);
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   options.node.huge_pages = absl::GetFlag(FLAGS_huge_pages);

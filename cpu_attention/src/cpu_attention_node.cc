@@ -53,14 +53,15 @@ std::string RandomNodeId() {
   return absl::StrFormat("%016x", id);
 }
 
-AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, uint32_t chunk_keys) {
+AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, const NodeOptions& options) {
   AttentionParams p;
   p.dtype = session.format().dtype;
   p.head_dim = session.geometry().head_dim;
   p.group = session.geometry().group();
   p.num_tokens = num_tokens;
   p.q_token_stride = size_t{session.geometry().num_q_heads} * p.head_dim;
-  p.chunk_keys = chunk_keys;
+  p.chunk_keys = options.chunk_keys;
+  p.tasks_per_thread = options.tasks_per_thread;
   return p;
 }
 
@@ -91,6 +92,14 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_keys must be in 16..65536, got ", options.chunk_keys));
   }
+  if (options.tasks_per_thread < 1 || options.tasks_per_thread > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tasks_per_thread must be in 1..64, got ", options.tasks_per_thread));
+  }
+  if (options.pool_spin_us > 100000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool_spin_us must be in 0..100000, got ", options.pool_spin_us));
+  }
   if (options.kv_dtype != KvDType::kBf16 && options.kv_dtype != KvDType::kInt8) {
     return absl::InvalidArgumentError(
         absl::StrCat("kv_dtype must be bf16 (as sent) or int8, got ",
@@ -116,7 +125,7 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
                     ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
                                                                      options.release_free_after)
                     : nullptr),
-      pool_(options.threads),
+      pool_(options.threads, std::chrono::microseconds(options.pool_spin_us)),
       owners_(std::make_unique<internal::SessionOwners>(options.max_sessions_per_principal)),
       leases_(std::make_unique<internal::SessionLeases>()) {
   lease_reaper_ = std::thread([this] { ReapLapsedLeases(); });
@@ -514,7 +523,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
       continue;
     }
 
-    AttentionParams params = ParamsFor(session, item.num_tokens, options_.chunk_keys);
+    AttentionParams params = ParamsFor(session, item.num_tokens, options_);
     params.o_token_stride = static_cast<size_t>(rows_per_token) * g.head_dim;
     params.lse_token_stride = static_cast<size_t>(rows_per_token);
     auto& group = groups[{params.dtype, params.head_dim, params.group, params.num_tokens}];
@@ -537,7 +546,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   for (auto& [key, group] : groups) {
     TANDEM_RETURN_IF_ERROR(SparseAttention(group.first, group.second, pool_));
   }
-  TANDEM_RETURN_IF_ERROR(paged.Run(pool_));
+  TANDEM_RETURN_IF_ERROR(paged.Run(pool_, options_.tasks_per_thread));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *compute_micros = static_cast<uint64_t>(seconds * 1e6);
@@ -571,7 +580,7 @@ absl::Status CpuAttentionNode::Reselect(const v1::ReselectRequest& request,
   const float beta = request.has_beta() ? request.beta() : session->beta();
   const auto owned = session->owned_kv_heads(request.layer());
   const auto& g = session->geometry();
-  const AttentionParams params = ParamsFor(*session, num_tokens, options_.chunk_keys);
+  const AttentionParams params = ParamsFor(*session, num_tokens, options_);
 
   // Score every head in parallel, then apply the selections; nothing changes on failure.
   std::vector<std::vector<uint8_t>> flags(owned.size());

@@ -127,8 +127,9 @@ void PagedPlan::AddProblems(const kv_store::Session& session, std::span<const ui
   }
 }
 
-absl::Status PagedPlan::Run(ThreadPool& pool) {
+absl::Status PagedPlan::Run(ThreadPool& pool, uint32_t tasks_per_thread) {
   for (auto& [key, group] : groups_) {
+    group.params.tasks_per_thread = tasks_per_thread;
     TANDEM_RETURN_IF_ERROR(PagedAttention(group.params, group.runs, group.problems, pool));
   }
   return absl::OkStatus();

@@ -50,8 +50,9 @@ class PagedPlan {
   // lse [T, H_own * G], rows ordered as in v1::AttendResult.
   void AddProblems(const kv_store::Session& session, std::span<const uint32_t> owned,
                    const float* q, float* o, float* lse);
-  // Computes every problem added (PagedAttention per (dtype, D, G)).
-  absl::Status Run(ThreadPool& pool);
+  // Computes every problem added (PagedAttention per (dtype, D, G)), each cut into about
+  // `tasks_per_thread` tasks per pool thread.
+  absl::Status Run(ThreadPool& pool, uint32_t tasks_per_thread);
 
  private:
   struct Group {

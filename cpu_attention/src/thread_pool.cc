@@ -7,6 +7,29 @@
 #include <cstdlib>
 
 namespace tandem::cpu_attention {
+namespace {
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spins until done() or `budget` has passed (checking the clock every 64 polls); returns done().
+template <typename Pred>
+bool SpinFor(std::chrono::microseconds budget, Pred done) {
+  if (budget.count() <= 0) return done();
+  const auto until = std::chrono::steady_clock::now() + budget;
+  for (uint32_t i = 1;; ++i) {
+    if (done()) return true;
+    CpuRelax();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return done();
+  }
+}
+
+}  // namespace
 
 unsigned AvailableCores() {
   // Grow the mask until it covers the kernel's CPU numbering (hosts with > 1024 CPUs).
@@ -25,17 +48,27 @@ unsigned AvailableCores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// One ParallelFor call. Lives on the caller's stack; guarded by ThreadPool::mu_.
+// One ParallelFor call. Lives on the caller's stack, which returns only once no worker holds it:
+// a worker takes it (++runners) only under mu_ while it is queued, and lets go under mu_; the
+// caller unqueues it and waits for runners == 0 under mu_.
 struct ThreadPool::Job {
   const std::function<void(size_t)>* fn = nullptr;
   size_t n = 0;
-  size_t next = 0;  // first index not yet claimed
-  size_t done = 0;  // indices finished
-  std::condition_variable done_cv;
+  std::atomic<size_t> next{0};   // first index not yet claimed
+  std::atomic<int> runners{0};   // workers inside the job (written under mu_)
+
+  // Claims and runs indices until none is left.
+  void RunTasks() {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      (*fn)(i);
+    }
+  }
 };
 
-ThreadPool::ThreadPool(unsigned num_threads)
-    : num_threads_(num_threads == 0 ? AvailableCores() : num_threads) {
+ThreadPool::ThreadPool(unsigned num_threads, std::chrono::microseconds spin)
+    : num_threads_(num_threads == 0 ? AvailableCores() : num_threads),
+      spin_(num_threads_ > AvailableCores() ? std::chrono::microseconds{0} : spin) {
   workers_.reserve(num_threads_ - 1);
   for (unsigned i = 0; i + 1 < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
@@ -43,36 +76,42 @@ ThreadPool::ThreadPool(unsigned num_threads)
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true, std::memory_order_relaxed);
   }
   work_cv_.notify_all();
   for (std::thread& t : workers_) t.join();
+}
+
+void ThreadPool::UnqueueLocked(Job* job) {
+  auto it = std::find(jobs_.begin(), jobs_.end(), job);
+  if (it == jobs_.end()) return;
+  jobs_.erase(it);
+  queued_.store(jobs_.size(), std::memory_order_relaxed);
 }
 
 void ThreadPool::WorkerLoop() {
   // oneDNN (OpenMP runtime) must not open parallel regions inside a task: the pool is the
   // parallelism.
   omp_set_num_threads(1);
-  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    work_cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stop_ and nothing left
-    RunOneTask(lock);
+    SpinFor(spin_, [this] {
+      return queued_.load(std::memory_order_relaxed) > 0 ||
+             stop_.load(std::memory_order_relaxed);
+    });
+    Job* job = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      work_cv_.wait(lock, [this] { return stop_.load(std::memory_order_relaxed) || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_ and nothing left
+      job = jobs_.front();
+      job->runners.fetch_add(1, std::memory_order_relaxed);
+    }
+    job->RunTasks();
+    std::lock_guard<std::mutex> lock(mu_);
+    UnqueueLocked(job);   // every index is claimed: no other worker needs to take it
+    // Release: the caller that reads 0 (spinning, without mu_) sees the tasks' writes.
+    if (job->runners.fetch_sub(1, std::memory_order_release) == 1) idle_cv_.notify_all();
   }
-}
-
-bool ThreadPool::RunOneTask(std::unique_lock<std::mutex>& lock) {
-  if (jobs_.empty()) return false;
-  Job* job = jobs_.front();
-  const size_t index = job->next++;
-  if (job->next == job->n) jobs_.pop_front();
-  lock.unlock();
-  (*job->fn)(index);
-  lock.lock();
-  // Notify under the lock: the caller cannot observe done == n (and destroy the job) before
-  // this thread has released mu_.
-  if (++job->done == job->n) job->done_cv.notify_all();
-  return true;
 }
 
 void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
@@ -87,23 +126,25 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     Job job;
     job.fn = &fn;
     job.n = n;
-    std::unique_lock<std::mutex> lock(mu_);
-    jobs_.push_back(&job);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      jobs_.push_back(&job);
+      queued_.store(jobs_.size(), std::memory_order_relaxed);
+    }
+    // Sleeping workers need a wake-up; spinning ones see queued_ (notify is then no syscall).
     if (n - 1 >= workers_.size()) {
       work_cv_.notify_all();
     } else {
       for (size_t i = 0; i + 1 < n; ++i) work_cv_.notify_one();
     }
     // Run our own tasks (not other callers'): our latency depends only on our job.
-    while (job.next < job.n) {
-      const size_t index = job.next++;
-      if (job.next == job.n) jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));
-      lock.unlock();
-      fn(index);
-      lock.lock();
-      ++job.done;
-    }
-    job.done_cv.wait(lock, [&job] { return job.done == job.n; });
+    job.RunTasks();
+    // Every index is claimed; wait for the workers still running theirs. A worker that takes
+    // the job after the spin finds nothing to claim and lets go at once.
+    SpinFor(spin_, [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
+    std::unique_lock<std::mutex> lock(mu_);
+    UnqueueLocked(&job);
+    idle_cv_.wait(lock, [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
   }
   if (saved_omp_threads != 1) omp_set_num_threads(saved_omp_threads);
 }

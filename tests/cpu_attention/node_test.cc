@@ -674,3 +674,35 @@ TEST(NodeConcurrency, CloseDuringAttendAndAppend) {
 
 }  // namespace
 }  // namespace tandem::cpu_attention
+
+namespace tandem::cpu_attention {
+namespace {
+
+// The pool's task split and spin are node options with bounds: out of them the node refuses to
+// start and says which; in them it serves.
+TEST(NodeOptionsTest, TaskSplitAndSpinAreBounded) {
+  auto refused = [](NodeOptions options, const char* what) {
+    options.pool_bytes = 16ull << 20;
+    options.threads = 1;
+    const absl::Status s = CpuAttentionNode::Create(options).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), std::string::npos) << s;
+  };
+  NodeOptions o;
+  o.tasks_per_thread = 0;
+  refused(o, "tasks_per_thread");
+  o.tasks_per_thread = 65;
+  refused(o, "tasks_per_thread");
+  o = NodeOptions{};
+  o.pool_spin_us = 100001;
+  refused(o, "pool_spin_us");
+  o = NodeOptions{};
+  o.pool_bytes = 16ull << 20;
+  o.threads = 1;
+  o.tasks_per_thread = 64;
+  o.pool_spin_us = 0;
+  EXPECT_TRUE(CpuAttentionNode::Create(o).ok());
+}
+
+}  // namespace
+}  // namespace tandem::cpu_attention

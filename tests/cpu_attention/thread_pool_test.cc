@@ -1,10 +1,12 @@
 // ThreadPool: every index runs exactly once, concurrent callers share the workers, n = 0 and
-// n = 1 work, and tasks see single-threaded OpenMP (so oneDNN does not oversubscribe).
+// n = 1 work, and tasks see single-threaded OpenMP (so oneDNN does not oversubscribe); spinning
+// workers give the same results, stop at once and are off in an oversubscribed pool.
 #include "tandem/cpu_attention/thread_pool.h"
 
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -27,14 +29,44 @@ TEST(ThreadPool, DefaultSizeIsAvailableCores) {
 }
 
 TEST(ThreadPool, RunsEveryIndexOnce) {
-  for (unsigned threads : {1u, 2u, 4u, 7u}) {
-    ThreadPool pool(threads);
-    for (size_t n : {1u, 2u, 3u, 10u, 1000u}) {
-      std::vector<std::atomic<int>> hits(n);
-      pool.ParallelFor(n, [&](size_t i) { hits[i].fetch_add(1); });
-      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "i=" << i << " n=" << n;
+  for (std::chrono::microseconds spin : {std::chrono::microseconds{0}, ThreadPool::kDefaultSpin}) {
+    for (unsigned threads : {1u, 2u, 4u, 7u}) {
+      ThreadPool pool(threads, spin);
+      for (size_t n : {1u, 2u, 3u, 10u, 1000u}) {
+        std::vector<std::atomic<int>> hits(n);
+        pool.ParallelFor(n, [&](size_t i) { hits[i].fetch_add(1); });
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "i=" << i << " n=" << n;
+      }
     }
   }
+}
+
+// Back-to-back calls reach workers that are still spinning from the last one (no wake-up), and
+// a call's results are all visible to its caller when it returns, however it waited.
+TEST(ThreadPool, BackToBackCallsSeeEveryResult) {
+  for (std::chrono::microseconds spin :
+       {std::chrono::microseconds{0}, std::chrono::microseconds{2000}}) {
+    ThreadPool pool(std::min(4u, AvailableCores()), spin);
+    std::vector<long> out(64);
+    for (int call = 0; call < 2000; ++call) {
+      const size_t n = 1 + call % 64;
+      pool.ParallelFor(n, [&](size_t i) { out[i] = call * 1000L + static_cast<long>(i); });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], call * 1000L + static_cast<long>(i));
+    }
+  }
+}
+
+// A pool spinning for a long time still stops at once, and one with more threads than cores
+// never spins (its spinning threads would hold the cores the others need).
+TEST(ThreadPool, SpinIsBoundedAndOffWhenOversubscribed) {
+  const auto start = std::chrono::steady_clock::now();
+  {
+    ThreadPool pool(2, std::chrono::microseconds{5'000'000});
+    pool.ParallelFor(8, [](size_t) {});
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(ThreadPool(AvailableCores() + 1, std::chrono::microseconds{100}).spin().count(), 0);
+  EXPECT_EQ(ThreadPool(1, std::chrono::microseconds{100}).spin().count(), 100);
 }
 
 TEST(ThreadPool, ZeroTasksCallsNothing) {
@@ -76,7 +108,7 @@ TEST(ThreadPool, OneThreadRunsEverythingOnTheCaller) {
 }
 
 TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
-  ThreadPool pool(3);
+  ThreadPool pool(3, std::chrono::microseconds{200});
   constexpr int kCallers = 4, kRounds = 50;
   std::vector<std::thread> callers;
   std::vector<std::atomic<long>> sums(kCallers);

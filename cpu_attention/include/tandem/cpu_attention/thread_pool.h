@@ -5,8 +5,17 @@
 // and each caller also runs tasks of its own call while it waits, so a call never deadlocks on a
 // busy pool. Each worker calls omp_set_num_threads(1) at start: oneDNN (OpenMP runtime on
 // Debian) then runs every primitive single-threaded inside the worker, with no oversubscription.
+//
+// Latency: a node's Attend is one call per layer of ~0.1-1 ms of work, so what a call costs
+// beyond its tasks matters. Tasks are claimed with an atomic counter (no lock per task), and a
+// worker that finishes a call spins for `spin` (pause, no syscall) watching for the next before it
+// sleeps on the condition variable, as the caller does for its workers' last tasks: back-to-back
+// calls (the layers of a decode step) then skip the futex wake-ups. A pool with more threads
+// than the cores it may use never spins (a spinning thread would hold a core a worker needs).
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
@@ -24,7 +33,8 @@ class ThreadPool {
  public:
   // num_threads == 0: AvailableCores(). The calling thread of ParallelFor counts as one of the
   // runners, so num_threads - 1 workers are started (none for 1: the caller runs every task).
-  explicit ThreadPool(unsigned num_threads = 0);
+  static constexpr std::chrono::microseconds kDefaultSpin{100};
+  explicit ThreadPool(unsigned num_threads = 0, std::chrono::microseconds spin = kDefaultSpin);
   ~ThreadPool();  // joins the workers; ParallelFor calls must have returned
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -35,18 +45,22 @@ class ThreadPool {
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 
   unsigned num_threads() const { return num_threads_; }
+  std::chrono::microseconds spin() const { return spin_; }
 
  private:
   struct Job;
   void WorkerLoop();
-  // Runs one pending task of any job; false if none is queued.
-  bool RunOneTask(std::unique_lock<std::mutex>& lock);
+  // Removes `job` from jobs_ if it is still there. Caller holds mu_.
+  void UnqueueLocked(Job* job);
 
   const unsigned num_threads_;
+  const std::chrono::microseconds spin_;
   std::mutex mu_;
-  std::condition_variable work_cv_;
-  std::deque<Job*> jobs_;  // jobs with tasks not yet started
-  bool stop_ = false;
+  std::condition_variable work_cv_;   // workers: a job was queued, or stop_
+  std::condition_variable idle_cv_;   // callers: a job's last worker let go of it
+  std::deque<Job*> jobs_;             // jobs that may have tasks not yet claimed (under mu_)
+  std::atomic<size_t> queued_{0};     // jobs_.size(), read by spinning workers without mu_
+  std::atomic<bool> stop_{false};
   std::vector<std::thread> workers_;
 };
 
