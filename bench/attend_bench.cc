@@ -23,10 +23,13 @@
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
 //        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
 //        --select_tokens S (0 = no paged run) --page_tokens P (16) --pool_spin_us U (100)
+//        --prefetch_entries E1,E2 (128): PagedAttention-alone rows, random, contiguous and
+//        page-major pages --huge_pages (KV sets and node blocks in transparent huge pages)
 //        --node_kv_dtype bf16|int8|bf16,int8 (bf16): how the node rows (d), (e) store KV; a list
 //        runs (d) and (e) once per dtype on the same data and machine and prints each one's time
 //        per call against the first's (int8 vs bf16 per entry: the issue 15 comparison).
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -55,6 +58,7 @@
 #include "tandem/common/dnnl_call.h"
 #include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/cpu_attention/cpu_attention_node.h"
+#include "tandem/cpu_attention/paged_attention.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/cpu_attention/thread_pool.h"
@@ -77,6 +81,10 @@ ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
 ABSL_FLAG(uint32_t, select_tokens, 0,
           "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
 ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
+ABSL_FLAG(std::vector<std::string>, prefetch_entries, {"128"},
+          "prefetch distances (entries) of the PagedAttention-alone rows");
+ABSL_FLAG(bool, huge_pages, false,
+          "back the KV sets and the node's blocks with transparent huge pages (madvise)");
 ABSL_FLAG(uint32_t, pool_spin_us, 100,
           "the pools' threads spin this long after a call before sleeping (NodeOptions)");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
@@ -86,6 +94,9 @@ ABSL_FLAG(std::string, node_kv_dtype, "bf16",
 
 namespace tandem::cpu_attention {
 namespace {
+
+// --huge_pages: the KV sets (and the node's block pool) ask for transparent huge pages.
+bool g_huge_pages = false;
 
 struct Flags {
   uint32_t heads = 32;
@@ -102,6 +113,7 @@ struct Flags {
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
   uint32_t pool_spin_us = 100;
+  std::vector<uint32_t> prefetch_entries = {128};
   std::vector<kv_store::KvDType> node_kv_dtypes = {kv_store::KvDType::kBf16};
 };
 
@@ -132,6 +144,13 @@ bool ReadFlags(Flags& f) {
   f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   f.pool_spin_us = absl::GetFlag(FLAGS_pool_spin_us);
   if (f.pool_spin_us > 100000) return false;
+  g_huge_pages = absl::GetFlag(FLAGS_huge_pages);
+  f.prefetch_entries.clear();
+  for (const std::string& v : absl::GetFlag(FLAGS_prefetch_entries)) {
+    uint32_t x = 0;
+    if (!absl::SimpleAtoi(v, &x) || x > 4096) return false;
+    f.prefetch_entries.push_back(x);
+  }
   if (f.page_tokens < 1 || f.page_tokens > 4096) return false;
   f.node_kv_dtypes.clear();
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_node_kv_dtype), ',')) {
@@ -171,11 +190,15 @@ struct Freer {
 using Buffer = std::unique_ptr<std::byte, Freer>;
 
 Buffer Allocate(size_t bytes) {
-  void* p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t align = g_huge_pages ? kHuge : 4096;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) {
     std::fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
     std::exit(1);
   }
+  if (g_huge_pages) madvise(p, rounded, MADV_HUGEPAGE);   // before first touch
   return Buffer(static_cast<std::byte*>(p));
 }
 
@@ -416,6 +439,87 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
   return Median(times);
 }
 
+// ---- (c') PagedAttention alone over named pages of the same buffers (no node, no proto): the
+// scan's own rate, for each prefetch distance and page layout.
+enum class PageLayout {
+  kRandom,       // random pages; a page's K rows in one array, its V rows in another (the node's)
+  kContiguous,   // pages 0..P-1: one run per head, what the scan does without scatter
+  kPageMajor,    // random pages; K then V of a page in one run ([page][K rows][V rows])
+};
+const char* PageLayoutName(PageLayout l) {
+  return l == PageLayout::kRandom ? "random" : l == PageLayout::kContiguous ? "contiguous"
+                                                                            : "page_major";
+}
+
+double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t prefetch,
+                       PageLayout layout, uint64_t* bytes) {
+  const bool contiguous = layout == PageLayout::kContiguous;
+  const bool page_major = layout == PageLayout::kPageMajor;
+  const uint32_t D = kv.D, G = f.group, H = kv.heads, P = f.page_tokens;
+  // Page-major pages live in the K array of a head, two pages' worth of rows each (K then V).
+  const uint64_t num_pages = page_major ? kv.n / P / 2 : kv.n / P;
+  const uint64_t per_head =
+      std::min<uint64_t>(num_pages, std::max<uint32_t>(1, f.select_tokens / P));
+  std::vector<float> q(size_t{H} * G * D), o(q.size()), lse(size_t{H} * G);
+  for (size_t i = 0; i < q.size(); ++i)
+    q[i] = static_cast<float>((i * 7919) % 1000) / 500.0f - 1.0f;
+  PagedParams p;
+  p.dtype = kv_store::KvDType::kBf16;
+  p.head_dim = D;
+  p.group = G;
+  p.tasks_per_thread = f.tasks_per_thread;
+  p.prefetch_entries = prefetch;
+  // 32 calls with their own pages (as the node rows), over the copies in turn.
+  constexpr size_t kCalls = 32;
+  std::vector<std::vector<KvRun>> runs(kCalls);
+  std::vector<std::vector<PagedProblem>> problems(kCalls);
+  std::vector<uint64_t> ids(num_pages);
+  for (size_t c = 0; c < kCalls; ++c) {
+    std::mt19937_64 rng(c + 1);
+    const size_t copy = c % kv.copies;
+    for (uint32_t h = 0; h < H; ++h) {
+      std::iota(ids.begin(), ids.end(), 0);
+      if (!contiguous) {
+        for (uint64_t i = 0; i < per_head; ++i) std::swap(ids[i], ids[i + rng() % (num_pages - i)]);
+        std::sort(ids.begin(), ids.begin() + per_head);
+      }
+      PagedProblem pr;
+      pr.run_begin = runs[c].size();
+      for (uint64_t i = 0; i < per_head; ++i) {
+        const size_t page_bytes = size_t{P} * D * 2;
+        if (page_major) {
+          const std::byte* k = kv.K(copy, h) + ids[i] * 2 * page_bytes;
+          runs[c].push_back(KvRun{k, k + page_bytes, P});
+        } else {
+          const size_t at = ids[i] * page_bytes;
+          runs[c].push_back(KvRun{kv.K(copy, h) + at, kv.V(copy, h) + at, P});
+        }
+      }
+      pr.run_end = runs[c].size();
+      pr.q = q.data() + size_t{h} * G * D;
+      pr.o = o.data() + size_t{h} * G * D;
+      pr.lse = lse.data() + size_t{h} * G;
+      problems[c].push_back(pr);
+    }
+  }
+  auto run = [&](size_t c) {
+    const absl::Status s = PagedAttention(p, runs[c], problems[c], pool);
+    if (!s.ok()) {
+      std::fprintf(stderr, "PagedAttention: %s\n", std::string(s.message()).c_str());
+      std::exit(1);
+    }
+  };
+  for (size_t c = 0; c < 2; ++c) run(c);
+  std::vector<double> times;
+  for (uint32_t rep = 0; rep < std::max<uint32_t>(f.reps, 16); ++rep) {
+    const double t0 = Now();
+    run((rep + 2) % kCalls);
+    times.push_back(Now() - t0);
+  }
+  *bytes = uint64_t{H} * per_head * P * D * 2 * 2;
+  return Median(times);
+}
+
 // ---- (d) the node's Attend: the same entries appended to sessions of a CpuAttentionNode
 // (kv_store blocks, selected copies), queried with AttendRequest protos, timed per call.
 
@@ -451,6 +555,7 @@ NodeRig MakeNodeRig(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype,
   options.chunk_keys = f.chunk;
   options.tasks_per_thread = f.tasks_per_thread;
   options.pool_spin_us = f.pool_spin_us;
+  options.huge_pages = g_huge_pages;
   options.block_tokens = 256;
   options.kv_dtype = kv_dtype;
   auto node = CpuAttentionNode::Create(options);
@@ -618,6 +723,7 @@ int Main(int argc, char** argv) {
         {"chunk", f.chunk},
         {"tasks_per_thread", f.tasks_per_thread},
         {"pool_spin_us", f.pool_spin_us},
+        {"huge_pages", g_huge_pages},
         {"node_kv_dtype", DTypeNames(f.node_kv_dtypes)},
         {"dnnl_isa", IsaName(dnnl::get_effective_cpu_isa())},
         {"cpu_isa", CpuIsaName(ActiveCpuIsa())},
@@ -670,6 +776,26 @@ int Main(int argc, char** argv) {
           {"ratio_to_raw_onednn", raw_s / sparse_s},
           {"ratio_to_memcpy_rw", sparse_gbs / mem.copy_gbs},
           {"ratio_to_read", sparse_gbs / mem.read_gbs}});
+    // PagedAttention alone (c'): each page layout per prefetch distance.
+    for (uint32_t prefetch : f.select_tokens > 0 ? f.prefetch_entries : std::vector<uint32_t>{}) {
+      for (PageLayout layout :
+           {PageLayout::kRandom, PageLayout::kContiguous, PageLayout::kPageMajor}) {
+        uint64_t paged_bytes = 0;
+        const double paged_s = TimePagedKernel(pool, kv, f, prefetch, layout, &paged_bytes);
+        const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
+        Emit({{"bench", "paged_kernel"},
+              {"pages", PageLayoutName(layout)},
+              {"prefetch_entries", prefetch},
+              {"n_per_head", n},
+              {"select_tokens", f.select_tokens},
+              {"page_tokens", f.page_tokens},
+              {"kv_bytes_scanned", paged_bytes},
+              {"median_s", paged_s},
+              {"kv_gbs", paged_gbs},
+              {"ratio_to_sparse_attention", paged_gbs / sparse_gbs},
+              {"ratio_to_read", paged_gbs / mem.read_gbs}});
+      }
+    }
     std::vector<uint64_t> scanned;
     const std::vector<double> node_times =
         TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/false, &scanned);

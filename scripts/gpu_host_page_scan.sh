@@ -6,7 +6,7 @@
 # and with the AVX2 path forced; then the pool's and the paged kernels' tests on 16 cores.
 # Prepared by:
 #   mkdir -p /tmp/sbundle/bin && cp build/bench/tandem-attend-bench \
-#     build/tests/cpu_attention/cpu_attention_{thread_pool,paged,paged_node}_test /tmp/sbundle/bin/
+#     build/tests/cpu_attention/cpu_attention_{kernel,paged,paged_node}_test /tmp/sbundle/bin/
 #   ../shared/tools/gpu-bundle.sh /tmp/sbundle .carry/tandem.tar.xz
 #   git rev-parse HEAD > .carry/commit
 # and run with carry [".carry"]. VARIANTS="spin:tasks ..." and N (per-head entries) override.
@@ -34,7 +34,7 @@ for v in ${VARIANTS:-0:2 100:2 100:8 1000:8}; do
 done
 best=${BEST:-100:8}
 bench "avx2_s${best%%:*}_t${best##*:}" "${best%%:*}" "${best##*:}" TANDEM_CPU_ISA=avx2
-for t in thread_pool paged paged_node; do
+for t in kernel paged paged_node; do
   echo "== cpu_attention_${t}_test"
   timeout 300 "cpu_attention_${t}_test" > "$out/test_$t.txt" 2>&1
   echo "rc $?"; grep -E '^\[  (PASSED|FAILED) ' "$out/test_$t.txt"

@@ -46,8 +46,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr size_t kChunk = 64;
 // NOTE: named pages are short runs scattered over the pool (16 rows = 4 KiB of bf16 K, as much
 // V), too short for the hardware prefetcher to ramp up: the scan prefetches the rows it will
-// read this many entries ahead (software prefetch), which triples the rate on random pages.
-constexpr uint64_t kPrefetchEntries = 2 * kChunk;
+// read PagedParams::prefetch_entries entries ahead (software prefetch), which triples the rate
+// on random pages.
 // A range covers at least this many entries (fewer, larger tasks for tiny problems).
 constexpr uint64_t kMinRangeEntries = 256;
 
@@ -162,6 +162,7 @@ struct RowsOut {
 // rows. `work` holds [R, D] scaled queries, [R, D] accumulators, m [R], l [R] and the scores
 // [R, kChunk].
 struct PieceArgs {
+  uint64_t prefetch_entries;   // PagedParams::prefetch_entries
   const KvRun* runs;
   uint64_t skip;
   uint64_t count;
@@ -258,7 +259,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   float k_scale[kChunk];  // int8: the rows' scales
   float v_scale[kChunk];
   RunCursor ahead{a.runs, a.skip, a.count};
-  PrefetchRows(ahead, kPrefetchEntries, row_bytes);
+  PrefetchRows(ahead, a.prefetch_entries, row_bytes);
   while (left > 0) {
     // Gather the next chunk's row addresses across run boundaries.
     size_t c_n = 0;
@@ -421,6 +422,10 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
   if (p.group < 1 || p.tasks_per_thread < 1) {
     return absl::InvalidArgumentError("paged attention: group and tasks_per_thread must be >= 1");
   }
+  if (p.prefetch_entries > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("paged attention: prefetch_entries ", p.prefetch_entries, " > 4096"));
+  }
   if (!std::isfinite(p.scale) || p.scale < 0) {
     return absl::InvalidArgumentError("paged attention: scale must be finite and >= 0");
   }
@@ -515,6 +520,7 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
         const PagedProblem& pr = problems[piece.problem];
         const size_t rows = size_t{pr.num_tokens} * G;
         PieceArgs a;
+        a.prefetch_entries = params.prefetch_entries;
         // Find the run holding entry `begin`.
         a.runs = runs.data() + pr.run_begin;
         a.skip = piece.begin;

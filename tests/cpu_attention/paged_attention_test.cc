@@ -196,6 +196,15 @@ TEST_P(PagedAttentionTest, NamedPagesPerTokenMatchReference) {
   ThreadPool pool(3);
   // More ranges than problems: long problems are split.
   ASSERT_TRUE(PagedAttention(Params(dtype, G, D, 4), runs, problems, pool).ok());
+  // How far ahead the scan prefetches changes no bit of the result.
+  for (uint32_t prefetch : {0u, 1u, 4096u}) {
+    const std::vector<float> o_first = o, lse_first = lse;
+    PagedParams params = Params(dtype, G, D, 4);
+    params.prefetch_entries = prefetch;
+    ASSERT_TRUE(PagedAttention(params, runs, problems, pool).ok());
+    EXPECT_EQ(o, o_first) << "prefetch " << prefetch;
+    EXPECT_EQ(lse, lse_first) << "prefetch " << prefetch;
+  }
 
   for (uint32_t t = 0; t < T; ++t) {
     for (uint32_t h = 0; h < H; ++h) {
@@ -289,6 +298,10 @@ TEST(PagedAttentionValidation, RejectsBadParamsAndRunRanges) {
             absl::StatusCode::kInvalidArgument);
   params.head_dim = 12;
   p.run_end = 0;
+  EXPECT_EQ(PagedAttention(params, {}, std::span<const PagedProblem>(&p, 1), pool).code(),
+            absl::StatusCode::kInvalidArgument);
+  params.head_dim = 64;
+  params.prefetch_entries = 4097;
   EXPECT_EQ(PagedAttention(params, {}, std::span<const PagedProblem>(&p, 1), pool).code(),
             absl::StatusCode::kInvalidArgument);
 }

@@ -68,7 +68,7 @@ struct NodeOptions {
   // Tasks per attention thread one Attend's heads are cut into (AttentionParams and
   // PagedParams::tasks_per_thread, 1..64): more even out threads that start late, fewer cost
   // less per task.
-  uint32_t tasks_per_thread = 2;
+  uint32_t tasks_per_thread = 8;
   // Attention threads spin this long after a call, watching for the next, before they sleep
   // (ThreadPool): the per-layer calls of a decode step then skip the wake-ups (0..100000).
   uint32_t pool_spin_us = 100;

@@ -66,6 +66,8 @@ struct PagedParams {
   uint32_t group = 1;       // G: query heads per kv head
   float scale = 0.0f;       // 0 = 1/sqrt(head_dim)
   uint32_t tasks_per_thread = 2;
+  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096; 0: none).
+  uint32_t prefetch_entries = 128;
 };
 
 // Checks one row of page ids (int32 [pages_per_head]): non-negative ids strictly ascending,
