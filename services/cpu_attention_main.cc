@@ -41,7 +41,7 @@ ABSL_FLAG(std::string, metrics_address, "",
           "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9401; port 0: any free); "
           "\"\" = off");
 ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process may use");
-ABSL_FLAG(unsigned, tasks_per_thread, 8, "tasks per attention thread one Attend is cut into (1..64)");
+ABSL_FLAG(unsigned, tasks_per_thread, 2, "tasks per attention thread one Attend is cut into (1..64)");
 ABSL_FLAG(unsigned, pool_spin_us, 100,
           "attention threads spin this long after a call before sleeping (0..100000; 0: sleep at "
           "once, for hosts shared with other work)");

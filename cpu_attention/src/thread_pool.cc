@@ -17,15 +17,15 @@ inline void CpuRelax() {
 #endif
 }
 
-// Spins until done() or `budget` has passed (checking the clock every 64 polls); returns done().
+using Clock = std::chrono::steady_clock;
+
+// Spins until done() or `until` (checking the clock every 64 polls); returns done().
 template <typename Pred>
-bool SpinFor(std::chrono::microseconds budget, Pred done) {
-  if (budget.count() <= 0) return done();
-  const auto until = std::chrono::steady_clock::now() + budget;
+bool SpinUntil(Clock::time_point until, Pred done) {
   for (uint32_t i = 1;; ++i) {
     if (done()) return true;
     CpuRelax();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) return done();
+    if (i % 64 == 0 && Clock::now() >= until) return done();
   }
 }
 
@@ -93,14 +93,22 @@ void ThreadPool::WorkerLoop() {
   // oneDNN (OpenMP runtime) must not open parallel regions inside a task: the pool is the
   // parallelism.
   omp_set_num_threads(1);
+  auto has_work = [this] {
+    return stop_.load(std::memory_order_relaxed) || queued_.load(std::memory_order_relaxed) > 0;
+  };
   while (true) {
-    SpinFor(spin_, [this] {
-      return queued_.load(std::memory_order_relaxed) > 0 ||
-             stop_.load(std::memory_order_relaxed);
-    });
     Job* job = nullptr;
     {
+      // Spin for the budget; a job that others used up before this worker got the lock does
+      // not end the spin (the next call is likely to come within it), only the budget does.
+      const Clock::time_point until = Clock::now() + spin_;
       std::unique_lock<std::mutex> lock(mu_);
+      while (spin_.count() > 0 && jobs_.empty() && !stop_.load(std::memory_order_relaxed) &&
+             Clock::now() < until) {
+        lock.unlock();
+        SpinUntil(until, has_work);
+        lock.lock();
+      }
       work_cv_.wait(lock, [this] { return stop_.load(std::memory_order_relaxed) || !jobs_.empty(); });
       if (jobs_.empty()) return;  // stop_ and nothing left
       job = jobs_.front();
@@ -141,7 +149,10 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
     job.RunTasks();
     // Every index is claimed; wait for the workers still running theirs. A worker that takes
     // the job after the spin finds nothing to claim and lets go at once.
-    SpinFor(spin_, [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
+    if (spin_.count() > 0) {
+      SpinUntil(Clock::now() + spin_,
+                [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
+    }
     std::unique_lock<std::mutex> lock(mu_);
     UnqueueLocked(&job);
     idle_cv_.wait(lock, [&job] { return job.runners.load(std::memory_order_acquire) == 0; });

@@ -190,6 +190,31 @@ TEST_F(EngineRequests, ContinuedSessionKeepsItsMode) {
   EXPECT_TRUE(engine_->CloseSession("keep").ok());
 }
 
+// Every windowed mode keeps the window and sink it was opened with (TierTraits::windowed): a
+// continued turn that names others is refused, one that repeats them or names none goes on.
+TEST_F(EngineRequests, ContinuedWindowedSessionKeepsItsWindowAndSink) {
+  for (AttentionMode mode : {AttentionMode::kHybrid, AttentionMode::kOffload}) {
+    SCOPED_TRACE(std::string(AttentionModeName(mode)));
+    GenerateRequest r = Valid();
+    r.session_id = "window";
+    r.mode = mode;
+    r.window = 32;
+    r.sink = 4;
+    ASSERT_TRUE(engine_->Generate(r).ok());
+    GenerateRequest other = r;
+    other.window = 64;
+    ExpectInvalid(other, "keeps its window and sink");
+    other = r;
+    other.sink = 0;
+    ExpectInvalid(other, "keeps its window and sink");
+    EXPECT_TRUE(engine_->Generate(r).ok());
+    r.window.reset();
+    r.sink.reset();
+    EXPECT_TRUE(engine_->Generate(r).ok());
+    EXPECT_TRUE(engine_->CloseSession("window").ok());
+  }
+}
+
 TEST_F(EngineRequests, StopStringEndsTheTextBeforeIt) {
   GenerateRequest r = Valid();
   r.max_tokens = 60;

@@ -67,11 +67,13 @@ struct NodeOptions {
   uint32_t chunk_keys = 2048;           // keys per matmul chunk (see sparse_attention.h)
   // Tasks per attention thread one Attend's heads are cut into (AttentionParams and
   // PagedParams::tasks_per_thread, 1..64): more even out threads that start late, fewer cost
-  // less per task.
-  uint32_t tasks_per_thread = 8;
+  // less per task. Each task beyond a head's first keeps a partial state of T·G·(D+1) floats,
+  // so more tasks cost memory on multi-token calls.
+  uint32_t tasks_per_thread = 2;
   // Attention threads spin this long after a call, watching for the next, before they sleep
-  // (ThreadPool): the per-layer calls of a decode step then skip the wake-ups (0..100000).
-  uint32_t pool_spin_us = 100;
+  // (ThreadPool): the per-layer calls of a decode step then skip the wake-ups (0..100000). 0 for
+  // a node sharing its cores (the worker's embedded node); tandem-cpu-attention sets 100.
+  uint32_t pool_spin_us = 0;
   bool allow_shm = true;                // serve shm channels requested at OpenSession
   uint32_t shm_spin_us = 10;            // a channel thread spins this long before sleeping
   // KV blocks free this long give their pages back to the kernel (kv_store::FreeMemoryReleaser);

@@ -66,7 +66,9 @@ struct PagedParams {
   uint32_t group = 1;       // G: query heads per kv head
   float scale = 0.0f;       // 0 = 1/sqrt(head_dim)
   uint32_t tasks_per_thread = 2;
-  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096; 0: none).
+  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096). 0 still
+  // prefetches each 64-entry chunk in one burst just before it is read (that burst is most of
+  // the gain on scattered pages; BENCHMARKS, issue 27).
   uint32_t prefetch_entries = 128;
 };
 

@@ -12,6 +12,8 @@
 // sleeps on the condition variable, as the caller does for its workers' last tasks: back-to-back
 // calls (the layers of a decode step) then skip the futex wake-ups. A pool with more threads
 // than the cores it may use never spins (a spinning thread would hold a core a worker needs).
+// Spinning is opt-in (the default is 0): a dedicated CPU node wants it (--pool_spin_us); a pool
+// sharing its cores with other work (the worker's embedded node, tests) does not.
 #pragma once
 
 #include <atomic>
@@ -33,8 +35,8 @@ class ThreadPool {
  public:
   // num_threads == 0: AvailableCores(). The calling thread of ParallelFor counts as one of the
   // runners, so num_threads - 1 workers are started (none for 1: the caller runs every task).
-  static constexpr std::chrono::microseconds kDefaultSpin{100};
-  explicit ThreadPool(unsigned num_threads = 0, std::chrono::microseconds spin = kDefaultSpin);
+  explicit ThreadPool(unsigned num_threads = 0,
+                      std::chrono::microseconds spin = std::chrono::microseconds{0});
   ~ThreadPool();  // joins the workers; ParallelFor calls must have returned
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
