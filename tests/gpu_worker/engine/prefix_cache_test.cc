@@ -506,6 +506,31 @@ TEST_F(EnginePrefixCache, ScopesAreIsolatedByPrincipalAndSalt) {
   }
 }
 
+// The scope holds what the tier's KV depends on (TierTraits): the window and sink of a windowed
+// tier, the selection only of a selecting one. An offload request naming pages reuses an
+// offload session opened with MAW (offload attends over every entry either way); one with
+// another window does not (its device window holds other positions).
+TEST_F(EnginePrefixCache, TheScopeHoldsOnlyWhatTheTierReads) {
+  auto engine = Make(Options(true));
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> doc = Ids(120, 9);
+  GenerateRequest first = Request(Concat(doc, Ids(5, 1)), AttentionMode::kOffload, 4);
+  first.selection = SelectionRule::kMaw;
+  ASSERT_TRUE(engine->Generate(first).ok());
+
+  GenerateRequest pages = Request(Concat(doc, Ids(5, 2)), AttentionMode::kOffload, 4);
+  pages.selection = SelectionRule::kPages;
+  auto p = engine->Generate(pages);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_GE(p->cached_tokens, 120) << "offload reads no selection: the same scope";
+
+  GenerateRequest wider = Request(Concat(doc, Ids(5, 3)), AttentionMode::kOffload, 4);
+  wider.window = 96;
+  auto w = engine->Generate(wider);
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->cached_tokens, 0) << "another window is another scope";
+}
+
 // More distinct prompts than sessions or device KV allow: cached sessions are evicted, least
 // recently used first, and no request fails.
 TEST_F(EnginePrefixCache, EvictionMakesRoomAndNoRequestFails) {
