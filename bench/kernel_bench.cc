@@ -929,8 +929,11 @@ absl::Status Run() {
     }
     for (int64_t context : *contexts) {
       const int64_t num_pages = (context + page_tokens - 1) / page_tokens;
-      const size_t summary_elems = static_cast<size_t>(geo.kv_heads * num_pages * 2 * geo.head_dim);
-      const double summary_bytes = static_cast<double>(summary_elems * DTypeBytes(geo.dtype));
+      // The buffer holds kPageSummaryRows rows per page; the bound reads two (min, max).
+      const size_t summary_elems =
+          static_cast<size_t>(geo.kv_heads * num_pages * kPageSummaryRows * geo.head_dim);
+      const double summary_bytes =
+          static_cast<double>(geo.kv_heads * num_pages * 2 * geo.head_dim * DTypeBytes(geo.dtype));
       const int64_t sets = std::max<int64_t>(
           1, static_cast<int64_t>((4.0 * bench.l2_bytes() + summary_bytes - 1) / summary_bytes));
       for (int64_t tokens : *query_tokens) {
@@ -954,6 +957,8 @@ absl::Status Run() {
           args.push_back({.q = q->as<float>(),
                           .q_row_stride = geo.q_heads * geo.head_dim,
                           .summaries = summaries.back().data(),
+                          .page_stride = kPageSummaryRows * geo.head_dim,
+                          .hi_offset = geo.head_dim,
                           .dtype = geo.dtype,
                           .max_pages = num_pages,
                           .num_pages = num_pages,

@@ -9,8 +9,17 @@
 // A prompt counts as retrieved when the greedy continuation starts with " <the 7 digits>".
 // Prompts are built from a seeded generator (--seed): the same flags give the same prompts.
 // Configurations: gpu (full attention), window only, MAW at each of --betas, pages at each of
-// --pages (TOKENS or TOKENS:dN, see tandem-ppl-bench). Prints one JSON line per configuration,
+// --pages (TOKENS[:dN][:cF], see tandem-ppl-bench). Prints one JSON line per configuration,
 // then a table.
+//
+// --settle_first (default): the answer is decoded with every offloaded entry on the tier, as in
+// a chat over a document sent earlier. Each prompt goes twice: first without its last token
+// (max_tokens 1), a one-shot request whose session the prefix cache keeps and the engine settles
+// whole when the request ends (the device prefill's widened window moves to the tier); then
+// whole, which continues that session, so the last prompt token and every answer token attend
+// through the window and the tier's selection. Without it, a device prefill leaves the prompt's
+// KV on the device while the first tokens decode (settle_tokens_per_step a step), and a long
+// prompt's answer never reaches the selection.
 //
 //   tandem-needle-bench --model ../shared/models/gutenberg-14m-niah
 //       --books ../shared/data/gutenberg-eval --prompts_per_book 4 --pages 256,512
@@ -47,6 +56,9 @@ ABSL_FLAG(std::string, pages, "256,512", "hybrid pages: budgets, TOKENS or TOKEN
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
 ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
+ABSL_FLAG(bool, settle_first, true,
+          "decode each answer with all offloaded KV on the tier (see the file comment)");
+ABSL_FLAG(int64_t, node_pool_gib, 4, "embedded CPU node KV pool, GiB");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "embedded CPU node KV storage: bf16 (as sent) or int8 (8-bit rows, per-row scale)");
 
@@ -139,7 +151,9 @@ int Main() {
   EngineOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.backend = absl::GetFlag(FLAGS_backend);
-  options.nodes.embedded.pool_bytes = 2ull << 30;
+  options.nodes.embedded.pool_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_node_pool_gib))
+                                      << 30;
+  options.prefix_cache = absl::GetFlag(FLAGS_settle_first);
   options.nodes.embedded.threads = absl::GetFlag(FLAGS_node_threads);
   {
     auto kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
@@ -217,13 +231,15 @@ int Main() {
 
   int64_t total_tokens = 0;
   for (const NeedlePrompt& p : prompts) total_tokens += p.tokens;
+  const bool settle_first = absl::GetFlag(FLAGS_settle_first);
   std::vector<std::pair<std::string, int64_t>> table;
   for (const Config& config : configs) {
     int64_t retrieved = 0;
+    int64_t unsettled = 0;   // settle_first: prompts whose second request missed the cache
     std::vector<int> per_prompt;
-    for (const NeedlePrompt& p : prompts) {
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const NeedlePrompt& p = prompts[i];
       GenerateRequest request;
-      request.prompt_text = p.text;
       request.max_tokens = 6;
       request.ignore_eos = true;
       request.mode = config.mode;
@@ -233,12 +249,39 @@ int Main() {
       request.selection = config.selection;
       request.select_tokens = config.policy.select_tokens;
       request.dense_layers = config.policy.dense_layers;
+      request.centroid_share = config.policy.centroid_share;
+      // Only this configuration's two requests of this prompt share a cache scope.
+      request.cache_salt = absl::StrFormat("%s/%d", config.label, i);
+      std::vector<std::string> sessions;
+      if (settle_first) {
+        auto ids = (*engine)->Tokenize(p.text, /*add_bos=*/true);
+        if (!ids.ok()) {
+          std::fprintf(stderr, "tandem-needle-bench: %s\n", ids.status().ToString().c_str());
+          return 1;
+        }
+        GenerateRequest head = request;
+        head.prompt_ids.assign(ids->begin(), ids->end() - 1);
+        head.max_tokens = 1;
+        auto first = (*engine)->Generate(head);
+        if (!first.ok()) {
+          std::fprintf(stderr, "tandem-needle-bench: %s: %s\n", config.label.c_str(),
+                       first.status().ToString().c_str());
+          return 1;
+        }
+        sessions.push_back(first->session_id);
+        request.prompt_ids = *std::move(ids);
+      } else {
+        request.prompt_text = p.text;
+      }
       auto summary = (*engine)->Generate(request);
       if (!summary.ok()) {
         std::fprintf(stderr, "tandem-needle-bench: %s: %s\n", config.label.c_str(),
                      summary.status().ToString().c_str());
         return 1;
       }
+      sessions.push_back(summary->session_id);
+      if (settle_first && summary->cached_tokens + 1 != summary->prompt_tokens) ++unsettled;
+      for (const std::string& id : sessions) (void)(*engine)->CloseSession(id);
       const bool ok = summary->text.rfind(p.answer, 0) == 0;
       retrieved += ok;
       per_prompt.push_back(ok);
@@ -247,6 +290,8 @@ int Main() {
                         {"node_kv_dtype", absl::GetFlag(FLAGS_node_kv_dtype)},
                         {"prompts", prompts.size()},
                         {"retrieved", retrieved},
+                        {"settle_first", settle_first},
+                        {"unsettled", unsettled},
                         {"mean_prompt_tokens", total_tokens / static_cast<int64_t>(prompts.size())},
                         {"window", absl::GetFlag(FLAGS_window)},
                         {"sink", absl::GetFlag(FLAGS_sink)},

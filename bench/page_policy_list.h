@@ -1,6 +1,7 @@
 // Parses the --pages flag of the accuracy benchmarks (tandem-ppl-bench, tandem-needle-bench):
-// a comma-separated list of page-selection budgets, each TOKENS or TOKENS:dN (N dense first
-// layers), e.g. "256,512,512:d1".
+// a comma-separated list of page-selection budgets, each TOKENS followed by any of :dN (N dense
+// first layers) and :cF (PagePolicy::centroid_share F in [0, 1]; unset: the default), e.g.
+// "512,512:c0,2048:d1:c0.5".
 #pragma once
 
 #include <cstdint>
@@ -17,30 +18,37 @@
 namespace tandem::bench {
 
 struct LabelledPagePolicy {
-  std::string label;   // "pages 512" or "pages 512 d1"
+  std::string label;   // "pages 512", "pages 512 d1", "pages 512 c0"
   gpu_worker::PagePolicy policy;
 };
 
-// INVALID_ARGUMENT naming the item for anything but TOKENS (>= 1) or TOKENS:dN (N >= 0).
+// INVALID_ARGUMENT naming the item for anything but TOKENS (>= 1) with :dN (N >= 0) and :cF
+// (0 <= F <= 1) suffixes.
 inline absl::StatusOr<std::vector<LabelledPagePolicy>> ParsePagePolicies(const std::string& spec) {
   std::vector<LabelledPagePolicy> out;
   for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
     const std::vector<std::string> parts = absl::StrSplit(item, ':');
     gpu_worker::PagePolicy p;
-    bool ok = parts.size() <= 2 && absl::SimpleAtoi(parts[0], &p.select_tokens) &&
-              p.select_tokens > 0;
-    if (ok && parts.size() == 2) {
-      ok = parts[1].size() > 1 && parts[1][0] == 'd' &&
-           absl::SimpleAtoi(parts[1].substr(1), &p.dense_layers) && p.dense_layers >= 0;
+    std::string label = "pages " + parts[0];
+    bool ok = absl::SimpleAtoi(parts[0], &p.select_tokens) && p.select_tokens > 0;
+    for (size_t i = 1; ok && i < parts.size(); ++i) {
+      const std::string& part = parts[i];
+      ok = part.size() > 1;
+      if (ok && part[0] == 'd') {
+        ok = absl::SimpleAtoi(part.substr(1), &p.dense_layers) && p.dense_layers >= 0;
+      } else if (ok && part[0] == 'c') {
+        ok = absl::SimpleAtod(part.substr(1), &p.centroid_share) && p.centroid_share >= 0.0 &&
+             p.centroid_share <= 1.0;
+      } else {
+        ok = false;
+      }
+      absl::StrAppend(&label, " ", part);
     }
     if (!ok) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("bad --pages item '", item, "' (expected TOKENS or TOKENS:dN)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "bad --pages item '", item, "' (expected TOKENS, TOKENS:dN, TOKENS:cF or both)"));
     }
-    out.push_back({absl::StrFormat("pages %d%s", p.select_tokens,
-                                   p.dense_layers ? absl::StrFormat(" d%d", p.dense_layers)
-                                                  : std::string()),
-                   p});
+    out.push_back({label, p});
   }
   return out;
 }

@@ -219,6 +219,7 @@ int Main() {
                         {"selection", SelectionRuleName(config.selection)},
                         {"select_tokens", config.policy.select_tokens},
                         {"dense_layers", config.policy.dense_layers},
+                        {"centroid_share", config.policy.centroid_share},
                         {"page_tokens", absl::GetFlag(FLAGS_page_tokens)},
                         {"books", book_ids.size()}, {"tokens", tokens},
                         {"window", absl::GetFlag(FLAGS_window)},

@@ -146,6 +146,8 @@ ABSL_FLAG(std::string, select_tokens, "",
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
 ABSL_FLAG(int64_t, dense_layers, 0, "selection=pages: first layers attending over every page");
+ABSL_FLAG(double, centroid_share, 0.5,
+          "selection=pages: share of each budget chosen by q·mean after the rest by Quest's bound");
 ABSL_FLAG(std::string, micro_batches, "1,2",
           "hybrid decode: micro-batch settings timed on the same sequences, comma-separated: 1 = "
           "one pass over the batch (GPU and CPU parts add up), 2 = ping-pong (RunnerOptions::"
@@ -293,6 +295,7 @@ class Bench {
       o.selection = gpu_worker::SelectionRule::kPages;
       o.page_policy.select_tokens = cfg.select_tokens;
       o.page_policy.dense_layers = absl::GetFlag(FLAGS_dense_layers);
+      o.page_policy.centroid_share = absl::GetFlag(FLAGS_centroid_share);
       o.summary_page_tokens = absl::GetFlag(FLAGS_summary_page_tokens);
       o.share = 1.0;   // MAW is not used; nothing is copied
     }

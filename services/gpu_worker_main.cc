@@ -139,6 +139,9 @@ ABSL_FLAG(int64_t, select_tokens, 512,
           "selection=pages: default offloaded entries attended per (layer, kv head, token)");
 ABSL_FLAG(int64_t, dense_layers, 0,
           "selection=pages: default count of first layers that attend over every entry");
+ABSL_FLAG(double, page_centroid_share, 0.5,
+          "selection=pages: default share of each budget chosen by q·mean after the rest by "
+          "Quest's bound, in [0, 1] (0 = the bound alone)");
 ABSL_FLAG(int64_t, page_tokens, 16,
           "selection=pages: entries per summarised page (must divide --block_tokens)");
 ABSL_FLAG(tandem::ByteSize, page_summary_bytes, tandem::ByteSize{0},
@@ -333,8 +336,13 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.default_selection = *selection;
   e.default_page_policy.select_tokens = absl::GetFlag(FLAGS_select_tokens);
   e.default_page_policy.dense_layers = absl::GetFlag(FLAGS_dense_layers);
+  e.default_page_policy.centroid_share = absl::GetFlag(FLAGS_page_centroid_share);
   if (e.default_page_policy.select_tokens < 1 || e.default_page_policy.dense_layers < 0) {
     return UsageError("--select_tokens must be >= 1 and --dense_layers >= 0");
+  }
+  if (!(e.default_page_policy.centroid_share >= 0.0 &&
+        e.default_page_policy.centroid_share <= 1.0)) {
+    return UsageError("--page_centroid_share must be in [0, 1]");
   }
   e.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   if (e.page_tokens < 1 || e.page_tokens > 4096) {

@@ -126,12 +126,14 @@ int64_t NodeTier::SelectRowsPerCall(int64_t n, int64_t num_kv_heads, int64_t num
 
 size_t NodeTier::SelectionBytesFor(int64_t num_tokens, int64_t num_kv_heads, int64_t num_pages,
                                    int64_t per_head) {
-  // ChoosePages: the ids buffer, and the scratch of a batched (queued) or a split selection.
+  // ChoosePages: the ids buffer, the bound's first pick (at most per_head ids a row), and the
+  // scratch of a batched (queued) or a split selection (two when batched: the passes queue
+  // apart).
   const size_t ids = static_cast<size_t>(num_tokens) * num_kv_heads * per_head * 4;
   const size_t whole = SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages);
-  if (whole <= kMaxBatchedSelectScratchBytes) return ids + (whole + 255) / 256 * 256;
-  return ids + SelectPagesScratchBytes(SelectRowsPerCall(num_tokens, num_kv_heads, num_pages),
-                                       num_kv_heads, num_pages);
+  if (whole <= kMaxBatchedSelectScratchBytes) return 2 * ids + 2 * ((whole + 255) / 256 * 256);
+  return 2 * ids + SelectPagesScratchBytes(SelectRowsPerCall(num_tokens, num_kv_heads, num_pages),
+                                           num_kv_heads, num_pages);
 }
 
 absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {
@@ -146,35 +148,68 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
   // Dense layers and budgets that cover every page attend over everything (exact): no ids.
   if (rows.layer < policy.dense_layers || per_head >= num_pages) return false;
 
+  // Two scores (PagePolicy::centroid_share): the bound picks `bound_pages` into first_, then
+  // the centroid fills the row to per_head with those kept. One score: a single pass.
+  const int64_t centroid_pages = policy.CentroidPages(per_head);
+  const int64_t bound_pages = per_head - centroid_pages;
+  const bool two_pass = bound_pages > 0 && centroid_pages > 0;
+  const PageScore final_score = bound_pages > 0 && !two_pass ? PageScore::kBound
+                                                             : PageScore::kCentroid;
   const size_t ids = static_cast<size_t>(n) * Hkv * per_head;
   if (selected_.bytes() < ids * 4) {
     selected_.Reset();   // (its last reader, a download, has run)
     TANDEM_ASSIGN_OR_RETURN(selected_, context.backend().Allocate(ids * 4));
   }
-  // Few rows (decode): queued, run with the micro-batch's other selections of this layer as
-  // one SelectPagesBatch before the downloads (FlushDownloads), each with its own scratch.
-  if (SelectPagesScratchBytes(n, Hkv, num_pages) <= kMaxBatchedSelectScratchBytes) {
-    TANDEM_ASSIGN_OR_RETURN(const SelectPagesParams p,
-                            pages_->SelectParams(rows.layer, w.q, w.q_row_stride, n,
-                                                 w.num_q_heads, per_head,
-                                                 selected_.as<int32_t>(), nullptr));
-    context.QueueSelect(p);
-    page_ids_.resize(ids);
-    context.QueueDownload(page_ids_.data(), ids * 4, selected_.data(), ids * 4, ids * 4, 1);
-    selection_ = PageSelection{page_ids_.data(), per_head};
-    return true;
+  const size_t first_ids = static_cast<size_t>(n) * Hkv * bound_pages;
+  if (two_pass && first_.bytes() < first_ids * 4) {
+    first_.Reset();
+    TANDEM_ASSIGN_OR_RETURN(first_, context.backend().Allocate(first_ids * 4));
   }
-  // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
-  // (a long prefill chunk over a long context is cut into several calls).
-  const int64_t rows_per_call = SelectRowsPerCall(n, Hkv, num_pages);
-  TANDEM_ASSIGN_OR_RETURN(void* const scratch,
-                          context.SelectScratch(SelectPagesScratchBytes(rows_per_call, Hkv,
-                                                                        num_pages)));
-  for (int64_t r = 0; r < n; r += rows_per_call) {
-    const int64_t count = std::min(rows_per_call, n - r);
-    TANDEM_RETURN_IF_ERROR(pages_->Select(rows.layer, w.q + r * w.q_row_stride, w.q_row_stride,
-                                          count, w.num_q_heads, per_head,
-                                          selected_.as<int32_t>() + r * Hkv * per_head, scratch));
+  // The selection of rows [r, r + count): its final params, after the bound's pass (queued or
+  // run) when there are two.
+  auto params_of = [&](int64_t r, int64_t count, void* scratch,
+                       bool queue) -> absl::StatusOr<SelectPagesParams> {
+    const float* q = w.q + r * w.q_row_stride;
+    if (two_pass) {
+      int32_t* first = first_.as<int32_t>() + r * Hkv * bound_pages;
+      TANDEM_ASSIGN_OR_RETURN(SelectPagesParams bound,
+                              pages_->SelectParams(rows.layer, q, w.q_row_stride, count,
+                                                   w.num_q_heads, bound_pages, first, scratch,
+                                                   PageScore::kBound));
+      if (queue) {
+        context.QueueSelect(bound, /*phase=*/0);
+      } else {
+        TANDEM_RETURN_IF_ERROR(context.backend().SelectPages(bound));
+      }
+    }
+    TANDEM_ASSIGN_OR_RETURN(SelectPagesParams p,
+                            pages_->SelectParams(rows.layer, q, w.q_row_stride, count,
+                                                 w.num_q_heads, per_head,
+                                                 selected_.as<int32_t>() + r * Hkv * per_head,
+                                                 scratch, final_score));
+    if (two_pass) {
+      p.keep = first_.as<int32_t>() + r * Hkv * bound_pages;
+      p.keep_per_head = bound_pages;
+    }
+    return p;
+  };
+  // Few rows (decode): queued, run with the micro-batch's other selections of this layer as
+  // SelectPagesBatch calls before the downloads (FlushDownloads), each with its own scratch.
+  if (SelectPagesScratchBytes(n, Hkv, num_pages) <= kMaxBatchedSelectScratchBytes) {
+    TANDEM_ASSIGN_OR_RETURN(const SelectPagesParams p, params_of(0, n, nullptr, true));
+    context.QueueSelect(p, /*phase=*/two_pass ? 1 : 0);
+  } else {
+    // Query rows per SelectPages call so that its scores stay within kMaxSelectScratchBytes
+    // (a long prefill chunk over a long context is cut into several calls).
+    const int64_t rows_per_call = SelectRowsPerCall(n, Hkv, num_pages);
+    TANDEM_ASSIGN_OR_RETURN(void* const scratch,
+                            context.SelectScratch(SelectPagesScratchBytes(rows_per_call, Hkv,
+                                                                          num_pages)));
+    for (int64_t r = 0; r < n; r += rows_per_call) {
+      TANDEM_ASSIGN_OR_RETURN(const SelectPagesParams p,
+                              params_of(r, std::min(rows_per_call, n - r), scratch, false));
+      TANDEM_RETURN_IF_ERROR(context.backend().SelectPages(p));
+    }
   }
   page_ids_.resize(ids);
   context.QueueDownload(page_ids_.data(), ids * 4, selected_.data(), ids * 4, ids * 4, 1);

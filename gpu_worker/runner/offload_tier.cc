@@ -85,26 +85,37 @@ void TierContext::QueueDownload(void* dst_host, size_t dst_pitch, const void* sr
   downloads_.push_back({dst_host, dst_pitch, src, src_pitch, row_bytes, rows});
 }
 
-void TierContext::QueueSelect(const SelectPagesParams& p) { selects_.push_back(p); }
+void TierContext::QueueSelect(const SelectPagesParams& p, int phase) {
+  selects_[std::clamp(phase, 0, kSelectPhases - 1)].push_back(p);
+}
 
 absl::Status TierContext::FlushSelects() {
-  if (selects_.empty()) return absl::OkStatus();
-  // One scratch region per selection (the batch may run them together), 256-byte aligned.
+  // One scratch region per selection of every phase (a batch may run its selections together),
+  // 256-byte aligned.
+  auto scratch_bytes = [](const SelectPagesParams& p) {
+    return (SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) + 255) / 256 * 256;
+  };
   size_t total = 0;
-  for (const SelectPagesParams& p : selects_) {
-    total += (SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) + 255) / 256 * 256;
+  for (const auto& phase : selects_) {
+    for (const SelectPagesParams& p : phase) total += scratch_bytes(p);
   }
+  if (total == 0) return absl::OkStatus();
   if (batch_select_scratch_.bytes() < total) {
     batch_select_scratch_.Reset();   // (freeing waits for the selections that used it)
     TANDEM_ASSIGN_OR_RETURN(batch_select_scratch_, backend_.Allocate(total));
   }
   char* next = static_cast<char*>(batch_select_scratch_.data());
-  for (SelectPagesParams& p : selects_) {
-    p.scratch = next;
-    next += (SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) + 255) / 256 * 256;
+  absl::Status status;
+  for (auto& phase : selects_) {
+    for (SelectPagesParams& p : phase) {
+      p.scratch = next;
+      next += scratch_bytes(p);
+    }
+    if (status.ok() && !phase.empty()) {
+      status = backend_.SelectPagesBatch(phase.data(), phase.size());
+    }
+    phase.clear();
   }
-  const absl::Status status = backend_.SelectPagesBatch(selects_.data(), selects_.size());
-  selects_.clear();
   return status;
 }
 
@@ -146,7 +157,7 @@ absl::Status TierContext::FlushMerges() {
 }
 
 void TierContext::ClearQueues() {
-  selects_.clear();
+  for (auto& phase : selects_) phase.clear();
   downloads_.clear();
   merges_.clear();
 }

@@ -33,11 +33,13 @@ absl::StatusOr<PageIndex> PageIndex::Create(Backend& backend, const WindowGeomet
 
 size_t PageIndex::BytesFor(const WindowGeometry& g, int64_t page_tokens, int64_t tokens) {
   const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
-  return static_cast<size_t>(g.num_layers) * g.num_kv_heads * pages * 2 * g.head_dim *
-         DTypeBytes(g.dtype);
+  return static_cast<size_t>(g.num_layers) * g.num_kv_heads * pages * kPageSummaryRows *
+         g.head_dim * DTypeBytes(g.dtype);
 }
 
-size_t PageIndex::PageBytes() const { return 2 * geometry_.head_dim * DTypeBytes(geometry_.dtype); }
+size_t PageIndex::PageBytes() const {
+  return kPageSummaryRows * geometry_.head_dim * DTypeBytes(geometry_.dtype);
+}
 
 size_t PageIndex::device_bytes() const { return parked() ? 0 : resident_bytes(); }
 
@@ -178,20 +180,12 @@ absl::Status PageIndex::AppendEvicted(const WindowCache& window,
   return absl::OkStatus();
 }
 
-absl::Status PageIndex::Select(int64_t layer, const float* q, int64_t q_row_stride,
-                               int64_t num_tokens, int64_t num_q_heads, int64_t select,
-                               int32_t* pages, void* scratch) const {
-  TANDEM_ASSIGN_OR_RETURN(
-      const SelectPagesParams p,
-      SelectParams(layer, q, q_row_stride, num_tokens, num_q_heads, select, pages, scratch));
-  return backend_->SelectPages(p);
-}
-
 absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const float* q,
                                                           int64_t q_row_stride,
                                                           int64_t num_tokens,
                                                           int64_t num_q_heads, int64_t select,
-                                                          int32_t* pages, void* scratch) const {
+                                                          int32_t* pages, void* scratch,
+                                                          PageScore score) const {
   if (layer < 0 || layer >= geometry_.num_layers || pages_[layer] == 0) {
     return absl::FailedPreconditionError(absl::StrCat("page index: layer ", layer,
                                                       " has no page to select from"));
@@ -208,6 +202,7 @@ absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const f
   p.num_kv_heads = geometry_.num_kv_heads;
   p.head_dim = geometry_.head_dim;
   p.select = select;
+  p.score = score;
   p.pages = pages;
   p.scratch = scratch;
   return p;

@@ -220,6 +220,10 @@ absl::Status Engine::ValidatePagePolicy(const PagePolicy& policy) const {
     return absl::InvalidArgumentError(
         absl::StrCat("dense_layers must be >= 0, got ", policy.dense_layers));
   }
+  if (!(policy.centroid_share >= 0.0 && policy.centroid_share <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("centroid_share must be in [0, 1], got ", policy.centroid_share));
+  }
   return absl::OkStatus();
 }
 

@@ -93,6 +93,9 @@ absl::StatusOr<Engine::SequenceSpec> Engine::SpecFor(const GenerateRequest& requ
   spec.page_policy = options_.default_page_policy;
   if (request.select_tokens.has_value()) spec.page_policy.select_tokens = *request.select_tokens;
   if (request.dense_layers.has_value()) spec.page_policy.dense_layers = *request.dense_layers;
+  if (request.centroid_share.has_value()) {
+    spec.page_policy.centroid_share = *request.centroid_share;
+  }
   TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(spec.page_policy));
   // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
   spec.selection = request.selection.value_or(
@@ -291,7 +294,8 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
         TANDEM_RETURN_IF_ERROR(seq->window.Grow(grown.max_context));
       }
       if (traits.page_summaries) {
-        if (request.select_tokens.has_value() || request.dense_layers.has_value()) {
+        if (request.select_tokens.has_value() || request.dense_layers.has_value() ||
+            request.centroid_share.has_value()) {
           seq->page_policy = page_policy;
         }
         TANDEM_RETURN_IF_ERROR(ReservePages(

@@ -85,14 +85,20 @@ absl::Status ValidateGenerateRequest(const GenerateRequest& request, int64_t max
     return absl::InvalidArgumentError(
         absl::StrCat("dense_layers must be >= 0, got ", *request.dense_layers));
   }
+  if (request.centroid_share.has_value() &&
+      !(*request.centroid_share >= 0.0 && *request.centroid_share <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("centroid_share must be in [0, 1], got ", *request.centroid_share));
+  }
   // Exact mode attends every offloaded entry (on the nodes and from host pages): the selection
   // knobs of hybrid mode would silently mean nothing, so they are refused.
   if (request.mode == AttentionMode::kExact &&
       (request.beta.has_value() || request.selection.has_value() ||
-       request.select_tokens.has_value() || request.dense_layers.has_value())) {
+       request.select_tokens.has_value() || request.dense_layers.has_value() ||
+       request.centroid_share.has_value())) {
     return absl::InvalidArgumentError(
-        "mode exact attends every offloaded entry: beta, selection, select_tokens and "
-        "dense_layers do not apply (leave them unset)");
+        "mode exact attends every offloaded entry: beta, selection, select_tokens, "
+        "dense_layers and centroid_share do not apply (leave them unset)");
   }
   return ValidateSessionId(request.session_id);
 }

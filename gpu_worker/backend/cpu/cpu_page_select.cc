@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <bit>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <string>
@@ -28,10 +29,16 @@ inline uint32_t OrderKey(float score) {
 
 inline float ToF32(float x) { return x; }
 inline float ToF32(bf16_t x) { return Bf16ToFloat(x); }
+template <typename T>
+T FromF32(float x);
+template <>
+inline float FromF32<float>(float x) { return x; }
+template <>
+inline bf16_t FromF32<bf16_t>(float x) { return FloatToBf16(x); }
 
-// summaries[g, first_page + i, 0/1, :] = min/max over the page's slots. The running minimum is
-// replaced only by a strictly smaller key (the cuda kernel uses the same rule), so both backends
-// store the same bits, -0 and +0 included.
+// summaries[g, first_page + i, 0/1/2, :] = min/max/mean over the page's slots. The running
+// minimum is replaced only by a strictly smaller key (the cuda kernel uses the same rule), so both
+// backends store the same bits, -0 and +0 included; the mean is an f32 sum in slot order.
 template <typename T>
 void SummarizeTyped(const SummarizePagesParams& p, int threads) {
   const T* cache = static_cast<const T*>(p.k_cache);
@@ -43,22 +50,26 @@ void SummarizeTyped(const SummarizePagesParams& p, int threads) {
     const int64_t g = item / p.num_pages;
     const int64_t page = item % p.num_pages;
     const T* first = cache + (g * p.capacity + p.first_slot + page * p.page_tokens) * d_count;
-    T* dst = summaries + (g * p.max_pages + p.first_page + page) * 2 * d_count;
+    T* dst = summaries + (g * p.max_pages + p.first_page + page) * kPageSummaryRows * d_count;
     for (int64_t d = 0; d < d_count; ++d) {
       T lo = first[d];
       T hi = first[d];
+      float sum = ToF32(first[d]);
       for (int64_t s = 1; s < p.page_tokens; ++s) {
         const T v = first[s * d_count + d];
         if (ToF32(v) < ToF32(lo)) lo = v;
         if (ToF32(v) > ToF32(hi)) hi = v;
+        sum += ToF32(v);
       }
       dst[d] = lo;
       dst[d_count + d] = hi;
+      dst[2 * d_count + d] = FromF32<T>(sum / static_cast<float>(p.page_tokens));
     }
   }
 }
 
-// scores[row, page] for pages [begin, end) of one (token, kv head) row, f32 sums in d order.
+// scores[row, page] for pages [begin, end) of one (token, kv head) row, f32 sums in d order. A
+// centroid score is the bound's sum with min = max = mean (max(q·c, q·c) = q·c).
 template <typename T>
 void ScoreRange(const SelectPagesParams& p, int64_t t, int64_t g, int64_t begin, int64_t end,
                 float* scores) {
@@ -66,12 +77,13 @@ void ScoreRange(const SelectPagesParams& p, int64_t t, int64_t g, int64_t begin,
   const int64_t group = p.num_q_heads / p.num_kv_heads;
   const T* summaries = static_cast<const T*>(p.summaries);
   const float* q = p.q + t * p.q_row_stride + g * group * d_count;
+  const bool centroid = p.score == PageScore::kCentroid;
   std::vector<float> lo(d_count), hi(d_count);
   for (int64_t page = begin; page < end; ++page) {
-    const T* src = summaries + (g * p.max_pages + page) * 2 * d_count;
+    const T* src = summaries + (g * p.max_pages + page) * kPageSummaryRows * d_count;
     for (int64_t d = 0; d < d_count; ++d) {
-      lo[d] = ToF32(src[d]);
-      hi[d] = ToF32(src[d_count + d]);
+      lo[d] = ToF32(src[(centroid ? 2 : 0) * d_count + d]);
+      hi[d] = ToF32(src[(centroid ? 2 : 1) * d_count + d]);
     }
     float best = 0.0f;
     for (int64_t j = 0; j < group; ++j) {
@@ -142,6 +154,13 @@ absl::Status ValidateSelectPages(const SelectPagesParams& p) {
   if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
     return Invalid(kOp, "dtype must be f32 or bf16");
   }
+  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid) {
+    return Invalid(kOp, "unknown page score");
+  }
+  if (p.keep != nullptr && (p.keep_per_head < 1 || p.keep_per_head >= p.select)) {
+    return Invalid(kOp, absl::StrFormat("keep_per_head %d must be in [1, select %d)",
+                                        p.keep_per_head, p.select));
+  }
   return absl::OkStatus();
 }
 
@@ -183,6 +202,14 @@ absl::Status PageSelectRunner::Select(const SelectPagesParams& p) {
       ScoreRange<bf16_t>(p, t, g, begin, end, scores + row * n);
     } else {
       ScoreRange<float>(p, t, g, begin, end, scores + row * n);
+    }
+  }
+
+  // Kept pages score above every other (+inf; no q·k bound or centroid reaches it).
+  for (int64_t row = 0; p.keep != nullptr && row < rows; ++row) {
+    for (int64_t i = 0; i < p.keep_per_head; ++i) {
+      const int32_t id = p.keep[row * p.keep_per_head + i];
+      if (id >= 0 && id < n) scores[row * n + id] = INFINITY;
     }
   }
 

@@ -776,20 +776,23 @@ absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size
         (first == nullptr ||
          (p.dtype == first->dtype && p.num_tokens == first->num_tokens &&
           p.num_q_heads == first->num_q_heads && p.num_kv_heads == first->num_kv_heads &&
-          p.head_dim == first->head_dim));
+          p.head_dim == first->head_dim && p.score == first->score));
     if (!joins) {
       batch_singles_.push_back(i);
       continue;
     }
     if (first == nullptr) first = &p;
-    select_entries_.push_back({.q = p.q,
-                               .q_row_stride = p.q_row_stride,
-                               .summaries = p.summaries,
-                               .max_pages = p.max_pages,
-                               .num_pages = p.num_pages,
-                               .select = p.select,
-                               .pages = p.pages,
-                               .scratch = p.scratch});
+    const cuda_backend::SelectPagesArgs a = SelectPagesArgsOf(p, sms);
+    select_entries_.push_back({.q = a.q,
+                               .q_row_stride = a.q_row_stride,
+                               .summaries = a.summaries,
+                               .max_pages = a.max_pages,
+                               .num_pages = a.num_pages,
+                               .select = a.select,
+                               .pages = a.pages,
+                               .keep = a.keep,
+                               .keep_per_head = a.keep_per_head,
+                               .scratch = a.scratch});
   }
   for (size_t i : batch_singles_) {
     TANDEM_CUDA_RETURN_IF_ERROR(

@@ -129,7 +129,7 @@ __device__ __forceinline__ void ScorePagesBlock(const SelectPagesArgs& args, Sco
   const int warp = threadIdx.x / kWarpSize;
   const int sub = lane / kLanes;  // page of the warp's group
   const int d0 = (lane % kLanes) * kVec;
-  const T* summaries = static_cast<const T*>(args.summaries) + g * args.max_pages * 2 * kHeadDim;
+  const T* summaries = static_cast<const T*>(args.summaries) + g * args.max_pages * args.page_stride;
   const int64_t n = args.num_pages;
   float* scores = static_cast<float*>(args.scratch);
   const int64_t block_first = page_block * (grid.iters * kScoreWarps * kPagesPerWarp);
@@ -146,9 +146,9 @@ __device__ __forceinline__ void ScorePagesBlock(const SelectPagesArgs& args, Sco
       lo_pack[u] = P{};
       hi_pack[u] = P{};
       if (valid[u]) {
-        const T* row = summaries + page[u] * 2 * kHeadDim + d0;
+        const T* row = summaries + page[u] * args.page_stride + d0;
         lo_pack[u] = *reinterpret_cast<const P*>(row);
-        hi_pack[u] = *reinterpret_cast<const P*>(row + kHeadDim);
+        hi_pack[u] = *reinterpret_cast<const P*>(row + args.hi_offset);
       }
     }
 #pragma unroll
@@ -201,8 +201,33 @@ __device__ __forceinline__ SelectPagesArgs EntryArgs(const SelectPagesArgs& shap
   args.num_pages = e.num_pages;
   args.select = e.select;
   args.pages = e.pages;
+  args.keep = e.keep;
+  args.keep_per_head = e.keep_per_head;
   args.scratch = e.scratch;
   return args;
+}
+
+// scores[row, id] = +inf for the ids of keep[row, :] in [0, n) (backend.h: kept pages outrank
+// every other). Grid: x = rows (threads over the row's ids).
+__global__ void KeepPagesKernel(float* scores, int64_t n, const int32_t* keep,
+                                int64_t keep_per_head) {
+  const int64_t row = blockIdx.x;
+  for (int64_t i = threadIdx.x; i < keep_per_head; i += blockDim.x) {
+    const int32_t id = keep[row * keep_per_head + i];
+    if (id >= 0 && id < n) scores[row * n + id] = __int_as_float(0x7f800000);
+  }
+}
+
+// Batched: grid x = row, y = entry; entries without `keep` return at once.
+__global__ void KeepPagesBatchKernel(const SelectPagesEntry* entries) {
+  const SelectPagesEntry& e = entries[blockIdx.y];
+  if (e.keep == nullptr) return;
+  const int64_t row = blockIdx.x;
+  float* scores = static_cast<float*>(e.scratch);
+  for (int64_t i = threadIdx.x; i < e.keep_per_head; i += blockDim.x) {
+    const int32_t id = e.keep[row * e.keep_per_head + i];
+    if (id >= 0 && id < e.num_pages) scores[row * e.num_pages + id] = __int_as_float(0x7f800000);
+  }
 }
 
 // Batched scoring, one token tile per entry. Grid: x = page blocks (of the longest entry),
@@ -229,8 +254,9 @@ __global__ void __launch_bounds__(kFallbackWarps * kWarpSize)
   const int64_t g = blockIdx.y;
   const int64_t d_count = args.head_dim;
   const int64_t group = args.num_q_heads / args.num_kv_heads;
-  const T* lo = static_cast<const T*>(args.summaries) + (g * args.max_pages + page) * 2 * d_count;
-  const T* hi = lo + d_count;
+  const T* lo =
+      static_cast<const T*>(args.summaries) + (g * args.max_pages + page) * args.page_stride;
+  const T* hi = lo + args.hi_offset;
   float* scores = static_cast<float*>(args.scratch);
   for (int64_t t = 0; t < args.num_tokens; ++t) {
     float best = 0.0f;
@@ -684,8 +710,14 @@ cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream) 
         args.pages, rows, args.select, args.num_pages);
     return cudaGetLastError();
   }
-  const cudaError_t error = LaunchScorePages(args, stream);
+  cudaError_t error = LaunchScorePages(args, stream);
   if (error != cudaSuccess) return error;
+  if (args.keep != nullptr && args.keep_per_head > 0) {
+    KeepPagesKernel<<<static_cast<unsigned>(rows), 128, 0, stream>>>(
+        static_cast<float*>(args.scratch), args.num_pages, args.keep, args.keep_per_head);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
   return LaunchTopPages(args, stream);
 }
 
@@ -711,6 +743,7 @@ cudaError_t PlanSelectPagesBatch(const SelectPagesArgs& shape, SelectPagesEntry*
   int64_t free_bytes = INT64_MAX;
   for (int64_t i = 0; i < count; ++i) {
     SelectPagesEntry& e = entries[i];
+    plan->any_keep = plan->any_keep || (e.keep != nullptr && e.keep_per_head > 0);
     plan->longest = std::max(plan->longest, e.num_pages);
     plan->total_pages += e.num_pages;
     // LaunchTopPages's layout: histograms then chunk counts, after the scores.
@@ -756,6 +789,12 @@ cudaError_t LaunchSelectPagesBatch(const SelectPagesBatchPlan& plan,
   }
   if (error != cudaSuccess) return error;
   const int64_t rows = plan.shape.num_tokens * plan.shape.num_kv_heads;
+  if (plan.any_keep) {
+    KeepPagesBatchKernel<<<dim3(static_cast<unsigned>(rows), static_cast<unsigned>(plan.count)),
+                           128, 0, stream>>>(entries);
+    error = cudaGetLastError();
+    if (error != cudaSuccess) return error;
+  }
   if (plan.chunks != 0) {
     constexpr int kThreads = kGridTopThreads;
     void* params[] = {&entries};

@@ -10,16 +10,21 @@
 
 namespace tandem::gpu_worker::cuda_backend {
 
-// score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·min[g, p, d], q[t, g·G+j, d]·max[g, p, d])
+// score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·lo[g, p, d], q[t, g·G+j, d]·hi[g, p, d])
 // (f32; each lane sums its 16-byte chunk of d in order, then the lanes of a page are summed by a
-// butterfly), with -0 stored as +0. pages[t, g, :] = the `select` pages of highest score, ties
-// to the lower page id, ascending; when num_pages <= select: 0..num_pages-1, then -1 padding.
+// butterfly), with -0 stored as +0, where lo/hi are the summary rows at `summaries` and
+// `summaries + hi_offset` of each page (page_stride elements apart): the min and max rows for
+// the bound, the mean row twice for the centroid (max(q·c, q·c) = q·c). Pages named by `keep`
+// score +inf. pages[t, g, :] = the `select` pages of highest score, ties to the lower page id,
+// ascending; when num_pages <= select: 0..num_pages-1, then -1 padding.
 // The caller validates the parameters (sizes >= 1, num_pages <= max_pages and < 2^31,
 // num_q_heads a multiple of num_kv_heads, num_kv_heads <= 65535).
 struct SelectPagesArgs {
   const float* q = nullptr;          // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
   int64_t q_row_stride = 0;
-  const void* summaries = nullptr;   // [num_kv_heads, max_pages, 2, head_dim] of dtype (min, max)
+  const void* summaries = nullptr;   // the lo row of page 0 of kv head 0 (dtype elements)
+  int64_t page_stride = 0;           // elements between pages (kv head g starts at g·max_pages·page_stride)
+  int64_t hi_offset = 0;             // elements from a page's lo row to its hi row
   DType dtype = DType::kF32;         // kF32 or kBF16
   int64_t max_pages = 0;
   int64_t num_pages = 0;
@@ -29,6 +34,8 @@ struct SelectPagesArgs {
   int64_t head_dim = 0;
   int64_t select = 0;
   int32_t* pages = nullptr;          // [num_tokens, num_kv_heads, select]; -1 = padding
+  const int32_t* keep = nullptr;     // optional [num_tokens, num_kv_heads, keep_per_head]
+  int64_t keep_per_head = 0;
   // Device memory of at least SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages)
   // bytes, 4-byte aligned: the scores [num_tokens, num_kv_heads, num_pages] f32.
   void* scratch = nullptr;
@@ -42,11 +49,13 @@ cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream);
 struct SelectPagesEntry {
   const float* q = nullptr;          // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
   int64_t q_row_stride = 0;
-  const void* summaries = nullptr;   // [num_kv_heads, max_pages, 2, head_dim]
+  const void* summaries = nullptr;   // as SelectPagesArgs (page_stride and hi_offset: the batch's)
   int64_t max_pages = 0;
   int64_t num_pages = 0;             // > select
   int64_t select = 0;
   int32_t* pages = nullptr;          // [num_tokens, num_kv_heads, select]
+  const int32_t* keep = nullptr;     // as SelectPagesArgs
+  int64_t keep_per_head = 0;
   void* scratch = nullptr;           // SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages)
   uint32_t* hist = nullptr;                    // [rows, 3, 256] (grid top-k only)
   unsigned long long* chunk_counts = nullptr;  // [rows, chunks] (grid top-k only)
@@ -56,7 +65,7 @@ struct SelectPagesEntry {
 // Whether an entry of these args can run in a batch: more pages than `select`, a specialised
 // scoring kernel (head_dim 64 or 128, group 1, 2, 4 or 8, 16-byte aligned summaries) and all
 // its query tokens in one scoring tile (decode and short chunks). The entries of one batch
-// share shape.dtype, num_tokens, num_q_heads, num_kv_heads and head_dim.
+// share shape.dtype, num_tokens, num_q_heads, num_kv_heads, head_dim, page_stride and hi_offset.
 bool SelectPagesBatchable(const SelectPagesArgs& args);
 
 struct SelectPagesBatchPlan {
@@ -65,6 +74,7 @@ struct SelectPagesBatchPlan {
   int64_t longest = 0;       // the most pages of an entry
   int64_t total_pages = 0;   // the pages of all entries
   int64_t chunks = 0;        // top-k blocks per row of the cooperative kernel; 0: one per row
+  bool any_keep = false;     // an entry has `keep` (a launch marks the kept pages)
 };
 // Plans a batch of `count` batchable entries of `shape` and fills their hist / chunk fields;
 // the caller then copies entries[0, count) to device memory and passes it to the launch.

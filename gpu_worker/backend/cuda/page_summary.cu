@@ -32,17 +32,28 @@ __global__ void SummarizePagesKernel(SummarizePagesArgs args) {
         cache + (g * args.capacity + args.first_slot + page * args.page_tokens) * args.head_dim + d;
     P lo = *reinterpret_cast<const P*>(src);
     P hi = lo;
+    float sum[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sum[i] = ToFloat(lo.v[i]);
     for (int64_t s = 1; s < args.page_tokens; ++s) {
       const P v = *reinterpret_cast<const P*>(src + s * args.head_dim);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
         if (ToFloat(v.v[i]) < ToFloat(lo.v[i])) lo.v[i] = v.v[i];
         if (ToFloat(v.v[i]) > ToFloat(hi.v[i])) hi.v[i] = v.v[i];
+        sum[i] += ToFloat(v.v[i]);
       }
     }
-    T* dst = summaries + (g * args.max_pages + args.first_page + page) * 2 * args.head_dim + d;
+    P mean;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      // A true division (as the cpu backend's), not a multiply by the reciprocal.
+      mean.v[i] = FromFloat<T>(__fdiv_rn(sum[i], static_cast<float>(args.page_tokens)));
+    }
+    T* dst = summaries + (g * args.max_pages + args.first_page + page) * 3 * args.head_dim + d;
     *reinterpret_cast<P*>(dst) = lo;
     *reinterpret_cast<P*>(dst + args.head_dim) = hi;
+    *reinterpret_cast<P*>(dst + 2 * args.head_dim) = mean;
   }
 }
 

@@ -1,5 +1,5 @@
-// Page summaries for query-aware selection: the elementwise min and max key of each page of a
-// window K cache (backend.h's SummarizePagesParams).
+// Page summaries for query-aware selection: the elementwise min, max and mean key of each page of
+// a window K cache (backend.h's SummarizePagesParams).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,8 +11,10 @@
 namespace tandem::gpu_worker::cuda_backend {
 
 // summaries[g, first_page + i, 0, d] = min over slots [first_slot + i·page_tokens, +page_tokens)
-// of k_cache[g, s, d], [.., 1, d] = the max; the stored value is one of the keys' bits (the
-// running min/max is replaced only by a strictly smaller/larger key, as on the cpu backend).
+// of k_cache[g, s, d], [.., 1, d] = the max, [.., 2, d] = the mean (an f32 sum in slot order,
+// divided by page_tokens, rounded once to dtype: the cpu backend's bits); the stored min and max
+// are keys' bits (the running min/max is replaced only by a strictly smaller/larger key, as on
+// the cpu backend).
 // The caller validates the ranges.
 struct SummarizePagesArgs {
   const void* k_cache = nullptr;  // [num_kv_heads, capacity, head_dim] of dtype
@@ -20,7 +22,7 @@ struct SummarizePagesArgs {
   int64_t first_slot = 0;
   int64_t num_pages = 0;
   int64_t page_tokens = 0;
-  void* summaries = nullptr;      // [num_kv_heads, max_pages, 2, head_dim] of dtype (min, max)
+  void* summaries = nullptr;      // [num_kv_heads, max_pages, 3, head_dim] of dtype (min, max, mean)
   int64_t max_pages = 0;
   int64_t first_page = 0;
   DType dtype = DType::kF32;      // kF32 or kBF16

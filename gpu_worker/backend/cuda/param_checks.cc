@@ -169,13 +169,27 @@ absl::Status CheckSelectPages(const SelectPagesParams& p) {
   if (reinterpret_cast<uintptr_t>(p.scratch) % 4 != 0) {
     return Invalid(kOp, "scratch must be 4-byte aligned");
   }
+  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid) {
+    return Invalid(kOp, "unknown page score");
+  }
+  if (p.keep != nullptr && (p.keep_per_head < 1 || p.keep_per_head >= p.select)) {
+    return Invalid(kOp, absl::StrCat("keep_per_head ", p.keep_per_head, " must be in [1, select ",
+                                     p.select, ")"));
+  }
   return absl::OkStatus();
 }
 
 SelectPagesArgs SelectPagesArgsOf(const SelectPagesParams& p, int num_sms) {
+  // backend.h's layout [Hkv, max_pages, kPageSummaryRows, D]: the bound reads the min (0) and
+  // max (1) rows, the centroid the mean row (2) as both.
+  const bool centroid = p.score == PageScore::kCentroid;
+  const char* summaries = static_cast<const char*>(p.summaries);
+  if (centroid) summaries += 2 * p.head_dim * DTypeBytes(p.dtype);
   return {.q = p.q,
           .q_row_stride = p.q_row_stride,
-          .summaries = p.summaries,
+          .summaries = summaries,
+          .page_stride = kPageSummaryRows * p.head_dim,
+          .hi_offset = centroid ? 0 : p.head_dim,
           .dtype = p.dtype,
           .max_pages = p.max_pages,
           .num_pages = p.num_pages,
@@ -185,6 +199,8 @@ SelectPagesArgs SelectPagesArgsOf(const SelectPagesParams& p, int num_sms) {
           .head_dim = p.head_dim,
           .select = p.select,
           .pages = p.pages,
+          .keep = p.keep,
+          .keep_per_head = p.keep_per_head,
           .scratch = p.scratch,
           .num_sms = num_sms};
 }

@@ -4,6 +4,7 @@
 // row's largest |score|).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -15,6 +16,7 @@
 namespace tandem::gpu_worker {
 namespace {
 
+using page_reference::AddKeep;
 using page_reference::ExpectSelection;
 using page_reference::MakeSelectProblem;
 using page_reference::MakeSummarizeCase;
@@ -102,6 +104,47 @@ TEST(CpuSelectPages, AdversarialTiesExact) {
   }
 }
 
+// The centroid score (q·mean), exactly, with the same adversarial ties.
+TEST(CpuSelectPages, CentroidScoreExact) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int64_t group : {1, 4}) {
+      for (int64_t select : {1, 50, 199}) {
+        SelectProblem pr = MakeSelectProblem(3, 2, group, 64, 200, select, dtype, true, 13, 22);
+        pr.score = PageScore::kCentroid;
+        ExpectSelection(pr, ReferenceScores(pr), RunSelectPages(*backend, pr), 0.0);
+      }
+    }
+  }
+}
+
+// Kept pages (a first pick by the other score) are in every row whatever their score, and the
+// rest of the row is the best of the others: the two-score policy's second pass.
+TEST(CpuSelectPages, KeptPagesStayAndTheRestFollowTheScore) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  uint32_t seed = 90;
+  for (PageScore score : {PageScore::kBound, PageScore::kCentroid}) {
+    for (int64_t keep : {1, 20, 49}) {
+      SelectProblem pr = MakeSelectProblem(3, 2, 4, 64, 200, 50, DType::kBF16, true, 200, ++seed);
+      pr.score = score;
+      AddKeep(pr, keep, ++seed);
+      const std::vector<int32_t> pages = RunSelectPages(*backend, pr);
+      ExpectSelection(pr, ReferenceScores(pr), pages, 0.0);
+      for (int64_t row = 0; row < 6; ++row) {   // the kept ids are there
+        for (int64_t i = 0; i < keep; ++i) {
+          const int32_t id = pr.keep[row * keep + i];
+          if (id < 0) continue;
+          EXPECT_TRUE(std::binary_search(pages.begin() + row * 50, pages.begin() + row * 50 + 50,
+                                         id))
+              << pr.Describe() << " row " << row << " lost kept page " << id;
+        }
+      }
+    }
+  }
+}
+
 // Every page identical: the answer is pages 0..select-1.
 TEST(CpuSelectPages, AllEqualScoresKeepLowestIds) {
   auto backend = MakeCpuBackend();
@@ -134,6 +177,9 @@ TEST(CpuSelectPages, BatchEqualsPerEntry) {
     problems.push_back(MakeSelectProblem(1, 2, 4, 128, n, 37, DType::kBF16, false, n, ++seed));
   }
   problems.push_back(MakeSelectProblem(3, 2, 2, 64, 500, 20, DType::kF32, true, 41, ++seed));
+  problems.push_back(MakeSelectProblem(1, 2, 4, 128, 700, 37, DType::kBF16, false, 700, ++seed));
+  problems.back().score = PageScore::kCentroid;
+  AddKeep(problems.back(), 18, ++seed);
   const std::vector<std::vector<int32_t>> batched = RunSelectPagesBatch(*backend, problems);
   ASSERT_EQ(batched.size(), problems.size());
   for (size_t i = 0; i < problems.size(); ++i) {
@@ -149,7 +195,7 @@ TEST(CpuSelectPages, RejectsBrokenParams) {
   ASSERT_NE(backend, nullptr);
   testing::DeviceArrays arrays(*backend);
   float* q = arrays.Allocate<float>(8 * 64);
-  float* summaries = arrays.Allocate<float>(2 * 10 * 2 * 64);
+  float* summaries = arrays.Allocate<float>(2 * 10 * kPageSummaryRows * 64);
   int32_t* pages = arrays.Allocate<int32_t>(2 * 4);
   float* scratch = arrays.Allocate<float>(SelectPagesScratchBytes(1, 2, 10) / 4);
   const SelectPagesParams good{.q = q,
@@ -183,6 +229,15 @@ TEST(CpuSelectPages, RejectsBrokenParams) {
   TANDEM_EXPECT_INVALID(broken([](SelectPagesParams& p) { p.q_row_stride = 8 * 64 - 1; }));
   TANDEM_EXPECT_INVALID(broken([](SelectPagesParams& p) { p.dtype = DType::kF16; }));
   TANDEM_EXPECT_INVALID(broken([](SelectPagesParams& p) { p.head_dim = 0; }));
+  TANDEM_EXPECT_INVALID(broken([](SelectPagesParams& p) { p.score = static_cast<PageScore>(7); }));
+  TANDEM_EXPECT_INVALID(broken([pages](SelectPagesParams& p) {   // keep needs keep_per_head
+    p.keep = pages;
+    p.keep_per_head = 0;
+  }));
+  TANDEM_EXPECT_INVALID(broken([pages](SelectPagesParams& p) {   // and fewer than select
+    p.keep = pages;
+    p.keep_per_head = 4;
+  }));
 
   const SummarizePagesParams summarize{.k_cache = q,
                                        .capacity = 64,

@@ -57,7 +57,7 @@ inline std::vector<float> Decode(const std::vector<uint8_t>& bytes, DType dtype)
   return values;
 }
 
-// summaries [num_kv_heads, max_pages, 2, head_dim] after SummarizePages(p) over `before`
+// summaries [num_kv_heads, max_pages, 3, head_dim] after SummarizePages(p) over `before`
 // (k_cache / summaries as values; pages outside [first_page, first_page + num_pages) unchanged).
 inline std::vector<float> ReferenceSummaries(const SummarizePagesParams& p,
                                              const std::vector<float>& k_cache,
@@ -66,16 +66,19 @@ inline std::vector<float> ReferenceSummaries(const SummarizePagesParams& p,
   for (int64_t g = 0; g < p.num_kv_heads; ++g) {
     for (int64_t i = 0; i < p.num_pages; ++i) {
       for (int64_t d = 0; d < d_count; ++d) {
-        float lo = INFINITY, hi = -INFINITY;
+        float lo = INFINITY, hi = -INFINITY, sum = 0.0f;   // the mean: f32, slot order
         for (int64_t s = 0; s < p.page_tokens; ++s) {
           const int64_t slot = p.first_slot + i * p.page_tokens + s;
           const float k = k_cache[(g * p.capacity + slot) * d_count + d];
           lo = std::min(lo, k);
           hi = std::max(hi, k);
+          sum += k;
         }
-        float* dst = &summaries[((g * p.max_pages + p.first_page + i) * 2) * d_count];
+        float* dst =
+            &summaries[((g * p.max_pages + p.first_page + i) * kPageSummaryRows) * d_count];
         dst[d] = lo;
         dst[d_count + d] = hi;
+        dst[2 * d_count + d] = RoundTo(sum / static_cast<float>(p.page_tokens), p.dtype);
       }
     }
   }
@@ -87,15 +90,20 @@ struct SelectProblem {
   int64_t num_tokens = 1, num_q_heads = 1, num_kv_heads = 1, head_dim = 1;
   int64_t num_pages = 1, max_pages = 1, select = 1, q_row_stride = 1;
   DType dtype = DType::kF32;
+  PageScore score = PageScore::kBound;
   std::vector<float> q;          // [num_tokens, q_row_stride]
-  std::vector<float> summaries;  // [num_kv_heads, max_pages, 2, head_dim]
+  std::vector<float> summaries;  // [num_kv_heads, max_pages, 3, head_dim] (min, max, mean)
+  std::vector<int32_t> keep;     // empty, or [num_tokens, num_kv_heads, keep_per_head]
+  int64_t keep_per_head = 0;
 
   int64_t group() const { return num_q_heads / num_kv_heads; }
   std::string Describe() const {
     return "T " + std::to_string(num_tokens) + " Hq " + std::to_string(num_q_heads) + " Hkv " +
            std::to_string(num_kv_heads) + " D " + std::to_string(head_dim) + " pages " +
            std::to_string(num_pages) + "/" + std::to_string(max_pages) + " select " +
-           std::to_string(select) + " " + std::string(DTypeName(dtype));
+           std::to_string(select) + " " + std::string(DTypeName(dtype)) +
+           (score == PageScore::kCentroid ? " centroid" : " bound") +
+           (keep.empty() ? "" : " keep " + std::to_string(keep_per_head));
   }
 };
 
@@ -126,17 +134,18 @@ inline SelectProblem MakeSelectProblem(int64_t num_tokens, int64_t num_kv_heads,
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t i = 0; i < pr.num_q_heads * head_dim; ++i) pr.q[t * pr.q_row_stride + i] = draw();
   }
-  pr.summaries.assign(num_kv_heads * pr.max_pages * 2 * head_dim, 0.0f);
+  constexpr int64_t kRows = kPageSummaryRows;
+  pr.summaries.assign(num_kv_heads * pr.max_pages * kRows * head_dim, 0.0f);
   for (int64_t g = 0; g < num_kv_heads; ++g) {
     for (int64_t page = 0; page < pr.max_pages; ++page) {
-      float* dst = &pr.summaries[(g * pr.max_pages + page) * 2 * head_dim];
+      float* dst = &pr.summaries[(g * pr.max_pages + page) * kRows * head_dim];
       if (page >= num_pages) {
-        for (int64_t d = 0; d < 2 * head_dim; ++d) dst[d] = d < head_dim ? -1e4f : 1e4f;
+        for (int64_t d = 0; d < kRows * head_dim; ++d) dst[d] = d < head_dim ? -1e4f : 1e4f;
         continue;
       }
       if (page >= distinct) {
-        const float* src = &pr.summaries[(g * pr.max_pages + page % distinct) * 2 * head_dim];
-        std::copy(src, src + 2 * head_dim, dst);
+        const float* src = &pr.summaries[(g * pr.max_pages + page % distinct) * kRows * head_dim];
+        std::copy(src, src + kRows * head_dim, dst);
         continue;
       }
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -144,31 +153,56 @@ inline SelectProblem MakeSelectProblem(int64_t num_tokens, int64_t num_kv_heads,
         const float b = RoundTo(draw(), dtype);
         dst[d] = std::min(a, b);
         dst[head_dim + d] = std::max(a, b);
+        dst[2 * head_dim + d] = RoundTo(draw(), dtype);   // any key value will do
       }
     }
   }
   return pr;
 }
 
-// score[t, g, p] in double, straight from backend.h.
+// Gives every row of `pr` a keep list of `keep_per_head` distinct pages (a first selection by
+// the other score), with one -1 in the last row when there is room (ignored ids).
+inline void AddKeep(SelectProblem& pr, int64_t keep_per_head, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t rows = pr.num_tokens * pr.num_kv_heads;
+  pr.keep_per_head = keep_per_head;
+  pr.keep.assign(rows * keep_per_head, -1);
+  std::vector<int32_t> ids(pr.num_pages);
+  for (int64_t row = 0; row < rows; ++row) {
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const int64_t n = row + 1 == rows && keep_per_head > 1 ? keep_per_head - 1 : keep_per_head;
+    std::copy(ids.begin(), ids.begin() + n, pr.keep.begin() + row * keep_per_head);
+  }
+}
+
+// score[t, g, p] in double, straight from backend.h (kept pages: +inf).
 inline std::vector<double> ReferenceScores(const SelectProblem& pr) {
   const int64_t d_count = pr.head_dim;
   std::vector<double> scores(pr.num_tokens * pr.num_kv_heads * pr.num_pages);
   for (int64_t t = 0; t < pr.num_tokens; ++t) {
     for (int64_t g = 0; g < pr.num_kv_heads; ++g) {
       for (int64_t page = 0; page < pr.num_pages; ++page) {
-        const float* lo = &pr.summaries[(g * pr.max_pages + page) * 2 * d_count];
-        const float* hi = lo + d_count;
+        const float* row = &pr.summaries[(g * pr.max_pages + page) * kPageSummaryRows * d_count];
         double best = -INFINITY;
         for (int64_t j = 0; j < pr.group(); ++j) {
           const float* q = &pr.q[t * pr.q_row_stride + (g * pr.group() + j) * d_count];
           double sum = 0.0;
           for (int64_t d = 0; d < d_count; ++d) {
-            sum += std::max(static_cast<double>(q[d]) * lo[d], static_cast<double>(q[d]) * hi[d]);
+            const double qd = q[d];
+            sum += pr.score == PageScore::kCentroid
+                       ? qd * row[2 * d_count + d]
+                       : std::max(qd * row[d], qd * row[d_count + d]);
           }
           best = std::max(best, sum);
         }
         scores[(t * pr.num_kv_heads + g) * pr.num_pages + page] = best;
+      }
+      for (int64_t i = 0; i < pr.keep_per_head && !pr.keep.empty(); ++i) {
+        const int32_t id = pr.keep[(t * pr.num_kv_heads + g) * pr.keep_per_head + i];
+        if (id >= 0 && id < pr.num_pages) {
+          scores[(t * pr.num_kv_heads + g) * pr.num_pages + id] = INFINITY;
+        }
       }
     }
   }
@@ -225,7 +259,9 @@ inline void ExpectSelection(const SelectProblem& pr, const std::vector<double>& 
     }
     const double* s = &scores[row * pr.num_pages];
     double max_abs = 0.0;
-    for (int64_t p = 0; p < pr.num_pages; ++p) max_abs = std::max(max_abs, std::abs(s[p]));
+    for (int64_t p = 0; p < pr.num_pages; ++p) {
+      if (std::isfinite(s[p])) max_abs = std::max(max_abs, std::abs(s[p]));
+    }
     std::vector<double> sorted(s, s + pr.num_pages);
     std::nth_element(sorted.begin(), sorted.begin() + (kept - 1), sorted.end(),
                      std::greater<double>());
@@ -263,23 +299,28 @@ inline std::vector<int32_t> RunSelectPages(Backend& backend, const SelectProblem
   const int64_t count = pr.num_tokens * pr.num_kv_heads * pr.select;
   std::vector<int32_t> pages(count, 7777);
   DeviceBuffer pages_buffer = UploadBytes(backend, pages.data(), count * sizeof(int32_t));
+  DeviceBuffer keep = UploadBytes(backend, pr.keep.data(), pr.keep.size() * sizeof(int32_t));
   absl::StatusOr<DeviceBuffer> scratch =
       backend.Allocate(SelectPagesScratchBytes(pr.num_tokens, pr.num_kv_heads, pr.num_pages));
   EXPECT_TRUE(scratch.ok()) << scratch.status();
   if (!scratch.ok()) return {};
-  const absl::Status status = backend.SelectPages({.q = q.as<float>(),
-                                                   .q_row_stride = pr.q_row_stride,
-                                                   .summaries = summaries.data(),
-                                                   .dtype = pr.dtype,
-                                                   .max_pages = pr.max_pages,
-                                                   .num_pages = pr.num_pages,
-                                                   .num_tokens = pr.num_tokens,
-                                                   .num_q_heads = pr.num_q_heads,
-                                                   .num_kv_heads = pr.num_kv_heads,
-                                                   .head_dim = pr.head_dim,
-                                                   .select = pr.select,
-                                                   .pages = pages_buffer.as<int32_t>(),
-                                                   .scratch = scratch->data()});
+  const absl::Status status = backend.SelectPages(
+      {.q = q.as<float>(),
+       .q_row_stride = pr.q_row_stride,
+       .summaries = summaries.data(),
+       .dtype = pr.dtype,
+       .max_pages = pr.max_pages,
+       .num_pages = pr.num_pages,
+       .num_tokens = pr.num_tokens,
+       .num_q_heads = pr.num_q_heads,
+       .num_kv_heads = pr.num_kv_heads,
+       .head_dim = pr.head_dim,
+       .select = pr.select,
+       .score = pr.score,
+       .keep = pr.keep.empty() ? nullptr : keep.as<int32_t>(),
+       .keep_per_head = pr.keep_per_head,
+       .pages = pages_buffer.as<int32_t>(),
+       .scratch = scratch->data()});
   EXPECT_TRUE(status.ok()) << status;
   if (!status.ok()) return {};
   const absl::Status copied =
@@ -302,15 +343,16 @@ inline std::vector<std::vector<int32_t>> RunSelectPagesBatch(
     buffers.push_back(UploadBytes(backend, pr.q.data(), pr.q.size() * sizeof(float)));
     buffers.push_back(UploadBytes(backend, summary_bytes.data(), summary_bytes.size()));
     buffers.push_back(UploadBytes(backend, pages.back().data(), count * sizeof(int32_t)));
+    buffers.push_back(UploadBytes(backend, pr.keep.data(), pr.keep.size() * sizeof(int32_t)));
     absl::StatusOr<DeviceBuffer> scratch =
         backend.Allocate(SelectPagesScratchBytes(pr.num_tokens, pr.num_kv_heads, pr.num_pages));
     EXPECT_TRUE(scratch.ok()) << scratch.status();
     if (!scratch.ok()) return {};
     buffers.push_back(*std::move(scratch));
     const size_t b = buffers.size();
-    params.push_back({.q = buffers[b - 4].as<float>(),
+    params.push_back({.q = buffers[b - 5].as<float>(),
                       .q_row_stride = pr.q_row_stride,
-                      .summaries = buffers[b - 3].data(),
+                      .summaries = buffers[b - 4].data(),
                       .dtype = pr.dtype,
                       .max_pages = pr.max_pages,
                       .num_pages = pr.num_pages,
@@ -319,7 +361,10 @@ inline std::vector<std::vector<int32_t>> RunSelectPagesBatch(
                       .num_kv_heads = pr.num_kv_heads,
                       .head_dim = pr.head_dim,
                       .select = pr.select,
-                      .pages = buffers[b - 2].as<int32_t>(),
+                      .score = pr.score,
+                      .keep = pr.keep.empty() ? nullptr : buffers[b - 2].as<int32_t>(),
+                      .keep_per_head = pr.keep_per_head,
+                      .pages = buffers[b - 3].as<int32_t>(),
                       .scratch = buffers[b - 1].data()});
   }
   const absl::Status status = backend.SelectPagesBatch(params.data(), params.size());
@@ -338,7 +383,7 @@ inline std::vector<std::vector<int32_t>> RunSelectPagesBatch(
 struct SummarizeCase {
   SummarizePagesParams p;  // sizes and dtype; pointers unset
   std::vector<float> k_cache;    // [num_kv_heads, capacity, head_dim], values as stored
-  std::vector<float> summaries;  // [num_kv_heads, max_pages, 2, head_dim] before the call
+  std::vector<float> summaries;  // [num_kv_heads, max_pages, 3, head_dim] before the call
 };
 
 inline SummarizeCase MakeSummarizeCase(int64_t num_kv_heads, int64_t head_dim,
@@ -362,7 +407,7 @@ inline SummarizeCase MakeSummarizeCase(int64_t num_kv_heads, int64_t head_dim,
     const int r = pick(rng);
     k = r == 0 ? 0.5f : (r == 1 ? 0.0f : RoundTo(uniform(rng), dtype));  // repeats and zeros
   }
-  c.summaries.assign(num_kv_heads * c.p.max_pages * 2 * head_dim, 42.0f);
+  c.summaries.assign(num_kv_heads * c.p.max_pages * kPageSummaryRows * head_dim, 42.0f);
   return c;
 }
 

@@ -20,6 +20,7 @@
 namespace tandem::gpu_worker::cuda_test {
 namespace {
 
+using page_reference::AddKeep;
 using page_reference::ExpectSelection;
 using page_reference::MakeSelectProblem;
 using page_reference::MakeSummarizeCase;
@@ -127,6 +128,29 @@ TEST_F(CudaPageSelectTest, AdversarialTiesExact) {
   }
 }
 
+// The centroid score (q·mean) and kept pages (the two-score policy's second pass), exactly, on
+// the specialised kernels (D 64, 128), the fallback (G 3) and long rows.
+TEST_F(CudaPageSelectTest, CentroidAndKeptPagesExact) {
+  uint32_t seed = 70;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (int64_t group : {1, 4, 3}) {
+      for (int64_t head_dim : {64, 128}) {
+        SelectProblem pr = MakeSelectProblem(3, 2, group, head_dim, 200, 50, dtype, true, 13, ++seed);
+        pr.score = PageScore::kCentroid;
+        CheckSelect(pr, 0.0);
+        AddKeep(pr, 20, ++seed);
+        CheckSelect(pr, 0.0);
+        pr.score = PageScore::kBound;
+        CheckSelect(pr, 0.0);
+      }
+    }
+    SelectProblem pr = MakeSelectProblem(1, 2, 4, 128, 12000, 300, dtype, true, 997, ++seed);
+    pr.score = PageScore::kCentroid;
+    AddKeep(pr, 150, ++seed);
+    CheckSelect(pr, 0.0);
+  }
+}
+
 TEST_F(CudaPageSelectTest, AllEqualScoresKeepLowestIds) {
   const SelectProblem pr = MakeSelectProblem(1, 1, 4, 128, 20000, 64, DType::kBF16, true, 1, 5);
   const std::vector<int32_t> pages = RunSelectPages(*backend_, pr);
@@ -167,6 +191,14 @@ TEST_F(CudaPageSelectTest, BatchEqualsPerEntry) {
   problems.push_back(MakeSelectProblem(1, 8, 4, 128, 30, 37, DType::kBF16, false, 30, ++seed));
   problems.push_back(MakeSelectProblem(1, 2, 3, 48, 900, 37, DType::kF32, false, 900, ++seed));
   problems.push_back(MakeSelectProblem(1, 8, 4, 128, 5000, 37, DType::kF32, false, 5000, ++seed));
+  // Entries with kept pages among those without (one launch marks them), and a centroid entry
+  // (another batch: the score is shared by a batch's entries).
+  for (size_t i : {1, 3}) AddKeep(problems[i], 12, ++seed);
+  problems.push_back(MakeSelectProblem(1, 8, 4, 128, 6000, 37, DType::kBF16, false, 6000, ++seed));
+  problems.back().score = PageScore::kCentroid;
+  AddKeep(problems.back(), 20, ++seed);
+  problems.push_back(MakeSelectProblem(1, 8, 4, 128, 900, 37, DType::kBF16, false, 900, ++seed));
+  problems.back().score = PageScore::kCentroid;
   const std::vector<std::vector<int32_t>> batched = RunSelectPagesBatch(*backend_, problems);
   ASSERT_EQ(batched.size(), problems.size());
   for (size_t i = 0; i < problems.size(); ++i) {
@@ -193,7 +225,7 @@ TEST_F(CudaPageSelectTest, BatchManyEntriesEqualsPerEntry) {
 
 TEST_F(CudaPageSelectTest, RejectsBrokenParams) {
   DeviceBuffer q = Filled(8 * 64, 0.0f);
-  DeviceBuffer summaries = Filled(2 * 10 * 2 * 64, 0.0f);
+  DeviceBuffer summaries = Filled(2 * 10 * kPageSummaryRows * 64, 0.0f);
   DeviceBuffer pages = Filled(2 * 4, 0.0f);
   DeviceBuffer scratch = Filled(SelectPagesScratchBytes(1, 2, 10) / 4, 0.0f);
   const SelectPagesParams good{.q = q.as<float>(),

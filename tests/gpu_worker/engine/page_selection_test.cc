@@ -72,7 +72,7 @@ TEST(PageIndexTest, SummariesAreMinMaxOfTheirKeysAcrossGrowth) {
   EXPECT_EQ(index->Append(0, k_dev[0].data(), capacity, 0, 3).code(),
             absl::StatusCode::kInvalidArgument);   // not whole pages
   const int64_t cap = index->capacity_pages();
-  std::vector<float> summaries(g.num_kv_heads * cap * 2 * g.head_dim);
+  std::vector<float> summaries(g.num_kv_heads * cap * kPageSummaryRows * g.head_dim);
   for (int64_t l = 0; l < g.num_layers; ++l) {
     ASSERT_TRUE(
         backend->CopyToHost(summaries.data(), index->summaries(l), summaries.size() * 4).ok());
@@ -81,15 +81,19 @@ TEST(PageIndexTest, SummariesAreMinMaxOfTheirKeysAcrossGrowth) {
       for (int64_t s0 = first; s0 < first + count; s0 += page, ++p) {
         for (int64_t h = 0; h < g.num_kv_heads; ++h) {
           for (int64_t d = 0; d < g.head_dim; ++d) {
-            float lo = INFINITY, hi = -INFINITY;
+            float lo = INFINITY, hi = -INFINITY, sum = 0.0f;
             for (int64_t s = s0; s < s0 + page; ++s) {
               const float v = k[l][(h * capacity + s) * g.head_dim + d];
               lo = std::min(lo, v);
               hi = std::max(hi, v);
+              sum += v;
             }
-            const float* row = summaries.data() + ((h * cap + p) * 2) * g.head_dim;
+            const float* row =
+                summaries.data() + ((h * cap + p) * kPageSummaryRows) * g.head_dim;
             ASSERT_EQ(row[d], lo) << "layer " << l << " page " << p << " head " << h;
             ASSERT_EQ(row[g.head_dim + d], hi) << "layer " << l << " page " << p;
+            ASSERT_EQ(row[2 * g.head_dim + d], sum / static_cast<float>(page))
+                << "layer " << l << " page " << p;
           }
         }
       }

@@ -258,18 +258,21 @@ struct UploadParams {
 
 // Page summaries for query-aware selection (Quest; DESIGN "Selection"): for each of `num_pages`
 // pages of `page_tokens` consecutive slots of a window K cache, starting at `first_slot`, the
-// elementwise min and max of the page's keys, written as summary pages first_page.. of
-// `summaries`:
+// elementwise min, max and mean of the page's keys, written as summary pages first_page.. of
+// `summaries` (kPageSummaryRows rows per page):
 //   summaries[g, first_page + i, 0, d] = min over slots s of the page of k_cache[g, s, d]
 //   summaries[g, first_page + i, 1, d] = max over the same slots
-// (in the cache dtype: a min or max of bf16 keys is a bf16 key value, so nothing is rounded).
+//   summaries[g, first_page + i, 2, d] = their mean (an f32 sum in slot order, / page_tokens)
+// in the cache dtype: a min or max of bf16 keys is a bf16 key value, so nothing is rounded; the
+// mean is rounded once to the dtype.
+inline constexpr int64_t kPageSummaryRows = 3;
 struct SummarizePagesParams {
   const void* k_cache = nullptr;  // [num_kv_heads, capacity, head_dim] of dtype
   int64_t capacity = 0;
   int64_t first_slot = 0;         // pages cover slots [first_slot, first_slot + num_pages·page_tokens)
   int64_t num_pages = 0;
   int64_t page_tokens = 0;        // >= 1
-  void* summaries = nullptr;      // [num_kv_heads, max_pages, 2, head_dim] of dtype (min, max)
+  void* summaries = nullptr;      // [num_kv_heads, max_pages, 3, head_dim] of dtype (min, max, mean)
   int64_t max_pages = 0;          // page capacity of `summaries`
   int64_t first_page = 0;         // first_page + num_pages <= max_pages
   DType dtype = DType::kF32;      // of both k_cache and summaries: kF32 or kBF16
@@ -277,18 +280,28 @@ struct SummarizePagesParams {
   int64_t head_dim = 0;
 };
 
+// How SelectPages scores a page against a query head (DESIGN "Selection"):
+//   kBound     Quest's upper bound of the page's largest q·k: Σ_d max(q_d·min_d, q_d·max_d).
+//              Never misses a page holding the largest key, but a page of spread keys scores
+//              high whatever its mass.
+//   kCentroid  q·mean: the page's typical key, which ranks pages by their bulk of mass.
+// The default policy takes part of its budget by each (PagePolicy::centroid_share).
+enum class PageScore { kBound, kCentroid };
+
 // Query-aware page selection: scores every page of every kv head against each query token and
 // keeps the best `select` pages per (token, kv head). With G = num_q_heads / num_kv_heads, the
-// score of page p of kv head g for token t is an upper bound of the page's largest q·k over the
-// group's query heads:
-//   score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·min[g, p, d], q[t, g·G+j, d]·max[g, p, d])
-// (f32 products and sums; the order of the sum is the backend's). pages[t, g, :] gets the
-// `select` pages of highest score (ties: the lower page id wins), in ascending page id order;
-// when num_pages <= select it gets every page 0..num_pages-1 followed by -1 padding.
+// score of page p of kv head g for token t is the best over the group's query heads:
+//   kBound:    score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·min[g, p, d], q[t, g·G+j, d]·max[g, p, d])
+//   kCentroid: score[t, g, p] = max over j < G of Σ_d q[t, g·G+j, d]·mean[g, p, d]
+// (f32 products and sums; the order of the sum is the backend's). With `keep`, the pages it
+// names for a row count as scoring above every other page (they are kept, within `select`).
+// pages[t, g, :] gets the `select` pages of highest score (ties: the lower page id wins), in
+// ascending page id order; when num_pages <= select it gets every page 0..num_pages-1 followed by
+// -1 padding.
 struct SelectPagesParams {
   const float* q = nullptr;        // [num_tokens, num_q_heads, head_dim], rows of q_row_stride
   int64_t q_row_stride = 0;        // floats between token t and t+1
-  const void* summaries = nullptr; // [num_kv_heads, max_pages, 2, head_dim] of dtype
+  const void* summaries = nullptr; // [num_kv_heads, max_pages, 3, head_dim] of dtype (SummarizePages)
   DType dtype = DType::kF32;       // kF32 or kBF16
   int64_t max_pages = 0;
   int64_t num_pages = 0;           // pages [0, num_pages) are candidates (>= 1, <= max_pages)
@@ -297,6 +310,12 @@ struct SelectPagesParams {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t select = 0;              // pages kept per (token, kv head), >= 1
+  PageScore score = PageScore::kBound;
+  // Optional: [num_tokens, num_kv_heads, keep_per_head] page ids kept whatever their score (a
+  // first selection by another score); -1 and ids outside [0, num_pages) are ignored. Distinct
+  // ids per row; 1 <= keep_per_head < select.
+  const int32_t* keep = nullptr;
+  int64_t keep_per_head = 0;
   int32_t* pages = nullptr;        // [num_tokens, num_kv_heads, select]
   // Scratch of at least SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages) bytes.
   void* scratch = nullptr;

@@ -104,6 +104,7 @@ class NodeTier final : public OffloadTier {
   std::chrono::steady_clock::time_point next_rebuild_{};
   bool paged_ = false;                     // the attend in flight names pages
   DeviceBuffer selected_;                  // chosen page ids [n, H_kv, per_head] (device)
+  DeviceBuffer first_;                     // the bound's pick before the centroid's [n, H_kv, ·]
   std::vector<int32_t> page_ids_;          // their host copy
   PageSelection selection_;
   std::vector<float> dense_o_, dense_lse_;   // measure_captured_mass

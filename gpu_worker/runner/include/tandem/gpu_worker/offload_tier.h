@@ -138,11 +138,14 @@ class TierContext {
   // selections queued one after the other on the device. Valid until the next call.
   absl::StatusOr<void*> SelectScratch(size_t bytes);
   // Queues a page selection of this micro-batch phase; the queued ones run as one
-  // Backend::SelectPagesBatch at FlushSelects, which FlushDownloads calls first (so the ids are
-  // chosen before they are downloaded). p.scratch is ignored: each queued selection gets its
-  // own SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads, p.num_pages) of a buffer apart
-  // from SelectScratch's. p's q, summaries and pages must stay valid until the flush.
-  void QueueSelect(const SelectPagesParams& p);
+  // Backend::SelectPagesBatch per selection phase (0, then 1: a selection that keeps the pages
+  // of another, SelectPagesParams::keep, queues after it) at FlushSelects, which FlushDownloads
+  // calls first (so the ids are chosen before they are downloaded). p.scratch is ignored: each
+  // queued selection gets its own SelectPagesScratchBytes(p.num_tokens, p.num_kv_heads,
+  // p.num_pages) of a buffer apart from SelectScratch's. p's q, summaries, keep and pages must
+  // stay valid until the flush.
+  static constexpr int kSelectPhases = 2;
+  void QueueSelect(const SelectPagesParams& p, int phase = 0);
   absl::Status FlushSelects();
 
   // --- Batched transfers of one micro-batch phase. Copies and merges queued by tiers run at
@@ -204,7 +207,7 @@ class TierContext {
   std::vector<Download> downloads_;
   std::vector<HostState> merges_;
   DeviceBuffer select_scratch_;
-  std::vector<SelectPagesParams> selects_;   // queued by QueueSelect
+  std::vector<SelectPagesParams> selects_[kSelectPhases];   // queued by QueueSelect
   DeviceBuffer batch_select_scratch_;        // the queued selections' scratch, one region each
   // Page-locked (Backend::AllocateHost): a settle moves a whole prompt's KV through them, one
   // layer at a time, and pageable memory halves the device-to-host rate.

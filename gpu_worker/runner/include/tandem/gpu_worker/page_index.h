@@ -1,10 +1,11 @@
 // PageIndex: the page summaries of one sequence's offloaded KV, kept in device memory (Quest;
 // DESIGN "Selection", selection = pages).
 //
-// Per layer: [num_kv_heads, capacity_pages, 2, head_dim] of the KV dtype, page p of kv head g
-// holding the elementwise min (index 0) and max (index 1) of the post-RoPE keys of offloaded
-// entries [p·page_tokens, (p+1)·page_tokens) of that (layer, kv head). That is 2/(2·page_tokens)
-// = 1/page_tokens of the offloaded K+V bytes (1/16 at the default 16-token pages). Pages are
+// Per layer: [num_kv_heads, capacity_pages, 3, head_dim] of the KV dtype, page p of kv head g
+// holding the elementwise min (row 0), max (row 1) and mean (row 2) of the post-RoPE keys of
+// offloaded entries [p·page_tokens, (p+1)·page_tokens) of that (layer, kv head) (backend.h's
+// SummarizePages). That is 3/(2·page_tokens) of the offloaded K+V bytes (3/32 at the default
+// 16-token pages). Pages are
 // written when their entries leave the window (Append from the window's K before Release), so
 // page p names exactly the entries the CPU nodes number p·page_tokens.. in the same shard.
 //
@@ -55,17 +56,16 @@ class PageIndex {
   // Append for evicted window blocks, every layer, in the blocks' order.
   absl::Status AppendEvicted(const WindowCache& window, const std::vector<EvictedBlock>& blocks);
 
-  // Picks pages of `layer` for query rows q (SelectPagesParams): pages [num_tokens,
-  // num_kv_heads, select] on the device; scratch of SelectPagesScratchBytes(num_tokens,
-  // num_kv_heads, num_pages(layer)) bytes. FAILED_PRECONDITION when the layer has no page.
-  absl::Status Select(int64_t layer, const float* q, int64_t q_row_stride, int64_t num_tokens,
-                      int64_t num_q_heads, int64_t select, int32_t* pages, void* scratch) const;
-  // The parameters Select passes to Backend::SelectPages (for a batched call; valid while the
-  // index does not grow), with the same FAILED_PRECONDITION.
+  // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q, scored by
+  // `score`: pages [num_tokens, num_kv_heads, select] on the device; scratch of
+  // SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages(layer)) bytes (null: the
+  // caller's batch sets it). Valid while the index does not grow. FAILED_PRECONDITION when the
+  // layer has no page.
   absl::StatusOr<SelectPagesParams> SelectParams(int64_t layer, const float* q,
                                                  int64_t q_row_stride, int64_t num_tokens,
                                                  int64_t num_q_heads, int64_t select,
-                                                 int32_t* pages, void* scratch) const;
+                                                 int32_t* pages, void* scratch,
+                                                 PageScore score = PageScore::kBound) const;
 
   // Parking, as WindowCache::Park: the pages written go to a space of `pool` (pinned host
   // memory) and the device buffers are freed (device_bytes() 0); Unpark() allocates the same
@@ -82,12 +82,12 @@ class PageIndex {
   int64_t capacity_pages() const { return capacity_pages_; }
   size_t device_bytes() const;
   const WindowGeometry& geometry() const { return geometry_; }
-  // [num_kv_heads, capacity_pages, 2, head_dim] of `layer` (tests).
+  // [num_kv_heads, capacity_pages, 3, head_dim] of `layer` (tests).
   const void* summaries(int64_t layer) const { return layers_[layer].data(); }
 
  private:
   PageIndex() = default;
-  size_t PageBytes() const;   // one page of one kv head: 2 · head_dim · dtype bytes
+  size_t PageBytes() const;   // one page of one kv head: 3 · head_dim · dtype bytes
   // Copies the pages written of every (layer, kv head) into `dst` (per layer, heads of
   // dst_capacity pages each).
   absl::Status CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t dst_capacity) const;

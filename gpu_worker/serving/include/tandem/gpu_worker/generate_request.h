@@ -56,6 +56,7 @@ struct GenerateRequest {
   std::optional<SelectionRule> selection;
   std::optional<int64_t> select_tokens;   // >= 1 (pages: whole pages, at least one)
   std::optional<int64_t> dense_layers;    // >= 0
+  std::optional<double> centroid_share;   // in [0, 1] (PagePolicy::centroid_share)
   // Unset: no deadline. A request still running at its deadline ends with DEADLINE_EXCEEDED
   // (checked between steps).
   std::optional<std::chrono::steady_clock::time_point> deadline;

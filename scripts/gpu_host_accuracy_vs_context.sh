@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Runs on the GPU host (through the device tool) the checks and benchmarks of issue 28 (accuracy
+# as the context grows): the page kernels' cuda tests, perplexity of gutenberg-14m-64k at
+# CONTEXTS tokens for the bound alone (c0) and the two-score default (c0.5) at 512 / 1024 / 2048
+# tokens per (layer, kv head), the captured share of the offloaded softmax mass per layer
+# (one book each), needles at 32K and 64K decoded with every offloaded entry on the tier
+# (tandem-needle-bench --settle_first), and the 512K step time of both policies (tandem-bench,
+# Llama-3-8B geometry). Prepared here as scripts/gpu_host_worker.sh says, with
+# gutenberg-14m-64k and the eval books in .carry/shared.
+#   PARTS="tests ppl mass needle speed" (default: all), CONTEXTS (default 8192 16384 32768 65536),
+#   PPL_BOOKS (default 6), ACCURACY_TIMEOUT (s per accuracy process, default 270; each prints a
+#   JSON line per finished configuration), SPEED_TIMEOUT (s per policy, default 150)
+# Logs go under $OUT (or /tmp/out).
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/tandem
+tar xJf .carry/tandem.tar.xz -C /tmp/tandem && source /tmp/tandem/env.sh
+export TANDEM_SHARED_DIR=$PWD/.carry/shared
+model=$TANDEM_SHARED_DIR/models/gutenberg-14m-64k
+books=$TANDEM_SHARED_DIR/data/gutenberg-eval
+parts=${PARTS:-tests ppl mass needle speed}
+contexts=${CONTEXTS:-8192 16384 32768 65536}
+has() { [[ " $parts " == *" $1 "* ]]; }
+{
+  echo "commit: $(cat .carry/commit 2>/dev/null)"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GB"
+} 2>&1 | tee "$out/host.txt"
+
+if has tests; then
+  ( timeout 200 backend_cuda_test --gtest_brief=1 \
+      --gtest_filter='*PageSelect*:*Summarize*' > "$out/tests.txt" 2>&1
+    [ -x "$(command -v gpu_worker_engine_cuda_test)" ] && timeout 200 gpu_worker_engine_cuda_test --gtest_brief=1 \
+      --gtest_filter='PageIndex*:PageSelection*:HybridEquivalence*' >> "$out/tests.txt" 2>&1 ) &
+fi
+ppl() {   # name tokens [flags...]
+  local name=$1 tokens=$2; shift 2
+  timeout "${ACCURACY_TIMEOUT:-270}" tandem-ppl-bench --model "$model" --books "$books" --tokens "$tokens" --window 512 --sink 4 \
+    --chunk 16 --backend cuda --node_threads 1 --betas= "$@" > "$out/ppl_${name}_$tokens.txt" 2>&1
+}
+if has ppl; then
+  for t in $contexts; do
+    ppl a "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false --window_only \
+      --pages 512:c0,512:c0.5 &
+    ppl b "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false --skip_full \
+      --pages 1024:c0,1024:c0.5,2048:c0,2048:c0.5 &
+  done
+fi
+if has mass; then
+  for t in 16384 32768 65536; do
+    ppl mass "$t" --max_books 1 --captured_mass --skip_full --pages 512:c0,512:c0.5,2048:c0,2048:c0.5 &
+  done
+fi
+needle() {   # tokens prompts_per_book
+  timeout "${ACCURACY_TIMEOUT:-270}" tandem-needle-bench --model "$model" --books "$books" --prompt_tokens "$1" \
+    --prompts_per_book "$2" --min_distance 640 --betas= --pages 512:c0,512:c0.5,2048:c0,2048:c0.5 \
+    --backend cuda --node_threads 2 --node_pool_gib 8 > "$out/needle_$1.txt" 2>&1
+}
+if has needle; then
+  needle 32000 2 &
+  needle 63000 1 &
+fi
+wait
+if has tests; then grep -E 'FAILED|PASSED' "$out/tests.txt"; fi
+grep -h '"config"' "$out"/ppl_*.txt 2>/dev/null | cut -c1-330
+grep -h '"config"' "$out"/needle_*.txt 2>/dev/null | cut -c1-200
+if has speed; then
+  for share in 0 0.5; do
+    timeout "${SPEED_TIMEOUT:-150}" tandem-bench --contexts 524288 --batches 1 --modes hybrid \
+      --shares= --select_tokens 2048 --window 4096 --prefill_tokens 0 --steps 20 \
+      --centroid_share "$share" > "$out/speed_c$share.txt" 2>&1
+    grep -E '"median_ms"|median' "$out/speed_c$share.txt" | tail -2 | cut -c1-600
+  done
+fi
