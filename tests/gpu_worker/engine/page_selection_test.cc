@@ -106,7 +106,8 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
   // gpu: everything on the device. hybrid: window 64 + sink 4, the rest on the node, chosen by
   // pages within select_tokens (or, with window_only, MAW at a beta nothing passes).
   std::unique_ptr<Sequence> MakeSequence(AttentionMode mode, const std::string& id,
-                                         int64_t select_tokens, bool window_only = false) {
+                                         int64_t select_tokens, bool window_only = false,
+                                         double centroid_share = PagePolicy().centroid_share) {
     const ModelConfig& c = model_->config;
     const WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
     WindowOptions wo;
@@ -135,6 +136,7 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
       ro.page_tokens = kPageTokens;
       seq->selection = SelectionRule::kPages;
       seq->page_policy.select_tokens = select_tokens;
+      seq->page_policy.centroid_share = centroid_share;
       auto index = PageIndex::Create(*backend_, g, kPageTokens, 0);
       EXPECT_TRUE(index.ok()) << index.status();
       pages = std::make_unique<PageIndex>(std::move(*index));
@@ -179,43 +181,50 @@ TEST_F(PageSelectionRunner, FullBudgetEqualsGpuAtEveryStep) {
 
 // A budget of 4 pages (32 entries) per (layer, kv head): the node attends over exactly the
 // budget in every layer, and the output is much closer to full attention than the window
-// alone (mean over decode steps of the largest logit error).
+// alone (mean over decode steps of the largest logit error). For every split of the budget
+// between the two scores: the bound alone (0), half and half (the default: the second pass
+// keeps the first's pages, so a row never names a page twice) and the centroid alone (1).
 TEST_F(PageSelectionRunner, SmallBudgetBringsBackWhatTheWindowLoses) {
   constexpr int64_t kBudget = 4 * kPageTokens;
-  auto gpu = MakeSequence(AttentionMode::kGpu, "gpu2", 0);
-  auto pages = MakeSequence(AttentionMode::kHybrid, "pages-small", kBudget);
-  auto window = MakeSequence(AttentionMode::kHybrid, "window-only", 0, /*window_only=*/true);
   std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
   for (int i = 0; i < 250; ++i) prompt.push_back(1 + (i * 53) % 500);
-  std::vector<float> a = Step(*gpu, prompt);
-  std::vector<float> b = Step(*pages, prompt);
-  std::vector<float> w = Step(*window, prompt);
-  double pages_error = 0, window_error = 0;
-  constexpr int kSteps = 100;
-  for (int step = 0; step < kSteps; ++step) {
-    pages_error += MaxAbsDiff(a, b);
-    window_error += MaxAbsDiff(a, w);
-    for (float v : b) ASSERT_TRUE(std::isfinite(v));
-    const int32_t next = Argmax(a);
-    a = Step(*gpu, {next});
-    b = Step(*pages, {next});
-    w = Step(*window, {next});
+  for (double share : {0.0, 0.5, 1.0}) {
+    SCOPED_TRACE("centroid_share " + std::to_string(share));
+    const std::string tag = std::to_string(static_cast<int>(share * 10));
+    auto gpu = MakeSequence(AttentionMode::kGpu, "gpu2-" + tag, 0);
+    auto pages = MakeSequence(AttentionMode::kHybrid, "pages-small-" + tag, kBudget, false, share);
+    auto window = MakeSequence(AttentionMode::kHybrid, "window-only-" + tag, 0, true);
+    std::vector<float> a = Step(*gpu, prompt);
+    std::vector<float> b = Step(*pages, prompt);
+    std::vector<float> w = Step(*window, prompt);
+    double pages_error = 0, window_error = 0;
+    constexpr int kSteps = 100;
+    for (int step = 0; step < kSteps; ++step) {
+      pages_error += MaxAbsDiff(a, b);
+      window_error += MaxAbsDiff(a, w);
+      for (float v : b) ASSERT_TRUE(std::isfinite(v));
+      const int32_t next = Argmax(a);
+      a = Step(*gpu, {next});
+      b = Step(*pages, {next});
+      w = Step(*window, {next});
+    }
+    pages_error /= kSteps;
+    window_error /= kSteps;
+    std::printf("mean max |logit error| vs full attention: pages(%lld, centroid share %.1f) "
+                "%.4f, window only %.4f\n",
+                static_cast<long long>(kBudget), share, pages_error, window_error);
+    EXPECT_LT(pages_error, 0.7 * window_error);   // measured 0.56 / 0.40 / 0.33 (cpu backend)
+    EXPECT_GT(pages_error, 0.0);   // the budget is far from everything: not exact
+    // Every layer attended exactly the budget per kv head (all pages are whole, none twice).
+    const ModelConfig& c = model_->config;
+    const RemoteKv& remote = static_cast<const NodeTier&>(*pages->offload).remote();
+    ASSERT_EQ(remote.last_selection().size(), static_cast<size_t>(c.num_layers));
+    for (const LayerSelection& layer : remote.last_selection()) {
+      EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * c.num_kv_heads));
+      EXPECT_EQ(layer.held, static_cast<uint64_t>(pages->offloaded_entries() * c.num_kv_heads));
+    }
+    EXPECT_EQ(pages->degraded_steps, 0u);
   }
-  pages_error /= kSteps;
-  window_error /= kSteps;
-  std::printf("mean max |logit error| vs full attention: pages(%lld) %.4f, window only %.4f\n",
-              static_cast<long long>(kBudget), pages_error, window_error);
-  EXPECT_LT(pages_error, 0.7 * window_error);   // measured 0.56 (cpu backend)
-  EXPECT_GT(pages_error, 0.0);   // the budget is far from everything: not exact
-  // Every layer attended exactly the budget per kv head (all pages are whole).
-  const ModelConfig& c = model_->config;
-  const RemoteKv& remote = static_cast<const NodeTier&>(*pages->offload).remote();
-  ASSERT_EQ(remote.last_selection().size(), static_cast<size_t>(c.num_layers));
-  for (const LayerSelection& layer : remote.last_selection()) {
-    EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * c.num_kv_heads));
-    EXPECT_EQ(layer.held, static_cast<uint64_t>(pages->offloaded_entries() * c.num_kv_heads));
-  }
-  EXPECT_EQ(pages->degraded_steps, 0u);
 }
 
 class PageSelectionEngine : public ::testing::Test {
@@ -258,6 +267,16 @@ TEST_F(PageSelectionEngine, PagesIsServedAndRejectsBadPolicies) {
   bad = Request();
   bad.dense_layers = -1;
   EXPECT_EQ(engine_->Generate(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  for (double share : {-0.1, 1.5, std::nan("")}) {
+    bad = Request();
+    bad.centroid_share = share;
+    EXPECT_EQ(engine_->Generate(bad).status().code(), absl::StatusCode::kInvalidArgument) << share;
+  }
+  GenerateRequest bound_only = Request();   // the previous policy still serves
+  bound_only.centroid_share = 0.0;
+  auto bound_summary = engine_->Generate(bound_only);
+  ASSERT_TRUE(bound_summary.ok()) << bound_summary.status();
+  EXPECT_EQ(bound_summary->completion_tokens, 120);
   // A kept session keeps its selection.
   GenerateRequest turn = Request();
   turn.session_id = "chat";
