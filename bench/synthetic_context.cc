@@ -267,7 +267,6 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       if (o.selection == gpu_worker::SelectionRule::kPages && mode == AttentionMode::kHybrid) {
         seq->selection = o.selection;
         seq->page_policy = o.page_policy;
-        seq->pages = seq->offload->page_index();
       }
     }
   }

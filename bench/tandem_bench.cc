@@ -653,10 +653,15 @@ class Bench {
       r["split_passes"] = p.split_passes;
       double summary_bytes = 0;
       for (Sequence* s : batch) {
-        if (s->pages == nullptr) continue;
-        const auto& g = s->pages->geometry();
+        const gpu_worker::PageIndex* index = s->page_index();
+        if (index == nullptr) continue;
+        const auto& g = index->geometry();
+        // Summary rows a step reads: min and max for the bound's pass, the mean for the
+        // centroid's (PagePolicy::centroid_share).
+        const double share = s->page_policy.centroid_share;
+        const int rows = (share < 1.0 ? 2 : 0) + (share > 0.0 ? 1 : 0);
         for (int64_t l = 0; l < g.num_layers; ++l) {
-          summary_bytes += static_cast<double>(s->pages->num_pages(l)) * g.num_kv_heads * 2 *
+          summary_bytes += static_cast<double>(index->num_pages(l)) * g.num_kv_heads * rows *
                            g.head_dim * gpu_worker::DTypeBytes(g.dtype);
         }
       }
@@ -749,7 +754,6 @@ class Bench {
       return r;
     }
     seq->offload = std::move(*opened);
-    if (seq->offload != nullptr) seq->pages = seq->offload->page_index();
     std::vector<int32_t> ids(tokens);
     for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
     const bool device_prefill = windowed && absl::GetFlag(FLAGS_device_prefill);

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/page_index.h"
 
 namespace tandem::gpu_worker {
 
@@ -77,14 +78,13 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, in
   fork->prefill_end = std::min(prefill_end, positions);
   if (offload != nullptr) {
     TANDEM_ASSIGN_OR_RETURN(fork->offload, offload->Fork(tier_fork(*fork)));
-    fork->pages = fork->offload->page_index();
   }
   return fork;
 }
 
 absl::Status Sequence::Park(ParkingPool& pool) {
   TANDEM_RETURN_IF_ERROR(window.Park(pool));
-  if (pages != nullptr) {
+  if (PageIndex* pages = page_index(); pages != nullptr) {
     if (absl::Status parked = pages->Park(pool); !parked.ok()) {
       // Back as it was; a failed upload of what just left is a device failure to report.
       TANDEM_RETURN_IF_ERROR(window.Unpark());
@@ -98,7 +98,7 @@ absl::Status Sequence::Park(ParkingPool& pool) {
 absl::Status Sequence::Unpark() {
   if (!window.parked()) return absl::FailedPreconditionError("sequence: not parked");
   TANDEM_RETURN_IF_ERROR(window.Unpark());
-  if (pages != nullptr && pages->parked()) {
+  if (PageIndex* pages = page_index(); pages != nullptr && pages->parked()) {
     if (absl::Status unparked = pages->Unpark(); !unparked.ok()) {
       // Parked again as it was (into the pages the window just gave back).
       TANDEM_RETURN_IF_ERROR(window.Park(*parked_in_));
@@ -109,16 +109,25 @@ absl::Status Sequence::Unpark() {
   return absl::OkStatus();
 }
 
+// The page summaries' share of a sequence's bytes (0 without them).
+template <typename Bytes>
+static size_t SummaryBytes(const PageIndex* pages, Bytes bytes) {
+  return pages != nullptr ? bytes(*pages) : 0;
+}
+
 size_t Sequence::ParkBytes() const {
-  return window.ParkBytes() + (pages != nullptr ? pages->ParkBytes() : 0);
+  return window.ParkBytes() +
+         SummaryBytes(page_index(), [](const PageIndex& p) { return p.ParkBytes(); });
 }
 
 size_t Sequence::resident_bytes() const {
-  return window.resident_bytes() + (pages != nullptr ? pages->resident_bytes() : 0);
+  return window.resident_bytes() +
+         SummaryBytes(page_index(), [](const PageIndex& p) { return p.resident_bytes(); });
 }
 
 size_t Sequence::device_bytes() const {
-  return window.device_bytes() + (pages != nullptr ? pages->device_bytes() : 0);
+  return window.device_bytes() +
+         SummaryBytes(page_index(), [](const PageIndex& p) { return p.device_bytes(); });
 }
 
 void Sequence::EndPrefillSpill() {
@@ -129,7 +138,8 @@ void Sequence::EndPrefillSpill() {
 }
 
 size_t Sequence::parked_bytes() const {
-  return window.parked_bytes() + (pages != nullptr ? pages->parked_bytes() : 0);
+  return window.parked_bytes() +
+         SummaryBytes(page_index(), [](const PageIndex& p) { return p.parked_bytes(); });
 }
 
 }  // namespace tandem::gpu_worker

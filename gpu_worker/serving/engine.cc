@@ -19,6 +19,7 @@
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/node_tier.h"
+#include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/prefill_spill_tier.h"
 #include "tandem/gpu_worker/tier_factory.h"
 #include "tandem/gpu_worker/tier_traits.h"
@@ -229,7 +230,9 @@ absl::Status Engine::ValidatePagePolicy(const PagePolicy& policy) const {
 
 size_t Engine::PageSummaryBytes() const {
   size_t bytes = 0;
-  for (const auto& [id, seq] : sessions_->all()) bytes += seq->pages ? seq->pages->device_bytes() : 0;
+  for (const auto& [id, seq] : sessions_->all()) {
+    if (const PageIndex* pages = seq->page_index(); pages != nullptr) bytes += pages->device_bytes();
+  }
   return bytes;
 }
 
@@ -248,14 +251,15 @@ absl::Status Engine::CheckPageSummaries(int64_t expected_offloaded, size_t need,
 }
 
 absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) const {
-  if (seq.pages == nullptr) return absl::OkStatus();
+  PageIndex* index = seq.page_index();
+  if (index == nullptr) return absl::OkStatus();
   const int64_t page = options_.page_tokens;
   const int64_t pages = (expected_offloaded + page - 1) / page;
-  if (pages <= seq.pages->capacity_pages()) return absl::OkStatus();
-  const size_t need = PageIndex::BytesFor(seq.pages->geometry(), page, expected_offloaded);
+  if (pages <= index->capacity_pages()) return absl::OkStatus();
+  const size_t need = PageIndex::BytesFor(index->geometry(), page, expected_offloaded);
   TANDEM_RETURN_IF_ERROR(CheckPageSummaries(expected_offloaded, need,
-                                            PageSummaryBytes() - seq.pages->device_bytes()));
-  return seq.pages->Reserve(pages);
+                                            PageSummaryBytes() - index->device_bytes()));
+  return index->Reserve(pages);
 }
 
 WindowGeometry Engine::window_geometry() const {
@@ -382,7 +386,6 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     TANDEM_RETURN_IF_ERROR(runner_->PrepareHostStreaming(geometry, options_.offload_page_tokens));
   }
   TANDEM_ASSIGN_OR_RETURN(seq->offload, OpenOffloadTier(*backend_, nodes_.get(), tier));
-  if (seq->offload != nullptr) seq->pages = seq->offload->page_index();
   return seq;
 }
 

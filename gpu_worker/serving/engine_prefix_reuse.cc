@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/kv_recompute.h"
+#include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/tier_traits.h"
 #include "tandem/common/status_macros.h"
 
@@ -163,8 +164,8 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
       wo.window == WindowOptions::kUnlimited ? 0
                                              : std::max<int64_t>(0, planned - wo.window - wo.sink);
   TANDEM_ASSIGN_OR_RETURN(size_t device_bytes, parent.window.ForkBytes(common, planned));
-  if (parent.pages != nullptr) {
-    device_bytes += PageIndex::BytesFor(window_geometry(), parent.pages->page_tokens(),
+  if (const PageIndex* pages = parent.page_index(); pages != nullptr) {
+    device_bytes += PageIndex::BytesFor(window_geometry(), pages->page_tokens(),
                                         std::max(expected_offloaded, parent.offloaded_entries()));
   }
   auto tier_fork = [&](Sequence& fork) {

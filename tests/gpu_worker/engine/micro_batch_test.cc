@@ -84,7 +84,6 @@ class MicroBatchTest : public testing::Stories260kRunnerTest {
       EXPECT_TRUE(index.ok()) << index.status();
       if (!index.ok()) return nullptr;
       pages = std::make_unique<PageIndex>(std::move(*index));
-      seq->pages = pages.get();
     }
     auto remote = RemoteKv::Open(*pool_, ro);
     EXPECT_TRUE(remote.ok()) << remote.status();

@@ -140,7 +140,6 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
       auto index = PageIndex::Create(*backend_, g, kPageTokens, 0);
       EXPECT_TRUE(index.ok()) << index.status();
       pages = std::make_unique<PageIndex>(std::move(*index));
-      seq->pages = pages.get();
     }
     auto remote = RemoteKv::Open(*pool_, ro);
     EXPECT_TRUE(remote.ok()) << remote.status();
@@ -175,7 +174,7 @@ TEST_F(PageSelectionRunner, FullBudgetEqualsGpuAtEveryStep) {
     b = Step(*pages, {next});
   }
   EXPECT_GT(pages->offloaded_entries(), 200);
-  EXPECT_EQ(pages->pages->num_pages(0) * kPageTokens, pages->offloaded_entries());
+  EXPECT_EQ(pages->page_index()->num_pages(0) * kPageTokens, pages->offloaded_entries());
   EXPECT_EQ(pages->degraded_steps, 0u);
 }
 

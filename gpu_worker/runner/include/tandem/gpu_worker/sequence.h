@@ -14,7 +14,6 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/offload_tier.h"
-#include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -43,11 +42,10 @@ struct Sequence {
   // (gpu).
   std::unique_ptr<OffloadTier> offload;
   // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
-  // summaries of their offloaded KV on the device and choose by `page_policy`; `pages` views
-  // those summaries (owned by the NodeTier) for the engine's device-memory accounting.
+  // summaries of their offloaded KV on the device (in their NodeTier: page_index()) and choose
+  // by `page_policy`.
   SelectionRule selection = SelectionRule::kMaw;
   PagePolicy page_policy;
-  PageIndex* pages = nullptr;         // kPages only
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
@@ -66,6 +64,9 @@ struct Sequence {
   // between-step upkeep (placement re-plans, migrations; failures are logged, not fatal);
   // closing; the mean selected/held share per layer over the sequence's life (hybrid).
   absl::Status ReserveOffloaded(int64_t tokens);
+  // The page summaries its tier keeps (selection = pages), for the engine's device-memory
+  // accounting and parking; null for every other tier and in gpu mode.
+  PageIndex* page_index() const { return offload != nullptr ? offload->page_index() : nullptr; }
   void MaintainOffloaded();
   absl::Status CloseOffloaded();
   std::vector<double> MeanSelectedShare() const;
