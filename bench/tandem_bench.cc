@@ -653,7 +653,8 @@ class Bench {
       r["split_passes"] = p.split_passes;
       double summary_bytes = 0;
       for (Sequence* s : batch) {
-        const gpu_worker::PageIndex* index = s->page_index();
+        const gpu_worker::PageIndex* index =
+            s->offload != nullptr ? s->offload->page_index() : nullptr;
         if (index == nullptr) continue;
         const auto& g = index->geometry();
         // Summary rows a step reads: min and max for the bound's pass, the mean for the

@@ -48,6 +48,20 @@ double NodeTier::off_device_work() const {
 
 absl::Status NodeTier::BeginPass(TierContext&, size_t) { return absl::OkStatus(); }
 
+absl::Status NodeTier::ParkDevice(ParkingPool& pool) {
+  return pages_ != nullptr ? pages_->Park(pool) : absl::OkStatus();
+}
+
+absl::Status NodeTier::UnparkDevice() {
+  return pages_ != nullptr && pages_->parked() ? pages_->Unpark() : absl::OkStatus();
+}
+
+size_t NodeTier::ParkBytes() const { return pages_ != nullptr ? pages_->ParkBytes() : 0; }
+size_t NodeTier::parked_bytes() const { return pages_ != nullptr ? pages_->parked_bytes() : 0; }
+size_t NodeTier::resident_bytes() const {
+  return pages_ != nullptr ? pages_->resident_bytes() : 0;
+}
+
 TierFootprint NodeTier::footprint() const {
   return {pages_ != nullptr ? pages_->device_bytes() : 0, 0, remote_->NodeBytes()};
 }

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "spdlog/spdlog.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/gpu_worker/page_index.h"
 
 namespace tandem::gpu_worker {
 
@@ -84,8 +83,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, in
 
 absl::Status Sequence::Park(ParkingPool& pool) {
   TANDEM_RETURN_IF_ERROR(window.Park(pool));
-  if (PageIndex* pages = page_index(); pages != nullptr) {
-    if (absl::Status parked = pages->Park(pool); !parked.ok()) {
+  if (offload != nullptr) {
+    if (absl::Status parked = offload->ParkDevice(pool); !parked.ok()) {
       // Back as it was; a failed upload of what just left is a device failure to report.
       TANDEM_RETURN_IF_ERROR(window.Unpark());
       return parked;
@@ -98,8 +97,8 @@ absl::Status Sequence::Park(ParkingPool& pool) {
 absl::Status Sequence::Unpark() {
   if (!window.parked()) return absl::FailedPreconditionError("sequence: not parked");
   TANDEM_RETURN_IF_ERROR(window.Unpark());
-  if (PageIndex* pages = page_index(); pages != nullptr && pages->parked()) {
-    if (absl::Status unparked = pages->Unpark(); !unparked.ok()) {
+  if (offload != nullptr) {
+    if (absl::Status unparked = offload->UnparkDevice(); !unparked.ok()) {
       // Parked again as it was (into the pages the window just gave back).
       TANDEM_RETURN_IF_ERROR(window.Park(*parked_in_));
       return unparked;
@@ -109,25 +108,16 @@ absl::Status Sequence::Unpark() {
   return absl::OkStatus();
 }
 
-// The page summaries' share of a sequence's bytes (0 without them).
-template <typename Bytes>
-static size_t SummaryBytes(const PageIndex* pages, Bytes bytes) {
-  return pages != nullptr ? bytes(*pages) : 0;
-}
-
 size_t Sequence::ParkBytes() const {
-  return window.ParkBytes() +
-         SummaryBytes(page_index(), [](const PageIndex& p) { return p.ParkBytes(); });
+  return window.ParkBytes() + (offload != nullptr ? offload->ParkBytes() : 0);
 }
 
 size_t Sequence::resident_bytes() const {
-  return window.resident_bytes() +
-         SummaryBytes(page_index(), [](const PageIndex& p) { return p.resident_bytes(); });
+  return window.resident_bytes() + (offload != nullptr ? offload->resident_bytes() : 0);
 }
 
 size_t Sequence::device_bytes() const {
-  return window.device_bytes() +
-         SummaryBytes(page_index(), [](const PageIndex& p) { return p.device_bytes(); });
+  return window.device_bytes() + (offload != nullptr ? offload->footprint().device : 0);
 }
 
 void Sequence::EndPrefillSpill() {
@@ -138,8 +128,7 @@ void Sequence::EndPrefillSpill() {
 }
 
 size_t Sequence::parked_bytes() const {
-  return window.parked_bytes() +
-         SummaryBytes(page_index(), [](const PageIndex& p) { return p.parked_bytes(); });
+  return window.parked_bytes() + (offload != nullptr ? offload->parked_bytes() : 0);
 }
 
 }  // namespace tandem::gpu_worker

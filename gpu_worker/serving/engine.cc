@@ -231,7 +231,7 @@ absl::Status Engine::ValidatePagePolicy(const PagePolicy& policy) const {
 size_t Engine::PageSummaryBytes() const {
   size_t bytes = 0;
   for (const auto& [id, seq] : sessions_->all()) {
-    if (const PageIndex* pages = seq->page_index(); pages != nullptr) bytes += pages->device_bytes();
+    if (const PageIndex* pages = PagesOf(*seq); pages != nullptr) bytes += pages->device_bytes();
   }
   return bytes;
 }
@@ -251,7 +251,7 @@ absl::Status Engine::CheckPageSummaries(int64_t expected_offloaded, size_t need,
 }
 
 absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) const {
-  PageIndex* index = seq.page_index();
+  PageIndex* index = PagesOf(seq);
   if (index == nullptr) return absl::OkStatus();
   const int64_t page = options_.page_tokens;
   const int64_t pages = (expected_offloaded + page - 1) / page;

@@ -164,7 +164,7 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
       wo.window == WindowOptions::kUnlimited ? 0
                                              : std::max<int64_t>(0, planned - wo.window - wo.sink);
   TANDEM_ASSIGN_OR_RETURN(size_t device_bytes, parent.window.ForkBytes(common, planned));
-  if (const PageIndex* pages = parent.page_index(); pages != nullptr) {
+  if (const PageIndex* pages = PagesOf(parent); pages != nullptr) {
     device_bytes += PageIndex::BytesFor(window_geometry(), pages->page_tokens(),
                                         std::max(expected_offloaded, parent.offloaded_entries()));
   }

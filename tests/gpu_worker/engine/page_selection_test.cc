@@ -174,7 +174,7 @@ TEST_F(PageSelectionRunner, FullBudgetEqualsGpuAtEveryStep) {
     b = Step(*pages, {next});
   }
   EXPECT_GT(pages->offloaded_entries(), 200);
-  EXPECT_EQ(pages->page_index()->num_pages(0) * kPageTokens, pages->offloaded_entries());
+  EXPECT_EQ(pages->offload->page_index()->num_pages(0) * kPageTokens, pages->offloaded_entries());
   EXPECT_EQ(pages->degraded_steps, 0u);
 }
 

@@ -75,6 +75,12 @@ class NodeTier final : public OffloadTier {
   RemoteKv& remote() { return *remote_; }
   const RemoteKv& remote() const { return *remote_; }
   PageIndex* page_index() override { return pages_.get(); }   // null unless selection = pages
+  // Parking moves the page summaries (the tier's only device memory).
+  absl::Status ParkDevice(ParkingPool& pool) override;
+  absl::Status UnparkDevice() override;
+  size_t ParkBytes() const override;
+  size_t parked_bytes() const override;
+  size_t resident_bytes() const override;
 
  private:
   // Selection = pages: queues the choice of the pages of `rows` on the device and the download

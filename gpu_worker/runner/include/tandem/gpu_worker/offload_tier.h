@@ -323,9 +323,19 @@ class OffloadTier {
   }
   // Whether Fork is implemented (asked before any room is made for a fork).
   virtual bool can_fork() const { return false; }
-  // The page summaries of a tier that selects by pages (the engine counts their device bytes);
+  // The page summaries of a tier that selects by pages (the engine reserves and counts them);
   // null otherwise.
   virtual PageIndex* page_index() { return nullptr; }
+  // The tier's own device memory (NodeTier's page summaries; footprint().device) moves with
+  // its sequence's window when the sequence is parked (Sequence::Park): ParkDevice copies it
+  // into `pool` (pinned host memory) and frees it, UnparkDevice allocates and copies it back;
+  // either leaves the tier as it was when it fails (RESOURCE_EXHAUSTED for memory). Tiers with
+  // nothing on the device keep the defaults.
+  virtual absl::Status ParkDevice(ParkingPool& /*pool*/) { return absl::OkStatus(); }
+  virtual absl::Status UnparkDevice() { return absl::OkStatus(); }
+  virtual size_t ParkBytes() const { return 0; }        // what ParkDevice copies now
+  virtual size_t parked_bytes() const { return 0; }     // pool bytes held while parked
+  virtual size_t resident_bytes() const { return 0; }   // device bytes once unparked
   // Mean selected/held share per layer over the tier's life; empty when it attends everything.
   virtual std::vector<double> MeanSelectedShare() const = 0;
   // Where its KV is now (TierFootprint): what the engine counts and what eviction frees.

@@ -42,8 +42,8 @@ struct Sequence {
   // (gpu).
   std::unique_ptr<OffloadTier> offload;
   // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
-  // summaries of their offloaded KV on the device (in their NodeTier: page_index()) and choose
-  // by `page_policy`.
+  // summaries of their offloaded KV on the device (in their NodeTier: OffloadTier::page_index)
+  // and choose by `page_policy`.
   SelectionRule selection = SelectionRule::kMaw;
   PagePolicy page_policy;
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
@@ -64,9 +64,6 @@ struct Sequence {
   // between-step upkeep (placement re-plans, migrations; failures are logged, not fatal);
   // closing; the mean selected/held share per layer over the sequence's life (hybrid).
   absl::Status ReserveOffloaded(int64_t tokens);
-  // The page summaries its tier keeps (selection = pages), for the engine's device-memory
-  // accounting and parking; null for every other tier and in gpu mode.
-  PageIndex* page_index() const { return offload != nullptr ? offload->page_index() : nullptr; }
   void MaintainOffloaded();
   absl::Status CloseOffloaded();
   std::vector<double> MeanSelectedShare() const;

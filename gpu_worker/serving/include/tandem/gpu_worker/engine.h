@@ -264,6 +264,10 @@ class Engine {
 
  private:
   Engine() = default;
+  // The page summaries of `seq`'s tier (selection = pages), null otherwise.
+  static PageIndex* PagesOf(const Sequence& seq) {
+    return seq.offload != nullptr ? seq.offload->page_index() : nullptr;
+  }
   // expected_offloaded: entries per (layer, kv head) the CPU nodes should have room for.
   struct SequenceSpec {
     AttentionMode mode = AttentionMode::kHybrid;
