@@ -16,10 +16,23 @@ sum_d max(q_d lo_d, q_d hi_d), post-RoPE keys) under a policy:
             L), where L = logaddexp(logsumexp of the head's page terms, the window's exact
             LSE, max over the group); the best shares over all heads win (each head at most
             --mass_cap * budget tokens);
+  :mix      half of the budget by the bound, the rest by q.mean among the others (tandem's
+            default, PagePolicy::centroid_share 0.5); :mix:rerank names twice the pages that way
+            and keeps the half of highest true mass (a node-side exact re-rank; not yet run);
+  :oracle   pages by their true mass (the room any page score has);
   +rest     (suffix) the unselected candidate pages enter the softmax as estimates: page_tokens *
             exp(scale * q.mean_k + 0.5 * scale^2 * sum_d q_d^2 var_d) with value mean_v
             (var: 'exact' per-page variance, 'minmax' (hi - lo)^2 / 12, 'none').
 Prints one JSON line per (config, length): perplexity and its ratio to full attention.
+
+--policies: comma-separated, each `full`, `window` or
+PAGE_TOKENS:BUDGET[:uniform|mass][:capF][:bound|centroid|oracle|mix][:rerank][:rest=KIND]
+[:recentF (that share of the budget on the most recent pages)][:sN (N sinks)][:l0xS (layer 0
+budget times S)]. On the GPU host, with the model and books copied into .carry/shared:
+  python3 bench/selection_policy_sim.py --model .carry/shared/models/gutenberg-14m-64k \
+      --books .carry/shared/data/gutenberg-eval --lengths 65536 --max_books 2 \
+      --policies full,16:2048,16:2048:mix,16:2048:mix:rerank,16:2048:oracle
+(--max_books counts books long enough for the length; about 10-20 s a policy at 64K.)
 """
 import argparse
 import json
@@ -60,6 +73,7 @@ class Policy:
         self.alloc, self.rest, self.mass_cap = alloc, rest, mass_cap
         self.window_only, self.full, self.l0_scale = window_only, full, l0_scale
         self.score, self.recent, self.sink = score, recent, sink
+        self.rerank = False   # mix names 2x the pages; the best half by true mass is kept
 
 
 def parse_policy(spec):
@@ -79,6 +93,8 @@ def parse_policy(spec):
             p.rest = part[5:]
         elif part in ("bound", "centroid", "oracle", "mix"):
             p.score = part
+        elif part == "rerank":
+            p.rerank = True
         elif part.startswith("recent"):
             p.recent = float(part[6:])
         elif part.startswith("s") and part[1:].isdigit():
@@ -163,7 +179,9 @@ def attention_layer(q, k, v, policy, layer, args, scale):
             bound = bound.masked_fill(~valid[None], float("-inf"))
             if policy.score == "mix" or policy.recent > 0:
                 # Half (mix) by bound, the rest by centroid; or the most recent pages first.
-                kk = min(select_pages, n_pages)
+                # With rerank, twice the pages are named this way and the node's exact scores
+                # of their keys keep the best half (the page's true mass, max over the group).
+                kk = min(select_pages * (2 if policy.rerank else 1), n_pages)
                 chosen = torch.zeros_like(bound, dtype=torch.bool)
                 if policy.recent > 0:
                     n_recent = int(kk * policy.recent)
@@ -180,6 +198,13 @@ def attention_layer(q, k, v, policy, layer, args, scale):
                     chosen = pick(chosen, bound, kk // 2)
                     other = centroid.masked_fill(~valid[None] | chosen, float("-inf"))
                 chosen = pick(chosen, other, rest_k)
+                if policy.rerank:
+                    span = logits[..., sink:min(c1, sink + n_pages * pt)]
+                    span = torch.nn.functional.pad(span, (0, n_pages * pt - span.shape[-1]),
+                                                   value=float("-inf"))
+                    mass = span.reshape(G, R, c1 - c0, n_pages, pt).logsumexp(-1).amax(1)
+                    mass = mass.masked_fill(~chosen, float("-inf"))
+                    chosen = pick(torch.zeros_like(chosen), mass, min(select_pages, n_pages))
             elif policy.alloc == "uniform":
                 kk = min(select_pages, n_pages)
                 vals, idx = bound.topk(kk, dim=-1)
