@@ -658,9 +658,10 @@ class Bench {
         if (index == nullptr) continue;
         const auto& g = index->geometry();
         // Summary rows a step reads: min and max for the bound's pass, the mean for the
-        // centroid's (PagePolicy::centroid_share).
-        const double share = s->page_policy.centroid_share;
-        const int rows = (share < 1.0 ? 2 : 0) + (share > 0.0 ? 1 : 0);
+        // centroid's (PagePolicy::SplitPages, as NodeTier::ChoosePages divides the budget).
+        const auto split = s->page_policy.SplitPages(std::max<int64_t>(
+            1, s->page_policy.select_tokens / index->page_tokens()));
+        const int rows = (split.bound > 0 ? 2 : 0) + (split.centroid > 0 ? 1 : 0);
         for (int64_t l = 0; l < g.num_layers; ++l) {
           summary_bytes += static_cast<double>(index->num_pages(l)) * g.num_kv_heads * rows *
                            g.head_dim * gpu_worker::DTypeBytes(g.dtype);

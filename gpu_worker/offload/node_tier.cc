@@ -164,8 +164,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
 
   // Two scores (PagePolicy::centroid_share): the bound picks `bound_pages` into first_, then
   // the centroid fills the row to per_head with those kept. One score: a single pass.
-  const int64_t centroid_pages = policy.CentroidPages(per_head);
-  const int64_t bound_pages = per_head - centroid_pages;
+  const auto [bound_pages, centroid_pages] = policy.SplitPages(per_head);
   const bool two_pass = bound_pages > 0 && centroid_pages > 0;
   const PageScore final_score = bound_pages > 0 && !two_pass ? PageScore::kBound
                                                              : PageScore::kCentroid;

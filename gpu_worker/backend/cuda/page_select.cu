@@ -208,26 +208,26 @@ __device__ __forceinline__ SelectPagesArgs EntryArgs(const SelectPagesArgs& shap
 }
 
 // scores[row, id] = +inf for the ids of keep[row, :] in [0, n) (backend.h: kept pages outrank
-// every other). Grid: x = rows (threads over the row's ids).
-__global__ void KeepPagesKernel(float* scores, int64_t n, const int32_t* keep,
-                                int64_t keep_per_head) {
-  const int64_t row = blockIdx.x;
+// every other), by the block's threads.
+__device__ __forceinline__ void MarkKeptPages(float* scores, int64_t n, const int32_t* keep,
+                                              int64_t keep_per_head, int64_t row) {
   for (int64_t i = threadIdx.x; i < keep_per_head; i += blockDim.x) {
     const int32_t id = keep[row * keep_per_head + i];
     if (id >= 0 && id < n) scores[row * n + id] = __int_as_float(0x7f800000);
   }
 }
 
+// Grid: x = rows.
+__global__ void KeepPagesKernel(float* scores, int64_t n, const int32_t* keep,
+                                int64_t keep_per_head) {
+  MarkKeptPages(scores, n, keep, keep_per_head, blockIdx.x);
+}
+
 // Batched: grid x = row, y = entry; entries without `keep` return at once.
 __global__ void KeepPagesBatchKernel(const SelectPagesEntry* entries) {
   const SelectPagesEntry& e = entries[blockIdx.y];
   if (e.keep == nullptr) return;
-  const int64_t row = blockIdx.x;
-  float* scores = static_cast<float*>(e.scratch);
-  for (int64_t i = threadIdx.x; i < e.keep_per_head; i += blockDim.x) {
-    const int32_t id = e.keep[row * e.keep_per_head + i];
-    if (id >= 0 && id < e.num_pages) scores[row * e.num_pages + id] = __int_as_float(0x7f800000);
-  }
+  MarkKeptPages(static_cast<float*>(e.scratch), e.num_pages, e.keep, e.keep_per_head, blockIdx.x);
 }
 
 // Batched scoring, one token tile per entry. Grid: x = page blocks (of the longest entry),

@@ -43,9 +43,16 @@ struct PagePolicy {
   // gutenberg-14m-64k (BENCHMARKS "Accuracy as the context grows"): 0.5 at 2048 tokens halves
   // the perplexity loss of the bound alone at 32K.
   double centroid_share = 0.5;
-  // Pages per (token, kv head) chosen by the bound and by the centroid, of `per_head`.
-  int64_t CentroidPages(int64_t per_head) const {
-    return static_cast<int64_t>(static_cast<double>(per_head) * centroid_share);
+
+  // How `per_head` pages per (token, kv head) divide between the two scores (the bound's first,
+  // then the centroid's among the rest); either may be 0 (one pass).
+  struct Split {
+    int64_t bound = 0;
+    int64_t centroid = 0;
+  };
+  Split SplitPages(int64_t per_head) const {
+    const auto centroid = static_cast<int64_t>(static_cast<double>(per_head) * centroid_share);
+    return {per_head - centroid, centroid};
   }
 };
 
