@@ -164,7 +164,11 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
 
   // Two scores (PagePolicy::centroid_share): the bound picks `bound_pages` into first_, then
   // the centroid fills the row to per_head with those kept. One score: a single pass.
-  const auto [bound_pages, centroid_pages] = policy.SplitPages(per_head);
+  // (Plain names, not a structured binding: the lambda below captures them, which clang before
+  // C++20's rules refuses.)
+  const PagePolicy::Split split = policy.SplitPages(per_head);
+  const int64_t bound_pages = split.bound;
+  const int64_t centroid_pages = split.centroid;
   const bool two_pass = bound_pages > 0 && centroid_pages > 0;
   const PageScore final_score = bound_pages > 0 && !two_pass ? PageScore::kBound
                                                              : PageScore::kCentroid;
