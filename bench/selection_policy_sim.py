@@ -27,6 +27,8 @@ Prints one JSON line per (config, length): perplexity and its ratio to full atte
 
 --policies: comma-separated, each `full`, `window` or
 PAGE_TOKENS:BUDGET[:uniform|mass][:capF][:bound|centroid|oracle|mix][:rerank][:rest=KIND]
+[:pcaR | :bpcaR (pages by the logsumexp of their keys' scores in a rank-R basis of the
+first --pca_calib offloaded keys, Loki's idea; bpca: half by the bound, half that way)]
 [:recentF (that share of the budget on the most recent pages)][:sN (N sinks)][:l0xS (layer 0
 budget times S)]. On the GPU host, with the model and books copied into .carry/shared:
   python3 bench/selection_policy_sim.py --model .carry/shared/models/gutenberg-14m-64k \
@@ -74,6 +76,7 @@ class Policy:
         self.window_only, self.full, self.l0_scale = window_only, full, l0_scale
         self.score, self.recent, self.sink = score, recent, sink
         self.rerank = False   # mix names 2x the pages; the best half by true mass is kept
+        self.pca_rank = 0     # pca / bpca: scores from a rank-R projection of the keys
 
 
 def parse_policy(spec):
@@ -93,6 +96,9 @@ def parse_policy(spec):
             p.rest = part[5:]
         elif part in ("bound", "centroid", "oracle", "mix"):
             p.score = part
+        elif part.startswith("bpca") or part.startswith("pca"):
+            p.score = "bpca" if part.startswith("b") else "pca"
+            p.pca_rank = int(part[len(p.score):])
         elif part == "rerank":
             p.rerank = True
         elif part.startswith("recent"):
@@ -136,6 +142,14 @@ def attention_layer(q, k, v, policy, layer, args, scale):
         vp = v[:, sink:sink + n_pages * pt].reshape(G, n_pages, pt, D)
         lo, hi = kp.amin(2), kp.amax(2)
         mean_k, mean_v = kp.mean(2), vp.mean(2)
+        if policy.pca_rank > 0:
+            # Loki's idea: keys live near a low-rank subspace. The basis is the top eigenvectors
+            # of K^T K over the first --pca_calib offloaded keys (what a session has early), per
+            # kv head; every offloaded key keeps its R coordinates ([G, T, R]).
+            cal = k[:, sink:sink + min(args.pca_calib, n_pages * pt)]
+            evals, evecs = torch.linalg.eigh(torch.einsum("gnd,gne->gde", cal, cal))
+            basis = evecs[:, :, -policy.pca_rank:]                      # [G, D, R]
+            k_low = torch.einsum("gtd,gdk->gtk", k[:, sink:sink + n_pages * pt], basis)
         if policy.rest == "exact":
             var_k = kp.var(2, unbiased=False)
         elif policy.rest == "minmax":
@@ -168,6 +182,14 @@ def attention_layer(q, k, v, policy, layer, args, scale):
                      torch.einsum("grcd,gpd->grcp", qneg, lo)).amax(1)   # [G, C, P]
             if policy.score in ("centroid", "mix"):
                 centroid = torch.einsum("grcd,gpd->grcp", qc, mean_k).amax(1)
+            if policy.score in ("pca", "bpca"):
+                # A page's estimated mass: logsumexp of its keys' low-rank scores, max over the
+                # group, in units of q.k (as the bound).
+                q_low = torch.einsum("grcd,gdk->grck", qc, basis)
+                approx = torch.einsum("grck,gtk->grct", q_low, k_low) * scale
+                low = approx.reshape(G, R, c1 - c0, n_pages, pt).logsumexp(-1).amax(1) / scale
+            if policy.score == "pca":
+                bound = low
             if policy.score == "centroid":
                 bound = centroid
             elif policy.score == "oracle":
@@ -177,7 +199,9 @@ def attention_layer(q, k, v, policy, layer, args, scale):
                                                value=float("-inf"))
                 bound = span.reshape(G, R, c1 - c0, n_pages, pt).logsumexp(-1).amax(1) / scale
             bound = bound.masked_fill(~valid[None], float("-inf"))
-            if policy.score == "mix" or policy.recent > 0:
+            if policy.score == "bpca":
+                centroid = low   # the second half by the low-rank estimate
+            if policy.score in ("mix", "bpca") or policy.recent > 0:
                 # Half (mix) by bound, the rest by centroid; or the most recent pages first.
                 # With rerank, twice the pages are named this way and the node's exact scores
                 # of their keys keep the best half (the page's true mass, max over the group).
@@ -300,6 +324,8 @@ def main():
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--query_chunk", type=int, default=512)
     ap.add_argument("--policies", default="full,window,16:512,16:2048")
+    ap.add_argument("--pca_calib", type=int, default=4096,
+                    help="offloaded keys whose K^T K gives the pca/bpca basis")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = "cuda"
