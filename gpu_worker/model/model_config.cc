@@ -33,10 +33,12 @@ struct FamilyMember {
   absl::string_view architecture;
   int64_t default_max_position_embeddings;  // transformers' *Config default
 };
-constexpr std::array<FamilyMember, 3> kFamily = {{
+// qwen3 adds an RMSNorm of every q and k head before RoPE (ModelConfig::qk_norm).
+constexpr std::array<FamilyMember, 4> kFamily = {{
     {"llama", "LlamaForCausalLM", 2048},
     {"mistral", "MistralForCausalLM", 131072},
     {"qwen2", "Qwen2ForCausalLM", 32768},
+    {"qwen3", "Qwen3ForCausalLM", 32768},
 }};
 
 // Upper bounds: far above any real Llama-family model, low enough that products of them
@@ -237,7 +239,7 @@ absl::Status ReadSlidingWindow(const json& obj, absl::string_view source, ModelC
   const bool present = obj.is_object() && obj.contains("sliding_window");
   if (config->model_type == "mistral") {
     if (!present) window = 4096;
-  } else {  // qwen2
+  } else {  // qwen2, qwen3: the same switch and first windowed layer
     const json* use = FindField(obj, "use_sliding_window");
     bool used = false;
     if (use != nullptr) {
@@ -360,7 +362,7 @@ absl::Status ReadModelType(const json& obj, absl::string_view source, ModelConfi
     if (member == nullptr) {
       return Invalid(source, absl::StrCat("model_type \"", type,
                                           "\" is not a Llama-family model (supported: llama, "
-                                          "mistral, qwen2)"));
+                                          "mistral, qwen2, qwen3)"));
     }
   }
   if (const json* archs = FindField(obj, "architectures")) {
@@ -378,7 +380,7 @@ absl::Status ReadModelType(const json& obj, absl::string_view source, ModelConfi
         return Invalid(source, absl::StrCat("architecture \"", arch,
                                             "\" is not a Llama-family causal LM (supported: "
                                             "LlamaForCausalLM, MistralForCausalLM, "
-                                            "Qwen2ForCausalLM)"));
+                                            "Qwen2ForCausalLM, Qwen3ForCausalLM)"));
       }
       if (member == nullptr) member = arch_member;
     }
@@ -419,6 +421,8 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
   }
   if (FindField(obj, "head_dim") != nullptr) {
     TANDEM_RETURN_IF_ERROR(ReadSize(obj, "head_dim", true, kMaxHeadDim, source, &config.head_dim));
+  } else if (config.model_type == "qwen3") {
+    config.head_dim = 128;  // Qwen3Config's default, whatever hidden_size / heads is
   } else {
     if (config.hidden_size % config.num_q_heads != 0) {
       return Invalid(
@@ -460,6 +464,7 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
     TANDEM_ASSIGN_OR_RETURN(config.tie_word_embeddings,
                             JsonToBool(*tie, Where(source, "tie_word_embeddings")));
   }
+  config.qk_norm = config.model_type == "qwen3";
   if (config.model_type == "qwen2") {
     config.qkv_bias = true;  // Qwen2Attention hard-codes bias=True for q/k/v
   } else if (const json* bias = FindField(obj, "attention_bias")) {

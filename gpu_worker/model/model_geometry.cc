@@ -68,11 +68,32 @@ ModelConfig Tiny() {
   return c;
 }
 
+ModelConfig Qwen3_8B() {
+  ModelConfig c;
+  c.model_type = "qwen3";
+  c.qk_norm = true;
+  c.hidden_size = 4096;
+  c.intermediate_size = 12288;
+  c.num_layers = 36;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.vocab_size = 151936;
+  c.max_position_embeddings = 40960;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000000.0;
+  c.tie_word_embeddings = false;
+  c.bos_token_id = 151643;
+  c.eos_token_ids = {151645};
+  c.weight_dtype = DType::kBF16;
+  return c;
+}
+
 struct Preset {
   std::string_view name;
   ModelConfig (*make)();
 };
-constexpr Preset kPresets[] = {{"llama3-8b", &Llama3_8B}, {"tiny", &Tiny}};
+constexpr Preset kPresets[] = {{"llama3-8b", &Llama3_8B}, {"qwen3-8b", &Qwen3_8B}, {"tiny", &Tiny}};
 
 // Fields a parsed config leaves at their defaults for the other rope types compare equal too.
 bool SameRope(const RopeScaling& a, const RopeScaling& b) {
@@ -96,8 +117,8 @@ bool SameGeometry(const ModelConfig& a, const ModelConfig& b) {
          a.rms_norm_eps == b.rms_norm_eps && a.rope_theta == b.rope_theta &&
          SameRope(a.rope_scaling, b.rope_scaling) && a.sliding_window == b.sliding_window &&
          a.tie_word_embeddings == b.tie_word_embeddings && a.qkv_bias == b.qkv_bias &&
-         a.bos_token_id == b.bos_token_id && a.eos_token_ids == b.eos_token_ids &&
-         a.weight_dtype == b.weight_dtype;
+         a.qk_norm == b.qk_norm && a.bos_token_id == b.bos_token_id &&
+         a.eos_token_ids == b.eos_token_ids && a.weight_dtype == b.weight_dtype;
 }
 
 absl::Status BadOverride(absl::string_view item, absl::string_view why) {
@@ -193,9 +214,14 @@ std::vector<std::string> GeometryPresetNames() {
 }
 
 absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& c) {
-  if (c.model_type != "llama") {
+  // The architecture of each model type written (a qwen3 config adds nothing else: its q/k
+  // norms follow from the type).
+  const char* architecture = c.model_type == "llama"   ? "LlamaForCausalLM"
+                             : c.model_type == "qwen3" ? "Qwen3ForCausalLM"
+                                                       : nullptr;
+  if (architecture == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("geometry: model_type \"", c.model_type, "\" is not written (llama only)"));
+        absl::StrCat("geometry: model_type \"", c.model_type, "\" is not written (llama, qwen3)"));
   }
   if (c.qkv_bias) return absl::InvalidArgumentError("geometry: qkv biases are not supported");
   const char* dtype = TorchDTypeName(c.weight_dtype);
@@ -203,8 +229,8 @@ absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& c) {
     return absl::InvalidArgumentError("geometry: the weight dtype must be a float type");
   }
   json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {architecture}},
+      {"model_type", c.model_type},
       {"hidden_act", "silu"},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
@@ -331,29 +357,33 @@ absl::StatusOr<std::vector<RandomTensorSpec>> RandomModelTensors(const ModelConf
     s.scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(in)));
     specs.push_back(std::move(s));
   };
-  auto norm = [&](std::string name) {
+  auto norm = [&](std::string name, int64_t width) {
     RandomTensorSpec s;
     s.name = std::move(name);
-    s.shape = {H};
+    s.shape = {width};
     s.dtype = c.weight_dtype;
     s.init = RandomTensorSpec::Init::kOnes;
     specs.push_back(std::move(s));
   };
   matrix("model.embed_tokens.weight", V, H, 0);
-  norm("model.norm.weight");
+  norm("model.norm.weight", H);
   if (!c.tie_word_embeddings) matrix("lm_head.weight", V, H, 2);
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const uint64_t base = 3 + 9 * static_cast<uint64_t>(l);
-    norm(p + "input_layernorm.weight");
+    norm(p + "input_layernorm.weight", H);
     matrix(p + "self_attn.q_proj.weight", QD, H, base + 1);
     matrix(p + "self_attn.k_proj.weight", KD, H, base + 2);
     matrix(p + "self_attn.v_proj.weight", KD, H, base + 3);
     matrix(p + "self_attn.o_proj.weight", H, QD, base + 4);
-    norm(p + "post_attention_layernorm.weight");
+    norm(p + "post_attention_layernorm.weight", H);
     matrix(p + "mlp.gate_proj.weight", I, H, base + 6);
     matrix(p + "mlp.up_proj.weight", I, H, base + 7);
     matrix(p + "mlp.down_proj.weight", H, I, base + 8);
+    if (c.qk_norm) {
+      norm(p + "self_attn.q_norm.weight", c.head_dim);
+      norm(p + "self_attn.k_norm.weight", c.head_dim);
+    }
   }
   return specs;
 }

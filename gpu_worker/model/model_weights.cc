@@ -117,6 +117,13 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
       TANDEM_ASSIGN_OR_RETURN(layer.v_bias,
                               bind.Vector(absl::StrCat(p, "self_attn.v_proj.bias"), {kv_dim}));
     }
+    if (config.qk_norm) {
+      const int64_t d = config.head_dim;
+      TANDEM_ASSIGN_OR_RETURN(layer.q_norm,
+                              bind.Vector(absl::StrCat(p, "self_attn.q_norm.weight"), {d}));
+      TANDEM_ASSIGN_OR_RETURN(layer.k_norm,
+                              bind.Vector(absl::StrCat(p, "self_attn.k_norm.weight"), {d}));
+    }
     TANDEM_ASSIGN_OR_RETURN(
         layer.ffn_norm, bind.Vector(absl::StrCat(p, "post_attention_layernorm.weight"), {hidden}));
     TANDEM_ASSIGN_OR_RETURN(layer.gate_proj,

@@ -200,6 +200,8 @@ absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& 
     mm.n = 2 * Hkv * D;
     mm.k = H;
     TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+    TANDEM_RETURN_IF_ERROR(
+        NormHeads(backend_, w.k_norm, kv_.as<float>(), n, Hkv, D, 2 * Hkv * D, c.rms_norm_eps));
     RopeParams rope;
     rope.x = kv_.as<float>();
     rope.row_stride = 2 * Hkv * D;

@@ -136,6 +136,9 @@ size_t DeviceModel::WeightBytes(const ModelWeights& w) {
     for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) {
       if (b != nullptr) bytes += static_cast<size_t>(b->numel()) * 4;
     }
+    for (const TensorView* n : {lw.q_norm, lw.k_norm}) {
+      if (n != nullptr) bytes += n->bytes;
+    }
   }
   return bytes;
 }
@@ -155,7 +158,8 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
   auto dm = std::unique_ptr<DeviceModel>(new DeviceModel());
   dm->config_ = config;
   size_t* total = &dm->weight_bytes_;
-  // specs: embed, final norm, [lm_head], then 9 tensors per layer (model_geometry.h).
+  // specs: embed, final norm, [lm_head], then 9 tensors per layer, 11 with q/k norms
+  // (model_geometry.h).
   TANDEM_ASSIGN_OR_RETURN(dm->embed_, CreateStacked(backend, {&specs[0]}, total));
   TANDEM_ASSIGN_OR_RETURN(dm->final_norm_, CreateStacked(backend, {&specs[1]}, total));
   dm->tied_ = config.tie_word_embeddings;
@@ -164,8 +168,10 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
     TANDEM_ASSIGN_OR_RETURN(dm->lm_head_, CreateStacked(backend, {&specs[next++]}, total));
   }
   dm->layers_.reserve(static_cast<size_t>(config.num_layers));
-  for (int64_t l = 0; l < config.num_layers; ++l, next += 9) {
-    const RandomTensorSpec* s = &specs[next];  // attn_norm, q, k, v, o, ffn_norm, gate, up, down
+  const size_t per_layer = config.qk_norm ? 11 : 9;
+  for (int64_t l = 0; l < config.num_layers; ++l, next += per_layer) {
+    // attn_norm, q, k, v, o, ffn_norm, gate, up, down[, q_norm, k_norm]
+    const RandomTensorSpec* s = &specs[next];
     DeviceLayer layer;
     TANDEM_ASSIGN_OR_RETURN(layer.attn_norm, CreateStacked(backend, {&s[0]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.qkv, CreateStacked(backend, {&s[1], &s[2], &s[3]}, total));
@@ -173,6 +179,10 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
     TANDEM_ASSIGN_OR_RETURN(layer.ffn_norm, CreateStacked(backend, {&s[5]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.gate_up, CreateStacked(backend, {&s[6], &s[7]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.down_proj, CreateStacked(backend, {&s[8]}, total));
+    if (config.qk_norm) {
+      TANDEM_ASSIGN_OR_RETURN(layer.q_norm, CreateStacked(backend, {&s[9]}, total));
+      TANDEM_ASSIGN_OR_RETURN(layer.k_norm, CreateStacked(backend, {&s[10]}, total));
+    }
     dm->layers_.push_back(std::move(layer));
   }
   const std::vector<float> inv_freq = RopeInvFreq(config);
@@ -216,6 +226,10 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& mo
     TANDEM_ASSIGN_OR_RETURN(layer.gate_up,
                             UploadStacked(backend, {lw.gate_proj, lw.up_proj}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.down_proj, UploadStacked(backend, {lw.down_proj}, total));
+    if (lw.q_norm != nullptr) {
+      TANDEM_ASSIGN_OR_RETURN(layer.q_norm, UploadStacked(backend, {lw.q_norm}, total));
+      TANDEM_ASSIGN_OR_RETURN(layer.k_norm, UploadStacked(backend, {lw.k_norm}, total));
+    }
     dm->layers_.push_back(std::move(layer));
   }
   const std::vector<float> inv_freq = RopeInvFreq(model.config);
@@ -225,6 +239,22 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& mo
       backend.CopyToDevice(dm->inv_freq_.data(), inv_freq.data(), inv_freq.size() * 4));
   TANDEM_RETURN_IF_ERROR(backend.Synchronize());
   return dm;
+}
+
+absl::Status NormHeads(Backend& backend, const DeviceTensor& weight, float* x, int64_t rows,
+                       int64_t heads, int64_t head_dim, int64_t token_stride, double eps) {
+  if (!weight.buffer) return absl::OkStatus();
+  RmsNormParams p;
+  p.x = x;
+  p.weight = weight.data();
+  p.weight_dtype = weight.dtype;
+  p.out = x;
+  p.num_tokens = rows;
+  p.hidden = head_dim;
+  p.eps = static_cast<float>(eps);
+  p.vectors_per_token = heads;
+  p.token_stride = token_stride;
+  return backend.RmsNorm(p);
 }
 
 }  // namespace tandem::gpu_worker

@@ -362,6 +362,10 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   mm.n = QKV;
   mm.k = H;
   TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  // Qwen3: every q and k head normed before RoPE (nothing for models without the norms).
+  const double eps = c.rms_norm_eps;
+  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.q_norm, qkv, n, Hq, D, QKV, eps));
+  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.k_norm, qkv + Hq * D, n, Hkv, D, QKV, eps));
   RopeParams rope;
   rope.row_stride = QKV;
   rope.positions = act_.positions.as<int32_t>() + mb.row0;

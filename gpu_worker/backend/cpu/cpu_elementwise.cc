@@ -76,6 +76,15 @@ absl::Status RunRmsNorm(const RmsNormParams& p, ScratchBuffer& scratch) {
   if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) {
     return absl::InvalidArgumentError("RmsNorm: eps must be finite and >= 0");
   }
+  const int64_t per_token = p.vectors_per_token;
+  if (per_token < 1 || per_token > (int64_t{1} << 20) ||
+      (p.token_stride != 0 && p.token_stride < per_token * p.hidden)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "RmsNorm: vectors_per_token (%d) must be in [1, 2^20] and token_stride (%d) 0 or at "
+        "least vectors_per_token x hidden (%d)",
+        per_token, p.token_stride, per_token * p.hidden));
+  }
+  const int64_t stride = p.token_stride != 0 ? p.token_stride : per_token * p.hidden;
   const float* w = static_cast<const float*>(p.weight);
   if (p.weight_dtype != DType::kF32) {
     float* wf = scratch.Get<float>(static_cast<size_t>(p.hidden));
@@ -84,10 +93,13 @@ absl::Status RunRmsNorm(const RmsNormParams& p, ScratchBuffer& scratch) {
     w = wf;
   }
   for (int64_t t = 0; t < p.num_tokens; ++t) {
-    const float* x = p.x + t * p.hidden;
-    const float mean_sq = SumSquares(x, p.hidden) / static_cast<float>(p.hidden);
-    const float inv_rms = 1.0f / std::sqrt(mean_sq + p.eps);
-    ScaleByWeights(x, w, inv_rms, p.hidden, p.out + t * p.hidden);  // out may alias x
+    for (int64_t v = 0; v < per_token; ++v) {
+      const int64_t offset = t * stride + v * p.hidden;
+      const float* x = p.x + offset;
+      const float mean_sq = SumSquares(x, p.hidden) / static_cast<float>(p.hidden);
+      const float inv_rms = 1.0f / std::sqrt(mean_sq + p.eps);
+      ScaleByWeights(x, w, inv_rms, p.hidden, p.out + offset);  // out may alias x
+    }
   }
   return absl::OkStatus();
 }

@@ -394,15 +394,25 @@ absl::Status CudaBackend::RmsNorm(const RmsNormParams& p) {
   TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "hidden", p.hidden));
   if (p.weight_dtype == DType::kI32) return Invalid("RmsNorm", "weight dtype i32 is not supported");
   if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) return Invalid("RmsNorm", "eps must be >= 0");
+  TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "vectors_per_token", p.vectors_per_token));
+  if (p.token_stride != 0 && p.token_stride < p.vectors_per_token * p.hidden) {
+    return Invalid("RmsNorm", "token_stride must be 0 or at least vectors_per_token x hidden");
+  }
+  if (p.num_tokens * p.vectors_per_token > INT_MAX) {
+    return Invalid("RmsNorm", "num_tokens x vectors_per_token exceeds the grid");
+  }
   TANDEM_RETURN_IF_ERROR(Activate());
-  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRmsNorm({.x = p.x,
-                                                           .weight = p.weight,
-                                                           .weight_dtype = p.weight_dtype,
-                                                           .out = p.out,
-                                                           .num_tokens = p.num_tokens,
-                                                           .hidden = p.hidden,
-                                                           .eps = p.eps},
-                                                          stream()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRmsNorm(
+      {.x = p.x,
+       .weight = p.weight,
+       .weight_dtype = p.weight_dtype,
+       .out = p.out,
+       .num_tokens = p.num_tokens,
+       .hidden = p.hidden,
+       .eps = p.eps,
+       .vectors_per_token = p.vectors_per_token,
+       .token_stride = p.token_stride != 0 ? p.token_stride : p.vectors_per_token * p.hidden},
+      stream()));
   return absl::OkStatus();
 }
 

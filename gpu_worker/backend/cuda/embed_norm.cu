@@ -8,6 +8,12 @@ namespace {
 
 constexpr int kMaxThreads = 512;
 
+// The first float of the vector block `b` normalises (one block per vector).
+__device__ __forceinline__ int64_t VectorOffset(const RmsNormArgs& args, int64_t b) {
+  return (b / args.vectors_per_token) * args.token_stride +
+         (b % args.vectors_per_token) * args.hidden;
+}
+
 // grid: [num_tokens]; threads stride over the hidden dimension (coalesced row copy).
 template <typename T>
 __global__ void EmbedKernel(EmbedArgs args) {
@@ -22,14 +28,14 @@ __global__ void EmbedKernel(EmbedArgs args) {
   for (int64_t i = threadIdx.x; i < args.hidden; i += blockDim.x) out[i] = ToFloat(row[i]);
 }
 
-// grid: [num_tokens]. Each thread reads and writes the same elements in both passes, so out may
-// alias x.
+// grid: [num_tokens · vectors_per_token]. Each thread reads and writes the same elements in both
+// passes, so out may alias x.
 template <typename W>
 __global__ void RmsNormKernel(RmsNormArgs args) {
   __shared__ float scratch[kWarpSize];
-  const int64_t t = blockIdx.x;
-  const float* x = args.x + t * args.hidden;
-  float* out = args.out + t * args.hidden;
+  const int64_t offset = VectorOffset(args, blockIdx.x);
+  const float* x = args.x + offset;
+  float* out = args.out + offset;
   const W* weight = static_cast<const W*>(args.weight);
   float sum_sq = 0.0f;
   for (int64_t i = threadIdx.x; i < args.hidden; i += blockDim.x) sum_sq = fmaf(x[i], x[i], sum_sq);
@@ -53,14 +59,15 @@ __device__ __forceinline__ float4 LoadWeight4(const W* weight, int64_t i) {
                      ToFloat(weight[i + 3]));
 }
 
-// grid: [num_tokens]; thread j holds the float4s j, j + blockDim.x, ... of its row.
+// grid: [num_tokens · vectors_per_token]; thread j holds the float4s j, j + blockDim.x, ... of
+// its vector.
 template <typename W>
 __global__ void __launch_bounds__(kNormThreads) RmsNormVecKernel(RmsNormArgs args) {
   __shared__ float scratch[kWarpSize];
-  const int64_t t = blockIdx.x;
+  const int64_t offset = VectorOffset(args, blockIdx.x);
   const int64_t vecs = args.hidden / 4;
-  const float4* x = reinterpret_cast<const float4*>(args.x + t * args.hidden);
-  float4* out = reinterpret_cast<float4*>(args.out + t * args.hidden);
+  const float4* x = reinterpret_cast<const float4*>(args.x + offset);
+  float4* out = reinterpret_cast<float4*>(args.out + offset);
   const W* weight = static_cast<const W*>(args.weight);
   float4 xv[kNormVecs];
   float4 wv[kNormVecs];
@@ -96,9 +103,9 @@ __global__ void __launch_bounds__(kNormThreads) RmsNormVecKernel(RmsNormArgs arg
 
 template <typename W>
 cudaError_t LaunchRmsNormAs(const RmsNormArgs& args, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>(args.num_tokens);
+  const unsigned blocks = static_cast<unsigned>(args.num_tokens * args.vectors_per_token);
   const int64_t vecs = args.hidden / 4;
-  const bool aligned = args.hidden % 4 == 0 &&
+  const bool aligned = args.hidden % 4 == 0 && args.token_stride % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(args.x) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(args.out) % 16 == 0;
   if (aligned && vecs <= int64_t{kNormThreads} * kNormVecs) {

@@ -31,6 +31,10 @@ struct RmsNormArgs {
   int64_t num_tokens = 0;
   int64_t hidden = 0;
   float eps = 1e-5f;
+  // RmsNormParams' layout: vectors_per_token vectors of hidden per token, tokens token_stride
+  // floats apart (> 0 here: the backend fills in the packed stride).
+  int64_t vectors_per_token = 1;
+  int64_t token_stride = 0;
 };
 cudaError_t LaunchRmsNorm(const RmsNormArgs& args, cudaStream_t stream);
 

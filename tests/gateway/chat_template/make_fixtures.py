@@ -57,6 +57,13 @@ TEMPLATES = {
                   "HuanzhiMao/gorilla berkeley-function-call-leaderboard/bfcl/model_handler/"
                   "oss_model/qwen_fc.py @4ff43b37f25075a12ad94eb1b3aecdd5662c61eb",
     },
+    "qwen3": {
+        "bos_token": "", "eos_token": "<|im_end|>", "tools": True,
+        "source": "Qwen/Qwen3-0.6B tokenizer_config.json chat_template (thinking tags, "
+                  "enable_thinking, reasoning_content), ggerganov/llama.cpp "
+                  "models/templates/Qwen-Qwen3-0.6B.jinja as stored in the fork ye-NX/llama.cpp "
+                  "@b354d7c9ecb76c97c07098617cdebbdfffa2583e (line ends as LF)",
+    },
     "chatml_openhermes": {
         "bos_token": "<s>", "eos_token": "<|im_end|>", "tools": False,
         "source": "teknium/OpenHermes-2.5-Mistral-7B (ChatML), ggerganov/llama.cpp "
@@ -370,6 +377,46 @@ def build():
                 except Exception as e:  # the template refused the conversation
                     case["error"] = str(e)
                 cases.append(case)
+        # Qwen3's thinking switch (chat_template_kwargs {"enable_thinking": false}: an empty
+        # think block after the generation prompt) and an assistant turn carrying its reasoning
+        # in reasoning_content instead of <think> tags (after the last user turn: rendered
+        # inside <think>; before it: dropped).
+        if name == "qwen3":
+            thinking = {
+                "reasoning_field": [
+                    {"role": "user", "content": "2 + 2?"},
+                    {"role": "assistant", "content": "4", "reasoning_content": "Add them."},
+                    {"role": "user", "content": "And 3 + 3?"},
+                    {"role": "assistant", "content": "6", "reasoning_content": "\nAdd again.\n"},
+                ],
+            }
+            for conv_name, messages in list(CONVERSATIONS.items()) + list(thinking.items()):
+                for extra in ({"enable_thinking": False}, {"enable_thinking": True}):
+                    if conv_name in thinking and extra["enable_thinking"]:
+                        continue
+                    case = {"template": name,
+                            "name": "%s/gen/notools/thinking_%s" % (
+                                conv_name, "on" if extra["enable_thinking"] else "off"),
+                            "messages": messages, "tools": None, "add_generation_prompt": True,
+                            "bos_token": info["bos_token"], "eos_token": info["eos_token"],
+                            "extra": extra}
+                    try:
+                        case["expected"] = template.render(
+                            messages=normalize(messages), tools=None, documents=None,
+                            add_generation_prompt=True, bos_token=info["bos_token"],
+                            eos_token=info["eos_token"], **extra)
+                    except Exception as e:
+                        case["error"] = str(e)
+                    cases.append(case)
+            messages = thinking["reasoning_field"]
+            case = {"template": name, "name": "reasoning_field/nogen/notools", "messages": messages,
+                    "tools": None, "add_generation_prompt": False, "bos_token": info["bos_token"],
+                    "eos_token": info["eos_token"], "extra": {}}
+            case["expected"] = template.render(
+                messages=normalize(messages), tools=None, documents=None,
+                add_generation_prompt=False, bos_token=info["bos_token"],
+                eos_token=info["eos_token"])
+            cases.append(case)
         # Llama 3.1's built-in tools (ipython mode): python_tag calls and <|eom_id|>.
         if name == "llama3_1":
             messages = [

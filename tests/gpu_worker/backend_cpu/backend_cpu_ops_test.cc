@@ -145,6 +145,28 @@ TEST_P(EmbedTest, MatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, EmbedTest,
                          ::testing::Values(DType::kF32, DType::kBF16, DType::kF16));
 
+// A norm's f32 weights and their bf16 and f16 encodings, on the host or uploaded.
+class NormWeights {
+ public:
+  explicit NormWeights(const std::vector<float>& w)
+      : f32_(w), bf16_(testing::ToBf16(w)), f16_(ToF16(w)) {}
+  const void* Host(DType dtype) const {
+    return dtype == DType::kF32    ? static_cast<const void*>(f32_.data())
+           : dtype == DType::kBF16 ? static_cast<const void*>(bf16_.data())
+                                   : static_cast<const void*>(f16_.data());
+  }
+  const void* Upload(DeviceArrays& dev, DType dtype) const {
+    return dtype == DType::kF32    ? static_cast<const void*>(dev.Upload(f32_))
+           : dtype == DType::kBF16 ? static_cast<const void*>(dev.Upload(bf16_))
+                                   : static_cast<const void*>(dev.Upload(f16_));
+  }
+
+ private:
+  std::vector<float> f32_;
+  std::vector<bf16_t> bf16_;
+  std::vector<uint16_t> f16_;
+};
+
 class RmsNormTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(RmsNormTest, MatchesReferenceInPlaceAndOutOfPlace) {
@@ -156,11 +178,8 @@ TEST_P(RmsNormTest, MatchesReferenceInPlaceAndOutOfPlace) {
   const int64_t tokens = 5, hidden = 384;
   const std::vector<float> x = RandomFloats(rng, tokens * hidden, -3.0f, 3.0f);
   const std::vector<float> w = RandomFloats(rng, hidden, 0.5f, 1.5f);
-  const std::vector<bf16_t> w_bf16 = testing::ToBf16(w);
-  const std::vector<uint16_t> w_f16 = ToF16(w);
-  const void* host_w = dtype == DType::kF32    ? static_cast<const void*>(w.data())
-                       : dtype == DType::kBF16 ? static_cast<const void*>(w_bf16.data())
-                                               : static_cast<const void*>(w_f16.data());
+  const NormWeights weights(w);
+  const void* host_w = weights.Host(dtype);
   std::vector<float> expect(x.size());
   RmsNormParams p;
   p.weight_dtype = dtype;
@@ -173,9 +192,7 @@ TEST_P(RmsNormTest, MatchesReferenceInPlaceAndOutOfPlace) {
   ref.out = expect.data();
   reference::RmsNorm(ref);
 
-  p.weight = dtype == DType::kF32    ? static_cast<const void*>(dev.Upload(w))
-             : dtype == DType::kBF16 ? static_cast<const void*>(dev.Upload(w_bf16))
-                                     : static_cast<const void*>(dev.Upload(w_f16));
+  p.weight = weights.Upload(dev, dtype);
   float* x_dev = dev.Upload(x);
   p.x = x_dev;
   p.out = dev.Allocate<float>(x.size());
@@ -191,6 +208,52 @@ TEST_P(RmsNormTest, MatchesReferenceInPlaceAndOutOfPlace) {
   TANDEM_EXPECT_INVALID(backend->RmsNorm(bad));
   bad = p;
   bad.weight = nullptr;
+  TANDEM_EXPECT_INVALID(backend->RmsNorm(bad));
+}
+
+// Qwen3's q/k norms: each of 3 heads of 16 inside rows of 70 floats (a qkv row: the q heads,
+// then 22 other floats the call must leave as they are).
+TEST_P(RmsNormTest, NormsEachHeadOfAStridedRow) {
+  const DType dtype = GetParam();
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  DeviceArrays dev(*backend);
+  std::mt19937 rng(3);
+  const int64_t tokens = 4, heads = 3, head_dim = 16, stride = 70;
+  const std::vector<float> x = RandomFloats(rng, tokens * stride, -3.0f, 3.0f);
+  const std::vector<float> w = RandomFloats(rng, head_dim, 0.5f, 1.5f);
+  const NormWeights weights(w);
+  const void* host_w = weights.Host(dtype);
+  RmsNormParams p;
+  p.weight_dtype = dtype;
+  p.num_tokens = tokens;
+  p.hidden = head_dim;
+  p.eps = 1e-6f;
+  p.vectors_per_token = heads;
+  p.token_stride = stride;
+  std::vector<float> expect = x;
+  RmsNormParams ref = p;
+  ref.x = x.data();
+  ref.weight = host_w;
+  ref.out = expect.data();
+  reference::RmsNorm(ref);
+  // The reference normalised exactly the 3 x 16 head floats of each row.
+  size_t changed = 0;
+  for (size_t i = 0; i < x.size(); ++i) changed += expect[i] != x[i];
+  EXPECT_EQ(changed, static_cast<size_t>(tokens * heads * head_dim));
+
+  p.weight = weights.Upload(dev, dtype);
+  float* x_dev = dev.Upload(x);
+  p.x = x_dev;
+  p.out = x_dev;
+  TANDEM_ASSERT_OK(backend->RmsNorm(p));
+  EXPECT_LE(MaxAbsDiff(dev.Download(x_dev, x.size()), expect), 5e-6);
+
+  RmsNormParams bad = p;
+  bad.token_stride = heads * head_dim - 1;  // rows would overlap
+  TANDEM_EXPECT_INVALID(backend->RmsNorm(bad));
+  bad = p;
+  bad.vectors_per_token = 0;
   TANDEM_EXPECT_INVALID(backend->RmsNorm(bad));
 }
 

@@ -93,8 +93,10 @@ inline void Embed(const EmbedParams& p) {
 }
 
 inline void RmsNorm(const RmsNormParams& p) {
-  for (int64_t t = 0; t < p.num_tokens; ++t) {
-    const float* x = p.x + t * p.hidden;
+  const int64_t stride = p.token_stride != 0 ? p.token_stride : p.vectors_per_token * p.hidden;
+  for (int64_t r = 0; r < p.num_tokens * p.vectors_per_token; ++r) {
+    const int64_t offset = r / p.vectors_per_token * stride + r % p.vectors_per_token * p.hidden;
+    const float* x = p.x + offset;
     double sum_sq = 0.0;
     for (int64_t c = 0; c < p.hidden; ++c) sum_sq += static_cast<double>(x[c]) * x[c];
     const double inv_rms = 1.0 / std::sqrt(sum_sq / p.hidden + p.eps);
@@ -102,7 +104,7 @@ inline void RmsNorm(const RmsNormParams& p) {
     for (int64_t c = 0; c < p.hidden; ++c) {
       out[c] = x[c] * inv_rms * Load(p.weight, p.weight_dtype, c);
     }
-    for (int64_t c = 0; c < p.hidden; ++c) p.out[t * p.hidden + c] = static_cast<float>(out[c]);
+    for (int64_t c = 0; c < p.hidden; ++c) p.out[offset + c] = static_cast<float>(out[c]);
   }
 }
 

@@ -250,6 +250,61 @@ TEST_P(CudaRmsNormTest, MatchesReference) {
   }
 }
 
+// Qwen3's q/k norms: 32 heads of 128 inside qkv rows of (32 + 2·8)·128 floats (and an odd-width
+// case that takes the scalar kernel); the floats past the heads keep their values.
+TEST_F(CudaBackendFixture, RmsNormOfEachHeadInAStridedRow) {
+  struct Case {
+    int64_t heads, head_dim, stride;
+  };
+  for (const Case& k : {Case{32, 128, 48 * 128}, Case{3, 18, 61}}) {
+    constexpr int64_t kTokens = 5;
+    constexpr float kEps = 1e-6f;
+    const std::vector<float> x = RandomFloats(kTokens * k.stride, -3, 3, 7);
+    const std::vector<float> weight =
+        RoundTo(RandomFloats(k.head_dim, 0.5f, 1.5f, 8), DType::kBF16);
+    DeviceBuffer x_buffer = Upload(x);
+    DeviceBuffer w_buffer = Upload(EncodeAs(weight, DType::kBF16));
+    ASSERT_TRUE(backend_
+                    ->RmsNorm({.x = x_buffer.as<float>(),
+                               .weight = w_buffer.data(),
+                               .weight_dtype = DType::kBF16,
+                               .out = x_buffer.as<float>(),
+                               .num_tokens = kTokens,
+                               .hidden = k.head_dim,
+                               .eps = kEps,
+                               .vectors_per_token = k.heads,
+                               .token_stride = k.stride})
+                    .ok());
+    const std::vector<float> got = Download<float>(x_buffer, x.size());
+    for (int64_t t = 0; t < kTokens; ++t) {
+      for (int64_t h = 0; h < k.heads; ++h) {
+        const int64_t o = t * k.stride + h * k.head_dim;
+        double sum_sq = 0.0;
+        for (int64_t i = 0; i < k.head_dim; ++i) sum_sq += double{x[o + i]} * x[o + i];
+        const double inv = 1.0 / std::sqrt(sum_sq / k.head_dim + kEps);
+        for (int64_t i = 0; i < k.head_dim; ++i) {
+          const double ref = x[o + i] * inv * weight[i];
+          ASSERT_NEAR(got[o + i], ref, 1e-5 * std::abs(ref) + 1e-6) << t << "," << h << "," << i;
+        }
+      }
+      for (int64_t i = k.heads * k.head_dim; i < k.stride; ++i) {
+        ASSERT_EQ(got[t * k.stride + i], x[t * k.stride + i]) << "untouched " << t << "," << i;
+      }
+    }
+  }
+  DeviceBuffer x_buffer = Upload(std::vector<float>(64, 1.0f));
+  DeviceBuffer w_buffer = Upload(std::vector<float>(16, 1.0f));
+  EXPECT_FALSE(backend_
+                   ->RmsNorm({.x = x_buffer.as<float>(),
+                              .weight = w_buffer.data(),
+                              .out = x_buffer.as<float>(),
+                              .num_tokens = 2,
+                              .hidden = 16,
+                              .vectors_per_token = 2,
+                              .token_stride = 31})
+                   .ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaRmsNormTest,
     ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16, DType::kF16),

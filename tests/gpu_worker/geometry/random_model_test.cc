@@ -60,6 +60,9 @@ void ExpectSameModel(Backend& backend, const DeviceModel& a, const DeviceModel& 
     ExpectSameTensor(backend, la.ffn_norm, lb.ffn_norm, "ffn_norm" + at);
     ExpectSameTensor(backend, la.gate_up, lb.gate_up, "gate_up" + at);
     ExpectSameTensor(backend, la.down_proj, lb.down_proj, "down_proj" + at);
+    ExpectSameTensor(backend, la.q_norm, lb.q_norm, "q_norm" + at);
+    ExpectSameTensor(backend, la.k_norm, lb.k_norm, "k_norm" + at);
+    EXPECT_EQ(static_cast<bool>(la.q_norm.buffer), c.qk_norm) << "q_norm" << at;
   }
   const size_t inv_bytes = static_cast<size_t>(c.head_dim / 2) * 4;
   EXPECT_TRUE(ToHost(backend, a.inv_freq(), inv_bytes) == ToHost(backend, b.inv_freq(), inv_bytes))
@@ -131,6 +134,16 @@ TEST(RandomModel, Llama3ScaledRopeEqualsCreateRandom) {
                   "layers=1,hidden=256,ffn=512,q_heads=8,kv_heads=2,head_dim=32,vocab=512", c)
                   .ok());
   CheckWrittenEqualsCreated(c, 1, uint64_t{1} << 30, 1);
+}
+
+TEST(RandomModel, Qwen3WithQkNormsEqualsCreateRandom) {
+  // The qwen3-8b preset (q/k norms of [head_dim] after each layer's down projection) small.
+  ModelConfig c = *GeometryPreset("qwen3-8b");
+  ASSERT_TRUE(c.qk_norm);
+  ASSERT_TRUE(ApplyGeometryOverrides(
+                  "layers=2,hidden=256,ffn=512,q_heads=8,kv_heads=2,head_dim=32,vocab=512", c)
+                  .ok());
+  CheckWrittenEqualsCreated(c, 3, uint64_t{1} << 30, 1);
 }
 
 TEST(RandomModel, SeedsGiveDifferentWeights) {

@@ -211,6 +211,42 @@ TEST(ModelConfigTest, Qwen2AlwaysHasQkvBiasAndMistralNullHeadDim) {
   EXPECT_TRUE(llama_bias->qkv_bias);
 }
 
+// Qwen3-8B's config.json (transformers 4.51): q/k norms, no biases, head_dim 128.
+TEST(ModelConfigTest, Qwen3HasQkNormsAndNoBiases) {
+  absl::StatusOr<ModelConfig> qwen3 = ParseModelConfig(R"({"architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+    "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32,
+    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  EXPECT_EQ(qwen3->model_type, "qwen3");
+  EXPECT_TRUE(qwen3->qk_norm);
+  EXPECT_FALSE(qwen3->qkv_bias);
+  EXPECT_EQ(qwen3->head_dim, 128);
+  EXPECT_EQ(qwen3->sliding_window, 0);
+  EXPECT_EQ(qwen3->max_position_embeddings, 40960);
+
+  // Qwen3-0.6B's shape without head_dim: Qwen3Config's 128, not hidden / heads (64).
+  absl::StatusOr<ModelConfig> small = ParseModelConfig(R"({"model_type": "qwen3",
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 151936})");
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_EQ(small->head_dim, 128);
+  EXPECT_EQ(small->max_position_embeddings, 32768);
+  EXPECT_FALSE(small->qkv_bias);
+
+  // No other family member has the norms.
+  absl::StatusOr<ModelConfig> qwen2 = ParseModelConfig(R"({"model_type": "qwen2",
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "vocab_size": 32})");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.status();
+  EXPECT_FALSE(qwen2->qk_norm);
+}
+
 struct BadConfig {
   const char* name;
   std::string json;

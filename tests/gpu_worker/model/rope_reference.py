@@ -22,6 +22,9 @@ Models (f32, 2 layers, hidden 32, head_dim 16, prompts of 100 tokens > 64 origin
                  beta_slow 2, mscale 1.0 / mscale_all_dim 0.5 (attention factor from their ratio),
                  truncate false
   mistral_dynamic  {type dynamic, factor 2}, max 64, sliding_window null
+  qwen3_yarn     Qwen3-style: RMSNorm of every q and k head (q_norm / k_norm, [head_dim]) before
+                 RoPE, no biases, tied embeddings, yarn factor 4 over 64 original positions (the
+                 Qwen3 model cards' long-context recipe)
 
 Each reference holds the prompt ids and runs:
   "single":  one forward of the whole prompt (no cache): log p(prompt[t+1] | prompt[..t]) for
@@ -85,6 +88,18 @@ MODELS = {
         "tie_word_embeddings": False,
         "sliding_window": None,
     },
+    "qwen3_yarn": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "max_position_embeddings": 64,
+        "rope_theta": 1000000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 2,
+    },
 }
 
 
@@ -118,6 +133,7 @@ def tensor_shapes(config):
     if not config["tie_word_embeddings"]:
         out.append(("lm_head.weight", [VOCAB, h], 1.0 / math.sqrt(h)))
     bias = config["model_type"] == "qwen2"
+    qk_norm = config["model_type"] == "qwen3"
     for l in range(LAYERS):
         p = f"model.layers.{l}."
         out.append((p + "input_layernorm.weight", [h], 0.0))
@@ -128,6 +144,9 @@ def tensor_shapes(config):
             out.append((p + "self_attn.q_proj.bias", [qd], 0.5))
             out.append((p + "self_attn.k_proj.bias", [kd], 0.5))
             out.append((p + "self_attn.v_proj.bias", [kd], 0.5))
+        if qk_norm:
+            out.append((p + "self_attn.q_norm.weight", [d], 0.0))
+            out.append((p + "self_attn.k_norm.weight", [d], 0.0))
         out.append((p + "self_attn.o_proj.weight", [h, qd], 1.0 / math.sqrt(qd)))
         out.append((p + "post_attention_layernorm.weight", [h], 0.0))
         out.append((p + "mlp.gate_proj.weight", [FFN, h], 1.0 / math.sqrt(h)))
@@ -195,12 +214,14 @@ def reference(root, out):
         from transformers.models.llama import modeling_llama
         from transformers.models.qwen2 import configuration_qwen2
         from transformers.models.mistral import configuration_mistral
+        from transformers.models.qwen3 import modeling_qwen3
         for owner, attr in ((ru, "_compute_yarn_parameters"),
                             (ru, "_compute_dynamic_ntk_parameters"), (ru, "dynamic_rope_update"),
                             (ru, "RotaryEmbeddingConfigMixin"), (ru, "standardize_rope_params"),
                             (modeling_llama, "LlamaRotaryEmbedding"),
                             (configuration_qwen2, "Qwen2Config"),
-                            (configuration_mistral, "MistralConfig")):
+                            (configuration_mistral, "MistralConfig"),
+                            (modeling_qwen3, "Qwen3Attention")):
             try:
                 src.write(f"# ---- {attr}\n{inspect.getsource(getattr(owner, attr))}\n")
             except (AttributeError, TypeError, OSError) as e:
@@ -262,7 +283,7 @@ def reference_one(root, out, name):
 
 
 # ---- A plain-Python (f64) forward of the same models, for machines without PyTorch. ----------
-# It follows transformers 5 (modeling_llama / modeling_qwen2 / modeling_mistral with eager
+# It follows transformers 5 (modeling_llama / modeling_qwen2 / modeling_mistral / modeling_qwen3 with eager
 # attention, modeling_rope_utils for the rope tables); `python-reference` checks its rope tables
 # and its logits against the transformers reference.json of each model before writing anything.
 
@@ -367,8 +388,13 @@ class PyModel:
                 k = self.matvec(w[p + "self_attn.k_proj.weight"], h, bias("k"))
                 v = self.matvec(w[p + "self_attn.v_proj.weight"], h, bias("v"))
                 pos = start + t
-                q = [self.rope(q[hd * D:(hd + 1) * D], pos, inv_freq, scale) for hd in range(Hq)]
-                k = [self.rope(k[hd * D:(hd + 1) * D], pos, inv_freq, scale) for hd in range(Hkv)]
+                q = [q[hd * D:(hd + 1) * D] for hd in range(Hq)]
+                k = [k[hd * D:(hd + 1) * D] for hd in range(Hkv)]
+                if p + "self_attn.q_norm.weight" in w:  # qwen3: each head normed before RoPE
+                    q = [self.norm(x, w[p + "self_attn.q_norm.weight"]) for x in q]
+                    k = [self.norm(x, w[p + "self_attn.k_norm.weight"]) for x in k]
+                q = [self.rope(x, pos, inv_freq, scale) for x in q]
+                k = [self.rope(x, pos, inv_freq, scale) for x in k]
                 v = [v[hd * D:(hd + 1) * D] for hd in range(Hkv)]
                 new.append((q, k, v))
             for q, k, v in new:

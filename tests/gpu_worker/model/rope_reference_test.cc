@@ -1,4 +1,4 @@
-// tandem's forward pass of tiny Llama / Qwen2 / Mistral models with the long-context RoPE
+// tandem's forward pass of tiny Llama / Qwen2 / Mistral / Qwen3 models with the long-context RoPE
 // scalings (yarn, dynamic NTK) against reference forwards of the same weights
 // (rope_fixtures/<model>/, written by rope_reference.py; 100-token prompts past the 64
 // original positions):
@@ -16,6 +16,7 @@
 // The same source builds a cpu-backend test and, with TANDEM_TEST_BACKEND_CUDA, a cuda one
 // (label gpu) that skips without a GPU.
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -34,7 +35,11 @@
 namespace tandem::gpu_worker {
 namespace {
 
-const std::filesystem::path kFixtures = TANDEM_ROPE_FIXTURES;
+// The checkout's fixtures, or TANDEM_ROPE_FIXTURES_DIR (a test executable run on another host).
+std::filesystem::path Fixtures() {
+  const char* dir = std::getenv("TANDEM_ROPE_FIXTURES_DIR");
+  return dir != nullptr ? std::filesystem::path(dir) : std::filesystem::path(TANDEM_ROPE_FIXTURES);
+}
 // Absolute, plus this share of the value (f32 rounding grows with the logit's magnitude).
 constexpr double kTolerance = 2e-4;
 constexpr double kRelativeTolerance = 2e-5;
@@ -82,7 +87,7 @@ class RopeReference : public ::testing::TestWithParam<std::string> {
 #endif
     if (!backend.ok()) GTEST_SKIP() << "no backend: " << backend.status();
     backend_ = std::move(*backend);
-    dir_ = kFixtures / GetParam();
+    dir_ = Fixtures() / GetParam();
     auto model = LoadModel(dir_);
     ASSERT_TRUE(model.ok()) << model.status();
     model_ = std::move(*model);
@@ -202,7 +207,8 @@ TEST_P(RopeReference, BatchedSequencesKeepTheirOwnLengths) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, RopeReference,
-                         ::testing::Values("qwen2_yarn", "llama_yarn", "mistral_dynamic"));
+                         ::testing::Values("qwen2_yarn", "llama_yarn", "mistral_dynamic",
+                                           "qwen3_yarn"));
 
 }  // namespace
 }  // namespace tandem::gpu_worker

@@ -91,14 +91,20 @@ struct EmbedParams {
 };
 
 // out[t, :] = x[t, :] * rsqrt(mean(x[t, :]^2) + eps) * weight[:]   (Llama RMSNorm, f32 math)
+// for every vector of `hidden` floats: vectors_per_token of them side by side per token, token t
+// at x + t·token_stride (0: packed, vectors_per_token·hidden). Qwen3's q/k norms run one call
+// per projection over a qkv row: hidden = head_dim, vectors_per_token = heads, token_stride =
+// the qkv row width.
 struct RmsNormParams {
-  const float* x = nullptr;       // [num_tokens, hidden]
+  const float* x = nullptr;       // [num_tokens, hidden] (packed), rows of token_stride else
   const void* weight = nullptr;   // [hidden] of weight_dtype
   DType weight_dtype = DType::kF32;
-  float* out = nullptr;           // [num_tokens, hidden]; may alias x
+  float* out = nullptr;           // the layout of x; may alias x
   int64_t num_tokens = 0;
   int64_t hidden = 0;
   float eps = 1e-5f;
+  int64_t vectors_per_token = 1;
+  int64_t token_stride = 0;       // floats; 0 or >= vectors_per_token·hidden
 };
 
 // y = x · wᵀ (+ bias) (+ y when accumulate): the nn.Linear layout. accumulate fuses the

@@ -1,5 +1,5 @@
-// The architecture of a Hugging Face Llama-family model (llama, mistral, qwen2), read from its
-// config.json (and generation_config.json), plus the RoPE inverse frequencies it implies.
+// The architecture of a Hugging Face Llama-family model (llama, mistral, qwen2, qwen3), read from
+// its config.json (and generation_config.json), plus the RoPE inverse frequencies it implies.
 //
 // Both config generations are understood: transformers <= 4.x writes `rope_theta` at the top
 // level and an optional `rope_scaling` object; transformers 5 writes `rope_parameters`
@@ -58,7 +58,7 @@ struct SamplingDefaults {
 };
 
 struct ModelConfig {
-  std::string model_type;  // "llama", "mistral" or "qwen2"
+  std::string model_type;  // "llama", "mistral", "qwen2" or "qwen3"
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;  // SwiGLU width
   int64_t num_layers = 0;
@@ -72,6 +72,9 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;  // lm_head shares model.embed_tokens.weight
   bool qkv_bias = false;  // q/k/v projections have biases (always for qwen2, else attention_bias)
+  // Each q and k head is RMS-normalised over head_dim (weights q_norm / k_norm, [head_dim],
+  // eps rms_norm_eps) after the projection and before RoPE: qwen3.
+  bool qk_norm = false;
   int32_t bos_token_id = -1;           // -1 when absent or null
   std::vector<int32_t> eos_token_ids;  // several for e.g. Llama-3 instruct; empty when absent
   DType weight_dtype = DType::kF32;    // from "dtype" / "torch_dtype"; kF32 if absent
@@ -81,8 +84,8 @@ struct ModelConfig {
 };
 
 // Parses the text of a config.json. Fields absent from the file take transformers' defaults for
-// the model type (rope_theta 10000, rms_norm_eps 1e-6, head_dim hidden_size / num_attention_heads,
-// num_key_value_heads num_attention_heads, tie_word_embeddings false).
+// the model type (rope_theta 10000, rms_norm_eps 1e-6, head_dim hidden_size / num_attention_heads
+// (qwen3: 128), num_key_value_heads num_attention_heads, tie_word_embeddings false).
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json);
 
 // Reads model_dir/config.json; if model_dir/generation_config.json exists, its non-null

@@ -7,6 +7,8 @@
 // TensorSeed(seed, index), where index is the tensor's fixed position in the enumeration
 //   0 embed, 1 final norm, 2 lm_head, then 3 + 9·layer + {0 attn_norm, 1 q, 2 k, 3 v, 4 o,
 //   5 ffn_norm, 6 gate, 7 up, 8 down}
+// and, with q/k norms (qwen3), each layer's q_norm and k_norm ([head_dim] ones, no seed) listed
+// after its down projection
 // (the lm_head index is kept free when embeddings are tied, so tying changes no other tensor).
 // Element i of a matrix is RandomSigned(tensor_seed, i, scale) rounded to the weight dtype
 // (random_values.h, the values of Backend::RandomFill), scale = sqrt(3 / in_features): the
@@ -32,6 +34,9 @@ namespace tandem::gpu_worker {
 //                vocab 128256, rope_theta 500000 with the "llama3" rope scaling (factor 8,
 //                low 1, high 4, original 8192), 131072 positions, rms_norm_eps 1e-5, untied
 //                embeddings, bf16.
+//   "qwen3-8b":  Qwen3-8B: 36 layers, hidden 4096, FFN 12288, 32 query / 8 kv heads of 128 with
+//                q/k norms, vocab 151936, rope_theta 1e6, 40960 positions, rms_norm_eps 1e-6,
+//                untied embeddings, bf16.
 //   "tiny":      2 layers, hidden 64, FFN 128, 4 query / 2 kv heads of 16, vocab 256,
 //                4096 positions, bf16 (tests; same structure as llama3-8b: GQA, untied).
 absl::StatusOr<ModelConfig> GeometryPreset(std::string_view name);
@@ -45,9 +50,10 @@ std::vector<std::string> GeometryPresetNames();
 // An empty string changes nothing. On error `config` is unchanged.
 absl::Status ApplyGeometryOverrides(std::string_view overrides, ModelConfig& config);
 
-// The Hugging Face config.json of `config` (LlamaForCausalLM), which ParseModelConfig reads back
-// to an equal config. INVALID_ARGUMENT for a config that could not be written faithfully
-// (qkv biases, a non-llama model_type, an integer weight dtype).
+// The Hugging Face config.json of `config` (LlamaForCausalLM or Qwen3ForCausalLM), which
+// ParseModelConfig reads back to an equal config. INVALID_ARGUMENT for a config that could not be
+// written faithfully (qkv biases, a model_type other than llama and qwen3, an integer weight
+// dtype).
 absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& config);
 
 // One tensor of a random model, in the Hugging Face layout.

@@ -36,6 +36,8 @@ struct LayerWeights {
   const TensorView* q_bias = nullptr;     // self_attn.q_proj.bias [Q*D]; only if qkv_bias
   const TensorView* k_bias = nullptr;     // self_attn.k_proj.bias [K*D]; only if qkv_bias
   const TensorView* v_bias = nullptr;     // self_attn.v_proj.bias [K*D]; only if qkv_bias
+  const TensorView* q_norm = nullptr;     // self_attn.q_norm.weight [D]; only if qk_norm
+  const TensorView* k_norm = nullptr;     // self_attn.k_norm.weight [D]; only if qk_norm
   const TensorView* ffn_norm = nullptr;   // post_attention_layernorm.weight  [H]
   const TensorView* gate_proj = nullptr;  // mlp.gate_proj.weight             [I, H]
   const TensorView* up_proj = nullptr;    // mlp.up_proj.weight               [I, H]

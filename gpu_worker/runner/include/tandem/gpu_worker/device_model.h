@@ -35,7 +35,15 @@ struct DeviceLayer {
   DeviceTensor ffn_norm;    // [H]
   DeviceTensor gate_up;     // [2·I, H]
   DeviceTensor down_proj;   // [H, I]
+  DeviceTensor q_norm;      // [D], empty without q/k norms (qwen3)
+  DeviceTensor k_norm;      // [D], empty without q/k norms
 };
+
+// Qwen3's per-head norm (ModelConfig::qk_norm), in place: each of `heads` vectors of head_dim
+// floats per row, rows token_stride floats apart starting at x, RMS-normalised with `weight`
+// (a layer's q_norm or k_norm). Nothing when `weight` is empty (a model without the norms).
+absl::Status NormHeads(Backend& backend, const DeviceTensor& weight, float* x, int64_t rows,
+                       int64_t heads, int64_t head_dim, int64_t token_stride, double eps);
 
 class DeviceModel {
  public:
