@@ -258,6 +258,64 @@ absl::Status ReadSlidingWindow(const json& obj, absl::string_view source, ModelC
   return absl::OkStatus();
 }
 
+// quantization_config: FP8 weight schemes (e4m3 matrices with per-row or per-tensor scales,
+// model_weights.h) set config->quantization to "fp8"; every other method or scheme is refused by
+// name, so a quantized checkpoint never loads as garbage. Activation settings are not read:
+// activations stay in the compute dtype (weight-only FP8).
+absl::Status ReadQuantization(const json& obj, absl::string_view source, ModelConfig* config) {
+  const json* q = FindField(obj, "quantization_config");
+  if (q == nullptr) return absl::OkStatus();
+  const std::string where = Where(source, "quantization_config");
+  if (!q->is_object()) return internal::TypeError(where, "an object", *q);
+  const json* method_field = FindField(*q, "quant_method");
+  if (method_field == nullptr) return Invalid(source, "quantization_config has no quant_method");
+  TANDEM_ASSIGN_OR_RETURN(std::string method,
+                          JsonToString(*method_field, absl::StrCat(where, ".quant_method")));
+  const std::string refused =
+      absl::StrCat("quantization_config: ", method,
+                   " is not supported (FP8 e4m3 weights with per-channel or per-tensor scales are: "
+                   "fbgemm_fp8, fp8 without weight_block_size, compressed-tensors float 8-bit)");
+  if (method == "fbgemm_fp8") {
+    config->quantization = "fp8";
+    return absl::OkStatus();
+  }
+  if (method == "fp8") {
+    const json* block = FindField(*q, "weight_block_size");
+    if (block != nullptr) {
+      return Invalid(source, absl::StrCat(refused,
+                                          "; block-wise scales (weight_block_size) are "
+                                          "not supported"));
+    }
+    config->quantization = "fp8";
+    return absl::OkStatus();
+  }
+  if (method != "compressed-tensors") return Invalid(source, refused);
+  const json* groups = FindField(*q, "config_groups");
+  if (groups == nullptr || !groups->is_object() || groups->empty()) {
+    return Invalid(source, absl::StrCat(refused, "; config_groups is missing"));
+  }
+  for (const auto& [name, group] : groups->items()) {
+    const json* weights = group.is_object() ? FindField(group, "weights") : nullptr;
+    const json* bits =
+        weights != nullptr && weights->is_object() ? FindField(*weights, "num_bits") : nullptr;
+    const json* type =
+        weights != nullptr && weights->is_object() ? FindField(*weights, "type") : nullptr;
+    const json* strategy =
+        weights != nullptr && weights->is_object() ? FindField(*weights, "strategy") : nullptr;
+    const bool fp8 = bits != nullptr && bits->is_number_integer() && bits->get<int64_t>() == 8 &&
+                     type != nullptr && type->is_string() && type->get<std::string>() == "float";
+    const bool scaled = strategy == nullptr ||
+                        (strategy->is_string() && (strategy->get<std::string>() == "channel" ||
+                                                   strategy->get<std::string>() == "tensor"));
+    if (!fp8 || !scaled) {
+      return Invalid(source, absl::StrCat(refused, "; config group \"", name,
+                                          "\" quantizes weights otherwise"));
+    }
+  }
+  config->quantization = "fp8";
+  return absl::OkStatus();
+}
+
 // The largest magnitude a RoPE scaling parameter may have. Real models stay far below it
 // (Llama-4 factor 16, YaRN 40, dynamic NTK 2-8, beta_fast 32); the formulas run in f32, where a
 // factor near FLT_MAX makes `factor·L/max - (factor - 1)` inf - inf and every frequency NaN
@@ -477,6 +535,7 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
   TANDEM_RETURN_IF_ERROR(ReadSpecialTokens(obj, source, &config));
   TANDEM_ASSIGN_OR_RETURN(config.weight_dtype, ReadDType(obj, source));
   TANDEM_RETURN_IF_ERROR(ReadSlidingWindow(obj, source, &config));
+  TANDEM_RETURN_IF_ERROR(ReadQuantization(obj, source, &config));
   return config;
 }
 

@@ -191,6 +191,7 @@ const char* TorchDTypeName(DType dtype) {
     case DType::kF16:
       return "float16";
     case DType::kI32:
+    case DType::kF8E4M3:
       return nullptr;
   }
   return nullptr;

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
@@ -53,25 +54,84 @@ class Binder {
     return view;
   }
 
-  // A matrix [rows, cols] whose dtype must match every other matrix.
-  absl::StatusOr<const TensorView*> Matrix(const std::string& name, int64_t rows, int64_t cols) {
+  // An embedding table or lm_head [rows, cols]: float, one dtype for every table and every
+  // float projection. Bind the tables first.
+  absl::StatusOr<const TensorView*> Table(const std::string& name, int64_t rows, int64_t cols) {
     TANDEM_ASSIGN_OR_RETURN(const TensorView* view, Vector(name, {rows, cols}));
-    if (first_matrix_ == nullptr) {
-      first_matrix_ = view;
-    } else if (view->dtype != first_matrix_->dtype) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("weights: tensor \"", name, "\" has dtype ", Name(view->dtype), " but \"",
-                       first_matrix_->name, "\" has ", Name(first_matrix_->dtype),
-                       ": all matrices must share one dtype"));
-    }
+    TANDEM_RETURN_IF_ERROR(SameDType(view, first_table_));
+    if (first_table_ == nullptr) first_table_ = view;
     return view;
   }
 
-  DType matrix_dtype() const { return first_matrix_->dtype; }
+  // A projection [rows, cols]: a float matrix of the tables' dtype, or FP8 (e4m3) with a
+  // `*.weight_scale` (per output row [rows, 1] or [rows], or per tensor [1] or []), recorded in
+  // *scales. Every projection has the dtype of the first.
+  absl::StatusOr<const TensorView*> Projection(const std::string& name, int64_t rows, int64_t cols,
+                                               FP8Scales* scales) {
+    const TensorView* view = archive_.Find(name);
+    if (view == nullptr || view->dtype != DType::kF8E4M3) {
+      TANDEM_ASSIGN_OR_RETURN(view, Vector(name, {rows, cols}));
+      TANDEM_RETURN_IF_ERROR(SameDType(view, first_projection_));
+      TANDEM_RETURN_IF_ERROR(SameDType(view, first_table_));
+    } else {
+      if (view->shape != std::vector<int64_t>{rows, cols}) {
+        return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", name, "\" has shape ",
+                                                       ShapeString(view->shape), ", expected ",
+                                                       ShapeString({rows, cols})));
+      }
+      TANDEM_RETURN_IF_ERROR(SameDType(view, first_projection_));
+      TANDEM_ASSIGN_OR_RETURN((*scales)[view], Scale(name, rows, cols));
+    }
+    if (first_projection_ == nullptr) first_projection_ = view;
+    return view;
+  }
+
+  // The dtype the model computes in: the tables'.
+  DType matrix_dtype() const { return first_table_->dtype; }
+  DType projection_dtype() const { return first_projection_->dtype; }
 
  private:
+  // INVALID_ARGUMENT unless `view` has the dtype of `first` (or first is null).
+  static absl::Status SameDType(const TensorView* view, const TensorView* first) {
+    if (first == nullptr || view->dtype == first->dtype) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("weights: tensor \"", view->name, "\" has dtype ", Name(view->dtype),
+                     " but \"", first->name, "\" has ", Name(first->dtype),
+                     ": all matrices must share one dtype (FP8 projections beside float tables "
+                     "excepted)"));
+  }
+
+  // The weight_scale of the FP8 matrix `name` ([rows, cols]).
+  absl::StatusOr<const TensorView*> Scale(const std::string& name, int64_t rows, int64_t cols) {
+    constexpr absl::string_view kSuffix = ".weight";
+    const std::string base =
+        absl::EndsWith(name, kSuffix) ? name.substr(0, name.size() - kSuffix.size()) : name;
+    const std::string scale_name = base + ".weight_scale";
+    const TensorView* scale = archive_.Find(scale_name);
+    if (scale == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: FP8 tensor \"", name, "\" has no \"", scale_name, "\""));
+    }
+    if (!IsFloat(scale->dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat("weights: tensor \"", scale_name,
+                                                     "\" has dtype ", Name(scale->dtype),
+                                                     ", expected f32, bf16 or f16"));
+    }
+    const std::vector<int64_t>& s = scale->shape;
+    const bool per_row = s == std::vector<int64_t>{rows, 1} || s == std::vector<int64_t>{rows};
+    const bool per_tensor = scale->numel() == 1 && s.size() <= 2;
+    if (!per_row && !per_tensor) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: tensor \"", scale_name, "\" has shape ", ShapeString(s),
+                       " for a [", rows, ", ", cols, "] matrix: FP8 scales per output row ([", rows,
+                       ", 1]) or per tensor ([1]) are supported, not block-wise ones"));
+    }
+    return scale;
+  }
+
   const SafetensorsArchive& archive_;
-  const TensorView* first_matrix_ = nullptr;
+  const TensorView* first_table_ = nullptr;
+  const TensorView* first_projection_ = nullptr;
 };
 
 }  // namespace
@@ -86,13 +146,13 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
 
   Binder bind(archive);
   ModelWeights weights;
-  TANDEM_ASSIGN_OR_RETURN(weights.embed, bind.Matrix("model.embed_tokens.weight", vocab, hidden));
+  TANDEM_ASSIGN_OR_RETURN(weights.embed, bind.Table("model.embed_tokens.weight", vocab, hidden));
   TANDEM_ASSIGN_OR_RETURN(weights.final_norm, bind.Vector("model.norm.weight", {hidden}));
   if (config.tie_word_embeddings) {
     // transformers ties lm_head to the embedding even if a checkpoint also stores lm_head.weight.
     weights.lm_head = weights.embed;
   } else {
-    TANDEM_ASSIGN_OR_RETURN(weights.lm_head, bind.Matrix("lm_head.weight", vocab, hidden));
+    TANDEM_ASSIGN_OR_RETURN(weights.lm_head, bind.Table("lm_head.weight", vocab, hidden));
   }
 
   weights.layers.resize(static_cast<size_t>(config.num_layers));
@@ -101,14 +161,18 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
     const std::string p = absl::StrCat("model.layers.", i, ".");
     TANDEM_ASSIGN_OR_RETURN(layer.attn_norm,
                             bind.Vector(absl::StrCat(p, "input_layernorm.weight"), {hidden}));
-    TANDEM_ASSIGN_OR_RETURN(layer.q_proj,
-                            bind.Matrix(absl::StrCat(p, "self_attn.q_proj.weight"), q_dim, hidden));
     TANDEM_ASSIGN_OR_RETURN(
-        layer.k_proj, bind.Matrix(absl::StrCat(p, "self_attn.k_proj.weight"), kv_dim, hidden));
+        layer.q_proj, bind.Projection(absl::StrCat(p, "self_attn.q_proj.weight"), q_dim, hidden,
+                                      &weights.fp8_scales));
     TANDEM_ASSIGN_OR_RETURN(
-        layer.v_proj, bind.Matrix(absl::StrCat(p, "self_attn.v_proj.weight"), kv_dim, hidden));
-    TANDEM_ASSIGN_OR_RETURN(layer.o_proj,
-                            bind.Matrix(absl::StrCat(p, "self_attn.o_proj.weight"), hidden, q_dim));
+        layer.k_proj, bind.Projection(absl::StrCat(p, "self_attn.k_proj.weight"), kv_dim, hidden,
+                                      &weights.fp8_scales));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.v_proj, bind.Projection(absl::StrCat(p, "self_attn.v_proj.weight"), kv_dim, hidden,
+                                      &weights.fp8_scales));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.o_proj, bind.Projection(absl::StrCat(p, "self_attn.o_proj.weight"), hidden, q_dim,
+                                      &weights.fp8_scales));
     if (config.qkv_bias) {
       TANDEM_ASSIGN_OR_RETURN(layer.q_bias,
                               bind.Vector(absl::StrCat(p, "self_attn.q_proj.bias"), {q_dim}));
@@ -126,14 +190,17 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
     }
     TANDEM_ASSIGN_OR_RETURN(
         layer.ffn_norm, bind.Vector(absl::StrCat(p, "post_attention_layernorm.weight"), {hidden}));
-    TANDEM_ASSIGN_OR_RETURN(layer.gate_proj,
-                            bind.Matrix(absl::StrCat(p, "mlp.gate_proj.weight"), ffn, hidden));
-    TANDEM_ASSIGN_OR_RETURN(layer.up_proj,
-                            bind.Matrix(absl::StrCat(p, "mlp.up_proj.weight"), ffn, hidden));
-    TANDEM_ASSIGN_OR_RETURN(layer.down_proj,
-                            bind.Matrix(absl::StrCat(p, "mlp.down_proj.weight"), hidden, ffn));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.gate_proj,
+        bind.Projection(absl::StrCat(p, "mlp.gate_proj.weight"), ffn, hidden, &weights.fp8_scales));
+    TANDEM_ASSIGN_OR_RETURN(layer.up_proj, bind.Projection(absl::StrCat(p, "mlp.up_proj.weight"),
+                                                           ffn, hidden, &weights.fp8_scales));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer.down_proj,
+        bind.Projection(absl::StrCat(p, "mlp.down_proj.weight"), hidden, ffn, &weights.fp8_scales));
   }
   weights.dtype = bind.matrix_dtype();
+  weights.stored_projection_dtype = bind.projection_dtype();
   return weights;
 }
 

@@ -49,12 +49,14 @@ absl::string_view SafetensorsDTypeName(DType dtype) {
       return "F16";
     case DType::kI32:
       return "I32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "";
 }
 
 bool ParseSafetensorsDType(absl::string_view name, DType* dtype) {
-  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32}) {
+  for (DType d : {DType::kF32, DType::kBF16, DType::kF16, DType::kI32, DType::kF8E4M3}) {
     if (SafetensorsDTypeName(d) == name) {
       *dtype = d;
       return true;
@@ -100,7 +102,7 @@ absl::Status ParseTensorEntry(const std::filesystem::path& path, const std::stri
   if (!ParseSafetensorsDType(dtype_name, &view->dtype)) {
     return TensorError(
         path, name,
-        absl::StrCat("dtype \"", dtype_name, "\" is not supported (F32, BF16, F16, I32)"));
+        absl::StrCat("dtype \"", dtype_name, "\" is not supported (F32, BF16, F16, I32, F8_E4M3)"));
   }
   if (!shape_field->is_array()) {
     return internal::TypeError(absl::StrCat(where, " shape"), "a list", *shape_field);

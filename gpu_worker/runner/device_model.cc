@@ -1,11 +1,13 @@
 #include "tandem/gpu_worker/device_model.h"
 
+#include <array>
 #include <cstring>
 #include <initializer_list>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/f8e4m3.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/model_geometry.h"
 
@@ -79,11 +81,80 @@ void AppendAsFloat(const TensorView& t, std::vector<float>& dst) {
       case DType::kF16:
         dst.push_back(HalfToFloat(static_cast<const uint16_t*>(t.data)[i]));
         break;
+      case DType::kF8E4M3:
+        dst.push_back(F8E4M3ToFloat(static_cast<const uint8_t*>(t.data)[i]));
+        break;
       case DType::kI32:
         dst.push_back(0.0f);
         break;
     }
   }
+}
+
+// The scale of row `row` of an FP8 matrix: its entry of `scale` (per row) or the one value
+// (per tensor).
+float ScaleOfRow(const TensorView& scale, int64_t row) {
+  const int64_t i = scale.numel() == 1 ? 0 : row;
+  switch (scale.dtype) {
+    case DType::kBF16:
+      return Bf16ToFloat(static_cast<const uint16_t*>(scale.data)[i]);
+    case DType::kF16:
+      return HalfToFloat(static_cast<const uint16_t*>(scale.data)[i]);
+    default:
+      return static_cast<const float*>(scale.data)[i];
+  }
+}
+
+// Uploads the concatenation of the projections `parts` as one device tensor of `w.dtype`. FP8
+// parts (w.stored_projection_dtype) are dequantized on the host on the way, code × scale of its
+// row, rounded to w.dtype (bf16 or f32): the backends have no FP8 matmul yet, so an FP8
+// checkpoint costs the device what its bf16 original does (issue 30 item 2 is the FP8 path).
+absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeights& w,
+                                              std::initializer_list<const TensorView*> parts,
+                                              size_t* total_bytes) {
+  if (w.stored_projection_dtype != DType::kF8E4M3) {
+    return UploadStacked(backend, parts, total_bytes);
+  }
+  if (w.dtype != DType::kBF16 && w.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 projections beside ", std::string(DTypeName(w.dtype)),
+                     " tables: dequantizing to that dtype is not supported (bf16 or f32 tables)"));
+  }
+  size_t elements = 0;
+  for (const TensorView* t : parts) elements += static_cast<size_t>(t->numel());
+  const size_t elem_bytes = DTypeBytes(w.dtype);
+  std::vector<char> host(elements * elem_bytes);
+  size_t offset = 0;  // elements written
+  for (const TensorView* t : parts) {
+    const auto scale = w.fp8_scales.find(t);
+    if (scale == w.fp8_scales.end()) {
+      return absl::InternalError(absl::StrCat("FP8 tensor ", t->name, " has no bound scale"));
+    }
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    const auto* codes = static_cast<const f8e4m3_t*>(t->data);
+    // The 256 code values once per row scale: a lookup per element.
+    std::array<float, 256> value;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = ScaleOfRow(*scale->second, r);
+      for (int c = 0; c < 256; ++c) value[c] = F8E4M3ToFloat(static_cast<f8e4m3_t>(c)) * s;
+      const f8e4m3_t* row = codes + r * cols;
+      const size_t at = offset + static_cast<size_t>(r * cols);
+      if (w.dtype == DType::kBF16) {
+        auto* dst = reinterpret_cast<bf16_t*>(host.data()) + at;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = FloatToBf16(value[row[c]]);
+      } else {
+        auto* dst = reinterpret_cast<float*>(host.data()) + at;
+        for (int64_t c = 0; c < cols; ++c) dst[c] = value[row[c]];
+      }
+    }
+    offset += static_cast<size_t>(t->numel());
+  }
+  DeviceTensor out;
+  out.dtype = w.dtype;
+  TANDEM_ASSIGN_OR_RETURN(out.buffer, backend.Allocate(host.size()));
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.buffer.data(), host.data(), host.size()));
+  *total_bytes += host.size();
+  return out;
 }
 
 // Allocates one device tensor holding `parts` (all of one dtype) end to end and writes each
@@ -125,13 +196,16 @@ absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
 
 size_t DeviceModel::WeightBytes(const ModelWeights& w) {
   // Upload's tensors: embed, final norm, lm_head unless tied, then per layer its norms and
-  // matrices as stored and the qkv biases converted to f32 (AppendAsFloat).
+  // matrices as stored (FP8 projections as their dequantized w.dtype) and the qkv biases
+  // converted to f32 (AppendAsFloat).
   size_t bytes = w.embed->bytes + w.final_norm->bytes;
   if (w.lm_head != w.embed) bytes += w.lm_head->bytes;
   for (const LayerWeights& lw : w.layers) {
-    for (const TensorView* t : {lw.attn_norm, lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj,
-                                lw.ffn_norm, lw.gate_proj, lw.up_proj, lw.down_proj}) {
-      bytes += t->bytes;
+    for (const TensorView* t : {lw.attn_norm, lw.ffn_norm}) bytes += t->bytes;
+    for (const TensorView* t :
+         {lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj, lw.gate_proj, lw.up_proj, lw.down_proj}) {
+      bytes += t->dtype == DType::kF8E4M3 ? static_cast<size_t>(t->numel()) * DTypeBytes(w.dtype)
+                                          : t->bytes;
     }
     for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) {
       if (b != nullptr) bytes += static_cast<size_t>(b->numel()) * 4;
@@ -211,7 +285,7 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& mo
     DeviceLayer layer;
     TANDEM_ASSIGN_OR_RETURN(layer.attn_norm, UploadStacked(backend, {lw.attn_norm}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.qkv,
-                            UploadStacked(backend, {lw.q_proj, lw.k_proj, lw.v_proj}, total));
+                            UploadProjection(backend, w, {lw.q_proj, lw.k_proj, lw.v_proj}, total));
     if (lw.q_bias != nullptr) {
       std::vector<float> bias;
       for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) AppendAsFloat(*b, bias);
@@ -221,11 +295,11 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Upload(const Model& mo
           backend.CopyToDevice(layer.qkv_bias.buffer.data(), bias.data(), bias.size() * 4));
       *total += bias.size() * 4;
     }
-    TANDEM_ASSIGN_OR_RETURN(layer.o_proj, UploadStacked(backend, {lw.o_proj}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.o_proj, UploadProjection(backend, w, {lw.o_proj}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.ffn_norm, UploadStacked(backend, {lw.ffn_norm}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.gate_up,
-                            UploadStacked(backend, {lw.gate_proj, lw.up_proj}, total));
-    TANDEM_ASSIGN_OR_RETURN(layer.down_proj, UploadStacked(backend, {lw.down_proj}, total));
+                            UploadProjection(backend, w, {lw.gate_proj, lw.up_proj}, total));
+    TANDEM_ASSIGN_OR_RETURN(layer.down_proj, UploadProjection(backend, w, {lw.down_proj}, total));
     if (lw.q_norm != nullptr) {
       TANDEM_ASSIGN_OR_RETURN(layer.q_norm, UploadStacked(backend, {lw.q_norm}, total));
       TANDEM_ASSIGN_OR_RETURN(layer.k_norm, UploadStacked(backend, {lw.k_norm}, total));

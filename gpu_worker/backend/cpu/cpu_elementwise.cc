@@ -27,6 +27,7 @@ void ToF32(const void* src, DType dtype, int64_t n, float* dst) {
       break;
     }
     case DType::kI32:
+    case DType::kF8E4M3:
       break;  // rejected by the callers' validation
   }
 }

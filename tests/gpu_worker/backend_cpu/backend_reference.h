@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tandem/common/bf16.h"
+#include "tandem/common/f8e4m3.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/dtype.h"
 
@@ -79,6 +80,8 @@ inline double Load(const void* base, DType dtype, int64_t i) {
       return F16ToFloat(static_cast<const uint16_t*>(base)[i]);
     case DType::kI32:
       return static_cast<const int32_t*>(base)[i];
+    case DType::kF8E4M3:
+      return F8E4M3ToFloat(static_cast<const uint8_t*>(base)[i]);
   }
   return 0.0;
 }

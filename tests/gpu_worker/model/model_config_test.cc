@@ -247,6 +247,57 @@ TEST(ModelConfigTest, Qwen3HasQkNormsAndNoBiases) {
   EXPECT_FALSE(qwen2->qk_norm);
 }
 
+// quantization_config: the FP8 weight schemes load (weight-only: dequantized on upload); every
+// other scheme is refused by name rather than read as float weights.
+TEST(ModelConfigTest, Fp8QuantizationConfigsAreReadAndOthersRefused) {
+  const std::string base = R"({"model_type": "llama", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "vocab_size": 32, "torch_dtype": "bfloat16", "quantization_config": )";
+  struct Case {
+    const char* name;
+    const char* quantization_config;
+    const char* refusal_part;  // nullptr: loads as "fp8"
+  };
+  const std::vector<Case> cases = {
+      {"fbgemm", R"({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+          "modules_to_not_convert": ["lm_head"]})",
+       nullptr},
+      {"compressed-tensors channel", R"({"quant_method": "compressed-tensors",
+          "format": "float-quantized", "ignore": ["lm_head"], "config_groups": {"group_0": {
+          "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+          "strategy": "channel", "symmetric": true, "dynamic": false},
+          "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+          "dynamic": true}}}})",
+       nullptr},
+      {"fp8 per tensor", R"({"quant_method": "fp8", "activation_scheme": "dynamic"})", nullptr},
+      {"fp8 block-wise", R"({"quant_method": "fp8", "weight_block_size": [128, 128]})",
+       "weight_block_size"},
+      {"int4", R"({"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int",
+          "strategy": "group", "group_size": 128}}}})",
+       "group_0"},
+      {"gptq", R"({"quant_method": "gptq", "bits": 4})", "gptq"},
+      {"no method", R"({"bits": 4})", "quant_method"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<ModelConfig> config =
+        ParseModelConfig(absl::StrCat(base, c.quantization_config, "}"));
+    if (c.refusal_part == nullptr) {
+      ASSERT_TRUE(config.ok()) << c.name << ": " << config.status();
+      EXPECT_EQ(config->quantization, "fp8") << c.name;
+      EXPECT_EQ(config->weight_dtype, DType::kBF16) << c.name;
+    } else {
+      ASSERT_FALSE(config.ok()) << c.name;
+      EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
+      EXPECT_NE(config.status().message().find(c.refusal_part), absl::string_view::npos)
+          << c.name << ": " << config.status();
+    }
+  }
+  absl::StatusOr<ModelConfig> plain = ParseModelConfig(base.substr(0, base.rfind(',')) + "}");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->quantization, "");
+}
+
 struct BadConfig {
   const char* name;
   std::string json;

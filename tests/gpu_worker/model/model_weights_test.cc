@@ -285,6 +285,85 @@ TEST(ModelWeightsTest, BadWeightsNameTheTensor) {
   }
 }
 
+// The projections of a TinyModel as FP8 codes with a weight_scale each: per row in layer 0, per
+// tensor in layer 1 (the two forms real FP8 checkpoints use).
+void MakeFp8(TinyModel& m) {
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> projections = {
+        {"self_attn.q_proj", {8, 8}}, {"self_attn.k_proj", {4, 8}}, {"self_attn.v_proj", {4, 8}},
+        {"self_attn.o_proj", {8, 8}}, {"mlp.gate_proj", {16, 8}},   {"mlp.up_proj", {16, 8}},
+        {"mlp.down_proj", {8, 16}}};
+    for (const auto& [name, shape] : projections) {
+      m.Replace(p + name + ".weight", shape, DType::kF8E4M3);
+      m.Replace(p + name + ".weight_scale",
+                i == 0 ? std::vector<int64_t>{shape[0], 1} : std::vector<int64_t>{1});
+    }
+  }
+}
+
+TEST(ModelWeightsTest, Fp8ProjectionsBindWithTheirScales) {
+  TempDir dir;
+  TinyModel model(/*tied=*/false);
+  MakeFp8(model);
+  model.Write(dir.path());
+  absl::StatusOr<std::unique_ptr<Model>> loaded = LoadModel(dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const ModelWeights& w = (*loaded)->weights;
+  EXPECT_EQ(w.dtype, DType::kF32);  // the tables'
+  EXPECT_EQ(w.stored_projection_dtype, DType::kF8E4M3);
+  EXPECT_EQ(w.fp8_scales.size(), 14u);
+  const TensorView* scale = w.fp8_scales.at(w.layers[0].gate_proj);
+  EXPECT_EQ(scale->name, "model.layers.0.mlp.gate_proj.weight_scale");
+  EXPECT_THAT(scale->shape, ElementsAre(16, 1));
+  EXPECT_THAT(w.fp8_scales.at(w.layers[1].down_proj)->shape, ElementsAre(1));
+}
+
+TEST(ModelWeightsTest, BadFp8WeightsNameTheTensor) {
+  struct Case {
+    const char* name;
+    std::function<void(TinyModel&)> damage;
+    std::vector<std::string> message_parts;
+  };
+  const std::vector<Case> cases = {
+      {"no scale",
+       [](TinyModel& m) { m.Remove("model.layers.1.mlp.up_proj.weight_scale"); },
+       {"model.layers.1.mlp.up_proj.weight", "weight_scale"}},
+      {"block-wise scale",
+       [](TinyModel& m) {
+         m.Replace("model.layers.0.mlp.down_proj.weight_scale", {1, 2});
+       },
+       {"model.layers.0.mlp.down_proj.weight_scale", "[1, 2]", "block-wise"}},
+      {"integer scale",
+       [](TinyModel& m) {
+         m.Replace("model.layers.0.self_attn.q_proj.weight_scale", {8, 1}, DType::kI32);
+       },
+       {"model.layers.0.self_attn.q_proj.weight_scale", "i32"}},
+      {"one float projection among FP8 ones",
+       [](TinyModel& m) {
+         m.Replace("model.layers.1.self_attn.o_proj.weight", {8, 8});
+       },
+       {"model.layers.1.self_attn.o_proj.weight", "f32", "f8e4m3"}},
+      {"FP8 embedding",
+       [](TinyModel& m) {
+         m.Replace("model.embed_tokens.weight", {10, 8}, DType::kF8E4M3);
+       },
+       {"model.embed_tokens.weight", "f8e4m3"}},
+  };
+  for (const Case& c : cases) {
+    TempDir dir;
+    TinyModel model(/*tied=*/true);
+    MakeFp8(model);
+    c.damage(model);
+    model.Write(dir.path());
+    absl::StatusOr<std::unique_ptr<Model>> loaded = LoadModel(dir.path());
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << c.name;
+    for (const std::string& part : c.message_parts) {
+      EXPECT_THAT(loaded.status().message(), HasSubstr(part)) << c.name << ": " << loaded.status();
+    }
+  }
+}
+
 TEST(ModelWeightsTest, MissingWeightsFileIsNotFound) {
   TempDir dir;
   TinyModel(/*tied=*/true).Write(dir.path());

@@ -13,6 +13,9 @@ enum class DType : uint8_t {
   kBF16,
   kF16,
   kI32,
+  // float8 e4m3fn (tandem/common/f8e4m3.h): FP8 checkpoints' weight matrices, each with a scale
+  // (model_weights.h). Upload dequantizes them to bf16 (device_model.h); no backend op takes it.
+  kF8E4M3,
 };
 
 constexpr size_t DTypeBytes(DType dtype) {
@@ -23,6 +26,8 @@ constexpr size_t DTypeBytes(DType dtype) {
     case DType::kBF16:
     case DType::kF16:
       return 2;
+    case DType::kF8E4M3:
+      return 1;
   }
   return 0;
 }
@@ -37,6 +42,8 @@ constexpr std::string_view DTypeName(DType dtype) {
       return "f16";
     case DType::kI32:
       return "i32";
+    case DType::kF8E4M3:
+      return "f8e4m3";
   }
   return "?";
 }

@@ -81,6 +81,10 @@ struct ModelConfig {
   // Sliding-window attention length in tokens (0: full attention); see the top of this file.
   int64_t sliding_window = 0;
   SamplingDefaults sampling_defaults;  // generation_config.json's; unset when absent
+  // "fp8" for an FP8 checkpoint's quantization_config (e4m3 projections with per-row or
+  // per-tensor scales: fbgemm_fp8, fp8 without blocks, compressed-tensors float 8-bit), "" for
+  // none; any other quantization is refused at parse.
+  std::string quantization;
 };
 
 // Parses the text of a config.json. Fields absent from the file take transformers' defaults for

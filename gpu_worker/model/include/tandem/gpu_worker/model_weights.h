@@ -9,7 +9,9 @@
 // Errors: LoadModel returns the config's and the archive's errors (NOT_FOUND for a missing
 // config.json or weights file, INVALID_ARGUMENT for malformed ones), and INVALID_ARGUMENT naming
 // the tensor, its expected and found shape when a tensor is missing or mis-shaped, when the
-// matrices do not share one dtype in {F32, BF16, F16}, or when a norm or bias is not a float.
+// matrices do not share one dtype in {F32, BF16, F16} (FP8 e4m3 projections beside float tables
+// excepted, each with a per-row or per-tensor weight_scale; block-wise scales are refused), or
+// when a norm or bias is not a float.
 //
 // Lifetime: every TensorView* points into Model::archive and is valid while the Model lives.
 // Thread safety: a loaded Model is immutable and may be read from any thread.
@@ -17,6 +19,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,14 +47,23 @@ struct LayerWeights {
   const TensorView* down_proj = nullptr;  // mlp.down_proj.weight             [H, I]
 };
 
+// The scale of each FP8 projection (by its view): f32, bf16 or f16, one per output row ([rows, 1]
+// or [rows]) or one for the tensor ([1] or []); the matrix's values are its e4m3 codes times it.
+using FP8Scales = std::unordered_map<const TensorView*, const TensorView*>;
+
 struct ModelWeights {
   const TensorView* embed = nullptr;       // model.embed_tokens.weight [V, H]
   const TensorView* final_norm = nullptr;  // model.norm.weight [H]
   // lm_head.weight [V, H]; the same pointer as `embed` when tie_word_embeddings.
   const TensorView* lm_head = nullptr;
   std::vector<LayerWeights> layers;  // num_layers entries
-  // The dtype of every matrix (embed, lm_head, projections); norms and biases may differ.
+  // The dtype the model computes in: its tables' (embed, lm_head) and every float projection's;
+  // norms and biases may differ. FP8 projections become this dtype on upload (device_model.h).
   DType dtype = DType::kF32;
+  // The projections' dtype in the files: `dtype`, or kF8E4M3 for an FP8 checkpoint (with
+  // fp8_scales holding each projection's scale).
+  DType stored_projection_dtype = DType::kF32;
+  FP8Scales fp8_scales;
 };
 
 // A loaded model: config + mmap'ed weights (the views stay valid while Model lives).

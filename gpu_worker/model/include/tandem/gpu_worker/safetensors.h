@@ -14,7 +14,7 @@
 // Errors: Open() returns NOT_FOUND for a missing file and INVALID_ARGUMENT (naming the file and,
 // where there is one, the tensor) for any malformed content: a file under 8 bytes, a header
 // length past the file or over 100 MB, a header that is not a JSON object, a dtype outside
-// F32/BF16/F16/I32, a negative shape or one whose size overflows, data_offsets that are not
+// F32/BF16/F16/I32/F8_E4M3, a negative shape or one whose size overflows, data_offsets that are not
 // [begin <= end <= data size], a byte range that does not equal numel x element size, or two
 // tensors whose ranges overlap. Nothing throws and nothing is allocated in proportion to
 // untrusted sizes before they are checked against the file.

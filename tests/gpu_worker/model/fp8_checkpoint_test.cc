@@ -1,0 +1,199 @@
+// An FP8 checkpoint (e4m3 projections with weight_scale, quantization_config fbgemm_fp8) runs
+// exactly as the float checkpoint holding its dequantized values (code × scale): the same
+// log-probs and logits bit for bit, on the cpu backend and, with TANDEM_TEST_BACKEND_CUDA, the
+// cuda one. The float checkpoint's forward is the one rope_reference_test checks against
+// transformers, so this carries that check over to FP8 checkpoints.
+//
+// Both are made here from the llama_yarn fixture (rope_fixtures/): its projections quantized
+// per output row in layer 0 and per tensor in layer 1 (scale = max |w| / 448).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "model_test_util.h"
+#include "nlohmann/json.hpp"
+#include "tandem/common/f8e4m3.h"
+#include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/device_model.h"
+#include "tandem/gpu_worker/model_runner.h"
+#include "tandem/gpu_worker/model_weights.h"
+#include "tandem/gpu_worker/safetensors.h"
+#include "tandem/gpu_worker/sequence.h"
+
+namespace tandem::gpu_worker {
+namespace {
+
+using testing::TempDir;
+
+std::filesystem::path SourceModel() {
+  const char* dir = std::getenv("TANDEM_ROPE_FIXTURES_DIR");
+  return (dir != nullptr ? std::filesystem::path(dir)
+                         : std::filesystem::path(TANDEM_ROPE_FIXTURES)) /
+         "llama_yarn";
+}
+
+std::string ReadText(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Writes `fp8_dir` (the source with FP8 projections) and `float_dir` (the same values
+// dequantized to f32) from the f32 source model.
+void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
+                        const std::filesystem::path& float_dir) {
+  absl::StatusOr<std::unique_ptr<SafetensorsArchive>> archive =
+      SafetensorsArchive::Open(SourceModel());
+  ASSERT_TRUE(archive.ok()) << archive.status();
+  std::vector<TensorToWrite> fp8_tensors, float_tensors;
+  std::vector<std::vector<char>> storage;  // keeps every written buffer alive
+  for (const TensorView* t : (*archive)->tensors()) {
+    const std::string& name = t->name;
+    ASSERT_EQ(t->dtype, DType::kF32) << name;
+    const bool projection = absl::StrContains(name, "_proj.weight");
+    if (!projection) {
+      fp8_tensors.push_back({name, t->dtype, t->shape, t->data, t->bytes});
+      float_tensors.push_back({name, t->dtype, t->shape, t->data, t->bytes});
+      continue;
+    }
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    const bool per_row = absl::StrContains(name, "layers.0.");
+    const auto* w = static_cast<const float*>(t->data);
+    std::vector<float> scales(per_row ? rows : 1, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      float& s = scales[per_row ? r : 0];
+      for (int64_t c = 0; c < cols; ++c) s = std::max(s, std::fabs(w[r * cols + c]) / kF8E4M3Max);
+    }
+    std::vector<char> codes(static_cast<size_t>(rows * cols));
+    std::vector<char> values(static_cast<size_t>(rows * cols) * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float s = scales[per_row ? r : 0];
+      for (int64_t c = 0; c < cols; ++c) {
+        const f8e4m3_t code = FloatToF8E4M3(w[r * cols + c] / s);
+        codes[r * cols + c] = static_cast<char>(code);
+        const float v = F8E4M3ToFloat(code) * s;
+        std::memcpy(values.data() + (r * cols + c) * sizeof(float), &v, sizeof(float));
+      }
+    }
+    std::vector<char> scale_bytes(scales.size() * sizeof(float));
+    std::memcpy(scale_bytes.data(), scales.data(), scale_bytes.size());
+    const std::string scale_name =
+        name.substr(0, name.size() - std::string(".weight").size()) + ".weight_scale";
+    storage.push_back(std::move(codes));
+    fp8_tensors.push_back(
+        {name, DType::kF8E4M3, t->shape, storage.back().data(), storage.back().size()});
+    storage.push_back(std::move(scale_bytes));
+    fp8_tensors.push_back({scale_name, DType::kF32,
+                           per_row ? std::vector<int64_t>{rows, 1} : std::vector<int64_t>{1},
+                           storage.back().data(), storage.back().size()});
+    storage.push_back(std::move(values));
+    float_tensors.push_back(
+        {name, DType::kF32, t->shape, storage.back().data(), storage.back().size()});
+  }
+  nlohmann::json config = nlohmann::json::parse(ReadText(SourceModel() / "config.json"));
+  testing::WriteFile(float_dir / "config.json", config.dump(2));
+  config["quantization_config"] = {{"quant_method", "fbgemm_fp8"},
+                                   {"modules_to_not_convert", {"lm_head"}}};
+  testing::WriteFile(fp8_dir / "config.json", config.dump(2));
+  ASSERT_TRUE(WriteSafetensors(fp8_dir / "model.safetensors", fp8_tensors).ok());
+  ASSERT_TRUE(WriteSafetensors(float_dir / "model.safetensors", float_tensors).ok());
+}
+
+// The log-probs of every prompt token and the last logits of one forward of `prompt`.
+struct Outputs {
+  std::vector<float> logprobs;
+  std::vector<float> last_logits;
+  size_t weight_bytes = 0;
+};
+
+Outputs ForwardOf(Backend& backend, const std::filesystem::path& dir,
+                  const std::vector<int32_t>& prompt) {
+  Outputs out;
+  absl::StatusOr<std::unique_ptr<Model>> model = LoadModel(dir);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return out;
+  absl::StatusOr<std::unique_ptr<DeviceModel>> dm = DeviceModel::Upload(**model, backend);
+  EXPECT_TRUE(dm.ok()) << dm.status();
+  if (!dm.ok()) return out;
+  out.weight_bytes = (*dm)->weight_bytes();
+  EXPECT_EQ(out.weight_bytes, DeviceModel::WeightBytes((*model)->weights));
+  RunnerOptions options;
+  options.max_chunk = 128;
+  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Create(backend, **dm, options);
+  EXPECT_TRUE(runner.ok()) << runner.status();
+  if (!runner.ok()) return out;
+  const ModelConfig& c = (*model)->config;
+  WindowOptions wo;
+  wo.block = 16;
+  wo.max_chunk = 128;
+  wo.max_context = 128;
+  wo.window = WindowOptions::kUnlimited;
+  wo.sink = 0;
+  auto cache =
+      WindowCache::Create(backend, {c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32}, wo);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return out;
+  Sequence seq("fp8", AttentionMode::kGpu, std::move(*cache));
+  std::vector<int32_t> targets(prompt.begin() + 1, prompt.end());
+  targets.push_back(-1);
+  out.logprobs.resize(prompt.size());
+  ForwardOptions fo;
+  fo.targets = targets.data();
+  fo.logprobs = out.logprobs.data();
+  const absl::Status s =
+      (*runner)->Forward(seq, prompt.data(), static_cast<int32_t>(prompt.size()), fo);
+  EXPECT_TRUE(s.ok()) << s;
+  out.logprobs.pop_back();
+  absl::StatusOr<std::vector<float>> last = (*runner)->LastLogitsToHost();
+  EXPECT_TRUE(last.ok()) << last.status();
+  if (last.ok()) out.last_logits = *std::move(last);
+  return out;
+}
+
+TEST(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+#ifdef TANDEM_TEST_BACKEND_CUDA
+      CreateCudaBackend(0);
+#else
+      CreateCpuBackend(0);
+#endif
+  if (!backend.ok()) GTEST_SKIP() << "no backend: " << backend.status();
+  TempDir fp8_dir, float_dir;
+  ASSERT_FALSE(fp8_dir.path().empty());
+  ASSERT_FALSE(float_dir.path().empty());
+  WriteQuantizedPair(fp8_dir.path(), float_dir.path());
+  const nlohmann::json prompt_json = nlohmann::json::parse(ReadText(SourceModel() / "prompt.json"));
+  const std::vector<int32_t> prompt = prompt_json.get<std::vector<int32_t>>();
+
+  const Outputs fp8 = ForwardOf(**backend, fp8_dir.path(), prompt);
+  const Outputs dequantized = ForwardOf(**backend, float_dir.path(), prompt);
+  ASSERT_EQ(fp8.logprobs.size(), prompt.size() - 1);
+  ASSERT_EQ(fp8.logprobs, dequantized.logprobs);
+  ASSERT_FALSE(fp8.last_logits.empty());
+  EXPECT_EQ(fp8.last_logits, dequantized.last_logits);
+  EXPECT_EQ(fp8.weight_bytes, dequantized.weight_bytes);
+
+  // The quantization is real: the FP8 model's log-probs are not the source model's.
+  const Outputs source = ForwardOf(**backend, SourceModel(), prompt);
+  ASSERT_EQ(source.logprobs.size(), fp8.logprobs.size());
+  double differ = 0;
+  for (size_t i = 0; i < source.logprobs.size(); ++i) {
+    differ = std::max(differ, std::abs(double{source.logprobs[i]} - fp8.logprobs[i]));
+  }
+  EXPECT_GT(differ, 1e-4);
+  EXPECT_LT(differ, 0.5);  // e4m3 keeps 3 mantissa bits: close, not equal
+}
+
+}  // namespace
+}  // namespace tandem::gpu_worker
