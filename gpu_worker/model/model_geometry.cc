@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
+#include "tandem/common/f8e4m3.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/random_values.h"
 
@@ -68,6 +69,16 @@ ModelConfig Tiny() {
   return c;
 }
 
+// Llama-3.1-70B: the 8B's structure at 80 layers, hidden 8192, 64 query heads.
+ModelConfig Llama3_70B() {
+  ModelConfig c = Llama3_8B();
+  c.hidden_size = 8192;
+  c.intermediate_size = 28672;
+  c.num_layers = 80;
+  c.num_q_heads = 64;
+  return c;
+}
+
 ModelConfig Qwen3_8B() {
   ModelConfig c;
   c.model_type = "qwen3";
@@ -93,7 +104,10 @@ struct Preset {
   std::string_view name;
   ModelConfig (*make)();
 };
-constexpr Preset kPresets[] = {{"llama3-8b", &Llama3_8B}, {"qwen3-8b", &Qwen3_8B}, {"tiny", &Tiny}};
+constexpr Preset kPresets[] = {{"llama3-8b", &Llama3_8B},
+                               {"llama3-70b", &Llama3_70B},
+                               {"qwen3-8b", &Qwen3_8B},
+                               {"tiny", &Tiny}};
 
 // Fields a parsed config leaves at their defaults for the other rope types compare equal too.
 bool SameRope(const RopeScaling& a, const RopeScaling& b) {
@@ -118,7 +132,8 @@ bool SameGeometry(const ModelConfig& a, const ModelConfig& b) {
          SameRope(a.rope_scaling, b.rope_scaling) && a.sliding_window == b.sliding_window &&
          a.tie_word_embeddings == b.tie_word_embeddings && a.qkv_bias == b.qkv_bias &&
          a.qk_norm == b.qk_norm && a.bos_token_id == b.bos_token_id &&
-         a.eos_token_ids == b.eos_token_ids && a.weight_dtype == b.weight_dtype;
+         a.eos_token_ids == b.eos_token_ids && a.weight_dtype == b.weight_dtype &&
+         a.quantization == b.quantization;
 }
 
 absl::Status BadOverride(absl::string_view item, absl::string_view why) {
@@ -166,6 +181,11 @@ absl::Status ApplyOne(absl::string_view item, ModelConfig& c) {
     }
     return absl::OkStatus();
   }
+  if (key == "quantization") {
+    if (value != "fp8" && value != "none") return BadOverride(item, "expected fp8 or none");
+    c.quantization = value == "fp8" ? "fp8" : "";
+    return absl::OkStatus();
+  }
   if (key == "tie_embeddings") {
     if (value != "true" && value != "false") return BadOverride(item, "expected true or false");
     c.tie_word_embeddings = value == "true";
@@ -179,7 +199,7 @@ absl::Status ApplyOne(absl::string_view item, ModelConfig& c) {
   return BadOverride(item,
                      "unknown key (layers, hidden, ffn, q_heads, kv_heads, head_dim, vocab, "
                      "max_positions, rope_theta, rms_norm_eps, dtype, tie_embeddings, "
-                     "rope_scaling)");
+                     "rope_scaling, quantization)");
 }
 
 const char* TorchDTypeName(DType dtype) {
@@ -281,6 +301,10 @@ absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& c) {
       break;
     }
   }
+  if (c.quantization == "fp8") {
+    j["quantization_config"] = {{"quant_method", "fbgemm_fp8"},
+                                {"modules_to_not_convert", {"lm_head"}}};
+  }
   if (c.bos_token_id >= 0) j["bos_token_id"] = c.bos_token_id;
   if (c.eos_token_ids.size() == 1) {
     j["eos_token_id"] = c.eos_token_ids[0];
@@ -331,6 +355,13 @@ absl::StatusOr<std::vector<RandomTensorSpec>> RandomModelTensors(const ModelConf
                                                    Av(DTypeName(c.weight_dtype)),
                                                    " is not supported (bf16, f32)"));
   }
+  if (c.quantization == "fp8" && c.weight_dtype != DType::kBF16) {
+    return absl::InvalidArgumentError("random model: FP8 projections go with bf16 tables");
+  }
+  if (!c.quantization.empty() && c.quantization != "fp8") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("random model: quantization \"", c.quantization, "\" (fp8 or none)"));
+  }
   // The bounds of ParseModelConfig, so no product of sizes overflows.
   auto in_range = [](int64_t v, int64_t max) { return v >= 1 && v <= max; };
   if (!in_range(c.hidden_size, 65536) || !in_range(c.intermediate_size, 1 << 20) ||
@@ -358,6 +389,24 @@ absl::StatusOr<std::vector<RandomTensorSpec>> RandomModelTensors(const ModelConf
     s.scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(in)));
     specs.push_back(std::move(s));
   };
+  // FP8 (quantization "fp8"): the projections are e4m3 codes uniform over ±448 with one scale
+  // per output row, sqrt(3 / in) / 448: the bf16 model's distribution.
+  const bool fp8 = c.quantization == "fp8";
+  std::vector<RandomTensorSpec> scales;  // the layer's, listed after its other tensors
+  auto projection = [&](std::string name, int64_t out, int64_t in, uint64_t index) {
+    matrix(name, out, in, index);
+    if (!fp8) return;
+    RandomTensorSpec& m = specs.back();
+    m.dtype = DType::kF8E4M3;
+    m.scale = kF8E4M3Max;
+    RandomTensorSpec s;
+    s.name = name.substr(0, name.size() - std::string(".weight").size()) + ".weight_scale";
+    s.shape = {out, 1};
+    s.dtype = DType::kF32;
+    s.init = RandomTensorSpec::Init::kConstant;
+    s.scale = static_cast<float>(std::sqrt(3.0 / static_cast<double>(in)) / kF8E4M3Max);
+    scales.push_back(std::move(s));
+  };
   auto norm = [&](std::string name, int64_t width) {
     RandomTensorSpec s;
     s.name = std::move(name);
@@ -373,24 +422,38 @@ absl::StatusOr<std::vector<RandomTensorSpec>> RandomModelTensors(const ModelConf
     const std::string p = absl::StrCat("model.layers.", l, ".");
     const uint64_t base = 3 + 9 * static_cast<uint64_t>(l);
     norm(p + "input_layernorm.weight", H);
-    matrix(p + "self_attn.q_proj.weight", QD, H, base + 1);
-    matrix(p + "self_attn.k_proj.weight", KD, H, base + 2);
-    matrix(p + "self_attn.v_proj.weight", KD, H, base + 3);
-    matrix(p + "self_attn.o_proj.weight", H, QD, base + 4);
+    projection(p + "self_attn.q_proj.weight", QD, H, base + 1);
+    projection(p + "self_attn.k_proj.weight", KD, H, base + 2);
+    projection(p + "self_attn.v_proj.weight", KD, H, base + 3);
+    projection(p + "self_attn.o_proj.weight", H, QD, base + 4);
     norm(p + "post_attention_layernorm.weight", H);
-    matrix(p + "mlp.gate_proj.weight", I, H, base + 6);
-    matrix(p + "mlp.up_proj.weight", I, H, base + 7);
-    matrix(p + "mlp.down_proj.weight", H, I, base + 8);
+    projection(p + "mlp.gate_proj.weight", I, H, base + 6);
+    projection(p + "mlp.up_proj.weight", I, H, base + 7);
+    projection(p + "mlp.down_proj.weight", H, I, base + 8);
     if (c.qk_norm) {
       norm(p + "self_attn.q_norm.weight", c.head_dim);
       norm(p + "self_attn.k_norm.weight", c.head_dim);
     }
+    for (RandomTensorSpec& s : scales) specs.push_back(std::move(s));
+    scales.clear();
   }
   return specs;
 }
 
 void FillRandomTensorSlice(const RandomTensorSpec& spec, uint64_t first, uint64_t count,
                            void* dst_host) {
+  if (spec.init == RandomTensorSpec::Init::kConstant) {  // f32 (FP8 row scales)
+    float* d = static_cast<float*>(dst_host);
+    for (uint64_t i = 0; i < count; ++i) d[i] = spec.scale;
+    return;
+  }
+  if (spec.dtype == DType::kF8E4M3) {
+    auto* d = static_cast<f8e4m3_t*>(dst_host);
+    for (uint64_t i = 0; i < count; ++i) {
+      d[i] = FloatToF8E4M3(RandomSigned(spec.seed, first + i, spec.scale));
+    }
+    return;
+  }
   const bool ones = spec.init == RandomTensorSpec::Init::kOnes;
   if (spec.dtype == DType::kBF16) {
     bf16_t* d = static_cast<bf16_t*>(dst_host);

@@ -43,7 +43,17 @@ absl::Status WriteTextFile(const std::filesystem::path& path, const std::string&
   return absl::OkStatus();
 }
 
-const char* SafetensorsDType(DType dtype) { return dtype == DType::kBF16 ? "BF16" : "F32"; }
+// The spelling of a random tensor's dtype (RandomModelTensors makes bf16, f32 and FP8 ones).
+const char* SafetensorsDType(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    default:
+      return "F32";
+  }
+}
 
 // The safetensors header of `tensors` laid end to end, padded with spaces to 8 bytes.
 std::string ShardHeader(const std::vector<const RandomTensorSpec*>& tensors) {

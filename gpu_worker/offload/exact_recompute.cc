@@ -11,7 +11,9 @@
 namespace tandem::gpu_worker {
 
 DType ExactRecompute::ActivationDType(DType weight_dtype) {
-  return weight_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+  // FP8 projections take bf16 activations (MatMulParams).
+  return weight_dtype == DType::kBF16 || weight_dtype == DType::kF8E4M3 ? DType::kBF16
+                                                                        : DType::kF32;
 }
 
 absl::StatusOr<std::unique_ptr<ExactRecompute>> ExactRecompute::Create(Backend& backend,
@@ -194,6 +196,7 @@ absl::Status ExactRecompute::Attend(int64_t layer, const WindowAttentionParams& 
     mm.x = x_.as<float>();
     mm.w = static_cast<const char*>(w.qkv.data()) + Hq * D * w_row;
     mm.w_dtype = w.qkv.dtype;
+    mm.w_scale = w.qkv.scale_data() != nullptr ? w.qkv.scale_data() + Hq * D : nullptr;
     mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() + Hq * D : nullptr;
     mm.y = kv_.as<float>();
     mm.m = n;

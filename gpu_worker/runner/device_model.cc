@@ -105,16 +105,37 @@ float ScaleOfRow(const TensorView& scale, int64_t row) {
   }
 }
 
-// Uploads the concatenation of the projections `parts` as one device tensor of `w.dtype`. FP8
-// parts (w.stored_projection_dtype) are dequantized on the host on the way, code × scale of its
-// row, rounded to w.dtype (bf16 or f32): the backends have no FP8 matmul yet, so an FP8
-// checkpoint costs the device what its bf16 original does (issue 30 item 2 is the FP8 path).
+// FP8 `parts` kept as codes (one device tensor) with their row scales as f32 [rows] beside.
+absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const ModelWeights& w,
+                                       std::initializer_list<const TensorView*> parts,
+                                       size_t* total_bytes) {
+  TANDEM_ASSIGN_OR_RETURN(DeviceTensor out, UploadStacked(backend, parts, total_bytes));
+  std::vector<float> scales;
+  for (const TensorView* t : parts) {
+    const auto scale = w.fp8_scales.find(t);
+    if (scale == w.fp8_scales.end()) {
+      return absl::InternalError(absl::StrCat("FP8 tensor ", t->name, " has no bound scale"));
+    }
+    for (int64_t r = 0; r < t->shape[0]; ++r) scales.push_back(ScaleOfRow(*scale->second, r));
+  }
+  TANDEM_ASSIGN_OR_RETURN(out.scale, backend.Allocate(scales.size() * 4));
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.scale.data(), scales.data(), scales.size() * 4));
+  *total_bytes += scales.size() * 4;
+  return out;
+}
+
+// Uploads the concatenation of the projections `parts` as one device tensor. FP8 parts
+// (w.stored_projection_dtype) stay FP8 where the backend multiplies them (with bf16 tables: the
+// numerics MatMulParams gives them are bf16's); elsewhere they are dequantized on the host on the
+// way, code × scale of its row, rounded to w.dtype (bf16 or f32), and cost the device what the
+// float original does.
 absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeights& w,
                                               std::initializer_list<const TensorView*> parts,
                                               size_t* total_bytes) {
   if (w.stored_projection_dtype != DType::kF8E4M3) {
     return UploadStacked(backend, parts, total_bytes);
   }
+  if (DeviceModel::KeepsFp8(w, backend)) return UploadFp8(backend, w, parts, total_bytes);
   if (w.dtype != DType::kBF16 && w.dtype != DType::kF32) {
     return absl::InvalidArgumentError(
         absl::StrCat("FP8 projections beside ", std::string(DTypeName(w.dtype)),
@@ -157,6 +178,22 @@ absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeigh
   return out;
 }
 
+// The f32 row scales of FP8 parts (constant specs), end to end.
+absl::StatusOr<DeviceBuffer> CreateScales(Backend& backend,
+                                          std::initializer_list<const RandomTensorSpec*> parts,
+                                          size_t* total_bytes) {
+  size_t count = 0;
+  for (const RandomTensorSpec* s : parts) count += static_cast<size_t>(s->numel());
+  TANDEM_ASSIGN_OR_RETURN(DeviceBuffer out, backend.Allocate(count * 4));
+  float* dst = out.as<float>();
+  for (const RandomTensorSpec* s : parts) {
+    TANDEM_RETURN_IF_ERROR(backend.Fill(dst, s->scale, static_cast<size_t>(s->numel())));
+    dst += s->numel();
+  }
+  *total_bytes += count * 4;
+  return out;
+}
+
 // Allocates one device tensor holding `parts` (all of one dtype) end to end and writes each
 // part's values on the device: RandomFill for uniform parts, ones for norms.
 absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
@@ -194,18 +231,29 @@ absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
 
 }  // namespace
 
-size_t DeviceModel::WeightBytes(const ModelWeights& w) {
+bool DeviceModel::KeepsFp8(const ModelWeights& w, const Backend& backend) {
+  return w.stored_projection_dtype == DType::kF8E4M3 && backend.SupportsFp8Weights() &&
+         w.dtype == DType::kBF16;
+}
+
+size_t DeviceModel::WeightBytes(const ModelWeights& w, const Backend& backend) {
+  const bool keeps_fp8 = KeepsFp8(w, backend);
   // Upload's tensors: embed, final norm, lm_head unless tied, then per layer its norms and
-  // matrices as stored (FP8 projections as their dequantized w.dtype) and the qkv biases
-  // converted to f32 (AppendAsFloat).
+  // matrices as stored (FP8 projections as codes + f32 row scales where kept, else as their
+  // dequantized w.dtype) and the qkv biases converted to f32 (AppendAsFloat).
   size_t bytes = w.embed->bytes + w.final_norm->bytes;
   if (w.lm_head != w.embed) bytes += w.lm_head->bytes;
   for (const LayerWeights& lw : w.layers) {
     for (const TensorView* t : {lw.attn_norm, lw.ffn_norm}) bytes += t->bytes;
     for (const TensorView* t :
          {lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj, lw.gate_proj, lw.up_proj, lw.down_proj}) {
-      bytes += t->dtype == DType::kF8E4M3 ? static_cast<size_t>(t->numel()) * DTypeBytes(w.dtype)
-                                          : t->bytes;
+      if (t->dtype != DType::kF8E4M3) {
+        bytes += t->bytes;
+      } else if (keeps_fp8) {
+        bytes += t->bytes + static_cast<size_t>(t->shape[0]) * 4;  // codes + f32 row scales
+      } else {
+        bytes += static_cast<size_t>(t->numel()) * DTypeBytes(w.dtype);
+      }
     }
     for (const TensorView* b : {lw.q_bias, lw.k_bias, lw.v_bias}) {
       if (b != nullptr) bytes += static_cast<size_t>(b->numel()) * 4;
@@ -242,10 +290,18 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
     TANDEM_ASSIGN_OR_RETURN(dm->lm_head_, CreateStacked(backend, {&specs[next++]}, total));
   }
   dm->layers_.reserve(static_cast<size_t>(config.num_layers));
-  const size_t per_layer = config.qk_norm ? 11 : 9;
+  const bool fp8 = config.quantization == "fp8";
+  if (fp8 && !backend.SupportsFp8Weights()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("random FP8 weights need a backend that multiplies FP8 (cuda), not ",
+                     std::string(backend.name())));
+  }
+  const size_t norms = config.qk_norm ? 2 : 0;
+  const size_t per_layer = 9 + norms + (fp8 ? 7 : 0);
   for (int64_t l = 0; l < config.num_layers; ++l, next += per_layer) {
-    // attn_norm, q, k, v, o, ffn_norm, gate, up, down[, q_norm, k_norm]
+    // attn_norm, q, k, v, o, ffn_norm, gate, up, down[, q_norm, k_norm][, the 7 fp8 scales]
     const RandomTensorSpec* s = &specs[next];
+    const RandomTensorSpec* scale = s + 9 + norms;  // q, k, v, o, gate, up, down
     DeviceLayer layer;
     TANDEM_ASSIGN_OR_RETURN(layer.attn_norm, CreateStacked(backend, {&s[0]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.qkv, CreateStacked(backend, {&s[1], &s[2], &s[3]}, total));
@@ -253,6 +309,14 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::CreateRandom(const Mod
     TANDEM_ASSIGN_OR_RETURN(layer.ffn_norm, CreateStacked(backend, {&s[5]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.gate_up, CreateStacked(backend, {&s[6], &s[7]}, total));
     TANDEM_ASSIGN_OR_RETURN(layer.down_proj, CreateStacked(backend, {&s[8]}, total));
+    if (fp8) {
+      TANDEM_ASSIGN_OR_RETURN(layer.qkv.scale,
+                              CreateScales(backend, {&scale[0], &scale[1], &scale[2]}, total));
+      TANDEM_ASSIGN_OR_RETURN(layer.o_proj.scale, CreateScales(backend, {&scale[3]}, total));
+      TANDEM_ASSIGN_OR_RETURN(layer.gate_up.scale,
+                              CreateScales(backend, {&scale[4], &scale[5]}, total));
+      TANDEM_ASSIGN_OR_RETURN(layer.down_proj.scale, CreateScales(backend, {&scale[6]}, total));
+    }
     if (config.qk_norm) {
       TANDEM_ASSIGN_OR_RETURN(layer.q_norm, CreateStacked(backend, {&s[9]}, total));
       TANDEM_ASSIGN_OR_RETURN(layer.k_norm, CreateStacked(backend, {&s[10]}, total));

@@ -356,6 +356,7 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   mm.x = xn;
   mm.w = w.qkv.data();
   mm.w_dtype = w.qkv.dtype;
+  mm.w_scale = w.qkv.scale_data();
   mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
   mm.y = qkv;
   mm.m = n;
@@ -482,6 +483,7 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
   mm.x = act_.attn.as<float>() + mb.row0 * Hq * D;
   mm.w = w.o_proj.data();
   mm.w_dtype = w.o_proj.dtype;
+  mm.w_scale = w.o_proj.scale_data();
   mm.y = x;
   mm.m = n;
   mm.n = H;
@@ -494,6 +496,7 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
   mm.x = xn;
   mm.w = w.gate_up.data();
   mm.w_dtype = w.gate_up.dtype;
+  mm.w_scale = w.gate_up.scale_data();
   mm.y = gate_up;
   mm.m = n;
   mm.n = 2 * I;
@@ -504,6 +507,7 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
   mm.x = ffn;
   mm.w = w.down_proj.data();
   mm.w_dtype = w.down_proj.dtype;
+  mm.w_scale = w.down_proj.scale_data();
   mm.y = x;
   mm.m = n;
   mm.n = H;

@@ -47,8 +47,10 @@ uint64_t CudaWorkspaceBytes(const ModelConfig& c, DType weight_dtype, int64_t ma
   if (weight_dtype == DType::kF32) return 0;
   const int64_t widest = std::max({c.hidden_size, c.num_q_heads * c.head_dim, c.intermediate_size});
   const uint64_t convert = static_cast<uint64_t>(max_chunk) * widest * 2;
+  // FP8 projections (kept FP8 on cuda): the dequantized slab beside x's bf16 copy.
+  const uint64_t fp8_slab = c.quantization == "fp8" ? kCudaFp8SlabBytes : 0;
   constexpr uint64_t kGranule = uint64_t{1} << 20;
-  return CeilDiv(2 * convert, kGranule) * kGranule;
+  return CeilDiv(2 * convert + fp8_slab, kGranule) * kGranule;
 }
 
 // Node bytes of one shard of `entries` offloaded entries in `format`
@@ -392,7 +394,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
     Add(dev, "cuda runtime", setup.device_runtime_bytes,
         "context, streams, staging (measured on the device)");
     Add(dev, "cuda workspace", CudaWorkspaceBytes(c, c.weight_dtype, C) + kCublasWorkspaceBytes,
-        "2 x the widest bf16 GEMM input + cuBLAS's 32 MiB");
+        "2 x the widest bf16 GEMM input (+ 32 MiB of dequantized FP8 rows) + cuBLAS's 32 MiB");
   }
   int64_t spilled = 0;  // prompt tokens per sequence a partly widened hybrid prefill spills
   if (setup.device_prefill && offloads && prompt > r.window) {
@@ -562,7 +564,7 @@ absl::StatusOr<MemoryPlanSetup> SetupBeforeLoad(const EngineOptions& options, co
   if (options.random_weights || model.archive == nullptr) {
     TANDEM_ASSIGN_OR_RETURN(s.weight_bytes, DeviceModel::WeightBytes(model.config));
   } else {
-    s.weight_bytes = DeviceModel::WeightBytes(model.weights);
+    s.weight_bytes = DeviceModel::WeightBytes(model.weights, backend);
   }
   TANDEM_ASSIGN_OR_RETURN(s.kv_dtype, ResolveKvDType(options.kv_dtype, model.weights.dtype));
   s.node_kv_dtype = NodeKvDType(options, s.kv_dtype);

@@ -1,3 +1,5 @@
+#include <cuda_fp8.h>
+
 #include "convert.cuh"
 #include "device_utils.cuh"
 #include "tandem/gpu_worker/random_values.h"
@@ -30,6 +32,42 @@ __global__ void RandomFillKernel(T* __restrict__ dst, int64_t count, uint64_t se
   }
 }
 
+__global__ void DequantizeF8Kernel(const uint8_t* __restrict__ codes,
+                                   const float* __restrict__ scale, __nv_bfloat16* __restrict__ dst,
+                                   int64_t rows, int64_t cols) {
+  const int64_t count = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    __nv_fp8_e4m3 code;
+    code.__x = codes[i];
+    dst[i] = __float2bfloat16_rn(static_cast<float>(code) * scale[i / cols]);
+  }
+}
+
+// The same, 16 codes per thread (cols a multiple of 16, 16-byte aligned rows): one 16-byte load,
+// two 16-byte stores, one row index per 16 codes.
+__global__ void DequantizeF8x16Kernel(const uint4* __restrict__ codes,
+                                      const float* __restrict__ scale, uint4* __restrict__ dst,
+                                      int64_t rows, int64_t cols) {
+  const int64_t groups_per_row = cols / 16;
+  const int64_t count = rows * groups_per_row;
+  for (int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; g < count;
+       g += int64_t{gridDim.x} * blockDim.x) {
+    const float s = scale[g / groups_per_row];
+    const uint4 in = codes[g];
+    const auto* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&in);
+    uint4 out[2];
+    auto* o = reinterpret_cast<__nv_bfloat162*>(out);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3)));
+      o[i] = __floats2bfloat162_rn(f.x * s, f.y * s);
+    }
+    dst[2 * g] = out[0];
+    dst[2 * g + 1] = out[1];
+  }
+}
+
 __global__ void AddBiasKernel(float* __restrict__ y, const float* __restrict__ bias, int64_t rows,
                               int64_t cols) {
   const int64_t count = rows * cols;
@@ -40,6 +78,21 @@ __global__ void AddBiasKernel(float* __restrict__ y, const float* __restrict__ b
 }
 
 }  // namespace
+
+cudaError_t LaunchDequantizeF8Rows(const DequantizeF8Args& args, cudaStream_t stream) {
+  const int64_t count = args.rows * args.cols;
+  if (count <= 0) return cudaSuccess;
+  if (args.cols % 16 == 0 && reinterpret_cast<uintptr_t>(args.codes) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(args.dst) % 16 == 0) {
+    DequantizeF8x16Kernel<<<GridStrideBlocks(count / 16, kThreads), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint4*>(args.codes), args.scale, static_cast<uint4*>(args.dst),
+        args.rows, args.cols);
+  } else {
+    DequantizeF8Kernel<<<GridStrideBlocks(count, kThreads), kThreads, 0, stream>>>(
+        args.codes, args.scale, static_cast<__nv_bfloat16*>(args.dst), args.rows, args.cols);
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t LaunchConvertFromF32(const ConvertArgs& args, cudaStream_t stream) {
   if (args.count <= 0) return cudaSuccess;
@@ -81,6 +134,10 @@ cudaError_t LaunchRandomFill(const RandomFillArgs& args, cudaStream_t stream) {
     case DType::kF16:
       RandomFillKernel<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(args.dst), args.count,
                                                         args.seed, args.scale);
+      break;
+    case DType::kF8E4M3:  // round to nearest even, saturating: FloatToF8E4M3's codes
+      RandomFillKernel<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_fp8_e4m3*>(args.dst),
+                                                        args.count, args.seed, args.scale);
       break;
     default:
       return cudaErrorInvalidValue;

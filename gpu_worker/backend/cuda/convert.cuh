@@ -37,6 +37,17 @@ struct RandomFillArgs {
 };
 cudaError_t LaunchRandomFill(const RandomFillArgs& args, cudaStream_t stream);
 
+// dst[r, c] = bf16(float(codes[r, c]) · scale[r]) for r < rows, c < cols: rows of an FP8 (e4m3)
+// matrix as the bf16 matrix Backend::MatMul defines its product by.
+struct DequantizeF8Args {
+  const uint8_t* codes = nullptr;  // [rows, cols] e4m3
+  const float* scale = nullptr;    // [rows]
+  void* dst = nullptr;             // [rows, cols] bf16
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+cudaError_t LaunchDequantizeF8Rows(const DequantizeF8Args& args, cudaStream_t stream);
+
 // y[r, c] += bias[c].
 struct AddBiasArgs {
   float* y = nullptr;           // [rows, cols]

@@ -136,6 +136,7 @@ class CudaBackend final : public Backend {
 
   absl::Status Embed(const EmbedParams& p) override;
   absl::Status RmsNorm(const RmsNormParams& p) override;
+  bool SupportsFp8Weights() const override { return true; }
   absl::Status MatMul(const MatMulParams& p) override;
   absl::Status Rope(const RopeParams& p) override;
   absl::Status SwiGlu(const SwiGluParams& p) override;
@@ -165,6 +166,8 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   // WindowAttention after CheckWindowAttention(p) and Activate().
   absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
+  // MatMul of FP8 weights past the GEMV (MatMulParams' numerics).
+  absl::Status MatMulFp8(const MatMulParams& p);
   // Points args at the split-merge counters (allocated and zeroed on first use, on the stream);
   // used by WindowAttentionBatch.
   absl::Status WithSplitCounters(cuda_backend::WindowAttentionArgs& args);
@@ -355,8 +358,9 @@ absl::Status CudaBackend::ReleaseUpload(int slot) {
 absl::Status CudaBackend::RandomFill(const RandomFillParams& p) {
   if (p.count == 0) return absl::OkStatus();
   if (p.dst == nullptr) return Invalid("RandomFill", "null pointer");
-  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
-    return Invalid("RandomFill", "dtype must be f32, bf16 or f16");
+  if (p.dtype != DType::kF32 && p.dtype != DType::kBF16 && p.dtype != DType::kF16 &&
+      p.dtype != DType::kF8E4M3) {
+    return Invalid("RandomFill", "dtype must be f32, bf16, f16 or f8e4m3");
   }
   TANDEM_RETURN_IF_ERROR(Activate());
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchRandomFill(
@@ -435,9 +439,15 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
     case DType::kF16:
       type = CUDA_R_16F;
       break;
+    case DType::kF8E4M3:
+      type = CUDA_R_16BF;  // dequantized rows (MatMulParams)
+      break;
     default:
       return Invalid("MatMul", absl::StrCat("weight dtype ", DTypeStr(p.w_dtype),
-                                            " is not supported (f32, bf16, f16)"));
+                                            " is not supported (f32, bf16, f16, f8e4m3)"));
+  }
+  if ((p.w_scale != nullptr) != (p.w_dtype == DType::kF8E4M3)) {
+    return Invalid("MatMul", "w_scale is required for FP8 weights and only for them");
   }
   TANDEM_RETURN_IF_ERROR(Activate());
   // Decode rows: one GEMV launch (gemv.cuh) instead of conversion + cuBLAS (+ split-K reduce,
@@ -445,12 +455,31 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
   const cuda_backend::GemvArgs gemv{.x = p.x,
                                     .w = p.w,
                                     .w_dtype = p.w_dtype,
+                                    .w_scale = p.w_scale,
                                     .bias = p.bias,
                                     .y = p.y,
                                     .m = p.m,
                                     .n = p.n,
                                     .k = p.k,
                                     .accumulate = p.accumulate};
+  if (p.w_dtype == DType::kF8E4M3) {
+    cuda_backend::GemvArgs fp8 = gemv;
+    fp8.x_bf16 = p.x;  // stands for the bf16 copy (aligned like it) until there is one
+    if (cuda_backend::GemvPreferred(fp8)) {
+      const size_t count = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
+      TANDEM_ASSIGN_OR_RETURN(void* x_bf16, workspace_.Reserve(count * 2, stream()));
+      TANDEM_CUDA_RETURN_IF_ERROR(
+          cuda_backend::LaunchConvertFromF32({.src = p.x,
+                                              .dst = x_bf16,
+                                              .dst_dtype = DType::kBF16,
+                                              .count = static_cast<int64_t>(count)},
+                                             stream()));
+      fp8.x_bf16 = x_bf16;
+      TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(fp8, stream()));
+      return absl::OkStatus();
+    }
+    return MatMulFp8(p);
+  }
   if (cuda_backend::GemvPreferred(gemv)) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(gemv, stream()));
     return absl::OkStatus();
@@ -478,6 +507,46 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
   TANDEM_CUBLAS_RETURN_IF_ERROR(
       cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, p.w, type, k, x, type,
                    k, &beta, p.y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  if (p.bias != nullptr) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchAddBias(
+        {.y = p.y, .bias = p.bias, .rows = p.m, .cols = p.n}, stream()));
+  }
+  return absl::OkStatus();
+}
+
+// FP8 weights beyond the GEMV's rows: x as bf16, then slabs of kCudaFp8SlabBytes of w dequantized
+// to bf16 (code · row scale) and multiplied by cuBLAS into their columns of y.
+absl::Status CudaBackend::MatMulFp8(const MatMulParams& p) {
+  const size_t mk = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
+  const size_t x_bytes = (mk * 2 + 255) / 256 * 256;
+  const int64_t slab_rows = std::clamp<int64_t>(
+      static_cast<int64_t>(kCudaFp8SlabBytes / (static_cast<uint64_t>(p.k) * 2)), 1, p.n);
+  TANDEM_ASSIGN_OR_RETURN(
+      void* space,
+      workspace_.Reserve(x_bytes + static_cast<size_t>(slab_rows) * p.k * 2, stream()));
+  void* x = space;
+  void* slab = static_cast<char*>(space) + x_bytes;
+  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchConvertFromF32(
+      {.src = p.x, .dst = x, .dst_dtype = DType::kBF16, .count = static_cast<int64_t>(mk)},
+      stream()));
+  const float alpha = 1.0f;
+  const float beta = p.accumulate ? 1.0f : 0.0f;
+  const auto* codes = static_cast<const uint8_t*>(p.w);
+  for (int64_t r0 = 0; r0 < p.n; r0 += slab_rows) {
+    const int64_t rows = std::min(slab_rows, p.n - r0);
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchDequantizeF8Rows({.codes = codes + r0 * p.k,
+                                                                      .scale = p.w_scale + r0,
+                                                                      .dst = slab,
+                                                                      .rows = rows,
+                                                                      .cols = p.k},
+                                                                     stream()));
+    // yᵀ[r0 : r0 + rows, :] = slab · xᵀ (MatMul's column-major view; ldc = n).
+    TANDEM_CUBLAS_RETURN_IF_ERROR(
+        cublasGemmEx(cublas_.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(rows),
+                     static_cast<int>(p.m), static_cast<int>(p.k), &alpha, slab, CUDA_R_16BF,
+                     static_cast<int>(p.k), x, CUDA_R_16BF, static_cast<int>(p.k), &beta, p.y + r0,
+                     CUDA_R_32F, static_cast<int>(p.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
   if (p.bias != nullptr) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchAddBias(
         {.y = p.y, .bias = p.bias, .rows = p.m, .cols = p.n}, stream()));

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +33,13 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
 template <>
 __device__ __forceinline__ __half FromFloat<__half>(float x) {
   return __float2half_rn(x);
+}
+// e4m3: nearest even, finite values beyond ±448 saturated (FloatToF8E4M3's rule).
+template <>
+__device__ __forceinline__ __nv_fp8_e4m3 FromFloat<__nv_fp8_e4m3>(float x) {
+  __nv_fp8_e4m3 out;
+  out.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  return out;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {

@@ -1,8 +1,10 @@
 // Decode GEMV (gemv.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "device_utils.cuh"
 #include "gemv.cuh"
@@ -33,7 +35,20 @@ __device__ __forceinline__ void Unpack(const uint4& v, __half, float* out) {
   }
 }
 
-// x rounded to the weight dtype and back (round to nearest even, as LaunchConvertFromF32).
+// 16 FP8 (e4m3) codes of a 16-byte chunk to f32 (exact), two at a time through half2.
+__device__ __forceinline__ void Unpack(const uint4& v, __nv_fp8_e4m3, float* out) {
+  const auto* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3));
+    const float2 f = __half22float2(h);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// x rounded to the weight dtype and back (round to nearest even, as LaunchConvertFromF32). FP8
+// weights read x already rounded to bf16 (GemvArgs::x_bf16).
 __device__ __forceinline__ float Round(float x, __nv_bfloat16) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -41,12 +56,14 @@ __device__ __forceinline__ float Round(float x, __half) { return __half2float(__
 
 // grid: [ceil(n / (kWarps / kSplit))], kThreads threads. The kSplit warps w = kSplit·c + p of
 // block b compute column j = b·(kWarps / kSplit) + c for the kM rows: in each round of
-// kUnroll·kSplit·32 chunks (8 elements each) of w[j, :], warp p, lane l takes the chunks
+// kUnroll·kSplit·32 chunks (16 bytes: kE = 8 bf16/f16 or 16 FP8 elements) of w[j, :], warp p,
+// lane l takes the chunks
 // (u·kSplit + p)·32 + l, u < kUnroll (all its loads issued before their products); each warp sums
 // its lanes, then warp p = 0 adds the kSplit warp sums in order p = 0, 1, ... (shared memory).
 template <typename T, int kM, int kSplit, int kUnroll>
 __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   static_assert(kWarps % kSplit == 0, "a block holds whole columns");
+  constexpr int kE = 16 / sizeof(T);  // elements per 16-byte chunk
   constexpr int kColumns = kWarps / kSplit;
   constexpr int64_t kStride = int64_t{kUnroll} * kSplit * kWarpSize;  // chunks per round
   const int warp = threadIdx.x / kWarpSize;
@@ -54,9 +71,10 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   const int part = warp % kSplit;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kColumns + warp / kSplit;
   const bool active = j < a.n;  // no early return: the block syncs below when kSplit > 1
-  const int64_t chunks = a.k / 8;
+  const int64_t chunks = a.k / kE;
   const uint4* w =
       reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + (active ? j : 0) * a.k);
+  const float scale = a.w_scale != nullptr && active ? a.w_scale[j] : 1.0f;  // FP8
   float acc[kM];
 #pragma unroll
   for (int r = 0; r < kM; ++r) acc[r] = 0.0f;
@@ -71,22 +89,36 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t c = c0 + int64_t{u} * kSplit * kWarpSize;
       if (c >= chunks) break;
-      float wf[8];
+      float wf[kE];
       Unpack(wv[u], T(), wf);
 #pragma unroll
       for (int r = 0; r < kM; ++r) {
-        const float4* xr = reinterpret_cast<const float4*>(a.x + r * a.k) + 2 * c;
-        const float4 x0 = __ldg(xr);
-        const float4 x1 = __ldg(xr + 1);
+        if (r >= a.m) break;  // kM = 8 serves FP8 calls of 3..8 rows
         float s = acc[r];
-        s = fmaf(Round(x0.x, T()), wf[0], s);
-        s = fmaf(Round(x0.y, T()), wf[1], s);
-        s = fmaf(Round(x0.z, T()), wf[2], s);
-        s = fmaf(Round(x0.w, T()), wf[3], s);
-        s = fmaf(Round(x1.x, T()), wf[4], s);
-        s = fmaf(Round(x1.y, T()), wf[5], s);
-        s = fmaf(Round(x1.z, T()), wf[6], s);
-        s = fmaf(Round(x1.w, T()), wf[7], s);
+        if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
+          // x as bf16: 32 bytes per 16 weights (f32 x, re-read per column from L2, held the
+          // kernel at ~1.7 TB/s of weights on an H200).
+          const uint4* xr = reinterpret_cast<const uint4*>(
+                                static_cast<const __nv_bfloat16*>(a.x_bf16) + r * a.k) +
+                            2 * c;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float xf[8];
+            Unpack(__ldg(xr + h), __nv_bfloat16(), xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[8 * h + e], s);
+          }
+        } else {
+          const float4* xr = reinterpret_cast<const float4*>(a.x + r * a.k) + 2 * c;
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const float4 xv = __ldg(xr + q);
+            s = fmaf(Round(xv.x, T()), wf[4 * q], s);
+            s = fmaf(Round(xv.y, T()), wf[4 * q + 1], s);
+            s = fmaf(Round(xv.z, T()), wf[4 * q + 2], s);
+            s = fmaf(Round(xv.w, T()), wf[4 * q + 3], s);
+          }
+        }
         acc[r] = s;
       }
     }
@@ -112,8 +144,9 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   if (lane != 0 || !active) return;
 #pragma unroll
   for (int r = 0; r < kM; ++r) {
+    if (r >= a.m) break;
     float* y = a.y + r * a.n + j;
-    float v = acc[r];
+    float v = acc[r] * scale;
     if (a.accumulate) v += *y;  // cuBLAS's beta = 1, then the bias (LaunchAddBias) as before
     if (a.bias != nullptr) v += a.bias[j];
     *y = v;
@@ -126,8 +159,16 @@ cudaError_t LaunchShape(const GemvArgs& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((a.n + kColumns - 1) / kColumns);
   if (a.m == 1) {
     GemvKernel<T, 1, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
-  } else {
+  } else if (a.m == 2) {
     GemvKernel<T, 2, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
+  } else if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
+    if (a.m <= 4) {
+      GemvKernel<T, 4, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
+    } else {
+      GemvKernel<T, kGemvMaxFp8Rows, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
+    }
+  } else {
+    return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
@@ -159,13 +200,20 @@ cudaError_t LaunchAs(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
 bool GemvSupports(const GemvArgs& a) {
   static_assert(kGemvMaxRows == 2, "LaunchShape instantiates m = 1 and 2");
   // Blocks: n at the most (8 warps per column: one column per block).
-  return a.m >= 1 && a.m <= kGemvMaxRows && a.n >= 1 && a.k >= 8 && a.k % 8 == 0 &&
-         (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16) && a.x != nullptr &&
+  const bool fp8 = a.w_dtype == DType::kF8E4M3;
+  const int64_t per_chunk = fp8 ? 16 : 8;
+  return a.m >= 1 && a.m <= (fp8 ? kGemvMaxFp8Rows : kGemvMaxRows) && a.n >= 1 &&
+         a.k >= per_chunk && a.k % per_chunk == 0 &&
+         (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16 || fp8) &&
+         (a.w_scale != nullptr) == fp8 && a.x != nullptr &&
+         (!fp8 || (a.x_bf16 != nullptr && reinterpret_cast<uintptr_t>(a.x_bf16) % 16 == 0)) &&
          a.w != nullptr && a.y != nullptr && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.n <= INT32_MAX;
 }
 
 bool GemvPreferred(const GemvArgs& a) {
+  // FP8: the other path dequantizes every weight per call, so the GEMV wins wherever it runs.
+  if (a.w_dtype == DType::kF8E4M3) return GemvSupports(a);
   return GemvSupports(a) && a.m <= kGemvPreferredMaxRows && a.k <= kGemvMaxK;
 }
 
@@ -183,12 +231,19 @@ GemvVariant GemvDefaultVariant(int64_t n) {
 
 cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
   if (!GemvSupports(a) || !GemvVariantValid(v)) return cudaErrorInvalidValue;
-  return a.w_dtype == DType::kBF16 ? LaunchAs<__nv_bfloat16>(a, v, stream)
-                                   : LaunchAs<__half>(a, v, stream);
+  switch (a.w_dtype) {
+    case DType::kBF16:
+      return LaunchAs<__nv_bfloat16>(a, v, stream);
+    case DType::kF16:
+      return LaunchAs<__half>(a, v, stream);
+    default:
+      return LaunchAs<__nv_fp8_e4m3>(a, v, stream);
+  }
 }
 
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream) {
-  return LaunchGemv(a, GemvDefaultVariant(a.n), stream);
+  return LaunchGemv(a, a.w_dtype == DType::kF8E4M3 ? kGemvFp8Variant : GemvDefaultVariant(a.n),
+                    stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

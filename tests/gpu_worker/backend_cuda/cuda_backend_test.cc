@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "cuda_test_util.h"
 #include "gtest/gtest.h"
+#include "tandem/common/f8e4m3.h"
 #include "tandem/gpu_worker/backend.h"
 
 namespace tandem::gpu_worker::cuda_test {
@@ -311,6 +312,76 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(64, 384, 4096, 5000), ::testing::Bool()));
 
 // ---- MatMul ------------------------------------------------------------------------------------
+
+// FP8 weights against the exact product Σ x·code·scale[j]: the GEMV (m <= 8, k a multiple of
+// 16: f32 x and codes) and dequantized slabs (m = 37: 3 slabs of 4096 rows at k = 4096; k = 40
+// is no GEMV shape: bf16 x and bf16(code·scale)); with the residual add and a bias. Tolerance:
+// bf16 rounding of both operands, 2^-8 of Σ|x·w|.
+TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsBf16Dequantization) {
+  struct Case {
+    int64_t m, n, k;
+    bool accumulate, bias;
+  };
+  for (const Case& c : {Case{1, 300, 4096, false, false}, Case{1, 77, 48, true, true},
+                        Case{2, 300, 256, false, true}, Case{5, 1000, 28672, true, false},
+                        Case{8, 333, 512, false, true}, Case{37, 9000, 4096, true, false},
+                        Case{1, 50, 40, false, false}}) {
+    std::mt19937 rng(static_cast<uint32_t>(c.n + c.k));
+    std::vector<uint8_t> codes(c.n * c.k);
+    for (uint8_t& code : codes) {
+      do {
+        code = static_cast<uint8_t>(rng());
+      } while ((code & 0x7f) == 0x7f);  // not NaN
+    }
+    std::vector<float> scale(c.n);
+    for (float& s : scale) s = 0.001f + 0.01f * static_cast<float>(rng() % 1000) / 1000.0f;
+    const std::vector<float> x = RandomFloats(c.m * c.k, -1, 1, 7);
+    const std::vector<float> bias = RandomFloats(c.n, -1, 1, 9);
+    const std::vector<float> y0 = RandomFloats(c.m * c.n, -1, 1, 10);
+    DeviceBuffer x_buffer = Upload(x);
+    DeviceBuffer w_buffer = Upload(codes);
+    DeviceBuffer scale_buffer = Upload(scale);
+    DeviceBuffer bias_buffer = Upload(bias);
+    DeviceBuffer y_buffer = c.accumulate ? Upload(y0) : Filled(y0.size(), kNaN);
+    const absl::Status s = backend_->MatMul({.x = x_buffer.as<float>(),
+                                             .w = w_buffer.data(),
+                                             .w_dtype = DType::kF8E4M3,
+                                             .w_scale = scale_buffer.as<float>(),
+                                             .bias = c.bias ? bias_buffer.as<float>() : nullptr,
+                                             .y = y_buffer.as<float>(),
+                                             .m = c.m,
+                                             .n = c.n,
+                                             .k = c.k,
+                                             .accumulate = c.accumulate});
+    ASSERT_TRUE(s.ok()) << s;
+    const std::vector<float> y = Download<float>(y_buffer, y0.size());
+    for (int64_t i = 0; i < c.m; ++i) {
+      for (int64_t j = 0; j < c.n; ++j) {
+        double ref = 0.0, magnitude = 0.0;
+        for (int64_t l = 0; l < c.k; ++l) {
+          const double prod = double{x[i * c.k + l]} * F8E4M3ToFloat(codes[j * c.k + l]) * scale[j];
+          ref += prod;
+          magnitude += std::abs(prod);
+        }
+        if (c.bias) ref += bias[j];
+        if (c.accumulate) ref += y0[i * c.n + j];
+        ASSERT_NEAR(y[i * c.n + j], ref, std::ldexp(magnitude, -8) + 1e-5)
+            << "m " << c.m << " n " << c.n << " k " << c.k << " at " << i << "," << j;
+      }
+    }
+  }
+  // A scale is required with FP8 weights and refused with others.
+  DeviceBuffer x_buffer = Upload(std::vector<float>(16, 1.0f));
+  DeviceBuffer w_buffer = Upload(std::vector<uint8_t>(16, 0x38));
+  DeviceBuffer y_buffer = Filled(1, 0.0f);
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->MatMul({.x = x_buffer.as<float>(),
+                                                        .w = w_buffer.data(),
+                                                        .w_dtype = DType::kF8E4M3,
+                                                        .y = y_buffer.as<float>(),
+                                                        .m = 1,
+                                                        .n = 1,
+                                                        .k = 16})));
+}
 
 struct MatMulCase {
   DType dtype;

@@ -60,6 +60,18 @@ void ExpectSameModel(Backend& backend, const DeviceModel& a, const DeviceModel& 
     ExpectSameTensor(backend, la.ffn_norm, lb.ffn_norm, "ffn_norm" + at);
     ExpectSameTensor(backend, la.gate_up, lb.gate_up, "gate_up" + at);
     ExpectSameTensor(backend, la.down_proj, lb.down_proj, "down_proj" + at);
+    for (const auto& [ta, tb, name] :
+         {std::tuple(&la.qkv, &lb.qkv, "qkv"), std::tuple(&la.o_proj, &lb.o_proj, "o_proj"),
+          std::tuple(&la.gate_up, &lb.gate_up, "gate_up"),
+          std::tuple(&la.down_proj, &lb.down_proj, "down_proj")}) {
+      const std::string what = std::string(name) + " scales" + at;
+      ASSERT_EQ(ta->scale.bytes(), tb->scale.bytes()) << what;
+      if (ta->scale.bytes() > 0) {
+        EXPECT_TRUE(ToHost(backend, ta->scale.data(), ta->scale.bytes()) ==
+                    ToHost(backend, tb->scale.data(), tb->scale.bytes()))
+            << what << " differ";
+      }
+    }
     ExpectSameTensor(backend, la.q_norm, lb.q_norm, "q_norm" + at);
     ExpectSameTensor(backend, la.k_norm, lb.k_norm, "k_norm" + at);
     EXPECT_EQ(static_cast<bool>(la.q_norm.buffer), c.qk_norm) << "q_norm" << at;
@@ -144,6 +156,35 @@ TEST(RandomModel, Qwen3WithQkNormsEqualsCreateRandom) {
                   "layers=2,hidden=256,ffn=512,q_heads=8,kv_heads=2,head_dim=32,vocab=512", c)
                   .ok());
   CheckWrittenEqualsCreated(c, 3, uint64_t{1} << 30, 1);
+}
+
+// FP8 projections (quantization=fp8): the written checkpoint (e4m3 codes, weight_scale rows,
+// quantization_config) uploads to what CreateRandom makes, where the backend keeps FP8; a
+// backend that does not multiply FP8 refuses random FP8 weights.
+TEST(RandomModel, Fp8ProjectionsEqualCreateRandom) {
+  ModelConfig c = *GeometryPreset("llama3-8b");
+  ASSERT_TRUE(ApplyGeometryOverrides(
+                  "layers=2,hidden=256,ffn=512,q_heads=8,kv_heads=2,head_dim=32,vocab=512,"
+                  "quantization=fp8",
+                  c)
+                  .ok());
+  ASSERT_EQ(c.quantization, "fp8");
+  TANDEM_GEO_BACKEND_OR_SKIP(backend);
+  if (!backend->SupportsFp8Weights()) {
+    absl::StatusOr<std::unique_ptr<DeviceModel>> created =
+        DeviceModel::CreateRandom(c, *backend, 1);
+    EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument) << created.status();
+    return;
+  }
+  CheckWrittenEqualsCreated(c, 4, uint64_t{1} << 30, 1);
+  absl::StatusOr<std::unique_ptr<DeviceModel>> created = DeviceModel::CreateRandom(c, *backend, 4);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ((*created)->layer(1).gate_up.dtype, DType::kF8E4M3);
+  EXPECT_EQ((*created)->layer(1).gate_up.scale.bytes(), 2u * 512 * 4);
+  // The bytes the memory plan counts: codes + f32 row scales.
+  absl::StatusOr<size_t> planned = DeviceModel::WeightBytes(c);
+  ASSERT_TRUE(planned.ok());
+  EXPECT_EQ((*created)->weight_bytes(), *planned);
 }
 
 TEST(RandomModel, SeedsGiveDifferentWeights) {

@@ -109,10 +109,19 @@ struct RmsNormParams {
 
 // y = x · wᵀ (+ bias) (+ y when accumulate): the nn.Linear layout. accumulate fuses the
 // residual add; bias is for models with projection biases (Qwen2's q/k/v).
+// FP8 weights (w_dtype kF8E4M3, only where SupportsFp8Weights()): row j of w is its e4m3 codes
+// times w_scale[j]. The product is within bf16 rounding of the exact one: decode-sized m (cuda:
+// up to 8 rows) computes w_scale[j]·Σ bf16(x)·code in f32 from the codes (the FP8 bytes are all
+// it reads), longer m the product of bf16(x) and the bf16 matrix bf16(code·w_scale[j]).
+// The bf16 rows of an FP8 matrix the cuda backend dequantizes at a time for a GEMM (its
+// workspace holds them beside the bf16 copy of x; the memory plan counts it).
+inline constexpr uint64_t kCudaFp8SlabBytes = uint64_t{32} << 20;
+
 struct MatMulParams {
   const float* x = nullptr;   // [m, k], row stride k
   const void* w = nullptr;    // [n, k] of w_dtype, row stride k
-  DType w_dtype = DType::kF32;   // kF32, kBF16 or kF16
+  DType w_dtype = DType::kF32;     // kF32, kBF16, kF16, or kF8E4M3 (with w_scale)
+  const float* w_scale = nullptr;  // [n] f32: kF8E4M3's row scales; null for the others
   const float* bias = nullptr;   // optional [n], added to every row
   float* y = nullptr;         // [m, n], row stride n; must not alias x
   int64_t m = 0;
@@ -240,9 +249,10 @@ struct TokenLogProbParams {
   int64_t vocab = 0;
 };
 
-// dst[i] = scale · (2·u_i − 1) written as `dtype` (kF32, kBF16 or kF16), where u_i in [0, 1) is
-// the top 24 bits of splitmix64(seed + i · 0x9E3779B97F4A7C15) over 2^24: the same values on every
-// backend. For synthetic weights and caches (benchmarks; speed does not depend on the values).
+// dst[i] = scale · (2·u_i − 1) written as `dtype` (kF32, kBF16 or kF16; kF8E4M3 on the cuda
+// backend, rounded as FloatToF8E4M3), where u_i in [0, 1) is the top 24 bits of splitmix64(seed + i
+// · 0x9E3779B97F4A7C15) over 2^24: the same values on every backend. For synthetic weights and
+// caches (benchmarks; speed does not depend on the values).
 struct RandomFillParams {
   void* dst = nullptr;      // [count] of dtype
   DType dtype = DType::kF32;
@@ -340,6 +350,8 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual std::string_view name() const = 0;    // "cpu" or "cuda"
+  // True when MatMul takes FP8 (kF8E4M3) weights; else DeviceModel dequantizes them on upload.
+  virtual bool SupportsFp8Weights() const { return false; }
   virtual std::string device_description() const = 0;   // e.g. "NVIDIA H100 80GB HBM3"
 
   // Memory. Allocate returns RESOURCE_EXHAUSTED when the device is out of memory. The contents

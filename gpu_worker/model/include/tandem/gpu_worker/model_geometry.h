@@ -8,7 +8,9 @@
 //   0 embed, 1 final norm, 2 lm_head, then 3 + 9·layer + {0 attn_norm, 1 q, 2 k, 3 v, 4 o,
 //   5 ffn_norm, 6 gate, 7 up, 8 down}
 // and, with q/k norms (qwen3), each layer's q_norm and k_norm ([head_dim] ones, no seed) listed
-// after its down projection
+// after its down projection; with quantization "fp8", the seven projections are e4m3 codes
+// (RandomSigned(seed, i, 448) rounded) and each layer's tensors end with their seven
+// weight_scale tensors ([out, 1] f32, all sqrt(3 / in) / 448), q, k, v, o, gate, up, down
 // (the lm_head index is kept free when embeddings are tied, so tying changes no other tensor).
 // Element i of a matrix is RandomSigned(tensor_seed, i, scale) rounded to the weight dtype
 // (random_values.h, the values of Backend::RandomFill), scale = sqrt(3 / in_features): the
@@ -34,6 +36,7 @@ namespace tandem::gpu_worker {
 //                vocab 128256, rope_theta 500000 with the "llama3" rope scaling (factor 8,
 //                low 1, high 4, original 8192), 131072 positions, rms_norm_eps 1e-5, untied
 //                embeddings, bf16.
+//   "llama3-70b": Llama-3.1-70B: the 8B's with 80 layers, hidden 8192, FFN 28672, 64 query heads.
 //   "qwen3-8b":  Qwen3-8B: 36 layers, hidden 4096, FFN 12288, 32 query / 8 kv heads of 128 with
 //                q/k norms, vocab 151936, rope_theta 1e6, 40960 positions, rms_norm_eps 1e-6,
 //                untied embeddings, bf16.
@@ -45,7 +48,8 @@ std::vector<std::string> GeometryPresetNames();
 // Applies comma-separated key=value overrides to `config` and validates the result as a
 // config.json would be (ParseModelConfig's ranges and rules). Keys:
 //   layers, hidden, ffn, q_heads, kv_heads, head_dim, vocab, max_positions (integers),
-//   rope_theta, rms_norm_eps (positive numbers), dtype (bf16 | f32),
+//   rope_theta, rms_norm_eps (positive numbers), dtype (bf16 | f32), quantization (fp8 | none:
+//   FP8 projections with row scales beside bf16 tables, as FP8 checkpoints),
 //   tie_embeddings (true | false), rope_scaling (none: drop the preset's scaling).
 // An empty string changes nothing. On error `config` is unchanged.
 absl::Status ApplyGeometryOverrides(std::string_view overrides, ModelConfig& config);
@@ -58,7 +62,8 @@ absl::StatusOr<std::string> GeometryConfigJson(const ModelConfig& config);
 
 // One tensor of a random model, in the Hugging Face layout.
 struct RandomTensorSpec {
-  enum class Init { kUniform, kOnes };
+  // kConstant: every element is `scale` (an FP8 projection's f32 row scales).
+  enum class Init { kUniform, kOnes, kConstant };
   std::string name;            // e.g. "model.layers.0.self_attn.q_proj.weight"
   std::vector<int64_t> shape;  // [out, in] for matrices, [H] for norms
   DType dtype = DType::kBF16;  // the config's weight dtype

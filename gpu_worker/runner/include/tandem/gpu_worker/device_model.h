@@ -24,7 +24,10 @@ namespace tandem::gpu_worker {
 struct DeviceTensor {
   DeviceBuffer buffer;
   DType dtype = DType::kF32;
+  // FP8 matrices (dtype kF8E4M3): f32 [rows], each row's scale (MatMulParams::w_scale).
+  DeviceBuffer scale;
   const void* data() const { return buffer.data(); }
+  const float* scale_data() const { return scale ? scale.as<float>() : nullptr; }
 };
 
 struct DeviceLayer {
@@ -65,7 +68,10 @@ class DeviceModel {
   // them), without allocating: every tensor as stored, qkv biases as f32. The memory estimator
   // (memory_plan.h) reads them before any weight is loaded. CreateRandom's form fails as it
   // does for an unsupported config.
-  static size_t WeightBytes(const ModelWeights& weights);
+  static size_t WeightBytes(const ModelWeights& weights, const Backend& backend);
+  // True when Upload keeps an FP8 checkpoint's projections FP8 on `backend` (it multiplies FP8
+  // weights and the tables are bf16); else it dequantizes them.
+  static bool KeepsFp8(const ModelWeights& weights, const Backend& backend);
   static absl::StatusOr<size_t> WeightBytes(const ModelConfig& config);
 
   const ModelConfig& config() const { return config_; }
