@@ -19,7 +19,8 @@
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/random_model_writer.h"
 
-ABSL_FLAG(std::string, preset, "llama3-8b", "geometry preset (llama3-8b, qwen3-8b, tiny)");
+ABSL_FLAG(std::string, preset, "llama3-8b",
+          "geometry preset (llama3-8b, llama3-70b, qwen3-8b, tiny)");
 ABSL_FLAG(std::string, set, "",
           "overrides key=value,...: layers, hidden, ffn, q_heads, kv_heads, head_dim, vocab, "
           "max_positions, rope_theta, rms_norm_eps, dtype (bf16|f32), tie_embeddings, "
