@@ -88,7 +88,9 @@ class Binder {
 
   // The dtype the model computes in: the tables'.
   DType matrix_dtype() const { return first_table_->dtype; }
-  DType projection_dtype() const { return first_projection_->dtype; }
+  DType projection_dtype() const {
+    return first_projection_ != nullptr ? first_projection_->dtype : matrix_dtype();
+  }
 
  private:
   // INVALID_ARGUMENT unless `view` has the dtype of `first` (or first is null).

@@ -50,7 +50,8 @@ uint64_t CudaWorkspaceBytes(const ModelConfig& c, DType weight_dtype, int64_t ma
   // FP8 projections (kept FP8 on cuda): the dequantized slab beside x's bf16 copy.
   const uint64_t fp8_slab = c.quantization == "fp8" ? kCudaFp8SlabBytes : 0;
   constexpr uint64_t kGranule = uint64_t{1} << 20;
-  return CeilDiv(2 * convert + fp8_slab, kGranule) * kGranule;
+  // Workspace::Reserve grows to twice its old size: up to twice the largest request.
+  return CeilDiv(2 * (convert + fp8_slab), kGranule) * kGranule;
 }
 
 // Node bytes of one shard of `entries` offloaded entries in `format`

@@ -377,7 +377,10 @@ absl::Status CudaBackend::Embed(const EmbedParams& p) {
   TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "num_tokens", p.num_tokens));
   TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "hidden", p.hidden));
   TANDEM_RETURN_IF_ERROR(CheckDim("Embed", "vocab", p.vocab));
-  if (p.table_dtype == DType::kI32) return Invalid("Embed", "table dtype i32 is not supported");
+  if (p.table_dtype != DType::kF32 && p.table_dtype != DType::kBF16 &&
+      p.table_dtype != DType::kF16) {
+    return Invalid("Embed", "table dtype must be f32, bf16 or f16");
+  }
   TANDEM_RETURN_IF_ERROR(Activate());
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchEmbed({.ids = p.ids,
                                                          .table = p.table,
@@ -396,7 +399,10 @@ absl::Status CudaBackend::RmsNorm(const RmsNormParams& p) {
   }
   TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "num_tokens", p.num_tokens));
   TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "hidden", p.hidden));
-  if (p.weight_dtype == DType::kI32) return Invalid("RmsNorm", "weight dtype i32 is not supported");
+  if (p.weight_dtype != DType::kF32 && p.weight_dtype != DType::kBF16 &&
+      p.weight_dtype != DType::kF16) {
+    return Invalid("RmsNorm", "weight dtype must be f32, bf16 or f16");
+  }
   if (!(p.eps >= 0.0f) || !std::isfinite(p.eps)) return Invalid("RmsNorm", "eps must be >= 0");
   TANDEM_RETURN_IF_ERROR(CheckDim("RmsNorm", "vectors_per_token", p.vectors_per_token));
   if (p.token_stride != 0 && p.token_stride < p.vectors_per_token * p.hidden) {

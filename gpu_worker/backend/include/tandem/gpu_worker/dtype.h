@@ -14,7 +14,8 @@ enum class DType : uint8_t {
   kF16,
   kI32,
   // float8 e4m3fn (tandem/common/f8e4m3.h): FP8 checkpoints' weight matrices, each with a scale
-  // (model_weights.h). Upload dequantizes them to bf16 (device_model.h); no backend op takes it.
+  // (model_weights.h). Only MatMul takes it, where Backend::SupportsFp8Weights(); elsewhere
+  // DeviceModel dequantizes on upload.
   kF8E4M3,
 };
 

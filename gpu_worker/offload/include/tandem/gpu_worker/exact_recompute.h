@@ -63,7 +63,7 @@ class ExactRecompute {
                                                                 int64_t page_tokens,
                                                                 int64_t max_rows);
 
-  // The dtype rows are stored in for weights of `weight_dtype` (bf16 -> bf16, else f32).
+  // The dtype rows are stored in for weights of `weight_dtype` (bf16 and FP8 -> bf16, else f32).
   static DType ActivationDType(DType weight_dtype);
 
   // Keeps x̂ of `rows` rows of `layer` (device, [rows, hidden] f32, contiguous) at positions
