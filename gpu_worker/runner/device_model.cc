@@ -105,11 +105,9 @@ float ScaleOfRow(const TensorView& scale, int64_t row) {
   }
 }
 
-// FP8 `parts` kept as codes (one device tensor) with their row scales as f32 [rows] beside.
-absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const ModelWeights& w,
-                                       std::initializer_list<const TensorView*> parts,
-                                       size_t* total_bytes) {
-  TANDEM_ASSIGN_OR_RETURN(DeviceTensor out, UploadStacked(backend, parts, total_bytes));
+// The f32 scale of every row of the FP8 `parts`, end to end.
+absl::StatusOr<std::vector<float>> RowScales(const ModelWeights& w,
+                                             std::initializer_list<const TensorView*> parts) {
   std::vector<float> scales;
   for (const TensorView* t : parts) {
     const auto scale = w.fp8_scales.find(t);
@@ -118,6 +116,15 @@ absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const ModelWeights& w,
     }
     for (int64_t r = 0; r < t->shape[0]; ++r) scales.push_back(ScaleOfRow(*scale->second, r));
   }
+  return scales;
+}
+
+// FP8 `parts` kept as codes (one device tensor) with their row scales as f32 [rows] beside.
+absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const ModelWeights& w,
+                                       std::initializer_list<const TensorView*> parts,
+                                       size_t* total_bytes) {
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<float> scales, RowScales(w, parts));
+  TANDEM_ASSIGN_OR_RETURN(DeviceTensor out, UploadStacked(backend, parts, total_bytes));
   TANDEM_ASSIGN_OR_RETURN(out.scale, backend.Allocate(scales.size() * 4));
   TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.scale.data(), scales.data(), scales.size() * 4));
   *total_bytes += scales.size() * 4;
@@ -145,18 +152,16 @@ absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeigh
   for (const TensorView* t : parts) elements += static_cast<size_t>(t->numel());
   const size_t elem_bytes = DTypeBytes(w.dtype);
   std::vector<char> host(elements * elem_bytes);
-  size_t offset = 0;  // elements written
+  TANDEM_ASSIGN_OR_RETURN(const std::vector<float> scales, RowScales(w, parts));
+  size_t offset = 0;      // elements written
+  size_t first_row = 0;   // of this part in `scales`
   for (const TensorView* t : parts) {
-    const auto scale = w.fp8_scales.find(t);
-    if (scale == w.fp8_scales.end()) {
-      return absl::InternalError(absl::StrCat("FP8 tensor ", t->name, " has no bound scale"));
-    }
     const int64_t rows = t->shape[0], cols = t->shape[1];
     const auto* codes = static_cast<const f8e4m3_t*>(t->data);
     // The 256 code values once per row scale: a lookup per element.
     std::array<float, 256> value;
     for (int64_t r = 0; r < rows; ++r) {
-      const float s = ScaleOfRow(*scale->second, r);
+      const float s = scales[first_row + static_cast<size_t>(r)];
       for (int c = 0; c < 256; ++c) value[c] = F8E4M3ToFloat(static_cast<f8e4m3_t>(c)) * s;
       const f8e4m3_t* row = codes + r * cols;
       const size_t at = offset + static_cast<size_t>(r * cols);
@@ -169,6 +174,7 @@ absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeigh
       }
     }
     offset += static_cast<size_t>(t->numel());
+    first_row += static_cast<size_t>(rows);
   }
   DeviceTensor out;
   out.dtype = w.dtype;
