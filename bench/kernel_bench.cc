@@ -50,7 +50,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/status/status.h"
@@ -59,13 +58,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "nlohmann/json.hpp"
-#include "tandem/gpu_worker/backend.h"
 #include "convert.cuh"
 #include "cuda_resources.h"
+#include "fp8_gemm.h"
 #include "gemv.cuh"
+#include "gemv_fp8.cuh"
+#include "nlohmann/json.hpp"
 #include "page_select.cuh"
+#include "parse_flags.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/f8e4m3.h"
+#include "tandem/gpu_worker/backend.h"
 #include "window_attention.cuh"
 #include "window_attention_flash.cuh"
 
@@ -98,6 +101,11 @@ ABSL_FLAG(std::string, gemv_shapes, "6144x4096,4096x4096,28672x4096,4096x14336,1
           "GEMV sweep: n x k weight shapes (Llama-3-8B decode: qkv, o_proj, gate_up, down, "
           "lm_head)");
 ABSL_FLAG(std::string, gemv_rows, "1,2", "GEMV sweep: activation rows m");
+ABSL_FLAG(bool, gemv_fp8, true,
+          "run the FP8-weight sweep on --gemv_shapes: every gemv_fp8.cuh variant (m <= 4) and "
+          "the FP8 tensor-core GEMM (x quantized per row + cuBLASLt)");
+ABSL_FLAG(std::string, gemv_fp8_rows, "1,2,4,8,64",
+          "FP8 sweep: activation rows m (the GEMV variants run up to kGemvFp8MaxRows)");
 ABSL_FLAG(double, seconds, 0.3, "target timed seconds per case");
 ABSL_FLAG(int64_t, max_reps, 200, "repetitions per case at most");
 
@@ -699,6 +707,205 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
   return absl::OkStatus();
 }
 
+// Worst relative error of y [m, n] on sampled columns against Σ bf16(x)·code·scale (the GEMV's
+// exact operands), |y - ref| / Σ|x·w|: ~1e-6 for the GEMV; the GEMM's per-row e4m3 activations
+// add up to 2^-4 of each |x| (typically ~1e-3 of the sum).
+absl::StatusOr<double> GemvFp8Error(Bench& bench, const DeviceBuffer& x, const DeviceBuffer& w,
+                                    float w_scale, const DeviceBuffer& y, int64_t m, int64_t n,
+                                    int64_t k) {
+  std::vector<float> xh(m * k), yh(m * n);
+  std::vector<uint8_t> row(k);
+  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(xh.data(), x.data(), xh.size() * 4));
+  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(yh.data(), y.data(), yh.size() * 4));
+  for (float& v : xh) v = Bf16ToFloat(FloatToBf16(v));
+  const int64_t step = std::max<int64_t>(1, n / 64);
+  const int64_t row_step = std::max<int64_t>(1, m / 8);
+  double worst = 0.0;
+  for (int64_t j = 0; j < n; j = (j + step < n || j == n - 1) ? j + step : n - 1) {
+    BENCH_RETURN_IF_ERROR(
+        bench.backend().CopyToHost(row.data(), static_cast<const char*>(w.data()) + j * k, k));
+    for (int64_t r = 0; r < m; r += row_step) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double p = double{xh[r * k + i]} * F8E4M3ToFloat(row[i]) * w_scale;
+        sum += p;
+        magnitude += std::abs(p);
+      }
+      const double got = yh[r * n + j];
+      worst = std::max(worst, std::isfinite(got) ? std::abs(got - sum) / (magnitude + 1e-30)
+                                                 : std::numeric_limits<double>::infinity());
+    }
+    if (j == n - 1) break;
+  }
+  return worst;
+}
+
+// FP8 weights (issue 30): every gemv_fp8.cuh variant at m <= kGemvFp8MaxRows and the FP8
+// tensor-core GEMM (LaunchQuantizeRowsF8 + Fp8Gemm, what Backend::MatMul runs past the GEMV) on
+// each (shape, m), against bf16 weights on cuBLAS (the bf16 model's projection). Bytes: FP8
+// weights + x + y.
+absl::Status RunGemvFp8Sweep(Bench& bench, double copy_bw, int64_t max_reps,
+                             std::vector<std::string>* table) {
+  absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> shapes =
+      ParseShapes(absl::GetFlag(FLAGS_gemv_shapes));
+  if (!shapes.ok()) return shapes.status();
+  absl::StatusOr<std::vector<int64_t>> rows = ParseList(absl::GetFlag(FLAGS_gemv_fp8_rows));
+  if (!rows.ok()) return rows.status();
+  absl::StatusOr<cuda_backend::CublasHandle> cublas =
+      cuda_backend::CublasHandle::Create(bench.stream());
+  if (!cublas.ok()) return cublas.status();
+  int device = 0;
+  BENCH_CUDA(cudaGetDevice(&device));
+  absl::StatusOr<cuda_backend::Fp8Gemm> lt = cuda_backend::Fp8Gemm::Create(device);
+  if (!lt.ok()) return lt.status();
+  absl::StatusOr<DeviceBuffer> scratch = bench.Alloc(cuda_backend::kFp8GemmWorkspaceBytes);
+  if (!scratch.ok()) return scratch.status();
+  constexpr float kWScale = 1.0f / 64;
+  const int64_t reps = std::min<int64_t>(max_reps, 100);
+  for (const auto& [n, k] : *shapes) {
+    if (k % 16 != 0) continue;
+    const size_t w_bytes = static_cast<size_t>(n * k);
+    const int64_t sets = std::max<int64_t>(
+        1, static_cast<int64_t>((4 * bench.l2_bytes() + 2 * w_bytes - 1) / (2 * w_bytes)));
+    std::vector<DeviceBuffer> weights, weights16;
+    for (int64_t s = 0; s < sets; ++s) {
+      absl::StatusOr<DeviceBuffer> w = bench.Alloc(w_bytes);
+      if (!w.ok()) return w.status();
+      BENCH_RETURN_IF_ERROR(bench.Fill(w->data(), DType::kF8E4M3, n * k, 100 + s, 64.0f));
+      weights.push_back(*std::move(w));
+      absl::StatusOr<DeviceBuffer> w16 = bench.Alloc(2 * w_bytes);
+      if (!w16.ok()) return w16.status();
+      BENCH_RETURN_IF_ERROR(bench.Fill(w16->data(), DType::kBF16, n * k, 100 + s, 1.0f));
+      weights16.push_back(*std::move(w16));
+    }
+    absl::StatusOr<DeviceBuffer> scales = bench.Alloc(n * 4);
+    if (!scales.ok()) return scales.status();
+    BENCH_RETURN_IF_ERROR(bench.backend().Fill(scales->as<float>(), kWScale, n));
+    for (int64_t m : *rows) {
+      absl::StatusOr<DeviceBuffer> x = bench.Alloc(m * k * 4);
+      if (!x.ok()) return x.status();
+      absl::StatusOr<DeviceBuffer> x16 = bench.Alloc(m * k * 2);
+      if (!x16.ok()) return x16.status();
+      absl::StatusOr<DeviceBuffer> y = bench.Alloc(m * n * 4);
+      if (!y.ok()) return y.status();
+      BENCH_RETURN_IF_ERROR(bench.Fill(x->data(), DType::kF32, m * k, 7, 1.0f));
+      BENCH_RETURN_IF_ERROR(bench.backend().Synchronize());
+      const double bytes = static_cast<double>(w_bytes + m * k * 4 + m * n * 4);
+      const double flops = 2.0 * static_cast<double>(m) * n * k;
+      struct Result {
+        std::string name;
+        double seconds = 0.0, error = 0.0;
+      };
+      std::vector<Result> results;
+      auto measure = [&](const std::string& name, bool check,
+                         const std::function<absl::Status(int64_t)>& call) -> absl::Status {
+        BENCH_CUDA(cudaMemsetAsync(y->data(), 0xff, m * n * 4, bench.stream()));
+        BENCH_RETURN_IF_ERROR(call(0));
+        BENCH_CUDA(cudaStreamSynchronize(bench.stream()));
+        double error = 0.0;
+        if (check) {
+          absl::StatusOr<double> e = GemvFp8Error(bench, *x, weights[0], kWScale, *y, m, n, k);
+          if (!e.ok()) return e.status();
+          error = *e;
+        }
+        absl::StatusOr<double> seconds =
+            TimeMedian(bench.stream(), reps, call, [&] { return bench.Busy(reps); });
+        if (!seconds.ok()) return seconds.status();
+        results.push_back({name, *seconds, error});
+        const double gbps = bytes / *seconds / 1e9;
+        std::printf("%s\n", nlohmann::json{{"bench", "gemv_fp8"},
+                                           {"n", n},
+                                           {"k", k},
+                                           {"m", m},
+                                           {"variant", name},
+                                           {"us", *seconds * 1e6},
+                                           {"gbps", gbps},
+                                           {"tflops", flops / *seconds / 1e12},
+                                           {"pct_copy", 100.0 * gbps * 1e9 / copy_bw},
+                                           {"max_rel_error", error}}
+                                .dump()
+                                .c_str());
+        return absl::OkStatus();
+      };
+      // bf16 weights on cuBLAS: x to bf16, then the GEMM (Backend::MatMul's bf16 path past m 1).
+      BENCH_RETURN_IF_ERROR(measure("bf16-cublas", false, [&](int64_t rep) -> absl::Status {
+        BENCH_CUDA(cuda_backend::LaunchConvertFromF32(
+            {.src = x->as<float>(), .dst = x16->data(), .dst_dtype = DType::kBF16, .count = m * k},
+            bench.stream()));
+        const float alpha = 1.0f, beta = 0.0f;
+        if (cublasGemmEx(cublas->get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
+                         static_cast<int>(m), static_cast<int>(k), &alpha,
+                         weights16[rep % sets].data(), CUDA_R_16BF, static_cast<int>(k),
+                         x16->data(), CUDA_R_16BF, static_cast<int>(k), &beta, y->data(),
+                         CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+          return absl::InternalError("cublasGemmEx failed");
+        }
+        return absl::OkStatus();
+      }));
+      const bool gemm_shape = cuda_backend::Fp8Gemm::Supports(m, n, k);
+      if (gemm_shape) {
+        absl::StatusOr<DeviceBuffer> x_codes = bench.Alloc(m * k);
+        if (!x_codes.ok()) return x_codes.status();
+        absl::StatusOr<DeviceBuffer> x_scales = bench.Alloc(m * 4);
+        if (!x_scales.ok()) return x_scales.status();
+        BENCH_RETURN_IF_ERROR(measure("fp8-gemm", true, [&](int64_t rep) -> absl::Status {
+          auto* codes = static_cast<uint8_t*>(x_codes->data());
+          auto* row_scales = x_scales->as<float>();
+          BENCH_CUDA(cuda_backend::LaunchQuantizeRowsF8(
+              {.x = x->as<float>(), .codes = codes, .scale = row_scales, .rows = m, .cols = k},
+              bench.stream()));
+          return lt->Run({.x_codes = codes,
+                          .x_scale = row_scales,
+                          .w_codes = weights[rep % sets].data(),
+                          .w_scale = scales->as<float>(),
+                          .y = y->as<float>(),
+                          .m = m,
+                          .n = n,
+                          .k = k},
+                         scratch->data(), bench.stream());
+        }));
+      }
+      const cuda_backend::GemvFp8Args probe{.x = x->as<float>(),
+                                            .w = weights[0].data(),
+                                            .w_scale = scales->as<float>(),
+                                            .y = y->as<float>(),
+                                            .m = m,
+                                            .n = n,
+                                            .k = k};
+      const bool gemv_shape = cuda_backend::GemvFp8Supports(probe);
+      const cuda_backend::GemvFp8Variant chosen = cuda_backend::GemvFp8DefaultVariant(m, n);
+      auto variant_name = [](const cuda_backend::GemvFp8Variant& v) {
+        return absl::StrCat("gemv-c", v.columns);
+      };
+      const std::string chosen_name = cuda_backend::GemvFp8Preferred(probe)
+                                          ? variant_name(chosen)
+                                          : (gemm_shape ? "fp8-gemm" : "");
+      if (gemv_shape) {
+        for (const cuda_backend::GemvFp8Variant& v : cuda_backend::kGemvFp8Variants) {
+          BENCH_RETURN_IF_ERROR(measure(variant_name(v), true, [&](int64_t rep) -> absl::Status {
+            cuda_backend::GemvFp8Args a = probe;
+            a.w = weights[rep % sets].data();
+            BENCH_CUDA(cuda_backend::LaunchGemvFp8(a, v, bench.stream()));
+            return absl::OkStatus();
+          }));
+        }
+      }
+      const Result& bf16_result = results[0];
+      for (const Result& r : results) {
+        const double gbps = bytes / r.seconds / 1e9;
+        table->push_back(absl::StrFormat(
+            "fp8  %6d x %5d  m %3d  %-11s %9.1f us  %5.0f GB/s  %5.1f%% of copy  %6.1f TFLOP/s  "
+            "%5.2fx bf16  err %.1e%s",
+            static_cast<int>(n), static_cast<int>(k), static_cast<int>(m), r.name.c_str(),
+            r.seconds * 1e6, gbps, 100.0 * gbps * 1e9 / copy_bw, flops / r.seconds / 1e12,
+            bf16_result.seconds / r.seconds, r.error, r.name == chosen_name ? "  (default)" : ""));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run() {
   absl::StatusOr<std::unique_ptr<Bench>> created = Bench::Create();
   if (!created.ok()) return created.status();
@@ -724,6 +931,9 @@ absl::Status Run() {
 
   if (absl::GetFlag(FLAGS_gemv)) {
     BENCH_RETURN_IF_ERROR(RunGemvSweep(bench, *copy_bw, max_reps, &table));
+  }
+  if (absl::GetFlag(FLAGS_gemv_fp8)) {
+    BENCH_RETURN_IF_ERROR(RunGemvFp8Sweep(bench, *copy_bw, max_reps, &table));
   }
 
   // ---- decode: the paged window = 4 sink slots + a ring of recent positions, all visible.

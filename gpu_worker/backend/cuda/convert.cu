@@ -68,6 +68,22 @@ __global__ void DequantizeF8x16Kernel(const uint4* __restrict__ codes,
   }
 }
 
+// One block per row: the row's absmax, then its codes.
+__global__ void QuantizeRowsF8Kernel(const float* __restrict__ x, uint8_t* __restrict__ codes,
+                                     float* __restrict__ scale, int64_t cols) {
+  __shared__ float scratch[kWarpSize];
+  const float* row = x + blockIdx.x * cols;
+  uint8_t* out = codes + blockIdx.x * cols;
+  float amax = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(row[c]));
+  amax = BlockMax(amax, scratch);
+  const float s = amax == 0.0f ? 1.0f : (isinf(amax) ? NAN : amax / 448.0f);
+  if (threadIdx.x == 0) scale[blockIdx.x] = s;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    out[c] = __nv_cvt_float_to_fp8(row[c] / s, __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
 __global__ void AddBiasKernel(float* __restrict__ y, const float* __restrict__ bias, int64_t rows,
                               int64_t cols) {
   const int64_t count = rows * cols;
@@ -91,6 +107,14 @@ cudaError_t LaunchDequantizeF8Rows(const DequantizeF8Args& args, cudaStream_t st
     DequantizeF8Kernel<<<GridStrideBlocks(count, kThreads), kThreads, 0, stream>>>(
         args.codes, args.scale, static_cast<__nv_bfloat16*>(args.dst), args.rows, args.cols);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchQuantizeRowsF8(const QuantizeRowsF8Args& args, cudaStream_t stream) {
+  if (args.rows <= 0 || args.cols <= 0) return cudaSuccess;
+  if (args.rows > INT32_MAX) return cudaErrorInvalidValue;
+  QuantizeRowsF8Kernel<<<static_cast<unsigned>(args.rows), RowBlockThreads(args.cols, 1024), 0,
+                         stream>>>(args.x, args.codes, args.scale, args.cols);
   return cudaGetLastError();
 }
 

@@ -48,6 +48,20 @@ struct DequantizeF8Args {
 };
 cudaError_t LaunchDequantizeF8Rows(const DequantizeF8Args& args, cudaStream_t stream);
 
+// Per-row ("per-token") FP8 quantization of activations for the FP8 tensor-core GEMM:
+// scale[r] = max_c |x[r, c]| / 448 (1 for an all-zero row), codes[r, c] = e4m3(x[r, c] / scale[r])
+// (nearest even, saturating: FloatToF8E4M3's rule), so x[r, c] ≈ codes[r, c]·scale[r] within
+// 2^-4 of |x| (e4m3's half ulp; 2^-10·scale[r] absolute for the subnormal codes). A NaN element
+// becomes a NaN code and a row holding inf gets scale NaN: NaN products, as in f32.
+struct QuantizeRowsF8Args {
+  const float* x = nullptr;  // [rows, cols]
+  uint8_t* codes = nullptr;  // [rows, cols] e4m3
+  float* scale = nullptr;    // [rows]
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+cudaError_t LaunchQuantizeRowsF8(const QuantizeRowsF8Args& args, cudaStream_t stream);
+
 // y[r, c] += bias[c].
 struct AddBiasArgs {
   float* y = nullptr;           // [rows, cols]

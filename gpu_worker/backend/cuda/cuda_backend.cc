@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,7 +23,9 @@
 #include "cuda_check.h"
 #include "cuda_resources.h"
 #include "embed_norm.cuh"
+#include "fp8_gemm.h"
 #include "gemv.cuh"
+#include "gemv_fp8.cuh"
 #include "kv_write.cuh"
 #include "merge_states.cuh"
 #include "page_select.cuh"
@@ -166,8 +169,10 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   // WindowAttention after CheckWindowAttention(p) and Activate().
   absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
-  // MatMul of FP8 weights past the GEMV (MatMulParams' numerics).
+  // MatMul of FP8 weights (MatMulParams' numerics) and its two paths past the GEMV.
   absl::Status MatMulFp8(const MatMulParams& p);
+  absl::Status MatMulFp8Gemm(const MatMulParams& p);
+  absl::Status MatMulFp8Slabs(const MatMulParams& p);
   // Points args at the split-merge counters (allocated and zeroed on first use, on the stream);
   // used by WindowAttentionBatch.
   absl::Status WithSplitCounters(cuda_backend::WindowAttentionArgs& args);
@@ -193,6 +198,10 @@ class CudaBackend final : public Backend {
   std::vector<size_t> batch_singles_;
   std::vector<cuda_backend::SelectPagesEntry> select_entries_;
   DeviceMemory split_counters_;  // [kSplitCounters] unsigned, 0 between launches
+  // The FP8 tensor-core GEMM, made at the first FP8 MatMul past the GEMV's rows; unavailable
+  // after cuBLASLt had no kernel for it on this device (MatMulFp8Slabs then).
+  std::optional<cuda_backend::Fp8Gemm> fp8_gemm_;
+  bool fp8_gemm_unavailable_ = false;
 };
 
 absl::StatusOr<DeviceBuffer> CudaBackend::Allocate(size_t bytes) {
@@ -461,31 +470,13 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
   const cuda_backend::GemvArgs gemv{.x = p.x,
                                     .w = p.w,
                                     .w_dtype = p.w_dtype,
-                                    .w_scale = p.w_scale,
                                     .bias = p.bias,
                                     .y = p.y,
                                     .m = p.m,
                                     .n = p.n,
                                     .k = p.k,
                                     .accumulate = p.accumulate};
-  if (p.w_dtype == DType::kF8E4M3) {
-    cuda_backend::GemvArgs fp8 = gemv;
-    fp8.x_bf16 = p.x;  // stands for the bf16 copy (aligned like it) until there is one
-    if (cuda_backend::GemvPreferred(fp8)) {
-      const size_t count = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
-      TANDEM_ASSIGN_OR_RETURN(void* x_bf16, workspace_.Reserve(count * 2, stream()));
-      TANDEM_CUDA_RETURN_IF_ERROR(
-          cuda_backend::LaunchConvertFromF32({.src = p.x,
-                                              .dst = x_bf16,
-                                              .dst_dtype = DType::kBF16,
-                                              .count = static_cast<int64_t>(count)},
-                                             stream()));
-      fp8.x_bf16 = x_bf16;
-      TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(fp8, stream()));
-      return absl::OkStatus();
-    }
-    return MatMulFp8(p);
-  }
+  if (p.w_dtype == DType::kF8E4M3) return MatMulFp8(p);
   if (cuda_backend::GemvPreferred(gemv)) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemv(gemv, stream()));
     return absl::OkStatus();
@@ -520,9 +511,77 @@ absl::Status CudaBackend::MatMul(const MatMulParams& p) {
   return absl::OkStatus();
 }
 
-// FP8 weights beyond the GEMV's rows: x as bf16, then slabs of kCudaFp8SlabBytes of w dequantized
-// to bf16 (code · row scale) and multiplied by cuBLAS into their columns of y.
+// FP8 weights (MatMulParams): decode rows on the FP8 GEMV (gemv_fp8.cuh), the others on the FP8
+// tensor cores (fp8_gemm.h: x quantized per row into the workspace, kCudaFp8SlabBytes at a
+// time), and where cuBLASLt has no such kernel (before sm_90, odd shapes) on bf16 slabs of w.
 absl::Status CudaBackend::MatMulFp8(const MatMulParams& p) {
+  const cuda_backend::GemvFp8Args gemv{.x = p.x,
+                                       .w = p.w,
+                                       .w_scale = p.w_scale,
+                                       .bias = p.bias,
+                                       .y = p.y,
+                                       .m = p.m,
+                                       .n = p.n,
+                                       .k = p.k,
+                                       .accumulate = p.accumulate};
+  if (cuda_backend::GemvFp8Preferred(gemv)) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemvFp8(gemv, stream()));
+    return absl::OkStatus();
+  }
+  if (cuda_backend::Fp8Gemm::Supports(p.m, p.n, p.k) && !fp8_gemm_unavailable_) {
+    const absl::Status status = MatMulFp8Gemm(p);
+    if (!absl::IsUnimplemented(status)) return status;
+    fp8_gemm_unavailable_ = true;  // this device's cuBLASLt: the slabs from now on
+  }
+  return MatMulFp8Slabs(p);
+}
+
+// Rows of x in tiles that fit the FP8 scratch: each tile's codes and scales, then its GEMM.
+absl::Status CudaBackend::MatMulFp8Gemm(const MatMulParams& p) {
+  if (!fp8_gemm_.has_value()) {
+    TANDEM_ASSIGN_OR_RETURN(cuda_backend::Fp8Gemm gemm, cuda_backend::Fp8Gemm::Create(device_));
+    fp8_gemm_.emplace(std::move(gemm));
+  }
+  // [workspace | scales of the tile's rows | codes of the tile], each 256-byte aligned.
+  constexpr size_t kAlign = 256;
+  const size_t k = static_cast<size_t>(p.k);
+  const size_t room = kCudaFp8SlabBytes - cuda_backend::kFp8GemmWorkspaceBytes;
+  const int64_t tile_rows =
+      std::clamp<int64_t>(static_cast<int64_t>((room - kAlign) / (k + 4)), 1, p.m);
+  const size_t scale_bytes = (static_cast<size_t>(tile_rows) * 4 + kAlign - 1) / kAlign * kAlign;
+  TANDEM_ASSIGN_OR_RETURN(void* space,
+                          workspace_.Reserve(cuda_backend::kFp8GemmWorkspaceBytes + scale_bytes +
+                                                 static_cast<size_t>(tile_rows) * k,
+                                             stream()));
+  auto* scales =
+      reinterpret_cast<float*>(static_cast<char*>(space) + cuda_backend::kFp8GemmWorkspaceBytes);
+  auto* codes = reinterpret_cast<uint8_t*>(scales) + scale_bytes;
+  for (int64_t r0 = 0; r0 < p.m; r0 += tile_rows) {
+    const int64_t rows = std::min(tile_rows, p.m - r0);
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchQuantizeRowsF8(
+        {.x = p.x + r0 * p.k, .codes = codes, .scale = scales, .rows = rows, .cols = p.k},
+        stream()));
+    TANDEM_RETURN_IF_ERROR(fp8_gemm_->Run({.x_codes = codes,
+                                           .x_scale = scales,
+                                           .w_codes = p.w,
+                                           .w_scale = p.w_scale,
+                                           .y = p.y + r0 * p.n,
+                                           .m = rows,
+                                           .n = p.n,
+                                           .k = p.k,
+                                           .accumulate = p.accumulate},
+                                          space, stream()));
+  }
+  if (p.bias != nullptr) {
+    TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchAddBias(
+        {.y = p.y, .bias = p.bias, .rows = p.m, .cols = p.n}, stream()));
+  }
+  return absl::OkStatus();
+}
+
+// x as bf16, then slabs of kCudaFp8SlabBytes of w dequantized to bf16 (code · row scale) and
+// multiplied by cuBLAS into their columns of y.
+absl::Status CudaBackend::MatMulFp8Slabs(const MatMulParams& p) {
   const size_t mk = static_cast<size_t>(p.m) * static_cast<size_t>(p.k);
   const size_t x_bytes = (mk * 2 + 255) / 256 * 256;
   const int64_t slab_rows = std::clamp<int64_t>(

@@ -1,10 +1,8 @@
 // Decode GEMV (gemv.cuh).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "device_utils.cuh"
 #include "gemv.cuh"
@@ -35,20 +33,7 @@ __device__ __forceinline__ void Unpack(const uint4& v, __half, float* out) {
   }
 }
 
-// 16 FP8 (e4m3) codes of a 16-byte chunk to f32 (exact), two at a time through half2.
-__device__ __forceinline__ void Unpack(const uint4& v, __nv_fp8_e4m3, float* out) {
-  const auto* pairs = reinterpret_cast<const __nv_fp8x2_storage_t*>(&v);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3));
-    const float2 f = __half22float2(h);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
-
-// x rounded to the weight dtype and back (round to nearest even, as LaunchConvertFromF32). FP8
-// weights read x already rounded to bf16 (GemvArgs::x_bf16).
+// x rounded to the weight dtype and back (round to nearest even, as LaunchConvertFromF32).
 __device__ __forceinline__ float Round(float x, __nv_bfloat16) {
   return __bfloat162float(__float2bfloat16_rn(x));
 }
@@ -56,7 +41,7 @@ __device__ __forceinline__ float Round(float x, __half) { return __half2float(__
 
 // grid: [ceil(n / (kWarps / kSplit))], kThreads threads. The kSplit warps w = kSplit·c + p of
 // block b compute column j = b·(kWarps / kSplit) + c for the kM rows: in each round of
-// kUnroll·kSplit·32 chunks (16 bytes: kE = 8 bf16/f16 or 16 FP8 elements) of w[j, :], warp p,
+// kUnroll·kSplit·32 chunks (16 bytes: kE = 8 elements) of w[j, :], warp p,
 // lane l takes the chunks
 // (u·kSplit + p)·32 + l, u < kUnroll (all its loads issued before their products); each warp sums
 // its lanes, then warp p = 0 adds the kSplit warp sums in order p = 0, 1, ... (shared memory).
@@ -74,7 +59,6 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   const int64_t chunks = a.k / kE;
   const uint4* w =
       reinterpret_cast<const uint4*>(static_cast<const T*>(a.w) + (active ? j : 0) * a.k);
-  const float scale = a.w_scale != nullptr && active ? a.w_scale[j] : 1.0f;  // FP8
   float acc[kM];
 #pragma unroll
   for (int r = 0; r < kM; ++r) acc[r] = 0.0f;
@@ -93,31 +77,16 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
       Unpack(wv[u], T(), wf);
 #pragma unroll
       for (int r = 0; r < kM; ++r) {
-        if (r >= a.m) break;  // kM = 8 serves FP8 calls of 3..8 rows
+        if (r >= a.m) break;
         float s = acc[r];
-        if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
-          // x as bf16: 32 bytes per 16 weights (f32 x, re-read per column from L2, held the
-          // kernel at ~1.7 TB/s of weights on an H200).
-          const uint4* xr = reinterpret_cast<const uint4*>(
-                                static_cast<const __nv_bfloat16*>(a.x_bf16) + r * a.k) +
-                            2 * c;
+        const float4* xr = reinterpret_cast<const float4*>(a.x + r * a.k) + 2 * c;
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float xf[8];
-            Unpack(__ldg(xr + h), __nv_bfloat16(), xf);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s = fmaf(xf[e], wf[8 * h + e], s);
-          }
-        } else {
-          const float4* xr = reinterpret_cast<const float4*>(a.x + r * a.k) + 2 * c;
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const float4 xv = __ldg(xr + q);
-            s = fmaf(Round(xv.x, T()), wf[4 * q], s);
-            s = fmaf(Round(xv.y, T()), wf[4 * q + 1], s);
-            s = fmaf(Round(xv.z, T()), wf[4 * q + 2], s);
-            s = fmaf(Round(xv.w, T()), wf[4 * q + 3], s);
-          }
+        for (int q = 0; q < 2; ++q) {
+          const float4 xv = __ldg(xr + q);
+          s = fmaf(Round(xv.x, T()), wf[4 * q], s);
+          s = fmaf(Round(xv.y, T()), wf[4 * q + 1], s);
+          s = fmaf(Round(xv.z, T()), wf[4 * q + 2], s);
+          s = fmaf(Round(xv.w, T()), wf[4 * q + 3], s);
         }
         acc[r] = s;
       }
@@ -146,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   for (int r = 0; r < kM; ++r) {
     if (r >= a.m) break;
     float* y = a.y + r * a.n + j;
-    float v = acc[r] * scale;
+    float v = acc[r];
     if (a.accumulate) v += *y;  // cuBLAS's beta = 1, then the bias (LaunchAddBias) as before
     if (a.bias != nullptr) v += a.bias[j];
     *y = v;
@@ -161,12 +130,6 @@ cudaError_t LaunchShape(const GemvArgs& a, cudaStream_t stream) {
     GemvKernel<T, 1, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
   } else if (a.m == 2) {
     GemvKernel<T, 2, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
-  } else if constexpr (std::is_same_v<T, __nv_fp8_e4m3>) {
-    if (a.m <= 4) {
-      GemvKernel<T, 4, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
-    } else {
-      GemvKernel<T, kGemvMaxFp8Rows, kSplit, kUnroll><<<blocks, kThreads, 0, stream>>>(a);
-    }
   } else {
     return cudaErrorInvalidValue;
   }
@@ -200,20 +163,13 @@ cudaError_t LaunchAs(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
 bool GemvSupports(const GemvArgs& a) {
   static_assert(kGemvMaxRows == 2, "LaunchShape instantiates m = 1 and 2");
   // Blocks: n at the most (8 warps per column: one column per block).
-  const bool fp8 = a.w_dtype == DType::kF8E4M3;
-  const int64_t per_chunk = fp8 ? 16 : 8;
-  return a.m >= 1 && a.m <= (fp8 ? kGemvMaxFp8Rows : kGemvMaxRows) && a.n >= 1 &&
-         a.k >= per_chunk && a.k % per_chunk == 0 &&
-         (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16 || fp8) &&
-         (a.w_scale != nullptr) == fp8 && a.x != nullptr &&
-         (!fp8 || (a.x_bf16 != nullptr && reinterpret_cast<uintptr_t>(a.x_bf16) % 16 == 0)) &&
+  return a.m >= 1 && a.m <= kGemvMaxRows && a.n >= 1 && a.k >= 8 && a.k % 8 == 0 &&
+         (a.w_dtype == DType::kBF16 || a.w_dtype == DType::kF16) && a.x != nullptr &&
          a.w != nullptr && a.y != nullptr && reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(a.w) % 16 == 0 && a.n <= INT32_MAX;
 }
 
 bool GemvPreferred(const GemvArgs& a) {
-  // FP8: the other path dequantizes every weight per call, so the GEMV wins wherever it runs.
-  if (a.w_dtype == DType::kF8E4M3) return GemvSupports(a);
   return GemvSupports(a) && a.m <= kGemvPreferredMaxRows && a.k <= kGemvMaxK;
 }
 
@@ -234,16 +190,13 @@ cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream) {
   switch (a.w_dtype) {
     case DType::kBF16:
       return LaunchAs<__nv_bfloat16>(a, v, stream);
-    case DType::kF16:
-      return LaunchAs<__half>(a, v, stream);
     default:
-      return LaunchAs<__nv_fp8_e4m3>(a, v, stream);
+      return LaunchAs<__half>(a, v, stream);
   }
 }
 
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream) {
-  return LaunchGemv(a, a.w_dtype == DType::kF8E4M3 ? kGemvFp8Variant : GemvDefaultVariant(a.n),
-                    stream);
+  return LaunchGemv(a, GemvDefaultVariant(a.n), stream);
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -16,9 +16,6 @@ namespace tandem::gpu_worker::cuda_backend {
 // Activation rows up to which LaunchGemv is used (beyond, the x loads from L1 per weight byte
 // grow with m and cuBLAS's tiled GEMM wins).
 inline constexpr int64_t kGemvMaxRows = 2;
-// FP8 weights: rows up to which the GEMV runs (and is preferred: the GEMM path dequantizes every
-// weight to bf16 per call, ~5 bytes moved per weight byte).
-inline constexpr int kGemvMaxFp8Rows = 8;
 // How a GEMV launch spreads a column's reduction: warps_per_column warps split its k (their
 // sums added in shared memory, fixed order), each lane keeping `unroll` 16-byte weight loads in
 // flight. More loads in flight per column help long k (fewer serial chunks per warp).
@@ -38,10 +35,6 @@ inline constexpr GemvVariant kGemvVariants[] = {{1, 4}, {1, 8}, {2, 4}, {2, 8},
 inline constexpr int64_t kGemvNarrowN = 8192;
 inline constexpr GemvVariant kGemvNarrowVariant = {8, 4};
 inline constexpr GemvVariant kGemvWideVariant = {4, 4};
-// FP8 weights: a 16-byte chunk holds 16 of them, so a column has half the chunks of bf16 and the
-// bf16 variants left most lanes without a load (an H200 ran 8B decode at ~1.6 TB/s of weights
-// with them); 2 warps x 4 loads per lane cover a 4096-long column in one round.
-inline constexpr GemvVariant kGemvFp8Variant = {2, 4};
 // Rows up to which Backend::MatMul takes the GEMV (GemvPreferred). At m = 2 the same sweep had
 // cuBLAS as fast or faster on every shape (4096x4096 17.0 vs 17.2 µs, 6144x4096 21.0 vs 22.8,
 // 28672x4096 61.3 vs 77.7, 4096x14336 36.1 vs 43.1): each weight byte then needs two rows of x
@@ -55,15 +48,12 @@ inline constexpr int64_t kGemvPreferredMaxRows = 1;
 inline constexpr int64_t kGemvMaxK = 16384;
 
 // y[r, j] = Σ_i bf16(x[r, i])·w[j, i] (+ y[r, j] when accumulate) (+ bias[j]), r < m, j < n: the
-// numerics of Backend::MatMul (x rounded to the weight dtype, f32 products and sums). FP8:
-// y[r, j] = w_scale[j]·Σ_i bf16(x[r, i])·code[j, i], x read from x_bf16 (the caller's bf16 copy);
-// its chunks hold 16 weights: half the bytes per column of bf16.
+// numerics of Backend::MatMul (x rounded to the weight dtype, f32 products and sums). FP8
+// weights have their own kernel (gemv_fp8.cuh).
 struct GemvArgs {
   const float* x = nullptr;     // [m, k], 16-byte aligned
   const void* w = nullptr;      // [n, k] of w_dtype, 16-byte aligned
-  DType w_dtype = DType::kBF16;    // kBF16, kF16 or kF8E4M3 (with w_scale)
-  const float* w_scale = nullptr;  // [n], FP8 only
-  const void* x_bf16 = nullptr;    // [m, k] bf16 copy of x, FP8 only (16-byte aligned)
+  DType w_dtype = DType::kBF16;  // kBF16 or kF16
   const float* bias = nullptr;  // optional [n]
   float* y = nullptr;           // [m, n]; must not alias x
   int64_t m = 0;
@@ -73,11 +63,10 @@ struct GemvArgs {
 };
 
 // True when LaunchGemv takes these arguments: 1 <= m <= kGemvMaxRows, bf16 or f16 weights with
-// k a multiple of 8 or FP8 weights with a scale and k a multiple of 16, x and w 16-byte aligned
-// (any k: the kernel has no length bound).
+// k a multiple of 8, x and w 16-byte aligned (any k: the kernel has no length bound).
 bool GemvSupports(const GemvArgs& a);
 // True when Backend::MatMul should take the GEMV: GemvSupports, m <= kGemvPreferredMaxRows and
-// k <= kGemvMaxK; FP8 weights: GemvSupports (m <= kGemvMaxFp8Rows).
+// k <= kGemvMaxK.
 bool GemvPreferred(const GemvArgs& a);
 // True for a variant of kGemvVariants.
 bool GemvVariantValid(GemvVariant v);
@@ -86,7 +75,7 @@ GemvVariant GemvDefaultVariant(int64_t n);
 
 // cudaErrorInvalidValue when !GemvSupports(a) or !GemvVariantValid(v).
 cudaError_t LaunchGemv(const GemvArgs& a, GemvVariant v, cudaStream_t stream);
-// With GemvDefaultVariant(a.n) (bf16, f16) or kGemvFp8Variant.
+// With GemvDefaultVariant(a.n).
 cudaError_t LaunchGemv(const GemvArgs& a, cudaStream_t stream);
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -313,19 +313,40 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- MatMul ------------------------------------------------------------------------------------
 
-// FP8 weights against the exact product Σ x·code·scale[j]: the GEMV (m <= 8, k a multiple of
-// 16: f32 x and codes) and dequantized slabs (m = 37: 3 slabs of 4096 rows at k = 4096; k = 40
-// is no GEMV shape: bf16 x and bf16(code·scale)); with the residual add and a bias. Tolerance:
-// bf16 rounding of both operands, 2^-8 of Σ|x·w|.
-TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsBf16Dequantization) {
+// The FP8 GEMM's operand for x (backend.h): each row quantized to e4m3 with scale absmax/448,
+// as values (code·scale).
+std::vector<double> QuantizedRows(const std::vector<float>& x, int64_t m, int64_t k) {
+  std::vector<double> out(x.size());
+  for (int64_t r = 0; r < m; ++r) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(x[r * k + i]));
+    const float scale = amax == 0.0f ? 1.0f : amax / 448.0f;
+    for (int64_t i = 0; i < k; ++i) {
+      out[r * k + i] = double{F8E4M3ToFloat(FloatToF8E4M3(x[r * k + i] / scale))} * scale;
+    }
+  }
+  return out;
+}
+
+// FP8 weights against the product of their exact operands, with the residual add and a bias:
+//   the GEMV (m <= 4, k a multiple of 16): f32 x and codes, within bf16 rounding: 2^-8 of
+//     Σ|x·w|;
+//   the FP8 tensor-core GEMM (longer m, k a multiple of 16, n of 4): x quantized per row like
+//     QuantizedRows, f32 sums: 2^-10 of Σ|x_q·w| (Hopper's FP8 MMA keeps fewer accumulator bits
+//     between cuBLASLt's f32 promotions);
+//   dequantized bf16 slabs (k = 40, n = 1001: no GEMM shape): 2^-8 of Σ|x·w|.
+TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsExactOperands) {
   struct Case {
     int64_t m, n, k;
     bool accumulate, bias;
   };
   for (const Case& c : {Case{1, 300, 4096, false, false}, Case{1, 77, 48, true, true},
-                        Case{2, 300, 256, false, true}, Case{5, 1000, 28672, true, false},
-                        Case{8, 333, 512, false, true}, Case{37, 9000, 4096, true, false},
-                        Case{1, 50, 40, false, false}}) {
+                        Case{2, 300, 256, false, true}, Case{3, 1000, 28672, true, false},
+                        Case{4, 333, 512, false, true}, Case{5, 1000, 28672, true, false},
+                        Case{8, 336, 512, false, true}, Case{37, 9000, 4096, true, false},
+                        Case{2500, 64, 14336, false, true}, Case{1, 50, 40, false, false},
+                        Case{6, 1001, 64, true, true}}) {
+    const bool gemm = c.m > 4 && c.k % 16 == 0 && c.n % 4 == 0;
     std::mt19937 rng(static_cast<uint32_t>(c.n + c.k));
     std::vector<uint8_t> codes(c.n * c.k);
     for (uint8_t& code : codes) {
@@ -335,7 +356,10 @@ TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsBf16Dequantization) {
     }
     std::vector<float> scale(c.n);
     for (float& s : scale) s = 0.001f + 0.01f * static_cast<float>(rng() % 1000) / 1000.0f;
-    const std::vector<float> x = RandomFloats(c.m * c.k, -1, 1, 7);
+    std::vector<float> x = RandomFloats(c.m * c.k, -1, 1, 7);
+    if (c.m > 2) std::fill_n(x.begin() + 2 * c.k, c.k, 0.0f);  // an all-zero row (scale 1)
+    const std::vector<double> operand =
+        gemm ? QuantizedRows(x, c.m, c.k) : std::vector<double>(x.begin(), x.end());
     const std::vector<float> bias = RandomFloats(c.n, -1, 1, 9);
     const std::vector<float> y0 = RandomFloats(c.m * c.n, -1, 1, 10);
     DeviceBuffer x_buffer = Upload(x);
@@ -355,17 +379,19 @@ TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsBf16Dequantization) {
                                              .accumulate = c.accumulate});
     ASSERT_TRUE(s.ok()) << s;
     const std::vector<float> y = Download<float>(y_buffer, y0.size());
-    for (int64_t i = 0; i < c.m; ++i) {
+    // Rows sampled (all of them up to 64) so the long case stays quick.
+    const int64_t row_step = std::max<int64_t>(1, c.m / 64);
+    for (int64_t i = 0; i < c.m; i += row_step) {
       for (int64_t j = 0; j < c.n; ++j) {
         double ref = 0.0, magnitude = 0.0;
         for (int64_t l = 0; l < c.k; ++l) {
-          const double prod = double{x[i * c.k + l]} * F8E4M3ToFloat(codes[j * c.k + l]) * scale[j];
+          const double prod = operand[i * c.k + l] * F8E4M3ToFloat(codes[j * c.k + l]) * scale[j];
           ref += prod;
           magnitude += std::abs(prod);
         }
         if (c.bias) ref += bias[j];
         if (c.accumulate) ref += y0[i * c.n + j];
-        ASSERT_NEAR(y[i * c.n + j], ref, std::ldexp(magnitude, -8) + 1e-5)
+        ASSERT_NEAR(y[i * c.n + j], ref, std::ldexp(magnitude, gemm ? -10 : -8) + 1e-5)
             << "m " << c.m << " n " << c.n << " k " << c.k << " at " << i << "," << j;
       }
     }

@@ -110,11 +110,14 @@ struct RmsNormParams {
 // y = x · wᵀ (+ bias) (+ y when accumulate): the nn.Linear layout. accumulate fuses the
 // residual add; bias is for models with projection biases (Qwen2's q/k/v).
 // FP8 weights (w_dtype kF8E4M3, only where SupportsFp8Weights()): row j of w is its e4m3 codes
-// times w_scale[j]. The product is within bf16 rounding of the exact one: decode-sized m (cuda:
-// up to 8 rows) computes w_scale[j]·Σ bf16(x)·code in f32 from the codes (the FP8 bytes are all
-// it reads), longer m the product of bf16(x) and the bf16 matrix bf16(code·w_scale[j]).
-// The bf16 rows of an FP8 matrix the cuda backend dequantizes at a time for a GEMM (its
-// workspace holds them beside the bf16 copy of x; the memory plan counts it).
+// times w_scale[j]. Decode-sized m (cuda: up to 4 rows) computes w_scale[j]·Σ bf16(x)·code in f32
+// from the codes (within bf16 rounding of the exact product; the FP8 bytes are all it reads).
+// Longer m runs on the FP8 tensor cores as FP8 servers do: each row of x quantized to e4m3 with
+// its own scale (absmax/448: within 2^-4 of each |x|), products of codes summed in f32 and
+// scaled by both row scales; where the device has no such GEMM, the product of bf16(x) and the
+// bf16 matrix bf16(code·w_scale[j]).
+// The cuda backend's scratch for one FP8 GEMM (the quantized rows of x, their scales and
+// cuBLASLt's workspace; or a slab of dequantized rows beside bf16 x): the memory plan counts it.
 inline constexpr uint64_t kCudaFp8SlabBytes = uint64_t{32} << 20;
 
 struct MatMulParams {
