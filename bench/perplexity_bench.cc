@@ -26,16 +26,17 @@
 #include <string>
 #include <vector>
 
-#include "parse_flags.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "page_policy_list.h"
+#include "parse_flags.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/model_config.h"
 
 ABSL_FLAG(std::string, model, "", "model directory");
 ABSL_FLAG(std::string, books, "", "directory of .txt books (all of them, sorted by name)");
@@ -46,6 +47,9 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "0.5,1,2", "hybrid: comma-separated betas");
 ABSL_FLAG(int64_t, chunk, 1, "tokens per forward pass");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
+ABSL_FLAG(std::string, quantization, "",
+          "fp8: the checkpoint's projections quantized to FP8 per output row at load (its "
+          "perplexity cost); none or \"\": as stored");
 ABSL_FLAG(std::string, prefill_attention, "fast",
           "cuda prefill attention kernel: fast (bf16 q and softmax weights) or exact "
           "(f32-accurate, about 2.3x the prefill attention time); the cpu backend ignores it");
@@ -91,6 +95,12 @@ int Main() {
   EngineOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   options.backend = absl::GetFlag(FLAGS_backend);
+  options.quantization = absl::GetFlag(FLAGS_quantization);
+  if (ModelConfig scratch; !ApplyQuantizationOption(options.quantization, &scratch).ok()) {
+    std::fprintf(stderr, "--quantization must be fp8, none or \"\", got \"%s\"\n",
+                 options.quantization.c_str());
+    return 2;
+  }
   {
     auto prefill = ParsePrefillAttention(absl::GetFlag(FLAGS_prefill_attention));
     if (!prefill.ok()) {
@@ -215,21 +225,26 @@ int Main() {
     for (double& s : r.share_sum) s /= book_ids.size();
     for (double& s : r.captured_sum) s /= book_ids.size();
     nlohmann::json j = {{"config", r.label},
-                        {"mode", r.mode},           {"beta", r.beta},
+                        {"mode", r.mode},
+                        {"beta", r.beta},
                         {"selection", SelectionRuleName(config.selection)},
                         {"select_tokens", config.policy.select_tokens},
                         {"dense_layers", config.policy.dense_layers},
                         {"centroid_share", config.policy.centroid_share},
                         {"page_tokens", absl::GetFlag(FLAGS_page_tokens)},
-                        {"books", book_ids.size()}, {"tokens", tokens},
+                        {"books", book_ids.size()},
+                        {"tokens", tokens},
                         {"window", absl::GetFlag(FLAGS_window)},
                         {"sink", absl::GetFlag(FLAGS_sink)},
                         {"chunk", absl::GetFlag(FLAGS_chunk)},
                         {"node_kv_dtype", absl::GetFlag(FLAGS_node_kv_dtype)},
-                        {"perplexity", r.ppl()},    {"predictions", r.predictions},
+                        {"quantization", options.quantization},
+                        {"perplexity", r.ppl()},
+                        {"predictions", r.predictions},
                         {"selected_share_per_layer", r.share_sum},
                         {"captured_mass_per_layer", r.captured_sum},
-                        {"degraded_steps", r.degraded}, {"seconds", r.seconds}};
+                        {"degraded_steps", r.degraded},
+                        {"seconds", r.seconds}};
     std::printf("%s\n", j.dump().c_str());
     std::fflush(stdout);
     results.push_back(std::move(r));

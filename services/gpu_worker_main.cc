@@ -38,6 +38,11 @@ ABSL_FLAG(std::string, model, "", "model directory (config.json, *.safetensors, 
 ABSL_FLAG(bool, random_weights, false,
           "serve the model directory's config.json geometry with synthetic weights made on the "
           "device (benchmarks; no weights file is read)");
+ABSL_FLAG(std::string, quantization, "",
+          "fp8: quantize a bf16 or f32 checkpoint's projections (q/k/v/o, gate/up/down) to FP8 "
+          "e4m3 with one scale per output row as they are loaded, about half the weights' "
+          "memory; kept FP8 on the cuda backend with bf16 tables, dequantized again elsewhere. "
+          "An FP8 checkpoint is FP8 already. none or \"\": the checkpoint as it is");
 ABSL_FLAG(std::string, address, "127.0.0.1:50051",
           "host:port to serve on (port 0: any free); 0.0.0.0:50051 serves every interface");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this worker (with --tls_key: TLS)");
@@ -310,6 +315,12 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     return absl::InvalidArgumentError("--prefix_cache_min_tokens must be >= 1");
   }
   e.random_weights = absl::GetFlag(FLAGS_random_weights);
+  e.quantization = absl::GetFlag(FLAGS_quantization);
+  tandem::gpu_worker::ModelConfig scratch;  // checks the value before any model is read
+  if (const absl::Status s = tandem::gpu_worker::ApplyQuantizationOption(e.quantization, &scratch);
+      !s.ok()) {
+    return UsageError(s.message());
+  }
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   e.device_prefill = absl::GetFlag(FLAGS_device_prefill);
   e.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);

@@ -2,7 +2,8 @@
 //
 //   tandem generate --model=DIR [--server=HOST:PORT] (--prompt=TEXT | --prompt-file=F)
 //          [--max-tokens --temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta
-//           --window --sink --session-id --backend --cpu-nodes --prefill-chunk --max-context]
+//           --window --sink --session-id --backend --cpu-nodes --prefill-chunk --max-context
+//           --quantization]
 //       Generates from a prompt, streaming the text to stdout, then prints one summary line.
 //       Without --server an Engine runs in-process (with an embedded CPU attention node unless
 //       --cpu-nodes is given); with --server it calls a tandem-gpu-worker.
@@ -40,7 +41,6 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
-#include "google/protobuf/util/json_util.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -52,10 +52,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "google/protobuf/util/json_util.h"
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
-#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/grpc_status.h"
@@ -63,12 +63,14 @@
 #include "tandem/cpu_attention/reference_attention.h"
 #include "tandem/cpu_attention/server.h"
 #include "tandem/cpu_attention/tensor_codec.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/generation_service.h"
+#include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/tokenizer.h"
+#include "tandem/gpu_worker/worker_server.h"
 #include "tandem/security/credentials.h"
 #include "tandem/security/token_file.h"
-#include "tandem/gpu_worker/worker_server.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 #include "tandem/v1/generation.grpc.pb.h"
 
@@ -137,6 +139,9 @@ ABSL_FLAG(std::string, transport, "auto",
           "in-process engine: Attend/AppendKv transport to CPU nodes: auto, shm or grpc");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "in-process engine: prompt tokens per forward chunk");
 ABSL_FLAG(int64_t, max_context, 0, "in-process engine: context limit; 0 = the model's");
+ABSL_FLAG(std::string, quantization, "",
+          "in-process engine: fp8 quantizes a bf16/f32 checkpoint's projections to FP8 (e4m3, "
+          "one scale per output row) as they load; none or \"\": the checkpoint as it is");
 ABSL_FLAG(unsigned, generate_deadline_s, 3600, "generate: deadline of the Generate call");
 ABSL_FLAG(std::string, text, "", "tokenize: the text");
 ABSL_FLAG(int64_t, context, 0, "capacity: positions per sequence; 0 = the worker's max_context");
@@ -579,6 +584,9 @@ absl::StatusOr<gw::EngineOptions> EngineOptionsFromFlags() {
                           gw::ParseNodeTransport(absl::GetFlag(FLAGS_transport)));
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.max_context = absl::GetFlag(FLAGS_max_context);
+  options.quantization = absl::GetFlag(FLAGS_quantization);
+  gw::ModelConfig scratch;  // checks the value before the model is read
+  TANDEM_RETURN_IF_ERROR(gw::ApplyQuantizationOption(options.quantization, &scratch));
   return options;
 }
 
@@ -822,7 +830,7 @@ int main(int argc, char** argv) {
       "tandem client.\n"
       "  tandem generate --model=DIR [--server=HOST:PORT] --prompt=TEXT [--max-tokens=N "
       "--temperature --top-p --top-k --seed --stop --ignore-eos --mode --beta --window --sink "
-      "--selection --select-tokens --dense-layers]\n"
+      "--selection --select-tokens --dense-layers; in-process: --backend --quantization ...]\n"
       "  tandem tokenize --model=DIR [--server=HOST:PORT] --text=TEXT [--add-bos]\n"
       "  tandem attend [--server=HOST:PORT] [--layers --q_heads --kv_heads --head_dim --tokens "
       "--beta --dtype ...]\n"

@@ -581,6 +581,18 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_d
   return config;
 }
 
+absl::Status ApplyQuantizationOption(std::string_view quantization, ModelConfig* config) {
+  if (quantization.empty() || quantization == "none") return absl::OkStatus();
+  if (quantization == "fp8") {
+    config->quantization = "fp8";
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--quantization \"", absl::string_view(quantization.data(), quantization.size()),
+      "\" is not supported: use \"fp8\" (projections as FP8 e4m3 with per-row scales, quantized "
+      "at load from a float checkpoint) or \"none\" (the checkpoint's own weights)"));
+}
+
 namespace {
 
 // 1 / theta^(2i / dim) for i < dim / 2, in f32 as torch computes `base ** (arange(0, dim, 2) /

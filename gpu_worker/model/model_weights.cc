@@ -203,13 +203,23 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
   }
   weights.dtype = bind.matrix_dtype();
   weights.stored_projection_dtype = bind.projection_dtype();
+  weights.quantize_at_load =
+      config.quantization == "fp8" && weights.stored_projection_dtype != DType::kF8E4M3;
+  if (weights.quantize_at_load && weights.dtype == DType::kF16) {
+    // Upload would have to dequantize them to f16, which it does not (device_model.h).
+    return absl::InvalidArgumentError(
+        "weights: --quantization fp8 quantizes bf16 or f32 checkpoints at load, and this one is "
+        "f16 (FP8 projections run beside bf16 or f32 tables); run it without --quantization");
+  }
   return weights;
 }
 
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir) {
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir,
+                                                 const LoadOptions& options) {
   auto model = std::make_unique<Model>();
   model->dir = model_dir;
   TANDEM_ASSIGN_OR_RETURN(model->config, LoadModelConfig(model_dir));
+  TANDEM_RETURN_IF_ERROR(ApplyQuantizationOption(options.quantization, &model->config));
   TANDEM_ASSIGN_OR_RETURN(model->archive, SafetensorsArchive::Open(model_dir));
   absl::StatusOr<ModelWeights> weights = BindModelWeights(model->config, *model->archive);
   if (!weights.ok()) {

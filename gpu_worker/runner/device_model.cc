@@ -1,14 +1,17 @@
 #include "tandem/gpu_worker/device_model.h"
 
 #include <array>
-#include <cstring>
 #include <initializer_list>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/f16.h"
 #include "tandem/common/f8e4m3.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/gpu_worker/fp8_quantize.h"
 #include "tandem/gpu_worker/model_geometry.h"
 
 namespace tandem::gpu_worker {
@@ -42,32 +45,6 @@ absl::StatusOr<DeviceTensor> UploadStacked(Backend& backend,
   return out;
 }
 
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 void AppendAsFloat(const TensorView& t, std::vector<float>& dst) {
   const int64_t n = t.numel();
   for (int64_t i = 0; i < n; ++i) {
@@ -79,7 +56,7 @@ void AppendAsFloat(const TensorView& t, std::vector<float>& dst) {
         dst.push_back(Bf16ToFloat(static_cast<const uint16_t*>(t.data)[i]));
         break;
       case DType::kF16:
-        dst.push_back(HalfToFloat(static_cast<const uint16_t*>(t.data)[i]));
+        dst.push_back(F16ToFloat(static_cast<const uint16_t*>(t.data)[i]));
         break;
       case DType::kF8E4M3:
         dst.push_back(F8E4M3ToFloat(static_cast<const uint8_t*>(t.data)[i]));
@@ -99,7 +76,7 @@ float ScaleOfRow(const TensorView& scale, int64_t row) {
     case DType::kBF16:
       return Bf16ToFloat(static_cast<const uint16_t*>(scale.data)[i]);
     case DType::kF16:
-      return HalfToFloat(static_cast<const uint16_t*>(scale.data)[i]);
+      return F16ToFloat(static_cast<const uint16_t*>(scale.data)[i]);
     default:
       return static_cast<const float*>(scale.data)[i];
   }
@@ -119,69 +96,121 @@ absl::StatusOr<std::vector<float>> RowScales(const ModelWeights& w,
   return scales;
 }
 
-// FP8 `parts` kept as codes (one device tensor) with their row scales as f32 [rows] beside.
-absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const ModelWeights& w,
-                                       std::initializer_list<const TensorView*> parts,
-                                       size_t* total_bytes) {
-  TANDEM_ASSIGN_OR_RETURN(const std::vector<float> scales, RowScales(w, parts));
-  TANDEM_ASSIGN_OR_RETURN(DeviceTensor out, UploadStacked(backend, parts, total_bytes));
-  TANDEM_ASSIGN_OR_RETURN(out.scale, backend.Allocate(scales.size() * 4));
-  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.scale.data(), scales.data(), scales.size() * 4));
-  *total_bytes += scales.size() * 4;
+// The e4m3 codes and row scales of stacked projections on the host.
+struct Fp8Rows {
+  std::vector<std::span<const f8e4m3_t>> parts;  // each part's codes, [rows_i, cols] row-major
+  std::vector<float> scales;                     // [Σ rows_i] f32, the parts' rows end to end
+  std::vector<f8e4m3_t> quantized;               // the codes `parts` views when quantized here
+  int64_t cols = 0;
+};
+
+// The codes and row scales of the projections `parts`: an FP8 checkpoint's as stored (views of
+// the archive), or a float checkpoint's quantized per row here (ModelWeights::quantize_at_load).
+// NOTE: quantizing holds the stacked parts' codes in host memory, 1 byte a weight (gate_up,
+// [2·I, H], the largest), never the whole model's.
+absl::StatusOr<Fp8Rows> Fp8RowsOf(const ModelWeights& w,
+                                  std::initializer_list<const TensorView*> parts) {
+  Fp8Rows out;
+  out.cols = (*parts.begin())->shape[1];
+  if (!w.quantize_at_load) {
+    TANDEM_ASSIGN_OR_RETURN(out.scales, RowScales(w, parts));
+    for (const TensorView* t : parts) {
+      out.parts.emplace_back(static_cast<const f8e4m3_t*>(t->data),
+                             static_cast<size_t>(t->numel()));
+    }
+    return out;
+  }
+  size_t elements = 0;
+  size_t rows = 0;
+  for (const TensorView* t : parts) {
+    elements += static_cast<size_t>(t->numel());
+    rows += static_cast<size_t>(t->shape[0]);
+  }
+  out.quantized.resize(elements);
+  out.scales.resize(rows);
+  size_t at = 0;         // elements of `quantized` written
+  size_t first_row = 0;  // of this part in `scales`
+  for (const TensorView* t : parts) {
+    const absl::Status s =
+        QuantizeFp8PerRow(*t, out.quantized.data() + at, out.scales.data() + first_row);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("--quantization fp8: ", s.message()));
+    out.parts.emplace_back(out.quantized.data() + at, static_cast<size_t>(t->numel()));
+    at += static_cast<size_t>(t->numel());
+    first_row += static_cast<size_t>(t->shape[0]);
+  }
   return out;
 }
 
-// Uploads the concatenation of the projections `parts` as one device tensor. FP8 parts
-// (w.stored_projection_dtype) stay FP8 where the backend multiplies them (with bf16 tables: the
-// numerics MatMulParams gives them are bf16's); elsewhere they are dequantized on the host on the
-// way, code × scale of its row, rounded to w.dtype (bf16 or f32), and cost the device what the
-// float original does.
-absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeights& w,
-                                              std::initializer_list<const TensorView*> parts,
-                                              size_t* total_bytes) {
-  if (w.stored_projection_dtype != DType::kF8E4M3) {
-    return UploadStacked(backend, parts, total_bytes);
+// FP8 rows kept as codes (one device tensor) with their row scales as f32 [rows] beside.
+absl::StatusOr<DeviceTensor> UploadFp8(Backend& backend, const Fp8Rows& rows, size_t* total_bytes) {
+  size_t bytes = 0;
+  for (const std::span<const f8e4m3_t> part : rows.parts) bytes += part.size();
+  DeviceTensor out;
+  out.dtype = DType::kF8E4M3;
+  TANDEM_ASSIGN_OR_RETURN(out.buffer, backend.Allocate(bytes));
+  size_t offset = 0;
+  for (const std::span<const f8e4m3_t> part : rows.parts) {
+    TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(static_cast<char*>(out.buffer.data()) + offset,
+                                                part.data(), part.size()));
+    offset += part.size();
   }
-  if (DeviceModel::KeepsFp8(w, backend)) return UploadFp8(backend, w, parts, total_bytes);
-  if (w.dtype != DType::kBF16 && w.dtype != DType::kF32) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("FP8 projections beside ", std::string(DTypeName(w.dtype)),
-                     " tables: dequantizing to that dtype is not supported (bf16 or f32 tables)"));
-  }
-  size_t elements = 0;
-  for (const TensorView* t : parts) elements += static_cast<size_t>(t->numel());
-  const size_t elem_bytes = DTypeBytes(w.dtype);
-  std::vector<char> host(elements * elem_bytes);
-  TANDEM_ASSIGN_OR_RETURN(const std::vector<float> scales, RowScales(w, parts));
-  size_t offset = 0;      // elements written
-  size_t first_row = 0;   // of this part in `scales`
-  for (const TensorView* t : parts) {
-    const int64_t rows = t->shape[0], cols = t->shape[1];
-    const auto* codes = static_cast<const f8e4m3_t*>(t->data);
-    // The 256 code values once per row scale: a lookup per element.
-    std::array<float, 256> value;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float s = scales[first_row + static_cast<size_t>(r)];
+  const size_t scale_bytes = rows.scales.size() * sizeof(float);
+  TANDEM_ASSIGN_OR_RETURN(out.scale, backend.Allocate(scale_bytes));
+  TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.scale.data(), rows.scales.data(), scale_bytes));
+  *total_bytes += bytes + scale_bytes;
+  return out;
+}
+
+// FP8 rows dequantized on the host, code × scale of its row rounded to `dtype` (bf16 or f32),
+// as one device tensor.
+absl::StatusOr<DeviceTensor> UploadDequantized(Backend& backend, const Fp8Rows& rows, DType dtype,
+                                               size_t* total_bytes) {
+  const size_t cols = static_cast<size_t>(rows.cols);
+  const size_t elem_bytes = DTypeBytes(dtype);
+  std::vector<char> host(rows.scales.size() * cols * elem_bytes);
+  size_t row = 0;  // of all parts
+  for (const std::span<const f8e4m3_t> part : rows.parts) {
+    for (size_t r = 0; r < part.size() / cols; ++r, ++row) {
+      // The 256 code values once per row scale: a lookup per element.
+      std::array<float, 256> value;
+      const float s = rows.scales[row];
       for (int c = 0; c < 256; ++c) value[c] = F8E4M3ToFloat(static_cast<f8e4m3_t>(c)) * s;
-      const f8e4m3_t* row = codes + r * cols;
-      const size_t at = offset + static_cast<size_t>(r * cols);
-      if (w.dtype == DType::kBF16) {
-        auto* dst = reinterpret_cast<bf16_t*>(host.data()) + at;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = FloatToBf16(value[row[c]]);
+      const f8e4m3_t* codes = part.data() + r * cols;
+      if (dtype == DType::kBF16) {
+        auto* dst = reinterpret_cast<bf16_t*>(host.data()) + row * cols;
+        for (size_t c = 0; c < cols; ++c) dst[c] = FloatToBf16(value[codes[c]]);
       } else {
-        auto* dst = reinterpret_cast<float*>(host.data()) + at;
-        for (int64_t c = 0; c < cols; ++c) dst[c] = value[row[c]];
+        auto* dst = reinterpret_cast<float*>(host.data()) + row * cols;
+        for (size_t c = 0; c < cols; ++c) dst[c] = value[codes[c]];
       }
     }
-    offset += static_cast<size_t>(t->numel());
-    first_row += static_cast<size_t>(rows);
   }
   DeviceTensor out;
-  out.dtype = w.dtype;
+  out.dtype = dtype;
   TANDEM_ASSIGN_OR_RETURN(out.buffer, backend.Allocate(host.size()));
   TANDEM_RETURN_IF_ERROR(backend.CopyToDevice(out.buffer.data(), host.data(), host.size()));
   *total_bytes += host.size();
   return out;
+}
+
+// Uploads the concatenation of the projections `parts` as one device tensor. FP8 projections
+// (w.fp8_projections(): an FP8 checkpoint's, or a float one's quantized here) stay FP8 where
+// DeviceModel::KeepsFp8 (the backend multiplies FP8 weights, beside bf16 tables); elsewhere they
+// are dequantized on the host on the way, rounded to w.dtype (bf16 or f32), and cost the device
+// what the float original does.
+absl::StatusOr<DeviceTensor> UploadProjection(Backend& backend, const ModelWeights& w,
+                                              std::initializer_list<const TensorView*> parts,
+                                              size_t* total_bytes) {
+  if (!w.fp8_projections()) return UploadStacked(backend, parts, total_bytes);
+  const bool keep = DeviceModel::KeepsFp8(w, backend);
+  if (!keep && w.dtype != DType::kBF16 && w.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 projections beside ", std::string(DTypeName(w.dtype)),
+                     " tables: dequantizing to that dtype is not supported (bf16 or f32 tables)"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(const Fp8Rows rows, Fp8RowsOf(w, parts));
+  if (keep) return UploadFp8(backend, rows, total_bytes);
+  return UploadDequantized(backend, rows, w.dtype, total_bytes);
 }
 
 // The f32 row scales of FP8 parts (constant specs), end to end.
@@ -238,25 +267,26 @@ absl::StatusOr<DeviceTensor> CreateStacked(Backend& backend,
 }  // namespace
 
 bool DeviceModel::KeepsFp8(const ModelWeights& w, const Backend& backend) {
-  return w.stored_projection_dtype == DType::kF8E4M3 && backend.SupportsFp8Weights() &&
-         w.dtype == DType::kBF16;
+  return w.fp8_projections() && backend.SupportsFp8Weights() && w.dtype == DType::kBF16;
 }
 
 size_t DeviceModel::WeightBytes(const ModelWeights& w, const Backend& backend) {
   const bool keeps_fp8 = KeepsFp8(w, backend);
   // Upload's tensors: embed, final norm, lm_head unless tied, then per layer its norms and
-  // matrices as stored (FP8 projections as codes + f32 row scales where kept, else as their
-  // dequantized w.dtype) and the qkv biases converted to f32 (AppendAsFloat).
+  // matrices (FP8 projections, stored or quantized at load, as codes + f32 row scales where
+  // kept, else as their dequantized w.dtype; float ones as stored) and the qkv biases converted
+  // to f32 (AppendAsFloat).
   size_t bytes = w.embed->bytes + w.final_norm->bytes;
   if (w.lm_head != w.embed) bytes += w.lm_head->bytes;
   for (const LayerWeights& lw : w.layers) {
     for (const TensorView* t : {lw.attn_norm, lw.ffn_norm}) bytes += t->bytes;
     for (const TensorView* t :
          {lw.q_proj, lw.k_proj, lw.v_proj, lw.o_proj, lw.gate_proj, lw.up_proj, lw.down_proj}) {
-      if (t->dtype != DType::kF8E4M3) {
+      if (!w.fp8_projections()) {
         bytes += t->bytes;
       } else if (keeps_fp8) {
-        bytes += t->bytes + static_cast<size_t>(t->shape[0]) * 4;  // codes + f32 row scales
+        // 1-byte codes (also of a float projection quantized at load) + f32 row scales
+        bytes += static_cast<size_t>(t->numel()) + static_cast<size_t>(t->shape[0]) * 4;
       } else {
         bytes += static_cast<size_t>(t->numel()) * DTypeBytes(w.dtype);
       }

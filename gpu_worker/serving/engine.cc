@@ -68,6 +68,25 @@ RemoteKvOptions NodeSessionOptions(const EngineOptions& options, const ModelConf
   return ro;
 }
 
+// The start-up line of --quantization fp8 on a float checkpoint: what it did to the weights.
+void LogQuantizedAtLoad(const ModelWeights& w, const DeviceModel& device, const Backend& backend) {
+  if (!w.quantize_at_load) return;
+  ModelWeights as_stored = w;  // the float checkpoint's upload, for its bytes
+  as_stored.quantize_at_load = false;
+  const std::string what =
+      absl::StrCat("quantized ", 7 * w.layers.size(), " projections to FP8 at load: weights ",
+                   FormatBytes(DeviceModel::WeightBytes(as_stored, backend)), " -> ",
+                   FormatBytes(device.weight_bytes()));
+  if (DeviceModel::KeepsFp8(w, backend)) {
+    spdlog::info("{} (e4m3 codes + f32 row scales)", what);
+  } else {
+    spdlog::info(
+        "{} (dequantized to {} on upload: FP8's values, not its memory; FP8 weights stay "
+        "FP8 on the cuda backend with bf16 tables, here {} with {})",
+        what, DTypeName(w.dtype), backend.name(), DTypeName(w.dtype));
+  }
+}
+
 }  // namespace
 
 std::string_view FinishReasonName(FinishReason reason) {
@@ -113,9 +132,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
     engine->model_ = std::make_unique<Model>();
     engine->model_->dir = options.model_dir;
     TANDEM_ASSIGN_OR_RETURN(engine->model_->config, LoadModelConfig(options.model_dir));
+    TANDEM_RETURN_IF_ERROR(ApplyQuantizationOption(options.quantization, &engine->model_->config));
     engine->model_->weights.dtype = engine->model_->config.weight_dtype;
   } else {
-    TANDEM_ASSIGN_OR_RETURN(engine->model_, LoadModel(options.model_dir));
+    TANDEM_ASSIGN_OR_RETURN(engine->model_,
+                            LoadModel(options.model_dir, {.quantization = options.quantization}));
   }
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_, LoadTokenizer(options.model_dir));
   engine->max_token_bytes_ = MaxTokenBytes(*engine->tokenizer_);
@@ -168,6 +189,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   } else {
     TANDEM_ASSIGN_OR_RETURN(engine->device_model_,
                             DeviceModel::Upload(*engine->model_, *engine->backend_));
+    LogQuantizedAtLoad(engine->model_->weights, *engine->device_model_, *engine->backend_);
   }
   RunnerOptions runner_options;
   runner_options.max_chunk = options.prefill_chunk;

@@ -600,10 +600,16 @@ absl::StatusOr<MemoryPlanSetup> PlanSetupFromOptions(const EngineOptions& option
   } else if (options.random_weights) {
     TANDEM_ASSIGN_OR_RETURN(model.config, LoadModelConfig(options.model_dir));
   } else {
-    TANDEM_ASSIGN_OR_RETURN(loaded, LoadModel(options.model_dir));  // headers; weights mmap'ed
+    // Headers only, the weights mmap'ed; --quantization as Engine::Create loads it.
+    TANDEM_ASSIGN_OR_RETURN(loaded,
+                            LoadModel(options.model_dir, {.quantization = options.quantization}));
     use = loaded.get();
   }
-  if (use == &model) model.weights.dtype = model.config.weight_dtype;
+  if (use == &model) {
+    // A preset or random geometry: --quantization fp8 makes its weights FP8 (WeightBytes(config)).
+    TANDEM_RETURN_IF_ERROR(ApplyQuantizationOption(options.quantization, &model.config));
+    model.weights.dtype = model.config.weight_dtype;
+  }
   // The backend as Engine::Create makes it: cuda when usable (for "auto"), else cpu.
   absl::StatusOr<std::unique_ptr<Backend>> backend =
       options.backend == "cpu" ? CreateCpuBackend(1) : CreateCudaBackend(options.cuda_device);

@@ -15,6 +15,7 @@
 #include "../../common/child_process.h"
 #include "../engine/engine_test_util.h"
 #include "absl/strings/str_cat.h"
+#include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/window_cache.h"
@@ -135,6 +136,31 @@ TEST(PlanE2eTest, Llama3PresetWithoutWeights) {
   EXPECT_EQ(bf16, shards * blocks * bf16_format.block_bytes());
   EXPECT_EQ(int8, shards * blocks * int8_format.block_bytes());
   EXPECT_LT(static_cast<double>(int8), 0.56 * static_cast<double>(bf16));
+}
+
+// --quantization: fp8 plans the preset's FP8 weights; another value is a usage error (exit 2).
+TEST(PlanE2eTest, QuantizationFlag) {
+  const std::vector<std::string> base = {
+      TANDEM_GPU_WORKER_BIN,       "--plan",      "--preset=llama3-8b", "--backend=cpu",
+      "--plan_device_bytes=80GiB", "--plan_json", "--log_level=warn"};
+  std::vector<std::string> argv = base;
+  argv.push_back("--quantization=fp8");
+  absl::StatusOr<CommandResult> r = RunCommand(argv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->exit_code == 0 || r->exit_code == 1) << r->err;
+  absl::StatusOr<ModelConfig> config = GeometryPreset("llama3-8b");
+  ASSERT_TRUE(config.ok());
+  config->quantization = "fp8";
+  absl::StatusOr<size_t> fp8_bytes = DeviceModel::WeightBytes(*config);
+  ASSERT_TRUE(fp8_bytes.ok()) << fp8_bytes.status();
+  EXPECT_EQ(ItemBytes(nlohmann::json::parse(r->out)["device"], "weights"), *fp8_bytes);
+
+  argv = base;
+  argv.push_back("--quantization=int8");
+  r = RunCommand(argv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->exit_code, 2);
+  EXPECT_THAT(r->err, HasSubstr("--quantization \"int8\" is not supported"));
 }
 
 // Two real CPU nodes, one storing int8 rows and one bf16: --plan asks their Stats and sizes

@@ -8,61 +8,30 @@
 // per output row in layer 0 and per tensor in layer 1 (scale = max |w| / 448).
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
+#include "fp8_test_util.h"
 #include "gtest/gtest.h"
 #include "model_test_util.h"
 #include "nlohmann/json.hpp"
-#include "tandem/common/bf16.h"
 #include "tandem/common/f8e4m3.h"
 #include "tandem/gpu_worker/backend.h"
-#include "tandem/gpu_worker/device_model.h"
-#include "tandem/gpu_worker/model_runner.h"
-#include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/safetensors.h"
-#include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
 namespace {
 
+using testing::Encode;
+using testing::ForwardOf;
+using testing::Fp8SourceModel;
+using testing::Outputs;
+using testing::ReadText;
 using testing::TempDir;
-
-std::filesystem::path SourceModel() {
-  const char* dir = std::getenv("TANDEM_ROPE_FIXTURES_DIR");
-  return (dir != nullptr ? std::filesystem::path(dir)
-                         : std::filesystem::path(TANDEM_ROPE_FIXTURES)) /
-         "llama_yarn";
-}
-
-std::string ReadText(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// `values` (f32) as the bytes of `dtype` (kF32 or kBF16).
-std::vector<char> Encode(const float* values, size_t n, DType dtype) {
-  std::vector<char> out(n * DTypeBytes(dtype));
-  for (size_t i = 0; i < n; ++i) {
-    if (dtype == DType::kBF16) {
-      const bf16_t b = FloatToBf16(values[i]);
-      std::memcpy(out.data() + 2 * i, &b, 2);
-    } else {
-      std::memcpy(out.data() + 4 * i, &values[i], 4);
-    }
-  }
-  return out;
-}
 
 // Writes `fp8_dir` (the source with FP8 projections, every other tensor as `tables`) and
 // `float_dir` (the same, with the projections' dequantized values as `tables`) from the f32
@@ -70,7 +39,7 @@ std::vector<char> Encode(const float* values, size_t n, DType dtype) {
 void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
                         const std::filesystem::path& float_dir, DType tables) {
   absl::StatusOr<std::unique_ptr<SafetensorsArchive>> archive =
-      SafetensorsArchive::Open(SourceModel());
+      SafetensorsArchive::Open(Fp8SourceModel());
   ASSERT_TRUE(archive.ok()) << archive.status();
   std::vector<TensorToWrite> fp8_tensors, float_tensors;
   std::vector<std::vector<char>> storage;  // keeps every written buffer alive
@@ -117,7 +86,7 @@ void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
     storage.push_back(Encode(values.data(), values.size(), tables));
     float_tensors.push_back({name, tables, t->shape, storage.back().data(), storage.back().size()});
   }
-  nlohmann::json config = nlohmann::json::parse(ReadText(SourceModel() / "config.json"));
+  nlohmann::json config = nlohmann::json::parse(ReadText(Fp8SourceModel() / "config.json"));
   config["torch_dtype"] = tables == DType::kBF16 ? "bfloat16" : "float32";
   testing::WriteFile(float_dir / "config.json", config.dump(2));
   config["quantization_config"] = {{"quant_method", "fbgemm_fp8"},
@@ -127,57 +96,6 @@ void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
   ASSERT_TRUE(WriteSafetensors(float_dir / "model.safetensors", float_tensors).ok());
 }
 
-// The log-probs of every prompt token and the last logits of one forward of `prompt`.
-struct Outputs {
-  std::vector<float> logprobs;
-  std::vector<float> last_logits;
-  size_t weight_bytes = 0;
-};
-
-Outputs ForwardOf(Backend& backend, const std::filesystem::path& dir,
-                  const std::vector<int32_t>& prompt) {
-  Outputs out;
-  absl::StatusOr<std::unique_ptr<Model>> model = LoadModel(dir);
-  EXPECT_TRUE(model.ok()) << model.status();
-  if (!model.ok()) return out;
-  absl::StatusOr<std::unique_ptr<DeviceModel>> dm = DeviceModel::Upload(**model, backend);
-  EXPECT_TRUE(dm.ok()) << dm.status();
-  if (!dm.ok()) return out;
-  out.weight_bytes = (*dm)->weight_bytes();
-  EXPECT_EQ(out.weight_bytes, DeviceModel::WeightBytes((*model)->weights, backend));
-  RunnerOptions options;
-  options.max_chunk = 128;
-  absl::StatusOr<std::unique_ptr<ModelRunner>> runner = ModelRunner::Create(backend, **dm, options);
-  EXPECT_TRUE(runner.ok()) << runner.status();
-  if (!runner.ok()) return out;
-  const ModelConfig& c = (*model)->config;
-  WindowOptions wo;
-  wo.block = 16;
-  wo.max_chunk = 128;
-  wo.max_context = 128;
-  wo.window = WindowOptions::kUnlimited;
-  wo.sink = 0;
-  auto cache =
-      WindowCache::Create(backend, {c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32}, wo);
-  EXPECT_TRUE(cache.ok()) << cache.status();
-  if (!cache.ok()) return out;
-  Sequence seq("fp8", AttentionMode::kGpu, std::move(*cache));
-  std::vector<int32_t> targets(prompt.begin() + 1, prompt.end());
-  targets.push_back(-1);
-  out.logprobs.resize(prompt.size());
-  ForwardOptions fo;
-  fo.targets = targets.data();
-  fo.logprobs = out.logprobs.data();
-  const absl::Status s =
-      (*runner)->Forward(seq, prompt.data(), static_cast<int32_t>(prompt.size()), fo);
-  EXPECT_TRUE(s.ok()) << s;
-  out.logprobs.pop_back();
-  absl::StatusOr<std::vector<float>> last = (*runner)->LastLogitsToHost();
-  EXPECT_TRUE(last.ok()) << last.status();
-  if (last.ok()) out.last_logits = *std::move(last);
-  return out;
-}
-
 class Fp8Checkpoint : public ::testing::TestWithParam<DType> {};
 
 // With f32 tables every backend dequantizes on upload: bit for bit. With bf16 tables the cpu
@@ -185,18 +103,14 @@ class Fp8Checkpoint : public ::testing::TestWithParam<DType> {};
 // for decode rows, dequantized slabs for longer ones): the same products in another order.
 TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
   const DType tables = GetParam();
-  absl::StatusOr<std::unique_ptr<Backend>> backend =
-#ifdef TANDEM_TEST_BACKEND_CUDA
-      CreateCudaBackend(0);
-#else
-      CreateCpuBackend(0);
-#endif
+  absl::StatusOr<std::unique_ptr<Backend>> backend = testing::Fp8TestBackend();
   if (!backend.ok()) GTEST_SKIP() << "no backend: " << backend.status();
   TempDir fp8_dir, float_dir;
   ASSERT_FALSE(fp8_dir.path().empty());
   ASSERT_FALSE(float_dir.path().empty());
   WriteQuantizedPair(fp8_dir.path(), float_dir.path(), tables);
-  const nlohmann::json prompt_json = nlohmann::json::parse(ReadText(SourceModel() / "prompt.json"));
+  const nlohmann::json prompt_json =
+      nlohmann::json::parse(ReadText(Fp8SourceModel() / "prompt.json"));
   const std::vector<int32_t> prompt = prompt_json.get<std::vector<int32_t>>();
 
   const Outputs fp8 = ForwardOf(**backend, fp8_dir.path(), prompt);
@@ -220,7 +134,7 @@ TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
   }
 
   // The quantization is real: the FP8 model's log-probs are not the source model's.
-  const Outputs source = ForwardOf(**backend, SourceModel(), prompt);
+  const Outputs source = ForwardOf(**backend, Fp8SourceModel(), prompt);
   ASSERT_EQ(source.logprobs.size(), fp8.logprobs.size());
   double differ = 0;
   for (size_t i = 0; i < source.logprobs.size(); ++i) {

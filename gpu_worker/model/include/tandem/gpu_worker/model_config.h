@@ -81,9 +81,12 @@ struct ModelConfig {
   // Sliding-window attention length in tokens (0: full attention); see the top of this file.
   int64_t sliding_window = 0;
   SamplingDefaults sampling_defaults;  // generation_config.json's; unset when absent
-  // "fp8" for an FP8 checkpoint's quantization_config (e4m3 projections with per-row or
-  // per-tensor scales: fbgemm_fp8, fp8 without blocks, compressed-tensors float 8-bit), "" for
-  // none; any other quantization is refused at parse.
+  // "fp8" when the projections run as FP8 e4m3 with per-row or per-tensor scales: an FP8
+  // checkpoint's quantization_config (fbgemm_fp8, fp8 without blocks, compressed-tensors float
+  // 8-bit), or --quantization fp8 (ApplyQuantizationOption), which quantizes a float checkpoint's
+  // projections at load (fp8_quantize.h); "" for none. Any other quantization_config is refused
+  // at parse. The one switch: BindModelWeights derives the upload from it
+  // (ModelWeights::quantize_at_load), and the memory plan and random weights read it.
   std::string quantization;
 };
 
@@ -97,6 +100,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view config_json);
 // config's (the EOS set is the union, config.json's first); its temperature, top_p and top_k
 // become sampling_defaults (INVALID_ARGUMENT naming the field when out of range).
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& model_dir);
+
+// A --quantization value applied to `config` (after LoadModelConfig): "" and "none" leave it as
+// the checkpoint has it (an FP8 checkpoint stays FP8), "fp8" sets quantization to "fp8" (a no-op
+// for an FP8 checkpoint; a float checkpoint's projections are then quantized at load). Any other
+// value: INVALID_ARGUMENT naming it.
+absl::Status ApplyQuantizationOption(std::string_view quantization, ModelConfig* config);
 
 // RoPE inverse frequencies, [head_dim / 2] f32, bit-for-bit the computation of transformers
 // (float32 math): inv_freq[i] = 1 / theta^(2i / head_dim), then "linear" divides by factor,

@@ -11,7 +11,7 @@
 // the tensor, its expected and found shape when a tensor is missing or mis-shaped, when the
 // matrices do not share one dtype in {F32, BF16, F16} (FP8 e4m3 projections beside float tables
 // excepted, each with a per-row or per-tensor weight_scale; block-wise scales are refused), or
-// when a norm or bias is not a float.
+// when a norm or bias is not a float; INVALID_ARGUMENT for a bad LoadOptions::quantization.
 //
 // Lifetime: every TensorView* points into Model::archive and is valid while the Model lives.
 // Thread safety: a loaded Model is immutable and may be read from any thread.
@@ -19,6 +19,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -64,6 +65,15 @@ struct ModelWeights {
   // fp8_scales holding each projection's scale).
   DType stored_projection_dtype = DType::kF32;
   FP8Scales fp8_scales;
+  // True when the config's quantization is "fp8" (--quantization fp8) but the files hold the
+  // projections as floats: Upload quantizes each one per output row (QuantizeFp8PerRow) as it
+  // goes and takes the codes and scales as it takes an FP8 checkpoint's.
+  bool quantize_at_load = false;
+
+  // The projections run as FP8 codes with scales: stored so, or quantized at load.
+  bool fp8_projections() const {
+    return stored_projection_dtype == DType::kF8E4M3 || quantize_at_load;
+  }
 };
 
 // A loaded model: config + mmap'ed weights (the views stay valid while Model lives).
@@ -75,11 +85,21 @@ struct Model {
 };
 
 // Resolves and checks every weight of `config` in `archive` (tensors the model does not use,
-// such as rotary_emb.inv_freq, are ignored).
+// such as rotary_emb.inv_freq, are ignored). With config.quantization "fp8" and float
+// projections it sets quantize_at_load; INVALID_ARGUMENT when those are beside f16 tables
+// (FP8 projections run beside bf16 or f32 tables).
 absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
                                               const SafetensorsArchive& archive);
 
-// LoadModelConfig(model_dir) + SafetensorsArchive::Open(model_dir) + BindModelWeights.
-absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir);
+struct LoadOptions {
+  // --quantization: "", "none" or "fp8" (ApplyQuantizationOption, model_config.h).
+  std::string quantization;
+};
+
+// LoadModelConfig(model_dir) + ApplyQuantizationOption(options.quantization) +
+// SafetensorsArchive::Open(model_dir) + BindModelWeights. Nothing is quantized here: the
+// weights stay mmap'ed and Upload quantizes them one projection at a time.
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::filesystem::path& model_dir,
+                                                 const LoadOptions& options = {});
 
 }  // namespace tandem::gpu_worker

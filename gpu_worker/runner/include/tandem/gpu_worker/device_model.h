@@ -1,6 +1,6 @@
 // DeviceModel: a loaded Model's weights copied into backend memory in the layout the forward
-// pass wants. Matrices keep their dtype (f32/bf16/f16); the projections that read the same input
-// are stacked so one GEMM computes them:
+// pass wants. Matrices keep their dtype (f32/bf16/f16; FP8 projections: see Upload); the
+// projections that read the same input are stacked so one GEMM computes them:
 //   qkv     [(Q + 2K)·D, H]   rows of q_proj, then k_proj, then v_proj
 //   gate_up [2·I, H]          rows of gate_proj, then up_proj (SwiGluParams' layout)
 // Biases (Qwen2) are converted to f32 and stacked the same way. lm_head aliases embed when the
@@ -50,7 +50,11 @@ absl::Status NormHeads(Backend& backend, const DeviceTensor& weight, float* x, i
 
 class DeviceModel {
  public:
-  // RESOURCE_EXHAUSTED when the device cannot hold the weights.
+  // FP8 projections (an FP8 checkpoint's, or a float checkpoint's that it quantizes per row as
+  // it goes when ModelWeights::quantize_at_load: --quantization fp8) stay codes + f32 row scales
+  // where KeepsFp8, else are dequantized on the host to the tables' dtype (the cpu backend: the
+  // numerics of FP8 at the bytes of bf16/f32). RESOURCE_EXHAUSTED when the device cannot hold the
+  // weights; INVALID_ARGUMENT naming the tensor when a weight to quantize is NaN or infinite.
   static absl::StatusOr<std::unique_ptr<DeviceModel>> Upload(const Model& model,
                                                              Backend& backend);
 
@@ -69,8 +73,8 @@ class DeviceModel {
   // (memory_plan.h) reads them before any weight is loaded. CreateRandom's form fails as it
   // does for an unsupported config.
   static size_t WeightBytes(const ModelWeights& weights, const Backend& backend);
-  // True when Upload keeps an FP8 checkpoint's projections FP8 on `backend` (it multiplies FP8
-  // weights and the tables are bf16); else it dequantizes them.
+  // True when Upload keeps FP8 projections (weights.fp8_projections()) FP8 on `backend` (it
+  // multiplies FP8 weights and the tables are bf16); else it dequantizes them.
   static bool KeepsFp8(const ModelWeights& weights, const Backend& backend);
   static absl::StatusOr<size_t> WeightBytes(const ModelConfig& config);
 

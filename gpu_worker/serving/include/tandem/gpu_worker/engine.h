@@ -56,6 +56,10 @@ struct EngineOptions {
   // hand. The text it generates means nothing; speed and memory are the real model's.
   bool random_weights = false;
   uint64_t random_seed = 0;
+  // --quantization: "" / "none" (the checkpoint's weights as they are) or "fp8" (a bf16 or f32
+  // checkpoint's projections quantized to FP8 per output row at load, kept FP8 on cuda; an FP8
+  // checkpoint as it is; random weights made FP8): LoadOptions::quantization (model_weights.h).
+  std::string quantization;
   std::string backend = "auto";    // "auto" (cuda when a GPU is usable, else cpu), "cpu", "cuda"
   int cuda_device = 0;
   unsigned cpu_threads = 0;        // cpu backend threads; 0 = all usable cores

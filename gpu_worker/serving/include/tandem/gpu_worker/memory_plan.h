@@ -170,6 +170,8 @@ absl::StatusOr<MemoryPlanSetup> SetupBeforeLoad(const EngineOptions& options, co
 // config.json (or `preset`, when non-null, instead of the model directory), the weights' sizes
 // (safetensors headers; nothing is loaded), a backend made as the engine makes it (device total
 // and runtime measured, no weights), and its CPU nodes' Stats (remote ones are asked).
+// options.quantization applies as in Engine::Create, to the preset too ("fp8": the weights'
+// FP8 bytes and the cuda workspace's dequantization slab); INVALID_ARGUMENT for a bad value.
 absl::StatusOr<MemoryPlanSetup> PlanSetupFromOptions(const EngineOptions& options,
                                                      const ModelConfig* preset);
 
