@@ -10,7 +10,9 @@
 #     build/tests/gpu_worker/geometry/gpu_worker_random_model_cuda_test \
 #     build/bench/tandem-bench build/bench/tandem-kernel-bench /tmp/f8/bin/
 #   ../shared/tools/gpu-bundle.sh /tmp/f8 .carry/tandem.tar.xz && git rev-parse HEAD > .carry/commit
-# and run with carry [".carry"]. PARTS (default "tests sweep 8b 70b") picks the parts; BENCH_70B
+# (and for the ppl part tandem-ppl-bench, with shared/models/gutenberg-14m and
+# shared/data/gutenberg-eval copied under .carry/shared/) and run with carry [".carry"]. PARTS
+# (default "tests sweep 8b 70b"; "ppl" adds the perplexity runs) picks the parts; BENCH_70B
 # the 70B runs' extra flags. Each part's output goes to its own file under $OUT.
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -24,7 +26,10 @@ export TANDEM_ROPE_FIXTURES_DIR=$PWD/tests/gpu_worker/model/rope_fixtures
   if [[ " $parts " == *" tests "* ]]; then
     backend_cuda_test > "$out/backend_test.txt" 2>&1
     grep -E '^\[  (PASSED|FAILED)|Failure' "$out/backend_test.txt" | tail -12
-    gpu_worker_fp8_checkpoint_cuda_test 2>&1 | grep -E 'PASSED|FAILED|Failure|Expected|Which' | tail -8
+    for t in gpu_worker_fp8_checkpoint_cuda_test gpu_worker_fp8_quantize_at_load_cuda_test \
+      gpu_worker_plan_quantization_cuda_test; do
+      $t 2>&1 | grep -E 'PASSED|FAILED|Failure|Expected|Which' | tail -8
+    done
     gpu_worker_rope_reference_cuda_test 2>&1 | grep -E '^\[  (PASSED|FAILED)' | tail -4
     gpu_worker_random_model_cuda_test 2>&1 | grep -E '^\[  (PASSED|FAILED)|Failure' | tail -6
   fi
@@ -33,6 +38,18 @@ export TANDEM_ROPE_FIXTURES_DIR=$PWD/tests/gpu_worker/model/rope_fixtures
       --gemv_shapes=6144x4096,4096x4096,28672x4096,4096x14336,10240x8192,8192x8192,57344x8192,8192x28672 \
       --gemv_fp8_rows=1,2,4,8,64,1024 2>&1 | grep -v '^{' > "$out/sweep.txt"
     grep -E 'default|bf16-cublas' "$out/sweep.txt" | grep -E ' m +(1|4|1024) '
+  fi
+  if [[ " $parts " == *" ppl "* ]]; then
+    # A real model's perplexity with FP8 projections: token by token (the GEMV, bf16
+    # activations) and in 512-token chunks (the FP8 GEMM, per-token e4m3 activations).
+    for chunk in 1 512; do
+      for q in none fp8; do
+        echo "== gutenberg-14m perplexity, chunk $chunk, quantization=$q"
+        tandem-ppl-bench --model .carry/shared/models/gutenberg-14m \
+          --books .carry/shared/data/gutenberg-eval --max_books 3 --tokens 8192 \
+          --chunk "$chunk" --betas= --backend cuda --quantization "$q" 2>&1 | grep -E '^full'
+      done
+    done
   fi
   if [[ " $parts " == *" 8b "* ]]; then
     for q in none fp8; do

@@ -69,9 +69,12 @@ struct Outputs {
 };
 
 // Loads `dir` with `options`, uploads it to `backend` (checking that WeightBytes predicted the
-// bytes) and runs one forward of `prompt`; failures are test failures and leave fields empty.
+// bytes) and runs `prompt` through it, `tokens_per_call` tokens per Forward (0: all in one, the
+// prompt's prefill; 1: token by token, decode's matrix-vector shapes); failures are test
+// failures and leave fields empty.
 inline Outputs ForwardOf(Backend& backend, const std::filesystem::path& dir,
-                         const std::vector<int32_t>& prompt, const LoadOptions& load = {}) {
+                         const std::vector<int32_t>& prompt, const LoadOptions& load = {},
+                         int32_t tokens_per_call = 0) {
   Outputs out;
   absl::StatusOr<std::unique_ptr<Model>> model = LoadModel(dir, load);
   EXPECT_TRUE(model.ok()) << model.status();
@@ -101,12 +104,17 @@ inline Outputs ForwardOf(Backend& backend, const std::filesystem::path& dir,
   std::vector<int32_t> targets(prompt.begin() + 1, prompt.end());
   targets.push_back(-1);
   out.logprobs.resize(prompt.size());
-  ForwardOptions fo;
-  fo.targets = targets.data();
-  fo.logprobs = out.logprobs.data();
-  const absl::Status s =
-      (*runner)->Forward(seq, prompt.data(), static_cast<int32_t>(prompt.size()), fo);
-  EXPECT_TRUE(s.ok()) << s;
+  const auto total = static_cast<int32_t>(prompt.size());
+  const int32_t step = tokens_per_call > 0 ? tokens_per_call : total;
+  for (int32_t at = 0; at < total; at += step) {
+    ForwardOptions fo;
+    fo.targets = targets.data() + at;
+    fo.logprobs = out.logprobs.data() + at;
+    const absl::Status s =
+        (*runner)->Forward(seq, prompt.data() + at, std::min(step, total - at), fo);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) break;
+  }
   out.logprobs.pop_back();
   absl::StatusOr<std::vector<float>> last = (*runner)->LastLogitsToHost();
   EXPECT_TRUE(last.ok()) << last.status();
