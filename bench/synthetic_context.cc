@@ -131,6 +131,7 @@ gpu_worker::RemoteKvOptions NodeSessionOptions(const gpu_worker::ModelConfig& c,
   ro.control_deadline_ms = 600000;
   ro.placement = o.placement;
   ro.pool_rates_by_threads = o.pool_node_rates;
+  ro.shm_spin_us = o.shm_spin_us;
   ro.replan_every_steps = 0;
   return ro;
 }

@@ -46,6 +46,7 @@ struct SyntheticContextOptions {
   std::vector<double> head_shares;
   gpu_worker::PlacementPolicy placement = gpu_worker::PlacementPolicy::kBalanced;
   bool pool_node_rates = true;   // RemoteKvOptions::pool_rates_by_threads
+  uint32_t shm_spin_us = 10;     // RemoteKvOptions::shm_spin_us (the worker waiting for answers)
   float beta = 1.0f;            // hybrid: the session's β
   int64_t append_tokens = 8192; // hybrid: tokens per RemoteKv::Append call
   // hybrid: kPages sessions get page summaries on the device (PageIndex, of random keys with

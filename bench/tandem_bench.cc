@@ -125,6 +125,12 @@ ABSL_FLAG(std::string, prefill_selections, "maw", "TTFT: hybrid selections: maw,
 ABSL_FLAG(int64_t, prefill_select_tokens, 2048, "TTFT: hybrid pages budget (tokens)");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
 ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
+ABSL_FLAG(uint32_t, node_pool_spin_us, 0,
+          "embedded CPU node: attention threads spin this long after a call before sleeping "
+          "(NodeOptions::pool_spin_us; tandem-cpu-attention's --pool_spin_us)");
+ABSL_FLAG(uint32_t, shm_spin_us, 10,
+          "shm transport: both ends spin this long before sleeping while waiting (the worker for "
+          "an answer, the embedded node's channel thread for a request)");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16", "embedded CPU node KV storage: bf16 or int8");
 ABSL_FLAG(std::string, transport, "auto", "CPU node transport: auto, shm or grpc");
 ABSL_FLAG(double, host_fraction, 0.85, "use at most this share of MemAvailable for KV");
@@ -291,6 +297,7 @@ class Bench {
     o.model = &model_;
     o.placement = cfg.placement;
     o.pool_node_rates = absl::GetFlag(FLAGS_pool_node_rates);
+    o.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
     if (cfg.mode == AttentionMode::kHybrid && cfg.select_tokens > 0) {
       o.selection = gpu_worker::SelectionRule::kPages;
       o.page_policy.select_tokens = cfg.select_tokens;
@@ -740,6 +747,7 @@ class Bench {
     ro.block_tokens = static_cast<uint32_t>(std::clamp<int64_t>(wo.block, 16, 256));
     ro.attend_deadline_ms = 60000;
     ro.control_deadline_ms = 600000;
+    ro.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
     ro.expected_tokens = tokens;
     if (mode == AttentionMode::kHybrid && pages) {
       ro.selection = gpu_worker::SelectionRule::kPages;
@@ -1013,6 +1021,8 @@ int Main() {
         absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
     po.embedded.threads = node_threads;
     po.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
+    po.embedded.pool_spin_us = absl::GetFlag(FLAGS_node_pool_spin_us);
+    po.embedded.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
     auto node_kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
     if (!node_kv_dtype.ok()) {
       std::fprintf(stderr, "--%s\n", std::string(node_kv_dtype.status().message()).c_str());
