@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gateway/gateway_server.h"
+#include "tandem/gateway/reasoning_parser.h"
 #include "tandem/security/credentials.h"
 #include "tandem/security/token_file.h"
 
@@ -34,6 +36,9 @@ ABSL_FLAG(std::string, served_model_name, "",
           "model id clients use and /v1/models lists; empty = the worker's model directory name");
 ABSL_FLAG(std::string, chat_template, "",
           "Jinja chat template file used instead of the model's tokenizer_config.json one");
+ABSL_FLAG(std::string, reasoning_parser, "",
+          "split chat answers' <think>...</think> block into reasoning_content (as vLLM's "
+          "--reasoning-parser): qwen3 or deepseek_r1; empty = off, thinking stays in content");
 ABSL_FLAG(tandem::ByteSize, max_body_bytes, tandem::ByteSize{32ull << 20},
           "largest request body accepted (413 beyond)");
 ABSL_FLAG(int64_t, responses_store_entries, 10000,
@@ -146,6 +151,10 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
       return UsageError(absl::StrCat("--chat_template: '", template_file, "' is empty"));
     }
   }
+  absl::StatusOr<std::optional<tandem::gateway::ReasoningSyntax>> reasoning =
+      tandem::gateway::ParseReasoningSyntax(absl::GetFlag(FLAGS_reasoning_parser));
+  if (!reasoning.ok()) return UsageError(reasoning.status().message());
+  o.reasoning_parser = *reasoning;
   o.max_body_bytes = absl::GetFlag(FLAGS_max_body_bytes).bytes;
   const int64_t store_entries = absl::GetFlag(FLAGS_responses_store_entries);
   if (store_entries < 0 || store_entries > 100000000) {

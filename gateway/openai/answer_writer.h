@@ -5,11 +5,13 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "tandem/gateway/api_error.h"
 #include "tandem/gateway/openai_request.h"
 #include "tandem/gateway/openai_response.h"
+#include "tandem/gateway/reasoning_parser.h"
 #include "tandem/v1/generation.pb.h"
 
 namespace tandem::gateway {
@@ -37,7 +39,9 @@ class AnswerWriter {
 };
 
 // Chat completions and completions: ResponseBuilder's chunks and aggregate, as `r` asked
-// (include_usage, return_progress, logprobs).
-std::unique_ptr<AnswerWriter> MakeCompletionsWriter(ResponseMeta meta, const OpenAiRequest& r);
+// (include_usage, return_progress, logprobs); `reasoning` (chat only; nullopt = off): how the
+// answer's thinking is split into reasoning_content.
+std::unique_ptr<AnswerWriter> MakeCompletionsWriter(ResponseMeta meta, const OpenAiRequest& r,
+                                                    std::optional<ReasoningMode> reasoning);
 
 }  // namespace tandem::gateway

@@ -10,8 +10,9 @@ namespace {
 
 class CompletionsWriter final : public AnswerWriter {
  public:
-  CompletionsWriter(ResponseMeta meta, const OpenAiRequest& r)
-      : builder_(std::move(meta), r.logprobs, r.top_logprobs, r.include_usage),
+  CompletionsWriter(ResponseMeta meta, const OpenAiRequest& r,
+                    std::optional<ReasoningMode> reasoning)
+      : builder_(std::move(meta), r.logprobs, r.top_logprobs, r.include_usage, reasoning),
         include_usage_(r.include_usage),
         return_progress_(r.return_progress),
         logprobs_(r.logprobs) {}
@@ -29,7 +30,9 @@ class CompletionsWriter final : public AnswerWriter {
     return chunk.has_value() ? SseData(*chunk) : "";
   }
   std::string StreamFinish(const v1::GenerateFinal& final) override {
-    return absl::StrCat(SseData(builder_.FinishChunk(final)),
+    std::optional<nlohmann::json> held_back = builder_.HeldBackChunk();
+    return absl::StrCat(held_back.has_value() ? SseData(*held_back) : "",
+                        SseData(builder_.FinishChunk(final)),
                         include_usage_ ? SseData(builder_.UsageChunk(final)) : "", SseDone());
   }
   std::string StreamError(const ApiError& error) override {
@@ -53,8 +56,9 @@ class CompletionsWriter final : public AnswerWriter {
 
 }  // namespace
 
-std::unique_ptr<AnswerWriter> MakeCompletionsWriter(ResponseMeta meta, const OpenAiRequest& r) {
-  return std::make_unique<CompletionsWriter>(std::move(meta), r);
+std::unique_ptr<AnswerWriter> MakeCompletionsWriter(ResponseMeta meta, const OpenAiRequest& r,
+                                                    std::optional<ReasoningMode> reasoning) {
+  return std::make_unique<CompletionsWriter>(std::move(meta), r, reasoning);
 }
 
 }  // namespace tandem::gateway

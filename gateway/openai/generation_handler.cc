@@ -282,10 +282,15 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
   if (!parsed.ok()) return SendError(shared, name, parsed.status(), res);
   RunGeneration(
       shared, name, arrival, *std::move(parsed),
-      [endpoint](const std::string& model, const OpenAiRequest& r) {
+      [endpoint, &shared](const std::string& model, const OpenAiRequest& r,
+                          std::string_view prompt) {
+        std::optional<ReasoningMode> reasoning;
+        if (endpoint == Endpoint::kChatCompletions && shared.options.reasoning_parser.has_value()) {
+          reasoning = ReasoningMode{*shared.options.reasoning_parser, PromptThinkingOf(prompt)};
+        }
         return MakeCompletionsWriter(ResponseMeta{endpoint, NewResponseId(endpoint),
                                                   static_cast<int64_t>(std::time(nullptr)), model},
-                                     r);
+                                     r, reasoning);
       },
       req, res);
 }
@@ -374,7 +379,8 @@ void RunGeneration(GatewayServer::Shared& shared, const std::string& name,
         name);
   }
 
-  std::unique_ptr<AnswerWriter> writer = make_writer(model, r);
+  std::unique_ptr<AnswerWriter> writer =
+      make_writer(model, r, prompt.has_value() ? std::string_view(prompt->text) : "");
   if (!r.stream) return AnswerWhole(shared, name, *call, *writer, arrival, res);
 
   auto st = std::make_shared<StreamState>();

@@ -67,9 +67,9 @@ void HandleGeneration(GatewayServer::Shared& shared, Endpoint endpoint, const ht
                       std::string_view body, httplib::Response& res);
 
 // Makes the writer of one answer once the served model's name is known (`r`: the request as it
-// runs, the model's defaults applied).
-using WriterFactory = std::function<std::unique_ptr<AnswerWriter>(const std::string& model,
-                                                                  const OpenAiRequest& r)>;
+// runs, the model's defaults applied; `prompt`: the rendered chat prompt, "" for completions).
+using WriterFactory = std::function<std::unique_ptr<AnswerWriter>(
+    const std::string& model, const OpenAiRequest& r, std::string_view prompt)>;
 // Runs the parsed request `r` on a worker (model check, the model's sampling defaults, the chat
 // template for chat and Responses requests, the prefix-cache scope, admission, routing) and
 // answers `res` with `make_writer`'s answer, streamed or not. `name`: the route, for metrics and

@@ -24,6 +24,15 @@ Json ByteList(const std::string& bytes) {
   return list;
 }
 
+// A chat delta of split text: its non-empty parts, or {"content": ""} when both are empty (a
+// chunk sent for its logprobs alone, as without a parser).
+Json SplitDelta(const ReasoningSplit& split) {
+  Json delta = Json::object();
+  if (!split.reasoning.empty()) delta["reasoning_content"] = split.reasoning;
+  if (!split.content.empty() || split.reasoning.empty()) delta["content"] = split.content;
+  return delta;
+}
+
 }  // namespace
 
 std::string RandomHex(int digits) {
@@ -69,11 +78,15 @@ Json TandemJson(const v1::GenerateFinal& final) {
 }
 
 ResponseBuilder::ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs,
-                                 bool include_usage)
+                                 bool include_usage, std::optional<ReasoningMode> reasoning)
     : meta_(std::move(meta)),
       logprobs_(logprobs),
       top_logprobs_(top_logprobs),
-      include_usage_(include_usage) {}
+      include_usage_(include_usage) {
+  if (reasoning.has_value() && meta_.endpoint == Endpoint::kChatCompletions) {
+    reasoning_.emplace(*reasoning);
+  }
+}
 
 Json ResponseBuilder::Envelope(bool chunk) const {
   const bool chat = meta_.endpoint == Endpoint::kChatCompletions;
@@ -124,13 +137,17 @@ void ResponseBuilder::AddLogprobs(const v1::TokenDelta& delta, const TokenPiece&
   (*logprobs)["text_offset"].push_back(text_offset_);
 }
 
-Json ResponseBuilder::RoleChunk() const {
+Json ResponseBuilder::ChatChunk(Json delta) const {
   Json j = Envelope(true);
   j["choices"] = Json::array({{{"index", 0},
-                               {"delta", {{"role", "assistant"}, {"content", ""}}},
+                               {"delta", std::move(delta)},
                                {"logprobs", nullptr},
                                {"finish_reason", nullptr}}});
   return j;
+}
+
+Json ResponseBuilder::RoleChunk() const {
+  return ChatChunk({{"role", "assistant"}, {"content", ""}});
 }
 
 std::optional<Json> ResponseBuilder::TokenChunk(const v1::TokenDelta& delta,
@@ -138,21 +155,33 @@ std::optional<Json> ResponseBuilder::TokenChunk(const v1::TokenDelta& delta,
   // A repeated index adds held-back text to a token already sent: no logprobs entry again.
   const bool new_token = delta.index() > last_index_;
   last_index_ = std::max(last_index_, delta.index());
-  if (delta.text().empty() && !(logprobs_ && new_token)) return std::nullopt;
+  Json choice = {{"index", 0}};
+  bool nothing_told = delta.text().empty();
+  if (meta_.endpoint != Endpoint::kChatCompletions) {
+    choice["text"] = delta.text();
+  } else if (reasoning_.has_value()) {
+    const ReasoningSplit split = reasoning_->Feed(delta.text());
+    nothing_told = split.reasoning.empty() && split.content.empty();
+    choice["delta"] = SplitDelta(split);
+  } else {
+    choice["delta"] = {{"content", delta.text()}};
+  }
+  if (nothing_told && !(logprobs_ && new_token)) return std::nullopt;
   Json logprobs;
   if (logprobs_ && new_token) AddLogprobs(delta, sampled, &logprobs);
   text_offset_ += static_cast<int64_t>(delta.text().size());
-  Json choice = {{"index", 0}};
-  if (meta_.endpoint == Endpoint::kChatCompletions) {
-    choice["delta"] = {{"content", delta.text()}};
-  } else {
-    choice["text"] = delta.text();
-  }
   choice["logprobs"] = std::move(logprobs);
   choice["finish_reason"] = nullptr;
   Json j = Envelope(true);
   j["choices"] = Json::array({std::move(choice)});
   return j;
+}
+
+std::optional<Json> ResponseBuilder::HeldBackChunk() {
+  if (!reasoning_.has_value()) return std::nullopt;
+  const ReasoningSplit split = reasoning_->Finish();
+  if (split.reasoning.empty() && split.content.empty()) return std::nullopt;
+  return ChatChunk(SplitDelta(split));
 }
 
 Json ResponseBuilder::FinishChunk(const v1::GenerateFinal& final) const {
@@ -199,7 +228,16 @@ void ResponseBuilder::Append(const v1::TokenDelta& delta, const TokenPiece& samp
 
 Json ResponseBuilder::Aggregate(const v1::GenerateFinal& final) const {
   Json choice = {{"index", 0}};
-  if (meta_.endpoint == Endpoint::kChatCompletions) {
+  if (meta_.endpoint == Endpoint::kChatCompletions && reasoning_.has_value()) {
+    // Split whole, as a stream of any deltas would be (reasoning_ itself is the stream's).
+    ReasoningSplit split = SplitReasoning(reasoning_->mode(), text_);
+    Json content =
+        split.content.empty() && !split.reasoning.empty() ? Json(nullptr) : Json(split.content);
+    Json reasoning = split.reasoning.empty() ? Json(nullptr) : Json(split.reasoning);
+    choice["message"] = {{"role", "assistant"},
+                         {"content", std::move(content)},
+                         {"reasoning_content", std::move(reasoning)}};
+  } else if (meta_.endpoint == Endpoint::kChatCompletions) {
     choice["message"] = {{"role", "assistant"}, {"content", text_}};
   } else {
     choice["text"] = text_;

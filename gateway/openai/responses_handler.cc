@@ -101,8 +101,8 @@ void HandleResponses(GatewayServer::Shared& shared, const httplib::Request& req,
   OpenAiRequest chat = std::move(request.chat);
   RunGeneration(
       shared, kRoute, arrival, std::move(chat),
-      [&request, &principal, &conversation, store](const std::string& model,
-                                                   const OpenAiRequest& r) {
+      [&request, &principal, &conversation, store](const std::string& model, const OpenAiRequest& r,
+                                                   std::string_view /*prompt*/) {
         return std::make_unique<ResponsesWriter>(
             ResponsesAnswer(model, static_cast<int64_t>(std::time(nullptr)), EchoOf(request, r)),
             store, std::move(principal), std::move(conversation));

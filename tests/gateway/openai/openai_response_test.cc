@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "tandem/gateway/api_error.h"
 #include "tandem/gateway/sse.h"
@@ -127,6 +128,93 @@ TEST(GatewayChatAggregate, MessageUsageAndFinish) {
   EXPECT_EQ(j["choices"][0]["message"], Json({{"role", "assistant"}, {"content", "Once upon a"}}));
   EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
   EXPECT_EQ(j["usage"]["total_tokens"], 5);
+}
+
+constexpr ReasoningMode kQwen3{ReasoningSyntax::kQwen3, PromptThinking::kNone};
+
+// With a reasoning parser, streamed deltas carry reasoning_content or content, a token that is
+// (part of) a tag sends nothing, and what was held back at the end goes before the finish chunk.
+TEST(GatewayChatReasoning, StreamedDeltasSplitAtTheTags) {
+  ResponseBuilder b(Meta(Endpoint::kChatCompletions), false, 0, false, kQwen3);
+  EXPECT_EQ(b.RoleChunk()["choices"][0]["delta"], Json({{"role", "assistant"}, {"content", ""}}));
+  EXPECT_FALSE(b.TokenChunk(Delta(1, "<think>", 0), {}).has_value());
+  std::optional<Json> chunk = b.TokenChunk(Delta(2, "\nHm", 1), {});
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_EQ((*chunk)["choices"][0]["delta"], Json({{"reasoning_content", "\nHm"}}));
+  EXPECT_EQ((*chunk)["object"], "chat.completion.chunk");
+  EXPECT_TRUE((*chunk)["choices"][0]["finish_reason"].is_null());
+  EXPECT_FALSE(b.TokenChunk(Delta(3, "</th", 2), {}).has_value());  // may be a tag: waits
+  chunk = b.TokenChunk(Delta(4, "ink>\n\nYes", 3), {});
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_EQ((*chunk)["choices"][0]["delta"], Json({{"content", "Yes"}}));
+  EXPECT_FALSE(b.HeldBackChunk().has_value());
+
+  // One delta across the end of the block carries both parts.
+  ResponseBuilder both(Meta(Endpoint::kChatCompletions), false, 0, false, kQwen3);
+  chunk = both.TokenChunk(Delta(1, "<think>a</think>b", 0), {});
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_EQ((*chunk)["choices"][0]["delta"], Json({{"reasoning_content", "a"}, {"content", "b"}}));
+
+  // A truncated answer that ends in a partial tag: the text is sent before the finish chunk.
+  ResponseBuilder cut(Meta(Endpoint::kChatCompletions), false, 0, false, kQwen3);
+  ASSERT_TRUE(cut.TokenChunk(Delta(1, "<think>x</thi", 0), {}).has_value());
+  std::optional<Json> held = cut.HeldBackChunk();
+  ASSERT_TRUE(held.has_value());
+  EXPECT_EQ((*held)["choices"][0]["delta"], Json({{"reasoning_content", "</thi"}}));
+  EXPECT_TRUE((*held)["choices"][0]["finish_reason"].is_null());
+}
+
+// logprobs are per token, whatever the parser tells: a tag token's chunk carries its entry and
+// an empty content.
+TEST(GatewayChatReasoning, TagTokensKeepTheirLogprobs) {
+  ResponseBuilder b(Meta(Endpoint::kChatCompletions), true, 0, false, kQwen3);
+  v1::TokenDelta tag = Delta(151667, "<think>", 0);
+  tag.set_logprob(-0.5f);
+  std::optional<Json> chunk = b.TokenChunk(tag, TokenPiece{"<think>", "<think>"});
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_EQ((*chunk)["choices"][0]["delta"], Json({{"content", ""}}));
+  ASSERT_EQ((*chunk)["choices"][0]["logprobs"]["content"].size(), 1u);
+  EXPECT_EQ((*chunk)["choices"][0]["logprobs"]["content"][0]["token"], "<think>");
+}
+
+TEST(GatewayChatReasoning, AggregateMessage) {
+  auto message = [](ReasoningMode mode, const std::vector<std::string>& texts) {
+    ResponseBuilder b(Meta(Endpoint::kChatCompletions), false, 0, false, mode);
+    for (size_t i = 0; i < texts.size(); ++i) {
+      b.Append(Delta(static_cast<int32_t>(i), texts[i], static_cast<int64_t>(i)), {});
+    }
+    return b.Aggregate(Final(v1::FINISH_REASON_EOS, 3,
+                             static_cast<int64_t>(texts.size())))["choices"][0]["message"];
+  };
+  EXPECT_EQ(
+      message(kQwen3, {"<think>", "\nWhy.\n", "</th", "ink>", "\n\n", "Because."}),
+      Json({{"role", "assistant"}, {"content", "Because."}, {"reasoning_content", "\nWhy.\n"}}));
+  // Thinking disabled: no reasoning (null), the content as it came.
+  EXPECT_EQ(
+      message(kQwen3, {"Just ", "this."}),
+      Json({{"role", "assistant"}, {"content", "Just this."}, {"reasoning_content", nullptr}}));
+  // Truncated thinking: no content (null, as vLLM).
+  EXPECT_EQ(message(kQwen3, {"<think>", "Still"}),
+            Json({{"role", "assistant"}, {"content", nullptr}, {"reasoning_content", "Still"}}));
+  // A prompt that opened the block: the answer starts in it.
+  EXPECT_EQ(message({ReasoningSyntax::kQwen3, PromptThinking::kOpen}, {"Plan", "</think>", "Go"}),
+            Json({{"role", "assistant"}, {"content", "Go"}, {"reasoning_content", "Plan"}}));
+  // Nothing generated: content "" as without a parser.
+  EXPECT_EQ(message(kQwen3, {}),
+            Json({{"role", "assistant"}, {"content", ""}, {"reasoning_content", nullptr}}));
+}
+
+// The legacy completions endpoint never splits: its text is the raw generation.
+TEST(GatewayChatReasoning, CompletionsIgnoreTheParser) {
+  ResponseBuilder b(Meta(Endpoint::kCompletions), false, 0, false, kQwen3);
+  std::optional<Json> chunk = b.TokenChunk(Delta(1, "<think>a</think>b", 0), {});
+  ASSERT_TRUE(chunk.has_value());
+  EXPECT_EQ((*chunk)["choices"][0]["text"], "<think>a</think>b");
+  EXPECT_FALSE(b.HeldBackChunk().has_value());
+  ResponseBuilder whole(Meta(Endpoint::kCompletions), false, 0, false, kQwen3);
+  whole.Append(Delta(1, "<think>a</think>b", 0), {});
+  EXPECT_EQ(whole.Aggregate(Final(v1::FINISH_REASON_EOS, 1, 1))["choices"][0]["text"],
+            "<think>a</think>b");
 }
 
 TEST(GatewayChatLogprobs, ContentEntriesWithTopCandidatesAndBytes) {

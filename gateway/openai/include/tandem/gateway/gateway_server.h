@@ -23,12 +23,13 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
-#include "tandem/security/token_file.h"
+#include "tandem/gateway/reasoning_parser.h"
 #include "tandem/gateway/worker_pool.h"
+#include "tandem/security/token_file.h"
 
 namespace httplib {
 class Server;
@@ -41,6 +42,9 @@ struct GatewayOptions {
   int port = 8000;                // 0 = any free port (port() tells which)
   std::string served_model_name;  // "" = the worker's model directory's basename
   std::string chat_template;      // template source that overrides the worker's
+  // Chat answers' thinking split into reasoning_content (reasoning_parser.h); nullopt = off,
+  // the think block stays in content.
+  std::optional<ReasoningSyntax> reasoning_parser;
   size_t max_body_bytes = 32 << 20;
   int max_concurrent_requests = 256;  // generations in flight; more -> 429
   int http_threads = 0;               // 0 = max_concurrent_requests + 128

@@ -2,6 +2,10 @@
 // ("chat.completion.chunk" / "text_completion" objects) and the non-streamed aggregate
 // ("chat.completion" / "text_completion"), in OpenAI's shapes:
 //   chat:        choices[0].delta {role, content} | message {role, content};
+//                with a reasoning parser (reasoning_parser.h) the thinking is cut out of
+//                content into delta.reasoning_content / message.reasoning_content (vLLM's
+//                field); in the message an empty part is null (content stays "" when there
+//                is no reasoning either), and a delta carries only its non-empty parts;
 //                logprobs {content: [{token, logprob, bytes, top_logprobs: [...]}]}
 //   completions: choices[0].text; logprobs {tokens, token_logprobs, top_logprobs, text_offset}
 //   usage {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens,
@@ -25,6 +29,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tandem/gateway/openai_request.h"
+#include "tandem/gateway/reasoning_parser.h"
 #include "tandem/v1/generation.pb.h"
 
 namespace tandem::gateway {
@@ -51,14 +56,21 @@ std::string FinishReasonName(v1::FinishReason reason);
 
 class ResponseBuilder {
  public:
-  // `logprobs` / `top_logprobs`: as the request asked (OpenAiRequest).
-  ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs, bool include_usage);
+  // `logprobs` / `top_logprobs`: as the request asked (OpenAiRequest). `reasoning` (chat only;
+  // nullopt = off): how the answer's thinking is split from its content.
+  ResponseBuilder(ResponseMeta meta, bool logprobs, int top_logprobs, bool include_usage,
+                  std::optional<ReasoningMode> reasoning = std::nullopt);
 
   // Streaming. Chat's first chunk: delta {role: "assistant", content: ""}.
   nlohmann::json RoleChunk() const;
-  // One token's chunk; nullopt when it carries nothing (empty text and no logprobs). A delta
-  // whose index was seen already (the worker's held-back text) adds text only.
+  // One token's chunk; nullopt when it carries nothing (no text to tell and no logprobs). A
+  // delta whose index was seen already (the worker's held-back text) adds text only. With a
+  // reasoning parser the delta's text goes to reasoning_content and/or content, and text that
+  // may be part of a tag waits for the next token.
   std::optional<nlohmann::json> TokenChunk(const v1::TokenDelta& delta, const TokenPiece& sampled);
+  // After the last token, before FinishChunk: the text the reasoning parser still held back
+  // (a partial tag that never completed); nullopt when there is none.
+  std::optional<nlohmann::json> HeldBackChunk();
   // Empty delta / text with the finish_reason, and the "tandem" object.
   nlohmann::json FinishChunk(const v1::GenerateFinal& final) const;
   // include_usage: empty choices and the usage.
@@ -78,6 +90,9 @@ class ResponseBuilder {
   void AddLogprobs(const v1::TokenDelta& delta, const TokenPiece& sampled,
                    nlohmann::json* logprobs) const;
 
+  // A chunk of the chat delta `delta` (logprobs and finish_reason null).
+  nlohmann::json ChatChunk(nlohmann::json delta) const;
+
   ResponseMeta meta_;
   bool logprobs_;
   int top_logprobs_;
@@ -86,6 +101,7 @@ class ResponseBuilder {
   int64_t text_offset_ = 0;  // bytes of generated text before the next token (text_offset)
   std::string text_;         // Append: the text so far
   nlohmann::json aggregate_logprobs_;  // Append: the logprobs so far (null without)
+  std::optional<ReasoningParser> reasoning_;  // streamed chat answers' splitter (null = off)
 };
 
 // The usage object of a finished generation.
