@@ -252,37 +252,6 @@ cudaError_t DispatchAttention(int64_t head_dim, DType cache_dtype, const Launch&
   }
 }
 
-// Programmatic dependent launch (sm_90): a kernel launched by LaunchAfterPrevious may be
-// scheduled while the previous kernel of the stream still runs (hiding the launch gap of the
-// small kernels that follow attention); it must call WaitForPreviousKernel() before it reads
-// anything the previous kernel wrote. AllowDependentLaunch() in the previous kernel lets the
-// next one be scheduled as soon as every block of this one has started.
-__device__ __forceinline__ void WaitForPreviousKernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void AllowDependentLaunch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-template <typename... Params, typename... Args>
-cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                                cudaStream_t stream, Args... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
-}
-
 // Raises a kernel's dynamic shared memory limit when it needs more than the default 48 KiB.
 template <typename Kernel>
 cudaError_t AllowDynamicSmem(Kernel kernel, size_t bytes) {

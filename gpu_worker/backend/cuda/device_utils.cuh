@@ -82,6 +82,38 @@ __device__ __forceinline__ float BlockMax(float v, float* scratch) {
   return WarpMax(lane < num_warps ? scratch[lane] : -INFINITY);
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched by LaunchAfterPrevious may be
+// scheduled while the previous kernel of the stream still runs (hiding the launch gap of the
+// small kernels that follow attention, and letting a GEMV start reading its weights); it must
+// call WaitForPreviousKernel() before it reads anything the previous kernel wrote and before it
+// writes anything. AllowDependentLaunch() in the previous kernel lets the next one be scheduled
+// as soon as every block of this one has started. Both are no-ops before sm_90.
+__device__ __forceinline__ void WaitForPreviousKernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchAfterPrevious(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
+}
+
 // Blocks for a grid-stride loop over `n` elements with `threads` per block: enough to fill any
 // GPU, never zero (callers launch only for n > 0).
 inline unsigned GridStrideBlocks(int64_t n, int threads) {

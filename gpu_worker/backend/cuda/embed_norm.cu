@@ -32,6 +32,7 @@ __global__ void EmbedKernel(EmbedArgs args) {
 // passes, so out may alias x.
 template <typename W>
 __global__ void RmsNormKernel(RmsNormArgs args) {
+  AllowDependentLaunch();  // a GEMV after the norm may start reading its weights
   __shared__ float scratch[kWarpSize];
   const int64_t offset = VectorOffset(args, blockIdx.x);
   const float* x = args.x + offset;
@@ -63,6 +64,7 @@ __device__ __forceinline__ float4 LoadWeight4(const W* weight, int64_t i) {
 // its vector.
 template <typename W>
 __global__ void __launch_bounds__(kNormThreads) RmsNormVecKernel(RmsNormArgs args) {
+  AllowDependentLaunch();  // a GEMV after the norm may start reading its weights
   __shared__ float scratch[kWarpSize];
   const int64_t offset = VectorOffset(args, blockIdx.x);
   const int64_t vecs = args.hidden / 4;

@@ -41,14 +41,22 @@ __global__ void __launch_bounds__(kThreads) GemvFp8Kernel(GemvFp8Args a) {
 #pragma unroll
     for (int r = 0; r < kM; ++r) acc[c][r] = 0.0f;
   }
-  for (int64_t chunk = threadIdx.x; chunk < chunks; chunk += kThreads) {
-    uint4 wv[kC];
+  // The first round's weights are read before the wait: launched after the previous kernel
+  // (LaunchAfterPrevious), the block streams them while that kernel (the norm, the attention,
+  // SwiGLU) finishes; x and y are touched only after it.
+  uint4 wv[kC];
+  auto load_weights = [&](int64_t chunk) {
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      // Columns past n read the last one (its sums are not written): no branch around the load.
+      // Columns past n read the last one (their sums are not written): no branch around it.
       const int64_t j = min(j0 + c, a.n - 1);
       wv[c] = __ldg(w + j * chunks + chunk);
     }
+  };
+  if (threadIdx.x < chunks) load_weights(threadIdx.x);
+  WaitForPreviousKernel();
+  for (int64_t chunk = threadIdx.x; chunk < chunks; chunk += kThreads) {
+    if (chunk != threadIdx.x) load_weights(chunk);
     float xv[kM][kCodesPerChunk];
 #pragma unroll
     for (int r = 0; r < kM; ++r) {
@@ -109,17 +117,13 @@ cudaError_t LaunchColumns(const GemvFp8Args& a, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((a.n + kC - 1) / kC);
   switch (a.m) {
     case 1:
-      GemvFp8Kernel<1, kC><<<blocks, kThreads, 0, stream>>>(a);
-      break;
+      return LaunchAfterPrevious(GemvFp8Kernel<1, kC>, dim3(blocks), dim3(kThreads), 0, stream, a);
     case 2:
-      GemvFp8Kernel<2, kC><<<blocks, kThreads, 0, stream>>>(a);
-      break;
+      return LaunchAfterPrevious(GemvFp8Kernel<2, kC>, dim3(blocks), dim3(kThreads), 0, stream, a);
     default:  // 3 or 4 rows
       static_assert(kGemvFp8MaxRows == 4, "rows 3 and 4 share the 4-row kernel");
-      GemvFp8Kernel<4, kC><<<blocks, kThreads, 0, stream>>>(a);
-      break;
+      return LaunchAfterPrevious(GemvFp8Kernel<4, kC>, dim3(blocks), dim3(kThreads), 0, stream, a);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace

@@ -7,6 +7,7 @@ namespace {
 constexpr int kThreads = 256;
 
 __global__ void SwiGluKernel(SwiGluArgs args) {
+  AllowDependentLaunch();  // the down projection's GEMV may start reading its weights
   const int64_t count = args.num_tokens * args.ffn;
   for (int64_t idx = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; idx < count;
        idx += int64_t{gridDim.x} * blockDim.x) {
