@@ -77,7 +77,10 @@ __global__ void QuantizeRowsF8Kernel(const float* __restrict__ x, uint8_t* __res
   float amax = 0.0f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(row[c]));
   amax = BlockMax(amax, scratch);
-  const float s = amax == 0.0f ? 1.0f : (isinf(amax) ? NAN : amax / 448.0f);
+  // A zero row, or one so small that amax / 448 underflows, gets scale 1 (its codes are then 0
+  // or the subnormal codes of its values): a finite row never meets a division by 0.
+  float s = isinf(amax) ? NAN : amax / 448.0f;
+  if (s == 0.0f) s = 1.0f;
   if (threadIdx.x == 0) scale[blockIdx.x] = s;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     out[c] = __nv_cvt_float_to_fp8(row[c] / s, __NV_SATFINITE, __NV_E4M3);

@@ -49,10 +49,11 @@ struct DequantizeF8Args {
 cudaError_t LaunchDequantizeF8Rows(const DequantizeF8Args& args, cudaStream_t stream);
 
 // Per-row ("per-token") FP8 quantization of activations for the FP8 tensor-core GEMM:
-// scale[r] = max_c |x[r, c]| / 448 (1 for an all-zero row), codes[r, c] = e4m3(x[r, c] / scale[r])
-// (nearest even, saturating: FloatToF8E4M3's rule), so x[r, c] ≈ codes[r, c]·scale[r] within
-// 2^-4 of |x| (e4m3's half ulp; 2^-10·scale[r] absolute for the subnormal codes). A NaN element
-// becomes a NaN code and a row holding inf gets scale NaN: NaN products, as in f32.
+// scale[r] = max_c |x[r, c]| / 448, or 1 where that is 0 (an all-zero row, or one whose maximum is
+// below ~2e-43), codes[r, c] = e4m3(x[r, c] / scale[r]) (nearest even, saturating:
+// FloatToF8E4M3's rule), so x[r, c] ≈ codes[r, c]·scale[r] within 2^-4 of |x| (e4m3's half ulp;
+// 2^-10·scale[r] absolute for the subnormal codes). A NaN element becomes a NaN code and a row
+// holding ±inf gets scale NaN: the row's outputs are NaN (f32 would give ±inf or NaN).
 struct QuantizeRowsF8Args {
   const float* x = nullptr;  // [rows, cols]
   uint8_t* codes = nullptr;  // [rows, cols] e4m3

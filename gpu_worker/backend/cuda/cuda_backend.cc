@@ -199,7 +199,7 @@ class CudaBackend final : public Backend {
   std::vector<cuda_backend::SelectPagesEntry> select_entries_;
   DeviceMemory split_counters_;  // [kSplitCounters] unsigned, 0 between launches
   // The FP8 tensor-core GEMM, made at the first FP8 MatMul past the GEMV's rows; unavailable
-  // after cuBLASLt had no kernel for it on this device (MatMulFp8Slabs then).
+  // on a device it refuses (before sm_90: MatMulFp8Slabs then).
   std::optional<cuda_backend::Fp8Gemm> fp8_gemm_;
   bool fp8_gemm_unavailable_ = false;
 };
@@ -528,19 +528,24 @@ absl::Status CudaBackend::MatMulFp8(const MatMulParams& p) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchGemvFp8(gemv, stream()));
     return absl::OkStatus();
   }
-  if (cuda_backend::Fp8Gemm::Supports(p.m, p.n, p.k) && !fp8_gemm_unavailable_) {
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(p.w) % 16 == 0 && reinterpret_cast<uintptr_t>(p.y) % 16 == 0;
+  if (aligned && cuda_backend::Fp8Gemm::Supports(p.m, p.n, p.k) && !fp8_gemm_unavailable_) {
     const absl::Status status = MatMulFp8Gemm(p);
     if (!absl::IsUnimplemented(status)) return status;
-    fp8_gemm_unavailable_ = true;  // this device's cuBLASLt: the slabs from now on
+    // No kernel for this shape (nothing was launched): the slabs, this call.
   }
   return MatMulFp8Slabs(p);
 }
 
-// Rows of x in tiles that fit the FP8 scratch: each tile's codes and scales, then its GEMM.
+// Rows of x in tiles that fit the FP8 scratch: each tile's codes and scales, then its GEMM. Every
+// tile's kernel is chosen before the first runs, so UNIMPLEMENTED leaves y untouched.
 absl::Status CudaBackend::MatMulFp8Gemm(const MatMulParams& p) {
   if (!fp8_gemm_.has_value()) {
-    TANDEM_ASSIGN_OR_RETURN(cuda_backend::Fp8Gemm gemm, cuda_backend::Fp8Gemm::Create(device_));
-    fp8_gemm_.emplace(std::move(gemm));
+    absl::StatusOr<cuda_backend::Fp8Gemm> gemm = cuda_backend::Fp8Gemm::Create(device_);
+    if (absl::IsUnimplemented(gemm.status())) fp8_gemm_unavailable_ = true;  // this device
+    if (!gemm.ok()) return gemm.status();
+    fp8_gemm_.emplace(*std::move(gemm));
   }
   // [workspace | scales of the tile's rows | codes of the tile], each 256-byte aligned.
   constexpr size_t kAlign = 256;
@@ -553,24 +558,29 @@ absl::Status CudaBackend::MatMulFp8Gemm(const MatMulParams& p) {
                           workspace_.Reserve(cuda_backend::kFp8GemmWorkspaceBytes + scale_bytes +
                                                  static_cast<size_t>(tile_rows) * k,
                                              stream()));
-  auto* scales =
-      reinterpret_cast<float*>(static_cast<char*>(space) + cuda_backend::kFp8GemmWorkspaceBytes);
+  auto* scales = reinterpret_cast<float*>(static_cast<char*>(space) +
+                                          cuda_backend::kFp8GemmWorkspaceBytes);
   auto* codes = reinterpret_cast<uint8_t*>(scales) + scale_bytes;
+  auto tile = [&](int64_t r0) -> cuda_backend::Fp8GemmArgs {
+    return {.x_codes = codes,
+            .x_scale = scales,
+            .w_codes = p.w,
+            .w_scale = p.w_scale,
+            .y = p.y + r0 * p.n,
+            .m = std::min(tile_rows, p.m - r0),
+            .n = p.n,
+            .k = p.k,
+            .accumulate = p.accumulate};
+  };
   for (int64_t r0 = 0; r0 < p.m; r0 += tile_rows) {
-    const int64_t rows = std::min(tile_rows, p.m - r0);
+    TANDEM_RETURN_IF_ERROR(fp8_gemm_->Prepare(tile(r0)));
+  }
+  for (int64_t r0 = 0; r0 < p.m; r0 += tile_rows) {
+    const cuda_backend::Fp8GemmArgs args = tile(r0);
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchQuantizeRowsF8(
-        {.x = p.x + r0 * p.k, .codes = codes, .scale = scales, .rows = rows, .cols = p.k},
+        {.x = p.x + r0 * p.k, .codes = codes, .scale = scales, .rows = args.m, .cols = p.k},
         stream()));
-    TANDEM_RETURN_IF_ERROR(fp8_gemm_->Run({.x_codes = codes,
-                                           .x_scale = scales,
-                                           .w_codes = p.w,
-                                           .w_scale = p.w_scale,
-                                           .y = p.y + r0 * p.n,
-                                           .m = rows,
-                                           .n = p.n,
-                                           .k = p.k,
-                                           .accumulate = p.accumulate},
-                                          space, stream()));
+    TANDEM_RETURN_IF_ERROR(fp8_gemm_->Run(args, space, stream()));
   }
   if (p.bias != nullptr) {
     TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchAddBias(

@@ -12,8 +12,17 @@ namespace tandem::gpu_worker::cuda_backend {
 namespace {
 
 // Plans kept at the most; past it they are dropped and rebuilt (prefill repeats a handful of
-// shapes: each projection at the chunk length and at the last chunk's).
-constexpr size_t kMaxPlans = 64;
+// shapes: each projection at the chunk length and the last chunk's; batches one per row count).
+constexpr size_t kMaxPlans = 256;
+
+// The largest power of two up to 256 dividing a pointer: cuBLASLt chooses kernels for the
+// alignment it is promised (256 bytes unless told less).
+uint32_t AlignmentOf(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
 
 absl::Status LtError(cublasStatus_t status, const char* what, const Fp8GemmArgs& a) {
   return absl::InternalError(absl::StrCat("FP8 GEMM (m ", a.m, ", n ", a.n, ", k ", a.k,
@@ -73,8 +82,25 @@ bool Fp8Gemm::Supports(int64_t m, int64_t n, int64_t k) {
 }
 
 absl::StatusOr<Fp8Gemm::Plan*> Fp8Gemm::PlanFor(const Fp8GemmArgs& a) {
-  const Key key{a.m, a.n, a.k, a.accumulate};
-  if (const auto it = plans_.find(key); it != plans_.end()) return it->second.get();
+  if (!Supports(a.m, a.n, a.k) || a.x_codes == nullptr || a.x_scale == nullptr ||
+      a.w_codes == nullptr || a.w_scale == nullptr || a.y == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("FP8 GEMM: m ", a.m, ", n ", a.n, ", k ", a.k,
+                                                   " or a null pointer is not supported (k a "
+                                                   "multiple of 16, n of 4)"));
+  }
+  const uint32_t w_alignment = AlignmentOf(a.w_codes), x_alignment = AlignmentOf(a.x_codes),
+                 y_alignment = AlignmentOf(a.y);
+  const Key key{a.m, a.n, a.k, a.accumulate, w_alignment, x_alignment, y_alignment};
+  auto no_kernel = [&] {
+    return absl::UnimplementedError(
+        absl::StrCat("FP8 GEMM: cuBLASLt has no row-scaled e4m3 kernel"
+                     " for m ",
+                     a.m, ", n ", a.n, ", k ", a.k, " here"));
+  };
+  if (const auto it = plans_.find(key); it != plans_.end()) {
+    if (it->second == nullptr) return no_kernel();
+    return it->second.get();
+  }
   if (plans_.size() >= kMaxPlans) plans_.clear();
   auto plan = std::make_unique<Plan>();
   auto check = [&](cublasStatus_t s, const char* what) {
@@ -112,18 +138,28 @@ absl::StatusOr<Fp8Gemm::Plan*> Fp8Gemm::PlanFor(const Fp8GemmArgs& a) {
   const uint64_t workspace = kFp8GemmWorkspaceBytes;
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(
       preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, w_alignment},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, x_alignment},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, y_alignment},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, y_alignment}};
+  for (const auto& [attribute, bytes] : alignments) {
+    if (s == CUBLAS_STATUS_SUCCESS) {
+      s = cublasLtMatmulPreferenceSetAttribute(preference, attribute, &bytes, sizeof(bytes));
+    }
+  }
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatmulPreferenceDestroy(preference);
+    return check(s, "setting the algorithm preference");
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  if (s == CUBLAS_STATUS_SUCCESS) {
-    s = cublasLtMatmulAlgoGetHeuristic(handle_.get(), plan->desc, plan->w, plan->x, plan->y,
-                                       plan->y, preference, 1, &result, &found);
-  }
+  s = cublasLtMatmulAlgoGetHeuristic(handle_.get(), plan->desc, plan->w, plan->x, plan->y, plan->y,
+                                     preference, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(preference);
   if (s == CUBLAS_STATUS_NOT_SUPPORTED || (s == CUBLAS_STATUS_SUCCESS && found == 0)) {
-    return absl::UnimplementedError(
-        absl::StrCat("FP8 GEMM: cuBLASLt has no row-scaled e4m3 kernel "
-                     "for m ",
-                     a.m, ", n ", a.n, ", k ", a.k, " here"));
+    plans_.emplace(key, nullptr);
+    return no_kernel();
   }
   TANDEM_RETURN_IF_ERROR(check(s, "choosing an algorithm"));
   plan->algo = result.algo;
@@ -132,13 +168,10 @@ absl::StatusOr<Fp8Gemm::Plan*> Fp8Gemm::PlanFor(const Fp8GemmArgs& a) {
   return raw;
 }
 
+absl::Status Fp8Gemm::Prepare(const Fp8GemmArgs& a) { return PlanFor(a).status(); }
+
 absl::Status Fp8Gemm::Run(const Fp8GemmArgs& a, void* workspace, cudaStream_t stream) {
-  if (!Supports(a.m, a.n, a.k) || a.x_codes == nullptr || a.x_scale == nullptr ||
-      a.w_codes == nullptr || a.w_scale == nullptr || a.y == nullptr || workspace == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("FP8 GEMM: m ", a.m, ", n ", a.n, ", k ", a.k,
-                                                   " or a null pointer is not supported (k a "
-                                                   "multiple of 16, n of 4)"));
-  }
+  if (workspace == nullptr) return absl::InvalidArgumentError("FP8 GEMM: null workspace");
   TANDEM_ASSIGN_OR_RETURN(Plan * plan, PlanFor(a));
   auto check = [&](cublasStatus_t s, const char* what) {
     return s == CUBLAS_STATUS_SUCCESS ? absl::OkStatus() : LtError(s, what, a);

@@ -47,16 +47,21 @@ class Fp8Gemm {
   // rows of y), each dimension below 2^31.
   static bool Supports(int64_t m, int64_t n, int64_t k);
 
-  // UNIMPLEMENTED when cuBLASLt has no kernel for the shape on this device (the caller keeps its
-  // other path); INVALID_ARGUMENT for a shape Supports refuses. `workspace` holds at least
-  // kFp8GemmWorkspaceBytes.
+  // Chooses (once per shape and pointer alignment) the kernel Run will use for `a`, launching
+  // nothing: UNIMPLEMENTED when cuBLASLt has none for it on this device (remembered: asked
+  // again, it answers at once), INVALID_ARGUMENT for a shape Supports refuses or a null pointer.
+  // A caller that splits a product into several calls prepares them all before running any, so
+  // it can still take another path for the whole product.
+  absl::Status Prepare(const Fp8GemmArgs& a);
+  // Prepare, then the product on `stream`. `workspace` holds at least kFp8GemmWorkspaceBytes.
   absl::Status Run(const Fp8GemmArgs& a, void* workspace, cudaStream_t stream);
 
  private:
   // A matmul description, its three layouts and the algorithm cuBLASLt chose, per (m, n, k,
-  // accumulate): built once per shape (prefill chunks repeat theirs).
+  // accumulate, the alignments of w, x and y): built once per shape (prefill chunks repeat
+  // theirs); null when cuBLASLt has no kernel for it.
   struct Plan;
-  using Key = std::tuple<int64_t, int64_t, int64_t, bool>;
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, uint32_t, uint32_t, uint32_t>;
   struct HandleDeleter {
     void operator()(cublasLtContext* handle) const;
   };

@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
       float wf[kE];
       Unpack(wv[u], T(), wf);
 #pragma unroll
-      for (int r = 0; r < kM; ++r) {
-        if (r >= a.m) break;
+      for (int r = 0; r < kM; ++r) {  // kM == a.m (LaunchShape)
         float s = acc[r];
         const float4* xr = reinterpret_cast<const float4*>(a.x + r * a.k) + 2 * c;
 #pragma unroll
@@ -113,7 +112,6 @@ __global__ void __launch_bounds__(kThreads) GemvKernel(GemvArgs a) {
   if (lane != 0 || !active) return;
 #pragma unroll
   for (int r = 0; r < kM; ++r) {
-    if (r >= a.m) break;
     float* y = a.y + r * a.n + j;
     float v = acc[r];
     if (a.accumulate) v += *y;  // cuBLAS's beta = 1, then the bias (LaunchAddBias) as before

@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(kThreads) GemvFp8Kernel(GemvFp8Args a) {
                          chunk * (kCodesPerChunk / 4);
 #pragma unroll
       for (int q = 0; q < kCodesPerChunk / 4; ++q) {
-        const float4 f = __ldg(xr + q);
+        const float4 f =
+            xr[q];  // not __ldg: the previous kernel wrote x while this one was resident
         xv[r][4 * q + 0] = __bfloat162float(__float2bfloat16_rn(f.x));
         xv[r][4 * q + 1] = __bfloat162float(__float2bfloat16_rn(f.y));
         xv[r][4 * q + 2] = __bfloat162float(__float2bfloat16_rn(f.z));

@@ -1,5 +1,8 @@
 // The cuda backend's memory functions and its non-attention ops against f64 references
 // (cuda_test_util.h). Tolerances are stated per test; every test skips without a CUDA device.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -313,14 +316,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- MatMul ------------------------------------------------------------------------------------
 
-// The FP8 GEMM's operand for x (backend.h): each row quantized to e4m3 with scale absmax/448,
-// as values (code·scale).
+// The FP8 GEMM's operand for x (backend.h): each row quantized to e4m3 with scale absmax/448 (1
+// where that is 0), as values (code·scale).
 std::vector<double> QuantizedRows(const std::vector<float>& x, int64_t m, int64_t k) {
   std::vector<double> out(x.size());
   for (int64_t r = 0; r < m; ++r) {
     float amax = 0.0f;
     for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(x[r * k + i]));
-    const float scale = amax == 0.0f ? 1.0f : amax / 448.0f;
+    const float scale = amax / 448.0f == 0.0f ? 1.0f : amax / 448.0f;
     for (int64_t i = 0; i < k; ++i) {
       out[r * k + i] = double{F8E4M3ToFloat(FloatToF8E4M3(x[r * k + i] / scale))} * scale;
     }
@@ -329,24 +332,31 @@ std::vector<double> QuantizedRows(const std::vector<float>& x, int64_t m, int64_
 }
 
 // FP8 weights against the product of their exact operands, with the residual add and a bias:
-//   the GEMV (m <= 4, k a multiple of 16): f32 x and codes, within bf16 rounding: 2^-8 of
-//     Σ|x·w|;
-//   the FP8 tensor-core GEMM (longer m, k a multiple of 16, n of 4): x quantized per row like
-//     QuantizedRows, f32 sums: 2^-10 of Σ|x_q·w| (Hopper's FP8 MMA keeps fewer accumulator bits
-//     between cuBLASLt's f32 promotions);
-//   dequantized bf16 slabs (k = 40, n = 1001: no GEMM shape): 2^-8 of Σ|x·w|.
+//   the GEMV (m <= 2, or m <= 4 with n <= 16384; k a multiple of 16): f32 x and codes, within
+//     bf16 rounding: 2^-8 of Σ|x·w|;
+//   the FP8 tensor-core GEMM (the other m on sm_90+, k a multiple of 16, n of 4): x quantized
+//     per row like QuantizedRows, f32 sums: 2^-10 of Σ|x_q·w| (Hopper's FP8 MMA keeps fewer
+//     accumulator bits between cuBLASLt's f32 promotions); 2500 rows at k = 14336 take two
+//     tiles of the FP8 scratch;
+//   dequantized bf16 slabs (k = 40, n = 1001, or a GPU before sm_90): 2^-8 of Σ|x·w|.
+// Row 2 of the longer cases is all zeros and row 3 holds values so small that absmax/448
+// underflows (both take scale 1).
 TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsExactOperands) {
   struct Case {
     int64_t m, n, k;
     bool accumulate, bias;
   };
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
   for (const Case& c : {Case{1, 300, 4096, false, false}, Case{1, 77, 48, true, true},
-                        Case{2, 300, 256, false, true}, Case{3, 1000, 28672, true, false},
-                        Case{4, 333, 512, false, true}, Case{5, 1000, 28672, true, false},
+                        Case{2, 300, 256, false, true}, Case{1, 9000, 64, true, true},
+                        Case{3, 1000, 28672, true, false}, Case{4, 333, 512, false, true},
+                        Case{3, 16400, 64, true, true}, Case{5, 1000, 28672, true, false},
                         Case{8, 336, 512, false, true}, Case{37, 9000, 4096, true, false},
-                        Case{2500, 64, 14336, false, true}, Case{1, 50, 40, false, false},
+                        Case{2500, 64, 14336, true, true}, Case{1, 50, 40, false, false},
                         Case{6, 1001, 64, true, true}}) {
-    const bool gemm = c.m > 4 && c.k % 16 == 0 && c.n % 4 == 0;
+    const bool gemv = c.k % 16 == 0 && (c.m <= 2 || (c.m <= 4 && c.n <= 16384));
+    const bool gemm = !gemv && major >= 9 && c.k % 16 == 0 && c.n % 4 == 0;
     std::mt19937 rng(static_cast<uint32_t>(c.n + c.k));
     std::vector<uint8_t> codes(c.n * c.k);
     for (uint8_t& code : codes) {
@@ -358,6 +368,9 @@ TEST_F(CudaBackendFixture, Fp8MatMulMatchesItsExactOperands) {
     for (float& s : scale) s = 0.001f + 0.01f * static_cast<float>(rng() % 1000) / 1000.0f;
     std::vector<float> x = RandomFloats(c.m * c.k, -1, 1, 7);
     if (c.m > 2) std::fill_n(x.begin() + 2 * c.k, c.k, 0.0f);  // an all-zero row (scale 1)
+    if (c.m > 3) {
+      for (int64_t i = 0; i < c.k; ++i) x[3 * c.k + i] = (i % 2 ? 1e-44f : -3e-44f);
+    }
     const std::vector<double> operand =
         gemm ? QuantizedRows(x, c.m, c.k) : std::vector<double>(x.begin(), x.end());
     const std::vector<float> bias = RandomFloats(c.n, -1, 1, 9);
@@ -512,8 +525,8 @@ std::vector<MatMulCase> MatMulCases() {
     // m = 1 and 2 with k % 8 == 0 take the decode GEMV (gemv.cuh); k = 4104 leaves a partial
     // round of its unrolled loads; k = 1027 falls back to cuBLAS.
     for (int64_t m : {1, 2, 5, 300}) {
-      for (auto [n, k] : {std::pair<int64_t, int64_t>{64, 64}, {1000, 384}, {384, 1027},
-                          {130, 4104}}) {
+      for (auto [n, k] :
+           {std::pair<int64_t, int64_t>{64, 64}, {1000, 384}, {384, 1027}, {130, 4104}}) {
         cases.push_back({dtype, m, n, k, false, false});
         cases.push_back({dtype, m, n, k, true, m != 5});
       }

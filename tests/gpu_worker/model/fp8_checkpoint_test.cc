@@ -1,8 +1,9 @@
-// An FP8 checkpoint (e4m3 projections with weight_scale, quantization_config fbgemm_fp8) runs
-// exactly as the float checkpoint holding its dequantized values (code × scale): the same
-// log-probs and logits bit for bit, on the cpu backend and, with TANDEM_TEST_BACKEND_CUDA, the
-// cuda one. The float checkpoint's forward is the one rope_reference_test checks against
-// transformers, so this carries that check over to FP8 checkpoints.
+// An FP8 checkpoint (e4m3 projections with weight_scale, quantization_config fbgemm_fp8) runs as
+// the float checkpoint holding its dequantized values (code × scale): bit for bit where the
+// backend dequantizes (cpu; cuda with f32 tables), within bounds set by its own numerics where
+// the cuda backend multiplies the codes (bf16 tables; see the test). The float checkpoint's
+// forward is the one rope_reference_test checks against transformers, so this carries that
+// check over to FP8 checkpoints.
 //
 // Both are made here from the llama_yarn fixture (rope_fixtures/): its projections quantized
 // per output row in layer 0 and per tensor in layer 1 (scale = max |w| / 448).
@@ -125,6 +126,9 @@ TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
   ASSERT_EQ(fp8.logprobs.size(), prompt.size() - 1);
   ASSERT_EQ(fp8.last_logits.size(), dequantized.last_logits.size());
   ASSERT_FALSE(fp8.last_logits.empty());
+  // The source model (f32 weights): what rounding the weights to e4m3 does to it.
+  const Outputs source = ForwardOf(**backend, Fp8SourceModel(), prompt);
+  ASSERT_EQ(source.logprobs.size(), fp8.logprobs.size());
   const bool kept = (*backend)->SupportsFp8Weights() && tables == DType::kBF16;
   if (!kept) {
     EXPECT_EQ(fp8.logprobs, dequantized.logprobs);
@@ -143,7 +147,6 @@ TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
     };
     // What rounding the weights to e4m3 (2^-4 of each) does to this model: the scale of the
     // bounds below.
-    const Outputs source = ForwardOf(**backend, Fp8SourceModel(), prompt);
     const double weights_logprobs = max_difference(source.logprobs, dequantized.logprobs);
     const double weights_logits = max_difference(source.last_logits, dequantized.last_logits);
     const double decode_logprobs = max_difference(decoded.logprobs, dequantized_decoded.logprobs);
@@ -159,17 +162,16 @@ TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
         prompt_logits);
     // Per weight, bf16 rounding (2^-9) is 1/32 of e4m3's (2^-4); on this model's worst position
     // it moved log-probs 1/7.6 and logits 1/14 as far (an H200: 2.08e-2 and 1.33e-2 against
-    // 0.158 and 0.185); e4m3 activations moved them 1.3x and 0.7x as far (0.201, 0.129).
+    // 0.158 and 0.185); e4m3 activations moved them 1.3x and 0.7x as far (0.201, 0.129): bounds
+    // of twice those ratios.
     EXPECT_LT(decode_logprobs, weights_logprobs / 4);
     EXPECT_LT(decode_logits, weights_logits / 4);
-    EXPECT_LT(prompt_logprobs, 1.5 * weights_logprobs);
-    EXPECT_LT(prompt_logits, 1.5 * weights_logits);
+    EXPECT_LT(prompt_logprobs, 2.5 * weights_logprobs);
+    EXPECT_LT(prompt_logits, 2.5 * weights_logits);
     EXPECT_LT(fp8.weight_bytes, dequantized.weight_bytes);  // 1-byte codes + row scales
   }
 
   // The quantization is real: the FP8 model's log-probs are not the source model's.
-  const Outputs source = ForwardOf(**backend, Fp8SourceModel(), prompt);
-  ASSERT_EQ(source.logprobs.size(), fp8.logprobs.size());
   double differ = 0;
   for (size_t i = 0; i < source.logprobs.size(); ++i) {
     differ = std::max(differ, std::abs(double{source.logprobs[i]} - fp8.logprobs[i]));

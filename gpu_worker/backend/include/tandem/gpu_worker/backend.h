@@ -110,12 +110,14 @@ struct RmsNormParams {
 // y = x · wᵀ (+ bias) (+ y when accumulate): the nn.Linear layout. accumulate fuses the
 // residual add; bias is for models with projection biases (Qwen2's q/k/v).
 // FP8 weights (w_dtype kF8E4M3, only where SupportsFp8Weights()): row j of w is its e4m3 codes
-// times w_scale[j]. Decode-sized m (cuda: up to 4 rows) computes w_scale[j]·Σ bf16(x)·code in f32
-// from the codes (within bf16 rounding of the exact product; the FP8 bytes are all it reads).
-// Longer m runs on the FP8 tensor cores as FP8 servers do: each row of x quantized to e4m3 with
-// its own scale (absmax/448: within 2^-4 of each |x|), products of codes summed in f32 and
-// scaled by both row scales; where the device has no such GEMM, the product of bf16(x) and the
-// bf16 matrix bf16(code·w_scale[j]).
+// times w_scale[j]. Decode-sized m (cuda: 1-2 rows, and 3-4 rows for n <= 16384; gemv_fp8.cuh)
+// computes w_scale[j]·Σ bf16(x)·code in f32 from the codes (within bf16 rounding of the exact
+// product; the FP8 bytes are all it reads). Other m run on the FP8 tensor cores as FP8 servers
+// do: each row of x quantized to e4m3 with its own scale (absmax/448: within 2^-4 of each |x|),
+// products of codes summed in f32 and scaled by both row scales; where the device or cuBLASLt
+// has no such GEMM (before sm_90, k % 16 != 0, n % 4 != 0, w or y not 16-byte aligned), the
+// product of bf16(x) and the bf16 matrix bf16(code·w_scale[j]). So a row's numerics depend on
+// the rows it is multiplied with: a decode row batched with 2 others may take the GEMM.
 // The cuda backend's scratch for one FP8 GEMM (the quantized rows of x, their scales and
 // cuBLASLt's workspace; or a slab of dequantized rows beside bf16 x): the memory plan counts it.
 inline constexpr uint64_t kCudaFp8SlabBytes = uint64_t{32} << 20;
