@@ -65,13 +65,14 @@ class Binder {
 
   // A projection [rows, cols]: a float matrix of the tables' dtype, or FP8 (e4m3) with a
   // `*.weight_scale` (per output row [rows, 1] or [rows], or per tensor [1] or []), recorded in
-  // *scales. Every projection has the dtype of the first.
+  // *scales. FP8 and float projections may be mixed (a checkpoint's `ignore` /
+  // `modules_to_not_convert` leave some modules float); the caller checks that the projections
+  // fused on the device share a dtype (SameFusedDType).
   absl::StatusOr<const TensorView*> Projection(const std::string& name, int64_t rows, int64_t cols,
                                                FP8Scales* scales) {
     const TensorView* view = archive_.Find(name);
     if (view == nullptr || view->dtype != DType::kF8E4M3) {
       TANDEM_ASSIGN_OR_RETURN(view, Vector(name, {rows, cols}));
-      TANDEM_RETURN_IF_ERROR(SameDType(view, first_projection_));
       TANDEM_RETURN_IF_ERROR(SameDType(view, first_table_));
     } else {
       if (view->shape != std::vector<int64_t>{rows, cols}) {
@@ -79,17 +80,30 @@ class Binder {
                                                        ShapeString(view->shape), ", expected ",
                                                        ShapeString({rows, cols})));
       }
-      TANDEM_RETURN_IF_ERROR(SameDType(view, first_projection_));
       TANDEM_ASSIGN_OR_RETURN((*scales)[view], Scale(name, rows, cols));
+      any_fp8_ = true;
     }
-    if (first_projection_ == nullptr) first_projection_ = view;
     return view;
   }
 
   // The dtype the model computes in: the tables'.
   DType matrix_dtype() const { return first_table_->dtype; }
-  DType projection_dtype() const {
-    return first_projection_ != nullptr ? first_projection_->dtype : matrix_dtype();
+  // kF8E4M3 when any projection is stored FP8, else the tables' dtype.
+  DType projection_dtype() const { return any_fp8_ ? DType::kF8E4M3 : matrix_dtype(); }
+
+  // INVALID_ARGUMENT unless the projections `fused` (q/k/v, or gate/up: one matrix on the
+  // device) share a dtype.
+  static absl::Status SameFusedDType(std::initializer_list<const TensorView*> fused) {
+    const TensorView* first = *fused.begin();
+    for (const TensorView* t : fused) {
+      if (t->dtype == first->dtype) continue;
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights: \"", t->name, "\" is ", Name(t->dtype), " but \"", first->name,
+                       "\" is ", Name(first->dtype),
+                       ": projections fused into one matrix (q/k/v, gate/up) must share a "
+                       "dtype (FP8 or not)"));
+    }
+    return absl::OkStatus();
   }
 
  private:
@@ -133,7 +147,7 @@ class Binder {
 
   const SafetensorsArchive& archive_;
   const TensorView* first_table_ = nullptr;
-  const TensorView* first_projection_ = nullptr;
+  bool any_fp8_ = false;  // a projection is stored FP8
 };
 
 }  // namespace
@@ -200,6 +214,8 @@ absl::StatusOr<ModelWeights> BindModelWeights(const ModelConfig& config,
     TANDEM_ASSIGN_OR_RETURN(
         layer.down_proj,
         bind.Projection(absl::StrCat(p, "mlp.down_proj.weight"), hidden, ffn, &weights.fp8_scales));
+    TANDEM_RETURN_IF_ERROR(Binder::SameFusedDType({layer.q_proj, layer.k_proj, layer.v_proj}));
+    TANDEM_RETURN_IF_ERROR(Binder::SameFusedDType({layer.gate_proj, layer.up_proj}));
   }
   weights.dtype = bind.matrix_dtype();
   weights.stored_projection_dtype = bind.projection_dtype();

@@ -14,9 +14,11 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "fp8_test_util.h"
 #include "gtest/gtest.h"
 #include "model_test_util.h"
@@ -37,9 +39,10 @@ using testing::TempDir;
 
 // Writes `fp8_dir` (the source with FP8 projections, every other tensor as `tables`) and
 // `float_dir` (the same, with the projections' dequantized values as `tables`) from the f32
-// source model.
+// source model. With `float_layer1`, layer 1's projections stay float in both (as a checkpoint
+// whose modules_to_not_convert names that layer).
 void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
-                        const std::filesystem::path& float_dir, DType tables) {
+                        const std::filesystem::path& float_dir, DType tables, bool float_layer1) {
   absl::StatusOr<std::unique_ptr<SafetensorsArchive>> archive =
       SafetensorsArchive::Open(Fp8SourceModel());
   ASSERT_TRUE(archive.ok()) << archive.status();
@@ -48,7 +51,8 @@ void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
   for (const TensorView* t : (*archive)->tensors()) {
     const std::string& name = t->name;
     ASSERT_EQ(t->dtype, DType::kF32) << name;
-    const bool projection = absl::StrContains(name, "_proj.weight");
+    const bool projection = absl::StrContains(name, "_proj.weight") &&
+                            !(float_layer1 && absl::StrContains(name, "layers.1."));
     if (!projection) {
       storage.push_back(
           Encode(static_cast<const float*>(t->data), static_cast<size_t>(t->numel()), tables));
@@ -93,12 +97,16 @@ void WriteQuantizedPair(const std::filesystem::path& fp8_dir,
   testing::WriteFile(float_dir / "config.json", config.dump(2));
   config["quantization_config"] = {{"quant_method", "fbgemm_fp8"},
                                    {"modules_to_not_convert", {"lm_head"}}};
+  if (float_layer1) {
+    config["quantization_config"]["modules_to_not_convert"].push_back("model.layers.1");
+  }
   testing::WriteFile(fp8_dir / "config.json", config.dump(2));
   ASSERT_TRUE(WriteSafetensors(fp8_dir / "model.safetensors", fp8_tensors).ok());
   ASSERT_TRUE(WriteSafetensors(float_dir / "model.safetensors", float_tensors).ok());
 }
 
-class Fp8Checkpoint : public ::testing::TestWithParam<DType> {};
+// (tables' dtype, layer 1 left float)
+class Fp8Checkpoint : public ::testing::TestWithParam<std::tuple<DType, bool>> {};
 
 // With f32 tables every backend dequantizes on upload: bit for bit. With bf16 tables the cpu
 // backend does too (bit for bit); the cuda backend keeps the codes and multiplies them:
@@ -110,13 +118,13 @@ class Fp8Checkpoint : public ::testing::TestWithParam<DType> {};
 // GEMV's own numerics are checked against exact references in cuda_backend_test, these catch a
 // wrong scale or layout in the model's use of them (errors of the logits' size).
 TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
-  const DType tables = GetParam();
+  const auto [tables, float_layer1] = GetParam();
   absl::StatusOr<std::unique_ptr<Backend>> backend = testing::Fp8TestBackend();
   if (!backend.ok()) GTEST_SKIP() << "no backend: " << backend.status();
   TempDir fp8_dir, float_dir;
   ASSERT_FALSE(fp8_dir.path().empty());
   ASSERT_FALSE(float_dir.path().empty());
-  WriteQuantizedPair(fp8_dir.path(), float_dir.path(), tables);
+  WriteQuantizedPair(fp8_dir.path(), float_dir.path(), tables, float_layer1);
   const nlohmann::json prompt_json =
       nlohmann::json::parse(ReadText(Fp8SourceModel() / "prompt.json"));
   const std::vector<int32_t> prompt = prompt_json.get<std::vector<int32_t>>();
@@ -180,9 +188,12 @@ TEST_P(Fp8Checkpoint, RunsAsItsDequantizedFloatCheckpoint) {
   EXPECT_LT(differ, 0.5);  // e4m3 keeps 3 mantissa bits: close, not equal
 }
 
-INSTANTIATE_TEST_SUITE_P(Tables, Fp8Checkpoint, ::testing::Values(DType::kF32, DType::kBF16),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(DTypeName(info.param));
+INSTANTIATE_TEST_SUITE_P(Tables, Fp8Checkpoint,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, bool>>& info) {
+                           return std::string(DTypeName(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_layer1_float" : "");
                          });
 
 }  // namespace

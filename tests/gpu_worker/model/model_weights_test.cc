@@ -319,6 +319,33 @@ TEST(ModelWeightsTest, Fp8ProjectionsBindWithTheirScales) {
   EXPECT_THAT(w.fp8_scales.at(w.layers[1].down_proj)->shape, ElementsAre(1));
 }
 
+// A checkpoint whose ignore list left modules float (here layer 1's attention and layer 0's
+// o_proj) binds them beside the FP8 ones: IsFp8 tells each apart.
+TEST(ModelWeightsTest, FloatModulesBesideFp8OnesBind) {
+  TempDir dir;
+  TinyModel model(/*tied=*/false);
+  MakeFp8(model);
+  for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"model.layers.1.self_attn.q_proj.weight", {8, 8}},
+           {"model.layers.1.self_attn.k_proj.weight", {4, 8}},
+           {"model.layers.1.self_attn.v_proj.weight", {4, 8}},
+           {"model.layers.0.self_attn.o_proj.weight", {8, 8}}}) {
+    model.Replace(name, shape);
+    model.Remove(name + "_scale");
+  }
+  model.Write(dir.path());
+  absl::StatusOr<std::unique_ptr<Model>> loaded = LoadModel(dir.path());
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  const ModelWeights& w = (*loaded)->weights;
+  EXPECT_EQ(w.stored_projection_dtype, DType::kF8E4M3);
+  EXPECT_EQ(w.fp8_scales.size(), 10u);
+  EXPECT_TRUE(w.IsFp8(w.layers[0].q_proj));
+  EXPECT_FALSE(w.IsFp8(w.layers[0].o_proj));
+  EXPECT_FALSE(w.IsFp8(w.layers[1].k_proj));
+  EXPECT_TRUE(w.IsFp8(w.layers[1].o_proj));
+  EXPECT_EQ(w.fp8_scales.count(w.layers[1].q_proj), 0u);
+}
+
 TEST(ModelWeightsTest, BadFp8WeightsNameTheTensor) {
   struct Case {
     const char* name;
@@ -339,11 +366,16 @@ TEST(ModelWeightsTest, BadFp8WeightsNameTheTensor) {
          m.Replace("model.layers.0.self_attn.q_proj.weight_scale", {8, 1}, DType::kI32);
        },
        {"model.layers.0.self_attn.q_proj.weight_scale", "i32"}},
-      {"one float projection among FP8 ones",
+      {"a float projection fused with FP8 ones",
        [](TinyModel& m) {
-         m.Replace("model.layers.1.self_attn.o_proj.weight", {8, 8});
+         m.Replace("model.layers.1.self_attn.k_proj.weight", {4, 8});
        },
-       {"model.layers.1.self_attn.o_proj.weight", "f32", "f8e4m3"}},
+       {"model.layers.1.self_attn.k_proj.weight", "f32", "f8e4m3", "fused"}},
+      {"a float projection of another dtype than the tables",
+       [](TinyModel& m) {
+         m.Replace("model.layers.1.self_attn.o_proj.weight", {8, 8}, DType::kBF16);
+       },
+       {"model.layers.1.self_attn.o_proj.weight", "bf16", "f32"}},
       {"FP8 embedding",
        [](TinyModel& m) {
          m.Replace("model.embed_tokens.weight", {10, 8}, DType::kF8E4M3);

@@ -62,7 +62,8 @@ struct ModelWeights {
   // norms and biases may differ. FP8 projections become this dtype on upload (device_model.h).
   DType dtype = DType::kF32;
   // The projections' dtype in the files: `dtype`, or kF8E4M3 for an FP8 checkpoint (with
-  // fp8_scales holding each projection's scale).
+  // fp8_scales holding each FP8 projection's scale). An FP8 checkpoint may leave some projections
+  // float (its ignore list): those are `dtype`, and IsFp8 tells them apart.
   DType stored_projection_dtype = DType::kF32;
   FP8Scales fp8_scales;
   // True when the config's quantization is "fp8" (--quantization fp8) but the files hold the
@@ -70,10 +71,13 @@ struct ModelWeights {
   // goes and takes the codes and scales as it takes an FP8 checkpoint's.
   bool quantize_at_load = false;
 
-  // The projections run as FP8 codes with scales: stored so, or quantized at load.
+  // Some projections run as FP8 codes with scales: stored so, or quantized at load.
   bool fp8_projections() const {
     return stored_projection_dtype == DType::kF8E4M3 || quantize_at_load;
   }
+  // True when the projection `t` (one of layers' *_proj) runs as FP8: stored FP8, or every
+  // projection of a float checkpoint quantized at load.
+  bool IsFp8(const TensorView* t) const { return quantize_at_load || t->dtype == DType::kF8E4M3; }
 };
 
 // A loaded model: config + mmap'ed weights (the views stay valid while Model lives).
