@@ -545,24 +545,26 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParseShapes(const std::
   return shapes;
 }
 
-// Worst relative error of y [m, n] on sampled columns (every n/128-th and the last) against an
-// f64 reference of the GEMV numerics (x rounded to bf16, bf16 weights): |y - ref| / sum |x·w|.
-absl::StatusOr<double> GemvError(Bench& bench, const DeviceBuffer& x, const DeviceBuffer& w,
-                                 const DeviceBuffer& y, int64_t m, int64_t n, int64_t k) {
+// Worst relative error of y [m, n] against an f64 reference of the GEMV numerics (x rounded to
+// bf16 times the weights `column` decodes), |y - ref| / Σ|x·w|, on sampled columns (every
+// column_step-th and the last) and rows (every row_step-th). column(j, &w) fills w [k] with
+// column j's weights as values.
+absl::StatusOr<double> GemvError(
+    Bench& bench, const DeviceBuffer& x, const DeviceBuffer& y, int64_t m, int64_t n, int64_t k,
+    int64_t column_step, int64_t row_step,
+    const std::function<absl::Status(int64_t, std::vector<double>*)>& column) {
   std::vector<float> xh(m * k), yh(m * n);
-  std::vector<bf16_t> row(k);
+  std::vector<double> w(k);
   BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(xh.data(), x.data(), xh.size() * 4));
   BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(yh.data(), y.data(), yh.size() * 4));
   for (float& v : xh) v = Bf16ToFloat(FloatToBf16(v));
-  const int64_t step = std::max<int64_t>(1, n / 128);
   double worst = 0.0;
-  for (int64_t j = 0; j < n; j = (j + step < n || j == n - 1) ? j + step : n - 1) {
-    BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(
-        row.data(), static_cast<const char*>(w.data()) + j * k * 2, k * 2));
-    for (int64_t r = 0; r < m; ++r) {
+  for (int64_t j = 0; j < n; j = (j + column_step < n || j == n - 1) ? j + column_step : n - 1) {
+    BENCH_RETURN_IF_ERROR(column(j, &w));
+    for (int64_t r = 0; r < m; r += row_step) {
       double sum = 0.0, magnitude = 0.0;
       for (int64_t i = 0; i < k; ++i) {
-        const double p = double{xh[r * k + i]} * Bf16ToFloat(row[i]);
+        const double p = double{xh[r * k + i]} * w[i];
         sum += p;
         magnitude += std::abs(p);
       }
@@ -572,6 +574,19 @@ absl::StatusOr<double> GemvError(Bench& bench, const DeviceBuffer& x, const Devi
     }
   }
   return worst;
+}
+
+// GemvError of bf16 weights w [n, k]: every n/128-th column, every row.
+absl::StatusOr<double> GemvError(Bench& bench, const DeviceBuffer& x, const DeviceBuffer& w,
+                                 const DeviceBuffer& y, int64_t m, int64_t n, int64_t k) {
+  std::vector<bf16_t> row(k);
+  return GemvError(bench, x, y, m, n, k, std::max<int64_t>(1, n / 128), 1,
+                   [&](int64_t j, std::vector<double>* values) -> absl::Status {
+                     BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(
+                         row.data(), static_cast<const char*>(w.data()) + j * k * 2, k * 2));
+                     for (int64_t i = 0; i < k; ++i) (*values)[i] = Bf16ToFloat(row[i]);
+                     return absl::OkStatus();
+                   });
 }
 
 // Times every gemv.cuh variant and the cuBLAS path on each (shape, m); appends the summary lines
@@ -707,37 +722,23 @@ absl::Status RunGemvSweep(Bench& bench, double copy_bw, int64_t max_reps,
   return absl::OkStatus();
 }
 
-// Worst relative error of y [m, n] on sampled columns against Σ bf16(x)·code·scale (the GEMV's
-// exact operands), |y - ref| / Σ|x·w|: ~1e-6 for the GEMV; the GEMM's per-row e4m3 activations
-// add up to 2^-4 of each |x| (typically ~1e-3 of the sum).
+// GemvError of FP8 codes w [n, k] with one scale: against Σ bf16(x)·code·scale (the GEMV's exact
+// operands): ~1e-6 for the GEMV; the GEMM's per-row e4m3 activations add up to 2^-4 of each |x|
+// (typically ~1e-3 of the sum). Every n/64-th column, every m/8-th row.
 absl::StatusOr<double> GemvFp8Error(Bench& bench, const DeviceBuffer& x, const DeviceBuffer& w,
                                     float w_scale, const DeviceBuffer& y, int64_t m, int64_t n,
                                     int64_t k) {
-  std::vector<float> xh(m * k), yh(m * n);
   std::vector<uint8_t> row(k);
-  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(xh.data(), x.data(), xh.size() * 4));
-  BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(yh.data(), y.data(), yh.size() * 4));
-  for (float& v : xh) v = Bf16ToFloat(FloatToBf16(v));
-  const int64_t step = std::max<int64_t>(1, n / 64);
-  const int64_t row_step = std::max<int64_t>(1, m / 8);
-  double worst = 0.0;
-  for (int64_t j = 0; j < n; j = (j + step < n || j == n - 1) ? j + step : n - 1) {
-    BENCH_RETURN_IF_ERROR(
-        bench.backend().CopyToHost(row.data(), static_cast<const char*>(w.data()) + j * k, k));
-    for (int64_t r = 0; r < m; r += row_step) {
-      double sum = 0.0, magnitude = 0.0;
-      for (int64_t i = 0; i < k; ++i) {
-        const double p = double{xh[r * k + i]} * F8E4M3ToFloat(row[i]) * w_scale;
-        sum += p;
-        magnitude += std::abs(p);
-      }
-      const double got = yh[r * n + j];
-      worst = std::max(worst, std::isfinite(got) ? std::abs(got - sum) / (magnitude + 1e-30)
-                                                 : std::numeric_limits<double>::infinity());
-    }
-    if (j == n - 1) break;
-  }
-  return worst;
+  return GemvError(bench, x, y, m, n, k, std::max<int64_t>(1, n / 64),
+                   std::max<int64_t>(1, m / 8),
+                   [&](int64_t j, std::vector<double>* values) -> absl::Status {
+                     BENCH_RETURN_IF_ERROR(bench.backend().CopyToHost(
+                         row.data(), static_cast<const char*>(w.data()) + j * k, k));
+                     for (int64_t i = 0; i < k; ++i) {
+                       (*values)[i] = double{F8E4M3ToFloat(row[i])} * w_scale;
+                     }
+                     return absl::OkStatus();
+                   });
 }
 
 // FP8 weights (issue 30): every gemv_fp8.cuh variant at m <= kGemvFp8MaxRows and the FP8
