@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "cpu_attention_kernels.h"
 #include "cpu_elementwise.h"
+#include "cpu_low_rank_keys.h"
 #include "cpu_matmul.h"
 #include "cpu_page_select.h"
 #include "cpu_sampling.h"
@@ -83,6 +84,7 @@ class CpuBackend final : public Backend {
                                   CpuIsaSummary(), "; bf16 weights: ",
                                   cpu::CpuMatmul::Bf16PathName())),
         counters_(std::make_shared<MemoryCounters>()),
+        threads_(static_cast<int>(threads)),
         matmul_(std::move(matmul)),
         attention_(static_cast<int>(threads)),
         page_select_(static_cast<int>(threads)) {}
@@ -263,6 +265,16 @@ class CpuBackend final : public Backend {
     return page_select_.Summarize(p);
   }
   absl::Status SelectPages(const SelectPagesParams& p) override { return page_select_.Select(p); }
+  absl::Status KeyGram(const KeyGramParams& p) override {
+    TANDEM_RETURN_IF_ERROR(cpu::ValidateKeyGram(p));
+    cpu::RunKeyGram(p, threads_);
+    return absl::OkStatus();
+  }
+  absl::Status ProjectKeys(const ProjectKeysParams& p) override {
+    TANDEM_RETURN_IF_ERROR(cpu::ValidateProjectKeys(p));
+    cpu::RunProjectKeys(p, threads_);
+    return absl::OkStatus();
+  }
 
  private:
   // bytes == 0 is a no-op; otherwise both pointers must be set. Overlap is allowed (memmove).
@@ -277,6 +289,7 @@ class CpuBackend final : public Backend {
 
   const std::string description_;
   std::shared_ptr<MemoryCounters> counters_;
+  const int threads_;  // the OpenMP team size of the parallel ops
   std::unique_ptr<cpu::CpuMatmul> matmul_;
   cpu::WindowAttentionRunner attention_;
   cpu::PageSelectRunner page_select_;

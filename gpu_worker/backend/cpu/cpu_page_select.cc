@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "cpu_low_rank_keys.h"
 #include "tandem/common/bf16.h"
 #include "tandem/common/status_macros.h"
 
@@ -128,7 +129,9 @@ absl::Status ValidateSummarizePages(const SummarizePagesParams& p) {
 
 absl::Status ValidateSelectPages(const SelectPagesParams& p) {
   constexpr const char* kOp = "SelectPages";
-  if (p.q == nullptr || p.summaries == nullptr || p.pages == nullptr || p.scratch == nullptr) {
+  // kLowRank reads no summaries (they may be null).
+  if (p.q == nullptr || p.pages == nullptr || p.scratch == nullptr ||
+      (p.summaries == nullptr && p.score != PageScore::kLowRank)) {
     return Invalid(kOp, "null pointer");
   }
   if (p.num_tokens < 1 || p.num_q_heads < 1 || p.num_kv_heads < 1 || p.head_dim < 1 ||
@@ -154,9 +157,11 @@ absl::Status ValidateSelectPages(const SelectPagesParams& p) {
   if (p.dtype != DType::kF32 && p.dtype != DType::kBF16) {
     return Invalid(kOp, "dtype must be f32 or bf16");
   }
-  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid) {
+  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid &&
+      p.score != PageScore::kLowRank) {
     return Invalid(kOp, "unknown page score");
   }
+  if (p.score == PageScore::kLowRank) TANDEM_RETURN_IF_ERROR(ValidateLowRankKeys(p));
   if (p.keep != nullptr && (p.keep_per_head < 1 || p.keep_per_head >= p.select)) {
     return Invalid(kOp, absl::StrFormat("keep_per_head %d must be in [1, select %d)",
                                         p.keep_per_head, p.select));
@@ -198,14 +203,16 @@ absl::Status PageSelectRunner::Select(const SelectPagesParams& p) {
     const int64_t end = std::min(n, begin + kScorePagesPerItem);
     const int64_t t = row / p.num_kv_heads;
     const int64_t g = row % p.num_kv_heads;
-    if (bf16) {
+    if (p.score == PageScore::kLowRank) {
+      LowRankScoreRange(p, t, g, begin, end, scores + row * n);
+    } else if (bf16) {
       ScoreRange<bf16_t>(p, t, g, begin, end, scores + row * n);
     } else {
       ScoreRange<float>(p, t, g, begin, end, scores + row * n);
     }
   }
 
-  // Kept pages score above every other (+inf; no q·k bound or centroid reaches it).
+  // Kept pages score above every other (+inf; no bound, centroid or low-rank score reaches it).
   for (int64_t row = 0; p.keep != nullptr && row < rows; ++row) {
     for (int64_t i = 0; i < p.keep_per_head; ++i) {
       const int32_t id = p.keep[row * p.keep_per_head + i];

@@ -1,6 +1,6 @@
 // SummarizePages and SelectPages of the cpu backend (private to backend/cpu), as specified in
 // backend.h: per-page min/max keys, and the top pages of each (token, kv head) by the Quest
-// upper bound of q·k.
+// upper bound of q·k, the centroid's q·mean or the low-rank estimate (cpu_low_rank_keys.h).
 //
 // Method: SelectPages writes every f32 score into the caller's scratch ([T, Hkv, num_pages],
 // rows scored in parallel over page ranges), then picks each row's best `select` pages with
@@ -22,7 +22,8 @@ namespace tandem::gpu_worker::cpu {
 absl::Status ValidateSummarizePages(const SummarizePagesParams& p);
 // INVALID_ARGUMENT when p breaks the SelectPagesParams contract: null pointers (scratch
 // included), sizes < 1, num_pages > max_pages or > INT32_MAX, num_q_heads not a multiple of
-// num_kv_heads, q_row_stride < num_q_heads·head_dim, a dtype other than f32/bf16.
+// num_kv_heads, q_row_stride < num_q_heads·head_dim, a dtype other than f32/bf16; for kLowRank
+// (whose summaries may be null) ValidateLowRankKeys.
 absl::Status ValidateSelectPages(const SelectPagesParams& p);
 
 // Runs validated calls on up to `threads` OpenMP threads. Not thread-safe (one owner).

@@ -27,6 +27,7 @@
 #include "gemv.cuh"
 #include "gemv_fp8.cuh"
 #include "kv_write.cuh"
+#include "low_rank_keys.cuh"
 #include "merge_states.cuh"
 #include "page_select.cuh"
 #include "page_summary.cuh"
@@ -153,6 +154,8 @@ class CudaBackend final : public Backend {
   absl::Status SummarizePages(const SummarizePagesParams& p) override;
   absl::Status SelectPages(const SelectPagesParams& p) override;
   absl::Status SelectPagesBatch(const SelectPagesParams* params, size_t count) override;
+  absl::Status KeyGram(const KeyGramParams& p) override;
+  absl::Status ProjectKeys(const ProjectKeysParams& p) override;
 
  private:
   // Makes this backend's device current for the calling thread (cheap when it already is).
@@ -169,6 +172,9 @@ class CudaBackend final : public Backend {
   cudaStream_t stream() const { return stream_.get(); }
   // WindowAttention after CheckWindowAttention(p) and Activate().
   absl::Status WindowAttentionChecked(const WindowAttentionParams& p);
+  // SelectPages after CheckSelectPages(p) and Activate(): kLowRank scores by its own kernel,
+  // the others in LaunchSelectPages; then the same keep and top-k.
+  absl::Status SelectPagesChecked(const SelectPagesParams& p);
   // MatMul of FP8 weights (MatMulParams' numerics) and its two paths past the GEMV.
   absl::Status MatMulFp8(const MatMulParams& p);
   absl::Status MatMulFp8Gemm(const MatMulParams& p);
@@ -905,8 +911,22 @@ absl::Status CudaBackend::SummarizePages(const SummarizePagesParams& p) {
 absl::Status CudaBackend::SelectPages(const SelectPagesParams& p) {
   TANDEM_RETURN_IF_ERROR(CheckSelectPages(p));
   TANDEM_RETURN_IF_ERROR(Activate());
-  TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPages(
-      SelectPagesArgsOf(p, props_.multiProcessorCount), stream()));
+  return SelectPagesChecked(p);
+}
+
+absl::Status CudaBackend::SelectPagesChecked(const SelectPagesParams& p) {
+  const int sms = props_.multiProcessorCount;
+  if (p.score != PageScore::kLowRank) {
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cuda_backend::LaunchSelectPages(SelectPagesArgsOf(p, sms), stream()));
+    return absl::OkStatus();
+  }
+  if (p.num_pages > p.select) {  // else every page is selected: nothing to score
+    TANDEM_CUDA_RETURN_IF_ERROR(
+        cuda_backend::LaunchLowRankScores(cuda_backend::LowRankScoreArgsOf(p, sms), stream()));
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cuda_backend::LaunchSelectFromScores(SelectPagesArgsOf(p, sms), stream()));
   return absl::OkStatus();
 }
 
@@ -924,7 +944,9 @@ absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size
   const SelectPagesParams* first = nullptr;
   for (size_t i = 0; i < count; ++i) {
     const SelectPagesParams& p = params[i];
+    // kLowRank entries run alone (their scoring kernel has no batched form).
     const bool joins =
+        p.score != PageScore::kLowRank &&
         cuda_backend::SelectPagesBatchable(SelectPagesArgsOf(p, sms)) &&
         static_cast<int64_t>(select_entries_.size()) < kMaxBatch &&
         (first == nullptr ||
@@ -948,10 +970,7 @@ absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size
                                .keep_per_head = a.keep_per_head,
                                .scratch = a.scratch});
   }
-  for (size_t i : batch_singles_) {
-    TANDEM_CUDA_RETURN_IF_ERROR(
-        cuda_backend::LaunchSelectPages(SelectPagesArgsOf(params[i], sms), stream()));
-  }
+  for (size_t i : batch_singles_) TANDEM_RETURN_IF_ERROR(SelectPagesChecked(params[i]));
   if (select_entries_.empty()) return absl::OkStatus();
   if (select_entries_.size() == 1) {  // one entry: the single launch's plan fills the GPU
     return SelectPages(*first);
@@ -966,6 +985,22 @@ absl::Status CudaBackend::SelectPagesBatch(const SelectPagesParams* params, size
   TANDEM_RETURN_IF_ERROR(CopyToDevice(table, select_entries_.data(), bytes));
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchSelectPagesBatch(
       plan, static_cast<const cuda_backend::SelectPagesEntry*>(table), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::KeyGram(const KeyGramParams& p) {
+  TANDEM_RETURN_IF_ERROR(cuda_backend::CheckKeyGram(p));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cuda_backend::LaunchKeyGram(cuda_backend::KeyGramArgsOf(p), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::ProjectKeys(const ProjectKeysParams& p) {
+  TANDEM_RETURN_IF_ERROR(cuda_backend::CheckProjectKeys(p));
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(
+      cuda_backend::LaunchProjectKeys(cuda_backend::ProjectKeysArgsOf(p), stream()));
   return absl::OkStatus();
 }
 

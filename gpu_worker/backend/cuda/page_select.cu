@@ -704,18 +704,26 @@ cudaError_t LaunchTopPages(const SelectPagesArgs& args, cudaStream_t stream) {
 cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream) {
   const int64_t rows = args.num_tokens * args.num_kv_heads;
   if (rows <= 0 || args.select <= 0 || args.num_pages <= 0) return cudaSuccess;
+  if (args.num_pages > args.select) {
+    const cudaError_t error = LaunchScorePages(args, stream);
+    if (error != cudaSuccess) return error;
+  }
+  return LaunchSelectFromScores(args, stream);
+}
+
+cudaError_t LaunchSelectFromScores(const SelectPagesArgs& args, cudaStream_t stream) {
+  const int64_t rows = args.num_tokens * args.num_kv_heads;
+  if (rows <= 0 || args.select <= 0 || args.num_pages <= 0) return cudaSuccess;
   if (args.num_pages <= args.select) {
     constexpr int kThreads = 256;
     AllPagesKernel<<<GridStrideBlocks(rows * args.select, kThreads), kThreads, 0, stream>>>(
         args.pages, rows, args.select, args.num_pages);
     return cudaGetLastError();
   }
-  cudaError_t error = LaunchScorePages(args, stream);
-  if (error != cudaSuccess) return error;
   if (args.keep != nullptr && args.keep_per_head > 0) {
     KeepPagesKernel<<<static_cast<unsigned>(rows), 128, 0, stream>>>(
         static_cast<float*>(args.scratch), args.num_pages, args.keep, args.keep_per_head);
-    error = cudaGetLastError();
+    const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
   }
   return LaunchTopPages(args, stream);

@@ -137,7 +137,9 @@ WindowAttentionArgs WindowAttentionArgsOf(const WindowAttentionParams& p) {
 // The parameter checks of SelectPages (backend.h's contract), without queuing anything.
 absl::Status CheckSelectPages(const SelectPagesParams& p) {
   constexpr absl::string_view kOp = "SelectPages";
-  if (p.q == nullptr || p.summaries == nullptr || p.pages == nullptr || p.scratch == nullptr) {
+  const bool low_rank = p.score == PageScore::kLowRank;  // reads no summaries (may be null)
+  if (p.q == nullptr || (p.summaries == nullptr && !low_rank) || p.pages == nullptr ||
+      p.scratch == nullptr) {
     return Invalid(kOp, "null pointer");
   }
   TANDEM_RETURN_IF_ERROR(CheckDim(kOp, "num_tokens", p.num_tokens));
@@ -169,14 +171,139 @@ absl::Status CheckSelectPages(const SelectPagesParams& p) {
   if (reinterpret_cast<uintptr_t>(p.scratch) % 4 != 0) {
     return Invalid(kOp, "scratch must be 4-byte aligned");
   }
-  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid) {
+  if (p.score != PageScore::kBound && p.score != PageScore::kCentroid && !low_rank) {
     return Invalid(kOp, "unknown page score");
   }
+  if (low_rank) TANDEM_RETURN_IF_ERROR(CheckLowRankKeys(p));
   if (p.keep != nullptr && (p.keep_per_head < 1 || p.keep_per_head >= p.select)) {
     return Invalid(kOp, absl::StrCat("keep_per_head ", p.keep_per_head, " must be in [1, select ",
                                      p.select, ")"));
   }
   return absl::OkStatus();
+}
+
+// The checks of SelectPagesParams::low_rank for PageScore::kLowRank.
+absl::Status CheckLowRankKeys(const SelectPagesParams& p) {
+  constexpr absl::string_view kOp = "SelectPages (low rank)";
+  const LowRankKeys& lr = p.low_rank;
+  if (lr.basis == nullptr || lr.coords == nullptr || lr.scales == nullptr) {
+    return Invalid(kOp, "null pointer (low_rank.basis, coords or scales)");
+  }
+  if (lr.rank < 1 || lr.rank > p.head_dim || lr.rank > kLowRankMaxRank) {
+    return Invalid(kOp, absl::StrCat("low_rank.rank ", lr.rank, " not in [1, head_dim ", p.head_dim,
+                                     "] (at most ", kLowRankMaxRank, ")"));
+  }
+  if (lr.page_tokens < 1) {
+    return Invalid(kOp, absl::StrCat("low_rank.page_tokens ", lr.page_tokens, " must be >= 1"));
+  }
+  if (lr.max_tokens < 1 || p.num_pages > lr.max_tokens / lr.page_tokens) {
+    return Invalid(kOp, absl::StrCat("low_rank.max_tokens ", lr.max_tokens, " < num_pages ",
+                                     p.num_pages, " · page_tokens ", lr.page_tokens));
+  }
+  if (!std::isfinite(lr.softmax_scale) || lr.softmax_scale <= 0.0f) {
+    return Invalid(
+        kOp, absl::StrCat("low_rank.softmax_scale ", lr.softmax_scale, " must be finite and > 0"));
+  }
+  return absl::OkStatus();
+}
+
+LowRankScoreArgs LowRankScoreArgsOf(const SelectPagesParams& p, int num_sms) {
+  return {.q = p.q,
+          .q_row_stride = p.q_row_stride,
+          .basis = p.low_rank.basis,
+          .coords = p.low_rank.coords,
+          .scales = p.low_rank.scales,
+          .rank = p.low_rank.rank,
+          .max_tokens = p.low_rank.max_tokens,
+          .page_tokens = p.low_rank.page_tokens,
+          .softmax_scale = p.low_rank.softmax_scale,
+          .num_pages = p.num_pages,
+          .num_tokens = p.num_tokens,
+          .num_q_heads = p.num_q_heads,
+          .num_kv_heads = p.num_kv_heads,
+          .head_dim = p.head_dim,
+          .scores = static_cast<float*>(p.scratch),
+          .num_sms = num_sms};
+}
+
+namespace {
+
+// The checks KeyGram and ProjectKeys share: the keys, their sizes and slot range, the dtype.
+absl::Status CheckKeys(absl::string_view op, const void* k, int64_t capacity, int64_t first_slot,
+                       int64_t count, DType dtype, int64_t num_kv_heads, int64_t head_dim) {
+  if (k == nullptr) return Invalid(op, "null pointer k");
+  TANDEM_RETURN_IF_ERROR(CheckDim(op, "capacity", capacity));
+  TANDEM_RETURN_IF_ERROR(CheckDim(op, "count", count));
+  TANDEM_RETURN_IF_ERROR(CheckDim(op, "head_dim", head_dim));
+  TANDEM_RETURN_IF_ERROR(CheckDim(op, "num_kv_heads", num_kv_heads));
+  if (num_kv_heads > 65535) {  // a grid dimension
+    return Invalid(op, absl::StrCat("num_kv_heads ", num_kv_heads, " must be <= 65535"));
+  }
+  if (first_slot < 0 || count > capacity - first_slot) {
+    return Invalid(op, absl::StrCat("slots [first_slot ", first_slot, ", + count ", count,
+                                    ") exceed capacity ", capacity));
+  }
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return Invalid(op, absl::StrCat("dtype ", DTypeStr(dtype), " is not supported (f32, bf16)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckKeyGram(const KeyGramParams& p) {
+  constexpr absl::string_view kOp = "KeyGram";
+  if (p.gram == nullptr) return Invalid(kOp, "null pointer gram");
+  TANDEM_RETURN_IF_ERROR(
+      CheckKeys(kOp, p.k, p.capacity, p.first_slot, p.count, p.dtype, p.num_kv_heads, p.head_dim));
+  if (p.head_dim > 65535 * int64_t{32}) {  // 32-wide tiles in grid x and y
+    return Invalid(kOp, absl::StrCat("head_dim ", p.head_dim, " is too large"));
+  }
+  return absl::OkStatus();
+}
+
+KeyGramArgs KeyGramArgsOf(const KeyGramParams& p) {
+  return {.k = p.k,
+          .capacity = p.capacity,
+          .first_slot = p.first_slot,
+          .count = p.count,
+          .dtype = p.dtype,
+          .num_kv_heads = p.num_kv_heads,
+          .head_dim = p.head_dim,
+          .gram = p.gram};
+}
+
+absl::Status CheckProjectKeys(const ProjectKeysParams& p) {
+  constexpr absl::string_view kOp = "ProjectKeys";
+  if (p.basis == nullptr || p.coords == nullptr || p.scales == nullptr) {
+    return Invalid(kOp, "null pointer (basis, coords or scales)");
+  }
+  TANDEM_RETURN_IF_ERROR(
+      CheckKeys(kOp, p.k, p.capacity, p.first_slot, p.count, p.dtype, p.num_kv_heads, p.head_dim));
+  if (p.rank < 1 || p.rank > p.head_dim) {
+    return Invalid(kOp, absl::StrCat("rank ", p.rank, " not in [1, head_dim ", p.head_dim, "]"));
+  }
+  if (p.max_tokens < 1 || p.first_token < 0 || p.count > p.max_tokens - p.first_token) {
+    return Invalid(kOp, absl::StrCat("rows [first_token ", p.first_token, ", + count ", p.count,
+                                     ") exceed max_tokens ", p.max_tokens));
+  }
+  return absl::OkStatus();
+}
+
+ProjectKeysArgs ProjectKeysArgsOf(const ProjectKeysParams& p) {
+  return {.k = p.k,
+          .capacity = p.capacity,
+          .first_slot = p.first_slot,
+          .count = p.count,
+          .dtype = p.dtype,
+          .num_kv_heads = p.num_kv_heads,
+          .head_dim = p.head_dim,
+          .basis = p.basis,
+          .rank = p.rank,
+          .coords = p.coords,
+          .scales = p.scales,
+          .max_tokens = p.max_tokens,
+          .first_token = p.first_token};
 }
 
 SelectPagesArgs SelectPagesArgsOf(const SelectPagesParams& p, int num_sms) {

@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "kv_write.cuh"
+#include "low_rank_keys.cuh"
 #include "page_select.cuh"
 #include "tandem/gpu_worker/backend.h"
 #include "window_attention.cuh"
@@ -36,9 +37,22 @@ absl::Status CheckWindowAttention(const WindowAttentionParams& p);
 
 WindowAttentionArgs WindowAttentionArgsOf(const WindowAttentionParams& p);
 
-// The parameter checks of SelectPages (backend.h's contract), without queuing anything.
+// The parameter checks of SelectPages (backend.h's contract), without queuing anything; for
+// PageScore::kLowRank (summaries may be null) CheckLowRankKeys too.
 absl::Status CheckSelectPages(const SelectPagesParams& p);
+// The checks of p.low_rank: null pointers, rank outside [1, head_dim] (or over kLowRankMaxRank),
+// page_tokens < 1, max_tokens < num_pages·page_tokens, softmax_scale not finite or <= 0.
+absl::Status CheckLowRankKeys(const SelectPagesParams& p);
 
 SelectPagesArgs SelectPagesArgsOf(const SelectPagesParams& p, int num_sms);
+// The scoring kernel's arguments of a checked kLowRank selection (scores into p.scratch).
+LowRankScoreArgs LowRankScoreArgsOf(const SelectPagesParams& p, int num_sms);
+
+// The parameter checks of KeyGram and ProjectKeys (backend.h's contract): null pointers, sizes,
+// slot and row ranges, rank, dtype.
+absl::Status CheckKeyGram(const KeyGramParams& p);
+KeyGramArgs KeyGramArgsOf(const KeyGramParams& p);
+absl::Status CheckProjectKeys(const ProjectKeysParams& p);
+ProjectKeysArgs ProjectKeysArgsOf(const ProjectKeysParams& p);
 
 }  // namespace tandem::gpu_worker::cuda_backend
