@@ -54,6 +54,12 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "1", "hybrid MAW: comma-separated betas");
 ABSL_FLAG(std::string, pages, "256,512", "hybrid pages: budgets, TOKENS or TOKENS:dN");
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
+ABSL_FLAG(int64_t, page_key_rank, -1,
+          "selection=pages: coordinates kept per offloaded key for the low-rank page score "
+          "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
+ABSL_FLAG(int64_t, page_key_calib_tokens, 4096,
+          "selection=pages: offloaded keys per (layer, kv head) whose K^T K gives the low-rank "
+          "basis");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda");
 ABSL_FLAG(unsigned, node_threads, 0, "embedded CPU node attention threads (0 = all cores)");
 ABSL_FLAG(bool, settle_first, true,
@@ -164,6 +170,8 @@ int Main() {
     options.nodes.embedded.kv_dtype = *kv_dtype;
   }
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  options.page_low_rank = {absl::GetFlag(FLAGS_page_key_rank),
+                           absl::GetFlag(FLAGS_page_key_calib_tokens)};
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);
   if (!engine.ok()) {
@@ -250,6 +258,7 @@ int Main() {
       request.select_tokens = config.policy.select_tokens;
       request.dense_layers = config.policy.dense_layers;
       request.centroid_share = config.policy.centroid_share;
+      request.page_low_rank = config.policy.low_rank;
       // Only this configuration's two requests of this prompt share a cache scope.
       request.cache_salt = absl::StrFormat("%s/%d", config.label, i);
       std::vector<std::string> sessions;

@@ -1,7 +1,8 @@
 // Parses the --pages flag of the accuracy benchmarks (tandem-ppl-bench, tandem-needle-bench):
 // a comma-separated list of page-selection budgets, each TOKENS followed by any of :dN (N dense
-// first layers) and :cF (PagePolicy::centroid_share F in [0, 1]; unset: the default), e.g.
-// "512,512:c0,2048:d1:c0.5".
+// first layers), :cF (PagePolicy::centroid_share F in [0, 1]; unset: the default) and :m (the
+// second score is q·mean even where low-rank keys are kept: PagePolicy::low_rank = false), e.g.
+// "512,512:c0,2048:d1:c0.5,2048:m".
 #pragma once
 
 #include <cstdint>
@@ -22,8 +23,8 @@ struct LabelledPagePolicy {
   gpu_worker::PagePolicy policy;
 };
 
-// INVALID_ARGUMENT naming the item for anything but TOKENS (>= 1) with :dN (N >= 0) and :cF
-// (0 <= F <= 1) suffixes.
+// INVALID_ARGUMENT naming the item for anything but TOKENS (>= 1) with :dN (N >= 0), :cF
+// (0 <= F <= 1) and :m suffixes.
 inline absl::StatusOr<std::vector<LabelledPagePolicy>> ParsePagePolicies(const std::string& spec) {
   std::vector<LabelledPagePolicy> out;
   for (absl::string_view item : absl::StrSplit(spec, ',', absl::SkipEmpty())) {
@@ -33,8 +34,10 @@ inline absl::StatusOr<std::vector<LabelledPagePolicy>> ParsePagePolicies(const s
     bool ok = absl::SimpleAtoi(parts[0], &p.select_tokens) && p.select_tokens > 0;
     for (size_t i = 1; ok && i < parts.size(); ++i) {
       const std::string& part = parts[i];
-      ok = part.size() > 1;
-      if (ok && part[0] == 'd') {
+      ok = part.size() > 1 || part == "m";
+      if (part == "m") {
+        p.low_rank = false;
+      } else if (ok && part[0] == 'd') {
         ok = absl::SimpleAtoi(part.substr(1), &p.dense_layers) && p.dense_layers >= 0;
       } else if (ok && part[0] == 'c') {
         ok = absl::SimpleAtod(part.substr(1), &p.centroid_share) && p.centroid_share >= 0.0 &&
@@ -46,7 +49,7 @@ inline absl::StatusOr<std::vector<LabelledPagePolicy>> ParsePagePolicies(const s
     }
     if (!ok) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "bad --pages item '", item, "' (expected TOKENS, TOKENS:dN, TOKENS:cF or both)"));
+          "bad --pages item '", item, "' (expected TOKENS with any of :dN, :cF, :m)"));
     }
     out.push_back({label, p});
   }

@@ -62,6 +62,12 @@ ABSL_FLAG(std::string, pages, "",
           "hybrid with selection=pages: comma-separated budgets (offloaded tokens per layer, "
           "kv head and query), each optionally with :dN for N dense first layers (512:d1)");
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
+ABSL_FLAG(int64_t, page_key_rank, -1,
+          "selection=pages: coordinates kept per offloaded key for the low-rank page score "
+          "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
+ABSL_FLAG(int64_t, page_key_calib_tokens, 4096,
+          "selection=pages: offloaded keys per (layer, kv head) whose K^T K gives the low-rank "
+          "basis");
 ABSL_FLAG(bool, captured_mass, true,
           "pages runs: also measure the share of the offloaded softmax mass the chosen pages "
           "capture, per layer (a second, dense Attend per layer)");
@@ -123,6 +129,8 @@ int Main() {
     options.nodes.embedded.kv_dtype = *kv_dtype;
   }
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  options.page_low_rank = {absl::GetFlag(FLAGS_page_key_rank),
+                           absl::GetFlag(FLAGS_page_key_calib_tokens)};
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);
   // Full attention is exact whatever the chunk, so the reference runs in 512-token chunks.
@@ -231,6 +239,7 @@ int Main() {
                         {"select_tokens", config.policy.select_tokens},
                         {"dense_layers", config.policy.dense_layers},
                         {"centroid_share", config.policy.centroid_share},
+                        {"low_rank", config.policy.low_rank},
                         {"page_tokens", absl::GetFlag(FLAGS_page_tokens)},
                         {"books", book_ids.size()},
                         {"tokens", tokens},

@@ -254,6 +254,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
       tier.node.selection = o.selection;
       tier.node.page_tokens = static_cast<uint32_t>(o.summary_page_tokens);
       tier.summary_tokens = offloaded + o.extra_positions;
+      tier.low_rank = o.low_rank;
       tier.host_page_tokens = o.page_tokens;
       tier.seed_nodes = [&](gpu_worker::RemoteKv& remote) {
         return FillRemote(remote, c, o, offloaded);

@@ -25,6 +25,7 @@
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/exact_probe.h"
+#include "tandem/gpu_worker/low_rank_index.h"
 #include "tandem/gpu_worker/model_config.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -54,6 +55,7 @@ struct SyntheticContextOptions {
   gpu_worker::SelectionRule selection = gpu_worker::SelectionRule::kMaw;
   gpu_worker::PagePolicy page_policy;
   int64_t summary_page_tokens = 16;
+  gpu_worker::LowRankOptions low_rank;   // kPages: the summaries' low-rank key coordinates
   uint64_t seed = 1;
   // exact: the rates the split is planned with (ExactPlanner; required), and >= 0 a forced
   // share of the offloaded entries in host pages (the rest on the CPU nodes, dense).

@@ -151,6 +151,12 @@ ABSL_FLAG(std::string, select_tokens, "",
           "hybrid with selection=pages: budgets (offloaded tokens per layer, kv head and token) "
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
+ABSL_FLAG(int64_t, page_key_rank, -1,
+          "selection=pages: coordinates kept per offloaded key for the low-rank page score "
+          "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
+ABSL_FLAG(int64_t, page_key_calib_tokens, 4096,
+          "selection=pages: offloaded keys per (layer, kv head) whose K^T K gives the low-rank "
+          "basis");
 ABSL_FLAG(int64_t, dense_layers, 0, "selection=pages: first layers attending over every page");
 ABSL_FLAG(double, centroid_share, 0.5,
           "selection=pages: share of each budget chosen by q·mean after the rest by Quest's bound");
@@ -304,6 +310,7 @@ class Bench {
       o.page_policy.dense_layers = absl::GetFlag(FLAGS_dense_layers);
       o.page_policy.centroid_share = absl::GetFlag(FLAGS_centroid_share);
       o.summary_page_tokens = absl::GetFlag(FLAGS_summary_page_tokens);
+      o.low_rank = {absl::GetFlag(FLAGS_page_key_rank), absl::GetFlag(FLAGS_page_key_calib_tokens)};
       o.share = 1.0;   // MAW is not used; nothing is copied
     }
     if (cfg.mode == AttentionMode::kHybrid) {
@@ -753,6 +760,8 @@ class Bench {
       ro.selection = gpu_worker::SelectionRule::kPages;
       ro.page_tokens = static_cast<uint32_t>(absl::GetFlag(FLAGS_summary_page_tokens));
       tier.summary_tokens = tokens;
+      tier.low_rank = {absl::GetFlag(FLAGS_page_key_rank),
+                       absl::GetFlag(FLAGS_page_key_calib_tokens)};
       seq->selection = gpu_worker::SelectionRule::kPages;
       seq->page_policy.select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
       r["select_tokens"] = seq->page_policy.select_tokens;

@@ -9,7 +9,11 @@
 # gutenberg-14m-64k and the eval books in .carry/shared.
 #   PARTS="tests ppl mass needle speed" (default: all), CONTEXTS (default 8192 16384 32768 65536),
 #   PPL_BOOKS (default 6), ACCURACY_TIMEOUT (s per accuracy process, default 270; each prints a
-#   JSON line per finished configuration), SPEED_TIMEOUT (s per policy, default 150)
+#   JSON line per finished configuration), SPEED_TIMEOUT (s per policy, default 150),
+#   PPL_PAGES (space-separated --pages lists, one process per list and length; the first also
+#   runs full attention and the window alone), NEEDLE_PAGES (--pages of the needle bench),
+#   SPEED_CONFIGS (space-separated name=flags, flags joined by '+', e.g.
+#   "c0=--centroid_share+0 lowrank=" for tandem-bench at 512K)
 # Logs go under $OUT (or /tmp/out).
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -29,9 +33,9 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 
 if has tests; then
   ( timeout 200 backend_cuda_test --gtest_brief=1 \
-      --gtest_filter='*PageSelect*:*Summarize*' > "$out/tests.txt" 2>&1
+      --gtest_filter='*PageSelect*:*Summarize*:*LowRank*:*KeyGram*:*ProjectKeys*' > "$out/tests.txt" 2>&1
     [ -x "$(command -v gpu_worker_engine_cuda_test)" ] && timeout 200 gpu_worker_engine_cuda_test --gtest_brief=1 \
-      --gtest_filter='PageIndex*:PageSelection*:HybridEquivalence*' >> "$out/tests.txt" 2>&1 ) &
+      --gtest_filter='PageIndex*:PageSelection*:HybridEquivalence*:LowRank*' >> "$out/tests.txt" 2>&1 ) &
 fi
 ppl() {   # name tokens [flags...]
   local name=$1 tokens=$2; shift 2
@@ -40,10 +44,13 @@ ppl() {   # name tokens [flags...]
 }
 if has ppl; then
   for t in $contexts; do
-    ppl a "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false --window_only \
-      --pages 512:c0,512:c0.5 &
-    ppl b "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false --skip_full \
-      --pages 1024:c0,1024:c0.5,2048:c0,2048:c0.5 &
+    i=0
+    for pages in ${PPL_PAGES:-512:c0,512:c0.5 1024:c0,1024:c0.5,2048:c0,2048:c0.5}; do
+      if [ $i -eq 0 ]; then first=(--window_only); else first=(--skip_full); fi
+      ppl "p$i" "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false "${first[@]}" \
+        --pages "$pages" &
+      i=$((i + 1))
+    done
   done
 fi
 if has mass; then
@@ -53,7 +60,8 @@ if has mass; then
 fi
 needle() {   # tokens prompts_per_book
   timeout "${ACCURACY_TIMEOUT:-270}" tandem-needle-bench --model "$model" --books "$books" --prompt_tokens "$1" \
-    --prompts_per_book "$2" --min_distance 640 --betas= --pages 512:c0,512:c0.5,2048:c0,2048:c0.5 \
+    --prompts_per_book "$2" --min_distance 640 --betas= \
+    --pages "${NEEDLE_PAGES:-512:c0,512:c0.5,2048:c0,2048:c0.5}" \
     --backend cuda --node_threads 2 --node_pool_gib 8 > "$out/needle_$1.txt" 2>&1
 }
 if has needle; then
@@ -65,10 +73,12 @@ if has tests; then grep -E 'FAILED|PASSED' "$out/tests.txt"; fi
 grep -h '"config"' "$out"/ppl_*.txt 2>/dev/null | cut -c1-330
 grep -h '"config"' "$out"/needle_*.txt 2>/dev/null | cut -c1-200
 if has speed; then
-  for share in 0 0.5; do
+  for config in ${SPEED_CONFIGS:-c0=--centroid_share+0 c0.5=--centroid_share+0.5}; do
+    name=${config%%=*}
+    flags=${config#*=}
     timeout "${SPEED_TIMEOUT:-150}" tandem-bench --contexts 524288 --batches 1 --modes hybrid \
       --shares= --select_tokens 2048 --window 4096 --prefill_tokens 0 --steps 20 \
-      --centroid_share "$share" > "$out/speed_c$share.txt" 2>&1
-    grep -E '"median_ms"|median' "$out/speed_c$share.txt" | tail -2 | cut -c1-600
+      ${flags//+/ } > "$out/speed_$name.txt" 2>&1
+    grep -E '"median_ms"|median' "$out/speed_$name.txt" | tail -2 | cut -c1-600
   done
 fi

@@ -147,6 +147,12 @@ ABSL_FLAG(int64_t, dense_layers, 0,
 ABSL_FLAG(double, page_centroid_share, 0.5,
           "selection=pages: default share of each budget chosen by q·mean after the rest by "
           "Quest's bound, in [0, 1] (0 = the bound alone)");
+ABSL_FLAG(int64_t, page_key_rank, -1,
+          "selection=pages: coordinates kept per offloaded key for the low-rank page score "
+          "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
+ABSL_FLAG(int64_t, page_key_calib_tokens, 4096,
+          "selection=pages: offloaded keys per (layer, kv head) whose K^T K gives the low-rank "
+          "basis");
 ABSL_FLAG(int64_t, page_tokens, 16,
           "selection=pages: entries per summarised page (must divide --block_tokens)");
 ABSL_FLAG(tandem::ByteSize, page_summary_bytes, tandem::ByteSize{0},
@@ -356,6 +362,8 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     return UsageError("--page_centroid_share must be in [0, 1]");
   }
   e.page_tokens = absl::GetFlag(FLAGS_page_tokens);
+  e.page_low_rank = {absl::GetFlag(FLAGS_page_key_rank),
+                     absl::GetFlag(FLAGS_page_key_calib_tokens)};
   if (e.page_tokens < 1 || e.page_tokens > 4096) {
     return UsageError("--page_tokens must be in 1..4096");
   }

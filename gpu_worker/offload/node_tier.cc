@@ -170,8 +170,10 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
   const int64_t bound_pages = split.bound;
   const int64_t centroid_pages = split.centroid;
   const bool two_pass = bound_pages > 0 && centroid_pages > 0;
-  const PageScore final_score = bound_pages > 0 && !two_pass ? PageScore::kBound
-                                                             : PageScore::kCentroid;
+  const PageScore second_score = policy.low_rank && pages_->low_rank_ready(rows.layer)
+                                     ? PageScore::kLowRank
+                                     : PageScore::kCentroid;
+  const PageScore final_score = bound_pages > 0 && !two_pass ? PageScore::kBound : second_score;
   const size_t ids = static_cast<size_t>(n) * Hkv * per_head;
   if (selected_.bytes() < ids * 4) {
     selected_.Reset();   // (its last reader, a download, has run)
@@ -204,6 +206,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
                                                  w.num_q_heads, per_head,
                                                  selected_.as<int32_t>() + r * Hkv * per_head,
                                                  scratch, final_score));
+    if (final_score == PageScore::kLowRank) p.low_rank.softmax_scale = w.scale;
     if (two_pass) {
       p.keep = first_.as<int32_t>() + r * Hkv * bound_pages;
       p.keep_per_head = bound_pages;

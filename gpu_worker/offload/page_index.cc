@@ -9,7 +9,8 @@
 namespace tandem::gpu_worker {
 
 absl::StatusOr<PageIndex> PageIndex::Create(Backend& backend, const WindowGeometry& geometry,
-                                            int64_t page_tokens, int64_t reserve_tokens) {
+                                            int64_t page_tokens, int64_t reserve_tokens,
+                                            const LowRankOptions& low_rank) {
   if (geometry.num_layers <= 0 || geometry.num_kv_heads <= 0 || geometry.head_dim <= 0) {
     return absl::InvalidArgumentError("page index: layers, kv heads and head_dim must be > 0");
   }
@@ -27,14 +28,19 @@ absl::StatusOr<PageIndex> PageIndex::Create(Backend& backend, const WindowGeomet
   index.page_tokens_ = page_tokens;
   index.layers_.resize(geometry.num_layers);
   index.pages_.assign(geometry.num_layers, 0);
+  if (low_rank.enabled()) {
+    TANDEM_ASSIGN_OR_RETURN(index.low_rank_, LowRankIndex::Create(backend, geometry, low_rank, 0));
+  }
   TANDEM_RETURN_IF_ERROR(index.Reserve((reserve_tokens + page_tokens - 1) / page_tokens));
   return index;
 }
 
-size_t PageIndex::BytesFor(const WindowGeometry& g, int64_t page_tokens, int64_t tokens) {
+size_t PageIndex::BytesFor(const WindowGeometry& g, int64_t page_tokens, int64_t tokens,
+                           const LowRankOptions& low_rank) {
   const int64_t pages = (tokens + page_tokens - 1) / page_tokens;
   return static_cast<size_t>(g.num_layers) * g.num_kv_heads * pages * kPageSummaryRows *
-         g.head_dim * DTypeBytes(g.dtype);
+             g.head_dim * DTypeBytes(g.dtype) +
+         LowRankIndex::BytesFor(g, low_rank, pages * page_tokens);
 }
 
 size_t PageIndex::PageBytes() const {
@@ -45,11 +51,13 @@ size_t PageIndex::device_bytes() const { return parked() ? 0 : resident_bytes();
 
 size_t PageIndex::resident_bytes() const {
   return static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads * capacity_pages_ *
-         PageBytes();
+             PageBytes() +
+         (low_rank_ ? low_rank_->resident_bytes() : 0);
 }
 
 absl::Status PageIndex::Reserve(int64_t pages) {
   if (parked()) return absl::FailedPreconditionError("page index: parked (Unpark first)");
+  if (low_rank_) TANDEM_RETURN_IF_ERROR(low_rank_->Reserve(pages * page_tokens_));
   if (pages <= capacity_pages_) return absl::OkStatus();
   // Geometric growth keeps Append amortised O(1) in copies; an explicit reserve is exact.
   const int64_t grown = std::max(pages, capacity_pages_ + capacity_pages_ / 2);
@@ -87,6 +95,10 @@ absl::Status PageIndex::CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t ds
 }
 
 size_t PageIndex::ParkBytes() const {
+  return SummaryParkBytes() + (low_rank_ ? low_rank_->ParkBytes() : 0);
+}
+
+size_t PageIndex::SummaryParkBytes() const {
   const int64_t written = *std::max_element(pages_.begin(), pages_.end());
   return static_cast<size_t>(geometry_.num_layers) * geometry_.num_kv_heads * written *
          PageBytes();
@@ -94,9 +106,10 @@ size_t PageIndex::ParkBytes() const {
 
 absl::Status PageIndex::Park(ParkingPool& pool) {
   if (parked()) return absl::FailedPreconditionError("page index: already parked");
-  TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(ParkBytes()));
+  TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(SummaryParkBytes()));
+  if (low_rank_) TANDEM_RETURN_IF_ERROR(low_rank_->Park(pool));
   // Host layout: [layers][heads][written pages], written = the most any layer wrote.
-  const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
+  const size_t used_head = SummaryParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
   const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
@@ -116,13 +129,14 @@ absl::Status PageIndex::Unpark() {
   for (int64_t l = 0; l < geometry_.num_layers && capacity_pages_ > 0; ++l) {
     TANDEM_ASSIGN_OR_RETURN(fresh[l], backend_->Allocate(device_head * geometry_.num_kv_heads));
   }
-  const size_t used_head = ParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
+  const size_t used_head = SummaryParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
   size_t offset = 0;
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
     TANDEM_RETURN_IF_ERROR(parked_.CopyRowsToDevice(fresh[l].data(), device_head, offset,
                                                     used_head, geometry_.num_kv_heads));
     offset += geometry_.num_kv_heads * used_head;
   }
+  if (low_rank_) TANDEM_RETURN_IF_ERROR(low_rank_->Unpark());
   layers_ = std::move(fresh);
   parked_.Release();
   return absl::OkStatus();
@@ -138,6 +152,9 @@ absl::StatusOr<PageIndex> PageIndex::Fork(int64_t reserve_tokens) const {
              std::max(reserve_tokens, written * page_tokens_)));
   TANDEM_RETURN_IF_ERROR(CopyPagesInto(fork.layers_, fork.capacity_pages_));
   fork.pages_ = pages_;
+  if (low_rank_) {
+    TANDEM_ASSIGN_OR_RETURN(fork.low_rank_, low_rank_->Fork(fork.capacity_pages_ * page_tokens_));
+  }
   return fork;
 }
 
@@ -166,6 +183,9 @@ absl::Status PageIndex::Append(int64_t layer, const void* k_cache, int64_t capac
   p.num_kv_heads = geometry_.num_kv_heads;
   p.head_dim = geometry_.head_dim;
   TANDEM_RETURN_IF_ERROR(backend_->SummarizePages(p));
+  if (low_rank_) {
+    TANDEM_RETURN_IF_ERROR(low_rank_->Append(layer, k_cache, capacity, first_slot, count));
+  }
   pages_[layer] += pages;
   return absl::OkStatus();
 }
@@ -203,6 +223,13 @@ absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const f
   p.head_dim = geometry_.head_dim;
   p.select = select;
   p.score = score;
+  if (score == PageScore::kLowRank) {
+    if (!low_rank_ready(layer)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("page index: layer ", layer, " has no low-rank keys yet"));
+    }
+    TANDEM_ASSIGN_OR_RETURN(p.low_rank, low_rank_->Keys(layer, page_tokens_, 0.0f));
+  }
   p.pages = pages;
   p.scratch = scratch;
   return p;

@@ -18,7 +18,8 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> OpenNodeTier(Backend& backend, Node
   std::unique_ptr<PageIndex> pages;
   if (spec.node.selection == SelectionRule::kPages) {
     const int64_t page = spec.node.page_tokens;
-    TANDEM_ASSIGN_OR_RETURN(PageIndex index, PageIndex::Create(backend, spec.geometry, page, 0));
+    TANDEM_ASSIGN_OR_RETURN(PageIndex index, PageIndex::Create(backend, spec.geometry, page, 0,
+                                                                    spec.low_rank));
     TANDEM_RETURN_IF_ERROR(index.Reserve((spec.summary_tokens + page - 1) / page));
     if (spec.seed_pages) TANDEM_RETURN_IF_ERROR(spec.seed_pages(index));
     pages = std::make_unique<PageIndex>(std::move(index));

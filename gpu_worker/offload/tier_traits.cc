@@ -51,9 +51,10 @@ EntrySplit SplitEntries(const TierTraits& traits, int64_t offloaded, double fetc
 }
 
 uint64_t PageSummaryBytesFor(const TierTraits& traits, const WindowGeometry& geometry,
-                             int64_t page_tokens, int64_t offloaded) {
+                             int64_t page_tokens, int64_t offloaded,
+                             const LowRankOptions& low_rank) {
   if (!traits.page_summaries) return 0;
-  return PageIndex::BytesFor(geometry, page_tokens, offloaded);
+  return PageIndex::BytesFor(geometry, page_tokens, offloaded, low_rank);
 }
 
 }  // namespace tandem::gpu_worker

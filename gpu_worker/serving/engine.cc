@@ -144,6 +144,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   engine->eos_sorted_ = engine->tokenizer_->eos_ids();
   std::sort(engine->eos_sorted_.begin(), engine->eos_sorted_.end());
   const ModelConfig& c = engine->model_->config;
+  TANDEM_RETURN_IF_ERROR(ValidateLowRankOptions(options.page_low_rank, c.head_dim));
   if (engine->tokenizer_->vocab_size() > c.vocab_size) {
     return absl::InvalidArgumentError(
         absl::StrCat("the tokenizer has ", engine->tokenizer_->vocab_size(),
@@ -278,7 +279,8 @@ absl::Status Engine::ReservePages(Sequence& seq, int64_t expected_offloaded) con
   const int64_t page = options_.page_tokens;
   const int64_t pages = (expected_offloaded + page - 1) / page;
   if (pages <= index->capacity_pages()) return absl::OkStatus();
-  const size_t need = PageIndex::BytesFor(index->geometry(), page, expected_offloaded);
+  const size_t need =
+      PageIndex::BytesFor(index->geometry(), page, expected_offloaded, options_.page_low_rank);
   TANDEM_RETURN_IF_ERROR(CheckPageSummaries(expected_offloaded, need,
                                             PageSummaryBytes() - index->device_bytes()));
   return index->Reserve(pages);
@@ -369,7 +371,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
     seq->page_policy = spec.page_policy;
     TANDEM_RETURN_IF_ERROR(CheckPageSummaries(
         expected_offloaded,
-        PageIndex::BytesFor(geometry, options_.page_tokens, expected_offloaded),
+        PageIndex::BytesFor(geometry, options_.page_tokens, expected_offloaded,
+                            options_.page_low_rank),
         PageSummaryBytes()));
   }
   if (!traits.windowed) return seq;   // no tier: every position stays in the window
@@ -384,6 +387,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   tier.node.selection = seq->selection;
   tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
   tier.summary_tokens = expected_offloaded;
+  tier.low_rank = options_.page_low_rank;
   tier.host_page_tokens = options_.offload_page_tokens;
   // The exact planner's split.
   const size_t kv_bytes = DTypeBytes(kv_dtype_);

@@ -96,6 +96,7 @@ absl::StatusOr<Engine::SequenceSpec> Engine::SpecFor(const GenerateRequest& requ
   if (request.centroid_share.has_value()) {
     spec.page_policy.centroid_share = *request.centroid_share;
   }
+  if (request.page_low_rank.has_value()) spec.page_policy.low_rank = *request.page_low_rank;
   TANDEM_RETURN_IF_ERROR(ValidatePagePolicy(spec.page_policy));
   // A request that sets beta but no selection asks for MAW (beta means nothing to pages).
   spec.selection = request.selection.value_or(
@@ -295,7 +296,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       }
       if (traits.page_summaries) {
         if (request.select_tokens.has_value() || request.dense_layers.has_value() ||
-            request.centroid_share.has_value()) {
+            request.centroid_share.has_value() || request.page_low_rank.has_value()) {
           seq->page_policy = page_policy;
         }
         TANDEM_RETURN_IF_ERROR(ReservePages(
@@ -309,7 +310,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
     const size_t need =
         WindowCache::BytesFor(window_geometry(), WindowOptionsFor(spec, planned)) +
         PageSummaryBytesFor(TraitsOf(mode, selection), window_geometry(), options_.page_tokens,
-                            offloaded_by_end(window, sink));
+                            offloaded_by_end(window, sink), options_.page_low_rank);
     std::unique_ptr<Sequence> fresh;
     TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
       TANDEM_RETURN_IF_ERROR(CheckDeviceKv(need));

@@ -335,11 +335,16 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   const bool settle_at_once = e.settle_tokens_per_step == 0;
   uint64_t decode_only = 0;
   const uint64_t summaries =
-      PageSummaryBytesFor(traits, geometry, e.page_tokens, offloaded) * r.batch;
+      PageSummaryBytesFor(traits, geometry, e.page_tokens, offloaded, e.page_low_rank) * r.batch;
   if (traits.page_summaries) {
     Add(dev, "page summaries", summaries,
         absl::StrCat(r.batch, " x ", CeilDiv(offloaded, e.page_tokens), " pages of ", e.page_tokens,
-                     " tokens (min/max keys)"));
+                     " tokens (min/max/mean keys",
+                     e.page_low_rank.enabled()
+                         ? absl::StrCat(", rank-", e.page_low_rank.RankFor(c.head_dim),
+                                        " key coordinates")
+                         : std::string(),
+                     ")"));
     const int64_t num_pages = CeilDiv(offloaded, e.page_tokens);
     const int64_t per_head = std::max<int64_t>(1, r.page_policy.select_tokens / e.page_tokens);
     if (per_head < num_pages) {

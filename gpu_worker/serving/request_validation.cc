@@ -95,10 +95,10 @@ absl::Status ValidateGenerateRequest(const GenerateRequest& request, int64_t max
   if (request.mode == AttentionMode::kExact &&
       (request.beta.has_value() || request.selection.has_value() ||
        request.select_tokens.has_value() || request.dense_layers.has_value() ||
-       request.centroid_share.has_value())) {
+       request.centroid_share.has_value() || request.page_low_rank.has_value())) {
     return absl::InvalidArgumentError(
         "mode exact attends every offloaded entry: beta, selection, select_tokens, "
-        "dense_layers and centroid_share do not apply (leave them unset)");
+        "dense_layers, centroid_share and page_low_rank do not apply (leave them unset)");
   }
   return ValidateSessionId(request.session_id);
 }

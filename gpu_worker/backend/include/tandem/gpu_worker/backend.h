@@ -306,14 +306,72 @@ struct SummarizePagesParams {
 //              Never misses a page holding the largest key, but a page of spread keys scores
 //              high whatever its mass.
 //   kCentroid  q·mean: the page's typical key, which ranks pages by their bulk of mass.
-// The default policy takes part of its budget by each (PagePolicy::centroid_share).
-enum class PageScore { kBound, kCentroid };
+//   kLowRank   the logsumexp of the page's keys' scores in a rank-R basis of the head's keys
+//              (Loki's observation: keys live near a low-rank subspace): an estimate of the
+//              page's softmax mass from every key in it, not from a summary
+//              (SelectPagesParams::low_rank; ProjectKeys writes the coordinates).
+// The default policy takes part of its budget by the bound and the rest by the centroid or the
+// low-rank estimate (PagePolicy).
+enum class PageScore { kBound, kCentroid, kLowRank };
+
+// Low-rank keys (PageScore::kLowRank). A kv head's basis is `rank` orthonormal columns
+// basis[g, :, r] (f32, [num_kv_heads, head_dim, rank]; the top eigenvectors of Σ k·kᵀ over its
+// early keys, KeyGram). Each key keeps its coordinates c_r = Σ_d k_d·basis[g, d, r] as int8
+// codes with one f32 scale per key: scale = max_r |c_r| / 127, code_r = round-to-nearest-even
+// (c_r / scale) in [-127, 127] (scale 0 and codes 0 when every c_r is 0).
+//
+// KeyGram: gram[g, d, e] = Σ_s k[g, s, d]·k[g, s, e] over slots [first_slot, first_slot + count)
+// (f32 products and sums, the order the backend's), overwriting `gram`.
+struct KeyGramParams {
+  const void* k = nullptr;   // [num_kv_heads, capacity, head_dim] of dtype (kF32 or kBF16)
+  int64_t capacity = 0;
+  int64_t first_slot = 0;
+  int64_t count = 0;         // >= 1; first_slot + count <= capacity
+  DType dtype = DType::kF32;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  float* gram = nullptr;     // [num_kv_heads, head_dim, head_dim] f32
+};
+
+// ProjectKeys: the codes and scales of the keys in slots [first_slot, first_slot + count) as
+// coordinate rows first_token.. of `coords` and `scales` (f32 products and sums in d order; a
+// code may differ by one between backends where c_r / scale falls within rounding of a half).
+struct ProjectKeysParams {
+  const void* k = nullptr;       // [num_kv_heads, capacity, head_dim] of dtype (kF32 or kBF16)
+  int64_t capacity = 0;
+  int64_t first_slot = 0;
+  int64_t count = 0;             // >= 1; first_slot + count <= capacity
+  DType dtype = DType::kF32;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  const float* basis = nullptr;  // [num_kv_heads, head_dim, rank] f32
+  int64_t rank = 0;              // 1..head_dim
+  int8_t* coords = nullptr;      // [num_kv_heads, max_tokens, rank]
+  float* scales = nullptr;       // [num_kv_heads, max_tokens]
+  int64_t max_tokens = 0;
+  int64_t first_token = 0;       // first_token + count <= max_tokens
+};
+
+// The low-rank keys of one layer's pages, for PageScore::kLowRank: page p of kv head g is the
+// coordinate rows [p·page_tokens, (p+1)·page_tokens) of head g.
+struct LowRankKeys {
+  const float* basis = nullptr;   // [num_kv_heads, head_dim, rank] f32
+  const int8_t* coords = nullptr; // [num_kv_heads, max_tokens, rank] (ProjectKeys)
+  const float* scales = nullptr;  // [num_kv_heads, max_tokens]
+  int64_t rank = 0;               // 1..head_dim
+  int64_t max_tokens = 0;         // >= num_pages · page_tokens
+  int64_t page_tokens = 0;        // >= 1
+  float softmax_scale = 0.0f;     // > 0: the attention's scale (1/sqrt(head_dim) usually)
+};
 
 // Query-aware page selection: scores every page of every kv head against each query token and
 // keeps the best `select` pages per (token, kv head). With G = num_q_heads / num_kv_heads, the
 // score of page p of kv head g for token t is the best over the group's query heads:
 //   kBound:    score[t, g, p] = max over j < G of Σ_d max(q[t, g·G+j, d]·min[g, p, d], q[t, g·G+j, d]·max[g, p, d])
 //   kCentroid: score[t, g, p] = max over j < G of Σ_d q[t, g·G+j, d]·mean[g, p, d]
+//   kLowRank:  score[t, g, p] = max over j < G of (1/σ)·log Σ_{s in page p} exp(σ·a[g, s]·Σ_r q̃[t, j, r]·code[g, s, r])
+//              with q̃[t, j, r] = Σ_d q[t, g·G+j, d]·basis[g, d, r], a = the key's scale, σ = softmax_scale
+//              (in units of q·k as the other two; `summaries` unused, may be null)
 // (f32 products and sums; the order of the sum is the backend's). With `keep`, the pages it
 // names for a row count as scoring above every other page (they are kept, within `select`).
 // pages[t, g, :] gets the `select` pages of highest score (ties: the lower page id wins), in
@@ -332,6 +390,7 @@ struct SelectPagesParams {
   int64_t head_dim = 0;
   int64_t select = 0;              // pages kept per (token, kv head), >= 1
   PageScore score = PageScore::kBound;
+  LowRankKeys low_rank;            // kLowRank only
   // Optional: [num_tokens, num_kv_heads, keep_per_head] page ids kept whatever their score (a
   // first selection by another score); -1 and ids outside [0, num_pages) are ignored. Distinct
   // ids per row; 1 <= keep_per_head < select.
@@ -440,6 +499,8 @@ class Backend {
   // Query-aware selection (parameter structs above).
   virtual absl::Status SummarizePages(const SummarizePagesParams& p) = 0;
   virtual absl::Status SelectPages(const SelectPagesParams& p) = 0;
+  virtual absl::Status KeyGram(const KeyGramParams& p) = 0;
+  virtual absl::Status ProjectKeys(const ProjectKeysParams& p) = 0;
   // Batched form (one call per layer for all sequences of a micro-batch): the same results as
   // SelectPages on params[0], ..., params[count - 1] in that order. The pages and scratch of
   // different entries must not overlap each other or another entry's inputs, so a backend may

@@ -9,6 +9,9 @@
 // written when their entries leave the window (Append from the window's K before Release), so
 // page p names exactly the entries the CPU nodes number p·page_tokens.. in the same shard.
 //
+// With LowRankOptions, the index also keeps every offloaded key's low-rank coordinates
+// (LowRankIndex), for PageScore::kLowRank; sizes, forks and parking below include them.
+//
 // Memory: Reserve() grows every layer's buffer to a page capacity (geometrically; the old
 // contents are copied on the device). It is the only place that allocates: RESOURCE_EXHAUSTED
 // (with the bytes asked) when the device cannot hold the summaries, the index unchanged.
@@ -17,11 +20,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
+#include "tandem/gpu_worker/low_rank_index.h"
 #include "tandem/gpu_worker/parking_pool.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -30,15 +35,17 @@ namespace tandem::gpu_worker {
 class PageIndex {
  public:
   // page_tokens in 1..4096; reserve_tokens: offloaded entries per (layer, kv head) to reserve
-  // room for now (0 = none). INVALID_ARGUMENT for a bad geometry or page size.
+  // room for now (0 = none). INVALID_ARGUMENT for a bad geometry, page size or low-rank option.
   static absl::StatusOr<PageIndex> Create(Backend& backend, const WindowGeometry& geometry,
-                                          int64_t page_tokens, int64_t reserve_tokens);
+                                          int64_t page_tokens, int64_t reserve_tokens,
+                                          const LowRankOptions& low_rank = {});
 
   PageIndex(PageIndex&&) = default;
   PageIndex& operator=(PageIndex&&) = default;
 
   // Device bytes of summaries for `tokens` offloaded entries per (layer, kv head) (whole pages).
-  static size_t BytesFor(const WindowGeometry& geometry, int64_t page_tokens, int64_t tokens);
+  static size_t BytesFor(const WindowGeometry& geometry, int64_t page_tokens, int64_t tokens,
+                         const LowRankOptions& low_rank = {});
 
   // Ensures room for `pages` pages per (layer, kv head).
   absl::Status Reserve(int64_t pages);
@@ -57,7 +64,8 @@ class PageIndex {
   absl::Status AppendEvicted(const WindowCache& window, const std::vector<EvictedBlock>& blocks);
 
   // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q, scored by
-  // `score`: pages [num_tokens, num_kv_heads, select] on the device; scratch of
+  // `score` (kLowRank: SelectPagesParams::low_rank filled but for its softmax_scale, which the
+  // caller sets; FAILED_PRECONDITION unless low_rank_ready(layer)): pages [num_tokens, num_kv_heads, select] on the device; scratch of
   // SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages(layer)) bytes (null: the
   // caller's batch sets it). Valid while the index does not grow. FAILED_PRECONDITION when the
   // layer has no page.
@@ -73,9 +81,18 @@ class PageIndex {
   absl::Status Park(ParkingPool& pool);
   absl::Status Unpark();
   bool parked() const { return parked_.held(); }
-  size_t parked_bytes() const { return parked_.held_bytes(); }
+  size_t parked_bytes() const {
+    return parked_.held_bytes() + (low_rank_ ? low_rank_->parked_bytes() : 0);
+  }
   size_t ParkBytes() const;   // the bytes Park() copies to the host now
   size_t resident_bytes() const;   // device bytes on the device (parked: after Unpark())
+
+  // Whether `layer`'s pages can be scored by PageScore::kLowRank (the index keeps low-rank keys
+  // and that layer's basis is made: LowRankIndex::ready).
+  bool low_rank_ready(int64_t layer) const {
+    return low_rank_.has_value() && low_rank_->ready(layer);
+  }
+  const LowRankIndex* low_rank() const { return low_rank_ ? &*low_rank_ : nullptr; }
 
   int64_t page_tokens() const { return page_tokens_; }
   int64_t num_pages(int64_t layer) const { return pages_[layer]; }
@@ -88,6 +105,7 @@ class PageIndex {
  private:
   PageIndex() = default;
   size_t PageBytes() const;   // one page of one kv head: 3 · head_dim · dtype bytes
+  size_t SummaryParkBytes() const;   // the summaries' share of ParkBytes()
   // Copies the pages written of every (layer, kv head) into `dst` (per layer, heads of
   // dst_capacity pages each).
   absl::Status CopyPagesInto(std::vector<DeviceBuffer>& dst, int64_t dst_capacity) const;
@@ -99,6 +117,7 @@ class PageIndex {
   std::vector<DeviceBuffer> layers_;   // per layer, see the file comment
   std::vector<int64_t> pages_;         // per layer: pages written
   ParkingSpace parked_;                // while parked (Park() gives its layout)
+  std::optional<LowRankIndex> low_rank_;   // with LowRankOptions::enabled()
 };
 
 }  // namespace tandem::gpu_worker

@@ -36,6 +36,8 @@ struct TierSpec {
   // hybrid with node.selection = pages: summaries of node.page_tokens-token pages, with room for
   // `summary_tokens` offloaded entries per (layer, kv head).
   int64_t summary_tokens = 0;
+  // ... and the offloaded keys' low-rank coordinates (off unless enabled).
+  LowRankOptions low_rank;
   // offload, exact: tokens per host page (one upload).
   int64_t host_page_tokens = 4096;
   // exact: the split's plan and the rates it is planned with (outlive the tier).

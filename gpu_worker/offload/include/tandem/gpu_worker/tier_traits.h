@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "tandem/gpu_worker/low_rank_index.h"
 #include "tandem/gpu_worker/sequence.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -57,6 +58,7 @@ EntrySplit SplitEntries(const TierTraits& traits, int64_t offloaded, double fetc
 // Device bytes of a sequence's page summaries with room for `offloaded` entries per (layer,
 // kv head) in `page_tokens`-token pages; 0 for a tier without them.
 uint64_t PageSummaryBytesFor(const TierTraits& traits, const WindowGeometry& geometry,
-                             int64_t page_tokens, int64_t offloaded);
+                             int64_t page_tokens, int64_t offloaded,
+                             const LowRankOptions& low_rank);
 
 }  // namespace tandem::gpu_worker

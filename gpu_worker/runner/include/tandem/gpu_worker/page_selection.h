@@ -5,8 +5,10 @@
 //   kPages  Quest-style: the offloaded KV of each (layer, kv head) is cut into pages of
 //           page_tokens entries; the GPU keeps each page's elementwise min/max/mean key
 //           (PageIndex) and, every step and layer, picks pages within a token budget: a share by
-//           the highest upper bound of q·k (Quest), the rest by q·mean among the others
-//           (PagePolicy::centroid_share). The nodes attend exactly over the named pages.
+//           the highest upper bound of q·k (Quest), the rest among the others by an estimate of
+//           each page's softmax mass from its keys' low-rank coordinates (Loki; LowRankIndex) or,
+//           where the session keeps none, by q·mean (PagePolicy). The nodes attend exactly over
+//           the named pages.
 #pragma once
 
 #include <cstdint>
@@ -36,13 +38,18 @@ struct PageSelection {
 struct PagePolicy {
   int64_t select_tokens = 512;   // offloaded entries attended per (layer, kv head, query token)
   int64_t dense_layers = 0;      // the first dense_layers layers attend over every page
-  // Share of the pages chosen by q·mean (PageScore::kCentroid) after the rest were chosen by
+  // Share of the pages chosen by the second score (below) after the rest were chosen by
   // Quest's bound, in [0, 1]; 0 = the bound alone. The bound finds the pages that hold the
-  // largest keys, the centroid the pages whose bulk of keys is close to q: both kinds carry
+  // largest keys, the second score the pages whose bulk of keys is close to q: both kinds carry
   // softmax mass, and the bound alone spends budget on pages of spread keys. Measured on
   // gutenberg-14m-64k (BENCHMARKS "Accuracy as the context grows"): 0.5 at 2048 tokens halves
-  // the perplexity loss of the bound alone at 32K.
+  // the perplexity loss of the bound alone at 32K (with q·mean as the second score).
   double centroid_share = 0.5;
+  // The second score: the logsumexp of the page's keys' low-rank scores (PageScore::kLowRank)
+  // where the session keeps low-rank keys (the worker's page key rank) and the layer's basis is
+  // made (its first calib_tokens keys offloaded), q·mean (kCentroid) elsewhere; false: q·mean
+  // always.
+  bool low_rank = true;
 
   // How `per_head` pages per (token, kv head) divide between the two scores (the bound's first,
   // then the centroid's among the rest); either may be 0 (one pass).

@@ -37,6 +37,7 @@
 #include "tandem/gpu_worker/generate_request.h"
 #include "tandem/gpu_worker/generation.h"
 #include "tandem/gpu_worker/kv_cache_manager.h"
+#include "tandem/gpu_worker/low_rank_index.h"
 #include "tandem/gpu_worker/model_runner.h"
 #include "tandem/gpu_worker/model_weights.h"
 #include "tandem/gpu_worker/node_pool.h"
@@ -110,6 +111,11 @@ struct EngineOptions {
   // selection = pages: entries per page (summary granularity; must divide block_tokens for
   // pages to be used).
   int64_t page_tokens = 16;
+  // selection = pages: every offloaded key's low-rank coordinates on the device beside the
+  // summaries (LowRankIndex; rank + 4 bytes per key and kv head), so that PagePolicy::low_rank
+  // can score pages by them. Default: rank head_dim / 2 from each head's first 4,096 offloaded
+  // keys; rank 0 turns them off (the second score is then q·mean).
+  LowRankOptions page_low_rank{LowRankOptions::kHalfHeadDim, 4096};
   // Device bytes all sessions' KV may take together: windows (gpu mode: all of its KV) and page
   // summaries, reserved for each request's prompt + max_tokens when it starts. 0 = no cap but
   // the device's memory. A request that does not fit waits in the scheduler's queue while others

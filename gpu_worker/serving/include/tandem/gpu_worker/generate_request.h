@@ -57,6 +57,7 @@ struct GenerateRequest {
   std::optional<int64_t> select_tokens;   // >= 1 (pages: whole pages, at least one)
   std::optional<int64_t> dense_layers;    // >= 0
   std::optional<double> centroid_share;   // in [0, 1] (PagePolicy::centroid_share)
+  std::optional<bool> page_low_rank;      // PagePolicy::low_rank
   // Unset: no deadline. A request still running at its deadline ends with DEADLINE_EXCEEDED
   // (checked between steps).
   std::optional<std::chrono::steady_clock::time_point> deadline;
