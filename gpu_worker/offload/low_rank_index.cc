@@ -94,14 +94,15 @@ size_t LowRankIndex::BufferBytes(DeviceBuffer Layer::*buffer, int64_t capacity_t
   if (buffer == &Layer::coords) return heads * capacity_tokens * rank_;
   if (buffer == &Layer::scales) return heads * capacity_tokens * 4;
   if (buffer == &Layer::basis) return heads * geometry_.head_dim * rank_ * 4;
-  return heads * calib_tokens_ * KeyBytes();  // staging
+  return heads * capacity_tokens * KeyBytes();  // staging of that capacity
 }
 
 std::vector<LowRankIndex::Part> LowRankIndex::PartsOf(const Layer& layer) const {
   const size_t heads = geometry_.num_kv_heads;
   if (!layer.basis_made) {
     if (layer.tokens == 0) return {};
-    return {{&Layer::staging, calib_tokens_ * KeyBytes(), layer.tokens * KeyBytes(), heads}};
+    return {{&Layer::staging, layer.staging_capacity * KeyBytes(), layer.tokens * KeyBytes(),
+             heads}};
   }
   return {{&Layer::coords, static_cast<size_t>(capacity_tokens_ * rank_),
            static_cast<size_t>(layer.tokens * rank_), heads},
@@ -116,7 +117,7 @@ size_t LowRankIndex::resident_bytes() const {
     bytes += BufferBytes(&Layer::coords, capacity_tokens_) +
              BufferBytes(&Layer::scales, capacity_tokens_);
     if (layer.basis_made) bytes += BufferBytes(&Layer::basis, 0);
-    if (!layer.basis_made && layer.tokens > 0) bytes += BufferBytes(&Layer::staging, 0);
+    if (!layer.basis_made) bytes += BufferBytes(&Layer::staging, layer.staging_capacity);
   }
   return bytes;
 }
@@ -153,9 +154,35 @@ absl::Status LowRankIndex::Reserve(int64_t tokens) {
                                                     layer.tokens * 4));
     }
   }
+  // Staging for the keys reserved, up to the calibration, in the layers still calibrating:
+  // allocated here, so that what a session holds is what it reserved.
+  const int64_t staging = std::min(calib_tokens_, grown);
+  std::vector<DeviceBuffer> stagings(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    layers_[l].coords = std::move(coords[l]);
-    layers_[l].scales = std::move(scales[l]);
+    const Layer& layer = layers_[l];
+    if (layer.basis_made || layer.staging_capacity >= staging) continue;
+    absl::StatusOr<DeviceBuffer> s = backend_->Allocate(BufferBytes(&Layer::staging, staging));
+    if (!s.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "low-rank keys: staging the first ", staging, " keys needs ",
+          FormatBytes(BufferBytes(&Layer::staging, staging)), " per layer: ", s.status().message()));
+    }
+    stagings[l] = std::move(*s);
+    const size_t key = KeyBytes();
+    for (int64_t g = 0; g < geometry_.num_kv_heads && layer.tokens > 0; ++g) {
+      TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(
+          stagings[l].as<char>() + g * staging * key,
+          layer.staging.as<char>() + g * layer.staging_capacity * key, layer.tokens * key));
+    }
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& layer = layers_[l];
+    layer.coords = std::move(coords[l]);
+    layer.scales = std::move(scales[l]);
+    if (stagings[l]) {
+      layer.staging = std::move(stagings[l]);
+      layer.staging_capacity = staging;
+    }
   }
   capacity_tokens_ = grown;
   return absl::OkStatus();
@@ -182,13 +209,13 @@ absl::Status LowRankIndex::Append(int64_t layer_index, const void* k_cache, int6
 
 absl::Status LowRankIndex::Stage(Layer& layer, const void* k_cache, int64_t capacity,
                                  int64_t first_slot, int64_t count) {
-  if (!layer.staging) {
-    TANDEM_ASSIGN_OR_RETURN(layer.staging, backend_->Allocate(BufferBytes(&Layer::staging, 0)));
-  }
   const size_t key = KeyBytes();
+  if (layer.staging_capacity < layer.tokens + count) {   // (Append reserved them)
+    return absl::InternalError("low-rank keys: staging smaller than the keys reserved");
+  }
   for (int64_t g = 0; g < geometry_.num_kv_heads; ++g) {
     TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(
-        layer.staging.as<char>() + (g * calib_tokens_ + layer.tokens) * key,
+        layer.staging.as<char>() + (g * layer.staging_capacity + layer.tokens) * key,
         static_cast<const char*>(k_cache) + (g * capacity + first_slot) * key, count * key));
   }
   layer.tokens += count;
@@ -201,7 +228,7 @@ absl::Status LowRankIndex::MakeBasis(Layer& layer) {
                           backend_->Allocate(static_cast<size_t>(heads * D * D) * 4));
   KeyGramParams p;
   p.k = layer.staging.data();
-  p.capacity = calib_tokens_;
+  p.capacity = layer.staging_capacity;
   p.first_slot = 0;
   p.count = calib_tokens_;
   p.dtype = geometry_.dtype;
@@ -219,9 +246,10 @@ absl::Status LowRankIndex::MakeBasis(Layer& layer) {
   layer.basis_made = true;
   const int64_t staged = layer.tokens;
   layer.tokens = 0;
-  TANDEM_RETURN_IF_ERROR(Project(layer, layer.staging.data(), calib_tokens_, 0, staged));
+  TANDEM_RETURN_IF_ERROR(Project(layer, layer.staging.data(), layer.staging_capacity, 0, staged));
   // (The projection is queued on the backend's stream; freeing waits for it where needed.)
   layer.staging.Reset();
+  layer.staging_capacity = 0;
   return absl::OkStatus();
 }
 
@@ -275,6 +303,10 @@ absl::StatusOr<LowRankIndex> LowRankIndex::Fork(int64_t reserve_tokens) const {
     Layer& to = fork.layers_[l];
     to.tokens = from.tokens;
     to.basis_made = from.basis_made;
+    if (to.basis_made) {   // (Create staged room for the calibration the source has done)
+      to.staging.Reset();
+      to.staging_capacity = 0;
+    }
     // The fork's rows may be wider (its capacity): each part's pitch from its own layout.
     const std::vector<Part> src_parts = PartsOf(from);
     const std::vector<Part> dst_parts = fork.PartsOf(to);
@@ -338,8 +370,10 @@ absl::Status LowRankIndex::Unpark() {
                             backend_->Allocate(BufferBytes(&Layer::scales, capacity_tokens_)));
     if (to.basis_made) {
       TANDEM_ASSIGN_OR_RETURN(to.basis, backend_->Allocate(BufferBytes(&Layer::basis, 0)));
-    } else if (to.tokens > 0) {
-      TANDEM_ASSIGN_OR_RETURN(to.staging, backend_->Allocate(BufferBytes(&Layer::staging, 0)));
+    } else if (layers_[l].staging_capacity > 0) {
+      to.staging_capacity = layers_[l].staging_capacity;
+      TANDEM_ASSIGN_OR_RETURN(
+          to.staging, backend_->Allocate(BufferBytes(&Layer::staging, to.staging_capacity)));
     }
   }
   size_t offset = 0;

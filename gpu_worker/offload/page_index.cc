@@ -107,7 +107,6 @@ size_t PageIndex::SummaryParkBytes() const {
 absl::Status PageIndex::Park(ParkingPool& pool) {
   if (parked()) return absl::FailedPreconditionError("page index: already parked");
   TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(SummaryParkBytes()));
-  if (low_rank_) TANDEM_RETURN_IF_ERROR(low_rank_->Park(pool));
   // Host layout: [layers][heads][written pages], written = the most any layer wrote.
   const size_t used_head = SummaryParkBytes() / (geometry_.num_layers * geometry_.num_kv_heads);
   const size_t device_head = static_cast<size_t>(capacity_pages_) * PageBytes();
@@ -117,6 +116,9 @@ absl::Status PageIndex::Park(ParkingPool& pool) {
                                                     used_head, geometry_.num_kv_heads));
     offset += geometry_.num_kv_heads * used_head;
   }
+  // The low-rank keys last: when they cannot park, the summaries' space goes back unused and
+  // the index stays on the device as it was.
+  if (low_rank_) TANDEM_RETURN_IF_ERROR(low_rank_->Park(pool));
   parked_ = std::move(space);
   for (DeviceBuffer& layer : layers_) layer = DeviceBuffer();
   return absl::OkStatus();

@@ -43,7 +43,7 @@ struct SelectPagesArgs {
 };
 cudaError_t LaunchSelectPages(const SelectPagesArgs& args, cudaStream_t stream);
 // The selection from scores already in args.scratch [num_tokens, num_kv_heads, num_pages] (another
-// score's kernel wrote them, e.g. low_rank_keys.cuh): the kept pages marked +inf, then the top
+// score's kernel wrote them, e.g. low_rank_score.cuh): the kept pages marked +inf, then the top
 // pages as LaunchSelectPages; when num_pages <= select, every page and -1 padding (no score read).
 cudaError_t LaunchSelectFromScores(const SelectPagesArgs& args, cudaStream_t stream);
 

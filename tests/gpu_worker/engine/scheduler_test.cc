@@ -17,6 +17,7 @@
 
 #include "engine_test_util.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/scheduler.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -322,9 +323,12 @@ TEST_F(SchedulerTest, AKeptSessionClosedAfterAStoppedTurnIsReportedOnceToItsNext
 TEST_F(SchedulerTest, ARequestThatDoesNotFitWaitsForMemoryAndOneThatNeverFitsFails) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   TANDEM_SKIP_WITHOUT_BACKEND();
-  // stories260k: 5 layers x 4 kv heads x 2 x 8 dims x 4 bytes (f32) = 1280 bytes per 16-token
-  // page; room for 20 pages. Each request below offloads ~190 tokens = 12 pages: one at a time.
-  Make(/*prefill_chunk=*/64, /*summary_cap=*/20 * 1280);
+  // stories260k (5 layers x 4 kv heads x 8 dims, f32 KV): room for 20 16-token pages of
+  // summaries and the default low-rank keys per (layer, kv head). Each request below offloads
+  // ~190 tokens = 12 pages: one at a time.
+  const WindowGeometry g{5, 4, 8, DType::kF32};
+  Make(/*prefill_chunk=*/64,
+       /*summary_cap=*/PageIndex::BytesFor(g, 16, 20 * 16, EngineOptions().page_low_rank));
   GenerateRequest r;
   r.prompt_ids = testing::SyntheticPrompt(10, 5);
   r.max_tokens = 200;

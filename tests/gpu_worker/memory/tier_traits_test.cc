@@ -64,15 +64,20 @@ TEST(TierTraitsTest, SplitEntriesSizesEachSideForWhatItMayHold) {
 
 TEST(TierTraitsTest, OnlyAPagesTierKeepsSummariesOnTheDevice) {
   const WindowGeometry g{4, 2, 64, DType::kBF16};
+  const LowRankOptions low_rank{LowRankOptions::kHalfHeadDim, 1024};
   EXPECT_EQ(PageSummaryBytesFor(TraitsOf(AttentionMode::kHybrid, SelectionRule::kPages), g, 16,
-                                4096),
-            PageIndex::BytesFor(g, 16, 4096));
+                                4096, low_rank),
+            PageIndex::BytesFor(g, 16, 4096, low_rank));
   EXPECT_GT(PageIndex::BytesFor(g, 16, 4096), 0u);
-  EXPECT_EQ(
-      PageSummaryBytesFor(TraitsOf(AttentionMode::kHybrid, SelectionRule::kMaw), g, 16, 4096), 0u);
-  EXPECT_EQ(
-      PageSummaryBytesFor(TraitsOf(AttentionMode::kExact, SelectionRule::kPages), g, 16, 4096),
-      0u);
+  // The low-rank keys add coordinates (32 + 4 bytes a key), a basis and the staged keys.
+  EXPECT_EQ(PageIndex::BytesFor(g, 16, 4096, low_rank) - PageIndex::BytesFor(g, 16, 4096),
+            size_t{4} * 2 * (4096 * 36 + 64 * 32 * 4 + 1024 * 64 * 2));
+  EXPECT_EQ(PageSummaryBytesFor(TraitsOf(AttentionMode::kHybrid, SelectionRule::kMaw), g, 16,
+                                4096, low_rank),
+            0u);
+  EXPECT_EQ(PageSummaryBytesFor(TraitsOf(AttentionMode::kExact, SelectionRule::kPages), g, 16,
+                                4096, low_rank),
+            0u);
 }
 
 }  // namespace

@@ -390,7 +390,7 @@ struct SelectPagesParams {
   int64_t head_dim = 0;
   int64_t select = 0;              // pages kept per (token, kv head), >= 1
   PageScore score = PageScore::kBound;
-  LowRankKeys low_rank;            // kLowRank only
+  LowRankKeys low_rank = {};       // kLowRank only
   // Optional: [num_tokens, num_kv_heads, keep_per_head] page ids kept whatever their score (a
   // first selection by another score); -1 and ids outside [0, num_pages) are ignored. Distinct
   // ids per row; 1 <= keep_per_head < select.

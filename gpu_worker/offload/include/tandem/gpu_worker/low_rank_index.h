@@ -8,8 +8,9 @@
 //           (layer, kv head), in the order the CPU nodes number them (page p = rows p·P..).
 //   basis   [num_kv_heads, head_dim, rank] f32: the top `rank` eigenvectors of Σ k·kᵀ over the
 //           first calib_tokens offloaded keys of the head (post-RoPE, uncentred), made once.
-//   staging [num_kv_heads, calib_tokens, head_dim] of the KV dtype: those first keys, copied as
-//           they leave the window, until the basis exists (then projected and freed).
+//   staging [num_kv_heads, staging_capacity, head_dim] of the KV dtype: those first keys, copied
+//           as they leave the window, until the basis exists (then projected and freed); room
+//           for min(calib_tokens, the reserved tokens), grown with the reservation.
 // So a layer is `ready` (every offloaded key has coordinates) from its calib_tokens-th key on;
 // before that the caller scores pages another way. Memory per offloaded token and kv head:
 // rank + 4 bytes (0.5·D + 4 at the default rank D/2: 68 bytes for D = 128, 1/7.5 of bf16 K+V).
@@ -109,7 +110,8 @@ class LowRankIndex {
     DeviceBuffer coords;   // [num_kv_heads, capacity_tokens, rank] int8
     DeviceBuffer scales;   // [num_kv_heads, capacity_tokens] f32
     DeviceBuffer basis;    // [num_kv_heads, head_dim, rank] f32, once made
-    DeviceBuffer staging;  // [num_kv_heads, calib_tokens, head_dim], until the basis is made
+    DeviceBuffer staging;  // [num_kv_heads, staging_capacity, head_dim], until the basis is made
+    int64_t staging_capacity = 0;   // keys per head the staging holds (<= calib_tokens)
     int64_t tokens = 0;    // offloaded entries appended (staged or projected)
     bool basis_made = false;
   };
