@@ -296,17 +296,15 @@ absl::StatusOr<LowRankIndex> LowRankIndex::Fork(int64_t reserve_tokens) const {
   if (parked()) return absl::FailedPreconditionError("low-rank keys: parked (Unpark first)");
   int64_t written = 0;
   for (const Layer& layer : layers_) written = std::max(written, layer.tokens);
-  TANDEM_ASSIGN_OR_RETURN(LowRankIndex fork, Create(*backend_, geometry_, {rank_, calib_tokens_},
-                                                    std::max(reserve_tokens, written)));
+  TANDEM_ASSIGN_OR_RETURN(LowRankIndex fork,
+                          Create(*backend_, geometry_, {rank_, calib_tokens_}, 0));
+  // The calibration state first, so that Reserve stages room only where the basis is not made.
+  for (size_t l = 0; l < layers_.size(); ++l) fork.layers_[l].basis_made = layers_[l].basis_made;
+  TANDEM_RETURN_IF_ERROR(fork.Reserve(std::max(reserve_tokens, written)));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& from = layers_[l];
     Layer& to = fork.layers_[l];
     to.tokens = from.tokens;
-    to.basis_made = from.basis_made;
-    if (to.basis_made) {   // (Create staged room for the calibration the source has done)
-      to.staging.Reset();
-      to.staging_capacity = 0;
-    }
     // The fork's rows may be wider (its capacity): each part's pitch from its own layout.
     const std::vector<Part> src_parts = PartsOf(from);
     const std::vector<Part> dst_parts = fork.PartsOf(to);

@@ -194,7 +194,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
       TANDEM_ASSIGN_OR_RETURN(SelectPagesParams bound,
                               pages_->SelectParams(rows.layer, q, w.q_row_stride, count,
                                                    w.num_q_heads, bound_pages, first, scratch,
-                                                   PageScore::kBound));
+                                                   PageScore::kBound, w.scale));
       if (queue) {
         context.QueueSelect(bound, /*phase=*/0);
       } else {
@@ -205,8 +205,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
                             pages_->SelectParams(rows.layer, q, w.q_row_stride, count,
                                                  w.num_q_heads, per_head,
                                                  selected_.as<int32_t>() + r * Hkv * per_head,
-                                                 scratch, final_score));
-    if (final_score == PageScore::kLowRank) p.low_rank.softmax_scale = w.scale;
+                                                 scratch, final_score, w.scale));
     if (two_pass) {
       p.keep = first_.as<int32_t>() + r * Hkv * bound_pages;
       p.keep_per_head = bound_pages;

@@ -207,7 +207,8 @@ absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const f
                                                           int64_t num_tokens,
                                                           int64_t num_q_heads, int64_t select,
                                                           int32_t* pages, void* scratch,
-                                                          PageScore score) const {
+                                                          PageScore score,
+                                                          float softmax_scale) const {
   if (layer < 0 || layer >= geometry_.num_layers || pages_[layer] == 0) {
     return absl::FailedPreconditionError(absl::StrCat("page index: layer ", layer,
                                                       " has no page to select from"));
@@ -226,11 +227,8 @@ absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const f
   p.select = select;
   p.score = score;
   if (score == PageScore::kLowRank) {
-    if (!low_rank_ready(layer)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("page index: layer ", layer, " has no low-rank keys yet"));
-    }
-    TANDEM_ASSIGN_OR_RETURN(p.low_rank, low_rank_->Keys(layer, page_tokens_, 0.0f));
+    if (!low_rank_) return absl::FailedPreconditionError("page index: no low-rank keys kept");
+    TANDEM_ASSIGN_OR_RETURN(p.low_rank, low_rank_->Keys(layer, page_tokens_, softmax_scale));
   }
   p.pages = pages;
   p.scratch = scratch;

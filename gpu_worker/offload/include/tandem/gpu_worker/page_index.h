@@ -63,9 +63,10 @@ class PageIndex {
   // Append for evicted window blocks, every layer, in the blocks' order.
   absl::Status AppendEvicted(const WindowCache& window, const std::vector<EvictedBlock>& blocks);
 
-  // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q, scored by
-  // `score` (kLowRank: SelectPagesParams::low_rank filled but for its softmax_scale, which the
-  // caller sets; FAILED_PRECONDITION unless low_rank_ready(layer)): pages [num_tokens, num_kv_heads, select] on the device; scratch of
+  // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q (attention
+  // scale softmax_scale, which the kLowRank score's logsumexp uses), scored by `score`
+  // (kLowRank: FAILED_PRECONDITION unless low_rank_ready(layer)): pages
+  // [num_tokens, num_kv_heads, select] on the device; scratch of
   // SelectPagesScratchBytes(num_tokens, num_kv_heads, num_pages(layer)) bytes (null: the
   // caller's batch sets it). Valid while the index does not grow. FAILED_PRECONDITION when the
   // layer has no page.
@@ -73,7 +74,7 @@ class PageIndex {
                                                  int64_t q_row_stride, int64_t num_tokens,
                                                  int64_t num_q_heads, int64_t select,
                                                  int32_t* pages, void* scratch,
-                                                 PageScore score = PageScore::kBound) const;
+                                                 PageScore score, float softmax_scale) const;
 
   // Parking, as WindowCache::Park: the pages written go to a space of `pool` (pinned host
   // memory) and the device buffers are freed (device_bytes() 0); Unpark() allocates the same
