@@ -54,6 +54,9 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "1", "hybrid MAW: comma-separated betas");
 ABSL_FLAG(std::string, pages, "256,512", "hybrid pages: budgets, TOKENS or TOKENS:dN");
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
+ABSL_FLAG(bool, page_speculate, false,
+          "selection=pages: choose each layer's pages from a guess of its queries made from the "
+          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
@@ -172,6 +175,7 @@ int Main() {
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   options.page_low_rank = {absl::GetFlag(FLAGS_page_key_rank),
                            absl::GetFlag(FLAGS_page_key_calib_tokens)};
+  options.page_speculate = absl::GetFlag(FLAGS_page_speculate);
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);
   if (!engine.ok()) {
@@ -297,6 +301,7 @@ int Main() {
     }
     nlohmann::json j = {{"config", config.label},
                         {"node_kv_dtype", absl::GetFlag(FLAGS_node_kv_dtype)},
+                        {"page_speculate", absl::GetFlag(FLAGS_page_speculate)},
                         {"prompts", prompts.size()},
                         {"retrieved", retrieved},
                         {"settle_first", settle_first},

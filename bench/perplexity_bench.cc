@@ -62,6 +62,9 @@ ABSL_FLAG(std::string, pages, "",
           "hybrid with selection=pages: comma-separated budgets (offloaded tokens per layer, "
           "kv head and query), each optionally with :dN for N dense first layers (512:d1)");
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
+ABSL_FLAG(bool, page_speculate, false,
+          "selection=pages: choose each layer's pages from a guess of its queries made from the "
+          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
@@ -131,6 +134,7 @@ int Main() {
   options.page_tokens = absl::GetFlag(FLAGS_page_tokens);
   options.page_low_rank = {absl::GetFlag(FLAGS_page_key_rank),
                            absl::GetFlag(FLAGS_page_key_calib_tokens)};
+  options.page_speculate = absl::GetFlag(FLAGS_page_speculate);
   options.block_tokens = std::max<int64_t>(16, options.page_tokens);
   auto engine = Engine::Create(options);
   // Full attention is exact whatever the chunk, so the reference runs in 512-token chunks.
@@ -240,6 +244,7 @@ int Main() {
                         {"dense_layers", config.policy.dense_layers},
                         {"centroid_share", config.policy.centroid_share},
                         {"low_rank", config.policy.low_rank},
+                        {"page_speculate", absl::GetFlag(FLAGS_page_speculate)},
                         {"page_tokens", absl::GetFlag(FLAGS_page_tokens)},
                         {"books", book_ids.size()},
                         {"tokens", tokens},

@@ -151,6 +151,9 @@ ABSL_FLAG(std::string, select_tokens, "",
           "hybrid with selection=pages: budgets (offloaded tokens per layer, kv head and token) "
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
+ABSL_FLAG(bool, page_speculate, false,
+          "selection=pages: choose each layer's pages from a guess of its queries made from the "
+          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
@@ -1016,6 +1019,7 @@ int Main() {
   ro.split_min_scan_share = absl::GetFlag(FLAGS_split_min_scan_share);
   ro.split_min_scan_bytes = absl::GetFlag(FLAGS_split_min_scan_bytes);
   ro.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
+  ro.speculate_pages = absl::GetFlag(FLAGS_page_speculate);
   auto runner = gpu_worker::ModelRunner::Create(be, **model, ro);
   if (!runner.ok()) {
     std::fprintf(stderr, "runner: %s\n", std::string(runner.status().message()).c_str());

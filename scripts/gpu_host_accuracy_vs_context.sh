@@ -11,7 +11,10 @@
 #   PPL_BOOKS (default 6), ACCURACY_TIMEOUT (s per accuracy process, default 270; each prints a
 #   JSON line per finished configuration), SPEED_TIMEOUT (s per policy, default 150),
 #   PPL_PAGES (space-separated --pages lists, one process per list and length; the first also
-#   runs full attention and the window alone), NEEDLE_PAGES (--pages of the needle bench),
+#   runs full attention and the window alone; a list may end in @flags, flags joined by '+',
+#   e.g. "2048 2048@--page_speculate"), NEEDLE_PAGES (--pages of the needle bench),
+#   NEEDLE_VARIANTS (space-separated name=flags, one needle process per variant and length;
+#   default "base="),
 #   SPEED_CONFIGS (space-separated name=flags, flags joined by '+', e.g.
 #   "c0=--centroid_share+0 lowrank=" for tandem-bench at 512K)
 # Logs go under $OUT (or /tmp/out).
@@ -45,10 +48,13 @@ ppl() {   # name tokens [flags...]
 if has ppl; then
   for t in $contexts; do
     i=0
-    for pages in ${PPL_PAGES:-512:c0,512:c0.5 1024:c0,1024:c0.5,2048:c0,2048:c0.5}; do
+    for entry in ${PPL_PAGES:-512:c0,512:c0.5 1024:c0,1024:c0.5,2048:c0,2048:c0.5}; do
       if [ $i -eq 0 ]; then first=(--window_only); else first=(--skip_full); fi
+      pages=${entry%%@*}
+      extra=""
+      [[ $entry == *@* ]] && extra=${entry#*@}
       ppl "p$i" "$t" --max_books "${PPL_BOOKS:-6}" --captured_mass=false "${first[@]}" \
-        --pages "$pages" &
+        --pages "$pages" ${extra//+/ } &
       i=$((i + 1))
     done
   done
@@ -58,20 +64,25 @@ if has mass; then
     ppl mass "$t" --max_books 1 --captured_mass --skip_full --pages 512:c0,512:c0.5,2048:c0,2048:c0.5 &
   done
 fi
-needle() {   # tokens prompts_per_book
-  timeout "${ACCURACY_TIMEOUT:-270}" tandem-needle-bench --model "$model" --books "$books" --prompt_tokens "$1" \
-    --prompts_per_book "$2" --min_distance 640 --betas= \
+needle() {   # name tokens prompts_per_book [flags...]
+  local name=$1 tokens=$2 prompts=$3; shift 3
+  timeout "${ACCURACY_TIMEOUT:-270}" tandem-needle-bench --model "$model" --books "$books" --prompt_tokens "$tokens" \
+    --prompts_per_book "$prompts" --min_distance 640 --betas= \
     --pages "${NEEDLE_PAGES:-512:c0,512:c0.5,2048:c0,2048:c0.5}" \
-    --backend cuda --node_threads 2 --node_pool_gib 8 > "$out/needle_$1.txt" 2>&1
+    --backend cuda --node_threads 2 --node_pool_gib 8 "$@" > "$out/needle_${name}_$tokens.txt" 2>&1
 }
 if has needle; then
-  needle 32000 2 &
-  needle 63000 1 &
+  for variant in ${NEEDLE_VARIANTS:-base=}; do
+    name=${variant%%=*}
+    flags=${variant#*=}
+    needle "$name" 32000 2 ${flags//+/ } &
+    needle "$name" 63000 1 ${flags//+/ } &
+  done
 fi
 wait
 if has tests; then grep -E 'FAILED|PASSED' "$out/tests.txt"; fi
-grep -h '"config"' "$out"/ppl_*.txt 2>/dev/null | cut -c1-330
-grep -h '"config"' "$out"/needle_*.txt 2>/dev/null | cut -c1-200
+for f in "$out"/ppl_*.txt; do [ -f "$f" ] && grep -H '"config"' "$f" | sed "s|$out/||" | cut -c1-360; done
+for f in "$out"/needle_*.txt; do [ -f "$f" ] && grep -H '"config"' "$f" | sed "s|$out/||" | cut -c1-230; done
 if has speed; then
   for config in ${SPEED_CONFIGS:-c0=--centroid_share+0 c0.5=--centroid_share+0.5}; do
     name=${config%%=*}

@@ -46,7 +46,10 @@ double NodeTier::off_device_work() const {
   return entries * 2.0 * o.head_dim * DTypeBytes(o.kv_dtype);   // K and V of each entry
 }
 
-absl::Status NodeTier::BeginPass(TierContext&, size_t) { return absl::OkStatus(); }
+absl::Status NodeTier::BeginPass(TierContext&, size_t) {
+  speculated_ = {};
+  return absl::OkStatus();
+}
 
 absl::Status NodeTier::ParkDevice(ParkingPool& pool) {
   return pages_ != nullptr ? pages_->Park(pool) : absl::OkStatus();
@@ -72,11 +75,32 @@ absl::Status NodeTier::PrepareAttend(TierContext& context, const AttendRows& row
   context.QueueDownload(rows.q_host, row_bytes, w.q, w.q_row_stride * 4, row_bytes, w.num_tokens);
   paged_ = false;
   if (pages_ == nullptr) return absl::OkStatus();
+  int64_t per_head = 0;
+  if (speculated_.layer == rows.layer && speculated_.num_tokens == w.num_tokens) {
+    per_head = speculated_.per_head;   // chosen during the previous layer (Speculate)
+  } else {
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<int64_t> chosen = ChoosePages(context, rows);
+    context.profile().select_s += Seconds(t0);
+    TANDEM_RETURN_IF_ERROR(chosen.status());
+    per_head = *chosen;
+  }
+  speculated_ = {};
+  if (per_head > 0) DownloadPages(context, w.num_tokens, w.num_kv_heads, per_head);
+  paged_ = per_head > 0;
+  return absl::OkStatus();
+}
+
+absl::Status NodeTier::Speculate(TierContext& context, const AttendRows& next) {
+  speculated_ = {};
+  if (pages_ == nullptr) return absl::OkStatus();
+  // selected_ is free: the current layer's ids were downloaded before its StartAttend, and
+  // page_ids_ (which its attend in flight reads) is not touched before the next PrepareAttend.
   const Clock::time_point t0 = Clock::now();
-  absl::StatusOr<bool> paged = ChoosePages(context, rows);
+  absl::StatusOr<int64_t> chosen = ChoosePages(context, next);
   context.profile().select_s += Seconds(t0);
-  TANDEM_RETURN_IF_ERROR(paged.status());
-  paged_ = *paged;
+  TANDEM_RETURN_IF_ERROR(chosen.status());
+  speculated_ = {next.layer, next.window.num_tokens, *chosen};
   return absl::OkStatus();
 }
 
@@ -150,7 +174,8 @@ size_t NodeTier::SelectionBytesFor(int64_t num_tokens, int64_t num_kv_heads, int
                                            num_kv_heads, num_pages);
 }
 
-absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRows& rows) {
+absl::StatusOr<int64_t> NodeTier::ChoosePages(TierContext& context,
+                                               const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
   const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;
   if (rows.policy.pages == nullptr) {
@@ -160,7 +185,7 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
   const int64_t num_pages = pages_->num_pages(rows.layer);
   const int64_t per_head = std::max<int64_t>(1, policy.select_tokens / pages_->page_tokens());
   // Dense layers and budgets that cover every page attend over everything (exact): no ids.
-  if (rows.layer < policy.dense_layers || per_head >= num_pages) return false;
+  if (rows.layer < policy.dense_layers || per_head >= num_pages) return 0;
 
   // Two scores (PagePolicy::centroid_share): the bound picks `bound_pages` into first_, then
   // the centroid fills the row to per_head with those kept. One score: a single pass.
@@ -230,10 +255,15 @@ absl::StatusOr<bool> NodeTier::ChoosePages(TierContext& context, const AttendRow
       TANDEM_RETURN_IF_ERROR(context.backend().SelectPages(p));
     }
   }
+  return per_head;
+}
+
+void NodeTier::DownloadPages(TierContext& context, int64_t num_tokens, int64_t num_kv_heads,
+                             int64_t per_head) {
+  const size_t ids = static_cast<size_t>(num_tokens) * num_kv_heads * per_head;
   page_ids_.resize(ids);
   context.QueueDownload(page_ids_.data(), ids * 4, selected_.data(), ids * 4, ids * 4, 1);
   selection_ = PageSelection{page_ids_.data(), per_head};
-  return true;
 }
 
 absl::Status NodeTier::MeasureCapturedMass(const AttendRows& rows, const float* selected_lse) {

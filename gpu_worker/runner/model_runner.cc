@@ -54,7 +54,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   const ModelConfig& c = model.config();
   const int64_t C = options.max_chunk, Hq = c.num_q_heads, D = c.head_dim;
   Activations& a = runner->act_;
-  for (const auto& [buffer, count] : ActivationBuffers(c, C)) {
+  for (const auto& [buffer, count] : ActivationBuffers(c, options)) {
     TANDEM_RETURN_IF_ERROR(AllocFloats(backend, a.*buffer, count));
   }
   TANDEM_RETURN_IF_ERROR(AllocFloats(backend, runner->logits_, c.vocab_size));
@@ -65,7 +65,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backen
   return runner;
 }
 
-ModelRunner::ActivationTable ModelRunner::ActivationBuffers(const ModelConfig& c, int64_t C) {
+ModelRunner::ActivationTable ModelRunner::ActivationBuffers(const ModelConfig& c,
+                                                           const RunnerOptions& options) {
+  const int64_t C = options.max_chunk;
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;
   const int64_t Hq = c.num_q_heads, Hkv = c.num_kv_heads;
   ActivationTable table = {
@@ -78,13 +80,17 @@ ModelRunner::ActivationTable ModelRunner::ActivationBuffers(const ModelConfig& c
       {&Activations::slots, C},           {&Activations::targets, C},
       {&Activations::logprobs, C}};
   if (RopeDependsOnLength(c)) table.push_back({&Activations::rope_inv_freq, C * (D / 2)});
+  if (options.speculate_pages) {
+    table.push_back({&Activations::q_guess, C * Hq * D});
+    table.push_back({&Activations::xn_guess, C * H});
+  }
   return table;
 }
 
 size_t ModelRunner::ActivationBytes(const ModelConfig& c, const RunnerOptions& options,
                                     bool batched) {
   int64_t floats = 0;
-  for (const auto& [buffer, count] : ActivationBuffers(c, options.max_chunk)) floats += count;
+  for (const auto& [buffer, count] : ActivationBuffers(c, options)) floats += count;
   // logits_: one row from Create; a batched pass (Logits) replaces it by max_chunk rows and
   // may gather the segments' last rows into last_rows_.
   floats += batched ? options.max_chunk * (c.vocab_size + c.hidden_size) : c.vocab_size;
@@ -441,7 +447,70 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
       window_attention_.push_back(ObservationParams(segments[i], layer));
     }
   }
-  return backend_.WindowAttentionBatch(window_attention_.data(), window_attention_.size());
+  TANDEM_RETURN_IF_ERROR(
+      backend_.WindowAttentionBatch(window_attention_.data(), window_attention_.size()));
+  // Queued after the window attention, which the tail reads first: on the device the guess and
+  // the next layer's selection then run while the host waits for this layer's CPU nodes.
+  return SpeculateNextLayer(segments, mb, layer);
+}
+
+absl::Status ModelRunner::SpeculateNextLayer(std::vector<Segment>& segments,
+                                             const MicroBatch& mb, int64_t layer) {
+  const ModelConfig& c = model_.config();
+  if (!options_.speculate_pages || layer + 1 >= c.num_layers) return absl::OkStatus();
+  const size_t end = mb.first + mb.count;
+  bool any = false;
+  for (size_t i = mb.first; i < end; ++i) {
+    any |= segments[i].attends && segments[i].seq->offload->speculates();
+  }
+  if (!any) return absl::OkStatus();
+  // q̂ of layer l+1 from layer l's input x_l (the tail has not added layer l's attention and FFN
+  // yet): LayerHead's norm, projection (the q rows of W_qkv, its first H_q·D rows), q norm and
+  // RoPE, on the micro-batch's rows.
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Q = Hq * D;
+  const int64_t n = mb.rows;
+  const DeviceLayer& w = model_.layer(layer + 1);
+  const float* x = act_.x.as<float>() + mb.row0 * H;
+  float* xn = act_.xn_guess.as<float>() + mb.row0 * H;
+  float* q = act_.q_guess.as<float>() + mb.row0 * Q;
+  TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
+      {x, w.attn_norm.data(), w.attn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
+  MatMulParams mm;
+  mm.x = xn;
+  mm.w = w.qkv.data();
+  mm.w_dtype = w.qkv.dtype;
+  mm.w_scale = w.qkv.scale_data();
+  mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
+  mm.y = q;
+  mm.m = n;
+  mm.n = Q;
+  mm.k = H;
+  TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
+  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.q_norm, q, n, Hq, D, Q, c.rms_norm_eps));
+  RopeParams rope;
+  rope.x = q;
+  rope.row_stride = Q;
+  rope.positions = act_.positions.as<int32_t>() + mb.row0;
+  rope.inv_freq = model_.inv_freq();
+  rope.attention_scaling = model_.rope_attention_scaling();
+  if (rope_per_row_) {
+    rope.inv_freq_row_stride = D / 2;
+    rope.inv_freq = act_.rope_inv_freq.as<float>() + mb.row0 * (D / 2);
+  }
+  rope.num_tokens = n;
+  rope.num_heads = Hq;
+  rope.head_dim = D;
+  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+  for (size_t i = mb.first; i < end; ++i) {
+    const Segment& s = segments[i];
+    if (!s.attends || !s.seq->offload->speculates()) continue;
+    AttendRows next = AttendRowsOf(s, i, layer + 1);
+    next.window.q = act_.q_guess.as<float>() + s.row0 * Q;
+    next.window.q_row_stride = Q;
+    TANDEM_RETURN_IF_ERROR(s.seq->offload->Speculate(tiers_, next));
+  }
+  // The selections the tiers queued run now, not with the next layer's downloads.
+  return tiers_.FlushSelects();
 }
 
 absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroBatch& mb,

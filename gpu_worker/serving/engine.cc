@@ -197,6 +197,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
   runner_options.maw_alpha = options.maw_alpha;
   runner_options.measure_captured_mass = options.measure_captured_mass;
   runner_options.settle_tokens_per_step = options.settle_tokens_per_step;
+  runner_options.speculate_pages = options.page_speculate;
   TANDEM_ASSIGN_OR_RETURN(engine->runner_, ModelRunner::Create(*engine->backend_,
                                                                *engine->device_model_,
                                                                runner_options));

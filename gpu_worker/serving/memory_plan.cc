@@ -319,6 +319,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   Add(dev, "weights", setup.weight_bytes, "DeviceModel::WeightBytes");
   RunnerOptions runner;
   runner.max_chunk = C;
+  runner.speculate_pages = e.page_speculate;
   Add(dev, "activations", ModelRunner::ActivationBytes(c, runner, r.batch > 1),
       absl::StrCat(C, "-token chunk", r.batch > 1 ? ", batched logits" : ""));
   const WindowOptions wo =
@@ -533,6 +534,7 @@ absl::Status CheckWorkerFits(const MemoryPlanSetup& setup) {
   const ModelConfig& c = setup.config;
   RunnerOptions runner;
   runner.max_chunk = setup.engine.prefill_chunk;
+  runner.speculate_pages = setup.engine.page_speculate;
   const uint64_t activations = ModelRunner::ActivationBytes(c, runner, /*batched=*/true);
   const uint64_t workspace =
       setup.backend == "cuda"

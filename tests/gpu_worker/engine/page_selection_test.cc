@@ -149,6 +149,15 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
   }
 
 
+  // Step() through another runner (one made with other RunnerOptions).
+  std::vector<float> StepWith(ModelRunner& runner, Sequence& seq, const std::vector<int32_t>& ids) {
+    absl::Status s = runner.Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
+    EXPECT_TRUE(s.ok()) << s;
+    auto logits = runner.LastLogitsToHost();
+    EXPECT_TRUE(logits.ok()) << logits.status();
+    return logits.ok() ? *logits : std::vector<float>{};
+  }
+
   static int32_t Argmax(const std::vector<float>& v) {
     return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
   }
@@ -274,6 +283,99 @@ TEST_F(PageSelectionRunner, LowRankScoreBringsBackWhatTheWindowLoses) {
     }
     EXPECT_EQ(pages->degraded_steps, 0u);
   }
+}
+
+// Layer-ahead selection (RunnerOptions::speculate_pages): each layer's pages are chosen from a
+// guess of its queries made from the previous layer's input. When every layer but the last
+// adds nothing to the residual stream (their o_proj and down_proj zeroed on the device), the
+// guess of the last layer's queries is its true queries: the runner that speculates chooses
+// the same pages and gives the logits of the runner that does not, while the budget (4 pages)
+// is far from everything (the window alone gives other logits).
+TEST_F(PageSelectionRunner, LayerAheadGuessIsExactWhenTheLayerBeforeAddsNothing) {
+  const ModelConfig& c = model_->config;
+  for (int64_t l = 0; l + 1 < c.num_layers; ++l) {
+    for (const DeviceTensor* t : {&device_model_->layer(l).o_proj,
+                                  &device_model_->layer(l).down_proj}) {
+      const size_t bytes = t->buffer.bytes();
+      std::vector<char> zeros(bytes, 0);
+      // (The runners read the weights as const; this test alone changes them, before any pass.)
+      ASSERT_TRUE(backend_->CopyToDevice(const_cast<void*>(t->data()), zeros.data(), bytes).ok());
+    }
+  }
+  RunnerOptions options;
+  options.speculate_pages = true;
+  auto speculating = ModelRunner::Create(*backend_, *device_model_, options);
+  ASSERT_TRUE(speculating.ok()) << speculating.status();
+  constexpr int64_t kBudget = 4 * kPageTokens;
+  std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  for (int i = 0; i < 200; ++i) prompt.push_back(1 + (i * 53) % 500);
+  auto exact = MakeSequence(AttentionMode::kHybrid, "ahead-exact", kBudget);
+  auto guessed = MakeSequence(AttentionMode::kHybrid, "ahead-guessed", kBudget);
+  auto window = MakeSequence(AttentionMode::kHybrid, "ahead-window", 0, true);
+  std::vector<float> a = Step(*exact, prompt), w = Step(*window, prompt);
+  std::vector<float> b = StepWith(**speculating, *guessed, prompt);
+  double window_error = 0;
+  for (int step = 0; step < 40; ++step) {
+    ASSERT_FALSE(a.empty());
+    ASSERT_LE(MaxAbsDiff(a, b), kLogitTolerance) << "step " << step;
+    window_error = std::max<double>(window_error, MaxAbsDiff(a, w));
+    const int32_t next = Argmax(a);
+    a = Step(*exact, {next});
+    b = StepWith(**speculating, *guessed, {next});
+    w = Step(*window, {next});
+  }
+  EXPECT_GT(window_error, 100 * kLogitTolerance);   // the budget matters
+  const RemoteKv& remote = static_cast<const NodeTier&>(*guessed->offload).remote();
+  for (const LayerSelection& layer : remote.last_selection()) {
+    EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * c.num_kv_heads));
+  }
+  EXPECT_EQ(guessed->degraded_steps, 0u);
+}
+
+// The same on the model as it is: the guess differs from the true queries, so the logits move
+// away from those of exact selection (the guess is what chooses), and they stay much closer to
+// full attention than the window alone, with exactly the budget attended in every layer.
+TEST_F(PageSelectionRunner, LayerAheadSelectionBringsBackWhatTheWindowLoses) {
+  RunnerOptions options;
+  options.speculate_pages = true;
+  auto speculating = ModelRunner::Create(*backend_, *device_model_, options);
+  ASSERT_TRUE(speculating.ok()) << speculating.status();
+  constexpr int64_t kBudget = 4 * kPageTokens;
+  std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  for (int i = 0; i < 250; ++i) prompt.push_back(1 + (i * 53) % 500);
+  auto gpu = MakeSequence(AttentionMode::kGpu, "ahead-gpu", 0);
+  auto exact = MakeSequence(AttentionMode::kHybrid, "ahead-exact2", kBudget);
+  auto guessed = MakeSequence(AttentionMode::kHybrid, "ahead-guessed2", kBudget);
+  auto window = MakeSequence(AttentionMode::kHybrid, "ahead-window2", 0, true);
+  // The exact and the guessed sequence decode the same tokens (the full-attention argmax).
+  std::vector<float> a = Step(*gpu, prompt), e = Step(*exact, prompt), w = Step(*window, prompt);
+  std::vector<float> b = StepWith(**speculating, *guessed, prompt);
+  double guessed_error = 0, exact_error = 0, window_error = 0, guess_vs_exact = 0;
+  constexpr int kSteps = 100;
+  for (int step = 0; step < kSteps; ++step) {
+    ASSERT_FALSE(b.empty());
+    for (float v : b) ASSERT_TRUE(std::isfinite(v));
+    guessed_error += MaxAbsDiff(a, b);
+    exact_error += MaxAbsDiff(a, e);
+    window_error += MaxAbsDiff(a, w);
+    guess_vs_exact = std::max<double>(guess_vs_exact, MaxAbsDiff(e, b));
+    const int32_t next = Argmax(a);
+    a = Step(*gpu, {next});
+    e = Step(*exact, {next});
+    w = Step(*window, {next});
+    b = StepWith(**speculating, *guessed, {next});
+  }
+  std::printf("mean max |logit error| vs full attention: layer-ahead pages(%lld) %.4f, exact "
+              "pages %.4f, window only %.4f\n",
+              static_cast<long long>(kBudget), guessed_error / kSteps, exact_error / kSteps,
+              window_error / kSteps);
+  EXPECT_GT(guess_vs_exact, 100 * kLogitTolerance);
+  EXPECT_LT(guessed_error, 0.7 * window_error);
+  const RemoteKv& remote = static_cast<const NodeTier&>(*guessed->offload).remote();
+  for (const LayerSelection& layer : remote.last_selection()) {
+    EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * model_->config.num_kv_heads));
+  }
+  EXPECT_EQ(guessed->degraded_steps, 0u);
 }
 
 class PageSelectionEngine : public ::testing::Test {

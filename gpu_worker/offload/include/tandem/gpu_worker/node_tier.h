@@ -41,6 +41,10 @@ class NodeTier final : public OffloadTier {
   absl::Status StartAttend(TierContext& context, const AttendRows& rows) override;
   absl::StatusOr<bool> FinishAttend(TierContext& context, const AttendRows& rows) override;
   void CancelAttend(TierContext& context, const AttendRows& rows) override;
+  // Selection = pages: the next layer's pages chosen from a guess of its queries (queued on the
+  // device; PrepareAttend of that layer downloads their ids with its true q).
+  bool speculates() const override { return pages_ != nullptr; }
+  absl::Status Speculate(TierContext& context, const AttendRows& next) override;
   absl::Status Append(TierContext& context, WindowCache& window,
                       const std::vector<EvictedBlock>& blocks) override;
 
@@ -83,10 +87,14 @@ class NodeTier final : public OffloadTier {
   size_t resident_bytes() const override;
 
  private:
-  // Selection = pages: queues the choice of the pages of `rows` on the device and the download
-  // of their ids; false when the layer attends over every page (a dense layer, or a budget
-  // that covers all).
-  absl::StatusOr<bool> ChoosePages(TierContext& context, const AttendRows& rows);
+  // Selection = pages: queues the choice of the pages of `rows` (by rows.window.q, the true
+  // queries or a guess) on the device, into selected_; returns the pages per (token, kv head),
+  // 0 when the layer attends over every page (a dense layer, or a budget that covers all).
+  absl::StatusOr<int64_t> ChoosePages(TierContext& context, const AttendRows& rows);
+  // Queues the download of the ids ChoosePages chose for `num_tokens` rows into page_ids_ and
+  // points selection_ at them.
+  void DownloadPages(TierContext& context, int64_t num_tokens, int64_t num_kv_heads,
+                     int64_t per_head);
   // measure_captured_mass: the share of the offloaded softmax mass the chosen pages captured;
   // selected_lse [n, H_q] of the pages just attended.
   absl::Status MeasureCapturedMass(const AttendRows& rows, const float* selected_lse);
@@ -109,6 +117,14 @@ class NodeTier final : public OffloadTier {
   RecomputeKv recompute_;
   std::chrono::steady_clock::time_point next_rebuild_{};
   bool paged_ = false;                     // the attend in flight names pages
+  // The pages Speculate chose for a layer ahead (layer -1: none); PrepareAttend of that layer
+  // with as many rows downloads them instead of choosing. BeginPass forgets them.
+  struct Speculated {
+    int64_t layer = -1;
+    int64_t num_tokens = 0;
+    int64_t per_head = 0;   // ChoosePages' result
+  };
+  Speculated speculated_;
   DeviceBuffer selected_;                  // chosen page ids [n, H_kv, per_head] (device)
   DeviceBuffer first_;                     // the bound's pick before the centroid's [n, H_kv, ·]
   std::vector<int32_t> page_ids_;          // their host copy

@@ -71,6 +71,14 @@ struct RunnerOptions {
   // H100 host (Llama-3-8B geometry, 32K): 0.86 s for 32K tokens with pages selection, 2.55 s
   // with MAW, i.e. ~0.1 s / ~0.3 s added to a step at 4096. 0 = settle a whole prompt at once.
   int64_t settle_tokens_per_step = 4096;
+  // Layer-ahead page selection (DESIGN "Overlapping the CPU part"): after layer l's tiers have
+  // started, the runner guesses layer l+1's queries from layer l's input, q̂ = RoPE(RMSNorm(x_l)
+  // · W_q(l+1)) (InfiniGen: the residual stream changes little across one layer), and tiers
+  // that select pages (OffloadTier::speculates) choose layer l+1's pages with it on the device
+  // while the host waits for layer l's CPU nodes; layer l+1 then downloads only its true q.
+  // Takes the selection off the step's serial path at the price of pages chosen by a guess
+  // (BENCHMARKS "Layer-ahead selection"). Adds [max_chunk, hidden + H_q·D] f32 activations.
+  bool speculate_pages = false;
   // settle_tokens_per_step as a SettleSlice budget (0: no bound).
   int64_t settle_budget_per_step() const {
     return settle_tokens_per_step > 0 ? settle_tokens_per_step
@@ -199,12 +207,16 @@ class ModelRunner {
     DeviceBuffer logprobs;       // [rows]
     // Dynamic NTK RoPE only: [rows, D/2] inverse frequencies, each row its sequence's.
     DeviceBuffer rope_inv_freq;
+    // RunnerOptions::speculate_pages only: the next layer's guessed queries [rows, H_q·D] and
+    // the normed input they come from [rows, hidden].
+    DeviceBuffer q_guess, xn_guess;
     std::vector<float> q_host, o_host, lse_host;   // host: [rows, H_q, D], .., [rows, H_q]
   };
 
   // Every activation buffer of Create and its f32 count for chunks of `max_chunk` rows.
   using ActivationTable = std::vector<std::pair<DeviceBuffer Activations::*, int64_t>>;
-  static ActivationTable ActivationBuffers(const ModelConfig& config, int64_t max_chunk);
+  static ActivationTable ActivationBuffers(const ModelConfig& config,
+                                           const RunnerOptions& options);
 
   // One pass over `segments` (Σ n <= max_chunk, distinct sequences). targets/logprobs only with
   // one segment. Segments may be reordered (micro-batches are contiguous).
@@ -217,6 +229,11 @@ class ModelRunner {
   // and from the tiers' merge to the end of the FFN.
   absl::Status LayerHead(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
   absl::Status LayerTail(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
+  // RunnerOptions::speculate_pages: after layer l's tiers started, the guess of layer l+1's
+  // queries for the micro-batch's rows (act_.q_guess) and each speculating tier's early work
+  // with it (OffloadTier::Speculate). Nothing for the last layer or without such a tier.
+  absl::Status SpeculateNextLayer(std::vector<Segment>& segments, const MicroBatch& mb,
+                                  int64_t layer);
   absl::Status Logits(const std::vector<Segment>& segments, int64_t n, const int32_t* targets,
                       float* logprobs);
   // For a length-dependent RoPE (dynamic NTK): uploads each segment's inverse frequencies for

@@ -16,6 +16,8 @@
 //   per layer, for the segments of a micro-batch together:
 //     PrepareAttend(rows) of each; context.FlushDownloads(); StartAttend(rows) of each;
 //     ...window attention queued on the device...
+//     (RunnerOptions::speculate_pages: Speculate(next layer's rows) of each that speculates;
+//     context.FlushSelects())
 //     FinishAttend(rows) of each (or CancelAttend(rows) after an error elsewhere: nothing may
 //     outlive the pass); context.FlushMerges()
 // and after the pass Append() of the window blocks that leave the device.
@@ -296,6 +298,19 @@ class OffloadTier {
   // Ends a started attend without merging (after an error elsewhere in the pass): waits for
   // what runs off the device so that nothing outlives the pass.
   virtual void CancelAttend(TierContext& context, const AttendRows& rows) = 0;
+
+  // Layer-ahead work (RunnerOptions::speculate_pages): a tier whose PrepareAttend queues device
+  // work that a guess of the queries can do (page selection) says so, and the runner then,
+  // after StartAttend of layer l, calls Speculate with `next`: layer l+1's rows whose
+  // window.q is a guess of that layer's queries (device, rows of window.q_row_stride floats).
+  // The tier queues that work now on the device (selections by context.QueueSelect, which the
+  // runner flushes at once) and PrepareAttend of layer l+1 in the same pass uses its result
+  // instead of the true queries'; the host reads nothing before then. Work of a pass that ends
+  // first is dropped at the next BeginPass. Tiers that do not speculate keep the defaults.
+  virtual bool speculates() const { return false; }
+  virtual absl::Status Speculate(TierContext& /*context*/, const AttendRows& /*next*/) {
+    return absl::OkStatus();
+  }
 
   // Takes `blocks` leaving `window` (every layer), before the window releases them.
   virtual absl::Status Append(TierContext& context, WindowCache& window,

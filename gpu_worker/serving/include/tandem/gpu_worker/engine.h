@@ -116,6 +116,10 @@ struct EngineOptions {
   // can score pages by them. Default: rank head_dim / 2 from each head's first 4,096 offloaded
   // keys; rank 0 turns them off (the second score is then q·mean).
   LowRankOptions page_low_rank{LowRankOptions::kHalfHeadDim, 4096};
+  // selection = pages: choose each layer's pages from a guess of its queries made from the
+  // layer before (RunnerOptions::speculate_pages), on the device while the host waits for the
+  // CPU nodes, instead of from the true queries on the step's serial path.
+  bool page_speculate = false;
   // Device bytes all sessions' KV may take together: windows (gpu mode: all of its KV) and page
   // summaries, reserved for each request's prompt + max_tokens when it starts. 0 = no cap but
   // the device's memory. A request that does not fit waits in the scheduler's queue while others
