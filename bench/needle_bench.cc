@@ -54,9 +54,10 @@ ABSL_FLAG(int64_t, sink, 4, "hybrid: sink tokens on the device");
 ABSL_FLAG(std::string, betas, "1", "hybrid MAW: comma-separated betas");
 ABSL_FLAG(std::string, pages, "256,512", "hybrid pages: budgets, TOKENS or TOKENS:dN");
 ABSL_FLAG(int64_t, page_tokens, 16, "selection=pages: tokens per page");
-ABSL_FLAG(bool, page_speculate, false,
+ABSL_FLAG(bool, page_speculate, true,
           "selection=pages: choose each layer's pages from a guess of its queries made from the "
-          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
+          "layer before, while the CPU nodes attend the previous layer (off the serial path); "
+          "false: from the true queries");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");

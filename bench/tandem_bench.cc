@@ -151,9 +151,10 @@ ABSL_FLAG(std::string, select_tokens, "",
           "hybrid with selection=pages: budgets (offloaded tokens per layer, kv head and token) "
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
-ABSL_FLAG(bool, page_speculate, false,
+ABSL_FLAG(bool, page_speculate, true,
           "selection=pages: choose each layer's pages from a guess of its queries made from the "
-          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
+          "layer before, while the CPU nodes attend the previous layer (off the serial path); "
+          "false: from the true queries");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");

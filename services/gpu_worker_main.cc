@@ -147,9 +147,10 @@ ABSL_FLAG(int64_t, dense_layers, 0,
 ABSL_FLAG(double, page_centroid_share, 0.5,
           "selection=pages: default share of each budget chosen by q·mean after the rest by "
           "Quest's bound, in [0, 1] (0 = the bound alone)");
-ABSL_FLAG(bool, page_speculate, false,
+ABSL_FLAG(bool, page_speculate, true,
           "selection=pages: choose each layer's pages from a guess of its queries made from the "
-          "layer before, while the CPU nodes attend the previous layer (off the serial path)");
+          "layer before, while the CPU nodes attend the previous layer (off the serial path); "
+          "false: from the true queries");
 ABSL_FLAG(int64_t, page_key_rank, -1,
           "selection=pages: coordinates kept per offloaded key for the low-rank page score "
           "(-1 = head_dim / 2, 0 = none: the second score is q·mean)");
