@@ -666,6 +666,8 @@ class Bench {
       r["breakdown_ms"] = {{"q_download_wait_for_gpu", p.q_download_s * per_step},
                            {"page_select", p.select_s * per_step},
                            {"cpu_wait", p.cpu_wait_s * per_step},
+                           {"attend_round_trip", p.attend_round_trip_s * per_step},
+                           {"node_compute", p.node_compute_s * per_step},
                            {"merge_upload", p.merge_upload_s * per_step},
                            {"host_pass", p.pass_s * per_step}};
       r["split_passes"] = p.split_passes;

@@ -111,6 +111,7 @@ absl::Status NodeTier::StartAttend(TierContext&, const AttendRows& rows) {
     TANDEM_RETURN_IF_ERROR(
         remote_->Reselect(rows.layer, rows.q_host, n, rows.policy.reselect_beta));
   }
+  attend_sent_ = Clock::now();
   return remote_->StartAttend(rows.layer, rows.q_host, n, paged_ ? &selection_ : nullptr);
 }
 
@@ -120,6 +121,8 @@ absl::StatusOr<bool> NodeTier::FinishAttend(TierContext& context, const AttendRo
   absl::StatusOr<bool> degraded = remote_->FinishAttend(rows.o_host, rows.lse_host);
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(degraded.status());
+  context.profile().attend_round_trip_s += Seconds(attend_sent_);
+  context.profile().node_compute_s += remote_->last_attend_compute_s();
   if (context.measure_captured_mass() && pages_ != nullptr &&
       rows.policy.captured_mass != nullptr) {
     TANDEM_RETURN_IF_ERROR(MeasureCapturedMass(rows, rows.lse_host));

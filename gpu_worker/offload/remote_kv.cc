@@ -363,6 +363,7 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   SyncWithPool();
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
+  last_attend_compute_s_ = 0;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
   NodeQuery query{layer, q, num_tokens, pages, 0};
   for (size_t n = 0; n < opened_.size(); ++n) {
@@ -544,6 +545,7 @@ absl::Status RemoteKv::Close() {
 void RemoteKv::RecordAnswer(size_t node, std::span<const uint32_t> kv_heads,
                             std::span<const uint64_t> selected, std::span<const uint64_t> held,
                             uint64_t compute_micros, uint64_t bytes_scanned) {
+  last_attend_compute_s_ = std::max(last_attend_compute_s_, compute_micros * 1e-6);
   for (size_t i = 0; i < kv_heads.size(); ++i) {
     if (kv_heads[i] >= options_.num_kv_heads) continue;
     const size_t shard = attend_layer_ * options_.num_kv_heads + kv_heads[i];

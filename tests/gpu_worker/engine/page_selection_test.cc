@@ -371,6 +371,11 @@ TEST_F(PageSelectionRunner, LayerAheadSelectionBringsBackWhatTheWindowLoses) {
               window_error / kSteps);
   EXPECT_GT(guess_vs_exact, 100 * kLogitTolerance);
   EXPECT_LT(guessed_error, 0.7 * window_error);
+  // The node side of the profile: every attend's round trip holds the node's own compute.
+  const RunnerProfile& profile = (*speculating)->profile();
+  EXPECT_GT(profile.node_compute_s, 0.0);
+  EXPECT_LE(profile.node_compute_s, profile.attend_round_trip_s);
+  EXPECT_LE(profile.cpu_wait_s, profile.attend_round_trip_s);
   const RemoteKv& remote = static_cast<const NodeTier&>(*guessed->offload).remote();
   for (const LayerSelection& layer : remote.last_selection()) {
     EXPECT_EQ(layer.selected, static_cast<uint64_t>(kBudget * model_->config.num_kv_heads));

@@ -117,6 +117,7 @@ class NodeTier final : public OffloadTier {
   RecomputeKv recompute_;
   std::chrono::steady_clock::time_point next_rebuild_{};
   bool paged_ = false;                     // the attend in flight names pages
+  std::chrono::steady_clock::time_point attend_sent_{};   // StartAttend's (OffloadProfile)
   // The pages Speculate chose for a layer ahead (layer -1: none); PrepareAttend of that layer
   // with as many rows downloads them instead of choosing. BeginPass forgets them.
   struct Speculated {

@@ -247,6 +247,9 @@ class RemoteKv {
   std::vector<double> MeanSelectedShare() const;
   // The last Attend's counters per layer.
   const std::vector<LayerSelection>& last_selection() const { return last_selection_; }
+  // The last finished Attend's compute time on the slowest node that answered (the node's own
+  // measure of its kernels, from waking its threads to the merged result), seconds.
+  double last_attend_compute_s() const { return last_attend_compute_s_; }
   uint64_t degraded_attends() const { return degraded_attends_; }
   // Nodes whose Attend / AppendKv go over shared memory, and the requests sent that way.
   size_t shm_nodes() const;
@@ -376,6 +379,7 @@ class RemoteKv {
   PlacementCounters counters_;
 
   std::vector<LayerSelection> last_selection_;
+  double last_attend_compute_s_ = 0;   // the Attend in flight's, once answered (max over nodes)
   std::vector<double> share_sum_;
   std::vector<uint64_t> share_count_;
   uint64_t degraded_attends_ = 0;

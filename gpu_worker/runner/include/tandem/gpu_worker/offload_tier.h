@@ -63,12 +63,17 @@ struct CapturedMass {
 // and passes). q_download waits for the device to finish the work queued before it and copies
 // q and the chosen page ids (FlushDownloads); select queues page selection on the device;
 // cpu_wait is time blocked on CPU nodes in FinishAttend; merge_upload copies their partial
-// states to the device and queues the merges (FlushMerges).
+// states to the device and queues the merges (FlushMerges). Of the CPU nodes' side (NodeTier):
+// attend_round_trip is from sending q (StartAttend) to holding the answer, node_compute the
+// slowest node's own time in its kernels for it; their difference is transport, request
+// handling and planning on the node, and waking its threads before its kernels start.
 struct OffloadProfile {
   double q_download_s = 0.0;
   double select_s = 0.0;
   double cpu_wait_s = 0.0;
   double merge_upload_s = 0.0;
+  double attend_round_trip_s = 0.0;
+  double node_compute_s = 0.0;
 };
 
 // What a sequence asks of its tier's attention in this pass (from Sequence).
