@@ -667,6 +667,7 @@ class Bench {
                            {"page_select", p.select_s * per_step},
                            {"cpu_wait", p.cpu_wait_s * per_step},
                            {"attend_round_trip", p.attend_round_trip_s * per_step},
+                           {"node_handle", p.node_handle_s * per_step},
                            {"node_compute", p.node_compute_s * per_step},
                            {"merge_upload", p.merge_upload_s * per_step},
                            {"host_pass", p.pass_s * per_step}};

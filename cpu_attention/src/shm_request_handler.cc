@@ -1,6 +1,7 @@
 #include "shm_request_handler.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -22,6 +23,7 @@ struct ShmRequestView {
 uint64_t ServeAttend(CpuAttentionNode& node, const std::string& session_id,
                      const ShmSessionGeometry& geometry, const ShmRequestView& request,
                      std::span<std::byte> area) {
+  const auto received = std::chrono::steady_clock::now();
   const shm::RequestHeader& h = request.header;
   if (geometry.group == 0) {
     return ShmErrorReply(absl::FailedPreconditionError("shm session has no geometry"), area);
@@ -71,6 +73,9 @@ uint64_t ServeAttend(CpuAttentionNode& node, const std::string& session_id,
   header.head_dim = geometry.head_dim;
   header.compute_micros = out.compute_micros;
   header.bytes_scanned = out.bytes_scanned;
+  header.handle_micros = static_cast<uint64_t>(
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - received)
+          .count());
   std::memcpy(area.data(), &header, sizeof(header));
   return shm::AttendLayoutFor(out.kv_heads.size(), h.num_tokens, geometry.group, geometry.head_dim)
       ->end;

@@ -287,6 +287,7 @@ std::optional<NodeAnswer> ShmLink::FinishAttend(Clock::time_point deadline) {
       std::span<const uint64_t>(reinterpret_cast<const uint64_t*>(base + layout->held), h.num_heads);
   answer.compute_micros = h.compute_micros;
   answer.bytes_scanned = h.bytes_scanned;
+  answer.handle_micros = h.handle_micros;
   error_ = absl::OkStatus();
   return answer;
 }

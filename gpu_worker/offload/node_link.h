@@ -68,6 +68,7 @@ struct NodeAnswer {
   std::span<const uint64_t> held;       // [own] entries held per head, or empty
   uint64_t compute_micros = 0;
   uint64_t bytes_scanned = 0;
+  uint64_t handle_micros = 0;   // shm: the node's whole time serving the call (0 over gRPC)
 };
 
 class GrpcLink {

@@ -122,6 +122,7 @@ absl::StatusOr<bool> NodeTier::FinishAttend(TierContext& context, const AttendRo
   context.profile().cpu_wait_s += Seconds(t0);
   TANDEM_RETURN_IF_ERROR(degraded.status());
   context.profile().attend_round_trip_s += Seconds(attend_sent_);
+  context.profile().node_handle_s += remote_->last_attend_handle_s();
   context.profile().node_compute_s += remote_->last_attend_compute_s();
   if (context.measure_captured_mass() && pages_ != nullptr &&
       rows.policy.captured_mass != nullptr) {

@@ -364,6 +364,7 @@ absl::Status RemoteKv::StartAttend(int64_t layer, const float* q, int64_t num_to
   attend_layer_ = layer;
   attend_tokens_ = num_tokens;
   last_attend_compute_s_ = 0;
+  last_attend_handle_s_ = 0;
   attend_deadline_ = Clock::now() + std::chrono::milliseconds(options_.attend_deadline_ms);
   NodeQuery query{layer, q, num_tokens, pages, 0};
   for (size_t n = 0; n < opened_.size(); ++n) {
@@ -437,6 +438,7 @@ void RemoteKv::TakeAnswer(size_t node, const NodeAnswer& answer, float* o, float
     selection->selected += answer.selected[h];
     selection->held += answer.held[h];
   }
+  last_attend_handle_s_ = std::max(last_attend_handle_s_, answer.handle_micros * 1e-6);
   RecordAnswer(node, kv_heads, answer.selected, answer.held, answer.compute_micros,
                answer.bytes_scanned);
 }

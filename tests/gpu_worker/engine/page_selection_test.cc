@@ -375,6 +375,15 @@ TEST_F(PageSelectionRunner, LayerAheadSelectionBringsBackWhatTheWindowLoses) {
   const RunnerProfile& profile = (*speculating)->profile();
   EXPECT_GT(profile.node_compute_s, 0.0);
   EXPECT_LE(profile.node_compute_s, profile.attend_round_trip_s);
+  // Over shared memory the node also says how long it served each call: its kernels and more.
+  const uint64_t shm_attends = static_cast<const NodeTier&>(*guessed->offload).remote().shm_attends();
+  std::printf("node side: round trip %.1f ms, node handling %.1f ms, compute %.1f ms, %llu attends "
+              "over shm\n", 1e3 * profile.attend_round_trip_s, 1e3 * profile.node_handle_s,
+              1e3 * profile.node_compute_s, static_cast<unsigned long long>(shm_attends));
+  if (shm_attends > 0) {
+    EXPECT_GE(profile.node_handle_s, profile.node_compute_s);
+    EXPECT_LE(profile.node_handle_s, profile.attend_round_trip_s);
+  }
   EXPECT_LE(profile.cpu_wait_s, profile.attend_round_trip_s);
   const RemoteKv& remote = static_cast<const NodeTier&>(*guessed->offload).remote();
   for (const LayerSelection& layer : remote.last_selection()) {

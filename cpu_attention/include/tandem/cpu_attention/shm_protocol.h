@@ -56,7 +56,10 @@ struct ResponseHeader {
   uint64_t bytes_scanned;     // kAttend
   uint64_t entries_appended;  // kAppend
   uint64_t entries_selected;  // kAppend
-  uint64_t reserved[1];
+  // kAttend: the node's time serving the request, from reading it to its answer written
+  // (checks, planning, compute_micros, laying out the answer); the rest of the client's round
+  // trip is the channel's.
+  uint64_t handle_micros;
 };
 static_assert(sizeof(ResponseHeader) == kPayloadOffset);
 

@@ -250,6 +250,9 @@ class RemoteKv {
   // The last finished Attend's compute time on the slowest node that answered (the node's own
   // measure of its kernels, from waking its threads to the merged result), seconds.
   double last_attend_compute_s() const { return last_attend_compute_s_; }
+  // The same for the node's whole handling of the call (shm nodes; 0 when none answered over
+  // shm): checks, planning, the compute above and the answer's layout.
+  double last_attend_handle_s() const { return last_attend_handle_s_; }
   uint64_t degraded_attends() const { return degraded_attends_; }
   // Nodes whose Attend / AppendKv go over shared memory, and the requests sent that way.
   size_t shm_nodes() const;
@@ -380,6 +383,7 @@ class RemoteKv {
 
   std::vector<LayerSelection> last_selection_;
   double last_attend_compute_s_ = 0;   // the Attend in flight's, once answered (max over nodes)
+  double last_attend_handle_s_ = 0;
   std::vector<double> share_sum_;
   std::vector<uint64_t> share_count_;
   uint64_t degraded_attends_ = 0;

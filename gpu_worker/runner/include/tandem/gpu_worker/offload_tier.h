@@ -64,15 +64,18 @@ struct CapturedMass {
 // q and the chosen page ids (FlushDownloads); select queues page selection on the device;
 // cpu_wait is time blocked on CPU nodes in FinishAttend; merge_upload copies their partial
 // states to the device and queues the merges (FlushMerges). Of the CPU nodes' side (NodeTier):
-// attend_round_trip is from sending q (StartAttend) to holding the answer, node_compute the
-// slowest node's own time in its kernels for it; their difference is transport, request
-// handling and planning on the node, and waking its threads before its kernels start.
+// attend_round_trip is from sending q (StartAttend) to holding the answer, node_handle the
+// slowest shm node's whole time serving it (checks, planning, its kernels, the answer's
+// layout), node_compute that node's time in its kernels alone (from waking its threads). The
+// round trip beyond node_handle is the channel's, plus the host's own work between StartAttend
+// and FinishAttend (launches) where that outlasted the node.
 struct OffloadProfile {
   double q_download_s = 0.0;
   double select_s = 0.0;
   double cpu_wait_s = 0.0;
   double merge_upload_s = 0.0;
   double attend_round_trip_s = 0.0;
+  double node_handle_s = 0.0;
   double node_compute_s = 0.0;
 };
 
