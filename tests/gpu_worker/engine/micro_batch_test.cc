@@ -113,6 +113,8 @@ class MicroBatchTest : public testing::Stories260kRunnerTest {
     return diff;
   }
 
+  void ExpectSplitEqualsUnsplit(bool speculate);
+
   std::unique_ptr<ModelRunner> split_runner_;
 };
 
@@ -169,26 +171,33 @@ TEST_F(MicroBatchTest, SplitStepEqualsEachSequenceAlone) {
 }
 
 // The split changes the order of work, not the results: the same batch through a split and an
-// unsplit runner (micro_batches = 1) gives the same logits.
-TEST_F(MicroBatchTest, SplitEqualsUnsplitPass) {
-  const Kind kinds[] = {Kind::kHybridMaw, Kind::kGpu, Kind::kHybridPages};
+// unsplit runner (micro_batches = 1) gives the same logits. With layer-ahead page selection
+// (RunnerOptions::speculate_pages) too: each micro-batch guesses its next layer's pages while
+// the other one's nodes attend.
+void MicroBatchTest::ExpectSplitEqualsUnsplit(bool speculate) {
+  RunnerOptions two;
+  two.split_min_scan_share = 0;
+  two.split_min_scan_bytes = 0;
+  two.speculate_pages = speculate;
+  auto split_runner = ModelRunner::Create(*backend_, *device_model_, two);
+  ASSERT_TRUE(split_runner.ok()) << split_runner.status();
+  const std::string tag = speculate ? "g" : "";
+  const Kind kinds[] = {Kind::kHybridMaw, Kind::kGpu, Kind::kHybridPages, Kind::kHybridPages};
   std::vector<std::unique_ptr<Sequence>> split, unsplit;
   for (size_t i = 0; i < std::size(kinds); ++i) {
-    split.push_back(MakeSequence(kinds[i], "s" + std::to_string(i)));
-    unsplit.push_back(MakeSequence(kinds[i], "u" + std::to_string(i)));
+    split.push_back(MakeSequence(kinds[i], tag + "s" + std::to_string(i)));
+    unsplit.push_back(MakeSequence(kinds[i], tag + "u" + std::to_string(i)));
     ASSERT_NE(split.back(), nullptr);
     ASSERT_NE(unsplit.back(), nullptr);
     const std::vector<int32_t> prompt = Tokens(90 + 17 * static_cast<int64_t>(i), 3);
     Step(*split[i], prompt);
     Step(*unsplit[i], prompt);
   }
-  RunnerOptions one;
+  RunnerOptions one = two;
   one.micro_batches = 1;
-  one.split_min_scan_share = 0;
-  one.split_min_scan_bytes = 0;
   auto serial = ModelRunner::Create(*backend_, *device_model_, one);
   ASSERT_TRUE(serial.ok()) << serial.status();
-  std::vector<int32_t> ids = {7, 8, 9};
+  std::vector<int32_t> ids = {7, 8, 9, 10};
   float worst = 0.0f;
   for (int step = 0; step < 20; ++step) {
     std::vector<Sequence*> a, b;
@@ -196,10 +205,10 @@ TEST_F(MicroBatchTest, SplitEqualsUnsplitPass) {
       a.push_back(split[i].get());
       b.push_back(unsplit[i].get());
     }
-    ASSERT_TRUE(split_runner_->Decode(a, ids.data()).ok());
+    ASSERT_TRUE((*split_runner)->Decode(a, ids.data()).ok());
     ASSERT_TRUE((*serial)->Decode(b, ids.data()).ok());
     for (size_t i = 0; i < split.size(); ++i) {
-      const std::vector<float> x = Row(*split_runner_, i);
+      const std::vector<float> x = Row(**split_runner, i);
       const float diff = MaxAbsDiff(x, Row(**serial, i));
       worst = std::max(worst, diff);
       ASSERT_LE(diff, kLogitTolerance) << "sequence " << i << " step " << step;
@@ -207,8 +216,14 @@ TEST_F(MicroBatchTest, SplitEqualsUnsplitPass) {
     }
   }
   EXPECT_EQ((*serial)->profile().split_passes, 0u);
-  EXPECT_GT(split_runner_->profile().split_passes, 0u);
-  std::printf("split vs unsplit: worst logit difference %.3g\n", worst);
+  EXPECT_GT((*split_runner)->profile().split_passes, 0u);
+  std::printf("split vs unsplit%s: worst logit difference %.3g\n",
+              speculate ? " (layer-ahead selection)" : "", worst);
+}
+
+TEST_F(MicroBatchTest, SplitEqualsUnsplitPass) { ExpectSplitEqualsUnsplit(false); }
+TEST_F(MicroBatchTest, SplitEqualsUnsplitPassWithLayerAheadSelection) {
+  ExpectSplitEqualsUnsplit(true);
 }
 
 // A batch with one sequence attending off the device is never split (nothing to overlap); gpu
