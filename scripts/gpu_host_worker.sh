@@ -3,11 +3,16 @@
 # the cuda kernels against the cpu backend, the engine goldens and hybrid == gpu (label gpu),
 # a generation, and the hybrid perplexity benchmark. Prepared here by:
 #   cmake -S . -B build -G Ninja -DTANDEM_CUDA_ARCHS=90 && ninja -C build
+#   cp -L /lib/x86_64-linux-gnu/libsentencepiece.so.0 build/lib/   # see below
 #   ../shared/tools/gpu-bundle.sh build .carry/tandem.tar.xz build/lib
 #   git rev-parse HEAD > .carry/commit
 #   mkdir -p .carry/shared/models .carry/shared/data
 #   cp -r ../shared/models/{stories260k,gutenberg-14m} .carry/shared/models/
 #   cp -r ../shared/data/gutenberg-eval .carry/shared/data/
+# build/lib carries libtandem_sentencepiece.so, which the tokenizer loads at run time (so the
+# bundler's ldd does not see it), and it needs Debian's libsentencepiece.so.0 beside it: the
+# GPU host's own (Ubuntu's) has another ABI and crashes in SentencePieceProcessor::Normalize
+# (seen as a segfault in DevicePrefill.* of the engine suite).
 # Logs go under $OUT (or /tmp/out). PPL_CHUNK / PPL_BETAS / SKIP_PPL tune the benchmark part.
 set -uo pipefail
 out=${OUT:-/tmp/out}
