@@ -346,35 +346,31 @@ absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
   return status;
 }
 
-absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroBatch& mb,
-                                    int64_t layer) {
+absl::Status ModelRunner::ProjectRotated(const DeviceLayer& w, const MicroBatch& mb,
+                                         const float* x, float* xn, float* y, int64_t cols) {
   const ModelConfig& c = model_.config();
   const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
-  const int64_t QKV = (Hq + 2 * Hkv) * D;
   const int64_t n = mb.rows;
-  float* x = act_.x.as<float>() + mb.row0 * H;
-  float* xn = act_.xn.as<float>() + mb.row0 * H;
-  float* qkv = act_.qkv.as<float>() + mb.row0 * QKV;
-  const DeviceLayer& w = model_.layer(layer);
+  const bool with_k = cols > Hq * D;   // [q | k | v] rows, else the q rows alone
   TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
       {x, w.attn_norm.data(), w.attn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
   MatMulParams mm;
   mm.x = xn;
-  mm.w = w.qkv.data();
+  mm.w = w.qkv.data();   // [q Hq·D | k | v] rows: the first `cols` of them
   mm.w_dtype = w.qkv.dtype;
   mm.w_scale = w.qkv.scale_data();
   mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
-  mm.y = qkv;
+  mm.y = y;
   mm.m = n;
-  mm.n = QKV;
+  mm.n = cols;
   mm.k = H;
   TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
   // Qwen3: every q and k head normed before RoPE (nothing for models without the norms).
   const double eps = c.rms_norm_eps;
-  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.q_norm, qkv, n, Hq, D, QKV, eps));
-  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.k_norm, qkv + Hq * D, n, Hkv, D, QKV, eps));
+  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.q_norm, y, n, Hq, D, cols, eps));
+  if (with_k) TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.k_norm, y + Hq * D, n, Hkv, D, cols, eps));
   RopeParams rope;
-  rope.row_stride = QKV;
+  rope.row_stride = cols;
   rope.positions = act_.positions.as<int32_t>() + mb.row0;
   rope.inv_freq = model_.inv_freq();
   rope.attention_scaling = model_.rope_attention_scaling();
@@ -385,9 +381,20 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
   rope.num_tokens = n;
   rope.head_dim = D;
   // q and k heads are adjacent in a qkv row ([q Hq·D][k Hkv·D][v Hkv·D]): one call rotates both.
-  rope.x = qkv;
-  rope.num_heads = Hq + Hkv;
-  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+  rope.x = y;
+  rope.num_heads = with_k ? Hq + Hkv : Hq;
+  return backend_.Rope(rope);
+}
+
+absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroBatch& mb,
+                                    int64_t layer) {
+  const ModelConfig& c = model_.config();
+  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Hkv = c.num_kv_heads;
+  const int64_t QKV = (Hq + 2 * Hkv) * D;
+  float* x = act_.x.as<float>() + mb.row0 * H;
+  float* xn = act_.xn.as<float>() + mb.row0 * H;
+  float* qkv = act_.qkv.as<float>() + mb.row0 * QKV;
+  TANDEM_RETURN_IF_ERROR(ProjectRotated(model_.layer(layer), mb, x, xn, qkv, QKV));
   const size_t end = mb.first + mb.count;
   write_kv_.clear();
   for (size_t i = mb.first; i < end; ++i) {
@@ -467,40 +474,11 @@ absl::Status ModelRunner::SpeculateNextLayer(std::vector<Segment>& segments,
   // q̂ of layer l+1 from layer l's input x_l (the tail has not added layer l's attention and FFN
   // yet): LayerHead's norm, projection (the q rows of W_qkv, its first H_q·D rows), q norm and
   // RoPE, on the micro-batch's rows.
-  const int64_t H = c.hidden_size, D = c.head_dim, Hq = c.num_q_heads, Q = Hq * D;
-  const int64_t n = mb.rows;
-  const DeviceLayer& w = model_.layer(layer + 1);
-  const float* x = act_.x.as<float>() + mb.row0 * H;
-  float* xn = act_.xn_guess.as<float>() + mb.row0 * H;
-  float* q = act_.q_guess.as<float>() + mb.row0 * Q;
-  TANDEM_RETURN_IF_ERROR(backend_.RmsNorm(
-      {x, w.attn_norm.data(), w.attn_norm.dtype, xn, n, H, static_cast<float>(c.rms_norm_eps)}));
-  MatMulParams mm;
-  mm.x = xn;
-  mm.w = w.qkv.data();
-  mm.w_dtype = w.qkv.dtype;
-  mm.w_scale = w.qkv.scale_data();
-  mm.bias = w.qkv_bias.buffer ? w.qkv_bias.buffer.as<float>() : nullptr;
-  mm.y = q;
-  mm.m = n;
-  mm.n = Q;
-  mm.k = H;
-  TANDEM_RETURN_IF_ERROR(backend_.MatMul(mm));
-  TANDEM_RETURN_IF_ERROR(NormHeads(backend_, w.q_norm, q, n, Hq, D, Q, c.rms_norm_eps));
-  RopeParams rope;
-  rope.x = q;
-  rope.row_stride = Q;
-  rope.positions = act_.positions.as<int32_t>() + mb.row0;
-  rope.inv_freq = model_.inv_freq();
-  rope.attention_scaling = model_.rope_attention_scaling();
-  if (rope_per_row_) {
-    rope.inv_freq_row_stride = D / 2;
-    rope.inv_freq = act_.rope_inv_freq.as<float>() + mb.row0 * (D / 2);
-  }
-  rope.num_tokens = n;
-  rope.num_heads = Hq;
-  rope.head_dim = D;
-  TANDEM_RETURN_IF_ERROR(backend_.Rope(rope));
+  const int64_t H = c.hidden_size, Q = c.num_q_heads * c.head_dim;
+  TANDEM_RETURN_IF_ERROR(ProjectRotated(model_.layer(layer + 1), mb,
+                                        act_.x.as<float>() + mb.row0 * H,
+                                        act_.xn_guess.as<float>() + mb.row0 * H,
+                                        act_.q_guess.as<float>() + mb.row0 * Q, Q));
   for (size_t i = mb.first; i < end; ++i) {
     const Segment& s = segments[i];
     if (!s.attends || !s.seq->offload->speculates()) continue;

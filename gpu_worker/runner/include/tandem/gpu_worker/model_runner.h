@@ -229,6 +229,12 @@ class ModelRunner {
   // and from the tiers' merge to the end of the FFN.
   absl::Status LayerHead(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
   absl::Status LayerTail(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
+  // The head's projection of one micro-batch's rows: xn = RMSNorm(x) with w's norm, y = the
+  // first `cols` rows of w's [q | k | v] projection (cols = (H_q + 2·H_kv)·D: all of them, or
+  // H_q·D: the queries alone), the q (and k) heads normed (Qwen3) and rotated at the rows'
+  // positions. Rows of y are `cols` floats apart.
+  absl::Status ProjectRotated(const DeviceLayer& w, const MicroBatch& mb, const float* x,
+                              float* xn, float* y, int64_t cols);
   // RunnerOptions::speculate_pages: after layer l's tiers started, the guess of layer l+1's
   // queries for the micro-batch's rows (act_.q_guess) and each speculating tier's early work
   // with it (OffloadTier::Speculate). Nothing for the last layer or without such a tier.
