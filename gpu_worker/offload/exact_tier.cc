@@ -11,7 +11,7 @@
 #include "spdlog/spdlog.h"
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/host_page_streams.h"
 #include "tandem/gpu_worker/memory_shortage.h"
 
 namespace tandem::gpu_worker {
@@ -206,7 +206,11 @@ absl::Status ExactTier::KeepInputs(const std::vector<EvictedBlock>& blocks, int6
 }
 
 absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
-  if (host_->num_pages(0) > 0) context.AddStream(stream, host_.get());
+  if (host_->num_pages(0) > 0) {
+    TANDEM_ASSIGN_OR_RETURN(HostPageStreams * streams,
+                            HostPageStreams::Of(context, host_->geometry(), host_->page_tokens()));
+    TANDEM_RETURN_IF_ERROR(streams->Add(stream, host_.get()));
+  }
   // The recomputed pages' first uploads, ahead of the fetched pages' (exact_recompute.h).
   if (recompute_tokens() > 0) TANDEM_RETURN_IF_ERROR(recompute_->BeginPass());
   // One pass in options_.time_every_steps with both paths is timed per path (exact_step_clock.h).
@@ -245,7 +249,8 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   absl::Status streamed = absl::OkStatus();
   if (recompute_tokens() > 0) streamed = recompute_->Attend(rows.layer, w);
   if (streamed.ok() && host_->num_pages(0) > 0) {
-    KvStreamer* streamer = context.streamer();
+    HostPageStreams* streams = HostPageStreams::Find(context);
+    KvStreamer* streamer = streams != nullptr ? streams->streamer() : nullptr;
     streamed = streamer == nullptr ? absl::FailedPreconditionError("exact tier without a streamer")
                                    : streamer->AttendLayer(rows.layer, rows.stream, w);
   }

@@ -1,7 +1,7 @@
 #include "tandem/gpu_worker/host_tier.h"
 
 #include "tandem/common/status_macros.h"
-#include "tandem/gpu_worker/kv_streamer.h"
+#include "tandem/gpu_worker/host_page_streams.h"
 
 namespace tandem::gpu_worker {
 
@@ -11,12 +11,15 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> HostTier::Fork(const TierFork&) con
 }
 
 absl::Status HostTier::BeginPass(TierContext& context, size_t stream) {
-  if (kv_->num_pages(0) > 0) context.AddStream(stream, kv_.get());
-  return absl::OkStatus();
+  if (kv_->num_pages(0) == 0) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(HostPageStreams * streams,
+                          HostPageStreams::Of(context, kv_->geometry(), kv_->page_tokens()));
+  return streams->Add(stream, kv_.get());
 }
 
 absl::StatusOr<bool> HostTier::FinishAttend(TierContext& context, const AttendRows& rows) {
-  KvStreamer* streamer = context.streamer();
+  HostPageStreams* streams = HostPageStreams::Find(context);
+  KvStreamer* streamer = streams != nullptr ? streams->streamer() : nullptr;
   if (streamer == nullptr) return absl::FailedPreconditionError("host tier without a streamer");
   TANDEM_RETURN_IF_ERROR(streamer->AttendLayer(rows.layer, rows.stream, rows.window));
   return false;

@@ -271,7 +271,7 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   for (size_t i = 0; i < segments.size(); ++i) {
     if (segments[i].attends) TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->BeginPass(tiers_, i));
   }
-  TANDEM_RETURN_IF_ERROR(tiers_.StartStreams());
+  TANDEM_RETURN_IF_ERROR(tiers_.StartPass());
 
   TANDEM_RETURN_IF_ERROR(backend_.Embed({act_.ids.as<int32_t>(), model_.embed().data(),
                                          model_.embed().dtype, act_.x.as<float>(), n,

@@ -4,8 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
-#include "tandem/gpu_worker/kv_streamer.h"
-#include "tandem/gpu_worker/offloaded_kv.h"
 
 namespace tandem::gpu_worker {
 
@@ -19,46 +17,12 @@ TierContext::TierContext(Backend& backend, int64_t num_q_heads, int64_t max_rows
 TierContext::~TierContext() = default;
 
 void TierContext::BeginPass(size_t segments) {
-  // A pass that failed midway may have left planned pages unread: its uploads still run in
-  // order on the upload stream before any new one, so dropping the plan is safe.
-  if (streamer_ != nullptr) streamer_->Abandon();
-  streams_.assign(segments, nullptr);
-  streaming_ = false;
+  pass_segments_ = segments;
+  for (const auto& shared : shared_) shared->BeginPass(segments);
 }
 
-void TierContext::AddStream(size_t stream, const OffloadedKv* kv) {
-  if (stream < streams_.size()) streams_[stream] = kv;
-}
-
-absl::Status TierContext::StartStreams() {
-  const OffloadedKv* first = nullptr;
-  for (const OffloadedKv* kv : streams_) first = first ? first : kv;
-  if (first == nullptr) return absl::OkStatus();
-  for (const OffloadedKv* kv : streams_) {
-    if (kv != nullptr && kv->page_tokens() != first->page_tokens()) {
-      return absl::InvalidArgumentError("offload sequences of one pass must share a page size");
-    }
-  }
-  TANDEM_RETURN_IF_ERROR(EnsureStreamer(first->geometry(), first->page_tokens()));
-  const WindowGeometry& g = first->geometry();
-  const WindowGeometry& made = streamer_->geometry();
-  if (streamer_->page_tokens() != first->page_tokens() || made.num_kv_heads != g.num_kv_heads ||
-      made.head_dim != g.head_dim || made.dtype != g.dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "offload pages of ", first->page_tokens(), " tokens x ", g.num_kv_heads, " kv heads x ",
-        g.head_dim, " ", std::string(DTypeName(g.dtype)), "; the streamer was made for ",
-        streamer_->page_tokens(), " x ", made.num_kv_heads, " x ", made.head_dim, " ",
-        std::string(DTypeName(made.dtype))));
-  }
-  TANDEM_RETURN_IF_ERROR(streamer_->Begin(streams_));
-  streaming_ = true;
-  return absl::OkStatus();
-}
-
-absl::Status TierContext::EnsureStreamer(const WindowGeometry& geometry, int64_t page_tokens) {
-  if (streamer_ != nullptr) return absl::OkStatus();
-  TANDEM_ASSIGN_OR_RETURN(
-      streamer_, KvStreamer::Create(backend_, geometry, page_tokens, num_q_heads_, max_rows_));
+absl::Status TierContext::StartPass() {
+  for (const auto& shared : shared_) TANDEM_RETURN_IF_ERROR(shared->StartPass());
   return absl::OkStatus();
 }
 

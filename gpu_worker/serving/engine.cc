@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "spdlog/spdlog.h"
 #include "tandem/gpu_worker/exact_tier.h"
+#include "tandem/gpu_worker/host_page_streams.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/kv_recompute.h"
 #include "tandem/gpu_worker/memory_plan.h"
@@ -321,8 +322,9 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
                          seq.offload != nullptr && seq.offload->offloaded_tokens() == 0;
   bool can_spill = may_spill;
   if (may_spill) {
-    if (absl::Status made = runner_->PrepareHostStreaming(window.geometry(),
-                                                          options_.offload_page_tokens);
+    if (absl::Status made = HostPageStreams::Of(runner_->tier_context(), window.geometry(),
+                                                options_.offload_page_tokens)
+                                .status();
         !made.ok()) {
       spdlog::warn("session {}: prefill spill to host memory off: {}", seq.id, made.ToString());
       can_spill = false;
@@ -410,7 +412,9 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   tier.exact_recompute = MakeRecomputeAt(*runner_, *seq, options_.prefill_chunk, device_room);
   if (traits.streams_host_pages) {
     // Before this session's prompt widens its window (WidenForPrefill).
-    TANDEM_RETURN_IF_ERROR(runner_->PrepareHostStreaming(geometry, options_.offload_page_tokens));
+    TANDEM_RETURN_IF_ERROR(
+        HostPageStreams::Of(runner_->tier_context(), geometry, options_.offload_page_tokens)
+            .status());
   }
   TANDEM_ASSIGN_OR_RETURN(seq->offload, OpenOffloadTier(*backend_, nodes_.get(), tier));
   return seq;

@@ -359,7 +359,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       decode_only += setup.device_prefill && settle_at_once ? bytes : 0;
     }
   }
-  // The runner's page streamer (ModelRunner::PrepareHostStreaming): made when a streaming tier's
+  // The runner's page streamer (HostPageStreams::Of): made when a streaming tier's
   // session opens, and before a spilling tier's prompt beyond the window widens it (the prefill
   // spill streams through it), so it is held beside a widened prefill too: never decode-only.
   const bool host_streams = traits.streams_host_pages ||

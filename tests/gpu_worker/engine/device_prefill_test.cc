@@ -21,6 +21,7 @@
 #include "engine_test_util.h"
 #include "runner_fixture.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/host_page_streams.h"
 #include "tandem/gpu_worker/node_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
 #include "tandem/gpu_worker/scheduler.h"
@@ -92,6 +93,11 @@ void ExpectSameFirstToken(const FirstToken& got, const FirstToken& want, const c
     ASSERT_NE(it, got.top.end()) << what << ": token " << id << " not among the top";
     EXPECT_NEAR(it->second, logprob, kLogprobTolerance) << what << ": token " << id;
   }
+}
+
+// Whether the engine's runner holds the host tiers' page streamer.
+bool HasHostStreams(const Engine& engine) {
+  return HostPageStreams::Find(engine.runner().tier_context()) != nullptr;
 }
 
 class DevicePrefill : public ::testing::Test {
@@ -203,7 +209,7 @@ TEST_F(DevicePrefill, TheOffloadStreamerIsMadeBeforeThePromptWidensTheWindow) {
     GenerateCallbacks callbacks;
     callbacks.on_prefill = [&](const PrefillProgress&) {
       ++chunks;
-      chunks_with_streamer += engine.runner().host_streaming_ready() ? 1 : 0;
+      chunks_with_streamer += HasHostStreams(engine) ? 1 : 0;
     };
     auto summary = engine.Generate(r, callbacks);
     EXPECT_TRUE(summary.ok()) << summary.status();
@@ -212,12 +218,12 @@ TEST_F(DevicePrefill, TheOffloadStreamerIsMadeBeforeThePromptWidensTheWindow) {
   };
   std::unique_ptr<Engine> engine = MakeEngine(true);
   ASSERT_NE(engine, nullptr);
-  EXPECT_FALSE(engine->runner().host_streaming_ready());
+  EXPECT_FALSE(HasHostStreams(*engine));
   FirstToken first;
   ASSERT_TRUE(RunRequest(*engine, Request(AttentionMode::kHybrid, testing::SyntheticPrompt(12, 4)),
                          &first)
                   .ok());
-  EXPECT_FALSE(engine->runner().host_streaming_ready()) << "a prompt within the window";
+  EXPECT_FALSE(HasHostStreams(*engine)) << "a prompt within the window";
   streamer_in_every_chunk(*engine,
                           Request(AttentionMode::kOffload, testing::SyntheticPrompt(kPrompt, 6)));
 

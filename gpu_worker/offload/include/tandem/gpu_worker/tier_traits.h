@@ -29,7 +29,7 @@ struct TierTraits {
   // Where the offloaded entries are kept. Both (exact): the exact planner splits them at run time.
   bool entries_on_host = false;
   bool entries_on_nodes = false;
-  // The runner's host page streamer (ModelRunner::PrepareHostStreaming) is made when a session
+  // The runner's host page streamer (HostPageStreams::Of) is made when a session
   // opens, before its prompt widens the window (offload, exact).
   bool streams_host_pages = false;
   // A new session's prompt that fits the device only in part spills to pinned host pages while

@@ -161,12 +161,9 @@ class ModelRunner {
   const RunnerProfile& profile() const { return profile_; }
   void ResetProfile();
 
-  // The page streamer of host tiers (offload, exact), made now rather than at the first pass
-  // that streams: TierContext::EnsureStreamer says why. Whether it exists.
-  absl::Status PrepareHostStreaming(const WindowGeometry& geometry, int64_t page_tokens) {
-    return tiers_.EnsureStreamer(geometry, page_tokens);
-  }
-  bool host_streaming_ready() const { return tiers_.has_streamer(); }
+  // What the offload tiers of this runner's passes share (offload_tier.h).
+  TierContext& tier_context() { return tiers_; }
+  const TierContext& tier_context() const { return tiers_; }
 
   // RunnerOptions::micro_batches for the following passes: 1 or 2 (INVALID_ARGUMENT otherwise).
   absl::Status SetMicroBatches(int micro_batches);

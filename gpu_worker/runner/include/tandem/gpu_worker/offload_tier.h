@@ -48,8 +48,6 @@
 
 namespace tandem::gpu_worker {
 
-class KvStreamer;
-class OffloadedKv;
 class PageIndex;
 
 // Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
@@ -110,9 +108,21 @@ struct AttendRows {
   size_t stream = 0;   // the segment's index in the pass (the order of BeginPass / FinishAttend)
 };
 
-// What the tiers of one runner share: the backend, device scratch for page selection, the page
-// streamer of host tiers (planned once per pass over every host tier in it), host staging for
-// evictions, options and profile counters. Owned by a ModelRunner; one pass at a time.
+// Pass-wide work that the tiers of one pass share and that the runner knows nothing of (the
+// host tiers' page streamer, offload/host_page_streams.h). Made by the first tier that needs it
+// (TierContext::AddShared) and kept by the context for its life. The context tells it when a
+// pass begins (BeginPass: forget the last plan, which a failed pass may have left unfinished)
+// and when every tier's BeginPass has run (StartPass: queue the pass's first work).
+class PassShared {
+ public:
+  virtual ~PassShared() = default;
+  virtual void BeginPass(size_t segments) = 0;
+  virtual absl::Status StartPass() = 0;
+};
+
+// What the tiers of one runner share: the backend, device scratch for page selection, batched
+// downloads, merges and selections, host staging for evictions, the PassShared work of tiers,
+// options and profile counters. Owned by a ModelRunner; one pass at a time.
 class TierContext {
  public:
   // num_q_heads: of the model; max_rows: most query rows of one pass.
@@ -123,26 +133,39 @@ class TierContext {
   TierContext& operator=(const TierContext&) = delete;
 
   Backend& backend() { return backend_; }
+  int64_t num_q_heads() const { return num_q_heads_; }
   int64_t max_rows() const { return max_rows_; }
   bool measure_captured_mass() const { return measure_captured_mass_; }
   OffloadProfile& profile() { return profile_; }
   const OffloadProfile& profile() const { return profile_; }
 
-  // --- Pass planning. BeginPass(n) forgets the previous plan (also one a failed pass left
-  // unfinished); host tiers add their pages for segment index `stream` < n; StartStreams()
-  // queues the first uploads. INVALID_ARGUMENT when host tiers of one pass differ in page size.
+  // --- Pass planning. BeginPass(n) starts a pass of n segments: every PassShared forgets its
+  // last plan; then each tier's BeginPass (segment index `stream` < n) adds its work, and
+  // StartPass() lets every PassShared queue its first work.
   void BeginPass(size_t segments);
-  void AddStream(size_t stream, const OffloadedKv* kv);
-  absl::Status StartStreams();
-  // The streamer of this pass; null when no host tier streams in it.
-  KvStreamer* streamer() { return streaming_ ? streamer_.get() : nullptr; }
-  // Makes the streamer (pages of `page_tokens` of `geometry`) if there is none yet; the first
-  // StartStreams with host tiers does it otherwise. The engine calls it when it opens a session
-  // with a host tier, before the session's prompt widens its window (device prefill), so that
-  // the widening, which takes what the device has left without --kv_cache_bytes, cannot take
-  // the streamer's memory and fail the first decode step.
-  absl::Status EnsureStreamer(const WindowGeometry& geometry, int64_t page_tokens);
-  bool has_streamer() const { return streamer_ != nullptr; }
+  absl::Status StartPass();
+  size_t pass_segments() const { return pass_segments_; }
+  // The PassShared of type T (a class deriving from PassShared), null if none was added.
+  template <typename T>
+  T* FindShared() {
+    for (const auto& s : shared_) {
+      if (auto* found = dynamic_cast<T*>(s.get())) return found;
+    }
+    return nullptr;
+  }
+  template <typename T>
+  const T* FindShared() const {
+    return const_cast<TierContext*>(this)->FindShared<T>();
+  }
+  // Keeps `shared` for the context's life; one added during a pass joins it at once (its
+  // BeginPass(pass_segments()) runs here). Returns it.
+  template <typename T>
+  T* AddShared(std::unique_ptr<T> shared) {
+    T* raw = shared.get();
+    raw->BeginPass(pass_segments_);
+    shared_.push_back(std::move(shared));
+    return raw;
+  }
 
   // --- Page selection scratch (device; grown on demand, contents unspecified), shared by the
   // selections queued one after the other on the device. Valid until the next call.
@@ -203,9 +226,8 @@ class TierContext {
   int64_t max_rows_;
   bool measure_captured_mass_;
   OffloadProfile profile_;
-  std::unique_ptr<KvStreamer> streamer_;   // created by the first pass with a host tier
-  std::vector<const OffloadedKv*> streams_;   // [segments] of the pass; nullptr = none
-  bool streaming_ = false;
+  size_t pass_segments_ = 0;
+  std::vector<std::unique_ptr<PassShared>> shared_;
   struct Download {
     void* dst = nullptr;
     size_t dst_pitch = 0;
