@@ -534,6 +534,7 @@ struct NodeRig {
   std::unique_ptr<CpuAttentionNode> node;
   std::vector<v1::AttendRequest> requests;
   uint64_t bytes_scanned = 0;
+  double last_compute_s = 0;   // the last call's time in the node's kernels (compute_micros)
 
   // Seconds of one Attend of request c (exits on an error).
   double Run(size_t c) {
@@ -546,6 +547,7 @@ struct NodeRig {
       std::exit(1);
     }
     bytes_scanned = resp.bytes_scanned();
+    last_compute_s = static_cast<double>(resp.compute_micros()) * 1e-6;
     return seconds;
   }
 };
@@ -651,26 +653,33 @@ NodeRig MakeNodeRig(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype,
   return NodeRig{std::move(*node), std::move(requests), 0};
 }
 
-// Median seconds per Attend of a node per dtype, and the bytes each call scans. The reps are
-// interleaved (rep r of every dtype before rep r + 1 of any), so a drift of the machine (other
-// load, clocks) hits every dtype alike.
+// Median seconds per Attend of a node per dtype, the bytes each call scans and the median
+// seconds per call outside the node's kernels (checks, planning, the answer's layout: the call's
+// time less its compute_micros). The reps are interleaved (rep r of every dtype before rep r + 1
+// of any), so a drift of the machine (other load, clocks) hits every dtype alike.
 std::vector<double> TimeNodeAttends(const KvSet& kv, const Flags& f,
                                     const std::vector<kv_store::KvDType>& dtypes, uint32_t reps,
-                                    bool paged, std::vector<uint64_t>* bytes_scanned) {
+                                    bool paged, std::vector<uint64_t>* bytes_scanned,
+                                    std::vector<double>* outside_kernels_s) {
   std::vector<NodeRig> rigs;
   for (kv_store::KvDType dtype : dtypes) rigs.push_back(MakeNodeRig(kv, f, dtype, paged));
   for (NodeRig& rig : rigs) {
     for (size_t c = 0; c < std::min<size_t>(rig.requests.size(), 2); ++c) rig.Run(c);  // warm-up
   }
-  std::vector<std::vector<double>> times(rigs.size());
+  std::vector<std::vector<double>> times(rigs.size()), outside(rigs.size());
   for (uint32_t rep = 0; rep < reps; ++rep) {
-    for (size_t i = 0; i < rigs.size(); ++i) times[i].push_back(rigs[i].Run(rep + 2));
+    for (size_t i = 0; i < rigs.size(); ++i) {
+      times[i].push_back(rigs[i].Run(rep + 2));
+      outside[i].push_back(times[i].back() - rigs[i].last_compute_s);
+    }
   }
   std::vector<double> medians;
   bytes_scanned->clear();
+  outside_kernels_s->clear();
   for (size_t i = 0; i < rigs.size(); ++i) {
     medians.push_back(Median(times[i]));
     bytes_scanned->push_back(rigs[i].bytes_scanned);
+    outside_kernels_s->push_back(Median(outside[i]));
   }
   return medians;
 }
@@ -804,8 +813,9 @@ int Main(int argc, char** argv) {
       }
     }
     std::vector<uint64_t> scanned;
+    std::vector<double> outside_s;
     const std::vector<double> node_times =
-        TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/false, &scanned);
+        TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/false, &scanned, &outside_s);
     std::vector<double> node_gbs_of(f.node_kv_dtypes.size());   // dense, per dtype
     const double first_node_s = node_times[0];
     const double first_node_gbs = static_cast<double>(scanned[0]) / first_node_s / 1e9;
@@ -823,6 +833,7 @@ int Main(int argc, char** argv) {
             {"median_s", node_s},
             {"kv_gbs", node_gbs},
             {"entries_per_s", static_cast<double>(n * f.heads) / node_s},
+            {"outside_kernels_us", outside_s[i] * 1e6},
             {"speedup_vs_first_dtype", first_node_s / node_s},
             {"ratio_to_raw_onednn", node_gbs / (bytes / raw_s / 1e9)},
             {"ratio_to_memcpy_rw", node_gbs / mem.copy_gbs},
@@ -833,7 +844,8 @@ int Main(int argc, char** argv) {
         {n, bytes / raw_s / 1e9, sparse_gbs, sparse_s * 1e6, first_node_gbs, first_node_s * 1e6});
     const std::vector<double> paged_times =
         f.select_tokens > 0
-            ? TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/true, &scanned)
+            ? TimeNodeAttends(kv, f, f.node_kv_dtypes, f.reps, /*paged=*/true, &scanned,
+                              &outside_s)
             : std::vector<double>{};
     for (size_t i = 0; i < paged_times.size(); ++i) {
       const kv_store::KvDType dtype = f.node_kv_dtypes[i];
@@ -849,6 +861,7 @@ int Main(int argc, char** argv) {
             {"median_s", paged_s},
             {"kv_gbs", paged_gbs},
             {"kv_gbs_per_thread", paged_gbs / threads},
+            {"outside_kernels_us", outside_s[i] * 1e6},
             {"ratio_to_node_attend", paged_gbs / node_gbs_of[i]},
             {"ratio_to_read", paged_gbs / mem.read_gbs}});
       dtype_rows.push_back({dtype, n, paged_bytes, paged_s, true});
