@@ -508,8 +508,8 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
       // become the entries attended per token.
       std::vector<uint64_t> selected(owned.size());
       TANDEM_ASSIGN_OR_RETURN(const uint64_t bytes,
-                              paged.AddRuns(session, layer, owned, item.pages,
-                                            item.pages_per_head, item.num_tokens, selected));
+                              paged.AddQuery(session, layer, owned, item.pages,
+                                             item.pages_per_head, item.num_tokens, selected));
       bytes_scanned += bytes;
       for (size_t h = 0; h < owned.size(); ++h) counts[h].selected = selected[h];
     }

@@ -431,6 +431,16 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
   }
   for (size_t i = 0; i < problems.size(); ++i) {
     const PagedProblem& pr = problems[i];
+    if (const PageSpan& ps = pr.pages; ps.shard != nullptr) {
+      // Every page full but the last, which holds at least one entry.
+      const uint64_t pages = ps.ids.size();
+      if (ps.page_tokens < 1 || ps.entries > pages * ps.page_tokens ||
+          (pages > 0 && ps.entries <= (pages - 1) * ps.page_tokens)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "paged attention: problem ", i, " names ", pages, " pages of ", ps.page_tokens,
+            " entries covering ", ps.entries));
+      }
+    }
     if (pr.run_begin > pr.run_end || pr.run_end > runs.size() || pr.num_tokens < 1 ||
         pr.q == nullptr || pr.o == nullptr || pr.lse == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -454,7 +464,11 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   size_t max_rows = 0;
   for (size_t i = 0; i < problems.size(); ++i) {
     const PagedProblem& pr = problems[i];
-    for (size_t r = pr.run_begin; r < pr.run_end; ++r) entries[i] += runs[r].n;
+    if (pr.pages.shard != nullptr) {
+      entries[i] = pr.pages.entries;
+    } else {
+      for (size_t r = pr.run_begin; r < pr.run_end; ++r) entries[i] += runs[r].n;
+    }
     const size_t rows = size_t{pr.num_tokens} * G;
     weight[i] = rows + 4;
     total += entries[i] * weight[i];
@@ -515,15 +529,27 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   pool.ParallelFor(num_ranges, [&](size_t r) {
     try {
       thread_local AlignedBuffer work_buffer;
+      thread_local std::vector<KvRun> page_runs;   // a page problem's piece, resolved
       for (size_t i = range_first[r]; i < range_first[r + 1]; ++i) {
         const Piece& piece = pieces[i];
         const PagedProblem& pr = problems[piece.problem];
         const size_t rows = size_t{pr.num_tokens} * G;
         PieceArgs a;
         a.prefetch_entries = params.prefetch_entries;
+        if (const PageSpan& ps = pr.pages; ps.shard != nullptr) {
+          // The pages holding entries [begin, end): every page but the last is full.
+          const uint64_t first = piece.begin / ps.page_tokens;
+          const uint64_t last = (piece.end + ps.page_tokens - 1) / ps.page_tokens;
+          page_runs.clear();
+          AppendPageRuns(*ps.shard, ps.ids.subspan(first, last - first), ps.page_tokens,
+                         &page_runs);
+          a.runs = page_runs.data();
+          a.skip = piece.begin - first * ps.page_tokens;
+        } else {
+          a.runs = runs.data() + pr.run_begin;
+          a.skip = piece.begin;
+        }
         // Find the run holding entry `begin`.
-        a.runs = runs.data() + pr.run_begin;
-        a.skip = piece.begin;
         while (a.skip >= a.runs->n) a.skip -= (a.runs++)->n;
         a.count = piece.end - piece.begin;
         a.q = pr.q;
@@ -629,6 +655,14 @@ uint64_t AppendPageRuns(const kv_store::Shard& shard, std::span<const int32_t> r
     covered += end - first;
   }
   return covered;
+}
+
+uint64_t PageEntries(std::span<const int32_t> ids, uint32_t page_tokens, uint64_t held) {
+  if (ids.empty()) return 0;
+  const uint64_t last_end =
+      std::min<uint64_t>(held, (static_cast<uint64_t>(ids.back()) + 1) * page_tokens);
+  const uint64_t last_first = static_cast<uint64_t>(ids.back()) * page_tokens;
+  return (ids.size() - 1) * uint64_t{page_tokens} + (last_end - last_first);
 }
 
 uint64_t AppendAllRuns(const kv_store::Shard& shard, std::vector<KvRun>* runs) {

@@ -48,31 +48,40 @@ absl::Status CopyPages(const kv_store::Session& session, uint32_t num_tokens,
   return absl::OkStatus();
 }
 
-absl::StatusOr<uint64_t> PagedPlan::AddRuns(const kv_store::Session& session, uint32_t layer,
-                                            std::span<const uint32_t> owned,
-                                            std::span<const int32_t> pages, uint32_t pages_per_head,
-                                            uint32_t num_tokens, std::span<uint64_t> selected) {
+absl::StatusOr<uint64_t> PagedPlan::AddQuery(const kv_store::Session& session, uint32_t layer,
+                                             std::span<const uint32_t> owned,
+                                             std::span<const int32_t> pages,
+                                             uint32_t pages_per_head, uint32_t num_tokens,
+                                             std::span<uint64_t> selected) {
   const auto& g = session.geometry();
   const uint32_t page_tokens = session.options().page_tokens;
-  auto row_of = [&](uint32_t t, uint32_t kv_head) {
-    return pages.subspan((size_t{t} * g.num_kv_heads + kv_head) * pages_per_head, pages_per_head);
+  // A row's ids without the -1 padding (CopyPages checked: ascending ids, then padding).
+  auto ids_of = [&](uint32_t t, uint32_t kv_head) {
+    std::span<const int32_t> row =
+        pages.subspan((size_t{t} * g.num_kv_heads + kv_head) * pages_per_head, pages_per_head);
+    size_t n = row.size();
+    while (n > 0 && row[n - 1] < 0) --n;
+    return row.first(n);
   };
-  // Bound every named page by its shard's held count before anything is planned.
+  // Bound every named page by its shard's held count before anything is planned: the rows are
+  // ascending, so their last ids.
   for (size_t h = 0; h < owned.size() && pages_per_head > 0; ++h) {
-    const int64_t held = static_cast<int64_t>(session.shard(layer, owned[h])->held());
+    const uint64_t held = session.shard(layer, owned[h])->held();
     for (uint32_t t = 0; t < num_tokens; ++t) {
-      if (absl::Status s = CheckPageRow(row_of(t, owned[h]), held, page_tokens, "pages"); !s.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("session '", session.id(), "' layer ", layer,
-                                                       " token ", t, " kv head ", owned[h], ": ",
-                                                       s.message()));
-      }
+      const std::span<const int32_t> ids = ids_of(t, owned[h]);
+      if (ids.empty() || static_cast<uint64_t>(ids.back()) * page_tokens < held) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "session '", session.id(), "' layer ", layer, " token ", t, " kv head ", owned[h],
+          ": pages[", ids.size() - 1, "]: page ", ids.back(), " starts at entry ",
+          static_cast<uint64_t>(ids.back()) * page_tokens, " but the shard holds ", held,
+          " entries (", page_tokens, " per page)"));
     }
   }
   group_ = &groups_[{session.format().dtype, g.head_dim, g.group()}];
   group_->params.dtype = session.format().dtype;
   group_->params.head_dim = g.head_dim;
   group_->params.group = g.group();
-  ranges_.clear();
+  sources_.clear();
   num_tokens_ = num_tokens;
   dense_ = pages_per_head == 0;
   const size_t row_bytes = session.format().row_bytes();
@@ -80,19 +89,23 @@ absl::StatusOr<uint64_t> PagedPlan::AddRuns(const kv_store::Session& session, ui
   uint64_t bytes = 0;
   for (size_t h = 0; h < owned.size(); ++h) {
     const kv_store::Shard& shard = *session.shard(layer, owned[h]);
+    PagedProblem source;
     if (dense_) {
-      const size_t first = group_->runs.size();
+      source.run_begin = group_->runs.size();
       const uint64_t held = AppendAllRuns(shard, &group_->runs);
-      ranges_.emplace_back(first, group_->runs.size());
+      source.run_end = group_->runs.size();
+      sources_.push_back(source);
       bytes += token_blocks * 2 * held * row_bytes;  // read once per block of tokens
       selected[h] = held;
       continue;
     }
     uint64_t attended = 0;
     for (uint32_t t = 0; t < num_tokens; ++t) {
-      const size_t first = group_->runs.size();
-      attended += AppendPageRuns(shard, row_of(t, owned[h]), page_tokens, &group_->runs);
-      ranges_.emplace_back(first, group_->runs.size());
+      const std::span<const int32_t> ids = ids_of(t, owned[h]);
+      source.pages =
+          PageSpan{&shard, ids, page_tokens, PageEntries(ids, page_tokens, shard.held())};
+      sources_.push_back(source);
+      attended += source.pages.entries;
     }
     bytes += 2 * attended * row_bytes;
     selected[h] = (attended + num_tokens - 1) / num_tokens;
@@ -111,10 +124,7 @@ void PagedPlan::AddProblems(const kv_store::Session& session, std::span<const ui
     // Dense: one problem per block of tokens over the head's runs; else one per token.
     const uint32_t step = dense_ ? kDenseTokenBlock : 1;
     for (uint32_t t = 0; t < num_tokens_; t += step) {
-      const auto [run_begin, run_end] = ranges_[dense_ ? h : h * num_tokens_ + t];
-      PagedProblem p;
-      p.run_begin = run_begin;
-      p.run_end = run_end;
+      PagedProblem p = sources_[dense_ ? h : h * num_tokens_ + t];
       p.num_tokens = std::min(step, num_tokens_ - t);
       p.q = q + t * q_stride + size_t{owned[h]} * G * D;
       p.o = o + t * o_stride + h * G * D;

@@ -1,6 +1,7 @@
 // The SELECTION_PAGES side of the node's Attend (private to cpu_attention; used by
-// cpu_attention_node.cc): checking a query's page ids (AttendQuery.pages), turning them into
-// runs of block rows under the session's lock, and the problems PagedAttention computes.
+// cpu_attention_node.cc): checking a query's page ids (AttendQuery.pages) under the session's
+// lock, and the problems PagedAttention computes: named pages as PageSpans (the pool's tasks
+// read the block tables, beside the scan), every held entry (pages_per_head = 0) as runs.
 // Not thread-safe: one Attend call owns one PagedPlan.
 #pragma once
 
@@ -9,7 +10,6 @@
 #include <span>
 #include <string_view>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,7 +30,7 @@ constexpr uint32_t kDenseTokenBlock = 32;
 // the session: INVALID_ARGUMENT naming `what` for pages on a MAW session, pages_per_head above
 // kMaxPagesPerHead, a size other than [num_tokens, H_kv, pages_per_head], or a row that is not
 // strictly ascending ids followed by -1 padding. The ids are copied before they are checked
-// (they may sit in memory another process writes). The held bound is checked by AddRuns.
+// (they may sit in memory another process writes). The held bound is checked by AddQuery.
 absl::Status CopyPages(const kv_store::Session& session, uint32_t num_tokens,
                        std::span<const int32_t> pages, uint32_t pages_per_head,
                        std::string_view what, std::vector<int32_t>* dst);
@@ -39,14 +39,15 @@ class PagedPlan {
  public:
   // Plans one query of a pages session under its lock (shared): checks every named page of the
   // owned heads of `layer` against the shard's held count (INVALID_ARGUMENT, nothing added) and
-  // collects the runs. `pages` passed CopyPages (empty when pages_per_head = 0: every held
-  // entry). selected[h] (H_own entries) gets the entries attended per token (mean, rounded up).
-  // Returns the K + V bytes the scan will read.
-  absl::StatusOr<uint64_t> AddRuns(const kv_store::Session& session, uint32_t layer,
-                                   std::span<const uint32_t> owned, std::span<const int32_t> pages,
-                                   uint32_t pages_per_head, uint32_t num_tokens,
-                                   std::span<uint64_t> selected);
-  // Adds the problems of the query last given to AddRuns: q [T, H_q, D]; o [T, H_own * G, D] and
+  // collects what each (head, token) reads. `pages` passed CopyPages (empty when
+  // pages_per_head = 0: every held entry) and must outlive Run. selected[h] (H_own entries)
+  // gets the entries attended per token (mean, rounded up). Returns the K + V bytes the scan
+  // will read.
+  absl::StatusOr<uint64_t> AddQuery(const kv_store::Session& session, uint32_t layer,
+                                    std::span<const uint32_t> owned, std::span<const int32_t> pages,
+                                    uint32_t pages_per_head, uint32_t num_tokens,
+                                    std::span<uint64_t> selected);
+  // Adds the problems of the query last given to AddQuery: q [T, H_q, D]; o [T, H_own * G, D] and
   // lse [T, H_own * G], rows ordered as in v1::AttendResult.
   void AddProblems(const kv_store::Session& session, std::span<const uint32_t> owned,
                    const float* q, float* o, float* lse);
@@ -61,10 +62,10 @@ class PagedPlan {
     std::vector<PagedProblem> problems;
   };
   std::map<std::tuple<kv_store::KvDType, uint32_t, uint32_t>, Group> groups_;
-  // The query last given to AddRuns: its group, and the run range of each (head, token) or,
-  // dense, of each head.
+  // The query last given to AddQuery: its group, and what each (head, token) reads or, dense,
+  // each head (a problem with its entries set: runs or pages).
   Group* group_ = nullptr;
-  std::vector<std::pair<size_t, size_t>> ranges_;
+  std::vector<PagedProblem> sources_;
   uint32_t num_tokens_ = 0;
   bool dense_ = false;
 };

@@ -15,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "tandem/common/bf16.h"
@@ -206,6 +207,34 @@ TEST_P(PagedAttentionTest, NamedPagesPerTokenMatchReference) {
     EXPECT_EQ(lse, lse_first) << "prefetch " << prefetch;
   }
 
+  // The same pages named as PageSpans (each task reads the block table for its own pieces):
+  // the tasks gather the same rows in the same order, so every bit is the same.
+  {
+    std::vector<PagedProblem> spans = problems;
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t h = 0; h < H; ++h) {
+        std::span<const int32_t> named(row(t, h), kPph);
+        while (!named.empty() && named.back() < 0) named = named.first(named.size() - 1);
+        PagedProblem& p = spans[t * H + h];
+        p.run_begin = p.run_end = 0;
+        p.pages = PageSpan{&f.shard(h), named, page_tokens,
+                           PageEntries(named, page_tokens, kHeld)};
+        uint64_t expect = 0;
+        for (uint8_t b : KeepOf({row(t, h), kPph}, page_tokens, kHeld)) expect += b;
+        EXPECT_EQ(p.pages.entries, expect);
+      }
+    }
+    const std::vector<float> o_runs = o, lse_runs = lse;
+    std::fill(o.begin(), o.end(), 99.0f);
+    std::fill(lse.begin(), lse.end(), 99.0f);
+    for (uint32_t tasks : {1u, 4u, 16u}) {
+      ASSERT_TRUE(PagedAttention(Params(dtype, G, D, tasks), {}, spans, pool).ok());
+      if (tasks != 4) continue;   // the runs' split
+      EXPECT_EQ(o, o_runs);
+      EXPECT_EQ(lse, lse_runs);
+    }
+  }
+
   for (uint32_t t = 0; t < T; ++t) {
     for (uint32_t h = 0; h < H; ++h) {
       SCOPED_TRACE(testing::Message() << "token " << t << " head " << h);
@@ -282,6 +311,41 @@ TEST(CheckPageRowTest, RejectsMalformedRows) {
   EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{-1, -1}, 0, 16, "pages").ok());
   EXPECT_TRUE(CheckPageRow(std::vector<int32_t>{500}, -1, 16, "pages").ok())
       << "held < 0: no bound";
+}
+
+TEST(PageEntriesTest, OnlyTheLastPageMayBePartial) {
+  EXPECT_EQ(PageEntries({}, 16, 100), 0u);
+  EXPECT_EQ(PageEntries(std::vector<int32_t>{0, 2}, 16, 100), 32u);
+  EXPECT_EQ(PageEntries(std::vector<int32_t>{1, 6}, 16, 100), 16u + 4u);   // page 6: 96..99
+  EXPECT_EQ(PageEntries(std::vector<int32_t>{6}, 16, 97), 1u);
+}
+
+TEST(PagedAttentionValidation, RejectsPagesThatDoNotCoverTheirEntries) {
+  ThreadPool pool(1);
+  kv_store::KvStore store{kv_store::KvStore::Options{
+      .capacity_bytes = 1ull << 20, .default_block_tokens = 16, .max_sessions = 1}};
+  kv_store::SessionOptions so;
+  so.geometry = {1, 1, 1, 64};
+  so.page_tokens = 16;
+  auto session = store.OpenSession("s", so);
+  ASSERT_TRUE(session.ok()) << session.status();
+  std::vector<float> q(64), o(64), lse(1);
+  const std::vector<int32_t> ids = {0, 1};
+  PagedProblem p;
+  p.q = q.data();
+  p.o = o.data();
+  p.lse = lse.data();
+  PagedParams params;
+  params.head_dim = 64;
+  // Two pages cover 17..32 entries; a shard without a page size or other counts are refused
+  // before anything is read.
+  for (const auto& [entries, page_tokens] :
+       std::vector<std::pair<uint64_t, uint32_t>>{{33, 16}, {16, 16}, {0, 16}, {20, 0}}) {
+    p.pages = PageSpan{(*session)->shard(0, 0), ids, page_tokens, entries};
+    EXPECT_EQ(PagedAttention(params, {}, std::span<const PagedProblem>(&p, 1), pool).code(),
+              absl::StatusCode::kInvalidArgument)
+        << entries << " entries of pages of " << page_tokens;
+  }
 }
 
 TEST(PagedAttentionValidation, RejectsBadParamsAndRunRanges) {

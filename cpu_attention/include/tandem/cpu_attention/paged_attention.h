@@ -42,8 +42,26 @@ struct KvRun {
   uint32_t n = 0;
 };
 
+// Named pages of one shard as a problem's entries, resolved into runs by the task that reads
+// them: a decode step's block-table reads (one per page, cold after the step's scan of other
+// layers) then run on every pool thread beside the scan, not on the calling thread before it
+// (BENCHMARKS "The node's planning"). `ids` ascending without padding, each passed CheckPageRow
+// against shard->held(); `entries` = PageEntries(ids, page_tokens, held). The shard must not
+// change during the call (the caller holds its session's lock).
+struct PageSpan {
+  const kv_store::Shard* shard = nullptr;
+  std::span<const int32_t> ids;
+  uint32_t page_tokens = 0;
+  uint64_t entries = 0;
+};
+
+// The held entries that pages `ids` (ascending, each starting below `held`) of a shard holding
+// `held` entries cover: page_tokens each, but the last may end at `held`.
+uint64_t PageEntries(std::span<const int32_t> ids, uint32_t page_tokens, uint64_t held);
+
 // One problem: the query rows of `num_tokens` tokens of one kv head (G rows per token)
-// attending over runs[run_begin, run_end) of the runs array given to PagedAttention.
+// attending over runs[run_begin, run_end) of the runs array given to PagedAttention, or, when
+// pages.shard is set, over those pages (run_begin and run_end unused).
 // Query row (t, j) of the group is at q + t * q_token_stride + j * head_dim, its output at
 // o + t * o_token_stride + j * head_dim and lse + t * lse_token_stride + j (strides in floats;
 // unused when num_tokens == 1). Problems sharing their runs over several tokens (dense) read
@@ -51,6 +69,7 @@ struct KvRun {
 struct PagedProblem {
   size_t run_begin = 0;
   size_t run_end = 0;
+  PageSpan pages;
   uint32_t num_tokens = 1;
   const float* q = nullptr;
   float* o = nullptr;
@@ -85,9 +104,10 @@ uint64_t AppendPageRuns(const kv_store::Shard& shard, std::span<const int32_t> r
 // Appends one run per block covering every held entry of `shard`; returns held().
 uint64_t AppendAllRuns(const kv_store::Shard& shard, std::vector<KvRun>* runs);
 
-// Computes O and LSE of every problem. INVALID_ARGUMENT on bad params or a problem whose run
-// range is outside `runs`; RESOURCE_EXHAUSTED if scratch memory cannot be had. Thread-safe;
-// uses `pool` for the tasks. The runs' memory must not change during the call.
+// Computes O and LSE of every problem. INVALID_ARGUMENT on bad params, a problem whose run
+// range is outside `runs` or whose pages do not cover `entries`; RESOURCE_EXHAUSTED if scratch
+// memory cannot be had. Thread-safe; uses `pool` for the tasks. The runs' memory (and the
+// pages' shards) must not change during the call.
 absl::Status PagedAttention(const PagedParams& params, std::span<const KvRun> runs,
                             std::span<const PagedProblem> problems, ThreadPool& pool);
 
