@@ -266,10 +266,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> MakeSyntheticSequence(
         return FillHostPages(backend, kv, c, o, offloaded);
       };
       TANDEM_ASSIGN_OR_RETURN(seq->offload, gpu_worker::OpenOffloadTier(backend, pool, tier));
-      if (o.selection == gpu_worker::SelectionRule::kPages && mode == AttentionMode::kHybrid) {
-        seq->selection = o.selection;
-        seq->page_policy = o.page_policy;
-      }
+      if (gpu_worker::PagePolicy* policy = seq->offload->page_policy()) *policy = o.page_policy;
     }
   }
   if (recent > 0) TANDEM_RETURN_IF_ERROR(AppendPositions(seq->window, recent, o.max_chunk));

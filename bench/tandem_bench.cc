@@ -680,8 +680,9 @@ class Bench {
         const auto& g = index->geometry();
         // Summary rows a step reads: min and max for the bound's pass, the mean for the
         // centroid's (PagePolicy::SplitPages, as NodeTier::ChoosePages divides the budget).
-        const auto split = s->page_policy.SplitPages(std::max<int64_t>(
-            1, s->page_policy.select_tokens / index->page_tokens()));
+        const gpu_worker::PagePolicy& policy = *s->offload->page_policy();
+        const auto split = policy.SplitPages(
+            std::max<int64_t>(1, policy.select_tokens / index->page_tokens()));
         const int rows = (split.bound > 0 ? 2 : 0) + (split.centroid > 0 ? 1 : 0);
         for (int64_t l = 0; l < g.num_layers; ++l) {
           summary_bytes += static_cast<double>(index->num_pages(l)) * g.num_kv_heads * rows *
@@ -769,9 +770,6 @@ class Bench {
       tier.summary_tokens = tokens;
       tier.low_rank = {absl::GetFlag(FLAGS_page_key_rank),
                        absl::GetFlag(FLAGS_page_key_calib_tokens)};
-      seq->selection = gpu_worker::SelectionRule::kPages;
-      seq->page_policy.select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
-      r["select_tokens"] = seq->page_policy.select_tokens;
     }
     tier.host_page_tokens = absl::GetFlag(FLAGS_page_tokens);
     auto opened = gpu_worker::OpenOffloadTier(backend_, pool_, tier);
@@ -780,6 +778,10 @@ class Bench {
       return r;
     }
     seq->offload = std::move(*opened);
+    if (gpu_worker::PagePolicy* policy = seq->offload->page_policy()) {
+      policy->select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
+      r["select_tokens"] = policy->select_tokens;
+    }
     std::vector<int32_t> ids(tokens);
     for (int64_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>((i * 48271 + 11) % c.vocab_size);
     const bool device_prefill = windowed && absl::GetFlag(FLAGS_device_prefill);

@@ -30,6 +30,7 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> NodeTier::Fork(const TierFork& fork
       remote_->Fork(fork.session_id, fork.expected_tokens);
   if (!remote.ok()) return MarkShortOf(MemoryKind::kNodes, remote.status());
   auto tier = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));
+  tier->policy_ = policy_;
   tier->set_recompute(fork.recompute);
   return tier;
 }
@@ -182,10 +183,7 @@ absl::StatusOr<int64_t> NodeTier::ChoosePages(TierContext& context,
                                                const AttendRows& rows) {
   const WindowAttentionParams& w = rows.window;
   const int64_t Hkv = w.num_kv_heads, n = w.num_tokens;
-  if (rows.policy.pages == nullptr) {
-    return absl::InvalidArgumentError("pages selection without a page policy");
-  }
-  const PagePolicy& policy = *rows.policy.pages;
+  const PagePolicy& policy = policy_;
   const int64_t num_pages = pages_->num_pages(rows.layer);
   const int64_t per_head = std::max<int64_t>(1, policy.select_tokens / pages_->page_tokens());
   // Dense layers and budgets that cover every page attend over everything (exact): no ids.

@@ -7,6 +7,13 @@
 
 namespace tandem::gpu_worker {
 
+SelectionRule SelectionOf(const Sequence& seq) {
+  return seq.offload != nullptr && seq.offload->page_policy() != nullptr ? SelectionRule::kPages
+                                                                         : SelectionRule::kMaw;
+}
+
+TierTraits TraitsOf(const Sequence& seq) { return TraitsOf(seq.mode, SelectionOf(seq)); }
+
 TierTraits TraitsOf(AttentionMode mode, SelectionRule selection) {
   TierTraits t;
   switch (mode) {

@@ -658,7 +658,6 @@ AttendRows ModelRunner::AttendRowsOf(const Segment& s, size_t index, int64_t lay
   a.part_lse = act_.part_lse.as<float>() + s.row0 * Hq;
   a.policy.reselect = s.seq->reselect_pending;
   a.policy.reselect_beta = s.seq->reselect_beta;
-  a.policy.pages = &s.seq->page_policy;
   a.policy.captured_mass = &s.seq->captured_mass;
   a.stream = index;
   return a;

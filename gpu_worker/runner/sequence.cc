@@ -71,8 +71,6 @@ absl::StatusOr<std::unique_ptr<Sequence>> Sequence::Fork(std::string fork_id, in
   }
   TANDEM_ASSIGN_OR_RETURN(WindowCache fork_window, window.Fork(positions, max_context));
   auto fork = std::make_unique<Sequence>(std::move(fork_id), mode, std::move(fork_window));
-  fork->selection = selection;
-  fork->page_policy = page_policy;
   fork->tokens.assign(tokens.begin(), tokens.begin() + positions);
   fork->prefill_end = std::min(prefill_end, positions);
   if (offload != nullptr) {

@@ -318,7 +318,7 @@ void Engine::WidenForPrefill(Sequence& seq, int64_t prompt_tokens) {
   // A new session's prompt may fit only in part and spill to host pages (PrefillSpillTier, where
   // the tier spills), which stream through the runner's page streamer: it is made before the
   // widening takes what the device has left (without --kv_cache_bytes, all of it).
-  const bool may_spill = TraitsOf(seq.mode, seq.selection).spills_prefill &&
+  const bool may_spill = TraitsOf(seq).spills_prefill &&
                          seq.offload != nullptr && seq.offload->offloaded_tokens() == 0;
   bool can_spill = may_spill;
   if (may_spill) {
@@ -370,8 +370,6 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   auto seq = std::make_unique<Sequence>(id, spec.mode, std::move(cache));
   const TierTraits traits = TraitsOf(spec.mode, spec.selection);
   if (traits.page_summaries) {
-    seq->selection = SelectionRule::kPages;
-    seq->page_policy = spec.page_policy;
     TANDEM_RETURN_IF_ERROR(CheckPageSummaries(
         expected_offloaded,
         PageIndex::BytesFor(geometry, options_.page_tokens, expected_offloaded,
@@ -387,7 +385,7 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
   tier.node = NodeSessionOptions(options_, c, kv_dtype_, absl::StrCat(id_prefix_, ".", id));
   tier.node.beta = spec.beta;
   tier.node.expected_tokens = expected_offloaded;
-  tier.node.selection = seq->selection;
+  tier.node.selection = traits.page_summaries ? SelectionRule::kPages : SelectionRule::kMaw;
   tier.node.page_tokens = static_cast<uint32_t>(options_.page_tokens);
   tier.summary_tokens = expected_offloaded;
   tier.low_rank = options_.page_low_rank;
@@ -417,6 +415,8 @@ absl::StatusOr<std::unique_ptr<Sequence>> Engine::NewSequence(const std::string&
             .status());
   }
   TANDEM_ASSIGN_OR_RETURN(seq->offload, OpenOffloadTier(*backend_, nodes_.get(), tier));
+  // A pages tier chooses within the request's budget (later turns may change it).
+  if (PagePolicy* policy = seq->offload->page_policy()) *policy = spec.page_policy;
   return seq;
 }
 

@@ -205,7 +205,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   }
   if (continuing) {
     const Sequence& s = *existing;
-    const TierTraits traits = TraitsOf(s.mode, s.selection);
+    const TierTraits traits = TraitsOf(s);
     if (request.mode.has_value() && *request.mode != s.mode) {
       return absl::InvalidArgumentError("a continued session keeps its attention mode");
     }
@@ -215,7 +215,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       return absl::InvalidArgumentError("a continued session keeps its window and sink");
     }
     if (traits.selects && request.selection.has_value() &&
-        *request.selection != s.selection) {
+        *request.selection != SelectionOf(s)) {
       return absl::InvalidArgumentError("a continued session keeps its selection");
     }
   }
@@ -282,7 +282,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   Sequence* seq = nullptr;
   if (continuing) {
     seq = existing;
-    const TierTraits traits = TraitsOf(seq->mode, seq->selection);
+    const TierTraits traits = TraitsOf(*seq);
     TANDEM_RETURN_IF_ERROR(kv_cache_->WithEviction([&]() -> absl::Status {
       if (!traits.windowed) {   // the window holds every position: it grows in place
         WindowOptions grown = seq->window.options();
@@ -297,7 +297,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
       if (traits.page_summaries) {
         if (request.select_tokens.has_value() || request.dense_layers.has_value() ||
             request.centroid_share.has_value() || request.page_low_rank.has_value()) {
-          seq->page_policy = page_policy;
+          if (PagePolicy* policy = seq->offload->page_policy()) *policy = page_policy;
         }
         TANDEM_RETURN_IF_ERROR(ReservePages(
             *seq, offloaded_by_end(seq->window.options().window, seq->window.options().sink)));
@@ -340,7 +340,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   if (seq->pending_token.has_value()) g->feed.push_back(*seq->pending_token);
   g->feed.insert(g->feed.end(), prompt.begin(), prompt.end());
   seq->pending_token.reset();
-  if (continuing && TraitsOf(seq->mode, seq->selection).selects) {
+  if (continuing && TraitsOf(*seq).selects) {
     seq->reselect_pending = true;
     seq->reselect_beta = g->request.beta;
   }

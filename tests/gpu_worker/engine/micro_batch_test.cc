@@ -78,8 +78,6 @@ class MicroBatchTest : public testing::Stories260kRunnerTest {
     if (kind == Kind::kHybridPages) {
       ro.selection = SelectionRule::kPages;
       ro.page_tokens = kPageTokens;
-      seq->selection = SelectionRule::kPages;
-      seq->page_policy.select_tokens = 2 * kPageTokens;
       auto index = PageIndex::Create(*backend_, g, kPageTokens, 0);
       EXPECT_TRUE(index.ok()) << index.status();
       if (!index.ok()) return nullptr;
@@ -89,6 +87,7 @@ class MicroBatchTest : public testing::Stories260kRunnerTest {
     EXPECT_TRUE(remote.ok()) << remote.status();
     if (!remote.ok()) return nullptr;
     seq->offload = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));
+    if (PagePolicy* policy = seq->offload->page_policy()) policy->select_tokens = 2 * kPageTokens;
     return seq;
   }
 

@@ -21,6 +21,7 @@
 #include "tandem/gpu_worker/page_index.h"
 #include "tandem/gpu_worker/remote_kv.h"
 #include "tandem/gpu_worker/sequence.h"
+#include "tandem/gpu_worker/tier_traits.h"
 
 namespace tandem::gpu_worker {
 namespace {
@@ -135,9 +136,6 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
     } else {
       ro.selection = SelectionRule::kPages;
       ro.page_tokens = kPageTokens;
-      seq->selection = SelectionRule::kPages;
-      seq->page_policy.select_tokens = select_tokens;
-      seq->page_policy.centroid_share = centroid_share;
       auto index = PageIndex::Create(*backend_, g, kPageTokens, 0, low_rank);
       EXPECT_TRUE(index.ok()) << index.status();
       pages = std::make_unique<PageIndex>(std::move(*index));
@@ -145,6 +143,10 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
     auto remote = RemoteKv::Open(*pool_, ro);
     EXPECT_TRUE(remote.ok()) << remote.status();
     if (remote.ok()) seq->offload = std::make_unique<NodeTier>(std::move(*remote), std::move(pages));
+    if (PagePolicy* policy = seq->offload != nullptr ? seq->offload->page_policy() : nullptr) {
+      policy->select_tokens = select_tokens;
+      policy->centroid_share = centroid_share;
+    }
     return seq;
   }
 
@@ -163,6 +165,34 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
   }
 
 };
+
+// The selection rule is the tier's own: a pages tier holds the budget (which the engine sets
+// per turn and a fork inherits), a MAW tier has none, and the sequence's traits follow.
+TEST_F(PageSelectionRunner, TheTierHoldsTheSelectionRuleAndBudget) {
+  auto pages = MakeSequence(AttentionMode::kHybrid, "rule-pages", 48, false, 0.25);
+  auto maw = MakeSequence(AttentionMode::kHybrid, "rule-maw", 48, /*window_only=*/true);
+  auto gpu = MakeSequence(AttentionMode::kGpu, "rule-gpu", 0);
+  ASSERT_NE(pages, nullptr);
+  ASSERT_NE(maw, nullptr);
+  ASSERT_NE(pages->offload->page_policy(), nullptr);
+  EXPECT_EQ(pages->offload->page_policy()->select_tokens, 48);
+  EXPECT_EQ(pages->offload->page_policy()->centroid_share, 0.25);
+  EXPECT_EQ(SelectionOf(*pages), SelectionRule::kPages);
+  EXPECT_TRUE(TraitsOf(*pages).page_summaries);
+  EXPECT_EQ(maw->offload->page_policy(), nullptr);
+  EXPECT_EQ(SelectionOf(*maw), SelectionRule::kMaw);
+  EXPECT_TRUE(TraitsOf(*maw).node_selected_copies);
+  EXPECT_EQ(SelectionOf(*gpu), SelectionRule::kMaw);
+
+  pages->offload->page_policy()->select_tokens = 96;   // a later turn's budget
+  auto fork = pages->Fork("rule-pages-fork", 0, 1000,
+                          [](Sequence&) { return TierFork{"rule-pages-fork", 0, {}}; });
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  ASSERT_NE((*fork)->offload->page_policy(), nullptr);
+  EXPECT_EQ((*fork)->offload->page_policy()->select_tokens, 96);
+  EXPECT_EQ((*fork)->offload->page_policy()->centroid_share, 0.25);
+  EXPECT_TRUE((*fork)->CloseOffloaded().ok());
+}
 
 // The anchor: a budget that covers every offloaded entry attends over all of them, so hybrid
 // with selection = pages equals gpu mode at every step (chunked prefill, then decode).

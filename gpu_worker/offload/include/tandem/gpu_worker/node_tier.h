@@ -20,6 +20,7 @@
 #include "tandem/gpu_worker/memory_shortage.h"
 #include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/page_index.h"
+#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/remote_kv.h"
 
 namespace tandem::gpu_worker {
@@ -79,6 +80,9 @@ class NodeTier final : public OffloadTier {
   RemoteKv& remote() { return *remote_; }
   const RemoteKv& remote() const { return *remote_; }
   PageIndex* page_index() override { return pages_.get(); }   // null unless selection = pages
+  // The page budget (selection = pages; null for MAW selection): PagePolicy's defaults until the
+  // engine sets it; a fork starts with this tier's.
+  PagePolicy* page_policy() override { return pages_ != nullptr ? &policy_ : nullptr; }
   // Parking moves the page summaries (the tier's only device memory).
   absl::Status ParkDevice(ParkingPool& pool) override;
   absl::Status UnparkDevice() override;
@@ -130,6 +134,7 @@ class NodeTier final : public OffloadTier {
   DeviceBuffer first_;                     // the bound's pick before the centroid's [n, H_kv, ·]
   std::vector<int32_t> page_ids_;          // their host copy
   PageSelection selection_;
+  PagePolicy policy_;
   std::vector<float> dense_o_, dense_lse_;   // measure_captured_mass
 };
 

@@ -62,6 +62,7 @@ class PrefillSpillTier final : public OffloadTier {
   absl::StatusOr<bool> Rebuild() override { return inner_->Rebuild(); }
   absl::Status Close() override { return inner_->Close(); }
   std::vector<double> MeanSelectedShare() const override { return inner_->MeanSelectedShare(); }
+  PagePolicy* page_policy() override { return inner_->page_policy(); }
   // The inner tier's, plus the host copy while it exists.
   TierFootprint footprint() const override;
 

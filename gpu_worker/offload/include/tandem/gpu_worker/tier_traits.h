@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "tandem/gpu_worker/low_rank_index.h"
+#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/sequence.h"
 #include "tandem/gpu_worker/window_cache.h"
 
@@ -38,12 +39,17 @@ struct TierTraits {
   // The first session measures the PCIe, attention and GEMM rates its split is planned with
   // (ExactRateBook::Measure, exact).
   bool measures_rates = false;
-  // Attends over a selection of the offloaded entries (MAW or pages, `Sequence::selection`),
+  // Attends over a selection of the offloaded entries (MAW or pages, the tier's rule),
   // chosen afresh for a continuing turn's query rows; the others attend over all (hybrid).
   bool selects = false;
 };
 
 TierTraits TraitsOf(AttentionMode mode, SelectionRule selection);
+// The selection rule of a sequence's tier: kPages when it has a page budget
+// (OffloadTier::page_policy), kMaw otherwise (a sequence without a tier included).
+SelectionRule SelectionOf(const Sequence& seq);
+// TraitsOf(seq.mode, SelectionOf(seq)).
+TierTraits TraitsOf(const Sequence& seq);
 
 // How many of a sequence's `offloaded` entries per (layer, kv head) each side keeps. A split
 // tier with `fetch_share` < 0 (planned at run time) sizes each side for all of them, the most it

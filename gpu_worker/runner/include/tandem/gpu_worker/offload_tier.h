@@ -43,12 +43,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/backend.h"
-#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
 
 class PageIndex;
+struct PagePolicy;
 
 // Share of the offloaded softmax mass the chosen pages captured, per layer (sum over query
 // rows of exp(lse_selected - lse_all), and the rows): RunnerOptions::measure_captured_mass.
@@ -83,7 +83,6 @@ struct AttendPolicy {
   // line 21; MAW selection), with this beta if set.
   bool reselect = false;
   std::optional<float> reselect_beta;
-  const PagePolicy* pages = nullptr;          // the budget of page selection (if the tier uses it)
   CapturedMass* captured_mass = nullptr;      // where to record RunnerOptions::measure_captured_mass
 };
 
@@ -371,6 +370,11 @@ class OffloadTier {
   // The page summaries of a tier that selects by pages (the engine reserves and counts them);
   // null otherwise.
   virtual PageIndex* page_index() { return nullptr; }
+  // The budget of a tier that selects by pages (offload/page_selection.h): the engine sets it
+  // from each turn's request, between passes; null for tiers that do not select pages (the
+  // selection rule is the tier's own: the runner never looks at it).
+  virtual PagePolicy* page_policy() { return nullptr; }
+  const PagePolicy* page_policy() const { return const_cast<OffloadTier*>(this)->page_policy(); }
   // The tier's own device memory (NodeTier's page summaries; footprint().device) moves with
   // its sequence's window when the sequence is parked (Sequence::Park): ParkDevice copies it
   // into `pool` (pinned host memory) and frees it, UnparkDevice allocates and copies it back;

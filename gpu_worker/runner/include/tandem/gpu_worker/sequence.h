@@ -14,7 +14,6 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/offload_tier.h"
-#include "tandem/gpu_worker/page_selection.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
@@ -41,11 +40,6 @@ struct Sequence {
   // The KV beyond the window: NodeTier (hybrid), HostTier (offload), ExactTier (exact), null
   // (gpu).
   std::unique_ptr<OffloadTier> offload;
-  // Hybrid: how the CPU nodes' entries are chosen each step. kPages sequences keep the page
-  // summaries of their offloaded KV on the device (in their NodeTier: OffloadTier::page_index)
-  // and choose by `page_policy`.
-  SelectionRule selection = SelectionRule::kMaw;
-  PagePolicy page_policy;
   std::vector<int32_t> tokens;        // every token fed through the model, in position order
   // A sampled token not fed yet (it is fed at the start of the next step or turn).
   std::optional<int32_t> pending_token;
@@ -77,7 +71,7 @@ struct Sequence {
   // fork of a cached prefix: several requests over one document, prefix_cache.h). Its window is
   // WindowCache::Fork(positions, max_context); its tier this one's OffloadTier::Fork with what
   // `tier_fork` gives for the new sequence (its rebuild hook refers to it); its tokens,
-  // selection and page policy this one's; its counters start at 0. Between passes only.
+  // counters start at 0. Between passes only.
   // INVALID_ARGUMENT beyond the tokens held; either fork's error (UNIMPLEMENTED: a tier that
   // cannot fork; FAILED_PRECONDITION: positions after `positions` have left the device).
   using TierForkFor = std::function<TierFork(Sequence& fork)>;
