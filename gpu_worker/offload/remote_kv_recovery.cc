@@ -73,21 +73,28 @@ void RemoteKv::SyncWithPool() {
   GrowNodeSlots();
   for (size_t n = 0; n < opened_.size(); ++n) {
     if (!opened_[n]) continue;
-    const NodeState st = pool_.state(n);
-    if (!node_ids_[n].empty() && !st.node_id.empty() && st.node_id != node_ids_[n]) {
-      MarkLost(n, absl::NotFoundError(
-                      absl::StrCat("CPU node ", st.address, " restarted: its sessions are gone")));
-      continue;
-    }
-    // Refusing calls (connection refused or reset): its process is gone with our shards.
-    if (!st.reachable && st.refused) {
-      MarkLost(n, absl::UnavailableError(absl::StrCat(
-                      "CPU node ", st.address, " refuses calls: its process is taken as gone")));
+    if (absl::Status lost = PoolSaysLost(n); !lost.ok()) {
+      MarkLost(n, lost);
       continue;
     }
     // Out of placement after someone's missed deadline: skipped until it answers again.
-    suspect_[n] = !st.reachable;
+    suspect_[n] = !pool_.state(n).reachable;
   }
+}
+
+absl::Status RemoteKv::PoolSaysLost(size_t n) const {
+  const NodeState st = pool_.state(n);
+  if (n < node_ids_.size() && !node_ids_[n].empty() && !st.node_id.empty() &&
+      st.node_id != node_ids_[n]) {
+    return absl::NotFoundError(
+        absl::StrCat("CPU node ", st.address, " restarted: its sessions are gone"));
+  }
+  // Refusing calls (connection refused or reset): its process is gone with our shards.
+  if (!st.reachable && st.refused) {
+    return absl::UnavailableError(
+        absl::StrCat("CPU node ", st.address, " refuses calls: its process is taken as gone"));
+  }
+  return absl::OkStatus();
 }
 
 void RemoteKv::CheckNodes() {
@@ -108,12 +115,16 @@ void RemoteKv::CheckNodes() {
 }
 
 bool RemoteKv::needs_rebuild() const {
-  if (pool_.generation() != synced_generation_) return true;
   for (const std::unique_ptr<ShmLink>& link : shm_) {
     if (link != nullptr && link->peer_exited()) return true;
   }
+  // What SyncWithPool would mark lost, looked at once per node that holds shards.
+  const bool pool_changed = pool_.generation() != synced_generation_;
+  std::vector<bool> seen(lost_.size(), false);
   for (int node : placement_) {
-    if (node >= 0 && static_cast<size_t>(node) < lost_.size() && lost_[node]) return true;
+    if (node < 0 || static_cast<size_t>(node) >= lost_.size() || seen[node]) continue;
+    seen[node] = true;
+    if (lost_[node] || (pool_changed && !PoolSaysLost(node).ok())) return true;
   }
   return false;
 }

@@ -285,6 +285,24 @@ TEST_F(NodeLossTest, LostNodeDegradesThenShardsAreRebuiltAndExactAgain) {
   }
 }
 
+// Only a change of the pool that loses some of the session's shards asks for a rebuild: a node
+// holding shards that missed someone's deadline is out of placement (its heads are skipped
+// until it answers), not lost, so the session's view of the pool moving says nothing yet.
+TEST_F(NodeLossTest, APoolChangeThatLosesNoShardAsksForNoRebuild) {
+  auto kv = RemoteKv::Open(*pool_, Options("precise"));
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  History history;
+  history.Append({kv->get()}, 40);
+  EXPECT_FALSE((*kv)->needs_rebuild());
+  const std::vector<size_t> used = (*kv)->nodes_in_use();
+  ASSERT_FALSE(used.empty());
+  const uint64_t generation = pool_->generation();
+  pool_->ReportFailure(used.front(), absl::DeadlineExceededError("a deadline missed elsewhere"));
+  EXPECT_NE(pool_->generation(), generation) << "the pool's view changed";
+  EXPECT_FALSE((*kv)->needs_rebuild());
+  ASSERT_TRUE((*kv)->Close().ok());
+}
+
 // The health watch may find a dead node before any call of the session does (its connection
 // drops while the session is idle). The pool then records that it refuses calls (not that it
 // missed a deadline), so the session's next attend loses it at once, as a refused call of its

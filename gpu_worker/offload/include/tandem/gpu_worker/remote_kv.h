@@ -201,9 +201,10 @@ class RemoteKv {
   // re-plans when due or when the node set changed, starts migrations. Cheap when idle.
   absl::Status Maintain();
   // Shards placed on a node this session lost (their entries are gone; their attends are
-  // degraded) wait for RebuildLost; also true when the pool's view of the nodes changed or a
-  // shm peer process exited since the session last looked (RebuildLost looks, cheaply), so that
-  // an idle session's next turn starts with its shards rebuilt.
+  // degraded) wait for RebuildLost; also true when a shm peer process exited, or when the pool
+  // has seen, since the session last looked, a node holding its shards restart or refuse calls
+  // (RebuildLost marks those lost), so that an idle session's next turn starts with its shards
+  // rebuilt. Other changes of the pool (a lost node's later probes, nodes joining) are not.
   bool needs_rebuild() const;
   // At a new turn of a kept session (an idle session may have lost a node unnoticed): Stats of
   // each node holding its shards, with the attend deadline; a node that fails it or restarted
@@ -321,6 +322,9 @@ class RemoteKv {
   // Marks lost the opened nodes that restarted or that the pool found refusing calls; marks
   // suspect those out of placement otherwise (a missed deadline).
   void SyncWithPool();
+  // Why the pool's latest state says opened node `node` lost this session's shards (it
+  // restarted, or refuses calls); OK when they may still be there.
+  absl::Status PoolSaysLost(size_t node) const;
   // Tells the pool what this session will charge on each node by the end of its expected length
   // and has charged so far (NodePool "Claims"), and updates NodeBytes(). After every change of
   // placement, expected length or offloaded entries.
