@@ -207,9 +207,7 @@ absl::Status ExactTier::KeepInputs(const std::vector<EvictedBlock>& blocks, int6
 
 absl::Status ExactTier::BeginPass(TierContext& context, size_t stream) {
   if (host_->num_pages(0) > 0) {
-    TANDEM_ASSIGN_OR_RETURN(HostPageStreams * streams,
-                            HostPageStreams::Of(context, host_->geometry(), host_->page_tokens()));
-    TANDEM_RETURN_IF_ERROR(streams->Add(stream, host_.get()));
+    TANDEM_RETURN_IF_ERROR(HostPageStreams::AddPages(context, stream, *host_));
   }
   // The recomputed pages' first uploads, ahead of the fetched pages' (exact_recompute.h).
   if (recompute_tokens() > 0) TANDEM_RETURN_IF_ERROR(recompute_->BeginPass());
@@ -249,8 +247,7 @@ absl::StatusOr<bool> ExactTier::FinishAttend(TierContext& context, const AttendR
   absl::Status streamed = absl::OkStatus();
   if (recompute_tokens() > 0) streamed = recompute_->Attend(rows.layer, w);
   if (streamed.ok() && host_->num_pages(0) > 0) {
-    HostPageStreams* streams = HostPageStreams::Find(context);
-    KvStreamer* streamer = streams != nullptr ? streams->streamer() : nullptr;
+    KvStreamer* streamer = HostPageStreams::StreamerOf(context);
     streamed = streamer == nullptr ? absl::FailedPreconditionError("exact tier without a streamer")
                                    : streamer->AttendLayer(rows.layer, rows.stream, w);
   }

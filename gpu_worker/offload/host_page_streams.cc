@@ -26,22 +26,26 @@ void HostPageStreams::BeginPass(size_t segments) {
   streaming_ = false;
 }
 
-absl::Status HostPageStreams::Add(size_t stream, const OffloadedKv* kv) {
-  if (stream >= streams_.size()) {
+absl::Status HostPageStreams::AddPages(TierContext& context, size_t stream,
+                                       const OffloadedKv& kv) {
+  TANDEM_ASSIGN_OR_RETURN(HostPageStreams * self, Of(context, kv.geometry(), kv.page_tokens()));
+  std::vector<const OffloadedKv*>& streams = self->streams_;
+  const KvStreamer& streamer = *self->streamer_;
+  if (stream >= streams.size()) {
     return absl::InvalidArgumentError(absl::StrCat("host pages of segment ", stream,
-                                                   " in a pass of ", streams_.size()));
+                                                   " in a pass of ", streams.size()));
   }
-  const WindowGeometry& g = kv->geometry();
-  const WindowGeometry& made = streamer_->geometry();
-  if (kv->page_tokens() != streamer_->page_tokens() || g.num_kv_heads != made.num_kv_heads ||
+  const WindowGeometry& g = kv.geometry();
+  const WindowGeometry& made = streamer.geometry();
+  if (kv.page_tokens() != streamer.page_tokens() || g.num_kv_heads != made.num_kv_heads ||
       g.head_dim != made.head_dim || g.dtype != made.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "host pages of ", kv->page_tokens(), " tokens x ", g.num_kv_heads, " kv heads x ",
+        "host pages of ", kv.page_tokens(), " tokens x ", g.num_kv_heads, " kv heads x ",
         g.head_dim, " ", std::string(DTypeName(g.dtype)), "; the streamer was made for ",
-        streamer_->page_tokens(), " x ", made.num_kv_heads, " x ", made.head_dim, " ",
+        streamer.page_tokens(), " x ", made.num_kv_heads, " x ", made.head_dim, " ",
         std::string(DTypeName(made.dtype)), " (the host tiers of one runner share a page size)"));
   }
-  streams_[stream] = kv;
+  streams[stream] = &kv;
   return absl::OkStatus();
 }
 

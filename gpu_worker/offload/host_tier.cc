@@ -12,14 +12,11 @@ absl::StatusOr<std::unique_ptr<OffloadTier>> HostTier::Fork(const TierFork&) con
 
 absl::Status HostTier::BeginPass(TierContext& context, size_t stream) {
   if (kv_->num_pages(0) == 0) return absl::OkStatus();
-  TANDEM_ASSIGN_OR_RETURN(HostPageStreams * streams,
-                          HostPageStreams::Of(context, kv_->geometry(), kv_->page_tokens()));
-  return streams->Add(stream, kv_.get());
+  return HostPageStreams::AddPages(context, stream, *kv_);
 }
 
 absl::StatusOr<bool> HostTier::FinishAttend(TierContext& context, const AttendRows& rows) {
-  HostPageStreams* streams = HostPageStreams::Find(context);
-  KvStreamer* streamer = streams != nullptr ? streams->streamer() : nullptr;
+  KvStreamer* streamer = HostPageStreams::StreamerOf(context);
   if (streamer == nullptr) return absl::FailedPreconditionError("host tier without a streamer");
   TANDEM_RETURN_IF_ERROR(streamer->AttendLayer(rows.layer, rows.stream, rows.window));
   return false;

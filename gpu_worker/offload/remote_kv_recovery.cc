@@ -118,13 +118,17 @@ bool RemoteKv::needs_rebuild() const {
   for (const std::unique_ptr<ShmLink>& link : shm_) {
     if (link != nullptr && link->peer_exited()) return true;
   }
-  // What SyncWithPool would mark lost, looked at once per node that holds shards.
-  const bool pool_changed = pool_.generation() != synced_generation_;
+  for (int node : placement_) {
+    if (node >= 0 && static_cast<size_t>(node) < lost_.size() && lost_[node]) return true;
+  }
+  if (pool_.generation() == synced_generation_) return false;
+  // The pool changed since the session looked: what SyncWithPool would mark lost, once per
+  // node that holds shards.
   std::vector<bool> seen(lost_.size(), false);
   for (int node : placement_) {
     if (node < 0 || static_cast<size_t>(node) >= lost_.size() || seen[node]) continue;
     seen[node] = true;
-    if (lost_[node] || (pool_changed && !PoolSaysLost(node).ok())) return true;
+    if (!PoolSaysLost(node).ok()) return true;
   }
   return false;
 }

@@ -6,9 +6,9 @@
 // It lives in the runner's TierContext as a PassShared (offload_tier.h), made by the first tier
 // that streams or by the engine ahead of time (Of). Per pass:
 //   TierContext::BeginPass   forgets the last plan (BeginPass)
-//   tier BeginPass           Add(stream, pages) for each sequence with pages
+//   tier BeginPass           AddPages(context, stream, pages) for each sequence with pages
 //   TierContext::StartPass   plans the pass over the added pages and queues the first uploads
-//   tier FinishAttend        streamer()->AttendLayer(layer, stream, rows)
+//   tier FinishAttend        StreamerOf(context)->AttendLayer(layer, stream, rows)
 //
 // Not thread-safe: the runner's pass drives it.
 #pragma once
@@ -44,11 +44,15 @@ class HostPageStreams : public PassShared {
     return context.FindShared<HostPageStreams>();
   }
 
-  // Adds the pages of segment `stream` of this pass (kv outlives the pass). INVALID_ARGUMENT
-  // when their page size or geometry is not the streamer's, or `stream` is not of the pass.
-  absl::Status Add(size_t stream, const OffloadedKv* kv);
-  // The streamer of this pass; null when no sequence of the pass added pages.
-  KvStreamer* streamer() { return streaming_ ? streamer_.get() : nullptr; }
+  // Adds the pages of segment `stream` of this pass to the context's streams, made for kv's
+  // geometry and page size if there are none yet (kv outlives the pass). INVALID_ARGUMENT when
+  // their page size or geometry is not the streamer's, or `stream` is not of the pass.
+  static absl::Status AddPages(TierContext& context, size_t stream, const OffloadedKv& kv);
+  // The streamer of the context's pass; null when no sequence of the pass added pages.
+  static KvStreamer* StreamerOf(TierContext& context) {
+    HostPageStreams* streams = Find(context);
+    return streams != nullptr && streams->streaming_ ? streams->streamer_.get() : nullptr;
+  }
 
   void BeginPass(size_t segments) override;
   absl::Status StartPass() override;

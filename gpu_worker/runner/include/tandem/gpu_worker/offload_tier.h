@@ -143,7 +143,6 @@ class TierContext {
   // StartPass() lets every PassShared queue its first work.
   void BeginPass(size_t segments);
   absl::Status StartPass();
-  size_t pass_segments() const { return pass_segments_; }
   // The PassShared of type T (a class deriving from PassShared), null if none was added.
   template <typename T>
   T* FindShared() {
@@ -157,7 +156,7 @@ class TierContext {
     return const_cast<TierContext*>(this)->FindShared<T>();
   }
   // Keeps `shared` for the context's life; one added during a pass joins it at once (its
-  // BeginPass(pass_segments()) runs here). Returns it.
+  // BeginPass with the pass's segment count runs here). Returns it.
   template <typename T>
   T* AddShared(std::unique_ptr<T> shared) {
     T* raw = shared.get();
