@@ -400,7 +400,7 @@ cudaError_t PlanWindowAttention(const WindowAttentionArgs& a, int num_sms,
   plan->stream = plan->decode && stream_ok;
   plan->mma = !plan->decode && allow_tensor_cores && MmaAttentionSupports(a);
   plan->flash = plan->mma && !exact_prefill && FlashAttentionSupports(a);
-  plan->flash_variant = kFlashDefaultVariant;
+  plan->flash_variant = plan->flash ? PreferredFlashVariant(a) : kFlashDefaultVariant;
   const int64_t rows_per_block = plan->stream   ? kDecodeStreamRows
                                  : plan->decode ? kRowsPerWarp
                                  : plan->flash  ? kFlashRowsPerBlock

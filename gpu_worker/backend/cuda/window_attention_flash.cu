@@ -12,6 +12,9 @@
 #include "mma_utils.cuh"
 #include "window_attention_flash.cuh"
 #include "window_attention_mma.cuh"
+#if TANDEM_HOPPER_ATTENTION
+#include "window_attention_hopper.cuh"
+#endif
 
 namespace tandem::gpu_worker::cuda_backend {
 namespace {
@@ -430,8 +433,26 @@ bool FlashAttentionSupports(const WindowAttentionArgs& a) {
   return a.cache_dtype == DType::kBF16 && a.head_dim <= 128 && a.maw == nullptr;
 }
 
+bool FlashVariantAvailable(const WindowAttentionArgs& a, int variant) {
+  if (!FlashAttentionSupports(a) || variant < 0 || variant >= kFlashVariants) return false;
+  if (variant != kFlashHopperVariant) return true;
+#if TANDEM_HOPPER_ATTENTION
+  return HopperAttentionSupports(a) && HopperAttentionAvailable();
+#else
+  return false;
+#endif
+}
+
+int PreferredFlashVariant(const WindowAttentionArgs& a) {
+  return FlashVariantAvailable(a, kFlashHopperVariant) ? kFlashHopperVariant : kFlashDefaultVariant;
+}
+
 cudaError_t FlashAttentionBlocksPerSm(const WindowAttentionArgs& a, int variant, int* blocks) {
   if (variant < 0 || variant >= kFlashVariants) return cudaErrorInvalidValue;
+  if (variant == kFlashHopperVariant) {
+    *blocks = 1;  // 162 KiB of shared memory and __launch_bounds__(256, 1)
+    return FlashVariantAvailable(a, variant) ? cudaSuccess : cudaErrorNotSupported;
+  }
   // Per (head-dim bucket, variant); one architecture per process.
   static std::atomic<int> cache[2][kFlashVariants] = {};
   std::atomic<int>& entry = cache[a.head_dim <= 64 ? 0 : 1][variant];
@@ -451,8 +472,16 @@ cudaError_t LaunchFlashAttention(const WindowAttentionArgs& a, int variant, int6
       variant >= kFlashVariants) {
     return cudaErrorInvalidValue;
   }
+  if (!FlashVariantAvailable(a, variant)) return cudaErrorNotSupported;
   const cudaError_t error = LaunchMmaTileBounds(a.slot_pos, a.num_slots, tile_min, stream);
   if (error != cudaSuccess) return error;
+#if TANDEM_HOPPER_ATTENTION
+  if (variant == kFlashHopperVariant) {
+    return LaunchHopperAttention(a, row_tiles, splits, slots_per_split, tile_min,
+                                 tile_min + (a.num_slots + kTile - 1) / kTile, part_o, part_lse,
+                                 stream);
+  }
+#endif
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(splits));
   return Dispatch(a.head_dim, variant,

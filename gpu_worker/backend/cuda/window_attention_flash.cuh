@@ -39,19 +39,30 @@ namespace tandem::gpu_worker::cuda_backend {
 inline constexpr int64_t kFlashRowsPerBlock = 128;
 inline constexpr int64_t kFlashSlotTile = 64;  // = kMmaSlotTile: the same position summary
 
-// Warp layouts of the kernel (both 128 rows per block): 0 = 8 warps x 16 rows (one m16 tile per
-// warp), 1 = 4 warps x 32 rows (two m16 tiles per warp share every K/V fragment).
-inline constexpr int kFlashVariants = 2;
-inline constexpr int kFlashDefaultVariant = 1;  // 2-3% faster from 2K x 8K up (H100)
+// Variants of the kernel (all 128 rows per block, the same numerics): 0 = 8 warps x 16 rows (one
+// m16 tile per warp), 1 = 4 warps x 32 rows (two m16 tiles per warp share every K/V fragment),
+// 2 = the Hopper kernel (window_attention_hopper.cuh: wgmma, head_dim 128, 9.x devices of an
+// sm_90 build). Plans take the Hopper one where it is available, else kFlashDefaultVariant.
+inline constexpr int kFlashVariants = 3;
+inline constexpr int kFlashDefaultVariant = 1;  // 2-3% faster than 0 from 2K x 8K up (H100)
+inline constexpr int kFlashHopperVariant = 2;
 
 // True when the fast kernel handles these arguments (bf16 cache, head_dim <= 128, no MAW).
 bool FlashAttentionSupports(const WindowAttentionArgs& a);
+
+// True when `variant` runs these arguments on this device and build (variants 0 and 1 wherever
+// FlashAttentionSupports; the Hopper one as window_attention_hopper.cuh says).
+bool FlashVariantAvailable(const WindowAttentionArgs& a, int variant);
+
+// The variant plans use: the Hopper kernel where available, else kFlashDefaultVariant.
+int PreferredFlashVariant(const WindowAttentionArgs& a);
 
 // Resident blocks per multiprocessor for a.head_dim's bucket and the variant.
 cudaError_t FlashAttentionBlocksPerSm(const WindowAttentionArgs& a, int variant, int* blocks);
 
 // grid [row_tiles, num_kv_heads, splits] with row_tiles = ceil(T·G / kFlashRowsPerBlock);
-// slots_per_split a multiple of kFlashSlotTile. Writes o/lse when part_o is null (one split),
+// slots_per_split a multiple of kFlashSlotTile. cudaErrorNotSupported for a variant not
+// available here (FlashVariantAvailable). Writes o/lse when part_o is null (one split),
 // else the split's partial states ([splits, T·Hq, head_dim] and [splits, T·Hq]). tile_min:
 // workspace of MmaTileSummaryBytes(num_slots), filled here. cudaErrorInvalidValue for
 // unsupported arguments or a bad variant.

@@ -1,0 +1,367 @@
+// The Hopper window attention kernel (window_attention_hopper.cuh): wgmma m64n128k16 with bf16 q
+// and p, f32 accumulation, 128 query rows and 128-slot K/V tiles per block.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "device_utils.cuh"
+#include "hopper_wgmma.cuh"
+#include "mma_utils.cuh"
+#include "window_attention_hopper.cuh"
+
+namespace tandem::gpu_worker::cuda_backend {
+namespace {
+
+constexpr int kD = 128;           // head_dim
+constexpr int kRows = 128;        // query rows per block: two warpgroups of 64
+constexpr int kTile = 128;        // slots per K/V tile
+constexpr int kSummaryTile = 64;  // slots per entry of the position summary (kMmaSlotTile)
+constexpr int kThreads = 256;
+constexpr int kChunks = kD / 8;                   // 16-byte chunks per row
+constexpr int kLoadRowStep = kThreads / kChunks;  // loader rows per pass (16)
+constexpr int kLoadRows = kTile / kLoadRowStep;   // rows each loader thread copies (8)
+constexpr int kMatrixBytes = kTile * kD * 2;      // one bf16 tile: 32 KiB
+constexpr int kStageBytes = 2 * kMatrixBytes;     // K then V
+constexpr int kStages = 2;
+constexpr int kQBytes = kRows * kD * 2;
+constexpr int kPosBytes = kTile * 4;
+// Q, the K/V stages, their slot positions, and slack to align the start to 1024 bytes.
+constexpr size_t kSmemBytes = kQBytes + kStages * (kStageBytes + kPosBytes) + 1024;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kRows == kTile, "Q and K/V tiles share TileOffset<128>");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+using hopper::KMajorDescriptor;
+using hopper::MnMajorDescriptor;
+using hopper::TileOffset;
+#endif
+
+// grid [row_tiles, num_kv_heads, splits], 256 threads. Warpgroup wg owns the block's rows
+// 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). The loader
+// thread i copies 16-byte chunk i % 16 of tile rows i / 16 + 16p (p < 8) and fetches their slot
+// positions. Per 128-slot tile: wait for it, zero V rows of empty slots, publish (fence + barrier),
+// queue the next tile's copies, S = Q·Kᵀ, mask, online softmax (log2 units: q carries
+// scale·log2e), p̃ = bf16(p) into P's register fragments, O += P·V.
+__global__ void __launch_bounds__(kThreads, 1)
+    HopperAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, const int32_t* tile_min,
+                          const int32_t* tile_max, float* part_o, float* part_lse) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int red[4][kThreads / kWarpSize];
+  AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
+
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  unsigned char* smem = smem_raw + (((raw_addr + 1023) & ~1023u) - raw_addr);
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
+  auto keys_of = [&](int stage) {
+    return reinterpret_cast<__nv_bfloat16*>(smem + kQBytes + stage * kStageBytes);
+  };
+  auto positions_of = [&](int stage) {
+    return reinterpret_cast<int*>(smem + kQBytes + kStages * kStageBytes + stage * kPosBytes);
+  };
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int wg = warp / 4;
+  // 32-bit row and slot indices: T·G and num_slots are far below 2^31 (the backend's checks).
+  const int g = blockIdx.y;
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * kRows;  // latest rows first
+  const int split = blockIdx.z;
+  const int group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
+  const int rows = static_cast<int>(a.num_tokens) * group;
+  const float scale_log2 = a.scale * kLog2e;
+
+  // q · scale·log2e as bf16, zero for rows past T·G.
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks;
+    const int c = i % kChunks;
+    const int row = row0 + r;
+    float x[8] = {};
+    if (row < rows) {
+      const float* src =
+          a.q + (row / group) * a.q_row_stride + (g * group + row % group) * kD + c * 8;
+      const float4 lo = *reinterpret_cast<const float4*>(src);
+      const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+      x[0] = lo.x * scale_log2, x[1] = lo.y * scale_log2, x[2] = lo.z * scale_log2;
+      x[3] = lo.w * scale_log2, x[4] = hi.x * scale_log2, x[5] = hi.y * scale_log2;
+      x[6] = hi.z * scale_log2, x[7] = hi.w * scale_log2;
+    }
+    uint4 packed;
+    packed.x = Bits(__floats2bfloat162_rn(x[0], x[1]));
+    packed.y = Bits(__floats2bfloat162_rn(x[2], x[3]));
+    packed.z = Bits(__floats2bfloat162_rn(x[4], x[5]));
+    packed.w = Bits(__floats2bfloat162_rn(x[6], x[7]));
+    *reinterpret_cast<uint4*>(qs + TileOffset<kRows>(r, c)) = packed;
+  }
+
+  // This thread's rows (a and b = a + 8) and the block's position range.
+  const int row_a = row0 + wg * 64 + (warp % 4) * 16 + lane / 4;
+  const int qpos_a = row_a < rows ? a.q_pos[row_a / group] : -1;  // -1: sees nothing
+  const int qpos_b = row_a + 8 < rows ? a.q_pos[(row_a + 8) / group] : -1;
+  int max_q = __reduce_max_sync(kFullMask, max(qpos_a, qpos_b));
+  int min_q = __reduce_min_sync(kFullMask, min(qpos_a, qpos_b));  // -1 with padding rows
+  if (lane == 0) {
+    red[0][warp] = max_q;
+    red[1][warp] = min_q;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / kWarpSize; ++w) {
+    max_q = max(max_q, red[0][w]);
+    min_q = min(min_q, red[1][w]);
+  }
+
+  // The 128-slot tiles of this split that hold a position some row of the block can see; tile
+  // j covers summary entries 2j and 2j + 1 (the second absent past the split's end).
+  const int s_begin = split * static_cast<int>(slots_per_split);
+  const int s_end = static_cast<int>(min(a.num_slots, int64_t{s_begin} + slots_per_split));
+  const int summary_begin = s_begin / kSummaryTile;
+  const int tiles = (s_end - s_begin + kTile - 1) / kTile;
+  auto has_second_half = [&](int j) { return s_begin + j * kTile + kSummaryTile < s_end; };
+  int first = INT_MAX, last = -1;
+  for (int j = threadIdx.x; j < tiles; j += kThreads) {
+    int lo = tile_min[summary_begin + 2 * j];
+    if (has_second_half(j)) lo = min(lo, tile_min[summary_begin + 2 * j + 1]);
+    if (lo <= max_q) {
+      first = min(first, j);
+      last = max(last, j);
+    }
+  }
+  first = __reduce_min_sync(kFullMask, first);
+  last = __reduce_max_sync(kFullMask, last);
+  if (lane == 0) {
+    red[2][warp] = first;
+    red[3][warp] = last;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kThreads / kWarpSize; ++w) {
+    first = min(first, red[2][w]);
+    last = max(last, red[3][w]);
+  }
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  float m_a = -INFINITY, m_b = -INFINITY;  // running max of the log2-unit scores
+  float l_a = 0.0f, l_b = 0.0f;            // this lane's share of Σ p̃ (p rounded to bf16)
+
+  const __nv_bfloat16* k_head = static_cast<const __nv_bfloat16*>(a.k_cache) + g * a.capacity * kD;
+  const __nv_bfloat16* v_head = static_cast<const __nv_bfloat16*>(a.v_cache) + g * a.capacity * kD;
+  const int ld_chunk = threadIdx.x % kChunks;
+  const int ld_row0 = threadIdx.x / kChunks;
+  // Queues tile j's copies into its stage and fetches the slot positions of this thread's rows
+  // (-1: empty, past the split, or j past `last`).
+  auto issue = [&](int j, int(&pos)[kLoadRows]) {
+    if (j > last) {
+#pragma unroll
+      for (int p = 0; p < kLoadRows; ++p) pos[p] = -1;
+      return;
+    }
+    __nv_bfloat16* ks = keys_of((j - first) % kStages);
+    __nv_bfloat16* vs = ks + kTile * kD;
+    int slot[kLoadRows];
+#pragma unroll
+    for (int p = 0; p < kLoadRows; ++p) {
+      const int r = ld_row0 + kLoadRowStep * p;
+      slot[p] = s_begin + j * kTile + r;
+      const bool in = slot[p] < s_end;
+      const int64_t offset = int64_t{in ? slot[p] : s_begin} * kD + ld_chunk * 8;
+      CpAsync16(SmemAddr(ks + TileOffset<kTile>(r, ld_chunk)), k_head + offset, in);
+      CpAsync16(SmemAddr(vs + TileOffset<kTile>(r, ld_chunk)), v_head + offset, in);
+    }
+    CpAsyncCommit();
+#pragma unroll
+    for (int p = 0; p < kLoadRows; ++p) pos[p] = slot[p] < s_end ? a.slot_pos[slot[p]] : -1;
+  };
+
+  if (first <= last) {
+    int pos[kLoadRows];  // this thread's rows' slot positions in the tile in flight
+    issue(first, pos);
+    const uint32_t q_addr = SmemAddr(qs) + wg * 64 * 128;  // this warpgroup's 64 rows
+    for (int j = first; j <= last; ++j) {
+      const int stage = (j - first) % kStages;
+      __nv_bfloat16* ks = keys_of(stage);
+      __nv_bfloat16* vs = ks + kTile * kD;
+      int* spos = positions_of(stage);
+      CpAsyncWait<0>();  // tile j has landed (this thread's copies)
+      // NOTE: an empty slot's V row may be unwritten memory (NaN); its weight is 0, but
+      // 0·NaN = NaN in the product, so the row is zeroed (by the threads that copied it).
+#pragma unroll
+      for (int p = 0; p < kLoadRows; ++p) {
+        const int r = ld_row0 + kLoadRowStep * p;
+        if (pos[p] < 0) {
+          *reinterpret_cast<uint4*>(vs + TileOffset<kTile>(r, ld_chunk)) = make_uint4(0, 0, 0, 0);
+        }
+        if (ld_chunk == 0) spos[r] = pos[p];
+      }
+      hopper::FenceSharedForWgmma();
+      __syncthreads();  // tile j is visible to every warpgroup; tile j - 1's stage is free
+      issue(j + 1, pos);
+      // Every slot of the tile holds a position every row of the block sees: no mask.
+      const int t = summary_begin + 2 * j;
+      const bool unmasked = has_second_half(j) && max(tile_max[t], tile_max[t + 1]) <= min_q;
+
+      // S = Q·Kᵀ: 8 steps of 16 dims; dims 64.. in the tiles' second halves.
+      float s[64];
+      const uint32_t k_addr = SmemAddr(ks);
+      hopper::WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t step = (kk / 4) * hopper::kHalfBytes<kRows> + (kk % 4) * 32;
+        hopper::WgmmaSharedShared(s, KMajorDescriptor(q_addr + step),
+                                  KMajorDescriptor(k_addr + step), kk > 0);
+      }
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<0>();
+      hopper::PinRegisters(s);
+
+      // Mask by position (s[4n], s[4n + 1] row a, s[4n + 2], s[4n + 3] row b, slots
+      // 8n + 2(lane % 4) + {0, 1}), the online softmax, and p̃ = bf16(p) packed as P's A
+      // fragments.
+      if (!unmasked) {
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n) {
+          const int2 sp = *reinterpret_cast<const int2*>(spos + n * 8 + 2 * (lane & 3));
+          s[4 * n + 0] = (sp.x >= 0 && sp.x <= qpos_a) ? s[4 * n + 0] : -INFINITY;
+          s[4 * n + 1] = (sp.y >= 0 && sp.y <= qpos_a) ? s[4 * n + 1] : -INFINITY;
+          s[4 * n + 2] = (sp.x >= 0 && sp.x <= qpos_b) ? s[4 * n + 2] : -INFINITY;
+          s[4 * n + 3] = (sp.y >= 0 && sp.y <= qpos_b) ? s[4 * n + 3] : -INFINITY;
+        }
+      }
+      float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < kTile / 8; ++n) {
+        mx_a = fmaxf(mx_a, fmaxf(s[4 * n + 0], s[4 * n + 1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+      }
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
+      const float new_a = fmaxf(m_a, mx_a);
+      const float new_b = fmaxf(m_b, mx_b);
+      const float base_a = new_a == -INFINITY ? 0.0f : new_a;  // nothing seen: p = 0, no NaN
+      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
+      const float corr_a = Exp2(m_a - base_a);  // m = -inf: 0 (and o, l are still 0)
+      const float corr_b = Exp2(m_b - base_b);
+      m_a = new_a;
+      m_b = new_b;
+      l_a *= corr_a;
+      l_b *= corr_b;
+#pragma unroll
+      for (int n = 0; n < kD / 8; ++n) {
+        o[4 * n + 0] *= corr_a;
+        o[4 * n + 1] *= corr_a;
+        o[4 * n + 2] *= corr_b;
+        o[4 * n + 3] *= corr_b;
+      }
+      uint32_t p[kTile / 8][2];  // [n-tile][row a, row b]
+#pragma unroll
+      for (int n = 0; n < kTile / 8; ++n) {
+        const __nv_bfloat162 pa =
+            __floats2bfloat162_rn(Exp2(s[4 * n + 0] - base_a), Exp2(s[4 * n + 1] - base_a));
+        const __nv_bfloat162 pb =
+            __floats2bfloat162_rn(Exp2(s[4 * n + 2] - base_b), Exp2(s[4 * n + 3] - base_b));
+        const float2 fa = __bfloat1622float2(pa);
+        const float2 fb = __bfloat1622float2(pb);
+        l_a += fa.x + fa.y;
+        l_b += fb.x + fb.y;
+        p[n][0] = Bits(pa);
+        p[n][1] = Bits(pb);
+      }
+
+      // O += P·V: P's fragment for slots 16kk .. + 15 is S's n-tiles 2kk and 2kk + 1; V's 16
+      // rows of those slots start 16 rows (2048 bytes) further per step.
+      const uint32_t v_addr = SmemAddr(vs);
+      hopper::PinRegisters(o);
+      hopper::WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        const uint32_t frag[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+        hopper::WgmmaRegisterShared(o, frag, MnMajorDescriptor<kTile>(v_addr + kk * 16 * 128));
+      }
+      hopper::WgmmaCommit();
+      hopper::WgmmaWait<0>();
+      hopper::PinRegisters(o);
+    }
+  }
+
+  // Epilogue: l summed over the 4 lanes of a row; o = O / l, lse = (m + log2 l)·ln2.
+  l_a += __shfl_xor_sync(kFullMask, l_a, 1);
+  l_a += __shfl_xor_sync(kFullMask, l_a, 2);
+  l_b += __shfl_xor_sync(kFullMask, l_b, 1);
+  l_b += __shfl_xor_sync(kFullMask, l_b, 2);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row_a + 8 * half;
+    if (row >= rows) continue;
+    const float m = half == 0 ? m_a : m_b;
+    const float l = half == 0 ? l_a : l_b;
+    const bool empty = m == -INFINITY;
+    const float inv = empty ? 0.0f : 1.0f / l;
+    const float lse = empty ? -INFINITY : (m + log2f(l)) * kLn2;
+    const int64_t out_row = (row / group) * a.num_q_heads + g * group + row % group;
+    float* dst_o = a.o;
+    float* dst_lse = a.lse;
+    int64_t dst_row = out_row;
+    if (part_o != nullptr) {
+      dst_o = part_o;
+      dst_lse = part_lse;
+      dst_row = int64_t{split} * a.num_tokens * a.num_q_heads + out_row;
+    }
+#pragma unroll
+    for (int n = 0; n < kD / 8; ++n) {
+      const int col = n * 8 + 2 * (lane & 3);
+      *reinterpret_cast<float2*>(dst_o + dst_row * kD + col) =
+          make_float2(o[4 * n + 2 * half] * inv, o[4 * n + 2 * half + 1] * inv);
+    }
+    if ((lane & 3) == 0) dst_lse[dst_row] = lse;
+  }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}
+
+}  // namespace
+
+bool HopperAttentionSupports(const WindowAttentionArgs& a) {
+  return a.cache_dtype == DType::kBF16 && a.head_dim == kD && a.maw == nullptr &&
+         a.num_kv_heads > 0 && a.q_row_stride % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(a.q) % 16 == 0;  // q read as float4
+}
+
+bool HopperAttentionAvailable() {
+  // One architecture per process (as the occupancy caches assume): asked once.
+  static const bool available = [] {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      return false;
+    }
+    return major == 9;
+  }();
+  return available;
+}
+
+cudaError_t LaunchHopperAttention(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
+                                  int64_t slots_per_split, const int32_t* tile_min,
+                                  const int32_t* tile_max, float* part_o, float* part_lse,
+                                  cudaStream_t stream) {
+  if (!HopperAttentionSupports(a) || tile_min == nullptr || tile_max == nullptr ||
+      slots_per_split % kSummaryTile != 0 || row_tiles <= 0 || splits <= 0 || a.num_slots <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (!HopperAttentionAvailable()) return cudaErrorNotSupported;
+  static const cudaError_t prepared =
+      cudaFuncSetAttribute(HopperAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kSmemBytes));
+  if (prepared != cudaSuccess) return prepared;
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
+                  static_cast<unsigned>(splits));
+  HopperAttentionKernel<<<grid, kThreads, kSmemBytes, stream>>>(a, slots_per_split, tile_min,
+                                                                tile_max, part_o, part_lse);
+  return cudaGetLastError();
+}
+
+}  // namespace tandem::gpu_worker::cuda_backend

@@ -1,0 +1,41 @@
+// Hopper window attention for prefill plans: the fast kernel's numerics
+// (window_attention_flash.cuh: q and p rounded to bf16, f32 accumulation, the same position masks,
+// split states and empty rows) on sm_90a's warpgroup MMA (wgmma.mma_async), which issues a 64 x 128
+// x 16 product per instruction from shared memory and keeps the tensor cores busier than mma.sync
+// can. Compiled only when the build targets sm_90 (tandem_backend_cuda_hopper, as sm_90a code),
+// launched only on a device of compute capability 9.x; bf16 caches with head_dim 128 and no MAW
+// update.
+//
+// Tiles: 128 query rows per block (rows r = t·G + j of one kv head, two warpgroups of 64), q in
+// shared memory as bf16, 128-slot K/V tiles double-buffered by cp.async, all in the 128-byte
+// swizzled layout wgmma reads (hopper_wgmma.cuh); one block per multiprocessor (162 KiB of
+// shared memory). Per tile each warpgroup: S = Q·Kᵀ (8 wgmma, both from shared memory), the
+// position mask and online softmax on S's registers, p as bf16 in registers, O += P·V (8 wgmma,
+// P from registers, V MN-major from shared memory).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "window_attention.cuh"
+
+namespace tandem::gpu_worker::cuda_backend {
+
+// True when this build holds the kernel (it targets sm_90) and the current device is 9.x.
+bool HopperAttentionAvailable();
+
+// True for the shapes the kernel handles: bf16 cache, head_dim 128, no MAW update.
+bool HopperAttentionSupports(const WindowAttentionArgs& a);
+
+// grid [row_tiles, num_kv_heads, splits], row_tiles = ceil(T·G / 128); slots_per_split a
+// multiple of 64. tile_min / tile_max: the 64-slot position summary of LaunchMmaTileBounds
+// (already filled). Writes o/lse when part_o is null, else the split's partial states
+// ([splits, T·Hq, head_dim] and [splits, T·Hq]). cudaErrorInvalidValue for unsupported
+// arguments, cudaErrorNotSupported when !HopperAttentionAvailable().
+cudaError_t LaunchHopperAttention(const WindowAttentionArgs& a, int64_t row_tiles, int64_t splits,
+                                  int64_t slots_per_split, const int32_t* tile_min,
+                                  const int32_t* tile_max, float* part_o, float* part_lse,
+                                  cudaStream_t stream);
+
+}  // namespace tandem::gpu_worker::cuda_backend
