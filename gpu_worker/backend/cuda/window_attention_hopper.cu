@@ -7,24 +7,32 @@
 #include <cstdint>
 
 #include "device_utils.cuh"
-#include "hopper_wgmma.cuh"
+#include "hopper_device.cuh"
 #include "mma_utils.cuh"
 #include "window_attention_hopper.cuh"
 
 namespace tandem::gpu_worker::cuda_backend {
 namespace {
 
-constexpr int kD = 128;           // head_dim
-constexpr int kRows = 128;        // query rows per block: two warpgroups of 64
-constexpr int kTile = 128;        // slots per K/V tile
-constexpr int kSummaryTile = 64;  // slots per entry of the position summary (kMmaSlotTile)
-constexpr int kThreads = 256;
-constexpr int kChunks = kD / 8;                   // 16-byte chunks per row
-constexpr int kLoadRowStep = kThreads / kChunks;  // loader rows per pass (16)
-constexpr int kLoadRows = kTile / kLoadRowStep;   // rows each loader thread copies (8)
-constexpr int kMatrixBytes = kTile * kD * 2;      // one bf16 tile: 32 KiB
-constexpr int kStageBytes = 2 * kMatrixBytes;     // K then V
-constexpr int kStages = 2;
+constexpr int kD = 128;               // head_dim
+constexpr int kRows = 128;            // query rows per block: two warpgroups of 64
+constexpr int kTile = 128;            // slots per K/V tile
+constexpr int kSummaryTile = 64;      // slots per entry of the position summary (kMmaSlotTile)
+constexpr int kComputeThreads = 256;  // warps 0-7: two warpgroups
+// Warpgroup 2 (warps 8-11) loads the K/V tiles; it needs few registers, so they move to the
+// computing warpgroups (setmaxnreg).
+constexpr int kLoadThreads = 128;
+constexpr int kThreads = kComputeThreads + kLoadThreads;
+constexpr int kLoaderRegisters = 56;
+constexpr int kComputeRegisters = 224;  // (65536 - 128·56) / 256, a multiple of 8
+constexpr int kWarps = kThreads / kWarpSize;
+constexpr int kChunks = kD / 8;                       // 16-byte chunks per row
+constexpr int kLoadRowStep = kLoadThreads / kChunks;  // rows the loaders copy per step (8)
+static_assert(kLoadThreads == kTile, "each loading thread fetches one row's slot position");
+constexpr int kMatrixBytes = kTile * kD * 2;   // one bf16 tile: 32 KiB
+constexpr int kStageBytes = 2 * kMatrixBytes;  // K then V
+// Tiles in flight: j + 1 and j + 2 loading, j in S = Q·Kᵀ, j - 1's V read by P·V.
+constexpr int kStages = 3;
 constexpr int kQBytes = kRows * kD * 2;
 constexpr int kPosBytes = kTile * 4;
 // Q, the K/V stages, their slot positions, and slack to align the start to 1024 bytes.
@@ -39,18 +47,22 @@ using hopper::MnMajorDescriptor;
 using hopper::TileOffset;
 #endif
 
-// grid [row_tiles, num_kv_heads, splits], 256 threads. Warpgroup wg owns the block's rows
-// 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). The loader
-// thread i copies 16-byte chunk i % 16 of tile rows i / 16 + 16p (p < 8) and fetches their slot
-// positions. Per 128-slot tile: wait for it, zero V rows of empty slots, publish (fence + barrier),
-// queue the next tile's copies, S = Q·Kᵀ, mask, online softmax (log2 units: q carries
-// scale·log2e), p̃ = bf16(p) into P's register fragments, O += P·V.
+// grid [row_tiles, num_kv_heads, splits], 384 threads. Warpgroup wg < 2 owns the block's rows
+// 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). Warp 8 loads:
+// per tile it waits for the stage to be free, copies K and V by cp.async (lane: chunk lane % 16
+// of rows lane / 16 + 2i), fetches the slot positions, and once the copies landed zeroes V rows
+// of empty slots and marks the stage full. The warpgroups run unsynchronised with each other:
+// per tile S = Q·Kᵀ and the previous tile's O += P·V are issued together, then the mask, the
+// online softmax (log2 units: q carries scale·log2e), and p̃ = bf16(p) into P's registers; a
+// stage is marked free once both warpgroups' P·V of it completed.
 __global__ void __launch_bounds__(kThreads, 1)
     HopperAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, const int32_t* tile_min,
                           const int32_t* tile_max, float* part_o, float* part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int red[4][kThreads / kWarpSize];
+  __shared__ int red[4][kWarps];
+  __shared__ __align__(8) uint64_t full[kStages];   // the 128 loading threads arrive
+  __shared__ __align__(8) uint64_t empty[kStages];  // the 8 computing warps arrive
   AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
 
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -64,6 +76,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
+  // Warp-uniform as the compiler sees it (a shuffle), so wgmma's register handling needs no
+  // serialisation for divergent paths.
+  const bool loader = __shfl_sync(kFullMask, threadIdx.x / 128, 0) == 2;
   const int wg = warp / 4;
   // 32-bit row and slot indices: T·G and num_slots are far below 2^31 (the backend's checks).
   const int g = blockIdx.y;
@@ -72,6 +87,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   const int rows = static_cast<int>(a.num_tokens) * group;
   const float scale_log2 = a.scale * kLog2e;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      hopper::BarrierInit(&full[i], kLoadThreads);
+      hopper::BarrierInit(&empty[i], kComputeThreads / kWarpSize);
+    }
+  }
 
   // q · scale·log2e as bf16, zero for rows past T·G.
   for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
@@ -95,20 +116,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     packed.w = Bits(__floats2bfloat162_rn(x[6], x[7]));
     *reinterpret_cast<uint4*>(qs + TileOffset<kRows>(r, c)) = packed;
   }
+  hopper::FenceSharedForWgmma();
 
-  // This thread's rows (a and b = a + 8) and the block's position range.
+  // This thread's rows (a and b = a + 8) and the block's position range (the loading warp
+  // has no rows).
   const int row_a = row0 + wg * 64 + (warp % 4) * 16 + lane / 4;
-  const int qpos_a = row_a < rows ? a.q_pos[row_a / group] : -1;  // -1: sees nothing
-  const int qpos_b = row_a + 8 < rows ? a.q_pos[(row_a + 8) / group] : -1;
+  const int qpos_a = !loader && row_a < rows ? a.q_pos[row_a / group] : -1;  // -1: sees nothing
+  const int qpos_b = !loader && row_a + 8 < rows ? a.q_pos[(row_a + 8) / group] : -1;
   int max_q = __reduce_max_sync(kFullMask, max(qpos_a, qpos_b));
-  int min_q = __reduce_min_sync(kFullMask, min(qpos_a, qpos_b));  // -1 with padding rows
+  // -1 with padding rows
+  int min_q = __reduce_min_sync(kFullMask, loader ? INT_MAX : min(qpos_a, qpos_b));
   if (lane == 0) {
     red[0][warp] = max_q;
     red[1][warp] = min_q;
   }
-  __syncthreads();
+  __syncthreads();  // also publishes q and the barriers' initialisation
 #pragma unroll
-  for (int w = 0; w < kThreads / kWarpSize; ++w) {
+  for (int w = 0; w < kWarps; ++w) {
     max_q = max(max_q, red[0][w]);
     min_q = min(min_q, red[1][w]);
   }
@@ -137,76 +161,111 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 #pragma unroll
-  for (int w = 0; w < kThreads / kWarpSize; ++w) {
+  for (int w = 0; w < kWarps; ++w) {
     first = min(first, red[2][w]);
     last = max(last, red[3][w]);
   }
 
+  if (loader) {
+    hopper::SetMaxRegisters<kLoaderRegisters, false>();
+    if (first > last) return;
+    const __nv_bfloat16* k_head =
+        static_cast<const __nv_bfloat16*>(a.k_cache) + g * a.capacity * kD;
+    const __nv_bfloat16* v_head =
+        static_cast<const __nv_bfloat16*>(a.v_cache) + g * a.capacity * kD;
+    const int tid = threadIdx.x - kComputeThreads;
+    const int chunk = tid % kChunks;
+    int pos = -1;       // slot position of tile row tid of the tile in flight
+    int pos_prev = -1;  // and of the tile before it
+    // Once tile i's copies landed (each thread's wait, then a barrier of the loaders for each
+    // other's): zero this thread's row of V if its slot is empty, record its position, publish
+    // to the async proxy, and arrive on the stage's full barrier.
+    auto finish = [&](int i, int row_pos) {
+      hopper::NamedBarrierSync(1, kLoadThreads);
+      const int stage = i % kStages;
+      positions_of(stage)[tid] = row_pos;
+      // NOTE: an empty slot's V row may be unwritten memory (NaN); its weight is 0, but
+      // 0·NaN = NaN in the product, so the row is zeroed.
+      if (row_pos < 0) {
+        __nv_bfloat16* vs = keys_of(stage) + kTile * kD;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          *reinterpret_cast<uint4*>(vs + TileOffset<kTile>(tid, c)) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      hopper::FenceSharedForWgmma();
+      hopper::BarrierArrive(&full[stage]);
+    };
+    for (int i = 0; i <= last - first; ++i) {
+      const int stage = i % kStages;
+      if (i >= kStages) hopper::BarrierWait(&empty[stage], (i / kStages - 1) & 1);
+      __nv_bfloat16* ks = keys_of(stage);
+      __nv_bfloat16* vs = ks + kTile * kD;
+      const int tile_slot = s_begin + (first + i) * kTile;
+#pragma unroll 4
+      for (int r = tid / kChunks; r < kTile; r += kLoadRowStep) {
+        const int slot = tile_slot + r;
+        const bool in = slot < s_end;
+        const int64_t offset = int64_t{in ? slot : s_begin} * kD + chunk * 8;
+        CpAsync16(SmemAddr(ks + TileOffset<kTile>(r, chunk)), k_head + offset, in);
+        CpAsync16(SmemAddr(vs + TileOffset<kTile>(r, chunk)), v_head + offset, in);
+      }
+      CpAsyncCommit();
+      pos_prev = pos;
+      pos = tile_slot + tid < s_end ? a.slot_pos[tile_slot + tid] : -1;
+      if (i > 0) {
+        CpAsyncWait<1>();  // tile i - 1 has landed (this thread's copies)
+        finish(i - 1, pos_prev);
+      }
+    }
+    CpAsyncWait<0>();
+    finish(last - first, pos);
+    return;
+  }
+
+  hopper::SetMaxRegisters<kComputeRegisters, true>();
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   float m_a = -INFINITY, m_b = -INFINITY;  // running max of the log2-unit scores
   float l_a = 0.0f, l_b = 0.0f;            // this lane's share of Σ p̃ (p rounded to bf16)
 
-  const __nv_bfloat16* k_head = static_cast<const __nv_bfloat16*>(a.k_cache) + g * a.capacity * kD;
-  const __nv_bfloat16* v_head = static_cast<const __nv_bfloat16*>(a.v_cache) + g * a.capacity * kD;
-  const int ld_chunk = threadIdx.x % kChunks;
-  const int ld_row0 = threadIdx.x / kChunks;
-  // Queues tile j's copies into its stage and fetches the slot positions of this thread's rows
-  // (-1: empty, past the split, or j past `last`).
-  auto issue = [&](int j, int(&pos)[kLoadRows]) {
-    if (j > last) {
-#pragma unroll
-      for (int p = 0; p < kLoadRows; ++p) pos[p] = -1;
-      return;
-    }
-    __nv_bfloat16* ks = keys_of((j - first) % kStages);
-    __nv_bfloat16* vs = ks + kTile * kD;
-    int slot[kLoadRows];
-#pragma unroll
-    for (int p = 0; p < kLoadRows; ++p) {
-      const int r = ld_row0 + kLoadRowStep * p;
-      slot[p] = s_begin + j * kTile + r;
-      const bool in = slot[p] < s_end;
-      const int64_t offset = int64_t{in ? slot[p] : s_begin} * kD + ld_chunk * 8;
-      CpAsync16(SmemAddr(ks + TileOffset<kTile>(r, ld_chunk)), k_head + offset, in);
-      CpAsync16(SmemAddr(vs + TileOffset<kTile>(r, ld_chunk)), v_head + offset, in);
-    }
-    CpAsyncCommit();
-#pragma unroll
-    for (int p = 0; p < kLoadRows; ++p) pos[p] = slot[p] < s_end ? a.slot_pos[slot[p]] : -1;
-  };
-
   if (first <= last) {
-    int pos[kLoadRows];  // this thread's rows' slot positions in the tile in flight
-    issue(first, pos);
     const uint32_t q_addr = SmemAddr(qs) + wg * 64 * 128;  // this warpgroup's 64 rows
-    for (int j = first; j <= last; ++j) {
-      const int stage = (j - first) % kStages;
-      __nv_bfloat16* ks = keys_of(stage);
-      __nv_bfloat16* vs = ks + kTile * kD;
-      int* spos = positions_of(stage);
-      CpAsyncWait<0>();  // tile j has landed (this thread's copies)
-      // NOTE: an empty slot's V row may be unwritten memory (NaN); its weight is 0, but
-      // 0·NaN = NaN in the product, so the row is zeroed (by the threads that copied it).
+    // P of the previous tile as bf16 A fragments ([n-tile][row a, row b]); its P·V is issued
+    // with the next tile's Q·Kᵀ, so the tensor cores run it while this warpgroup does softmax.
+    uint32_t p[kTile / 8][2] = {};  // tile 0's "previous" P·V adds 0 (V finite: zeroed rows)
+    // O += P·V for the tile in `stage`: P's fragment for slots 16kk .. + 15 is S's n-tiles 2kk
+    // and 2kk + 1; V's 16 rows of those slots start 16 rows (2048 bytes) further per step.
+    auto issue_pv = [&](int stage) {
+      const uint32_t v_addr = SmemAddr(keys_of(stage) + kTile * kD);
 #pragma unroll
-      for (int p = 0; p < kLoadRows; ++p) {
-        const int r = ld_row0 + kLoadRowStep * p;
-        if (pos[p] < 0) {
-          *reinterpret_cast<uint4*>(vs + TileOffset<kTile>(r, ld_chunk)) = make_uint4(0, 0, 0, 0);
-        }
-        if (ld_chunk == 0) spos[r] = pos[p];
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        const uint32_t frag[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
+        hopper::WgmmaRegisterShared(o, frag, MnMajorDescriptor<kTile>(v_addr + kk * 16 * 128));
       }
-      hopper::FenceSharedForWgmma();
-      __syncthreads();  // tile j is visible to every warpgroup; tile j - 1's stage is free
-      issue(j + 1, pos);
+      hopper::WgmmaCommit();
+    };
+    // Ping-pong (FlashAttention-3): the warpgroups take turns issuing their products, so one's
+    // softmax runs while the tensor cores work on the other's products. Named barrier 2 + w
+    // (256 threads: warpgroup w waits, the other arrives) is warpgroup w's turn; 0 starts.
+    auto take_turn = [&] { hopper::NamedBarrierSync(2 + wg, kComputeThreads); };
+    auto pass_turn = [&] { hopper::NamedBarrierArrive(2 + (1 - wg), kComputeThreads); };
+    if (wg == 1) pass_turn();
+    for (int i = 0; i <= last - first; ++i) {
+      const int j = first + i;
+      const int stage = i % kStages;
+      const int* spos = positions_of(stage);
+      hopper::BarrierWait(&full[stage], (i / kStages) & 1);
+      take_turn();
       // Every slot of the tile holds a position every row of the block sees: no mask.
       const int t = summary_begin + 2 * j;
       const bool unmasked = has_second_half(j) && max(tile_max[t], tile_max[t + 1]) <= min_q;
 
-      // S = Q·Kᵀ: 8 steps of 16 dims; dims 64.. in the tiles' second halves.
+      // S = Q·Kᵀ: 8 steps of 16 dims; dims 64.. in the tiles' second halves. Then the previous
+      // tile's P·V; wait for S only.
       float s[64];
-      const uint32_t k_addr = SmemAddr(ks);
+      const uint32_t k_addr = SmemAddr(keys_of(stage));
       hopper::WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
@@ -215,12 +274,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   KMajorDescriptor(k_addr + step), kk > 0);
       }
       hopper::WgmmaCommit();
-      hopper::WgmmaWait<0>();
+      issue_pv((i + kStages - 1) % kStages * (i > 0));  // tile 0: its own stage, P = 0
+      pass_turn();
+      hopper::WgmmaWait<1>();
       hopper::PinRegisters(s);
 
       // Mask by position (s[4n], s[4n + 1] row a, s[4n + 2], s[4n + 3] row b, slots
-      // 8n + 2(lane % 4) + {0, 1}), the online softmax, and p̃ = bf16(p) packed as P's A
-      // fragments.
+      // 8n + 2(lane % 4) + {0, 1}) and the online softmax; p in place of s.
       if (!unmasked) {
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n) {
@@ -249,6 +309,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float corr_b = Exp2(m_b - base_b);
       m_a = new_a;
       m_b = new_b;
+#pragma unroll
+      for (int n = 0; n < kTile / 8; ++n) {
+        s[4 * n + 0] = Exp2(s[4 * n + 0] - base_a);
+        s[4 * n + 1] = Exp2(s[4 * n + 1] - base_a);
+        s[4 * n + 2] = Exp2(s[4 * n + 2] - base_b);
+        s[4 * n + 3] = Exp2(s[4 * n + 3] - base_b);
+      }
+
+      // The previous P·V is done: its stage is free, O and P's registers too. O and l move to
+      // the new max; p̃ = bf16(p) into P's fragments, l sums the rounded weights.
+      hopper::WgmmaWait<0>();
+      hopper::PinRegisters(o);
+      hopper::PinRegisters(p);
+      if (i > 0 && lane == 0) hopper::BarrierArrive(&empty[(i - 1) % kStages]);
       l_a *= corr_a;
       l_b *= corr_b;
 #pragma unroll
@@ -258,13 +332,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         o[4 * n + 2] *= corr_b;
         o[4 * n + 3] *= corr_b;
       }
-      uint32_t p[kTile / 8][2];  // [n-tile][row a, row b]
 #pragma unroll
       for (int n = 0; n < kTile / 8; ++n) {
-        const __nv_bfloat162 pa =
-            __floats2bfloat162_rn(Exp2(s[4 * n + 0] - base_a), Exp2(s[4 * n + 1] - base_a));
-        const __nv_bfloat162 pb =
-            __floats2bfloat162_rn(Exp2(s[4 * n + 2] - base_b), Exp2(s[4 * n + 3] - base_b));
+        const __nv_bfloat162 pa = __floats2bfloat162_rn(s[4 * n + 0], s[4 * n + 1]);
+        const __nv_bfloat162 pb = __floats2bfloat162_rn(s[4 * n + 2], s[4 * n + 3]);
         const float2 fa = __bfloat1622float2(pa);
         const float2 fb = __bfloat1622float2(pb);
         l_a += fa.x + fa.y;
@@ -272,21 +343,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         p[n][0] = Bits(pa);
         p[n][1] = Bits(pb);
       }
-
-      // O += P·V: P's fragment for slots 16kk .. + 15 is S's n-tiles 2kk and 2kk + 1; V's 16
-      // rows of those slots start 16 rows (2048 bytes) further per step.
-      const uint32_t v_addr = SmemAddr(vs);
-      hopper::PinRegisters(o);
-      hopper::WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) {
-        const uint32_t frag[4] = {p[2 * kk][0], p[2 * kk][1], p[2 * kk + 1][0], p[2 * kk + 1][1]};
-        hopper::WgmmaRegisterShared(o, frag, MnMajorDescriptor<kTile>(v_addr + kk * 16 * 128));
-      }
-      hopper::WgmmaCommit();
-      hopper::WgmmaWait<0>();
-      hopper::PinRegisters(o);
     }
+    // The last tile's P·V (warpgroup 1's last turn is passed to no one: each barrier has as
+    // many arrivals as waits).
+    take_turn();
+    hopper::WgmmaFence();
+    issue_pv((last - first) % kStages);
+    if (wg == 0) pass_turn();
+    hopper::WgmmaWait<0>();
+    hopper::PinRegisters(o);
   }
 
   // Epilogue: l summed over the 4 lanes of a row; o = O / l, lse = (m + log2 l)·ln2.

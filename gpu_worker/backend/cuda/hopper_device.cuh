@@ -1,7 +1,9 @@
 // Device helpers of the Hopper (sm_90a) attention kernel: wgmma.mma_async m64n128k16 with bf16
-// operands and f32 accumulators, the shared-memory matrix descriptors it reads, and the 128-byte
-// swizzled tile layout those descriptors describe. Included only by window_attention_hopper.cu,
-// which is compiled for sm_90a alone (the instructions exist only there).
+// operands and f32 accumulators, the shared-memory matrix descriptors it reads, the 128-byte
+// swizzled tile layout those descriptors describe, and the shared-memory barriers (mbarrier)
+// that hand tiles between the loading warp and the computing warpgroups. Included only by
+// window_attention_hopper.cu, which is compiled for sm_90a alone (the instructions exist only
+// there).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +23,10 @@ __device__ __forceinline__ int TileOffset(int row, int chunk) {  // elements; ch
 }
 template <int kRows>
 inline constexpr int kHalfBytes = kRows * 128;
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // The 64-bit shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address,
 // leading- and stride-dimension byte offsets (each >> 4 in 14 bits), 128-byte swizzle (mode 1 in
@@ -69,6 +75,16 @@ template <int kN>
 __device__ __forceinline__ void PinRegisters(float (&d)[kN]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments a wgmma still reads: keeps them live (their registers not reused)
+// until the wait that this follows.
+template <int kN, int kM>
+__device__ __forceinline__ void PinRegisters(uint32_t (&a)[kN][kM]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+#pragma unroll
+    for (int j = 0; j < kM; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+  }
 }
 
 // d[64 x 128] (+)= a[64 x 16] · b[16 x 128] per warpgroup, a and b K-major in shared memory.
@@ -120,6 +136,48 @@ __device__ __forceinline__ void WgmmaRegisterShared(float (&d)[64], const uint32
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Moves registers between the warpgroups of a block: each thread of this warpgroup gets
+// kRegisters (a multiple of 8 in [24, 256]); decrease in the warpgroups that need few so the
+// others can increase.
+template <int kRegisters, bool kIncrease>
+__device__ __forceinline__ void SetMaxRegisters() {
+  if constexpr (kIncrease) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+  }
+}
+
+// Barrier `id` (1-15; 0 is __syncthreads') of `threads` threads, a multiple of 32.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives on barrier `id` without waiting (the other threads of its count wait).
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// A shared-memory barrier (8 bytes, 8-byte aligned) completing a phase when `count` threads
+// arrive; phases alternate parity 0, 1, 0, ... Arrive releases the thread's prior writes, a
+// completed wait acquires them.
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddress(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddress(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed.
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nbarrier_wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra barrier_wait;\n}\n" ::"r"(SmemAddress(bar)),
+      "r"(parity)
+      : "memory");
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend::hopper
