@@ -777,8 +777,9 @@ class Bench {
       r["skipped"] = std::string(opened.status().message());
       return r;
     }
-    seq->offload = std::move(*opened);
-    if (gpu_worker::PagePolicy* policy = seq->offload->page_policy()) {
+    seq->offload = std::move(*opened);  // null in gpu mode (no tier)
+    if (gpu_worker::PagePolicy* policy =
+            seq->offload != nullptr ? seq->offload->page_policy() : nullptr) {
       policy->select_tokens = absl::GetFlag(FLAGS_prefill_select_tokens);
       r["select_tokens"] = policy->select_tokens;
     }
