@@ -170,6 +170,12 @@ __device__ __forceinline__ void BarrierInit(uint64_t* bar, int count) {
 __device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddress(bar)) : "memory");
 }
+// Arrives on the barrier once all of this thread's earlier cp.async copies have landed (the
+// arrival counts toward the barrier's count: .noinc).
+__device__ __forceinline__ void CpAsyncArriveOnBarrier(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddress(bar))
+               : "memory");
+}
 // Returns once the phase of parity `parity` has completed.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, int parity) {
   asm volatile(

@@ -48,13 +48,13 @@ using hopper::TileOffset;
 #endif
 
 // grid [row_tiles, num_kv_heads, splits], 384 threads. Warpgroup wg < 2 owns the block's rows
-// 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). Warp 8 loads:
-// per tile it waits for the stage to be free, copies K and V by cp.async (lane: chunk lane % 16
-// of rows lane / 16 + 2i), fetches the slot positions, and once the copies landed zeroes V rows
-// of empty slots and marks the stage full. The warpgroups run unsynchronised with each other:
-// per tile S = Q·Kᵀ and the previous tile's O += P·V are issued together, then the mask, the
-// online softmax (log2 units: q carries scale·log2e), and p̃ = bf16(p) into P's registers; a
-// stage is marked free once both warpgroups' P·V of it completed.
+// 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). Warpgroup 2
+// loads: per tile it waits for the stage to be free, copies K, V (thread i: chunk i % 16 of rows
+// i / 16 + 8r) and the slot positions by cp.async, and marks the stage full when they land
+// (tiles with empty slots: after it zeroed their V rows). The warpgroups run unsynchronised with
+// each other: per tile S = Q·Kᵀ and the previous tile's O += P·V are issued together, then the
+// mask, the online softmax (log2 units: q carries scale·log2e), and p̃ = bf16(p) into P's registers;
+// a stage is marked free once both warpgroups' P·V of it completed.
 __global__ void __launch_bounds__(kThreads, 1)
     HopperAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, const int32_t* tile_min,
                           const int32_t* tile_max, float* part_o, float* part_lse) {
@@ -175,33 +175,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         static_cast<const __nv_bfloat16*>(a.v_cache) + g * a.capacity * kD;
     const int tid = threadIdx.x - kComputeThreads;
     const int chunk = tid % kChunks;
-    int pos = -1;       // slot position of tile row tid of the tile in flight
-    int pos_prev = -1;  // and of the tile before it
-    // Once tile i's copies landed (each thread's wait, then a barrier of the loaders for each
-    // other's): zero this thread's row of V if its slot is empty, record its position, publish
-    // to the async proxy, and arrive on the stage's full barrier.
-    auto finish = [&](int i, int row_pos) {
-      hopper::NamedBarrierSync(1, kLoadThreads);
-      const int stage = i % kStages;
-      positions_of(stage)[tid] = row_pos;
-      // NOTE: an empty slot's V row may be unwritten memory (NaN); its weight is 0, but
-      // 0·NaN = NaN in the product, so the row is zeroed.
-      if (row_pos < 0) {
-        __nv_bfloat16* vs = keys_of(stage) + kTile * kD;
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          *reinterpret_cast<uint4*>(vs + TileOffset<kTile>(tid, c)) = make_uint4(0, 0, 0, 0);
-        }
-      }
-      hopper::FenceSharedForWgmma();
-      hopper::BarrierArrive(&full[stage]);
-    };
     for (int i = 0; i <= last - first; ++i) {
+      const int j = first + i;
       const int stage = i % kStages;
       if (i >= kStages) hopper::BarrierWait(&empty[stage], (i / kStages - 1) & 1);
       __nv_bfloat16* ks = keys_of(stage);
       __nv_bfloat16* vs = ks + kTile * kD;
-      const int tile_slot = s_begin + (first + i) * kTile;
+      int* spos = positions_of(stage);
+      const int tile_slot = s_begin + j * kTile;
 #pragma unroll 4
       for (int r = tid / kChunks; r < kTile; r += kLoadRowStep) {
         const int slot = tile_slot + r;
@@ -210,16 +191,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         CpAsync16(SmemAddr(ks + TileOffset<kTile>(r, chunk)), k_head + offset, in);
         CpAsync16(SmemAddr(vs + TileOffset<kTile>(r, chunk)), v_head + offset, in);
       }
-      CpAsyncCommit();
-      pos_prev = pos;
-      pos = tile_slot + tid < s_end ? a.slot_pos[tile_slot + tid] : -1;
-      if (i > 0) {
-        CpAsyncWait<1>();  // tile i - 1 has landed (this thread's copies)
-        finish(i - 1, pos_prev);
+      // A tile whose 128 slots all hold a position (the summary's max is finite for both
+      // halves) needs no fix-up: its positions come by cp.async too, and the stage's full
+      // barrier counts this thread's arrival once all its copies have landed, so the loader
+      // never waits for them and keeps the next stages' copies in flight.
+      const int t = summary_begin + 2 * j;
+      const bool whole = has_second_half(j) && tile_max[t] != INT_MAX && tile_max[t + 1] != INT_MAX;
+      if (whole) {
+        CpAsync4(SmemAddr(spos + tid), a.slot_pos + tile_slot + tid, true);
+        CpAsyncCommit();
+        hopper::CpAsyncArriveOnBarrier(&full[stage]);
+        continue;
       }
+      // Otherwise wait for the copies (each thread's, then a barrier of the loaders for each
+      // other's), zero this thread's row of V if its slot is empty, record its position, and
+      // publish to the async proxy.
+      CpAsyncCommit();
+      const int pos = tile_slot + tid < s_end ? a.slot_pos[tile_slot + tid] : -1;
+      CpAsyncWait<0>();
+      hopper::NamedBarrierSync(1, kLoadThreads);
+      spos[tid] = pos;
+      // NOTE: an empty slot's V row may be unwritten memory (NaN); its weight is 0, but
+      // 0·NaN = NaN in the product, so the row is zeroed.
+      if (pos < 0) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          *reinterpret_cast<uint4*>(vs + TileOffset<kTile>(tid, c)) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      hopper::FenceSharedForWgmma();
+      hopper::BarrierArrive(&full[stage]);
     }
-    CpAsyncWait<0>();
-    finish(last - first, pos);
     return;
   }
 
@@ -257,6 +259,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = i % kStages;
       const int* spos = positions_of(stage);
       hopper::BarrierWait(&full[stage], (i / kStages) & 1);
+      // The loaders' cp.async writes (generic proxy) are acquired through the barrier; this
+      // thread's proxy fence makes them visible to its wgmma reads (async proxy).
+      hopper::FenceSharedForWgmma();
       take_turn();
       // Every slot of the tile holds a position every row of the block sees: no mask.
       const int t = summary_begin + 2 * j;
