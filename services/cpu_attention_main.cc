@@ -16,12 +16,13 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "parse_flags.h"
 #include "spdlog/spdlog.h"
+#include "stop_signals.h"
+#include "tandem/common/byte_size.h"
+#include "tandem/cpu_attention/server.h"
 #include "tandem/cpu_attention/sparse_attention.h"
 #include "tandem/cpu_isa/cpu_isa.h"
-#include "tandem/common/byte_size.h"
-#include "parse_flags.h"
-#include "tandem/cpu_attention/server.h"
 #include "tandem/security/authenticator.h"
 
 ABSL_FLAG(std::string, address, "127.0.0.1:50061",
@@ -41,7 +42,8 @@ ABSL_FLAG(std::string, metrics_address, "",
           "host:port serving Prometheus GET /metrics (e.g. 0.0.0.0:9401; port 0: any free); "
           "\"\" = off");
 ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process may use");
-ABSL_FLAG(unsigned, tasks_per_thread, 2, "tasks per attention thread one Attend is cut into (1..64)");
+ABSL_FLAG(unsigned, tasks_per_thread, 2,
+          "tasks per attention thread one Attend is cut into (1..64)");
 ABSL_FLAG(unsigned, pool_spin_us, 100,
           "attention threads spin this long after a call before sleeping (0..100000; 0: sleep at "
           "once, for hosts shared with other work)");
@@ -90,6 +92,8 @@ int WaitSignal(const sigset_t& signals, std::chrono::milliseconds timeout) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything starts a thread (stop_signals.h); the main thread waits for them below.
+  const sigset_t stop_signals = tandem::services::BlockStopSignals();
   absl::SetProgramUsageMessage(
       "tandem CPU attention node: holds offloaded KV and answers attention queries.\n"
       "  tandem-cpu-attention --address=0.0.0.0:50061 --pool_bytes=64GiB --threads=16");
@@ -105,13 +109,6 @@ int main(int argc, char** argv) {
   }
   spdlog::info("{}; bf16 KV attention: {}", tandem::CpuIsaSummary(),
                tandem::cpu_attention::Bf16AttentionPath());
-
-  // Block the stop signals in every thread; the main thread waits for them below.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   tandem::cpu_attention::ServerOptions options;
   options.address = absl::GetFlag(FLAGS_address);

@@ -21,6 +21,7 @@
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
+#include "stop_signals.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/gateway/gateway_server.h"
@@ -190,6 +191,8 @@ absl::StatusOr<tandem::gateway::GatewayOptions> OptionsFromFlags() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything starts a thread (stop_signals.h); the main thread waits for them below.
+  const sigset_t stop_signals = tandem::services::BlockStopSignals();
   absl::SetProgramUsageMessage(
       "OpenAI-compatible HTTP API in front of tandem GPU workers.\n"
       "  tandem-gateway --workers=localhost:50051 --address=127.0.0.1:8000");
@@ -207,11 +210,6 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   // A client that hangs up mid-write must not kill the process.
   std::signal(SIGPIPE, SIG_IGN);
 

@@ -24,9 +24,10 @@
 #include "parse_flags.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
-#include "tandem/cpu_isa/cpu_isa.h"
+#include "stop_signals.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
+#include "tandem/cpu_isa/cpu_isa.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/model_geometry.h"
 #include "tandem/gpu_worker/worker_server.h"
@@ -262,8 +263,8 @@ absl::Status NodeLeaseFromFlags(tandem::gpu_worker::NodePoolOptions* nodes,
     char host[256] = {};
     if (gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "worker");
     const size_t colon = address.rfind(':');
-    nodes->lease_holder = absl::StrCat(
-        host, ":", colon == std::string::npos ? "0" : address.substr(colon + 1));
+    nodes->lease_holder =
+        absl::StrCat(host, ":", colon == std::string::npos ? "0" : address.substr(colon + 1));
     for (char& c : nodes->lease_holder) {
       if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != ':' &&
           c != '-') {
@@ -308,16 +309,16 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.prefix_cache_min_tokens = absl::GetFlag(FLAGS_prefix_cache_min_tokens);
   const std::string scope = absl::GetFlag(FLAGS_prefix_cache_scope);
   if (scope != "principal" && scope != "shared") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--prefix_cache_scope must be 'principal' or 'shared', got '", scope, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefix_cache_scope must be 'principal' or 'shared', got '", scope, "'"));
   }
   e.prefix_cache_shared_scope = scope == "shared";
   if (const std::string host = absl::GetFlag(FLAGS_prefix_cache_host_bytes); host != "auto") {
     uint64_t bytes = 0;
     std::string error;
     if (!tandem::ParseByteSize(host, &bytes, &error)) {
-      return absl::InvalidArgumentError(absl::StrCat("--prefix_cache_host_bytes: ", error,
-                                                     ", or 'auto'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--prefix_cache_host_bytes: ", error, ", or 'auto'"));
     }
     e.prefix_cache_host_bytes = bytes;
   }
@@ -462,7 +463,7 @@ int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
   }
   gw::EngineOptions planned = options;
   const std::vector<std::string> node_bytes = absl::GetFlag(FLAGS_plan_node_bytes);
-  if (!node_bytes.empty()) {   // planned nodes (set below): nobody to ask
+  if (!node_bytes.empty()) {  // planned nodes (set below): nobody to ask
     planned.nodes.addresses.clear();
     planned.nodes.dns_name.clear();
   }
@@ -511,7 +512,7 @@ int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
   }
   plan->largest_context = *largest;
   const std::string text = absl::GetFlag(FLAGS_plan_json) ? gw::MemoryPlanJson(*plan) + "\n"
-                                                           : gw::FormatMemoryPlan(*plan);
+                                                          : gw::FormatMemoryPlan(*plan);
   std::fputs(text.c_str(), stdout);
   return plan->fits ? 0 : 1;
 }
@@ -519,6 +520,8 @@ int RunPlan(const tandem::gpu_worker::EngineOptions& options) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything starts a thread (stop_signals.h); the main thread waits for them below.
+  const sigset_t stop_signals = tandem::services::BlockStopSignals();
   // --help lists the flags of this file (absl's default looks for a file named like the binary).
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) {
@@ -551,13 +554,6 @@ int main(int argc, char** argv) {
   }
 
   if (absl::GetFlag(FLAGS_plan)) return RunPlan(options->engine);
-
-  // Block the stop signals in every thread; the main thread waits for them below.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   auto server = tandem::gpu_worker::GpuWorkerServer::Start(*options);
   if (!server.ok()) {

@@ -7,12 +7,17 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <csignal>
+#include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -196,10 +201,9 @@ TEST_F(GatewayE2eTest, AResentPromptReportsCachedTokensAndTheColdRunsText) {
   EXPECT_EQ(second["usage"]["prompt_tokens"], cold["usage"]["prompt_tokens"]);
   EXPECT_EQ(second["choices"][0]["text"], cold["choices"][0]["text"]);
   // A salt longer than the gateway takes is refused naming the field.
-  CommandResult r = CurlPost("/v1/completions",
-                             {{"prompt", document}, {"max_tokens", 1},
-                              {"cache_salt", std::string(200, 's')}},
-                             false);
+  CommandResult r = CurlPost(
+      "/v1/completions",
+      {{"prompt", document}, {"max_tokens", 1}, {"cache_salt", std::string(200, 's')}}, false);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(Json::parse(r.out)["error"]["param"], "cache_salt") << r.out;
 }
@@ -433,14 +437,15 @@ TEST_F(GatewayE2eTest, ModelsAndHealth) {
 // answered (204, the methods and the headers it asked for) and its responses carry
 // Access-Control-Allow-Origin; another origin gets neither. A bad origin stops the gateway.
 TEST_F(GatewayE2eTest, CorsOnlyForListedOrigins) {
-  const httplib::Headers preflight = {{"Origin", "https://app.example"},
-                                      {"Access-Control-Request-Method", "POST"},
-                                      {"Access-Control-Request-Headers", "authorization, content-type"}};
+  const httplib::Headers preflight = {
+      {"Origin", "https://app.example"},
+      {"Access-Control-Request-Method", "POST"},
+      {"Access-Control-Request-Headers", "authorization, content-type"}};
   {
     httplib::Client off("127.0.0.1", port_);
     auto res = off.Options("/v1/completions", preflight);
     ASSERT_TRUE(res);
-    EXPECT_EQ(res->status, 405);   // the route takes POST
+    EXPECT_EQ(res->status, 405);  // the route takes POST
     EXPECT_FALSE(res->has_header("Access-Control-Allow-Origin"));
   }
   std::unique_ptr<ChildProcess> first = std::move(gateway_);
@@ -453,8 +458,8 @@ TEST_F(GatewayE2eTest, CorsOnlyForListedOrigins) {
   EXPECT_THAT(pre->get_header_value("Access-Control-Allow-Methods"), HasSubstr("POST"));
   EXPECT_EQ(pre->get_header_value("Access-Control-Allow-Headers"), "authorization, content-type");
   const std::string body = R"({"prompt": "Once", "max_tokens": 2})";
-  auto allowed = http.Post("/v1/completions", {{"Origin", "https://app.example"}}, body,
-                           "application/json");
+  auto allowed =
+      http.Post("/v1/completions", {{"Origin", "https://app.example"}}, body, "application/json");
   ASSERT_TRUE(allowed);
   EXPECT_EQ(allowed->status, 200) << allowed->body;
   EXPECT_EQ(allowed->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
@@ -463,8 +468,8 @@ TEST_F(GatewayE2eTest, CorsOnlyForListedOrigins) {
   ASSERT_TRUE(error);
   EXPECT_EQ(error->status, 400);
   EXPECT_EQ(error->get_header_value("Access-Control-Allow-Origin"), "https://app.example");
-  auto other = http.Post("/v1/completions", {{"Origin", "https://other.example"}}, body,
-                         "application/json");
+  auto other =
+      http.Post("/v1/completions", {{"Origin", "https://other.example"}}, body, "application/json");
   ASSERT_TRUE(other);
   EXPECT_EQ(other->status, 200);
   EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin"));
@@ -484,6 +489,59 @@ TEST_F(GatewayE2eTest, CorsOnlyForListedOrigins) {
   EXPECT_THAT(bad->err, HasSubstr("--cors_origins"));
   absl::StatusOr<int> code = first->Terminate();
   ASSERT_TRUE(code.ok());
+}
+
+// The SigBlk mask (/proc/PID/task/TID/status) of every thread of process `pid` but the main one,
+// by thread name; empty when /proc cannot be read. (The main thread waits in sigwait, which
+// unblocks the awaited signals while it waits.)
+std::vector<std::pair<std::string, uint64_t>> BlockedSignalsByThread(pid_t pid) {
+  std::vector<std::pair<std::string, uint64_t>> threads;
+  std::error_code error;
+  const std::filesystem::path tasks = absl::StrCat("/proc/", pid, "/task");
+  for (const auto& task : std::filesystem::directory_iterator(tasks, error)) {
+    if (task.path().filename() == std::to_string(pid)) continue;
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    std::ifstream status(task.path() / "status");
+    for (std::string line; std::getline(status, line);) {
+      if (!absl::StartsWith(line, "SigBlk:")) continue;
+      uint64_t mask = 0;
+      if (absl::SimpleHexAtoi(absl::StripAsciiWhitespace(line.substr(7)), &mask)) {
+        threads.emplace_back(name, mask);
+      }
+    }
+  }
+  return threads;
+}
+
+// A SIGTERM must reach the main thread's sigwait (a drain, exit 0), never a thread that leaves it
+// to the default action (exit 143): every thread of the node, the worker and the gateway blocks
+// SIGINT and SIGTERM (stop_signals.h; gRPC starts threads while flags are parsed).
+// A gateway whose worker does not answer starts gRPC's executor and timer threads before it
+// listens, which is where they once missed the mask (exit 143 on SIGTERM in CI).
+TEST_F(GatewayE2eTest, EveryThreadOfEachServiceBlocksTheStopSignals) {
+  auto unanswered = ChildProcess::Start(
+      {TANDEM_GATEWAY_BIN, "--address=127.0.0.1:0", "--workers=127.0.0.1:1", "--log_level=error"});
+  ASSERT_TRUE(unanswered.ok()) << unanswered.status();
+  ASSERT_TRUE((*unanswered)->WaitListening().ok());
+  const uint64_t stop_bits = (uint64_t{1} << (SIGINT - 1)) | (uint64_t{1} << (SIGTERM - 1));
+  for (const auto& [service, process] :
+       {std::pair<const char*, ChildProcess*>{"tandem-cpu-attention", node_.get()},
+        {"tandem-gpu-worker", worker_.get()},
+        {"tandem-gateway", gateway_.get()},
+        {"tandem-gateway (worker unanswered)", unanswered->get()}}) {
+    const auto threads = BlockedSignalsByThread(process->pid());
+    ASSERT_FALSE(threads.empty()) << service << ": /proc/" << process->pid() << "/task unreadable";
+    for (const auto& [thread, mask] : threads) {
+      EXPECT_EQ(mask & stop_bits, stop_bits)
+          << service << " thread '" << thread << "' has SIGINT or SIGTERM unblocked (SigBlk "
+          << std::hex << mask << ")";
+    }
+  }
+  absl::StatusOr<int> code = (*unanswered)->Terminate();
+  ASSERT_TRUE(code.ok()) << code.status();
+  EXPECT_EQ(*code, 0) << "exit status after SIGTERM";
 }
 
 TEST_F(GatewayE2eTest, ServedModelNameAndNoTemplate) {
