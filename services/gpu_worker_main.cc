@@ -108,6 +108,12 @@ ABSL_FLAG(int64_t, max_batch, 64,
           "requests decoded together in one step (continuous batching); <= step_tokens");
 ABSL_FLAG(int64_t, step_tokens, 0,
           "tokens one step feeds (decode tokens + prefill chunks); 0 = prefill_chunk");
+ABSL_FLAG(double, max_step_ms, 0,
+          "cap each step's prompt tokens so that a step takes about this long (measured seconds "
+          "per prompt token of recent steps; they grow with a long prompt's prefix): a request "
+          "arriving during a long prefill waits for about one such step, decoding requests keep "
+          "their inter-token latency; the long prompt takes more, smaller steps. 0 = steps of "
+          "step_tokens");
 ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
@@ -337,6 +343,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
+  options.scheduler.max_step_ms = absl::GetFlag(FLAGS_max_step_ms);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   absl::StatusOr<tandem::gpu_worker::AttentionMode> mode =
       tandem::gpu_worker::ParseAttentionMode(absl::GetFlag(FLAGS_mode));

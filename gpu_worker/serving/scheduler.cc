@@ -1,10 +1,19 @@
 #include "tandem/gpu_worker/scheduler.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/gpu_worker/prefill_shares.h"
 
 namespace tandem::gpu_worker {
+namespace {
+
+// Steps with fewer prompt tokens are not timed for the cap, and a capped step may still feed
+// this many (or step_tokens if smaller): fixed per-step costs would dominate smaller ones.
+constexpr int64_t kMinTimedPromptTokens = 64;
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::unique_ptr<Engine> engine,
                                                              const SchedulerOptions& options) {
@@ -25,11 +34,18 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::unique_ptr<Eng
   if (o.prefill_aging_steps < 1) {
     return absl::InvalidArgumentError("prefill_aging_steps must be >= 1");
   }
+  if (!(o.max_step_ms >= 0.0 && o.max_step_ms <= 3.6e6)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_step_ms must be in 0..3600000 (0 = no cap), got ", o.max_step_ms));
+  }
   return std::unique_ptr<Scheduler>(new Scheduler(std::move(engine), o));
 }
 
 Scheduler::Scheduler(std::unique_ptr<Engine> engine, const SchedulerOptions& options)
-    : engine_(std::move(engine)), options_(options) {
+    : engine_(std::move(engine)),
+      options_(options),
+      step_cap_(options.max_step_ms,
+                std::min<int64_t>(kMinTimedPromptTokens, options.step_tokens)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -48,8 +64,8 @@ absl::Status Scheduler::Submit(GenerateRequest request, GenerateCallbacks callba
       CountFailure(refused);
       return refused;
     }
-    submitted_.push_back({std::move(request), std::move(callbacks), std::move(done),
-                          Generation::Clock::now()});
+    submitted_.push_back(
+        {std::move(request), std::move(callbacks), std::move(done), Generation::Clock::now()});
   }
   cv_.notify_one();
   return absl::OkStatus();
@@ -99,7 +115,7 @@ void Scheduler::Loop() {
     bool stop = false;
     std::deque<std::function<void(Engine&)>> jobs = TakeWork(&stop);
     for (auto& job : jobs) job(*engine_);
-    if (!jobs.empty()) admission_blocked_ = false;   // a job may have closed a session
+    if (!jobs.empty()) admission_blocked_ = false;  // a job may have closed a session
     EndFinished();
     Admit();
     if (!running_.empty()) StepOnce();
@@ -132,7 +148,7 @@ void Scheduler::EndFinished() {
     CountEnd(summary);
     it->done(std::move(summary));
     it = running_.erase(it);
-    admission_blocked_ = false;   // its memory is free
+    admission_blocked_ = false;  // its memory is free
   }
   // Requests that went away (or ran out of time) before they started.
   for (auto it = waiting_.begin(); it != waiting_.end();) {
@@ -148,7 +164,7 @@ void Scheduler::EndFinished() {
     CountFailure(status);
     it->done(std::move(status));
     it = waiting_.erase(it);
-    admission_blocked_ = false;   // the head of the queue may have changed
+    admission_blocked_ = false;  // the head of the queue may have changed
   }
 }
 
@@ -172,10 +188,9 @@ void Scheduler::Admit() {
     }
     absl::StatusOr<std::unique_ptr<Generation>> g =
         engine_->Begin(it->request, it->callbacks, it->arrival);
-    if (!g.ok() && g.status().code() == absl::StatusCode::kResourceExhausted &&
-        !running_.empty()) {
-      admission_blocked_ = true;   // it fits once others end; first come, first served:
-      break;                       // nobody overtakes it
+    if (!g.ok() && g.status().code() == absl::StatusCode::kResourceExhausted && !running_.empty()) {
+      admission_blocked_ = true;  // it fits once others end; first come, first served:
+      break;                      // nobody overtakes it
     }
     if (!g.ok()) {
       CountFailure(g.status());
@@ -201,37 +216,40 @@ void Scheduler::StepOnce() {
       items.push_back({r.generation.get(), 1});
     }
   }
-  int64_t budget = options_.step_tokens - static_cast<int64_t>(items.size());
-  // Aged prefills first (oldest first), then the shortest remaining prompt.
-  const int64_t aging = options_.prefill_aging_steps;
-  std::sort(prefills.begin(), prefills.end(), [aging](const Running* a, const Running* b) {
-    const bool aged_a = a->skipped_steps >= aging, aged_b = b->skipped_steps >= aging;
-    if (aged_a != aged_b) return aged_a;
-    if (!aged_a && a->generation->remaining() != b->generation->remaining()) {
-      return a->generation->remaining() < b->generation->remaining();
-    }
-    return a->order < b->order;
-  });
-  for (Running* r : prefills) {
-    if (budget <= 0) {
+  const int64_t decode_rows = static_cast<int64_t>(items.size());
+  int64_t budget = step_cap_.Cap(options_.step_tokens - decode_rows);
+  const int64_t prompt_budget = budget;
+  std::vector<PrefillCandidate> candidates;
+  candidates.reserve(prefills.size());
+  for (const Running* r : prefills) {
+    candidates.push_back({r->generation->remaining(), r->skipped_steps, r->order});
+  }
+  const std::vector<int64_t> shares =
+      PrefillShares(candidates, budget, options_.prefill_aging_steps);
+  for (size_t i = 0; i < prefills.size(); ++i) {
+    Running* r = prefills[i];
+    if (shares[i] == 0) {
       ++r->skipped_steps;
       continue;
     }
-    const int64_t take = std::min(budget, r->generation->remaining());
-    items.push_back({r->generation.get(), take});
-    budget -= take;
+    items.push_back({r->generation.get(), shares[i]});
+    budget -= shares[i];
     r->skipped_steps = 0;
   }
   if (items.empty()) return;
   // A failure is recorded in each generation of the step; EndFinished reports it.
   const size_t kv_before = admission_blocked_ ? engine_->DeviceKvBytes() : 0;
+  const std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   (void)engine_->Step(items);
+  step_cap_.Observe(
+      prompt_budget - budget,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   // A device prefill's window shrinks once its settle is over (a slice per step after the first
   // token): a refused request may fit now.
   if (admission_blocked_ && engine_->DeviceKvBytes() < kv_before) admission_blocked_ = false;
   CountStep();
   ++local_stats_.steps;
-  local_stats_.step_tokens += static_cast<uint64_t>(options_.step_tokens - budget);
+  local_stats_.step_tokens += static_cast<uint64_t>(decode_rows + prompt_budget - budget);
 }
 
 void Scheduler::Publish() {

@@ -15,9 +15,11 @@
 //      the prompt is in: Engine::PrefillWorthWaitingFor), wait while others go ahead;
 //   4. runs one Engine::Step over every running generation: one decode token each, plus prompt
 //      tokens of prefilling generations up to step_tokens in all (chunked prefill interleaved
-//      with decode). Prefill tokens go to the shortest remaining prompt first, so a short
-//      request is not stuck behind a long one; a prefill passed over for prefill_aging_steps
-//      steps goes first, so none starves. Sequences of every mode share the step.
+//      with decode), divided by PrefillShares (prefill_shares.h): the shortest remaining prompt
+//      first, and a step that completes a prompt carries no chunk of a longer one, so a short
+//      request's first token is not held behind a long chunk; a prefill passed over for
+//      prefill_aging_steps steps goes first, so none starves. Sequences of every mode share
+//      the step.
 //
 // Metrics (SchedulerOptions::metrics, tandem/metrics/worker_metrics.h): after each step the
 // tokens it sampled (TTFT of first tokens, inter-token latencies, prompt tokens of prefills that
@@ -44,15 +46,20 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/step_time_cap.h"
 #include "tandem/metrics/worker_metrics.h"
 
 namespace tandem::gpu_worker {
 
 struct SchedulerOptions {
-  int64_t max_batch = 64;          // generations running at once (at most step_tokens)
-  int64_t max_waiting = 4096;      // requests queued beyond the running ones; more: refused
-  int64_t step_tokens = 0;         // tokens per step (decode + prefill); 0 = the engine's chunk
+  int64_t max_batch = 64;      // generations running at once (at most step_tokens)
+  int64_t max_waiting = 4096;  // requests queued beyond the running ones; more: refused
+  int64_t step_tokens = 0;     // tokens per step (decode + prefill); 0 = the engine's chunk
   int64_t prefill_aging_steps = 4;
+  // > 0: a step's prompt tokens are capped so that it takes about this long (StepTimeCap): a
+  // request arriving during a long prefill waits for at most about one such step, and decoding
+  // requests keep their inter-token latency. 0: steps take step_tokens.
+  double max_step_ms = 0.0;
   // Where to count (null: nothing is counted). Not owned; must outlive the scheduler.
   const metrics::WorkerMetrics* metrics = nullptr;
 };
@@ -61,7 +68,7 @@ struct SchedulerStats {
   int64_t running = 0;
   int64_t waiting = 0;
   uint64_t steps = 0;
-  uint64_t step_tokens = 0;        // tokens fed by all steps
+  uint64_t step_tokens = 0;  // tokens fed by all steps
 };
 
 class Scheduler {
@@ -112,8 +119,8 @@ class Scheduler {
   struct Running {
     std::unique_ptr<Generation> generation;
     Done done;
-    uint64_t order = 0;            // admission order (FCFS ties)
-    int64_t skipped_steps = 0;     // consecutive steps its prefill got no tokens
+    uint64_t order = 0;         // admission order (FCFS ties)
+    int64_t skipped_steps = 0;  // consecutive steps its prefill got no tokens
     // What the metrics have seen of it: tokens sampled, and its sequence's degraded_steps.
     int64_t counted_tokens = 0;
     uint64_t counted_degraded = 0;
@@ -140,20 +147,21 @@ class Scheduler {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void(Engine&)>> jobs_;   // guarded by mu_
-  std::deque<Pending> submitted_;                   // guarded by mu_
-  bool stopping_ = false;                           // guarded by mu_
-  SchedulerStats stats_;                            // guarded by mu_ (a copy of the thread's)
+  std::deque<std::function<void(Engine&)>> jobs_;  // guarded by mu_
+  std::deque<Pending> submitted_;                  // guarded by mu_
+  bool stopping_ = false;                          // guarded by mu_
+  SchedulerStats stats_;                           // guarded by mu_ (a copy of the thread's)
 
   // The scheduler thread's own state.
   std::deque<Pending> waiting_;
   std::list<Running> running_;
   uint64_t next_order_ = 0;
-  bool admission_blocked_ = false;   // the queue's head was refused for memory; nothing ended since
+  bool admission_blocked_ = false;  // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
-  uint64_t counted_evictions_ = 0;   // KvCacheManager::evictions() already exported
-  uint64_t counted_parks_ = 0;       // KvCacheManager::parks() already exported
-  uint64_t counted_unparks_ = 0;     // KvCacheManager::unparks() already exported
+  StepTimeCap step_cap_;
+  uint64_t counted_evictions_ = 0;  // KvCacheManager::evictions() already exported
+  uint64_t counted_parks_ = 0;      // KvCacheManager::parks() already exported
+  uint64_t counted_unparks_ = 0;    // KvCacheManager::unparks() already exported
   std::thread thread_;
 };
 
