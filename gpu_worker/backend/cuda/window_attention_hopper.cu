@@ -31,7 +31,7 @@ constexpr int kLoadRowStep = kLoadThreads / kChunks;  // rows the loaders copy p
 static_assert(kLoadThreads == kTile, "each loading thread fetches one row's slot position");
 constexpr int kMatrixBytes = kTile * kD * 2;   // one bf16 tile: 32 KiB
 constexpr int kStageBytes = 2 * kMatrixBytes;  // K then V
-// Tiles in flight: j + 1 and j + 2 loading, j in S = Q·Kᵀ, j - 1's V read by P·V.
+// Stages: tile j + 1 loading, j in S = Q·Kᵀ, j - 1's V read by P·V.
 constexpr int kStages = 3;
 constexpr int kQBytes = kRows * kD * 2;
 constexpr int kPosBytes = kTile * 4;
