@@ -12,9 +12,9 @@
 //   - more rows (prefill chunks), bf16 cache, head_dim <= 128, no MAW update: the fast
 //     tensor-core kernel of window_attention_flash.cuh (128 rows per block, bf16 q and p as in
 //     FlashAttention-2, ~1e-3 on o and lse; on a 9.x device of an sm_90 build with head_dim
-//     128, its wgmma variant of window_attention_hopper.cuh); with a MAW update, or when the plan asks for exact
-//     operands, the kernel of window_attention_mma.cuh (64 rows per block, mma.sync with q and p
-//     split into bf16 hi + lo so the results stay f32-accurate);
+//     128, its wgmma variant of window_attention_hopper.cuh); with a MAW update, or when the
+//     plan asks for exact operands, the kernel of window_attention_mma.cuh (64 rows per block,
+//     mma.sync with q and p split into bf16 hi + lo so the results stay f32-accurate);
 //   - more rows otherwise (f32 caches, head_dim > 128): 16 rows per block (4 per warp), K/V slot
 //     tiles of 32 slots staged in shared memory and shared by the block's warps.
 // Either way the slots may be split across `splits` blocks (flash-decoding) whose partial states
