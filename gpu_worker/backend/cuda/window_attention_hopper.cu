@@ -51,10 +51,11 @@ using hopper::TileOffset;
 // 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). Warpgroup 2
 // loads: per tile it waits for the stage to be free, copies K, V (thread i: chunk i % 16 of rows
 // i / 16 + 8r) and the slot positions by cp.async, and marks the stage full when they land
-// (tiles with empty slots: after it zeroed their V rows). The warpgroups run unsynchronised with
-// each other: per tile S = Q·Kᵀ and the previous tile's O += P·V are issued together, then the
-// mask, the online softmax (log2 units: q carries scale·log2e), and p̃ = bf16(p) into P's registers;
-// a stage is marked free once both warpgroups' P·V of it completed.
+// (tiles with empty slots: after it zeroed their V rows). The computing warpgroups take ping-pong
+// turns issuing their products: per tile S = Q·Kᵀ and the previous tile's O += P·V are issued
+// together, then the mask, the online softmax (log2 units: q carries scale·log2e), and
+// p̃ = bf16(p) into P's registers; a stage is marked free once both warpgroups' P·V of it
+// completed.
 __global__ void __launch_bounds__(kThreads, 1)
     HopperAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, const int32_t* tile_min,
                           const int32_t* tile_max, float* part_o, float* part_lse) {
