@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                   KMajorDescriptor(k_addr + step), kk > 0);
       }
       hopper::WgmmaCommit();
-      issue_pv((i + kStages - 1) % kStages * (i > 0));  // tile 0: its own stage, P = 0
+      issue_pv(i > 0 ? (i - 1) % kStages : 0);  // tile 0: its own stage with P = 0
       pass_turn();
       hopper::WgmmaWait<1>();
       hopper::PinRegisters(s);
