@@ -1,11 +1,13 @@
 // Device helpers of the Hopper (sm_90a) attention kernel: wgmma.mma_async m64n128k16 with bf16
 // operands and f32 accumulators, the shared-memory matrix descriptors it reads, the 128-byte
-// swizzled tile layout those descriptors describe, and the shared-memory barriers (mbarrier)
-// that hand tiles between the loading warp and the computing warpgroups. Included only by
+// swizzled tile layout those descriptors describe, the shared-memory barriers (mbarrier) that
+// hand tiles between the loading warpgroup and the computing warpgroups, and the tensor memory
+// accelerator's (TMA) tile copies that fill them. Included only by
 // window_attention_hopper.cu, which is compiled for sm_90a alone (the instructions exist only
 // there).
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -16,7 +18,8 @@ namespace tandem::gpu_worker::cuda_backend::hopper {
 // row of a half is 128 bytes, and its 16-byte chunk c sits at chunk c ^ (row mod 8), the
 // hardware's 128-byte swizzle (address bits 4-6 XOR bits 7-9, so the tile must be 1024-byte
 // aligned). One layout serves both operand orientations wgmma reads: K-major (Q and K, rows =
-// M or N, the 128 columns the reduction) and MN-major (V, rows = the reduction).
+// M or N, the 128 columns the reduction) and MN-major (V, rows = the reduction). A half is what
+// a TMA box of 64 columns x kRows rows writes with CU_TENSOR_MAP_SWIZZLE_128B.
 template <int kRows>
 __device__ __forceinline__ int TileOffset(int row, int chunk) {  // elements; chunk in [0, 16)
   return ((chunk >> 3) * kRows + row) * 64 + (((chunk & 7) ^ (row & 7)) << 3);
@@ -176,6 +179,31 @@ __device__ __forceinline__ void CpAsyncArriveOnBarrier(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddress(bar))
                : "memory");
 }
+// Adds `bytes` to the transactions the barrier's current phase waits for (no arrival): the phase
+// completes once its arrivals are in and that many bytes of bulk copies (TmaLoad3d) have landed.
+__device__ __forceinline__ void BarrierExpectBytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddress(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Brings the tensor map (a kernel parameter) into the cache before the first TmaLoad3d.
+__device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// The tensor memory accelerator copies the box of `map` at coordinates (x, y, z) (innermost
+// first, in elements) into shared memory at `dst` (laid out and swizzled as the map says) and
+// counts its bytes on `bar` (BarrierExpectBytes) when they have landed. One thread issues it.
+__device__ __forceinline__ void TmaLoad3d(const CUtensorMap* map, void* dst, uint64_t* bar, int x,
+                                          int y, int z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(SmemAddress(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(SmemAddress(bar))
+      : "memory");
+}
+
 // Returns once the phase of parity `parity` has completed.
 __device__ __forceinline__ void BarrierWait(uint64_t* bar, int parity) {
   asm volatile(

@@ -1,5 +1,7 @@
 // The Hopper window attention kernel (window_attention_hopper.cuh): wgmma m64n128k16 with bf16 q
 // and p, f32 accumulation, 128 query rows and 128-slot K/V tiles per block.
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -49,16 +51,18 @@ using hopper::TileOffset;
 
 // grid [row_tiles, num_kv_heads, splits], 384 threads. Warpgroup wg < 2 owns the block's rows
 // 64·wg .. + 63; warp w of it rows 16w + lane/4 and + 8 (the accumulator layout). Warpgroup 2
-// loads: per tile it waits for the stage to be free, copies K, V (thread i: chunk i % 16 of rows
-// i / 16 + 8r) and the slot positions by cp.async, and marks the stage full when they land
-// (tiles with empty slots: after it zeroed their V rows). The computing warpgroups take ping-pong
-// turns issuing their products: per tile S = Q·Kᵀ and the previous tile's O += P·V are issued
-// together, then the mask, the online softmax (log2 units: q carries scale·log2e), and
-// p̃ = bf16(p) into P's registers; a stage is marked free once both warpgroups' P·V of it
-// completed.
+// loads: per tile it waits for the stage to be free, copies K and V (TMA boxes of k_map / v_map;
+// tiles with empty slots by cp.async, thread i: chunk i % 16 of rows i / 16 + 8r) and the slot
+// positions, and the stage is full when they have landed (tiles with empty slots: after the
+// loaders zeroed their V rows). The computing warpgroups take ping-pong turns issuing their
+// products: per tile S = Q·Kᵀ and the previous tile's O += P·V are issued together, then the
+// mask, the online softmax (log2 units: q carries scale·log2e), and p̃ = bf16(p) into P's
+// registers; a stage is marked free once both warpgroups' P·V of it completed.
 __global__ void __launch_bounds__(kThreads, 1)
-    HopperAttentionKernel(WindowAttentionArgs a, int64_t slots_per_split, const int32_t* tile_min,
-                          const int32_t* tile_max, float* part_o, float* part_lse) {
+    HopperAttentionKernel(WindowAttentionArgs a, const __grid_constant__ CUtensorMap k_map,
+                          const __grid_constant__ CUtensorMap v_map, int64_t slots_per_split,
+                          const int32_t* tile_min, const int32_t* tile_max, float* part_o,
+                          float* part_lse) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[4][kWarps];
@@ -170,6 +174,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (loader) {
     hopper::SetMaxRegisters<kLoaderRegisters, false>();
     if (first > last) return;
+    if (threadIdx.x == kComputeThreads) {
+      hopper::PrefetchTensorMap(&k_map);
+      hopper::PrefetchTensorMap(&v_map);
+    }
     const __nv_bfloat16* k_head =
         static_cast<const __nv_bfloat16*>(a.k_cache) + g * a.capacity * kD;
     const __nv_bfloat16* v_head =
@@ -184,6 +192,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       __nv_bfloat16* vs = ks + kTile * kD;
       int* spos = positions_of(stage);
       const int tile_slot = s_begin + j * kTile;
+      // A tile whose 128 slots all hold a position (the summary's max is finite for both
+      // halves) needs no fix-up: the tensor memory accelerator copies K and V (two 64-column
+      // boxes each, issued by one thread, their bytes counted on the stage's full barrier) and
+      // each thread its slot's position by cp.async, whose landing is its arrival on the
+      // barrier. So the loaders never wait for their copies and keep the next stages' in flight.
+      const int t = summary_begin + 2 * j;
+      const bool whole = has_second_half(j) && tile_max[t] != INT_MAX && tile_max[t + 1] != INT_MAX;
+      if (whole) {
+        if (tid == 0) {
+          hopper::BarrierExpectBytes(&full[stage], kStageBytes);
+          hopper::TmaLoad3d(&k_map, ks, &full[stage], 0, tile_slot, g);
+          hopper::TmaLoad3d(&k_map, ks + kTile * 64, &full[stage], 64, tile_slot, g);
+          hopper::TmaLoad3d(&v_map, vs, &full[stage], 0, tile_slot, g);
+          hopper::TmaLoad3d(&v_map, vs + kTile * 64, &full[stage], 64, tile_slot, g);
+        }
+        CpAsync4(SmemAddr(spos + tid), a.slot_pos + tile_slot + tid, true);
+        CpAsyncCommit();
+        hopper::CpAsyncArriveOnBarrier(&full[stage]);
+        continue;
+      }
+      // Otherwise the loaders copy by cp.async (slots past the split's end as zeros), wait for
+      // the copies (each thread's, then a barrier of the loaders for each other's), zero this
+      // thread's row of V if its slot is empty, record its position, and publish to the async
+      // proxy.
 #pragma unroll 4
       for (int r = tid / kChunks; r < kTile; r += kLoadRowStep) {
         const int slot = tile_slot + r;
@@ -192,21 +224,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         CpAsync16(SmemAddr(ks + TileOffset<kTile>(r, chunk)), k_head + offset, in);
         CpAsync16(SmemAddr(vs + TileOffset<kTile>(r, chunk)), v_head + offset, in);
       }
-      // A tile whose 128 slots all hold a position (the summary's max is finite for both
-      // halves) needs no fix-up: its positions come by cp.async too, and the stage's full
-      // barrier counts this thread's arrival once all its copies have landed, so the loader
-      // never waits for them and keeps the next stages' copies in flight.
-      const int t = summary_begin + 2 * j;
-      const bool whole = has_second_half(j) && tile_max[t] != INT_MAX && tile_max[t + 1] != INT_MAX;
-      if (whole) {
-        CpAsync4(SmemAddr(spos + tid), a.slot_pos + tile_slot + tid, true);
-        CpAsyncCommit();
-        hopper::CpAsyncArriveOnBarrier(&full[stage]);
-        continue;
-      }
-      // Otherwise wait for the copies (each thread's, then a barrier of the loaders for each
-      // other's), zero this thread's row of V if its slot is empty, record its position, and
-      // publish to the async proxy.
       CpAsyncCommit();
       const int pos = tile_slot + tid < s_end ? a.slot_pos[tile_slot + tid] : -1;
       CpAsyncWait<0>();
@@ -394,12 +411,49 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }
 
+// The driver's cuTensorMapEncodeTiled, through the runtime (no link to libcuda); null when the
+// driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// The TMA view of one layer's K or V cache [num_kv_heads][capacity][128] bf16: boxes of 64
+// columns x 128 slots of one head, 128-byte swizzled (one half of a TileOffset<128> tile).
+cudaError_t EncodeCacheMap(const void* cache, int64_t capacity, int64_t num_kv_heads,
+                           CUtensorMap* map) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {kD, static_cast<cuuint64_t>(capacity),
+                              static_cast<cuuint64_t>(num_kv_heads)};
+  const cuuint64_t strides[2] = {kD * 2, static_cast<cuuint64_t>(capacity) * kD * 2};  // bytes
+  const cuuint32_t box[3] = {64, kTile, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(cache), dims, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 }  // namespace
 
 bool HopperAttentionSupports(const WindowAttentionArgs& a) {
+  // TMA needs 16-byte aligned caches; q is read as float4.
   return a.cache_dtype == DType::kBF16 && a.head_dim == kD && a.maw == nullptr &&
          a.num_kv_heads > 0 && a.q_row_stride % 4 == 0 &&
-         reinterpret_cast<uintptr_t>(a.q) % 16 == 0;  // q read as float4
+         reinterpret_cast<uintptr_t>(a.q) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.k_cache) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(a.v_cache) % 16 == 0;
 }
 
 bool HopperAttentionAvailable() {
@@ -424,14 +478,18 @@ cudaError_t LaunchHopperAttention(const WindowAttentionArgs& a, int64_t row_tile
     return cudaErrorInvalidValue;
   }
   if (!HopperAttentionAvailable()) return cudaErrorNotSupported;
+  CUtensorMap k_map, v_map;
+  cudaError_t error = EncodeCacheMap(a.k_cache, a.capacity, a.num_kv_heads, &k_map);
+  if (error == cudaSuccess) error = EncodeCacheMap(a.v_cache, a.capacity, a.num_kv_heads, &v_map);
+  if (error != cudaSuccess) return error;
   static const cudaError_t prepared =
       cudaFuncSetAttribute(HopperAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kSmemBytes));
   if (prepared != cudaSuccess) return prepared;
   const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(a.num_kv_heads),
                   static_cast<unsigned>(splits));
-  HopperAttentionKernel<<<grid, kThreads, kSmemBytes, stream>>>(a, slots_per_split, tile_min,
-                                                                tile_max, part_o, part_lse);
+  HopperAttentionKernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      a, k_map, v_map, slots_per_split, tile_min, tile_max, part_o, part_lse);
   return cudaGetLastError();
 }
 

@@ -3,18 +3,20 @@
 // split states and empty rows) on sm_90a's warpgroup MMA (wgmma.mma_async), which issues a 64 x 128
 // x 16 product per instruction from shared memory and keeps the tensor cores busier than mma.sync
 // can. Compiled only when the build targets sm_90 (tandem_backend_cuda_hopper, as sm_90a code),
-// launched only on a device of compute capability 9.x; bf16 caches with head_dim 128 and no MAW
-// update.
+// launched only on a device of compute capability 9.x; bf16 caches (16-byte aligned, as TMA
+// needs) with head_dim 128 and no MAW update.
 //
 // Tiles: 128 query rows per block (rows r = t·G + j of one kv head), q in shared memory as bf16,
 // 128-slot K/V tiles in 3 stages, all in the 128-byte swizzled layout wgmma reads
 // (hopper_device.cuh); one block of three warpgroups per multiprocessor (227 KiB of shared
-// memory). Warpgroup 2 loads: cp.async copies of K, V and the slot positions, a stage marked full
-// on an mbarrier when they land, its registers given to the others (setmaxnreg). Warpgroups 0 and
+// memory). Warpgroup 2 loads: the tensor memory accelerator copies K and V (two 64-column boxes
+// each, of a tensor map per cache built at launch), cp.async the slot positions (and K and V of
+// tiles with empty slots, whose V rows it zeroes), a stage is full on an mbarrier when they have
+// landed; its registers go to the others (setmaxnreg). Warpgroups 0 and
 // 1 (64 rows each) take ping-pong turns issuing, per tile, S = Q·Kᵀ (8 wgmma from shared memory)
 // with the previous tile's O += P·V (8 wgmma, P from registers, V MN-major from shared memory),
 // then the position mask and online softmax on S's registers while the other's products run.
-// Speed (H200, bench/run_kernel_bench.sh shapes): 289-522 TFLOP/s, 1.7-2.0x the mma.sync kernel;
+// Speed (H200, bench/run_kernel_bench.sh shapes): 318-579 TFLOP/s, 1.8-2.3x the mma.sync kernel;
 // BENCHMARKS "A Hopper prefill attention kernel".
 #pragma once
 

@@ -481,7 +481,9 @@ class DirectKernelFixture : public CudaBackendFixture {
 // LaunchWindowAttention with the plan's variant overridden (the backend takes the preferred one):
 // o and lse against the f64 reference (NaN in empty slots, o/lse poisoned with NaN first), the
 // measured max errors printed. Shapes: slot splits (many rows over a prefix, and few row tiles),
-// plain causal, head dims 64 and padded 96 and 8 in their buckets.
+// plain causal, more row tiles x kv heads than a GPU has multiprocessors (several waves of
+// blocks; the second with empty slots, whose tiles the Hopper kernel loads without TMA), head
+// dims 64 and padded 96 and 8 in their buckets.
 class PrefillFlashTest
     : public DirectKernelFixture,
       public ::testing::WithParamInterface<std::tuple<PrefillCase, int>> {};
@@ -532,6 +534,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(PrefillCase{128, 2, 4, DType::kBF16, 600, 1500, true},
                                          PrefillCase{128, 1, 4, DType::kBF16, 512, 0, false},
                                          PrefillCase{128, 8, 4, DType::kBF16, 40, 3000, true},
+                                         PrefillCase{128, 8, 4, DType::kBF16, 1024, 0, false},
+                                         PrefillCase{128, 4, 4, DType::kBF16, 1200, 700, true},
                                          PrefillCase{64, 2, 3, DType::kBF16, 300, 500, true},
                                          PrefillCase{96, 1, 2, DType::kBF16, 200, 300, false},
                                          PrefillCase{8, 2, 2, DType::kBF16, 100, 50, true}),
