@@ -6,7 +6,8 @@
 #   tests   the cuda backend's window-attention and KV-write tests (batched too), the cuda
 #           engine tests of the scheduler and the micro-batched runner
 #   gpu     gpu mode, 4K prompts: one stream, then a wave of 64 concurrent streams
-#   ttft    a short prompt's TTFT idle and while a 32K prompt is prefilled
+#   ttft    a short prompt's TTFT idle and while a 32K prompt is prefilled, and the 32K
+#           prompt's alone and with them, for each --max_step_ms in TTFT_CAPS
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -60,7 +61,7 @@ load() {   # load NAME ARGS...
   shift
   tandem-load --target "127.0.0.1:$port" --json_out "$out/load_$name.json" "$@" \
     > "$out/load_$name.txt" 2>&1
-  grep -E 'Successful|Failed req|duration|Output token|All-decoding|Median TTFT|P99 TTFT|Mean ITL|P99 ITL|Median ITL|Mean TPOT' \
+  grep -E '^(Successful|Failed req|Benchmark duration|Output token|All-decoding|Median TTFT|P99 TTFT|Mean ITL|P99 ITL|Median ITL|Mean TPOT)' \
     "$out/load_$name.txt" | sed "s/^/[$name] /"
 }
 
@@ -85,19 +86,28 @@ if has gpu; then
 fi
 
 if has ttft; then
-  if start_worker ttft --mode gpu --prefill_chunk "${TTFT_CHUNK:-2048}" --max_batch 64; then
-    short=(--concurrency 1 --prompt_tokens 256 --output_tokens 8 --mode gpu)
-    load ttft_idle --num_requests 6 --warmup 2 "${short[@]}"
-    tandem-load --target "127.0.0.1:$port" --concurrency 1 --num_requests 1 \
-      --prompt_tokens 32768 --output_tokens 4 --mode gpu --json_out "$out/load_ttft_long.json" \
-      > "$out/load_ttft_long.txt" 2>&1 &
-    lpid=$!
-    sleep "${TTFT_DELAY_S:-1}"
-    load ttft_busy --num_requests 6 "${short[@]}"
-    wait "$lpid"
-    grep -E 'Median TTFT|Benchmark duration' "$out/load_ttft_long.txt" | sed 's/^/[ttft_long] /'
-    stop_worker
-  fi
+  # Per step-time cap in TTFT_CAPS (the worker's --max_step_ms; 0 = none): the short prompt
+  # idle, the 32K prompt alone, then the short prompts while the 32K one is prefilled. Each
+  # run has its own prompts (--load_seed), so none is served from the prefix cache.
+  seed=100
+  for cap in ${TTFT_CAPS:-0}; do
+    if start_worker "ttft_$cap" --mode gpu --prefill_chunk "${TTFT_CHUNK:-2048}" --max_batch 64 \
+         --max_step_ms "$cap"; then
+      short=(--concurrency 1 --prompt_tokens 256 --output_tokens 8 --mode gpu)
+      long=(--concurrency 1 --num_requests 1 --prompt_tokens 32768 --output_tokens 4 --mode gpu)
+      load "ttft_idle_$cap" --num_requests 6 --warmup 2 --load_seed $((seed += 1)) "${short[@]}"
+      load "ttft_long_alone_$cap" --load_seed $((seed += 1)) "${long[@]}"
+      tandem-load --target "127.0.0.1:$port" --load_seed $((seed += 1)) "${long[@]}" \
+        --json_out "$out/load_ttft_long_$cap.json" > "$out/load_ttft_long_$cap.txt" 2>&1 &
+      lpid=$!
+      sleep "${TTFT_DELAY_S:-1}"
+      load "ttft_busy_$cap" --num_requests 6 --load_seed $((seed += 1)) "${short[@]}"
+      wait "$lpid"
+      grep -E '^(Median TTFT|Benchmark duration)' "$out/load_ttft_long_$cap.txt" |
+        sed "s/^/[ttft_long_$cap] /"
+      stop_worker
+    fi
+  done
 fi
 
 if has hybrid; then
