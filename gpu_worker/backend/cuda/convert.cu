@@ -1,5 +1,8 @@
 #include <cuda_fp8.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "convert.cuh"
 #include "device_utils.cuh"
 #include "tandem/gpu_worker/random_values.h"
@@ -15,6 +18,31 @@ __global__ void ConvertKernel(const float* __restrict__ src, T* __restrict__ dst
        i += int64_t{gridDim.x} * blockDim.x) {
     dst[i] = FromFloat<T>(src[i]);
   }
+}
+
+// The same over 8 values per thread and step: two 16-byte loads, one 16-byte store (src and dst
+// 16-byte aligned); the count % 8 values past the last group one per thread.
+template <typename T>
+__global__ void ConvertBy8Kernel(const float* __restrict__ src, T* __restrict__ dst,
+                                 int64_t count) {
+  static_assert(sizeof(T) == 2, "8 values of T fill 16 bytes");
+  const int64_t groups = count / 8;
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = first; i < groups; i += stride) {
+    const float4 lo = reinterpret_cast<const float4*>(src)[2 * i];
+    const float4 hi = reinterpret_cast<const float4*>(src)[2 * i + 1];
+    union {
+      T values[8];
+      uint4 bits;
+    } out;
+    out.values[0] = FromFloat<T>(lo.x), out.values[1] = FromFloat<T>(lo.y);
+    out.values[2] = FromFloat<T>(lo.z), out.values[3] = FromFloat<T>(lo.w);
+    out.values[4] = FromFloat<T>(hi.x), out.values[5] = FromFloat<T>(hi.y);
+    out.values[6] = FromFloat<T>(hi.z), out.values[7] = FromFloat<T>(hi.w);
+    reinterpret_cast<uint4*>(dst)[i] = out.bits;
+  }
+  if (first < count % 8) dst[groups * 8 + first] = FromFloat<T>(src[groups * 8 + first]);
 }
 
 __global__ void FillKernel(float* __restrict__ dst, float value, int64_t count) {
@@ -123,6 +151,24 @@ cudaError_t LaunchQuantizeRowsF8(const QuantizeRowsF8Args& args, cudaStream_t st
 
 cudaError_t LaunchConvertFromF32(const ConvertArgs& args, cudaStream_t stream) {
   if (args.count <= 0) return cudaSuccess;
+  // A bandwidth-bound pass (MatMul's x before every prefill GEMM): by 8 where both ends are
+  // 16-byte aligned, ~2x the rate of one value per thread.
+  if (reinterpret_cast<uintptr_t>(args.src) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(args.dst) % 16 == 0) {
+    const unsigned groups = GridStrideBlocks(std::max<int64_t>(args.count / 8, 1), kThreads);
+    switch (args.dst_dtype) {
+      case DType::kBF16:
+        ConvertBy8Kernel<<<groups, kThreads, 0, stream>>>(
+            args.src, static_cast<__nv_bfloat16*>(args.dst), args.count);
+        return cudaGetLastError();
+      case DType::kF16:
+        ConvertBy8Kernel<<<groups, kThreads, 0, stream>>>(args.src, static_cast<__half*>(args.dst),
+                                                          args.count);
+        return cudaGetLastError();
+      default:
+        return cudaErrorInvalidValue;
+    }
+  }
   const unsigned blocks = GridStrideBlocks(args.count, kThreads);
   switch (args.dst_dtype) {
     case DType::kBF16:

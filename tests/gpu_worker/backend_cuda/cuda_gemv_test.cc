@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "convert.cuh"
 #include "cuda_test_util.h"
 #include "gemv.cuh"
 #include "gtest/gtest.h"
@@ -73,6 +74,42 @@ TEST(GemvPlanTest, SupportsAndPreferred) {
   a.x = x + 1;  // 4-byte aligned only
   EXPECT_FALSE(cuda_backend::GemvSupports(a));
   EXPECT_EQ(cuda_backend::LaunchGemv(a, nullptr), cudaErrorInvalidValue);
+}
+
+// MatMul's conversion of x (LaunchConvertFromF32): bf16 and f16, counts with and without a tail
+// of count % 8, from 16-byte aligned buffers (8 values per thread) and from buffers one float in
+// (one per thread); each value must equal the host's round-to-nearest-even, and the slot past
+// the count stay unwritten.
+class CudaConvertTest : public CudaBackendFixture {};
+
+TEST_F(CudaConvertTest, RoundsEveryValueLikeTheHost) {
+  for (const DType dtype : {DType::kBF16, DType::kF16}) {
+    for (const int64_t count : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{1000003}}) {
+      for (const int64_t offset : {int64_t{0}, int64_t{1}}) {
+        std::vector<float> x = RandomFloats(count + offset, -3, 3, 50 + count);
+        x[offset] = 1.0f + 1.0f / 256;  // a bf16 tie: rounds to even (1.0)
+        DeviceBuffer src = Upload(x);
+        DeviceBuffer dst = Upload(std::vector<uint16_t>(count + offset + 1, 0xFFFF));
+        ASSERT_TRUE(backend_->Synchronize().ok());
+        ASSERT_EQ(
+            cuda_backend::LaunchConvertFromF32({.src = src.as<float>() + offset,
+                                                .dst = static_cast<uint16_t*>(dst.data()) + offset,
+                                                .dst_dtype = dtype,
+                                                .count = count},
+                                               nullptr),
+            cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const std::vector<uint16_t> got = Download<uint16_t>(dst, count + offset + 1);
+        for (int64_t i = 0; i < count; ++i) {
+          const float v = x[offset + i];
+          const uint16_t want = dtype == DType::kBF16 ? FloatToBf16(v) : FloatToF16(v);
+          ASSERT_EQ(got[offset + i], want) << DTypeName(dtype) << " count " << count << " offset "
+                                           << offset << " value " << i << " = " << v;
+        }
+        EXPECT_EQ(got[offset + count], 0xFFFF) << "written past the count";
+      }
+    }
+  }
 }
 
 // (dtype, variant index, m, n, k).
