@@ -37,9 +37,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "convert.cuh"
+#include "cuda_check.h"
 #include "nlohmann/json.hpp"
 #include "parse_flags.h"
 #include "tandem/common/bf16.h"
+#include "tandem/common/status_macros.h"
 #include "tandem/gpu_worker/backend.h"
 
 ABSL_FLAG(std::string, shapes, "6144x4096,4096x4096,28672x4096,4096x14336",
@@ -52,26 +54,6 @@ namespace tandem::gpu_worker {
 namespace {
 
 constexpr size_t kLtWorkspaceBytes = size_t{64} << 20;
-
-#define GEMM_CUDA(call)                                                                      \
-  do {                                                                                       \
-    const cudaError_t gemm_error = (call);                                                   \
-    if (gemm_error != cudaSuccess) {                                                         \
-      return absl::InternalError(absl::StrCat(#call, ": ", cudaGetErrorString(gemm_error))); \
-    }                                                                                        \
-  } while (0)
-#define GEMM_BLAS(call)                                                                 \
-  do {                                                                                  \
-    const cublasStatus_t gemm_status = (call);                                          \
-    if (gemm_status != CUBLAS_STATUS_SUCCESS) {                                         \
-      return absl::InternalError(absl::StrCat(#call, ": cuBLAS status ", gemm_status)); \
-    }                                                                                   \
-  } while (0)
-#define GEMM_RETURN_IF_ERROR(expr)      \
-  do {                                  \
-    const absl::Status gemm_s = (expr); \
-    if (!gemm_s.ok()) return gemm_s;    \
-  } while (0)
 
 absl::StatusOr<std::vector<int64_t>> ParseRows(const std::string& text) {
   std::vector<int64_t> out;
@@ -130,21 +112,21 @@ class LtGemm {
   absl::Status Init(cublasLtHandle_t lt, int64_t m, int64_t n, int64_t k, cudaDataType_t out_type,
                     int max_algos) {
     lt_ = lt;
-    GEMM_BLAS(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulDescCreate(&op_, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     const cublasOperation_t trans = CUBLAS_OP_T;
-    GEMM_BLAS(
+    TANDEM_CUBLAS_RETURN_IF_ERROR(
         cublasLtMatmulDescSetAttribute(op_, CUBLASLT_MATMUL_DESC_TRANSA, &trans, sizeof(trans)));
-    GEMM_BLAS(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, k, n, k));
-    GEMM_BLAS(cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, k, m, k));
-    GEMM_BLAS(cublasLtMatrixLayoutCreate(&c_, out_type, n, m, n));
-    GEMM_BLAS(cublasLtMatmulPreferenceCreate(&pref_));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&a_, CUDA_R_16BF, k, n, k));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&b_, CUDA_R_16BF, k, m, k));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatrixLayoutCreate(&c_, out_type, n, m, n));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceCreate(&pref_));
     const size_t ws = kLtWorkspaceBytes;
-    GEMM_BLAS(cublasLtMatmulPreferenceSetAttribute(pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &ws, sizeof(ws)));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulPreferenceSetAttribute(
+        pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
     algos_.resize(max_algos);
     int found = 0;
-    GEMM_BLAS(cublasLtMatmulAlgoGetHeuristic(lt_, op_, a_, b_, c_, c_, pref_, max_algos,
-                                             algos_.data(), &found));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, op_, a_, b_, c_, c_, pref_,
+                                                                 max_algos, algos_.data(), &found));
     algos_.resize(found);
     if (found == 0) return absl::NotFoundError("cuBLASLt found no algorithm");
     return absl::OkStatus();
@@ -153,8 +135,9 @@ class LtGemm {
   absl::Status Run(int algo, const void* w, const void* x, void* y, void* workspace,
                    cudaStream_t stream) const {
     const float alpha = 1.0f, beta = 0.0f;
-    GEMM_BLAS(cublasLtMatmul(lt_, op_, &alpha, w, a_, x, b_, &beta, y, c_, y, c_,
-                             &algos_[algo].algo, workspace, kLtWorkspaceBytes, stream));
+    TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmul(lt_, op_, &alpha, w, a_, x, b_, &beta, y, c_, y,
+                                                 c_, &algos_[algo].algo, workspace,
+                                                 kLtWorkspaceBytes, stream));
     return absl::OkStatus();
   }
 
@@ -179,35 +162,35 @@ absl::Status Run() {
   if (!backend.ok()) return backend.status();
   Backend& be = **backend;
   cudaDeviceProp props{};
-  GEMM_CUDA(cudaGetDeviceProperties(&props, 0));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&props, 0));
   std::printf("# %s, %d SMs, L2 %d MiB\n", props.name, props.multiProcessorCount,
               props.l2CacheSize >> 20);
   cudaStream_t stream = nullptr;
-  GEMM_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::unique_ptr<CUstream_st, decltype(&cudaStreamDestroy)> stream_owner(stream,
                                                                           &cudaStreamDestroy);
   cublasHandle_t blas_raw = nullptr;
-  GEMM_BLAS(cublasCreate(&blas_raw));
+  TANDEM_CUBLAS_RETURN_IF_ERROR(cublasCreate(&blas_raw));
   std::unique_ptr<cublasContext, decltype(&cublasDestroy)> blas(blas_raw, &cublasDestroy);
-  GEMM_BLAS(cublasSetStream(blas.get(), stream));
+  TANDEM_CUBLAS_RETURN_IF_ERROR(cublasSetStream(blas.get(), stream));
   LtHandles lt;
-  GEMM_BLAS(cublasLtCreate(&lt.lt));
+  TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtCreate(&lt.lt));
   absl::StatusOr<DeviceBuffer> workspace = be.Allocate(kLtWorkspaceBytes);
   if (!workspace.ok()) return workspace.status();
 
   // Mean seconds per call of `call` (queued `reps` times between synchronizations).
   auto time = [&](const std::function<absl::Status()>& call,
                   const std::function<absl::Status()>& sync) -> absl::StatusOr<double> {
-    for (int i = 0; i < 3; ++i) GEMM_RETURN_IF_ERROR(call());
-    GEMM_RETURN_IF_ERROR(sync());
+    for (int i = 0; i < 3; ++i) TANDEM_RETURN_IF_ERROR(call());
+    TANDEM_RETURN_IF_ERROR(sync());
     const auto start = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < reps; ++i) GEMM_RETURN_IF_ERROR(call());
-    GEMM_RETURN_IF_ERROR(sync());
+    for (int64_t i = 0; i < reps; ++i) TANDEM_RETURN_IF_ERROR(call());
+    TANDEM_RETURN_IF_ERROR(sync());
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
            static_cast<double>(reps);
   };
   auto sync_stream = [&]() -> absl::Status {
-    GEMM_CUDA(cudaStreamSynchronize(stream));
+    TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return absl::OkStatus();
   };
   auto sync_backend = [&]() { return be.Synchronize(); };
@@ -227,7 +210,7 @@ absl::Status Run() {
         for (size_t i = 0; i < values.size(); ++i) bits[i] = FloatToBf16(values[i]);
         absl::StatusOr<DeviceBuffer> w = be.Allocate(w_bytes);
         if (!w.ok()) return w.status();
-        GEMM_RETURN_IF_ERROR(be.CopyToDevice(w->data(), bits.data(), w_bytes));
+        TANDEM_RETURN_IF_ERROR(be.CopyToDevice(w->data(), bits.data(), w_bytes));
         weights.push_back(*std::move(w));
       }
     }
@@ -236,15 +219,15 @@ absl::Status Run() {
       FillRandom(&xh, 7, 1.0f);
       absl::StatusOr<DeviceBuffer> x = be.Allocate(xh.size() * 4);
       if (!x.ok()) return x.status();
-      GEMM_RETURN_IF_ERROR(be.CopyToDevice(x->data(), xh.data(), xh.size() * 4));
+      TANDEM_RETURN_IF_ERROR(be.CopyToDevice(x->data(), xh.data(), xh.size() * 4));
       absl::StatusOr<DeviceBuffer> x16 = be.Allocate(xh.size() * 2);
       if (!x16.ok()) return x16.status();
       absl::StatusOr<DeviceBuffer> y = be.Allocate(static_cast<size_t>(m * n) * 4);
       if (!y.ok()) return y.status();
-      GEMM_CUDA(cuda_backend::LaunchConvertFromF32(
+      TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchConvertFromF32(
           {.src = x->as<float>(), .dst = x16->data(), .dst_dtype = DType::kBF16, .count = m * k},
           stream));
-      GEMM_RETURN_IF_ERROR(sync_stream());
+      TANDEM_RETURN_IF_ERROR(sync_stream());
       int64_t rep = 0;  // rotates the weight copies
       auto next_w = [&] { return weights[rep++ % sets].data(); };
       const double flops = 2.0 * static_cast<double>(m) * n * k;
@@ -273,11 +256,12 @@ absl::Status Run() {
       record("matmul", *matmul, true);
       absl::StatusOr<double> convert = time(
           [&]() -> absl::Status {
-            GEMM_CUDA(cuda_backend::LaunchConvertFromF32({.src = x->as<float>(),
-                                                          .dst = x16->data(),
-                                                          .dst_dtype = DType::kBF16,
-                                                          .count = m * k},
-                                                         stream));
+            TANDEM_CUDA_RETURN_IF_ERROR(
+                cuda_backend::LaunchConvertFromF32({.src = x->as<float>(),
+                                                    .dst = x16->data(),
+                                                    .dst_dtype = DType::kBF16,
+                                                    .count = m * k},
+                                                   stream));
             return absl::OkStatus();
           },
           sync_stream);
@@ -286,11 +270,11 @@ absl::Status Run() {
       absl::StatusOr<double> gemm = time(
           [&]() -> absl::Status {
             const float alpha = 1.0f, beta = 0.0f;
-            GEMM_BLAS(cublasGemmEx(blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n),
-                                   static_cast<int>(m), static_cast<int>(k), &alpha, next_w(),
-                                   CUDA_R_16BF, static_cast<int>(k), x16->data(), CUDA_R_16BF,
-                                   static_cast<int>(k), &beta, y->data(), CUDA_R_32F,
-                                   static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+            TANDEM_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+                blas.get(), CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                static_cast<int>(k), &alpha, next_w(), CUDA_R_16BF, static_cast<int>(k),
+                x16->data(), CUDA_R_16BF, static_cast<int>(k), &beta, y->data(), CUDA_R_32F,
+                static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
             return absl::OkStatus();
           },
           sync_stream);
@@ -298,7 +282,7 @@ absl::Status Run() {
       record("gemm", *gemm, true);
       for (const bool bf16_out : {false, true}) {
         LtGemm problem;
-        GEMM_RETURN_IF_ERROR(
+        TANDEM_RETURN_IF_ERROR(
             problem.Init(lt.lt, m, n, k, bf16_out ? CUDA_R_16BF : CUDA_R_32F, max_algos));
         double best = 0.0, first = 0.0;
         for (int algo = 0; algo < problem.algos(); ++algo) {
