@@ -84,6 +84,7 @@ Difference Compare(const std::vector<TokenEvent>& a, const std::vector<TokenEven
 
 TEST(CudaPrefillLogits, FastKernelAgainstCpuBackend) {
   TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
+  TANDEM_SKIP_WITHOUT_DATA("gutenberg-eval");
   if (!CreateCudaBackend(0).ok()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Engine> cpu = MakeEngine("cpu");
   std::unique_ptr<Engine> cuda = MakeEngine("cuda");

@@ -105,6 +105,7 @@ class Gutenberg14m : public ::testing::Test {
  protected:
   void SetUp() override {
     TANDEM_SKIP_WITHOUT_MODEL("gutenberg-14m");
+    TANDEM_SKIP_WITHOUT_DATA("gutenberg-eval");  // the golden prompts are taken from its books
     TANDEM_SKIP_WITHOUT_BACKEND();
     golden_ = ReadJson(ModelDir("gutenberg-14m") / "golden.json");
     engine_ = MakeEngine("gutenberg-14m");

@@ -85,6 +85,14 @@ inline std::vector<int32_t> SyntheticPrompt(int64_t n, int32_t salt) {
                  << ::tandem::gpu_worker::testing::SharedDir() << "/models";             \
   }
 
+// Skips when the shared data folder lacks `name` (a file or folder under data/).
+#define TANDEM_SKIP_WITHOUT_DATA(name)                                                    \
+  if (!std::filesystem::exists(::tandem::gpu_worker::testing::SharedDir() / "data" /    \
+                               (name))) {                                                \
+    GTEST_SKIP() << "data/" << (name) << " not found under "                             \
+                 << ::tandem::gpu_worker::testing::SharedDir();                          \
+  }
+
 #define TANDEM_SKIP_WITHOUT_BACKEND()                                                     \
   do {                                                                                    \
     std::string why_;                                                                     \
