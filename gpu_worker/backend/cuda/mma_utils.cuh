@@ -1,12 +1,16 @@
 // Device helpers of the tensor-core attention kernels: cp.async copies, ldmatrix, the
-// mma.sync m16n8k16 bf16 instruction, the hi + lo bf16 split of f32 operands, and the swizzled
-// layout of K/V tiles in shared memory. Included only by .cu files.
+// mma.sync m16n8k16 bf16 instruction, the hi + lo bf16 split of f32 operands, the swizzled
+// layout of K/V tiles in shared memory, and the online softmax's step on an accumulator's rows.
+// Included only by .cu files.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+
+#include "device_utils.cuh"  // kFullMask
 
 namespace tandem::gpu_worker::cuda_backend {
 
@@ -79,6 +83,34 @@ __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// One tile's step of the online softmax (log2 units) for the two rows a lane holds of an
+// mma.sync or wgmma accumulator (row a = lane / 4 of its 16, row b = row a + 8).
+struct SoftmaxStep {
+  float base_a, base_b;  // the tile's weights are 2^(s - base): the new max, or 0 where a row
+                         // has seen nothing yet (all -inf; no -inf - -inf = NaN)
+  float corr_a, corr_b;  // the old sums and outputs are scaled by 2^(old max - base) (0 while
+                         // the old max is -inf: they are still 0)
+};
+// tile_max_a / tile_max_b: this lane's maxima of the tile's scores in rows a and b; reduced over
+// the row's 4 lanes. *m_a and *m_b, the running maxima, move to the new ones.
+__device__ __forceinline__ SoftmaxStep OnlineSoftmaxStep(float tile_max_a, float tile_max_b,
+                                                         float* m_a, float* m_b) {
+  tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(kFullMask, tile_max_a, 1));
+  tile_max_a = fmaxf(tile_max_a, __shfl_xor_sync(kFullMask, tile_max_a, 2));
+  tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(kFullMask, tile_max_b, 1));
+  tile_max_b = fmaxf(tile_max_b, __shfl_xor_sync(kFullMask, tile_max_b, 2));
+  const float new_a = fmaxf(*m_a, tile_max_a);
+  const float new_b = fmaxf(*m_b, tile_max_b);
+  SoftmaxStep step;
+  step.base_a = new_a == -INFINITY ? 0.0f : new_a;
+  step.base_b = new_b == -INFINITY ? 0.0f : new_b;
+  step.corr_a = Exp2(*m_a - step.base_a);
+  step.corr_b = Exp2(*m_b - step.base_b);
+  *m_a = new_a;
+  *m_b = new_b;
+  return step;
 }
 
 }  // namespace tandem::gpu_worker::cuda_backend

@@ -280,18 +280,7 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
       mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
       mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
     }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
-    const float new_a = fmaxf(m_a, mx_a);
-    const float new_b = fmaxf(m_b, mx_b);
-    const float base_a = new_a == -INFINITY ? 0.0f : new_a;  // nothing seen: p = 0, no NaN
-    const float base_b = new_b == -INFINITY ? 0.0f : new_b;
-    const float corr_a = Exp2(m_a - base_a);  // m = -inf: 0 (and o, l are still 0)
-    const float corr_b = Exp2(m_b - base_b);
-    m_a = new_a;
-    m_b = new_b;
+    const auto [base_a, base_b, corr_a, corr_b] = OnlineSoftmaxStep(mx_a, mx_b, &m_a, &m_b);
     l_a *= corr_a;
     l_b *= corr_b;
     if (__any_sync(kFullMask, corr_a != 1.0f || corr_b != 1.0f)) {  // a row's max moved

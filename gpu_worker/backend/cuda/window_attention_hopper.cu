@@ -320,18 +320,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mx_a = fmaxf(mx_a, fmaxf(s[4 * n + 0], s[4 * n + 1]));
         mx_b = fmaxf(mx_b, fmaxf(s[4 * n + 2], s[4 * n + 3]));
       }
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 1));
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFullMask, mx_a, 2));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 1));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFullMask, mx_b, 2));
-      const float new_a = fmaxf(m_a, mx_a);
-      const float new_b = fmaxf(m_b, mx_b);
-      const float base_a = new_a == -INFINITY ? 0.0f : new_a;  // nothing seen: p = 0, no NaN
-      const float base_b = new_b == -INFINITY ? 0.0f : new_b;
-      const float corr_a = Exp2(m_a - base_a);  // m = -inf: 0 (and o, l are still 0)
-      const float corr_b = Exp2(m_b - base_b);
-      m_a = new_a;
-      m_b = new_b;
+      const auto [base_a, base_b, corr_a, corr_b] = OnlineSoftmaxStep(mx_a, mx_b, &m_a, &m_b);
 #pragma unroll
       for (int n = 0; n < kTile / 8; ++n) {
         s[4 * n + 0] = Exp2(s[4 * n + 0] - base_a);
