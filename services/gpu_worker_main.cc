@@ -109,10 +109,11 @@ ABSL_FLAG(int64_t, max_batch, 64,
 ABSL_FLAG(int64_t, step_tokens, 0,
           "tokens one step feeds (decode tokens + prefill chunks); 0 = prefill_chunk");
 ABSL_FLAG(double, max_step_ms, 0,
-          "cap each step's prompt tokens so that a step takes about this long (measured seconds "
-          "per prompt token of recent steps; they grow with a long prompt's prefix): a request "
-          "arriving during a long prefill waits for about one such step, decoding requests keep "
-          "their inter-token latency; the long prompt takes more, smaller steps. 0 = steps of "
+          "cap each step's prompt tokens so that a step takes about this long (recent steps' "
+          "times as a fixed part, from decode steps, plus seconds per prompt token, which grow "
+          "with a long prompt's prefix): a request arriving during a long prefill waits for "
+          "about one such step, decoding requests keep their inter-token latency; the long "
+          "prompt takes more, smaller steps, each paying the fixed part. 0 = steps of "
           "step_tokens");
 ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "

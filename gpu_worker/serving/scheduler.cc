@@ -9,8 +9,8 @@
 namespace tandem::gpu_worker {
 namespace {
 
-// Steps with fewer prompt tokens are not timed for the cap, and a capped step may still feed
-// this many (or step_tokens if smaller): fixed per-step costs would dominate smaller ones.
+// Steps with fewer prompt tokens time the cap's fixed part (StepTimeCap), and a capped step may
+// still feed this many (or step_tokens if smaller): the fixed part dominates smaller steps.
 constexpr int64_t kMinTimedPromptTokens = 64;
 
 }  // namespace
