@@ -1,7 +1,7 @@
 // tandem-gemm-bench: the prefill projections (issue 29 item 2) against cuBLASLt's best.
 //
 // For each weight shape n x k (--shapes: Llama-3-8B's qkv, o_proj, gate_up, down) and chunk of m
-// prompt rows (--rows), y[m, n] = x[m, k]·w[n, k]ᵀ with bf16 weights, timed five ways:
+// prompt rows (--rows), y[m, n] = x[m, k]·w[n, k]ᵀ with bf16 weights, timed as:
 //   matmul      Backend::MatMul as the model runs it: f32 x converted to bf16 into the
 //               workspace, then cublasGemmEx (default algorithm) writing f32 y;
 //   convert     that conversion alone (m·k f32 read, bf16 written);
@@ -82,7 +82,7 @@ absl::StatusOr<std::vector<std::pair<int64_t, int64_t>>> ParseShapes(const std::
   return out;
 }
 
-// Pseudo-random values in [-scale, scale) (a 64-bit LCG), as f32 or bf16 bits.
+// Pseudo-random values in [-scale, scale) (a 64-bit LCG).
 void FillRandom(std::vector<float>* out, uint64_t seed, float scale) {
   uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
   for (float& v : *out) {
@@ -102,6 +102,9 @@ struct LtHandles {
 // column-major k x n, transposed), bf16 inputs, f32 compute, y of `out_type`.
 class LtGemm {
  public:
+  LtGemm() = default;
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
   ~LtGemm() {
     for (cublasLtMatrixLayout_t l : {a_, b_, c_}) {
       if (l != nullptr) cublasLtMatrixLayoutDestroy(l);
@@ -128,7 +131,10 @@ class LtGemm {
     TANDEM_CUBLAS_RETURN_IF_ERROR(cublasLtMatmulAlgoGetHeuristic(lt_, op_, a_, b_, c_, c_, pref_,
                                                                  max_algos, algos_.data(), &found));
     algos_.resize(found);
-    if (found == 0) return absl::NotFoundError("cuBLASLt found no algorithm");
+    if (found == 0) {
+      return absl::NotFoundError(
+          absl::StrFormat("cuBLASLt found no algorithm for m %d n %d k %d", m, n, k));
+    }
     return absl::OkStatus();
   }
   int algos() const { return static_cast<int>(algos_.size()); }
@@ -266,7 +272,7 @@ absl::Status Run() {
           },
           sync_stream);
       if (!convert.ok()) return convert.status();
-      record("convert_us", *convert, false);
+      record("convert", *convert, false);
       absl::StatusOr<double> gemm = time(
           [&]() -> absl::Status {
             const float alpha = 1.0f, beta = 0.0f;
@@ -292,7 +298,12 @@ absl::Status Run() {
                                    stream);
               },
               sync_stream);
-          if (!t.ok()) continue;  // an algorithm the heuristic offered but cannot run: skip
+          if (!t.ok()) {  // an algorithm the heuristic offered but cannot run: skipped, said
+            std::fprintf(stderr, "m %d n %d k %d: cuBLASLt algorithm %d skipped: %s\n",
+                         static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), algo,
+                         t.status().ToString().c_str());
+            continue;
+          }
           if (algo == 0) first = *t;
           if (best == 0.0 || *t < best) best = *t;
         }
@@ -307,7 +318,7 @@ absl::Status Run() {
       table.push_back(line);
     }
   }
-  std::printf("\n# TFLOP/s (convert_us in microseconds)\n");
+  std::printf("\n# TFLOP/s (convert in microseconds)\n");
   for (const std::string& l : table) std::printf("%s\n", l.c_str());
   return absl::OkStatus();
 }

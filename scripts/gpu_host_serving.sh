@@ -97,7 +97,8 @@ if has ttft; then
       long=(--concurrency 1 --num_requests 1 --prompt_tokens 32768 --output_tokens 4 --mode gpu)
       load "ttft_idle_$cap" --num_requests 6 --warmup 2 --load_seed $((seed += 1)) "${short[@]}"
       load "ttft_long_alone_$cap" --load_seed $((seed += 1)) "${long[@]}"
-      tandem-load --target "127.0.0.1:$port" --load_seed $((seed += 1)) "${long[@]}" \
+      seed=$((seed + 1))  # (not inside the backgrounded command: its expansion stays there)
+      tandem-load --target "127.0.0.1:$port" --load_seed "$seed" "${long[@]}" \
         --json_out "$out/load_ttft_long_$cap.json" > "$out/load_ttft_long_$cap.txt" 2>&1 &
       lpid=$!
       sleep "${TTFT_DELAY_S:-1}"

@@ -155,14 +155,14 @@ cudaError_t LaunchConvertFromF32(const ConvertArgs& args, cudaStream_t stream) {
   // 16-byte aligned, ~2x the rate of one value per thread.
   if (reinterpret_cast<uintptr_t>(args.src) % 16 == 0 &&
       reinterpret_cast<uintptr_t>(args.dst) % 16 == 0) {
-    const unsigned groups = GridStrideBlocks(std::max<int64_t>(args.count / 8, 1), kThreads);
+    const unsigned blocks = GridStrideBlocks(std::max<int64_t>(args.count / 8, 1), kThreads);
     switch (args.dst_dtype) {
       case DType::kBF16:
-        ConvertBy8Kernel<<<groups, kThreads, 0, stream>>>(
+        ConvertBy8Kernel<<<blocks, kThreads, 0, stream>>>(
             args.src, static_cast<__nv_bfloat16*>(args.dst), args.count);
         return cudaGetLastError();
       case DType::kF16:
-        ConvertBy8Kernel<<<groups, kThreads, 0, stream>>>(args.src, static_cast<__half*>(args.dst),
+        ConvertBy8Kernel<<<blocks, kThreads, 0, stream>>>(args.src, static_cast<__half*>(args.dst),
                                                           args.count);
         return cudaGetLastError();
       default:

@@ -164,8 +164,9 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
 }
 
 // A shared-memory barrier (8 bytes, 8-byte aligned) completing a phase when `count` threads
-// arrive; phases alternate parity 0, 1, 0, ... Arrive releases the thread's prior writes, a
-// completed wait acquires them.
+// have arrived and the bytes of bulk copies the phase expects (BarrierExpectBytes) have landed;
+// phases alternate parity 0, 1, 0, ... Arrive releases the thread's prior writes, a completed
+// wait acquires them.
 __device__ __forceinline__ void BarrierInit(uint64_t* bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddress(bar)), "r"(count)
                : "memory");

@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   __shared__ int red[4][kWarps];
-  __shared__ __align__(8) uint64_t full[kStages];   // the 128 loading threads arrive
+  // full: the 128 loading threads arrive (and a whole tile's TMA bytes land)
+  __shared__ __align__(8) uint64_t full[kStages];
   __shared__ __align__(8) uint64_t empty[kStages];  // the 8 computing warps arrive
   AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
 
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   hopper::FenceSharedForWgmma();
 
-  // This thread's rows (a and b = a + 8) and the block's position range (the loading warp
+  // This thread's rows (a and b = a + 8) and the block's position range (the loading warpgroup
   // has no rows).
   const int row_a = row0 + wg * 64 + (warp % 4) * 16 + lane / 4;
   const int qpos_a = !loader && row_a < rows ? a.q_pos[row_a / group] : -1;  // -1: sees nothing
@@ -277,7 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = i % kStages;
       const int* spos = positions_of(stage);
       hopper::BarrierWait(&full[stage], (i / kStages) & 1);
-      // The loaders' cp.async writes (generic proxy) are acquired through the barrier; this
+      // The loaders' writes are acquired through the barrier. TMA's are async-proxy writes
+      // already; for tiles copied by cp.async or zeroed by the loaders (generic proxy), this
       // thread's proxy fence makes them visible to its wgmma reads (async proxy).
       hopper::FenceSharedForWgmma();
       take_turn();
@@ -446,14 +448,15 @@ bool HopperAttentionSupports(const WindowAttentionArgs& a) {
 }
 
 bool HopperAttentionAvailable() {
-  // One architecture per process (as the occupancy caches assume): asked once.
+  // One architecture per process (as the occupancy caches assume): asked once. The driver must
+  // also encode tensor maps (the TMA loads).
   static const bool available = [] {
     int device = 0, major = 0;
     if (cudaGetDevice(&device) != cudaSuccess) return false;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
       return false;
     }
-    return major == 9;
+    return major == 9 && TensorMapEncoder() != nullptr;
   }();
   return available;
 }

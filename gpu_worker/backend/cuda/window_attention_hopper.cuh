@@ -9,14 +9,15 @@
 // Tiles: 128 query rows per block (rows r = t·G + j of one kv head), q in shared memory as bf16,
 // 128-slot K/V tiles in 3 stages, all in the 128-byte swizzled layout wgmma reads
 // (hopper_device.cuh); one block of three warpgroups per multiprocessor (227 KiB of shared
-// memory). Warpgroup 2 loads: the tensor memory accelerator copies K and V (two 64-column boxes
-// each, of a tensor map per cache built at launch), cp.async the slot positions (and K and V of
-// tiles with empty slots, whose V rows it zeroes), a stage is full on an mbarrier when they have
-// landed; its registers go to the others (setmaxnreg). Warpgroups 0 and
+// memory). Warpgroup 2 loads: the tensor memory accelerator copies K and V of tiles whose 128
+// slots all hold a position (two 64-column boxes each, of a tensor map per cache built at
+// launch); cp.async the slot positions, and K and V of the other tiles (empty slots, whose V rows
+// the loaders zero; slots past the split or the window, as zeros); a stage is full on an mbarrier
+// when they have landed; the loaders' registers go to the others (setmaxnreg). Warpgroups 0 and
 // 1 (64 rows each) take ping-pong turns issuing, per tile, S = Q·Kᵀ (8 wgmma from shared memory)
 // with the previous tile's O += P·V (8 wgmma, P from registers, V MN-major from shared memory),
 // then the position mask and online softmax on S's registers while the other's products run.
-// Speed (H200, bench/run_kernel_bench.sh shapes): 318-579 TFLOP/s, 1.8-2.3x the mma.sync kernel;
+// Speed (H200s, bench/run_kernel_bench.sh shapes): 318-587 TFLOP/s, 1.8-2.3x the mma.sync kernel;
 // BENCHMARKS "A Hopper prefill attention kernel".
 #pragma once
 

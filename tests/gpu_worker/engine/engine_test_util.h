@@ -87,11 +87,13 @@ inline std::vector<int32_t> SyntheticPrompt(int64_t n, int32_t salt) {
 
 // Skips when the shared data folder lacks `name` (a file or folder under data/).
 #define TANDEM_SKIP_WITHOUT_DATA(name)                                                    \
-  if (!std::filesystem::exists(::tandem::gpu_worker::testing::SharedDir() / "data" /    \
-                               (name))) {                                                \
-    GTEST_SKIP() << "data/" << (name) << " not found under "                             \
-                 << ::tandem::gpu_worker::testing::SharedDir();                          \
-  }
+  do {                                                                                    \
+    if (!std::filesystem::exists(::tandem::gpu_worker::testing::SharedDir() / "data" /  \
+                                 (name))) {                                              \
+      GTEST_SKIP() << "data/" << (name) << " not found under "                           \
+                   << ::tandem::gpu_worker::testing::SharedDir();                        \
+    }                                                                                     \
+  } while (0)
 
 #define TANDEM_SKIP_WITHOUT_BACKEND()                                                     \
   do {                                                                                    \

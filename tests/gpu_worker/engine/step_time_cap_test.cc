@@ -37,8 +37,8 @@ TEST(StepTimeCapTest, WithoutAFixedPartEveryMillisecondIsPerToken) {
 TEST(StepTimeCapTest, DecodeStepsTimeTheFixedPart) {
   auto step = [](int64_t tokens) { return 0.005 + 4e-5 * static_cast<double>(tokens); };
   StepTimeCap cap(25.0, 64);
-  cap.Observe(0, step(0));
-  cap.Observe(2, step(0));  // decode rows only (under min_tokens)
+  cap.Observe(0, step(0));  // decode rows only
+  cap.Observe(2, step(2));  // a 2-token prompt share: no per-token cost known yet, not timed
   EXPECT_DOUBLE_EQ(cap.fixed_seconds(), 0.005);
   cap.Observe(2048, step(2048));
   EXPECT_NEAR(cap.seconds_per_token(), 4e-5, 1e-12);
@@ -51,6 +51,19 @@ TEST(StepTimeCapTest, DecodeStepsTimeTheFixedPart) {
   tight.Observe(0, step(0));
   tight.Observe(1024, step(1024));
   EXPECT_EQ(tight.Cap(2048), 64);
+}
+
+// A prompt's last chunk under min_tokens at a long prefix (50 tokens at 1 ms each) times the
+// fixed part less those tokens, not as 55 ms of it.
+TEST(StepTimeCapTest, ASmallSlowPromptStepLeavesTheFixedPart) {
+  auto step = [](int64_t tokens) { return 0.005 + 1e-3 * static_cast<double>(tokens); };
+  StepTimeCap cap(100.0, 64);
+  cap.Observe(0, step(0));
+  cap.Observe(90, step(90));
+  EXPECT_NEAR(cap.seconds_per_token(), 1e-3, 1e-12);
+  cap.Observe(50, step(50));
+  EXPECT_NEAR(cap.fixed_seconds(), 0.005, 1e-12);
+  EXPECT_EQ(cap.Cap(4096), 95);  // (100 - 5) ms / 1 ms
 }
 
 TEST(StepTimeCapTest, AFixedPartNeverTakesAPromptStepWhole) {

@@ -4,8 +4,9 @@
 //
 // A step's time is modelled as fixed + per_token · prompt tokens. The fixed part (weights read
 // once per step, launches: ~5 ms for an 8B model on an H200, next to ~40 µs per prompt token at
-// a 16K prefix) is the average time of steps too small to time a prompt by (decode steps); the
-// per-token part is the average of (time - fixed) / prompt tokens over the others. Both averages
+// a 16K prefix) is the average time of decode steps, and of steps with fewer than min_tokens
+// prompt tokens less those tokens at the current per-token cost; the per-token part is the
+// average of (time - fixed) / prompt tokens over the larger steps. Both averages
 // weight the newest step 0.5, so the per-token part follows the prefix as it grows and the
 // chunks shrink as a long prompt proceeds. Without a decode step seen yet, fixed is 0 (the whole
 // time is per token, which makes the first chunks smaller than they need be). Not thread-safe
