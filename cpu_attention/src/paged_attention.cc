@@ -246,7 +246,9 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       for (size_t d = 0; d < D; ++d) dst[d] = src[d] * scale2;
     }
   }
-  std::fill_n(acc, R * D, 0.0f);
+  const internal::RowScanKernels* rk = a.row_kernels;
+  if (rk != nullptr && rk->to_kernel_order != nullptr) rk->to_kernel_order(qs, R, D);
+  std::fill_n(acc, R * D, 0.0f);  // zeros in every order
   std::fill_n(m, R, kNegInf);
   std::fill_n(l, R, 0.0f);
 
@@ -350,6 +352,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
     for (; r + 4 <= R; r += 4) AccumulateRows<4, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
     for (; r < R; ++r) AccumulateRows<1, Row>(s + r * kChunk, vp, c_n, D, acc + r * D);
   }
+  if (rk != nullptr && rk->from_kernel_order != nullptr) rk->from_kernel_order(acc, R, D);
   // count > 0, so every row saw a finite score and l >= 1.
   for (size_t t = 0; t < a.T; ++t) {
     for (size_t j = 0; j < G; ++j) {

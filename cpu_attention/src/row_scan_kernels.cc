@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "tandem/cpu_isa/cpu_isa.h"
 
@@ -208,6 +209,20 @@ TANDEM_INT8_INLINE2 __m256 Widen8(const uint16_t* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+// bf16 rows read 16 values at a time, split by parity (kSplitOrder): one 32-byte load, then the
+// even values are the low halves shifted up and the odd ones the high halves masked (exact), with
+// no shuffle. Widen8's zero-extension costs a shuffle per 8 values, on the one shuffle port of
+// Intel cores; the split takes the scan from FMA + shuffle bound to FMA bound.
+template <typename Code>
+constexpr bool kSplit = std::is_same_v<Code, uint16_t>;
+
+// even = values 0, 2, .., 14 at p, odd = 1, 3, .., 15, as f32 lanes.
+TANDEM_INT8_INLINE2 void WidenSplit16(const uint16_t* p, __m256* even, __m256* odd) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // [Σ a0, Σ a1, Σ a2, Σ a3] (hadd as in avx512::Reduce4).
 TANDEM_INT8_INLINE2 __m128 Reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 c = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -221,11 +236,27 @@ TANDEM_INT8_INLINE2 float HSum(__m256 a) {
   return _mm_cvtss_f32(x);
 }
 
+// bf16: q rows in kSplitOrder. The even and odd products go to separate accumulators (2·NR
+// independent FMA chains).
 template <int NR, typename Code>
 TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const Code* k, float* out) {
   __m256 acc[NR];
   for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
-  for (size_t x = 0; x < d; x += 8) {
+  size_t x = 0;
+  if constexpr (kSplit<Code>) {
+    __m256 odd_acc[NR];
+    for (int i = 0; i < NR; ++i) odd_acc[i] = _mm256_setzero_ps();
+    for (; x + 16 <= d; x += 16) {
+      __m256 ke, ko;
+      WidenSplit16(k + x, &ke, &ko);
+      for (int i = 0; i < NR; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + x), ke, acc[i]);
+        odd_acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + x + 8), ko, odd_acc[i]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) acc[i] = _mm256_add_ps(acc[i], odd_acc[i]);
+  }
+  for (; x < d; x += 8) {  // int8 rows; bf16: a last block of 8 (d % 16 == 8)
     const __m256 kv = Widen8(k + x);
     for (int i = 0; i < NR; ++i) {
       acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * d + x), kv, acc[i]);
@@ -247,7 +278,20 @@ TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* 
     kr[j] = reinterpret_cast<const Code*>(k[j]);
     for (int i = 0; i < 4; ++i) a[j][i] = _mm256_setzero_ps();
   }
-  for (size_t x = 0; x < d; x += 8) {
+  size_t x = 0;
+  if constexpr (kSplit<Code>) {  // q rows in kSplitOrder
+    for (; x + 16 <= d; x += 16) {
+      __m256 ke[NK], ko[NK];
+      for (int j = 0; j < NK; ++j) WidenSplit16(kr[j] + x, &ke[j], &ko[j]);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 qe = _mm256_loadu_ps(q + i * d + x);
+        for (int j = 0; j < NK; ++j) a[j][i] = _mm256_fmadd_ps(qe, ke[j], a[j][i]);
+        const __m256 qo = _mm256_loadu_ps(q + i * d + x + 8);
+        for (int j = 0; j < NK; ++j) a[j][i] = _mm256_fmadd_ps(qo, ko[j], a[j][i]);
+      }
+    }
+  }
+  for (; x < d; x += 8) {  // int8 rows; bf16: a last block of 8 (d % 16 == 8)
     __m256 kv[NK];
     for (int j = 0; j < NK; ++j) kv[j] = Widen8(kr[j] + x);
     for (int i = 0; i < 4; ++i) {
@@ -258,7 +302,8 @@ TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* 
   for (int j = 0; j < NK; ++j) out[j] = Reduce4(a[j][0], a[j][1], a[j][2], a[j][3]);
 }
 
-// Columns [x, x + 8 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows.
+// Columns [x, x + 8 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows. bf16 with
+// NV = 2: acc rows in kSplitOrder, so the 16 columns' even and odd halves are the two vectors.
 template <int NR, int NV, typename Code>
 TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
                                          size_t n, size_t d, size_t x, float* acc) {
@@ -269,7 +314,11 @@ TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::b
   for (size_t c = 0; c < n; ++c) {
     const Code* row = reinterpret_cast<const Code*>(v[c]) + x;
     __m256 w[NV];
-    for (int j = 0; j < NV; ++j) w[j] = Widen8(row + 8 * j);
+    if constexpr (kSplit<Code> && NV == 2) {
+      WidenSplit16(row, &w[0], &w[1]);
+    } else {
+      for (int j = 0; j < NV; ++j) w[j] = Widen8(row + 8 * j);
+    }
     for (int i = 0; i < NR; ++i) {
       const __m256 pi = _mm256_set1_ps(p[i * ld + c]);
       for (int j = 0; j < NV; ++j) a[i][j] = _mm256_fmadd_ps(pi, w[j], a[i][j]);
@@ -305,6 +354,36 @@ using Code = uint16_t;
 
 namespace {
 
+// The split order of the AVX2 bf16 kernels: each 16-float block of a row holds its 8 even then
+// its 8 odd elements; a last block of 8 (d % 16 == 8) stays as it is.
+void ToSplitOrder(float* x, size_t rows, size_t d) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* row = x + r * d;
+    for (size_t b = 0; b + 16 <= d; b += 16) {
+      float t[16];
+      for (size_t i = 0; i < 8; ++i) {
+        t[i] = row[b + 2 * i];
+        t[8 + i] = row[b + 2 * i + 1];
+      }
+      std::memcpy(row + b, t, sizeof(t));
+    }
+  }
+}
+
+void FromSplitOrder(float* x, size_t rows, size_t d) {
+  for (size_t r = 0; r < rows; ++r) {
+    float* row = x + r * d;
+    for (size_t b = 0; b + 16 <= d; b += 16) {
+      float t[16];
+      for (size_t i = 0; i < 8; ++i) {
+        t[2 * i] = row[b + i];
+        t[2 * i + 1] = row[b + 8 + i];
+      }
+      std::memcpy(row + b, t, sizeof(t));
+    }
+  }
+}
+
 // The kernels of ActiveCpuIsa(): one of a row type's two sets, or the portable path (nullptr).
 const RowScanKernels* ForActiveIsa(const RowScanKernels& avx512, const RowScanKernels& avx2) {
   switch (ActiveCpuIsa()) {
@@ -321,14 +400,18 @@ const RowScanKernels* ForActiveIsa(const RowScanKernels& avx512, const RowScanKe
 }  // namespace
 
 const RowScanKernels* GetInt8ScanKernels() {
-  static const RowScanKernels kAvx512{avx512::int8::Scores, avx512::int8::Accumulate, "avx512"};
-  static const RowScanKernels kAvx2{avx2::int8::Scores, avx2::int8::Accumulate, "avx2"};
+  static const RowScanKernels kAvx512{avx512::int8::Scores, avx512::int8::Accumulate, nullptr,
+                                      nullptr, "avx512"};
+  static const RowScanKernels kAvx2{avx2::int8::Scores, avx2::int8::Accumulate, nullptr, nullptr,
+                                    "avx2"};
   return ForActiveIsa(kAvx512, kAvx2);
 }
 
 const RowScanKernels* GetBf16ScanKernels() {
-  static const RowScanKernels kAvx512{avx512::bf16::Scores, avx512::bf16::Accumulate, "avx512"};
-  static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate, "avx2"};
+  static const RowScanKernels kAvx512{avx512::bf16::Scores, avx512::bf16::Accumulate, nullptr,
+                                      nullptr, "avx512"};
+  static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate, ToSplitOrder,
+                                    FromSplitOrder, "avx2"};
   return ForActiveIsa(kAvx512, kAvx2);
 }
 

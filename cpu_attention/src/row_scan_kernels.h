@@ -29,6 +29,12 @@ struct RowScanKernels {
   // acc[r * d + x] += Σ_c p[r * ld + c] * row(v[c])[x] for r < rows, x < d, c < n.
   void (*accumulate)(const float* p, size_t ld, size_t rows, const std::byte* const* v, size_t n,
                      size_t d, float* acc);
+  // The order of the d floats of a q row (scores) and an acc row (accumulate) when it is not the
+  // natural one: to_kernel_order rearranges `rows` rows in place before a scan's first call,
+  // from_kernel_order puts acc rows back after its last. Null: the natural order. (AVX2 bf16:
+  // the split order, each 16-float block as its 8 even then its 8 odd elements.)
+  void (*to_kernel_order)(float* x, size_t rows, size_t d);
+  void (*from_kernel_order)(float* x, size_t rows, size_t d);
   const char* name;  // "avx512" or "avx2"
 };
 

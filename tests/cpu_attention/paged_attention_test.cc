@@ -294,7 +294,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{KvDType::kF32, 4, 64, 64, 16}, Case{KvDType::kF32, 1, 128, 16, 16},
                       // page_tokens that do not divide block_tokens (pages straddle blocks)
                       Case{KvDType::kBf16, 4, 128, 64, 24}, Case{KvDType::kF32, 4, 64, 16, 24},
-                      Case{KvDType::kBf16, 4, 64, 16, 40}));
+                      Case{KvDType::kBf16, 4, 64, 16, 40},
+                      // head_dim % 16 == 8: the AVX2 bf16 kernels' split blocks and a last
+                      // natural block of 8, with 4-row groups (G 4) and 2- and 1-row rests (G 1)
+                      Case{KvDType::kBf16, 4, 72, 64, 16}, Case{KvDType::kBf16, 1, 72, 16, 16}));
 
 TEST(CheckPageRowTest, RejectsMalformedRows) {
   const std::vector<std::tuple<std::vector<int32_t>, const char*>> bad = {
