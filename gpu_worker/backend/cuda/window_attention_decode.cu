@@ -117,7 +117,12 @@ __device__ __forceinline__ void MergeSplits(const WindowAttentionArgs& a, int64_
 // kernel, so both compute bit-identical results for the same split. With `counter` (split
 // partial states only), the last of the `splits` blocks of this (row tile, kv head) to finish
 // merges the partial states into o / lse (MergeSplits).
-template <int kD>
+// kPacked: the block has at most 8 rows (a decode token's GQA group, G <= 8), so fragment rows
+// 8..15 (each lane's "row b") are padding; they carry the lo halves of row a instead. One mma
+// then gives q_hi·k in row a and q_lo·k in row b (summed in the lane that holds both), and P·V
+// takes p_hi in row a and p_lo in row b (O = the two rows' sum at the end): half the tensor-core
+// work of the hi + lo pairs, the same products.
+template <int kD, bool kPacked>
 __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, int64_t g,
                                                   int64_t row0, int64_t split,
                                                   int64_t slots_per_split, float* part_o,
@@ -166,7 +171,11 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
         const float xb0 = (qb != nullptr && in) ? qb[col] : 0.0f;
         const float xb1 = (qb != nullptr && in) ? qb[col + 1] : 0.0f;
         SplitBf16(xa0, xa1, q_hi[kk][2 * half], q_lo[kk][2 * half]);
-        SplitBf16(xb0, xb1, q_hi[kk][2 * half + 1], q_lo[kk][2 * half + 1]);
+        if constexpr (kPacked) {  // row b: row a's lo half
+          q_hi[kk][2 * half + 1] = q_lo[kk][2 * half];
+        } else {
+          SplitBf16(xb0, xb1, q_hi[kk][2 * half + 1], q_lo[kk][2 * half + 1]);
+        }
       }
     }
   }
@@ -251,9 +260,16 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
         uint32_t b[4];
         LdMatrixX4(SmemAddr(ks + SwizzledOffset<kD>(n * 8 + (lane & 7), kk * 2 + (lane >> 3))), b);
         Mma(s[n], q_hi[kk], b[0], b[1]);
-        Mma(s[n], q_lo[kk], b[0], b[1]);
+        if constexpr (!kPacked) Mma(s[n], q_lo[kk], b[0], b[1]);
         Mma(s[n], q_hi[kk + 1], b[2], b[3]);
-        Mma(s[n], q_lo[kk + 1], b[2], b[3]);
+        if constexpr (!kPacked) Mma(s[n], q_lo[kk + 1], b[2], b[3]);
+      }
+    }
+    if constexpr (kPacked) {  // row a's score = its hi product + its lo product (row b)
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        s[n][0] += s[n][2];
+        s[n][1] += s[n][3];
       }
     }
 
@@ -284,12 +300,14 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
     l_a *= corr_a;
     l_b *= corr_b;
     if (__any_sync(kFullMask, corr_a != 1.0f || corr_b != 1.0f)) {  // a row's max moved
+      // kPacked: row b's accumulators are row a's lo part
+      const float corr_ob = kPacked ? corr_a : corr_b;
 #pragma unroll
       for (int nd = 0; nd < kDimTiles; ++nd) {
         o[nd][0] *= corr_a;
         o[nd][1] *= corr_a;
-        o[nd][2] *= corr_b;
-        o[nd][3] *= corr_b;
+        o[nd][2] *= corr_ob;
+        o[nd][3] *= corr_ob;
       }
     }
 #pragma unroll
@@ -306,9 +324,14 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
     for (int kk = 0; kk < kTile / 16; ++kk) {
       uint32_t p_hi[4], p_lo[4];
       SplitBf16(s[2 * kk][0], s[2 * kk][1], p_hi[0], p_lo[0]);
-      SplitBf16(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
       SplitBf16(s[2 * kk + 1][0], s[2 * kk + 1][1], p_hi[2], p_lo[2]);
-      SplitBf16(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+      if constexpr (kPacked) {  // row b: row a's lo half
+        p_hi[1] = p_lo[0];
+        p_hi[3] = p_lo[2];
+      } else {
+        SplitBf16(s[2 * kk][2], s[2 * kk][3], p_hi[1], p_lo[1]);
+        SplitBf16(s[2 * kk + 1][2], s[2 * kk + 1][3], p_hi[3], p_lo[3]);
+      }
       const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
       for (int nd = 0; nd < kDimTiles; nd += 2) {
@@ -316,12 +339,21 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
         uint32_t b[4];
         LdMatrixX4Trans(SmemAddr(vs + SwizzledOffset<kD>(key, nd + (lane >> 4))), b);
         Mma(o[nd], p_hi, b[0], b[1]);
-        Mma(o[nd], p_lo, b[0], b[1]);
+        if constexpr (!kPacked) Mma(o[nd], p_lo, b[0], b[1]);
         Mma(o[nd + 1], p_hi, b[2], b[3]);
-        Mma(o[nd + 1], p_lo, b[2], b[3]);
+        if constexpr (!kPacked) Mma(o[nd + 1], p_lo, b[2], b[3]);
       }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+
+  if constexpr (kPacked) {  // O of row a = its hi part + its lo part; row b is padding again
+#pragma unroll
+    for (int nd = 0; nd < kDimTiles; ++nd) {
+      o[nd][0] += o[nd][2];
+      o[nd][1] += o[nd][3];
+      o[nd][2] = o[nd][3] = 0.0f;
+    }
   }
 
   // Merge the 4 warps' states (the pipeline memory is free once every copy has landed).
@@ -400,8 +432,14 @@ __global__ void __launch_bounds__(kThreads)
   AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
   unsigned* counter =
       counters != nullptr ? counters + blockIdx.x * a.num_kv_heads + blockIdx.y : nullptr;
-  DecodeStreamBlock<kD>(a, blockIdx.y, blockIdx.x * int64_t{kRows}, blockIdx.z, slots_per_split,
-                        part_o, part_lse, scores, smem, counter, gridDim.z);
+  const int64_t row0 = blockIdx.x * int64_t{kRows};
+  if (a.num_tokens * (a.num_q_heads / a.num_kv_heads) - row0 <= kRows / 2) {
+    DecodeStreamBlock<kD, true>(a, blockIdx.y, row0, blockIdx.z, slots_per_split, part_o, part_lse,
+                                scores, smem, counter, gridDim.z);
+  } else {
+    DecodeStreamBlock<kD, false>(a, blockIdx.y, row0, blockIdx.z, slots_per_split, part_o,
+                                 part_lse, scores, smem, counter, gridDim.z);
+  }
 }
 
 // grid [max_splits, num_kv_heads, count], kThreads threads: split blockIdx.x of kv head
@@ -427,8 +465,13 @@ __global__ void __launch_bounds__(kThreads)
   unsigned* counter = fused_merge && splits > 1
                           ? a.split_counters + blockIdx.z * a.num_kv_heads + blockIdx.y
                           : nullptr;
-  DecodeStreamBlock<kD>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o, part_lse,
-                        nullptr, smem, counter, splits);
+  if (a.num_tokens * (a.num_q_heads / a.num_kv_heads) <= kRows / 2) {
+    DecodeStreamBlock<kD, true>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o,
+                                part_lse, nullptr, smem, counter, splits);
+  } else {
+    DecodeStreamBlock<kD, false>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o,
+                                 part_lse, nullptr, smem, counter, splits);
+  }
 }
 
 template <int kD>

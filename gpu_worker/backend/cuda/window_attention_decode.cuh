@@ -1,7 +1,9 @@
 // Streaming decode kernel for window attention over bf16 caches with head_dim <= 128: the 16
 // query rows of a block (one m16 fragment: T·G rows of a kv head, so the whole GQA group shares
 // every K/V load) against the slots of a split, on tensor cores (mma.sync m16n8k16, q and p
-// split into bf16 hi + lo as in window_attention_mma.cuh, f32 accumulation). Each of the 4
+// split into bf16 hi + lo as in window_attention_mma.cuh, f32 accumulation; a block of at most 8
+// rows, a decode token's GQA group, carries the lo halves in the fragment's 8 padding rows, so
+// each pair costs one mma instead of two). Each of the 4
 // warps streams its own 32-slot K/V tiles through a 3-stage cp.async pipeline (16 KB per tile
 // at head_dim 128), keeping its own online-softmax state; the warps' states are merged at the
 // end. The tensor cores leave the SIMT pipes nearly idle, so the kernel runs at the speed of
