@@ -13,11 +13,15 @@
 namespace tandem::gpu_worker::cuda_backend {
 namespace {
 
-constexpr int kWarps = 4;
+// 8 warps of 16-slot tiles: two warps per scheduler, so one's loads and mma latencies hide
+// behind the other's work (4 warps of 32-slot tiles, one per scheduler, were bound by
+// instruction latency at 32K slots), in the same shared memory.
+constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * kWarpSize;
 constexpr int kRows = static_cast<int>(kDecodeStreamRows);  // one m16 fragment
-constexpr int kTile = 32;    // slots per warp tile
+constexpr int kTile = 16;    // slots per warp tile
 constexpr int kStages = 3;   // tiles in flight per warp
+static_assert(kTile <= kWarpSize, "a lane per tile slot copies its position and fixes its row");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -110,10 +114,10 @@ __device__ __forceinline__ void MergeSplits(const WindowAttentionArgs& a, int64_
 
 // One block's work: the 16 query rows r = row0 .. row0 + 15 (r = t·G + j) of kv head g form
 // one m16 fragment that every warp holds (q split into bf16 hi + lo), against the slots of split
-// `split`. Warp w streams the 32-slot tiles w, w + 4, ... of the split through its own cp.async
-// pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores, the position mask, the
-// online softmax, O += P·V (P split into hi + lo). The 4 warp states are merged through shared
-// memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the batched
+// `split`. Warp w streams the kTile-slot tiles w, w + kWarps, ... of the split through its own
+// cp.async pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores, the position mask,
+// the online softmax, O += P·V (P split into hi + lo). The kWarps warp states are merged through
+// shared memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the batched
 // kernel, so both compute bit-identical results for the same split. With `counter` (split
 // partial states only), the last of the `splits` blocks of this (row tile, kv head) to finish
 // merges the partial states into o / lse (MergeSplits).
@@ -212,7 +216,9 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
         CpAsync16(SmemAddr(vs + SwizzledOffset<kD>(r, c)), v_head + offset, valid);
       }
       const int64_t s = base + lane;
-      CpAsync4(SmemAddr(spos + lane), a.slot_pos + (s < s_end ? s : base), s < s_end);
+      if (lane < kTile) {
+        CpAsync4(SmemAddr(spos + lane), a.slot_pos + (s < s_end ? s : base), s < s_end);
+      }
     }
     CpAsyncCommit();
   };
@@ -237,7 +243,7 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
     const int64_t base = first_base + i * kBaseStep;
     // Lane j fixes up tile row j: -1 past the split (the copy wrote 0), and an empty slot's V
     // row zeroed. NOTE: unwritten cache memory may hold NaN, and 0·NaN = NaN in the mma.
-    {
+    if (lane < kTile) {
       const bool past = base + lane >= s_end;
       if (past || spos[lane] < 0) {
         spos[lane] = -1;

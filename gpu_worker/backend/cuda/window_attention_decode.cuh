@@ -3,8 +3,8 @@
 // every K/V load) against the slots of a split, on tensor cores (mma.sync m16n8k16, q and p
 // split into bf16 hi + lo as in window_attention_mma.cuh, f32 accumulation; a block of at most 8
 // rows, a decode token's GQA group, carries the lo halves in the fragment's 8 padding rows, so
-// each pair costs one mma instead of two). Each of the 4
-// warps streams its own 32-slot K/V tiles through a 3-stage cp.async pipeline (16 KB per tile
+// each pair costs one mma instead of two). Each of the 8
+// warps streams its own 16-slot K/V tiles through a 3-stage cp.async pipeline (8 KB per tile
 // at head_dim 128), keeping its own online-softmax state; the warps' states are merged at the
 // end. The tensor cores leave the SIMT pipes nearly idle, so the kernel runs at the speed of
 // its loads; one block per multiprocessor (the pipelines fill shared memory).
