@@ -209,10 +209,11 @@ TANDEM_INT8_INLINE2 __m256 Widen8(const uint16_t* p) {
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-// bf16 rows read 16 values at a time, split by parity (kSplitOrder): one 32-byte load, then the
-// even values are the low halves shifted up and the odd ones the high halves masked (exact), with
-// no shuffle. Widen8's zero-extension costs a shuffle per 8 values, on the one shuffle port of
-// Intel cores; the split takes the scan from FMA + shuffle bound to FMA bound.
+// bf16 rows are read 16 values at a time and split by parity (the split order, ReorderSplit):
+// one 32-byte load, then the even values are the low halves shifted up and the odd ones the high
+// halves masked (exact), with no shuffle; Widen8's zero-extension costs a shuffle per 8 values
+// (one shuffle port on Intel cores). One thread of the 2-core EPYC, d 128, 4 rows, cached:
+// scores 103 -> 71 ns per key, accumulate 102 -> 91 ns.
 template <typename Code>
 constexpr bool kSplit = std::is_same_v<Code, uint16_t>;
 
@@ -236,7 +237,7 @@ TANDEM_INT8_INLINE2 float HSum(__m256 a) {
   return _mm_cvtss_f32(x);
 }
 
-// bf16: q rows in kSplitOrder. The even and odd products go to separate accumulators (2·NR
+// bf16: q rows in the split order. The even and odd products go to separate accumulators (2·NR
 // independent FMA chains).
 template <int NR, typename Code>
 TANDEM_INT8_INLINE2 void DotCodes(const float* q, size_t d, const Code* k, float* out) {
@@ -279,7 +280,7 @@ TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* 
     for (int i = 0; i < 4; ++i) a[j][i] = _mm256_setzero_ps();
   }
   size_t x = 0;
-  if constexpr (kSplit<Code>) {  // q rows in kSplitOrder
+  if constexpr (kSplit<Code>) {  // q rows in the split order
     for (; x + 16 <= d; x += 16) {
       __m256 ke[NK], ko[NK];
       for (int j = 0; j < NK; ++j) WidenSplit16(kr[j] + x, &ke[j], &ko[j]);
@@ -303,7 +304,7 @@ TANDEM_INT8_INLINE2 void DotCodes4xK(const float* q, size_t d, const std::byte* 
 }
 
 // Columns [x, x + 8 * NV) of acc_i += Σ_c p[i * ld + c] · codes(v[c]) for NR rows. bf16 with
-// NV = 2: acc rows in kSplitOrder, so the 16 columns' even and odd halves are the two vectors.
+// NV = 2: acc rows in the split order, so the 16 columns' even and odd halves are the two vectors.
 template <int NR, int NV, typename Code>
 TANDEM_INT8_INLINE2 void AccumulateSlice(const float* p, size_t ld, const std::byte* const* v,
                                          size_t n, size_t d, size_t x, float* acc) {
@@ -355,29 +356,23 @@ using Code = uint16_t;
 namespace {
 
 // The split order of the AVX2 bf16 kernels: each 16-float block of a row holds its 8 even then
-// its 8 odd elements; a last block of 8 (d % 16 == 8) stays as it is.
-void ToSplitOrder(float* x, size_t rows, size_t d) {
-  for (size_t r = 0; r < rows; ++r) {
-    float* row = x + r * d;
-    for (size_t b = 0; b + 16 <= d; b += 16) {
-      float t[16];
-      for (size_t i = 0; i < 8; ++i) {
-        t[i] = row[b + 2 * i];
-        t[8 + i] = row[b + 2 * i + 1];
-      }
-      std::memcpy(row + b, t, sizeof(t));
-    }
-  }
-}
+// its 8 odd elements; a last block of 8 (d % 16 == 8) stays as it is. Element j of a block sits
+// at SplitPosition(j).
+constexpr size_t SplitPosition(size_t j) { return j % 2 == 0 ? j / 2 : 8 + j / 2; }
 
-void FromSplitOrder(float* x, size_t rows, size_t d) {
+// Rearranges `rows` rows of d floats in place: into the split order, or back from it.
+template <bool kIntoSplit>
+void ReorderSplit(float* x, size_t rows, size_t d) {
   for (size_t r = 0; r < rows; ++r) {
     float* row = x + r * d;
     for (size_t b = 0; b + 16 <= d; b += 16) {
       float t[16];
-      for (size_t i = 0; i < 8; ++i) {
-        t[2 * i] = row[b + i];
-        t[2 * i + 1] = row[b + 8 + i];
+      for (size_t j = 0; j < 16; ++j) {
+        if constexpr (kIntoSplit) {
+          t[SplitPosition(j)] = row[b + j];
+        } else {
+          t[j] = row[b + SplitPosition(j)];
+        }
       }
       std::memcpy(row + b, t, sizeof(t));
     }
@@ -410,8 +405,8 @@ const RowScanKernels* GetInt8ScanKernels() {
 const RowScanKernels* GetBf16ScanKernels() {
   static const RowScanKernels kAvx512{avx512::bf16::Scores, avx512::bf16::Accumulate, nullptr,
                                       nullptr, "avx512"};
-  static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate, ToSplitOrder,
-                                    FromSplitOrder, "avx2"};
+  static const RowScanKernels kAvx2{avx2::bf16::Scores, avx2::bf16::Accumulate,
+                                    ReorderSplit<true>, ReorderSplit<false>, "avx2"};
   return ForActiveIsa(kAvx512, kAvx2);
 }
 
