@@ -196,7 +196,9 @@ using Code = uint16_t;
 namespace avx2 {
 namespace {
 
-constexpr size_t kKeys = 2;  // 8 accumulators + 2 keys + q: 11 of the 16 registers
+// 8 accumulators + 2 keys (bf16: their even and odd halves) + q: 11 (bf16: up to 14) of the 16
+// registers
+constexpr size_t kKeys = 2;
 
 // 8 codes at p as f32 lanes (reads exactly 8 bytes).
 TANDEM_INT8_INLINE2 __m256 Widen8(const int8_t* p) {

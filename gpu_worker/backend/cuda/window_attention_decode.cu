@@ -155,7 +155,7 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
   const int qpos_b = row_b < rows ? a.q_pos[row_b / group] : -1;
 
   // Q fragments, as in the prefill kernel (registers 0/1: rows a/b at columns 2(lane%4) + {0,1}
-  // of the k-step, registers 2/3: 8 columns on).
+  // of the k-step, registers 2/3: 8 columns on; kPacked: registers 1/3 hold row a's lo half).
   uint32_t q_hi[kKSteps][4], q_lo[kKSteps][4];
   {
     const float* qa = row_a < rows ? a.q + (row_a / group) * a.q_row_stride +
@@ -362,7 +362,7 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
     }
   }
 
-  // Merge the 4 warps' states (the pipeline memory is free once every copy has landed).
+  // Merge the kWarps warps' states (the pipeline memory is free once every copy has landed).
   CpAsyncWait<0>();
   __syncthreads();
   float* merge_o = reinterpret_cast<float*>(smem);        // [kWarps][kRows][kD]

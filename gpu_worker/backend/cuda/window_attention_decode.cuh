@@ -29,7 +29,8 @@ bool DecodeStreamSupports(const WindowAttentionArgs& a);
 // Resident blocks per multiprocessor of the streaming kernel for a.head_dim's bucket.
 cudaError_t DecodeStreamBlocksPerSm(const WindowAttentionArgs& a, int* blocks);
 
-// grid [row_tiles (16 rows each), num_kv_heads, splits]; slots_per_split a multiple of 32.
+// grid [row_tiles (16 rows each), num_kv_heads, splits]; slots_per_split a multiple of 16
+// (the warps' tile).
 // part_o / part_lse: the splits' partial states when splits > 1 (null: write o / lse);
 // scores: optional [num_kv_heads, T·G, num_slots] saved scores (-inf = not visible) for the
 // MAW update.
