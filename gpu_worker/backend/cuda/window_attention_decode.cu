@@ -117,8 +117,8 @@ __device__ __forceinline__ void MergeSplits(const WindowAttentionArgs& a, int64_
 // `split`. Warp w streams the kTile-slot tiles w, w + kWarps, ... of the split through its own
 // cp.async pipeline (no block barrier in the loop): S = Q·Kᵀ on tensor cores, the position mask,
 // the online softmax, O += P·V (P split into hi + lo). The kWarps warp states are merged through
-// shared memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the batched
-// kernel, so both compute bit-identical results for the same split. With `counter` (split
+// shared memory `smem` (DecodeStage<kD>::kSmemBytes) at the end. Shared by the single and the
+// batched kernel, so both compute bit-identical results for the same split. With `counter` (split
 // partial states only), the last of the `splits` blocks of this (row tile, kv head) to finish
 // merges the partial states into o / lse (MergeSplits).
 // kPacked: the block has at most 8 rows (a decode token's GQA group, G <= 8), so fragment rows
@@ -426,6 +426,24 @@ __device__ __forceinline__ void DecodeStreamBlock(const WindowAttentionArgs& a, 
   }
 }
 
+// DecodeStreamBlock for the block's rows: packed where they fit in 8 (one decode token's GQA
+// group), the same arguments otherwise. The single and the batched kernel pick alike.
+template <int kD>
+__device__ __forceinline__ void DecodeStreamRows(const WindowAttentionArgs& a, int64_t g,
+                                                 int64_t row0, int64_t split,
+                                                 int64_t slots_per_split, float* part_o,
+                                                 float* part_lse, float* scores,
+                                                 unsigned char* smem, unsigned* counter,
+                                                 int64_t splits) {
+  if (a.num_tokens * (a.num_q_heads / a.num_kv_heads) - row0 <= kRows / 2) {
+    DecodeStreamBlock<kD, true>(a, g, row0, split, slots_per_split, part_o, part_lse, scores, smem,
+                                counter, splits);
+  } else {
+    DecodeStreamBlock<kD, false>(a, g, row0, split, slots_per_split, part_o, part_lse, scores,
+                                 smem, counter, splits);
+  }
+}
+
 // grid [row_tiles, num_kv_heads, splits], kThreads threads: DecodeStreamBlock for row tile
 // blockIdx.x, kv head blockIdx.y, split blockIdx.z.
 // counters: null (a combine launch follows), or [row_tiles, num_kv_heads] zeroed counters of the
@@ -438,14 +456,8 @@ __global__ void __launch_bounds__(kThreads)
   AllowDependentLaunch();  // the split combine may be scheduled now (it waits for us)
   unsigned* counter =
       counters != nullptr ? counters + blockIdx.x * a.num_kv_heads + blockIdx.y : nullptr;
-  const int64_t row0 = blockIdx.x * int64_t{kRows};
-  if (a.num_tokens * (a.num_q_heads / a.num_kv_heads) - row0 <= kRows / 2) {
-    DecodeStreamBlock<kD, true>(a, blockIdx.y, row0, blockIdx.z, slots_per_split, part_o, part_lse,
-                                scores, smem, counter, gridDim.z);
-  } else {
-    DecodeStreamBlock<kD, false>(a, blockIdx.y, row0, blockIdx.z, slots_per_split, part_o,
-                                 part_lse, scores, smem, counter, gridDim.z);
-  }
+  DecodeStreamRows<kD>(a, blockIdx.y, blockIdx.x * int64_t{kRows}, blockIdx.z, slots_per_split,
+                       part_o, part_lse, scores, smem, counter, gridDim.z);
 }
 
 // grid [max_splits, num_kv_heads, count], kThreads threads: split blockIdx.x of kv head
@@ -471,13 +483,8 @@ __global__ void __launch_bounds__(kThreads)
   unsigned* counter = fused_merge && splits > 1
                           ? a.split_counters + blockIdx.z * a.num_kv_heads + blockIdx.y
                           : nullptr;
-  if (a.num_tokens * (a.num_q_heads / a.num_kv_heads) <= kRows / 2) {
-    DecodeStreamBlock<kD, true>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o,
-                                part_lse, nullptr, smem, counter, splits);
-  } else {
-    DecodeStreamBlock<kD, false>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o,
-                                 part_lse, nullptr, smem, counter, splits);
-  }
+  DecodeStreamRows<kD>(a, blockIdx.y, 0, blockIdx.x, segment.slots_per_split, part_o, part_lse,
+                       nullptr, smem, counter, splits);
 }
 
 template <int kD>
