@@ -37,6 +37,7 @@ namespace {
 
 using internal::AlignedBuffer;
 using ::tandem::Exp2Approx;
+using ::tandem::Exp2ApproxLanes;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -334,8 +335,10 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
         for (size_t d = 0; d < D; d += 8) Store(ar + d, Load<V8>(ar + d) * alpha);
         m[r] = mx;
       }
-      for (size_t c = 0; c < kChunk; ++c) sr[c] = Exp2Approx(sr[c] - mx);
-      for (size_t c = c_n; c < kChunk; ++c) sr[c] = 0.0f;
+      // Lanes past c_n give exactly 0 (-inf). NOTE: whole vectors; a scalar Exp2Approx loop here
+      // stayed scalar (GCC 12) and cost one core as much as both row-scan kernels together.
+      // 8 lanes: ymm on AVX2 and AVX-512 (GCC lowers 16-lane compares on AVX2 lane by lane).
+      for (size_t c = 0; c < kChunk; c += 8) Store(sr + c, Exp2ApproxLanes(Load<V8>(sr + c) - mx));
       V16 sum = Load<V16>(sr);
       for (size_t c = 16; c < kChunk; c += 16) sum += Load<V16>(sr + c);
       l[r] += HSum(sum);
