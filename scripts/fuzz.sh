@@ -13,6 +13,7 @@
 # in tests/fuzz/corpus are only read), NICE (default 19: the build and runs yield to other work).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$root/scripts/compiler_cache.sh"
 build=${FUZZ_BUILD_DIR:-$root/build-fuzz}
 work=${FUZZ_WORK:-$build/fuzz-work}
 jobs=${JOBS:-$(nproc)}
@@ -33,12 +34,10 @@ done
 [ ${#targets[@]} -gt 0 ] || targets=("${all_targets[@]}")
 
 if [ "$build_first" = 1 ] && [ ! -f "$build/CMakeCache.txt" ]; then
-  launcher=()
-  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
     "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1" -DTANDEM_ENABLE_CUDA=OFF -DTANDEM_BUILD_BENCH=OFF \
-    -DTANDEM_BUILD_FUZZERS=ON "${launcher[@]}"
+    -DTANDEM_BUILD_FUZZERS=ON "${compiler_launcher[@]}"
 fi
 if [ "$build_first" = 1 ]; then
   nice -n "$nice_level" cmake --build "$build" -j "$jobs" --target "${targets[@]}"

@@ -26,19 +26,18 @@
 # SANITIZE_TARGETS (targets to build).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$root/scripts/compiler_cache.sh"
 build=${SANITIZE_BUILD_DIR:-$root/build-asan}
 jobs=${JOBS:-$(nproc)}
 nice_level=${NICE:-19}
 
 if [ ! -f "$build/CMakeCache.txt" ]; then
-  launcher=()
-  command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   # -O1 -g1: ASan's recommended optimisation, line tables for symbolized reports; NDEBUG is not
   # defined, so the code's own assertions run too.
   CC=clang CXX=clang++ cmake -S "$root" -B "$build" -G Ninja \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
     "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1" -DTANDEM_ENABLE_CUDA=OFF -DTANDEM_BUILD_BENCH=OFF \
-    -DTANDEM_SANITIZE=ON "${launcher[@]}"
+    -DTANDEM_SANITIZE=ON "${compiler_launcher[@]}"
 fi
 default_targets="common_byte_size_test kv_store_test cpu_attention_kernel_test
   cpu_attention_paged_test cpu_attention_shm_test cpu_attention_shm_handler_test

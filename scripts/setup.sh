@@ -5,6 +5,7 @@ set -euo pipefail
 
 packages=(
   build-essential cmake pkg-config ninja-build git
+  ccache                              # compiler cache (scripts/compiler_cache.sh)
   libgrpc++-dev libgrpc-dev protobuf-compiler-grpc
   libprotobuf-dev protobuf-compiler
   libabsl-dev
