@@ -1,5 +1,6 @@
-// A branch-free 2^x for f32 loops the compiler vectorises: the softmax kernels of the CPU node
-// (cpu_attention) and of the cpu backend (gpu_worker/backend/cpu) share it.
+// 2^x for the softmax kernels of the CPU node (cpu_attention) and of the cpu backend
+// (gpu_worker/backend/cpu): a scalar form for loops the compiler may vectorise, and a lane form
+// on GCC vectors for loops it must.
 #pragma once
 
 #include <bit>
@@ -8,8 +9,9 @@
 namespace tandem {
 
 // 2^x with ~2 ulp relative error (Cephes exp2f: x = n + f, |f| <= 1/2, degree-6 polynomial),
-// branch-free so that loops vectorise. x < -126 (including -inf) gives exactly 0, which masked
-// scores rely on; x > 127 saturates at 2^127.
+// written with selects so that loops can vectorise (GCC 12 does with AVX-512 masks; its AVX2
+// clones of such loops stayed scalar: Exp2ApproxLanes below). x < -126 (including -inf) gives
+// exactly 0, which masked scores rely on; x > 127 saturates at 2^127.
 inline float Exp2Approx(float x) {
   const float xc = x < -126.0f ? -126.0f : (x > 127.0f ? 127.0f : x);
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -32,8 +34,8 @@ inline float Exp2Approx(float x) {
 // the same clamps and polynomial; -inf lanes give exactly 0. Inlined into the caller, so the
 // caller's instruction set decides the registers. NOTE: a loop of the scalar form is not always
 // vectorised: GCC 12 kept the paged scan's softmax loop scalar, `#pragma omp simd` included
-// (the selects stayed branches).
-// (Always inlined, so no vector crosses a call: GCC's ABI note for vector returns does not apply.)
+// (the selects stayed branches). Always inlined, so no vector crosses a call: GCC's ABI note
+// for vector returns does not apply.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 template <typename V>
