@@ -8,6 +8,21 @@
 
 namespace tandem {
 
+// 2^f for |f| <= 1/2 (Cephes exp2f's degree-6 polynomial), for a float or a GCC vector of
+// floats: the one polynomial of both forms below.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <typename T>
+inline __attribute__((always_inline)) T Exp2Polynomial(T f) {
+  T y = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
+  y = y * f + 9.618437357674640e-3f;
+  y = y * f + 5.550332471162809e-2f;
+  y = y * f + 2.402264791363012e-1f;
+  y = y * f + 6.931472028550421e-1f;
+  return y * f + 1.0f;
+}
+#pragma GCC diagnostic pop
+
 // 2^x with ~2 ulp relative error (Cephes exp2f: x = n + f, |f| <= 1/2, degree-6 polynomial),
 // written with selects so that loops can vectorise (GCC 12 does with AVX-512 masks; its AVX2
 // clones of such loops stayed scalar: Exp2ApproxLanes below). x < -126 (including -inf) gives
@@ -19,14 +34,7 @@ inline float Exp2Approx(float x) {
   const float fn = t - magic;
   const int32_t n = static_cast<int32_t>(std::bit_cast<uint32_t>(t) - 0x4B400000u);
   const float f = xc - fn;
-  float y = 1.535336188319500e-4f;
-  y = y * f + 1.339887440266574e-3f;
-  y = y * f + 9.618437357674640e-3f;
-  y = y * f + 5.550332471162809e-2f;
-  y = y * f + 2.402264791363012e-1f;
-  y = y * f + 6.931472028550421e-1f;
-  y = y * f + 1.0f;
-  const float r = y * std::bit_cast<float>(static_cast<uint32_t>(n + 127) << 23);
+  const float r = Exp2Polynomial(f) * std::bit_cast<float>(static_cast<uint32_t>(n + 127) << 23);
   return x < -126.0f ? 0.0f : r;
 }
 
@@ -49,13 +57,7 @@ inline __attribute__((always_inline)) V Exp2ApproxLanes(V x) {
   const V fn = t - magic;
   const Bits n = (Bits)t - 0x4B400000;
   const V f = xc - fn;
-  V y = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
-  y = y * f + 9.618437357674640e-3f;
-  y = y * f + 5.550332471162809e-2f;
-  y = y * f + 2.402264791363012e-1f;
-  y = y * f + 6.931472028550421e-1f;
-  y = y * f + 1.0f;
-  const V r = y * (V)((n + 127) << 23);
+  const V r = Exp2Polynomial(f) * (V)((n + 127) << 23);
   return (V)(~below & (Bits)r);
 }
 #pragma GCC diagnostic pop
