@@ -108,14 +108,13 @@ TEST(ThreadPool, OneThreadRunsEverythingOnTheCaller) {
   EXPECT_EQ(elsewhere.load(), 0);
 }
 
-TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
-  ThreadPool pool(3, std::chrono::microseconds{200});
-  constexpr int kCallers = 4, kRounds = 50;
-  std::vector<std::thread> callers;
-  std::vector<std::atomic<long>> sums(kCallers);
-  for (int c = 0; c < kCallers; ++c) {
-    callers.emplace_back([&, c] {
-      for (int round = 0; round < kRounds; ++round) {
+// `callers` threads each make `rounds` calls of 1..40 tasks; every index runs once per call.
+void CheckConcurrentCallers(ThreadPool& pool, int callers, int rounds) {
+  std::vector<std::thread> threads;
+  std::vector<std::atomic<long>> sums(callers);
+  for (int c = 0; c < callers; ++c) {
+    threads.emplace_back([&, c] {
+      for (int round = 0; round < rounds; ++round) {
         const size_t n = 1 + (round * 7 + c) % 40;
         std::vector<std::atomic<int>> hits(n);
         pool.ParallelFor(n, [&](size_t i) {
@@ -126,14 +125,39 @@ TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
       }
     });
   }
-  for (auto& t : callers) t.join();
-  for (int c = 0; c < kCallers; ++c) {
+  for (auto& t : threads) t.join();
+  for (int c = 0; c < callers; ++c) {
     long expect = 0;
-    for (int round = 0; round < kRounds; ++round) {
+    for (int round = 0; round < rounds; ++round) {
       const long n = 1 + (round * 7 + c) % 40;
       expect += n * (n - 1) / 2;
     }
     EXPECT_EQ(sums[c].load(), expect);
+  }
+}
+
+TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
+  ThreadPool pool(3, std::chrono::microseconds{200});
+  CheckConcurrentCallers(pool, 4, 50);
+}
+
+// The pool holds 8 calls at once; callers beyond them run their tasks themselves.
+TEST(ThreadPool, MoreConcurrentCallersThanCallSlots) {
+  for (std::chrono::microseconds spin : {std::chrono::microseconds{0}, std::chrono::microseconds{50}}) {
+    ThreadPool pool(std::min(4u, AvailableCores()), spin);
+    CheckConcurrentCallers(pool, 12, 100);
+  }
+}
+
+// Calls spaced further apart than the spin reach workers asleep on the futex; each call still
+// sees all of its tasks run.
+TEST(ThreadPool, CallsAfterTheWorkersSleptSeeEveryResult) {
+  ThreadPool pool(std::min(4u, AvailableCores()), std::chrono::microseconds{20});
+  for (int round = 0; round < 20; ++round) {
+    std::this_thread::sleep_for(std::chrono::microseconds(round % 2 == 0 ? 200 : 0));
+    std::vector<std::atomic<int>> hits(64);
+    pool.ParallelFor(hits.size(), [&](size_t i) { hits[i].fetch_add(1); });
+    for (const auto& h : hits) ASSERT_EQ(h.load(), 1);
   }
 }
 
