@@ -3,7 +3,7 @@
 // thread, to separate the kernels' own cost from the rest of an Attend (BENCHMARKS.md, issue 24:
 // the AVX2 split-order scan). Argument: keys per set (256: cached; 262144: streaming, 128 MiB).
 // TANDEM_CPU_ISA=avx2|avx512 picks the kernels. From the repository root:
-//   g++ -O2 -std=c++20 -Icpu_attention/src -Icommon/cpu_isa/include \
+//   g++ -O3 -std=c++20 -Icpu_attention/src -Icommon/cpu_isa/include \
 //     bench/probes/row_scan_probe.cc cpu_attention/src/row_scan_kernels.cc \
 //     common/cpu_isa/src/*.cc -labsl_strings -labsl_status -labsl_statusor -o row_scan_probe
 //   TANDEM_CPU_ISA=avx2 ./row_scan_probe 256
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < kChunk; ++i) {
         rows[i] = reinterpret_cast<const std::byte*>(&k[(c + i) * kD]);
       }
-      kernels->scores(q.data(), kRows, kD, rows, kChunk, nullptr, p.data(), kChunk);
+      kernels->scores(q.data(), kRows, kD, rows, kChunk, nullptr, p.data(), kChunk, {});
     }
     const auto t1 = std::chrono::steady_clock::now();
     for (size_t c = 0; c < keys; c += kChunk) {

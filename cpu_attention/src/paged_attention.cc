@@ -48,7 +48,8 @@ constexpr size_t kChunk = 64;
 // NOTE: named pages are short runs scattered over the pool (16 rows = 4 KiB of bf16 K, as much
 // V), too short for the hardware prefetcher to ramp up: the scan prefetches the rows it will
 // read PagedParams::prefetch_entries entries ahead (software prefetch), which triples the rate
-// on random pages.
+// on random pages. The row-scan kernels issue those prefetches between their keys
+// (RowPrefetch); the portable path issues a chunk's in one burst.
 // A range covers at least this many entries (fewer, larger tasks for tiny problems).
 constexpr uint64_t kMinRangeEntries = 256;
 
@@ -199,24 +200,45 @@ struct RunCursor {
   uint64_t left;
 };
 
-// Prefetches the K and V rows of the next n entries at `c` and advances it past them.
-TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_bytes) {
+// Calls fn(k, v, count) for the runs of the next n entries at `c` (count consecutive K rows
+// from k, V rows from v) and advances it past them.
+template <typename Fn>
+TANDEM_ALWAYS_INLINE void ForNextRows(RunCursor& c, uint64_t n, size_t row_bytes, Fn&& fn) {
   while (n > 0 && c.left > 0) {
     while (c.offset >= c.run->n) {
       ++c.run;
       c.offset = 0;
     }
     const uint64_t take = std::min<uint64_t>({n, c.left, c.run->n - c.offset});
-    const char* k = reinterpret_cast<const char*>(c.run->k) + c.offset * row_bytes;
-    const char* v = reinterpret_cast<const char*>(c.run->v) + c.offset * row_bytes;
-    for (size_t b = 0; b < take * row_bytes; b += 64) {
-      __builtin_prefetch(k + b);
-      __builtin_prefetch(v + b);
-    }
+    fn(c.run->k + c.offset * row_bytes, c.run->v + c.offset * row_bytes, take);
     c.offset += take;
     c.left -= take;
     n -= take;
   }
+}
+
+// Prefetches the K and V rows of the next n entries at `c` and advances it past them.
+TANDEM_ALWAYS_INLINE void PrefetchRows(RunCursor& c, uint64_t n, size_t row_bytes) {
+  ForNextRows(c, n, row_bytes, [row_bytes](const std::byte* k, const std::byte* v, uint64_t m) {
+    for (size_t b = 0; b < m * row_bytes; b += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(k) + b);
+      __builtin_prefetch(reinterpret_cast<const char*>(v) + b);
+    }
+  });
+}
+
+// Writes the K and V row addresses of the next n entries at `c` to rows (K, V, K, V, ..; at most
+// 2n) and advances it past them; returns how many it wrote.
+TANDEM_ALWAYS_INLINE size_t GatherRows(RunCursor& c, uint64_t n, size_t row_bytes,
+                                       const std::byte** rows) {
+  size_t count = 0;
+  ForNextRows(c, n, row_bytes, [&](const std::byte* k, const std::byte* v, uint64_t m) {
+    for (uint64_t i = 0; i < m; ++i) {
+      rows[count++] = k + i * row_bytes;
+      rows[count++] = v + i * row_bytes;
+    }
+  });
+  return count;
 }
 
 // Elem: one stored element of a K or V row: uint16_t (bf16 bits), float, or int8_t (an int8
@@ -261,6 +283,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   const std::byte* vp[kChunk];
   float k_scale[kChunk];  // int8: the rows' scales
   float v_scale[kChunk];
+  const std::byte* ahead_rows[2 * kChunk];  // K and V rows the kernel prefetches
   RunCursor ahead{a.runs, a.skip, a.count};
   PrefetchRows(ahead, a.prefetch_entries, row_bytes);
   while (left > 0) {
@@ -280,7 +303,6 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       in_run += take;
       left -= take;
     }
-    PrefetchRows(ahead, c_n, row_bytes);
     bool scored = false;  // s holds the chunk's scores
     if constexpr (kInt8) {
       for (size_t c = 0; c < c_n; ++c) {
@@ -289,8 +311,13 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       }
     }
     if (a.row_kernels != nullptr) {
-      a.row_kernels->scores(qs, R, D, kp, c_n, kInt8 ? k_scale : nullptr, s, kChunk);
+      // The kernel prefetches the next c_n entries ahead between its keys.
+      const internal::RowPrefetch next{ahead_rows, GatherRows(ahead, c_n, row_bytes, ahead_rows),
+                                       row_bytes};
+      a.row_kernels->scores(qs, R, D, kp, c_n, kInt8 ? k_scale : nullptr, s, kChunk, next);
       scored = true;
+    } else {
+      PrefetchRows(ahead, c_n, row_bytes);
     }
     if constexpr (kInt8) {
       for (size_t c = 0; c < c_n && a.row_kernels == nullptr; ++c) {

@@ -20,12 +20,22 @@
 
 namespace tandem::cpu_attention::internal {
 
+// Rows a scan will read later, prefetched by a kernel spread over its keys: rows[0..n), each
+// `bytes` long. (The scan used to issue a 64-key chunk's K and V prefetches in one burst before
+// the kernels, 512 at d 128; BENCHMARKS "Dispatch and prefetch of the paged scan" measures both.)
+struct RowPrefetch {
+  const std::byte* const* rows = nullptr;
+  size_t n = 0;
+  size_t bytes = 0;
+};
+
 // One instruction set's kernels for one row type.
 struct RowScanKernels {
   // s[r * ld + c] = k_scale[c] * (q[r] · row(k[c])) for r < rows, c < n (k_scale null: 1).
   // q: [rows, d] f32; k[c]: the start of a stored row of d elements (d a multiple of 8, <= 256).
+  // Prefetches the rows of `ahead` along the way (share i of n keys: rows [i·a/n, (i+1)·a/n)).
   void (*scores)(const float* q, size_t rows, size_t d, const std::byte* const* k, size_t n,
-                 const float* k_scale, float* s, size_t ld);
+                 const float* k_scale, float* s, size_t ld, const RowPrefetch& ahead);
   // acc[r * d + x] += Σ_c p[r * ld + c] * row(v[c])[x] for r < rows, x < d, c < n.
   void (*accumulate)(const float* p, size_t ld, size_t rows, const std::byte* const* v, size_t n,
                      size_t d, float* acc);

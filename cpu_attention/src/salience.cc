@@ -68,7 +68,7 @@ void ScoreBlock(const kv_store::Shard& shard, size_t b, uint32_t e, const float*
       rows_k[t] = shard.block_k(b) + t * row_bytes;
       scales_k[t] = kv_store::Int8RowScale(rows_k[t], D);
     }
-    int8->scores(q, rows, D, rows_k, e, scales_k, scores, e);
+    int8->scores(q, rows, D, rows_k, e, scales_k, scores, e, internal::RowPrefetch{});
     return;
   }
   BlockKeys(shard, b, e, keys);
