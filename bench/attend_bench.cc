@@ -455,8 +455,19 @@ const char* PageLayoutName(PageLayout l) {
                                         : "random_warm";
 }
 
+// Where one call's time went, from its tasks' clocks (PagedTaskTimes); microseconds, the median
+// of each over the timed calls.
+struct PagedCallShape {
+  double wall_us = 0;        // the whole PagedAttention call
+  double start_p50_us = 0;   // the median task's start (the pool's dispatch)
+  double last_start_us = 0;  // the last task's start
+  double task_us = 0;        // a task's mean duration
+  double last_end_us = 0;    // the last task's end
+  double busy_share = 0;     // Σ task time / (threads × wall)
+};
+
 double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t prefetch,
-                       PageLayout layout, uint64_t* bytes) {
+                       PageLayout layout, uint64_t* bytes, PagedCallShape* shape) {
   const bool contiguous = layout == PageLayout::kContiguous;
   const bool page_major = layout == PageLayout::kPageMajor;
   const bool warm = layout == PageLayout::kRandomWarm;
@@ -515,14 +526,29 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
     }
   };
   for (size_t c = 0; c < 2; ++c) run(c);
-  std::vector<double> times;
+  std::vector<double> times, start_p50, last_start, task, last_end, busy;
+  PagedTaskTimes task_times;
   for (uint32_t rep = 0; rep < std::max<uint32_t>(f.reps, 16); ++rep) {
     if (warm) run((rep + 2) % kCalls);
+    p.task_times = &task_times;
     const double t0 = Now();
     run((rep + 2) % kCalls);
-    times.push_back(Now() - t0);
+    const double wall = Now() - t0;
+    p.task_times = nullptr;
+    times.push_back(wall);
+    std::vector<double> starts = task_times.start_s;
+    double sum = 0;
+    for (size_t i = 0; i < starts.size(); ++i) sum += task_times.end_s[i] - starts[i];
+    start_p50.push_back(Median(starts) * 1e6);
+    last_start.push_back(*std::max_element(starts.begin(), starts.end()) * 1e6);
+    task.push_back(sum / static_cast<double>(starts.size()) * 1e6);
+    last_end.push_back(
+        *std::max_element(task_times.end_s.begin(), task_times.end_s.end()) * 1e6);
+    busy.push_back(sum / (pool.num_threads() * wall));
   }
   *bytes = uint64_t{H} * per_head * P * D * 2 * 2;
+  *shape = PagedCallShape{Median(times) * 1e6, Median(start_p50), Median(last_start),
+                          Median(task),        Median(last_end),  Median(busy)};
   return Median(times);
 }
 
@@ -797,7 +823,9 @@ int Main(int argc, char** argv) {
            {PageLayout::kRandom, PageLayout::kContiguous, PageLayout::kPageMajor,
             PageLayout::kRandomWarm}) {
         uint64_t paged_bytes = 0;
-        const double paged_s = TimePagedKernel(pool, kv, f, prefetch, layout, &paged_bytes);
+        PagedCallShape shape;
+        const double paged_s =
+            TimePagedKernel(pool, kv, f, prefetch, layout, &paged_bytes, &shape);
         const double paged_gbs = static_cast<double>(paged_bytes) / paged_s / 1e9;
         Emit({{"bench", "paged_kernel"},
               {"pages", PageLayoutName(layout)},
@@ -809,7 +837,13 @@ int Main(int argc, char** argv) {
               {"median_s", paged_s},
               {"kv_gbs", paged_gbs},
               {"ratio_to_sparse_attention", paged_gbs / sparse_gbs},
-              {"ratio_to_read", paged_gbs / mem.read_gbs}});
+              {"ratio_to_read", paged_gbs / mem.read_gbs},
+              {"wall_us", shape.wall_us},
+              {"task_start_p50_us", shape.start_p50_us},
+              {"last_task_start_us", shape.last_start_us},
+              {"task_us", shape.task_us},
+              {"last_task_end_us", shape.last_end_us},
+              {"busy_share", shape.busy_share}});
       }
     }
     std::vector<uint64_t> scanned;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -559,7 +560,18 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
                                                  : nullptr;
   const PieceKernel compute_piece = PieceKernelFor(params.dtype, ActiveCpuIsa());
   std::vector<absl::Status> statuses(num_ranges);
+  PagedTaskTimes* const times = params.task_times;
+  const auto call_start = std::chrono::steady_clock::now();
+  const auto seconds_since_start = [call_start] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - call_start).count();
+  };
+  if (times != nullptr) {
+    times->start_s.assign(num_ranges, 0.0);
+    times->end_s.assign(num_ranges, 0.0);
+    times->entries = all_entries;
+  }
   pool.ParallelFor(num_ranges, [&](size_t r) {
+    if (times != nullptr) times->start_s[r] = seconds_since_start();
     try {
       thread_local AlignedBuffer work_buffer;
       thread_local std::vector<KvRun> page_runs;   // a page problem's piece, resolved
@@ -607,6 +619,7 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
     } catch (const std::exception& e) {
       statuses[r] = absl::InternalError(absl::StrFormat("paged attention: %s", e.what()));
     }
+    if (times != nullptr) times->end_s[r] = seconds_since_start();
   });
   for (const absl::Status& s : statuses) TANDEM_RETURN_IF_ERROR(s);
 

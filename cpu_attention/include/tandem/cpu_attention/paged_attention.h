@@ -89,6 +89,16 @@ struct PagedParams {
   // prefetches each 64-entry chunk in one burst just before it is read (that burst is most of
   // the gain on scattered pages; BENCHMARKS, issue 27).
   uint32_t prefetch_entries = 128;
+  // Benchmarks: when set, the call records when each of its tasks ran (PagedTaskTimes).
+  struct PagedTaskTimes* task_times = nullptr;
+};
+
+// One call's tasks on the clock: task i ran from start_s[i] to end_s[i], seconds after the call
+// began; `entries` is what the tasks read (every problem's entries). Separates the pool's
+// dispatch (the starts), the tasks' own rate and the wait for the last one.
+struct PagedTaskTimes {
+  std::vector<double> start_s, end_s;
+  uint64_t entries = 0;
 };
 
 // Checks one row of page ids (int32 [pages_per_head]): non-negative ids strictly ascending,
