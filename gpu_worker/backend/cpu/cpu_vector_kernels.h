@@ -12,7 +12,8 @@
 
 namespace tandem::gpu_worker::cpu {
 
-using ::tandem::Exp2Approx;   // tandem/common/exp2_approx.h
+using ::tandem::Exp2Approx;        // tandem/common/exp2_approx.h
+using ::tandem::Exp2ApproxLanes;
 
 // IEEE binary16 <-> binary32 (round to nearest even; overflow gives inf; NaN stays NaN).
 inline float F16ToFloat(uint16_t h) {
