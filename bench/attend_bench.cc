@@ -23,7 +23,7 @@
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
 //        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
 //        --select_tokens S (0 = no paged run) --page_tokens P (16) --pool_spin_us U (100)
-//        --prefetch_entries E1,E2 (128): PagedAttention-alone rows, random, contiguous and
+//        --prefetch_entries E1,E2 (256): PagedAttention-alone rows, random, contiguous and
 //        page-major pages --huge_pages (KV sets and node blocks in transparent huge pages)
 //        --node_kv_dtype bf16|int8|bf16,int8 (bf16): how the node rows (d), (e) store KV; a list
 //        runs (d) and (e) once per dtype on the same data and machine and prints each one's time
@@ -81,7 +81,7 @@ ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
 ABSL_FLAG(uint32_t, select_tokens, 0,
           "entries per (kv head, token) of a paged Attend (random pages); 0 = no paged run");
 ABSL_FLAG(uint32_t, page_tokens, 16, "entries per page of the paged Attend");
-ABSL_FLAG(std::vector<std::string>, prefetch_entries, {"128"},
+ABSL_FLAG(std::vector<std::string>, prefetch_entries, {"256"},
           "prefetch distances (entries) of the PagedAttention-alone rows");
 ABSL_FLAG(bool, huge_pages, false,
           "back the KV sets and the node's blocks with transparent huge pages (madvise)");
@@ -113,7 +113,7 @@ struct Flags {
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
   uint32_t pool_spin_us = 100;
-  std::vector<uint32_t> prefetch_entries = {128};
+  std::vector<uint32_t> prefetch_entries = {256};
   std::vector<kv_store::KvDType> node_kv_dtypes = {kv_store::KvDType::kBf16};
 };
 

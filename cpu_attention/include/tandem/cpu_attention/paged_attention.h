@@ -85,10 +85,12 @@ struct PagedParams {
   uint32_t group = 1;       // G: query heads per kv head
   float scale = 0.0f;       // 0 = 1/sqrt(head_dim)
   uint32_t tasks_per_thread = 2;
-  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096). 0 still
-  // prefetches each 64-entry chunk in one burst just before it is read (that burst is most of
-  // the gain on scattered pages; BENCHMARKS, issue 27).
-  uint32_t prefetch_entries = 128;
+  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096); the row-scan
+  // kernels issue them between their keys. 0 still prefetches each 64-entry chunk's rows while
+  // its scores are computed (most of the gain on scattered pages; BENCHMARKS, issue 27). 256
+  // beat 128 in each of 8 same-process pairs on the H200 host's 16 cores (random 16-token pages,
+  // +3-16%; BENCHMARKS "Dispatch and prefetch of the paged scan").
+  uint32_t prefetch_entries = 256;
   // Benchmarks: when set, the call records when each of its tasks ran (PagedTaskTimes).
   struct PagedTaskTimes* task_times = nullptr;
 };
