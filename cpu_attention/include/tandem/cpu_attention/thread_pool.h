@@ -9,16 +9,18 @@
 // Latency: a node's Attend is one call per layer of ~0.1-1 ms of work, so what a call costs
 // beyond its tasks matters. A call is published in a slot the pool owns and its tasks are
 // claimed with an atomic counter: workers join a call without any lock, and sleeping workers are
-// woken all at once through one futex (std::atomic::wait). (The first pool queued calls under a
+// woken all at once through one futex (std::atomic::wait). The first pool queued calls under a
 // mutex that every worker took to join one: on the H200 host's 16 cores, two tasks per thread,
-// the median task of a ~150-190 us paged call started 35-49 us into it (20-25 us now), and the
-// threads were busy for 55-65% of it; with one task per thread all 16 now start within 3 us.) A worker that
-// finishes a call spins for `spin` (pause, no syscall) watching for the next before it sleeps,
-// as the caller does for its workers' last tasks: back-to-back calls (the layers of a decode
-// step) then skip the futex wake-ups. A pool with more threads than the cores it may use never
-// spins (a spinning thread would hold a core a worker needs). Spinning is opt-in (the default is
-// 0): a dedicated CPU node wants it (--pool_spin_us); a pool sharing its cores with other work
-// (the worker's embedded node, tests) does not.
+// the median task of a ~150-190 us paged call started 33-43 us into it (20-27 us now), and the
+// threads were busy for 55-64% of it; with one task per thread all 16 now start within 3 us
+// (BENCHMARKS "Dispatch and prefetch of the paged scan"; the hybrid step, whose node pool does
+// not spin, showed no gain there). A worker that finishes a call spins for `spin` (pause, no
+// syscall) watching for the next before it sleeps, as the caller does for its workers' last
+// tasks: back-to-back calls (the layers of a decode step) then skip the futex wake-ups. A pool
+// with more threads than the cores it may use never spins (a spinning thread would hold a core a
+// worker needs). Spinning is opt-in (the default is 0): a dedicated CPU node wants it
+// (--pool_spin_us); a pool sharing its cores with other work (the worker's embedded node, tests)
+// does not.
 #pragma once
 
 #include <atomic>
