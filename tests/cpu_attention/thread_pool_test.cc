@@ -141,16 +141,17 @@ TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
   CheckConcurrentCallers(pool, 4, 50);
 }
 
-// The pool holds 8 calls at once; callers beyond them run their tasks themselves.
-TEST(ThreadPool, MoreConcurrentCallersThanCallSlots) {
+// More concurrent callers than threads, with and without the spin: every call completes with
+// every index run once.
+TEST(ThreadPool, MoreConcurrentCallersThanThreads) {
   for (std::chrono::microseconds spin : {std::chrono::microseconds{0}, std::chrono::microseconds{50}}) {
     ThreadPool pool(std::min(4u, AvailableCores()), spin);
     CheckConcurrentCallers(pool, 12, 100);
   }
 }
 
-// Calls spaced further apart than the spin reach workers asleep on the futex; each call still
-// sees all of its tasks run.
+// Calls spaced further apart than the spin reach workers asleep; each call still sees all of its
+// tasks run.
 TEST(ThreadPool, CallsAfterTheWorkersSleptSeeEveryResult) {
   ThreadPool pool(std::min(4u, AvailableCores()), std::chrono::microseconds{20});
   for (int round = 0; round < 20; ++round) {
