@@ -144,7 +144,8 @@ TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
 // More concurrent callers than threads, with and without the spin: every call completes with
 // every index run once.
 TEST(ThreadPool, MoreConcurrentCallersThanThreads) {
-  for (std::chrono::microseconds spin : {std::chrono::microseconds{0}, std::chrono::microseconds{50}}) {
+  using std::chrono::microseconds;
+  for (microseconds spin : {microseconds{0}, microseconds{50}}) {
     ThreadPool pool(std::min(4u, AvailableCores()), spin);
     CheckConcurrentCallers(pool, 12, 100);
   }
