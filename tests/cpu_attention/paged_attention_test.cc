@@ -275,15 +275,36 @@ TEST_P(PagedAttentionTest, DenseOverAllRunsMatchesReference) {
     p.lse_token_stride = size_t{H} * G;
     problems.push_back(p);
   }
+  const std::vector<uint8_t> all(kHeld, 1);
+  auto expect_reference = [&] {
+    for (uint32_t t = 0; t < T; ++t) {
+      for (uint32_t h = 0; h < H; ++h) {
+        std::vector<double> ref_o, ref_lse;
+        f.Reference(h, q.data() + t * stride + h * G * D, 1, all, &ref_o, &ref_lse);
+        ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o,
+                   ref_lse, G, D, false);
+      }
+    }
+  };
   ThreadPool pool(2);
   ASSERT_TRUE(PagedAttention(Params(dtype, G, D, 2), runs, problems, pool).ok());
-  const std::vector<uint8_t> all(kHeld, 1);
-  for (uint32_t t = 0; t < T; ++t) {
-    for (uint32_t h = 0; h < H; ++h) {
-      std::vector<double> ref_o, ref_lse;
-      f.Reference(h, q.data() + t * stride + h * G * D, 1, all, &ref_o, &ref_lse);
-      ExpectRows(o.data() + t * stride + h * G * D, lse.data() + (t * H + h) * G, ref_o, ref_lse, G,
-                 D, false);
+  expect_reference();
+
+  // More ranges than threads (3 up to 8 here: at most one per 256 entries): which thread
+  // claims which range changes from call to call, but the problems' partial states merge in
+  // entry order, so every call gives the same bits.
+  ThreadPool three(3);
+  for (uint32_t tasks : {1u, 8u, 64u}) {
+    SCOPED_TRACE(testing::Message() << "tasks per thread " << tasks);
+    std::fill(o.begin(), o.end(), 99.0f);
+    ASSERT_TRUE(PagedAttention(Params(dtype, G, D, tasks), runs, problems, three).ok());
+    expect_reference();
+    const std::vector<float> o_first = o, lse_first = lse;
+    for (int call = 0; call < 8; ++call) {
+      std::fill(o.begin(), o.end(), 99.0f);
+      ASSERT_TRUE(PagedAttention(Params(dtype, G, D, tasks), runs, problems, three).ok());
+      ASSERT_EQ(o, o_first) << "call " << call;
+      ASSERT_EQ(lse, lse_first) << "call " << call;
     }
   }
 }

@@ -14,8 +14,10 @@
 //
 // Work split (HGCA §3.3, as sparse_attention.h): the entries of all problems, end to end, are
 // cut into about tasks_per_thread × threads ranges of equal cost; a long problem is split along
-// its runs, short ones share a range. Each range yields partial (O, LSE) states merged at the
-// end with MergeStateInPlace. The inner loop is hand-written with GCC vector types (bf16 rows
+// its runs, short ones share a range. The pool's threads claim ranges in order until none is
+// left (a late or slow thread takes fewer), each prefetching on into the next range it claimed.
+// Each piece of a split problem yields a partial (O, LSE) state; the problem's last piece to
+// finish merges them in entry order with MergeStateInPlace (results independent of the threads). The inner loop is hand-written with GCC vector types (bf16 rows
 // widened to f32, fp32 dot products and accumulation), compiled for AVX-512, AVX2 and baseline
 // x86-64 and picked at run time, because oneDNN primitive calls per 16-row page cost more than
 // the scan; the rows ahead are prefetched (short scattered runs defeat the hardware prefetcher).
@@ -84,6 +86,8 @@ struct PagedParams {
   uint32_t head_dim = 128;  // 8..256, a multiple of 8
   uint32_t group = 1;       // G: query heads per kv head
   float scale = 0.0f;       // 0 = 1/sqrt(head_dim)
+  // Ranges per pool thread (1..64): more balance a call over threads that start late or run
+  // slow, at a partial state to merge per extra piece of a problem.
   uint32_t tasks_per_thread = 2;
   // Entries ahead of the scan whose K and V rows a task prefetches (0..4096); the row-scan
   // kernels issue them between their keys. 0 still prefetches each 64-entry chunk's rows while
