@@ -48,77 +48,68 @@ unsigned AvailableCores() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// One ParallelFor call. Lives on the caller's stack, which returns only once no worker holds it:
-// a worker takes it (++runners) only under mu_ while it is queued, and lets go under mu_; the
-// caller unqueues it and waits for runners == 0 under mu_.
-struct ThreadPool::Job {
-  const std::function<void(size_t)>* fn = nullptr;
-  size_t n = 0;
-  std::atomic<size_t> next{0};   // first index not yet claimed
-  std::atomic<int> runners{0};   // workers inside the job (written under mu_)
-
-  // Claims and runs indices until none is left.
-  void RunTasks() {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      (*fn)(i);
-    }
-  }
-};
-
 ThreadPool::ThreadPool(unsigned num_threads, std::chrono::microseconds spin)
     : num_threads_(num_threads == 0 ? AvailableCores() : num_threads),
       spin_(num_threads_ > AvailableCores() ? std::chrono::microseconds{0} : spin) {
   workers_.reserve(num_threads_ - 1);
-  for (unsigned i = 0; i + 1 < num_threads_; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (unsigned i = 0; i + 1 < num_threads_; ++i) {
+    workers_.emplace_back([this, i] { WorkerLoop(i); });
+  }
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_.store(true, std::memory_order_relaxed);
-  }
-  work_cv_.notify_all();
+  stop_.store(true, std::memory_order_seq_cst);
+  calls_opened_.fetch_add(1, std::memory_order_seq_cst);
+  calls_opened_.notify_all();
   for (std::thread& t : workers_) t.join();
 }
 
-void ThreadPool::UnqueueLocked(Job* job) {
-  auto it = std::find(jobs_.begin(), jobs_.end(), job);
-  if (it == jobs_.end()) return;
-  jobs_.erase(it);
-  queued_.store(jobs_.size(), std::memory_order_relaxed);
+void ThreadPool::RunTasks(Slot& slot, const std::function<void(size_t)>& fn) {
+  const size_t n = slot.n.load(std::memory_order_relaxed);
+  for (size_t i = slot.next.fetch_add(1, std::memory_order_relaxed); i < n;
+       i = slot.next.fetch_add(1, std::memory_order_relaxed)) {
+    fn(i);
+  }
 }
 
-void ThreadPool::WorkerLoop() {
+bool ThreadPool::JoinSomeCall(size_t first) {
+  for (size_t k = 0; k < kSlots; ++k) {
+    Slot& slot = slots_[(first + k) % kSlots];
+    const uint64_t state = slot.state.load(std::memory_order_acquire);
+    if (state % 2 == 0 ||
+        slot.next.load(std::memory_order_relaxed) >= slot.n.load(std::memory_order_relaxed)) {
+      continue;
+    }
+    // Count ourselves in, then check the call is still the one we saw. seq_cst on both sides
+    // (here: add, then load; the caller: close, then load runners): either the caller sees us
+    // and waits, or we see it closed and leave without touching its fn.
+    slot.runners.fetch_add(1, std::memory_order_seq_cst);
+    const bool same_call = slot.state.load(std::memory_order_seq_cst) == state;
+    if (same_call) RunTasks(slot, *slot.fn.load(std::memory_order_relaxed));
+    if (slot.runners.fetch_sub(1, std::memory_order_seq_cst) == 1) slot.runners.notify_all();
+    if (same_call) return true;
+  }
+  return false;
+}
+
+void ThreadPool::WorkerLoop(size_t worker) {
   // oneDNN (OpenMP runtime) must not open parallel regions inside a task: the pool is the
   // parallelism.
   omp_set_num_threads(1);
-  auto has_work = [this] {
-    return stop_.load(std::memory_order_relaxed) || queued_.load(std::memory_order_relaxed) > 0;
-  };
-  while (true) {
-    Job* job = nullptr;
-    {
-      // Spin for the budget; a job that others used up before this worker got the lock does
-      // not end the spin (the next call is likely to come within it), only the budget does.
-      const Clock::time_point until = Clock::now() + spin_;
-      std::unique_lock<std::mutex> lock(mu_);
-      while (spin_.count() > 0 && jobs_.empty() && !stop_.load(std::memory_order_relaxed) &&
-             Clock::now() < until) {
-        lock.unlock();
-        SpinUntil(until, has_work);
-        lock.lock();
-      }
-      work_cv_.wait(lock, [this] { return stop_.load(std::memory_order_relaxed) || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stop_ and nothing left
-      job = jobs_.front();
-      job->runners.fetch_add(1, std::memory_order_relaxed);
+  const size_t first = worker % kSlots;  // concurrent calls spread over the workers
+  while (!stop_.load(std::memory_order_relaxed)) {
+    // Read the counter before looking: a call opened after the look bumps it, so the wait below
+    // returns at once instead of missing that call.
+    const uint32_t seen = calls_opened_.load(std::memory_order_seq_cst);
+    if (JoinSomeCall(first)) continue;
+    if (stop_.load(std::memory_order_relaxed)) break;
+    if (spin_.count() > 0 &&
+        SpinUntil(Clock::now() + spin_, [&] {
+          return calls_opened_.load(std::memory_order_relaxed) != seen;
+        })) {
+      continue;
     }
-    job->RunTasks();
-    std::lock_guard<std::mutex> lock(mu_);
-    UnqueueLocked(job);   // every index is claimed: no other worker needs to take it
-    // Release: the caller that reads 0 (spinning, without mu_) sees the tasks' writes.
-    if (job->runners.fetch_sub(1, std::memory_order_release) == 1) idle_cv_.notify_all();
+    calls_opened_.wait(seen, std::memory_order_seq_cst);
   }
 }
 
@@ -128,34 +119,40 @@ void ThreadPool::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   // and restore the caller's OpenMP setting afterwards.
   const int saved_omp_threads = omp_get_max_threads();
   if (saved_omp_threads != 1) omp_set_num_threads(1);
-  if (workers_.empty() || n == 1) {
+  Slot* slot = nullptr;
+  if (!workers_.empty() && n > 1) {
+    for (Slot& s : slots_) {
+      bool free = false;
+      if (s.taken.compare_exchange_strong(free, true, std::memory_order_acquire)) {
+        slot = &s;
+        break;
+      }
+    }
+  }
+  if (slot == nullptr) {  // no workers, one task, or every slot in use: all on this thread
     for (size_t i = 0; i < n; ++i) fn(i);
   } else {
-    Job job;
-    job.fn = &fn;
-    job.n = n;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      jobs_.push_back(&job);
-      queued_.store(jobs_.size(), std::memory_order_relaxed);
+    // Open: the fields before the odd state (release), then wake sleeping workers (no syscall
+    // when none sleeps).
+    slot->fn.store(&fn, std::memory_order_relaxed);
+    slot->n.store(n, std::memory_order_relaxed);
+    slot->next.store(0, std::memory_order_relaxed);
+    const uint64_t open = slot->state.load(std::memory_order_relaxed) + 1;
+    slot->state.store(open, std::memory_order_seq_cst);
+    calls_opened_.fetch_add(1, std::memory_order_seq_cst);
+    calls_opened_.notify_all();
+    // Run our own tasks (not other callers'): our latency depends only on our call.
+    RunTasks(*slot, fn);
+    // Every index is claimed: close, then wait for the workers still in the call. A worker that
+    // counts itself in after the close sees it and leaves at once.
+    slot->state.store(open + 1, std::memory_order_seq_cst);
+    const auto idle = [slot] { return slot->runners.load(std::memory_order_seq_cst) == 0; };
+    if (spin_.count() > 0) SpinUntil(Clock::now() + spin_, idle);
+    for (int r = slot->runners.load(std::memory_order_seq_cst); r != 0;
+         r = slot->runners.load(std::memory_order_seq_cst)) {
+      slot->runners.wait(r, std::memory_order_seq_cst);
     }
-    // Sleeping workers need a wake-up; spinning ones see queued_ (notify is then no syscall).
-    if (n - 1 >= workers_.size()) {
-      work_cv_.notify_all();
-    } else {
-      for (size_t i = 0; i + 1 < n; ++i) work_cv_.notify_one();
-    }
-    // Run our own tasks (not other callers'): our latency depends only on our job.
-    job.RunTasks();
-    // Every index is claimed; wait for the workers still running theirs. A worker that takes
-    // the job after the spin finds nothing to claim and lets go at once.
-    if (spin_.count() > 0) {
-      SpinUntil(Clock::now() + spin_,
-                [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
-    }
-    std::unique_lock<std::mutex> lock(mu_);
-    UnqueueLocked(&job);
-    idle_cv_.wait(lock, [&job] { return job.runners.load(std::memory_order_acquire) == 0; });
+    slot->taken.store(false, std::memory_order_release);
   }
   if (saved_omp_threads != 1) omp_set_num_threads(saved_omp_threads);
 }

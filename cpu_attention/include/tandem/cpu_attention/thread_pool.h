@@ -7,22 +7,26 @@
 // Debian) then runs every primitive single-threaded inside the worker, with no oversubscription.
 //
 // Latency: a node's Attend is one call per layer of ~0.1-1 ms of work, so what a call costs
-// beyond its tasks matters. Tasks are claimed with an atomic counter (no lock per task), and a
-// worker that finishes a call spins for `spin` (pause, no syscall) watching for the next before it
-// sleeps on the condition variable, as the caller does for its workers' last tasks: back-to-back
-// calls (the layers of a decode step) then skip the futex wake-ups. A pool with more threads
-// than the cores it may use never spins (a spinning thread would hold a core a worker needs).
-// Spinning is opt-in (the default is 0): a dedicated CPU node wants it (--pool_spin_us); a pool
-// sharing its cores with other work (the worker's embedded node, tests) does not.
+// beyond its tasks matters. A call is published in a slot the pool owns and its tasks are
+// claimed with an atomic counter: workers join a call without any lock, and sleeping workers are
+// woken all at once through one futex (std::atomic::wait). The first pool queued calls under a
+// mutex that every worker took to join one: on the H200 host's 16 cores, two tasks per thread,
+// the median task of a ~150-190 us paged call started 33-43 us into it (20-27 us now), and the
+// threads were busy for 55-64% of it; with one task per thread all 16 now start within 3 us
+// (BENCHMARKS "Dispatch and prefetch of the paged scan"; the hybrid step, whose node pool does
+// not spin, showed no gain there). A worker that finishes a call spins for `spin` (pause, no
+// syscall) watching for the next before it sleeps, as the caller does for its workers' last
+// tasks: back-to-back calls (the layers of a decode step) then skip the futex wake-ups. A pool
+// with more threads than the cores it may use never spins (a spinning thread would hold a core a
+// worker needs). Spinning is opt-in (the default is 0): a dedicated CPU node wants it
+// (--pool_spin_us); a pool sharing its cores with other work (the worker's embedded node, tests)
+// does not.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -50,18 +54,31 @@ class ThreadPool {
   std::chrono::microseconds spin() const { return spin_; }
 
  private:
-  struct Job;
-  void WorkerLoop();
-  // Removes `job` from jobs_ if it is still there. Caller holds mu_.
-  void UnqueueLocked(Job* job);
+  // One call in flight. The slots belong to the pool, so a worker that read a slot's state just
+  // before its call ended touches only the pool's memory (the call's `fn` only once it has
+  // checked, as a counted runner, that the call is still open).
+  struct Slot {
+    std::atomic<bool> taken{false};      // a caller owns the slot
+    std::atomic<uint64_t> state{0};      // odd: a call is open (its generation), even: closed
+    std::atomic<const std::function<void(size_t)>*> fn{nullptr};
+    std::atomic<size_t> n{0};
+    std::atomic<size_t> next{0};         // first index not yet claimed
+    std::atomic<int> runners{0};         // workers between their join check and their leaving
+  };
+  // More concurrent calls than slots run their tasks on their own callers.
+  static constexpr size_t kSlots = 8;
+
+  void WorkerLoop(size_t worker);
+  // Runs the unclaimed tasks of one open call, looking from slot `first` on; false if none.
+  bool JoinSomeCall(size_t first);
+  // Runs fn's unclaimed indices of the call `slot` holds (the caller or a counted runner).
+  static void RunTasks(Slot& slot, const std::function<void(size_t)>& fn);
 
   const unsigned num_threads_;
   const std::chrono::microseconds spin_;
-  std::mutex mu_;
-  std::condition_variable work_cv_;   // workers: a job was queued, or stop_
-  std::condition_variable idle_cv_;   // callers: a job's last worker let go of it
-  std::deque<Job*> jobs_;             // jobs that may have tasks not yet claimed (under mu_)
-  std::atomic<size_t> queued_{0};     // jobs_.size(), read by spinning workers without mu_
+  Slot slots_[kSlots];
+  std::atomic<uint32_t> calls_opened_{0};   // bumped at each call's open and at stop: the futex
+                                            // sleeping workers wait on
   std::atomic<bool> stop_{false};
   std::vector<std::thread> workers_;
 };
