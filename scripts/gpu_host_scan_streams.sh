@@ -3,8 +3,12 @@
 # ranges claimed by streams (each pool thread claims ranges in order and prefetches on into the
 # next) against the fixed one-range-per-task split, old and new binaries alternating in one call:
 #   attend: tandem-attend-bench (Llama-3-8B layer: 8 kv heads x group 4, head_dim 128, one decode
-#           token, 2048 selected tokens in 16-token pages) over tasks per thread, native and AVX2;
+#           token, 2048 selected tokens in 16-token pages) over tasks per thread, native and AVX2
+#           (ATTEND_RUNS="isa:bin:tasks ...");
 #   step:   tandem-bench's hybrid 512K bf16 decode step (one embedded node, layer-ahead pages);
+#           STEP_RUNS="bin:tasks:threads:pool_spin_us:shm_spin_us[:--flag=v+--flag=v] ..." picks
+#           binaries and node flags (threads 0 = all cores; the old binary takes no tasks flag)
+#           and further tandem-bench flags (a later --contexts wins), STEPS the steps;
 #   tests:  the paged kernels' tests on 16 cores.
 # Prepared here: bin/ holds tandem-attend-bench-{old,new}, tandem-bench-{old,new},
 # cpu_attention_paged_test and cpu_attention_paged_node_test, bundled with
@@ -46,8 +50,9 @@ for part in ${PART:-attend step tests}; do
   case "$part" in
     attend)
       i=0
-      for run in native:old:2 native:new:2 native:new:4 native:new:8 native:old:2 native:new:2 \
-                 native:new:4 native:new:8 avx2:old:2 avx2:new:4 avx2:old:2 avx2:new:4; do
+      for run in ${ATTEND_RUNS:-native:old:2 native:new:2 native:new:4 native:new:8 native:old:2
+                                native:new:2 native:new:4 native:new:8 avx2:old:2 avx2:new:4
+                                avx2:old:2 avx2:new:4}; do
         IFS=: read -r isa bin tasks <<< "$run"
         i=$((i + 1))
         if [ "$isa" = native ]; then env=(); else env=(TANDEM_CPU_ISA=avx2); fi
@@ -61,17 +66,20 @@ for part in ${PART:-attend step tests}; do
       ;;
     step)
       args="--batches 1 --shares= --select_tokens 2048 --window 4096 --prefill_tokens 0
-            --steps 20 --micro_batches 1 --skip_probes --modes hybrid --contexts 524288"
+            --steps ${STEPS:-20} --micro_batches 1 --skip_probes --modes hybrid --contexts 524288"
       i=0
-      for run in old:2 new:2 new:4 old:2 new:2 new:4 old:2 new:2 new:4; do
-        bin=${run%%:*}; tasks=${run##*:}; i=$((i + 1))
-        extra=()
-        [ "$bin" = new ] && extra=(--node_tasks_per_thread "$tasks")
-        echo "== step $i $bin tasks $tasks"
+      for run in ${STEP_RUNS:-old:2:0:0:10 new:2:0:0:10 new:4:0:0:10 old:2:0:0:10 new:2:0:0:10
+                              new:4:0:0:10 old:2:0:0:10 new:2:0:0:10 new:4:0:0:10}; do
+        IFS=: read -r bin tasks threads pool_spin shm_spin flags <<< "$run"
+        i=$((i + 1))
+        extra=(--node_threads "$threads" --node_pool_spin_us "$pool_spin" --shm_spin_us "$shm_spin")
+        [ -n "${flags:-}" ] && extra+=(${flags//+/ })
+        [ "$bin" != old ] && extra+=(--node_tasks_per_thread "$tasks")
+        echo "== step $i $run"
         # shellcheck disable=SC2086
-        timeout 120 "tandem-bench-$bin" $args "${extra[@]}" > "$out/step-$i-$bin-$tasks.jsonl" \
+        timeout 150 "tandem-bench-$bin" $args "${extra[@]}" > "$out/step-$i-$bin.jsonl" \
           2> "$out/step-$i.err"
-        grep -E '^\{' "$out/step-$i-$bin-$tasks.jsonl" | summarize
+        grep -E '^\{' "$out/step-$i-$bin.jsonl" | summarize
       done
       ;;
     tests)
