@@ -141,8 +141,9 @@ TEST(ThreadPool, ConcurrentCallersFromFourThreads) {
   CheckConcurrentCallers(pool, 4, 50);
 }
 
-// More concurrent callers than threads, with and without the spin: every call completes with
-// every index run once.
+// More concurrent callers than threads and than the pool's 8 call slots (callers beyond them run
+// their tasks themselves), with and without the spin: every call completes with every index run
+// once.
 TEST(ThreadPool, MoreConcurrentCallersThanThreads) {
   using std::chrono::microseconds;
   for (microseconds spin : {microseconds{0}, microseconds{50}}) {
@@ -151,8 +152,8 @@ TEST(ThreadPool, MoreConcurrentCallersThanThreads) {
   }
 }
 
-// Calls spaced further apart than the spin reach workers asleep; each call still sees all of its
-// tasks run.
+// Calls spaced further apart than the spin reach workers asleep on the futex; each call still
+// sees all of its tasks run.
 TEST(ThreadPool, CallsAfterTheWorkersSleptSeeEveryResult) {
   ThreadPool pool(std::min(4u, AvailableCores()), std::chrono::microseconds{20});
   for (int round = 0; round < 20; ++round) {
