@@ -154,6 +154,10 @@ ABSL_FLAG(std::string, select_tokens, "",
           "hybrid with selection=pages: budgets (offloaded tokens per layer, kv head and token) "
           "to run, comma-separated; empty = none");
 ABSL_FLAG(int64_t, summary_page_tokens, 16, "selection=pages: tokens per summarised page");
+ABSL_FLAG(bool, device_marks, false,
+          "hybrid rows: time each layer on the device too (RunnerOptions::device_marks): "
+          "breakdown_ms gains device_speculate, device_answer_stall, device_tail_head and "
+          "host_tail_head_launch (one micro-batch only; four event records per layer)");
 ABSL_FLAG(bool, page_speculate, true,
           "selection=pages: choose each layer's pages from a guess of its queries made from the "
           "layer before, while the CPU nodes attend the previous layer (off the serial path); "
@@ -674,6 +678,15 @@ class Bench {
                            {"node_compute", p.node_compute_s * per_step},
                            {"merge_upload", p.merge_upload_s * per_step},
                            {"host_pass", p.pass_s * per_step}};
+      if (p.device_marked_layers > 0) {
+        json& b = r["breakdown_ms"];
+        b["device_speculate"] = p.device_speculate_s * per_step;
+        b["device_answer_stall"] = p.device_answer_stall_s * per_step;
+        b["device_tail_head"] = p.device_tail_head_s * per_step;
+        b["host_tail_head_launch"] = p.host_tail_head_launch_s * per_step;
+        r["device_marked_layers_per_step"] = static_cast<double>(p.device_marked_layers) /
+                                             std::max<uint64_t>(p.passes, 1);
+      }
       r["split_passes"] = p.split_passes;
       double summary_bytes = 0;
       for (Sequence* s : batch) {
@@ -1030,6 +1043,7 @@ int Main() {
   ro.split_min_scan_bytes = absl::GetFlag(FLAGS_split_min_scan_bytes);
   ro.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
   ro.speculate_pages = absl::GetFlag(FLAGS_page_speculate);
+  ro.device_marks = absl::GetFlag(FLAGS_device_marks);
   auto runner = gpu_worker::ModelRunner::Create(be, **model, ro);
   if (!runner.ok()) {
     std::fprintf(stderr, "runner: %s\n", std::string(runner.status().message()).c_str());

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "device_layer_clock.h"
 #include "tandem/common/status_macros.h"
 
 namespace tandem::gpu_worker {
@@ -30,7 +31,10 @@ ModelRunner::ModelRunner(Backend& backend, const DeviceModel& model, const Runne
       model_(model),
       options_(options),
       tiers_(backend, model.config().num_q_heads, options.max_chunk,
-             options.measure_captured_mass) {}
+             options.measure_captured_mass),
+      layer_clock_(std::make_unique<DeviceLayerClock>(backend)) {}
+
+ModelRunner::~ModelRunner() = default;
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Backend& backend,
                                                                  const DeviceModel& model,
@@ -324,6 +328,7 @@ absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
   attends_.assign(segments.size(), AttendRows{});
   started_.assign(segments.size(), 0);
   const int64_t layers = model_.config().num_layers;
+  layer_clock_->Start(options_.device_marks && batches.size() == 1);
   absl::Status status;
   // One micro-batch: head(0) tail(0) head(1) tail(1) ... Two: both heads of layer 0, then
   // tail(A,l) head(A,l+1) tail(B,l) head(B,l+1): while the host waits for A's CPU nodes in
@@ -435,15 +440,18 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
     any = true;
   }
   if (any) {
+    TANDEM_RETURN_IF_ERROR(layer_clock_->HeadQueued());
     const Clock::time_point t0 = Clock::now();
     TANDEM_RETURN_IF_ERROR(tiers_.FlushDownloads());
     tiers_.profile().q_download_s += Seconds(t0);
+    TANDEM_RETURN_IF_ERROR(layer_clock_->Collect(profile_));
   }
   for (size_t i = mb.first; i < end; ++i) {
     if (!segments[i].attends) continue;
     TANDEM_RETURN_IF_ERROR(segments[i].seq->offload->StartAttend(tiers_, attends_[i]));
     started_[i] = 1;
   }
+  if (any) TANDEM_RETURN_IF_ERROR(layer_clock_->Sent());
   // Every segment's window attention in one call (one launch for the decoding ones on cuda),
   // after every tier has started, as before: the windows' outputs are read only in LayerTail.
   window_attention_.clear();
@@ -458,7 +466,8 @@ absl::Status ModelRunner::LayerHead(std::vector<Segment>& segments, const MicroB
       backend_.WindowAttentionBatch(window_attention_.data(), window_attention_.size()));
   // Queued after the window attention, which the tail reads first: on the device the guess and
   // the next layer's selection then run while the host waits for this layer's CPU nodes.
-  return SpeculateNextLayer(segments, mb, layer);
+  TANDEM_RETURN_IF_ERROR(SpeculateNextLayer(segments, mb, layer));
+  return layer_clock_->Speculated();
 }
 
 absl::Status ModelRunner::SpeculateNextLayer(std::vector<Segment>& segments,
@@ -517,6 +526,7 @@ absl::Status ModelRunner::LayerTail(std::vector<Segment>& segments, const MicroB
     }
   }
   TANDEM_RETURN_IF_ERROR(status);
+  TANDEM_RETURN_IF_ERROR(layer_clock_->Answered());
   const Clock::time_point t0 = Clock::now();
   TANDEM_RETURN_IF_ERROR(tiers_.FlushMerges());
   tiers_.profile().merge_upload_s += Seconds(t0);

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -170,6 +172,22 @@ class CpuBackend final : public Backend {
   }
 
   absl::Status Synchronize() override { return absl::OkStatus(); }  // every op is synchronous
+  absl::Status MarkDevice(int mark) override {
+    if (mark < 0 || mark >= kDeviceMarks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MarkDevice: mark ", mark, " not in [0, ", kDeviceMarks, ")"));
+    }
+    marks_[mark] = std::chrono::steady_clock::now();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<double> DeviceSeconds(int from, int to) override {
+    for (int m : {from, to}) {
+      if (m < 0 || m >= kDeviceMarks || !marks_[m].has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat("DeviceSeconds: mark ", m, " was not set"));
+      }
+    }
+    return std::chrono::duration<double>(*marks_[to] - *marks_[from]).count();
+  }
 
   absl::StatusOr<size_t> DeviceMemoryUsed() override { return bytes_in_use(); }
   absl::StatusOr<size_t> DeviceMemoryTotal() override {
@@ -294,6 +312,7 @@ class CpuBackend final : public Backend {
   cpu::WindowAttentionRunner attention_;
   cpu::PageSelectRunner page_select_;
   cpu::ScratchBuffer scratch_;  // small per-op tables (RmsNorm weights, RoPE cos/sin)
+  std::optional<std::chrono::steady_clock::time_point> marks_[kDeviceMarks];  // MarkDevice's
 };
 
 }  // namespace

@@ -129,6 +129,8 @@ class CudaBackend final : public Backend {
   absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status Fill(float* dst, float value, size_t count) override;
   absl::Status Synchronize() override;
+  absl::Status MarkDevice(int mark) override;
+  absl::StatusOr<double> DeviceSeconds(int from, int to) override;
   size_t bytes_in_use() const override { return stats_->in_use.load(); }
   size_t peak_bytes_in_use() const override { return stats_->peak; }
   absl::StatusOr<size_t> DeviceMemoryUsed() override;
@@ -190,6 +192,8 @@ class CudaBackend final : public Backend {
   CudaStream stream_;
   CudaStream upload_stream_;
   UploadEvents upload_events_;
+  CudaEvent marks_[kDeviceMarks];   // MarkDevice's, created at the first use of each
+  bool marked_[kDeviceMarks] = {};  // recorded since creation
   CublasHandle cublas_;
   Workspace workspace_;
   PinnedMemory staging_;
@@ -303,6 +307,33 @@ absl::Status CudaBackend::Fill(float* dst, float value, size_t count) {
   TANDEM_CUDA_RETURN_IF_ERROR(cuda_backend::LaunchFill(
       {.dst = dst, .value = value, .count = static_cast<int64_t>(count)}, stream()));
   return absl::OkStatus();
+}
+
+absl::Status CudaBackend::MarkDevice(int mark) {
+  if (mark < 0 || mark >= kDeviceMarks) {
+    return Invalid("MarkDevice", absl::StrCat("mark ", mark, " not in [0, ", kDeviceMarks, ")"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  if (marks_[mark].get() == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(marks_[mark], CudaEvent::CreateTimed());
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks_[mark].get(), stream()));
+  marked_[mark] = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> CudaBackend::DeviceSeconds(int from, int to) {
+  for (int m : {from, to}) {
+    if (m < 0 || m >= kDeviceMarks || !marked_[m]) {
+      return Invalid("DeviceSeconds", absl::StrCat("mark ", m, " was not set"));
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(marks_[from].get()));
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(marks_[to].get()));
+  float ms = 0.0f;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, marks_[from].get(), marks_[to].get()));
+  return 1e-3 * ms;
 }
 
 absl::Status CudaBackend::Synchronize() {

@@ -54,6 +54,12 @@ absl::StatusOr<CudaEvent> CudaEvent::Create() {
   return event;
 }
 
+absl::StatusOr<CudaEvent> CudaEvent::CreateTimed() {
+  CudaEvent event;
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event.event_, cudaEventDefault));
+  return event;
+}
+
 CudaEvent::CudaEvent(CudaEvent&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
 
 CudaEvent& CudaEvent::operator=(CudaEvent&& other) noexcept {

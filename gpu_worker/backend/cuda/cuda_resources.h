@@ -31,10 +31,11 @@ class CudaStream {
   cudaStream_t stream_ = nullptr;
 };
 
-// An event without timing (for ordering between streams).
+// An event: without timing (for ordering between streams), or timed (Backend::MarkDevice).
 class CudaEvent {
  public:
   static absl::StatusOr<CudaEvent> Create();
+  static absl::StatusOr<CudaEvent> CreateTimed();
   CudaEvent() = default;
   CudaEvent(CudaEvent&& other) noexcept;
   CudaEvent& operator=(CudaEvent&& other) noexcept;

@@ -1,10 +1,12 @@
 // The cpu backend's memory functions and row-wise operations against backend_reference.h.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "backend_reference.h"
@@ -93,6 +95,24 @@ TEST(CpuBackendMemory, CopiesAndFill) {
   TANDEM_EXPECT_INVALID(backend->CopyToDevice2D(a, 2, packed.data(), 16, 3, 4));
   TANDEM_EXPECT_INVALID(backend->CopyToHost(nullptr, a, 4));
   TANDEM_EXPECT_INVALID(backend->Fill(nullptr, 1.0f, 4));
+}
+
+// The cpu backend runs each op before returning: its device marks are the host clock at the call.
+TEST(CpuBackendMemory, DeviceMarksAreTheHostClock) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  TANDEM_EXPECT_INVALID(backend->DeviceSeconds(0, 1).status());   // never set
+  TANDEM_EXPECT_INVALID(backend->MarkDevice(Backend::kDeviceMarks));
+  TANDEM_EXPECT_INVALID(backend->MarkDevice(-1));
+  TANDEM_ASSERT_OK(backend->MarkDevice(0));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  TANDEM_ASSERT_OK(backend->MarkDevice(3));
+  auto forward = backend->DeviceSeconds(0, 3);
+  auto backward = backend->DeviceSeconds(3, 0);
+  ASSERT_TRUE(forward.ok() && backward.ok());
+  EXPECT_GE(*forward, 0.019);
+  EXPECT_LT(*forward, 10.0);
+  EXPECT_DOUBLE_EQ(*backward, -*forward);
 }
 
 class EmbedTest : public ::testing::TestWithParam<DType> {};

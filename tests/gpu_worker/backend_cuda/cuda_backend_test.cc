@@ -138,6 +138,31 @@ TEST_F(CudaMemoryTest, CopyOnDeviceFillAndCopy2D) {
       backend_->CopyToDevice2D(src.data(), 4, pinned->data(), 64, 16, 2)));  // pitch < row
 }
 
+// Device marks time the work between them on the device: a large fill takes longer than none.
+TEST_F(CudaMemoryTest, DeviceMarksTimeTheWorkBetweenThem) {
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->DeviceSeconds(0, 1).status()));  // never set
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->MarkDevice(Backend::kDeviceMarks)));
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->MarkDevice(-1)));
+  constexpr size_t kFloats = size_t{1} << 28;   // 1 GiB
+  auto big = backend_->Allocate(kFloats * sizeof(float));
+  ASSERT_TRUE(big.ok()) << big.status();
+  ASSERT_TRUE(backend_->MarkDevice(0).ok());
+  ASSERT_TRUE(backend_->MarkDevice(1).ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(backend_->Fill(big->as<float>(), 1.0f, kFloats).ok());
+  ASSERT_TRUE(backend_->MarkDevice(2).ok());
+  // DeviceSeconds waits for its marks: no Synchronize here.
+  auto none = backend_->DeviceSeconds(0, 1);
+  auto fills = backend_->DeviceSeconds(1, 2);
+  auto backwards = backend_->DeviceSeconds(2, 1);
+  ASSERT_TRUE(none.ok() && fills.ok() && backwards.ok()) << fills.status();
+  EXPECT_GE(*none, 0.0);
+  EXPECT_LT(*none, 1e-3);
+  // 4 GiB written: at least ~0.3 ms on any current GPU, under 10 s on any.
+  EXPECT_GT(*fills, 1e-4);
+  EXPECT_LT(*fills, 10.0);
+  EXPECT_DOUBLE_EQ(*backwards, -*fills);
+}
+
 TEST_F(CudaMemoryTest, RejectsBrokenContracts) {
   MatMulParams mm;
   EXPECT_TRUE(absl::IsInvalidArgument(backend_->MatMul(mm)));

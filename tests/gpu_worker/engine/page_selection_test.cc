@@ -362,6 +362,43 @@ TEST_F(PageSelectionRunner, LayerAheadGuessIsExactWhenTheLayerBeforeAddsNothing)
   EXPECT_EQ(guessed->degraded_steps, 0u);
 }
 
+// RunnerOptions::device_marks times each layer after the first of a pass whose sequence attends
+// on the nodes (the marks need a layer's answer and the next layer's head), without changing a
+// bit of the logits.
+TEST_F(PageSelectionRunner, DeviceMarksTimeTheLayersAndChangeNoLogit) {
+  const ModelConfig& c = model_->config;
+  RunnerOptions plain_options, marked_options;
+  plain_options.speculate_pages = marked_options.speculate_pages = true;
+  marked_options.device_marks = true;
+  auto plain = ModelRunner::Create(*backend_, *device_model_, plain_options);
+  auto marked = ModelRunner::Create(*backend_, *device_model_, marked_options);
+  ASSERT_TRUE(plain.ok() && marked.ok());
+  constexpr int64_t kBudget = 4 * kPageTokens;
+  std::vector<int32_t> prompt = {1, 403, 407, 261, 378};
+  for (int i = 0; i < 200; ++i) prompt.push_back(1 + (i * 53) % 500);
+  auto a_seq = MakeSequence(AttentionMode::kHybrid, "marks-plain", kBudget);
+  auto b_seq = MakeSequence(AttentionMode::kHybrid, "marks-marked", kBudget);
+  std::vector<float> a = StepWith(**plain, *a_seq, prompt);
+  std::vector<float> b = StepWith(**marked, *b_seq, prompt);
+  ASSERT_EQ(a, b);
+  (*marked)->ResetProfile();
+  constexpr int kSteps = 5;
+  for (int step = 0; step < kSteps; ++step) {
+    const int32_t next = Argmax(a);
+    a = StepWith(**plain, *a_seq, {next});
+    b = StepWith(**marked, *b_seq, {next});
+    ASSERT_EQ(a, b) << "step " << step;
+  }
+  const RunnerProfile& p = (*marked)->profile();
+  EXPECT_EQ(p.device_marked_layers, static_cast<uint64_t>(kSteps * (c.num_layers - 1)));
+  for (double s : {p.device_speculate_s, p.device_answer_stall_s, p.device_tail_head_s,
+                   p.host_tail_head_launch_s}) {
+    EXPECT_TRUE(std::isfinite(s) && s >= 0.0) << s;
+  }
+  EXPECT_GT(p.device_tail_head_s, 0.0);   // the cpu backend's marks: the host clock
+  EXPECT_EQ((*plain)->profile().device_marked_layers, 0u);
+}
+
 // The same on the model as it is: the guess differs from the true queries, so the logits move
 // away from those of exact selection (the guess is what chooses), and they stay much closer to
 // full attention than the window alone, with exactly the budget attended in every layer.

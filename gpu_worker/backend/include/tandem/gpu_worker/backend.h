@@ -435,6 +435,14 @@ class Backend {
   // Sets `count` floats at dst to `value`.
   virtual absl::Status Fill(float* dst, float value, size_t count) = 0;
   virtual absl::Status Synchronize() = 0;
+  // Device clock marks, for profiles: MarkDevice(m) notes when the device reaches this point of
+  // the work issued so far (a later MarkDevice(m) replaces it); DeviceSeconds(a, b) waits until
+  // the device has reached both marks and returns the device time from a to b (negative when b
+  // was reached first). 0 <= m < kDeviceMarks; a mark never set is INVALID_ARGUMENT. cuda: timed
+  // events on the compute stream; cpu (synchronous): the host clock at the call.
+  static constexpr int kDeviceMarks = 4;
+  virtual absl::Status MarkDevice(int mark) = 0;
+  virtual absl::StatusOr<double> DeviceSeconds(int from, int to) = 0;
   // Bytes of device memory in use by this backend's allocations, and the largest it reached.
   virtual size_t bytes_in_use() const = 0;
   virtual size_t peak_bytes_in_use() const = 0;

@@ -44,6 +44,8 @@
 
 namespace tandem::gpu_worker {
 
+class DeviceLayerClock;
+
 struct RunnerOptions {
   int64_t max_chunk = 512;   // tokens per forward chunk (prefill activation bound)
   float maw_alpha = 0.1f;    // MAW moving-average factor α: maw = (1-α)·maw + α·a
@@ -79,6 +81,9 @@ struct RunnerOptions {
   // Takes the selection off the step's serial path at the price of pages chosen by a guess
   // (BENCHMARKS "Layer-ahead selection"). Adds [max_chunk, hidden + H_q·D] f32 activations.
   bool speculate_pages = false;
+  // Benchmarks: time each layer of one-micro-batch passes with CPU-node attends on the device
+  // (Backend::MarkDevice; RunnerProfile's device_* fields). Four event records per layer.
+  bool device_marks = false;
   // settle_tokens_per_step as a SettleSlice budget (0: no bound).
   int64_t settle_budget_per_step() const {
     return settle_tokens_per_step > 0 ? settle_tokens_per_step
@@ -104,6 +109,16 @@ struct RunnerProfile : OffloadProfile {
   double pass_s = 0.0;
   uint64_t passes = 0;
   uint64_t split_passes = 0;   // passes run as two micro-batches
+  // RunnerOptions::device_marks, summed over the layers timed (DeviceLayerClock): the device's
+  // time from q leaving for the nodes until the window attention and the next layer's selection
+  // had run; how much later than the host the device reached the nodes' answer (busy with
+  // those); the merge, tail and next head on the device, from the answer to q's download, and
+  // the host's time launching them.
+  double device_speculate_s = 0.0;
+  double device_answer_stall_s = 0.0;
+  double device_tail_head_s = 0.0;
+  double host_tail_head_launch_s = 0.0;
+  uint64_t device_marked_layers = 0;
 };
 
 class ModelRunner {
@@ -111,6 +126,7 @@ class ModelRunner {
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(Backend& backend,
                                                              const DeviceModel& model,
                                                              const RunnerOptions& options);
+  ~ModelRunner();
 
   // Device bytes of the runner's activations for `options` (max_chunk rows; what Create
   // allocates, from the same table), plus, with `batched`, the [max_chunk, vocab] logits and
@@ -174,6 +190,7 @@ class ModelRunner {
 
  private:
   ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options);
+
   // Tokens of one sequence in a pass; its rows are [row0, row0 + n) of the activations.
   struct Segment {
     Sequence* seq = nullptr;
@@ -267,6 +284,7 @@ class ModelRunner {
   int64_t logits_rows_ = 0;
   const float* last_logits_ = nullptr;
   RunnerProfile profile_;
+  std::unique_ptr<DeviceLayerClock> layer_clock_;   // RunnerOptions::device_marks
   std::vector<int32_t> ids_host_, positions_host_, slots_host_;
   bool rope_per_row_ = false;          // this pass reads act_.rope_inv_freq
   std::vector<float> rope_inv_freq_host_;
