@@ -27,6 +27,7 @@ namespace tandem::cpu_attention {
 namespace {
 
 using internal::AlignedBuffer;
+using internal::NextPiece;
 using internal::PieceArgs;
 using internal::PieceKernel;
 using internal::PieceKernelFor;
@@ -100,8 +101,9 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
       p.dtype != kv_store::KvDType::kInt8) {
     return absl::InvalidArgumentError("paged attention: dtype must be bf16, f32 or int8");
   }
-  if (p.group < 1 || p.tasks_per_thread < 1) {
-    return absl::InvalidArgumentError("paged attention: group and tasks_per_thread must be >= 1");
+  if (p.group < 1 || p.tasks_per_thread < 1 || p.tasks_per_thread > 64) {
+    return absl::InvalidArgumentError(
+        "paged attention: group must be >= 1 and tasks_per_thread in 1..64");
   }
   if (p.prefetch_entries > 4096) {
     return absl::InvalidArgumentError(
@@ -136,11 +138,15 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
 // atomic counter) until none is left: a thread that woke late or runs slow (a core it shares
 // with the GPU worker's host thread, say) takes fewer ranges instead of holding up the call; with
 // one fixed range per thread the call waited for its slowest thread, ~1.4x the mean task
-// (BENCHMARKS "Dispatch and prefetch of the paged scan"). A stream claims its next range before
-// it computes the current one, so the current range's prefetch stream runs on into the next
-// one's rows and only a stream's first range starts cold. The last piece of a problem to finish
-// merges the problem's partial states into its output in entry order, so the results do not
-// depend on which thread ran what.
+// (BENCHMARKS "Dispatch and prefetch of the paged scan"). A stream claims its next range when its
+// prefetches reach the end of the current one (PieceArgs::next), so their stream runs on into
+// the next range's rows and only a stream's first range starts cold, while a stream holds at
+// most one prefetch distance of work beyond the piece it computes. (Claiming the next range at
+// the start of the current one, as 9b5353d did, let the streams take every range of a call
+// with two ranges per thread within its first microseconds: a static split again.) The last
+// piece of a problem to finish merges the problem's partial states into its output in entry
+// order, so the results do not depend on which thread ran what. The thread_local buffers of
+// RunStream are safe because no task of a call runs pool calls of its own.
 class RangeRunner {
  public:
   RangeRunner(const PagedParams& params, std::span<const KvRun> runs,
@@ -238,39 +244,66 @@ class RangeRunner {
     }
   }
 
+  // One stream's position: the range it computes, and the next one once claimed.
+  struct Stream {
+    RangeRunner* runner;
+    Ready* cur;
+    Ready* next;
+    size_t piece = 0;      // of cur->args, being computed
+    bool claimed = false;  // `next` was claimed (next_valid: and holds a range)
+    bool next_valid = false;
+  };
+
+  // Claims the next range into `out` (false: none left).
+  bool Claim(Ready& out) {
+    const size_t r = next_range_.fetch_add(1, std::memory_order_relaxed);
+    if (r >= plan_.ranges()) return false;
+    Resolve(r, out);
+    return true;
+  }
+
+  static RunCursor CursorOf(const PieceArgs& a) { return RunCursor{a.runs, a.skip, a.count}; }
+
+  // NextPiece::fn: the piece after the one being computed; at a range's last piece this claims
+  // the stream's next range, a prefetch distance before the range ends.
+  static RunCursor NextPieceOf(void* ctx) {
+    Stream& st = *static_cast<Stream*>(ctx);
+    if (st.piece + 1 < st.cur->args.size()) return CursorOf(st.cur->args[st.piece + 1]);
+    if (!st.claimed) {
+      st.claimed = true;
+      st.next_valid = st.runner->Claim(*st.next);
+    }
+    return st.next_valid && !st.next->args.empty() ? CursorOf(st.next->args[0]) : RunCursor{};
+  }
+
   void RunStream(size_t stream) {
     thread_local Ready ready[2];
     thread_local AlignedBuffer work_buffer;
     PagedTaskTimes* const times = params_.task_times;
     const bool int8 = params_.dtype == kv_store::KvDType::kInt8;
     try {
-      Ready* cur = &ready[0];
-      Ready* next = &ready[1];
-      size_t r = next_range_.fetch_add(1, std::memory_order_relaxed);
-      if (r >= plan_.ranges()) return;
-      Resolve(r, *cur);
+      Stream st{this, &ready[0], &ready[1]};
+      if (!Claim(*st.cur)) return;
       uint64_t prefetched = 0;  // entries at the next piece's start already prefetched
       while (true) {
-        r = next_range_.fetch_add(1, std::memory_order_relaxed);
-        const bool has_next = r < plan_.ranges();
-        if (has_next) Resolve(r, *next);
-        if (times != nullptr) times->start_s[cur->range] = SecondsSinceStart();
-        for (size_t j = 0; j < cur->args.size(); ++j) {
-          PieceArgs& a = cur->args[j];
-          const PieceArgs* after = j + 1 < cur->args.size()          ? &cur->args[j + 1]
-                                   : has_next && !next->args.empty() ? &next->args[0]
-                                                                     : nullptr;
-          a.then =
-              after != nullptr ? RunCursor{after->runs, after->skip, after->count} : RunCursor{};
+        if (times != nullptr) times->start_s[st.cur->range] = SecondsSinceStart();
+        for (st.piece = 0; st.piece < st.cur->args.size(); ++st.piece) {
+          PieceArgs& a = st.cur->args[st.piece];
           a.prefetched = prefetched;
-          a.then_prefetched = &prefetched;
+          a.next = NextPiece{&NextPieceOf, &st};
+          a.next_prefetched = &prefetched;
           a.work = work_buffer.Get<float>(WorkFloats(size_t{a.T} * a.G, a.D, int8));
           compute_piece_(a);
-          FinishPiece(plan_.pieces[plan_.range_first[cur->range] + j]);
+          FinishPiece(plan_.pieces[plan_.range_first[st.cur->range] + st.piece]);
         }
-        if (times != nullptr) times->end_s[cur->range] = SecondsSinceStart();
-        if (!has_next) break;
-        std::swap(cur, next);
+        if (times != nullptr) times->end_s[st.cur->range] = SecondsSinceStart();
+        if (!st.claimed) {  // an empty range, or prefetches that never reached past it
+          st.next_valid = Claim(*st.next);
+          prefetched = 0;
+        }
+        if (!st.next_valid) break;
+        std::swap(st.cur, st.next);
+        st.claimed = st.next_valid = false;
       }
     } catch (const std::bad_alloc&) {
       statuses_[stream] =

@@ -201,16 +201,19 @@ TANDEM_ALWAYS_INLINE size_t GatherRows(RunCursor& c, uint64_t n, size_t row_byte
 }
 
 // Where a piece's prefetches are: in its own entries (`now`), then in the next piece's
-// (`then`), of which `then_taken` entries are prefetched so far.
+// (`then`, asked for from `source` when `now` runs out), of which `then_taken` entries are
+// prefetched so far.
 struct AheadCursor {
   RunCursor now;
-  RunCursor then;
+  NextPiece source;
+  RunCursor then{};
   uint64_t then_taken = 0;
 
   // Prefetches the rows of the next n entries.
   void Prefetch(uint64_t n, size_t row_bytes) {
     const uint64_t own = std::min(n, now.left);
     PrefetchRows(now, own, row_bytes);
+    if (own == n || !AskNext()) return;
     const uint64_t more = std::min(n - own, then.left);
     PrefetchRows(then, more, row_bytes);
     then_taken += more;
@@ -220,10 +223,21 @@ struct AheadCursor {
   size_t Gather(uint64_t n, size_t row_bytes, const std::byte** rows) {
     const uint64_t own = std::min(n, now.left);
     size_t count = GatherRows(now, own, row_bytes, rows);
+    if (own == n || !AskNext()) return count;
     const uint64_t more = std::min(n - own, then.left);
     count += GatherRows(then, more, row_bytes, rows + count);
     then_taken += more;
     return count;
+  }
+
+ private:
+  // Fetches `then` the first time; false when there is no next piece.
+  bool AskNext() {
+    if (source.fn != nullptr) {
+      then = source.fn(source.ctx);
+      source.fn = nullptr;
+    }
+    return then.left > 0;
   }
 };
 
@@ -270,7 +284,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
   float k_scale[kChunk];  // int8: the rows' scales
   float v_scale[kChunk];
   const std::byte* ahead_rows[2 * kChunk];  // K and V rows the kernel prefetches
-  AheadCursor ahead{RunCursor{a.runs, a.skip, a.count}, a.then};
+  AheadCursor ahead{RunCursor{a.runs, a.skip, a.count}, a.next};
   const uint64_t warm = std::min(a.prefetched, a.count);
   ForNextRows(ahead.now, warm, row_bytes, [](const std::byte*, const std::byte*, uint64_t) {});
   if (a.prefetch_entries > warm) ahead.Prefetch(a.prefetch_entries - warm, row_bytes);
@@ -381,7 +395,7 @@ TANDEM_ALWAYS_INLINE void ComputePieceImpl(const PieceArgs& a) {
       a.out.lse[t * a.out.lse_stride + j] = (m[r] + std::log2(l[r])) * kLn2;
     }
   }
-  if (a.then_prefetched != nullptr) *a.then_prefetched = ahead.then_taken;
+  if (a.next_prefetched != nullptr) *a.next_prefetched = ahead.then_taken;
 }
 
 // One compiled copy of the scan per instruction set and element type.

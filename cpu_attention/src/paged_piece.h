@@ -29,6 +29,12 @@ struct RowsOut {
   size_t lse_stride;
 };
 
+// Where the piece after this one reads: fn(ctx), called at most once per piece.
+struct NextPiece {
+  RunCursor (*fn)(void* ctx) = nullptr;
+  void* ctx = nullptr;
+};
+
 // One piece: entries [skip, skip + count) of the runs starting at `runs`, for R = T * G query
 // rows. `work` holds [R, D] scaled queries, [R, D] accumulators, m [R], l [R] and the scores
 // [R, kChunk].
@@ -37,13 +43,15 @@ struct PieceArgs {
   const KvRun* runs;
   uint64_t skip;
   uint64_t count;
-  // Entries at the piece's start that the piece before it already prefetched (its `then`).
+  // Entries at the piece's start that the piece before it already prefetched (its next piece).
   uint64_t prefetched = 0;
-  // The piece its thread runs next: once this piece's own rows are all prefetched, its
-  // prefetch stream goes on into those (empty: none), so the next piece starts warm.
-  RunCursor then{};
-  // Out: the entries of `then` this piece prefetched (the next piece's `prefetched`).
-  uint64_t* then_prefetched = nullptr;
+  // The piece its thread runs next, asked for once this piece's own rows are all prefetched
+  // (null fn: none): the prefetch stream goes on into its entries (an empty cursor: none), so
+  // it starts warm. Asked that late, a caller that claims work for it commits only one prefetch
+  // distance ahead.
+  NextPiece next{};
+  // Out: the entries of the next piece this piece prefetched (the next piece's `prefetched`).
+  uint64_t* next_prefetched = nullptr;
   const float* q;
   size_t q_stride;
   uint32_t T, G, D;

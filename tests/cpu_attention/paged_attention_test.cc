@@ -233,6 +233,15 @@ TEST_P(PagedAttentionTest, NamedPagesPerTokenMatchReference) {
       EXPECT_EQ(o, o_runs);
       EXPECT_EQ(lse, lse_runs);
     }
+    // Whichever thread claims which range (and resolves its pages into its own runs), repeated
+    // calls give the same bits.
+    const std::vector<float> o_first = o, lse_first = lse;
+    for (int call = 0; call < 8; ++call) {
+      std::fill(o.begin(), o.end(), 99.0f);
+      ASSERT_TRUE(PagedAttention(Params(dtype, G, D, 16), {}, spans, pool).ok());
+      ASSERT_EQ(o, o_first) << "call " << call;
+      ASSERT_EQ(lse, lse_first) << "call " << call;
+    }
   }
 
   for (uint32_t t = 0; t < T; ++t) {
@@ -392,6 +401,13 @@ TEST(PagedAttentionValidation, RejectsBadParamsAndRunRanges) {
   params.prefetch_entries = 4097;
   EXPECT_EQ(PagedAttention(params, {}, std::span<const PagedProblem>(&p, 1), pool).code(),
             absl::StatusCode::kInvalidArgument);
+  params.prefetch_entries = 256;
+  for (uint32_t tasks : {0u, 65u}) {
+    params.tasks_per_thread = tasks;
+    EXPECT_EQ(PagedAttention(params, {}, std::span<const PagedProblem>(&p, 1), pool).code(),
+              absl::StatusCode::kInvalidArgument)
+        << tasks;
+  }
 }
 
 }  // namespace

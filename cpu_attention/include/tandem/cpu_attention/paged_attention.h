@@ -10,15 +10,17 @@
 //
 // Numerics (contract in proto/tandem/v1/common.proto): scores q·k * scale (scale 0 =
 // 1/sqrt(head_dim)) accumulated in fp32, fp32 online softmax (base-2 exponentials with a ~2 ulp
-// polynomial, tandem/common/exp2_approx.h), natural-log LSE; an empty selection gives O = 0 and LSE = -inf.
+// polynomial, tandem/common/exp2_approx.h), natural-log LSE; an empty selection gives O = 0 and
+// LSE = -inf.
 //
 // Work split (HGCA §3.3, as sparse_attention.h): the entries of all problems, end to end, are
 // cut into about tasks_per_thread × threads ranges of equal cost; a long problem is split along
-// its runs, short ones share a range. The pool's threads claim ranges in order until none is
-// left (a late or slow thread takes fewer), each prefetching on into the next range it claimed.
-// Each piece of a split problem yields a partial (O, LSE) state; the problem's last piece to
-// finish merges them in entry order with MergeStateInPlace (results independent of the threads). The inner loop is hand-written with GCC vector types (bf16 rows
-// widened to f32, fp32 dot products and accumulation), compiled for AVX-512, AVX2 and baseline
+// its runs, short ones share a range (a range may come out empty). The pool's threads claim
+// ranges in order until none is left (a late or slow thread takes fewer), each claiming its next
+// range when its prefetches reach the end of the current one and prefetching on into it. Each
+// piece of a split problem yields a partial (O, LSE) state; the problem's last piece to finish
+// merges them in entry order with MergeStateInPlace (results independent of the threads). The
+// inner loop is hand-written with GCC vector types (bf16 rows widened to f32, fp32 dot products and accumulation), compiled for AVX-512, AVX2 and baseline
 // x86-64 and picked at run time, because oneDNN primitive calls per 16-row page cost more than
 // the scan; the rows ahead are prefetched (short scattered runs defeat the hardware prefetcher).
 // int8 rows on AVX-512 CPUs go through hand-written kernels that widen the codes in registers
@@ -95,13 +97,13 @@ struct PagedParams {
   // beat 128 in each of 8 same-process pairs on the H200 host's 16 cores (random 16-token pages,
   // +3-16%; BENCHMARKS "Dispatch and prefetch of the paged scan").
   uint32_t prefetch_entries = 256;
-  // Benchmarks: when set, the call records when each of its tasks ran (PagedTaskTimes).
+  // Benchmarks: when set, the call records when each of its ranges ran (PagedTaskTimes).
   struct PagedTaskTimes* task_times = nullptr;
 };
 
-// One call's tasks on the clock: task i ran from start_s[i] to end_s[i], seconds after the call
-// began; `entries` is what the tasks read (every problem's entries). Separates the pool's
-// dispatch (the starts), the tasks' own rate and the wait for the last one.
+// One call's ranges on the clock: range i was computed from start_s[i] to end_s[i], seconds
+// after the call began (a stream computes its ranges one after another; end_s includes the
+// merges its last pieces did); `entries` is what the ranges read (every problem's entries).
 struct PagedTaskTimes {
   std::vector<double> start_s, end_s;
   uint64_t entries = 0;
