@@ -455,15 +455,17 @@ const char* PageLayoutName(PageLayout l) {
                                         : "random_warm";
 }
 
-// Where one call's time went, from its tasks' clocks (PagedTaskTimes); microseconds, the median
-// of each over the timed calls.
+// Where one call's time went, from its ranges' clocks (PagedTaskTimes; the JSON keys say "task"
+// as they did when each range was one pool task); microseconds, the median of each over the
+// timed calls. A stream computes its ranges back to back, so only the start of each stream's
+// first range shows the pool's dispatch.
 struct PagedCallShape {
   double wall_us = 0;        // the whole PagedAttention call
-  double start_p50_us = 0;   // the median task's start (the pool's dispatch)
-  double last_start_us = 0;  // the last task's start
-  double task_us = 0;        // a task's mean duration
-  double last_end_us = 0;    // the last task's end
-  double busy_share = 0;     // Σ task time / (threads × wall)
+  double start_p50_us = 0;   // the median range's start
+  double last_start_us = 0;  // the last range's start
+  double task_us = 0;        // a range's mean duration
+  double last_end_us = 0;    // the last range's end
+  double busy_share = 0;     // Σ range time / (threads × wall)
 };
 
 double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t prefetch,
