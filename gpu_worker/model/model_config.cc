@@ -322,6 +322,17 @@ absl::Status ReadQuantization(const json& obj, absl::string_view source, ModelCo
 // (found by model_config_fuzzer).
 constexpr double kMaxRopeParameter = 1e6;
 
+// RoPE's base: frequencies base^(-2i/d) only fall with i for a base above 1, and YaRN divides by
+// ln(base); a base at or below 1 made the frequencies inf or NaN (model_config_fuzzer: 1e-300 and
+// 1.0). Real bases run from 1e4 to ~1e8; the cap keeps base^(2i/d) finite in f32.
+constexpr double kMaxRopeTheta = 1e12;
+
+absl::Status CheckRopeTheta(double rope_theta, absl::string_view source) {
+  if (rope_theta > 1.0 && rope_theta <= kMaxRopeTheta) return absl::OkStatus();
+  return Invalid(source, absl::StrCat("rope_theta = ", rope_theta, " must be in (1, ",
+                                      kMaxRopeTheta, "] (real models use 1e4 to ~1e8)"));
+}
+
 absl::Status CheckRopeParameters(const RopeScaling& s, absl::string_view source,
                                  absl::string_view name) {
   const std::pair<const char*, double> values[] = {
@@ -517,6 +528,7 @@ absl::StatusOr<ModelConfig> ParseConfigText(std::string_view text, absl::string_
                                            config.max_position_embeddings, &config.rope_scaling));
     TANDEM_RETURN_IF_ERROR(CheckRopeParameters(config.rope_scaling, source, "rope_scaling"));
   }
+  TANDEM_RETURN_IF_ERROR(CheckRopeTheta(config.rope_theta, source));
 
   if (const json* tie = FindField(obj, "tie_word_embeddings")) {
     TANDEM_ASSIGN_OR_RETURN(config.tie_word_embeddings,

@@ -161,6 +161,27 @@ TEST(RopeScalingTest, FactorsBeyondAnyModelAreInvalidArgument) {
   for (float f : RopeInvFreq(c, 1 << 30)) EXPECT_TRUE(std::isfinite(f) && f >= 0.0f);
 }
 
+TEST(RopeScalingTest, BasesAtOrBelowOneOrBeyondAnyModelAreInvalidArgument) {
+  // model_config_fuzzer's finds: rope_theta 1e-300 (f32 base 0: infinite frequencies) and a yarn
+  // base of 1 (ln 1 = 0 in the correction range: NaN frequencies).
+  for (const std::string& extra :
+       {std::string(R"(, "rope_theta": 1e-300)"), std::string(R"(, "rope_theta": 0.5)"),
+        std::string(R"(, "rope_theta": 1e300)"),
+        std::string(R"(, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0,
+          "factor": 4.0, "original_max_position_embeddings": 1024})")}) {
+    absl::StatusOr<ModelConfig> c = ParseModelConfig(Config("qwen2", extra));
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << extra;
+    EXPECT_THAT(c.status().message(), HasSubstr("rope_theta")) << extra;
+  }
+  // Bases just above 1 and the largest real ones load with finite frequencies.
+  for (const std::string& theta : {std::string("1.0001"), std::string("5e8")}) {
+    const ModelConfig c = Parse(Config("qwen2", absl::StrCat(R"(, "rope_parameters":
+      {"rope_type": "yarn", "rope_theta": )", theta, R"(, "factor": 4.0,
+      "original_max_position_embeddings": 1024})")));
+    for (float f : RopeInvFreq(c, 4096)) EXPECT_TRUE(std::isfinite(f) && f >= 0.0f) << theta;
+  }
+}
+
 TEST(RopeScalingTest, ContextLimitOfTheOtherTypes) {
   EXPECT_EQ(ModelContextLimit(Parse(Config("llama", ""))), 4096);
   EXPECT_EQ(ModelContextLimit(Parse(Config("llama", R"(, "rope_scaling": {"type": "linear",
