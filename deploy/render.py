@@ -28,8 +28,8 @@ DEPLOY_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_VALUES = os.path.join(DEPLOY_DIR, "values.yaml")
 DEFAULT_OUT = os.path.join(DEPLOY_DIR, "k8s")
 
-# Health-service names the binaries register (cpu_attention/src/server.cc,
-# gpu_worker/src/worker_server.cc). "" is the server's overall health.
+# Health-service names the binaries register (cpu_attention/node/src/server.cc,
+# gpu_worker/serving/worker_server.cc). "" is the server's overall health.
 CPU_NODE_HEALTH_SERVICE = "tandem.v1.CpuAttention"
 GPU_WORKER_HEALTH_SERVICE = "tandem.v1.Generation"
 MODELS_MOUNT = "/models"

@@ -3,8 +3,8 @@
 // thread, to separate the kernels' own cost from the rest of an Attend (BENCHMARKS.md, issue 24:
 // the AVX2 split-order scan). Argument: keys per set (256: cached; 262144: streaming, 128 MiB).
 // TANDEM_CPU_ISA=avx2|avx512 picks the kernels. From the repository root:
-//   g++ -O3 -std=c++20 -Icpu_attention/src -Icommon/cpu_isa/include \
-//     bench/probes/row_scan_probe.cc cpu_attention/src/row_scan_kernels.cc \
+//   g++ -O3 -std=c++20 -Icpu_attention/kernels/src -Icommon/cpu_isa/include \
+//     bench/probes/row_scan_probe.cc cpu_attention/kernels/src/row_scan_kernels.cc \
 //     common/cpu_isa/src/*.cc -labsl_strings -labsl_status -labsl_statusor -o row_scan_probe
 //   TANDEM_CPU_ISA=avx2 ./row_scan_probe 256
 #include <algorithm>

@@ -297,7 +297,7 @@ const std::vector<size_t> kCounts = {0, 1, 37, 1100};
 
 // The int8 scan's kernel variants: "" = what this CPU runs (AVX-512 where present), "avx2" (AVX2
 // where present, else as ""), "portable" = the f32-tile path every CPU runs
-// (cpu_attention/src/row_scan_kernels.h; TANDEM_CPU_ISA forces one).
+// (cpu_attention/kernels/src/row_scan_kernels.h; TANDEM_CPU_ISA forces one).
 using ScopedInt8Kernels = tandem::testing::ScopedCpuIsa;
 constexpr const char* kInt8Variants[] = {"", "avx2", "portable"};
 

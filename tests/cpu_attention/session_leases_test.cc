@@ -1,5 +1,5 @@
 // Leases of node sessions (cpu_attention.proto "Leases"; issue 26): the bookkeeping
-// (cpu_attention/src/session_leases.h) on a clock the test drives, and a CpuAttentionNode that
+// (cpu_attention/node/src/session_leases.h) on a clock the test drives, and a CpuAttentionNode that
 // closes a lapsed or superseded lease's sessions on its own reaper thread.
 #include "session_leases.h"
 
