@@ -3,6 +3,9 @@
 // the same behaviour. Requests and responses are the proto messages of
 // proto/tandem/v1/cpu_attention.proto; that file states the semantics and layouts.
 //
+// The class's definitions: cpu_attention_node.cc (creation, sessions, appends, leases, stats),
+// node_attend.cc (Attend, AttendRaw, Reselect), node_migration.cc (ReshardSession, exports).
+//
 // Every method validates its request completely (shapes, dtypes, ranges, finiteness, sizes
 // against the limits below) before allocating or changing anything and answers a Status with a
 // message; a bad request never aborts the process. Thread-safe: methods may be called
