@@ -285,7 +285,8 @@ TEST_P(PagedAttentionTest, DenseOverAllRunsMatchesReference) {
     problems.push_back(p);
   }
   const std::vector<uint8_t> all(kHeld, 1);
-  auto expect_reference = [&] {
+  // G and D are structured bindings: copied into the lambda (clang 14 cannot capture them).
+  auto expect_reference = [&, G = G, D = D] {
     for (uint32_t t = 0; t < T; ++t) {
       for (uint32_t h = 0; h < H; ++h) {
         std::vector<double> ref_o, ref_lse;
