@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 
 namespace tandem::cpu_attention {
 namespace {
@@ -94,8 +95,14 @@ bool ThreadPool::JoinSomeCall(size_t first) {
 
 void ThreadPool::WorkerLoop(size_t worker) {
   // oneDNN (OpenMP runtime) must not open parallel regions inside a task: the pool is the
-  // parallelism.
-  omp_set_num_threads(1);
+  // parallelism. The call registers this thread with libomp, one thread at a time: LLVM 14's
+  // libomp overflowed a heap buffer when many threads registered at once (ASan, one run of the
+  // sanitizer suite in two).
+  static std::mutex omp_registration;
+  {
+    std::lock_guard lock(omp_registration);
+    omp_set_num_threads(1);
+  }
   const size_t first = worker % kSlots;  // concurrent calls spread over the workers
   while (!stop_.load(std::memory_order_relaxed)) {
     // Read the counter before looking: a call opened after the look bumps it, so the wait below
