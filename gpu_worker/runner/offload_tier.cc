@@ -37,10 +37,10 @@ absl::StatusOr<void*> TierContext::SelectScratch(size_t bytes) {
 void TierContext::QueueDownload(void* dst_host, size_t dst_pitch, const void* src,
                                 size_t src_pitch, size_t row_bytes, size_t rows) {
   if (!downloads_.empty()) {
-    Download& last = downloads_.back();
+    HostCopy2D& last = downloads_.back();
     if (last.dst_pitch == dst_pitch && last.src_pitch == src_pitch &&
         last.row_bytes == row_bytes &&
-        static_cast<char*>(last.dst) + last.rows * dst_pitch == dst_host &&
+        static_cast<char*>(last.dst_host) + last.rows * dst_pitch == dst_host &&
         static_cast<const char*>(last.src) + last.rows * src_pitch == src) {
       last.rows += rows;
       return;
@@ -85,13 +85,10 @@ absl::Status TierContext::FlushSelects() {
 
 absl::Status TierContext::FlushDownloads() {
   TANDEM_RETURN_IF_ERROR(FlushSelects());
-  // The first copy waits for the device's queued work; the others find it done.
-  for (const Download& d : downloads_) {
-    TANDEM_RETURN_IF_ERROR(
-        backend_.CopyToHost2D(d.dst, d.dst_pitch, d.src, d.src_pitch, d.row_bytes, d.rows));
-  }
+  // One wait for the device's queued work, whatever the number of copies.
+  const absl::Status status = backend_.CopyToHostBatch(downloads_.data(), downloads_.size());
   downloads_.clear();
-  return absl::OkStatus();
+  return status;
 }
 
 void TierContext::QueueMerge(const HostState& state) {

@@ -62,7 +62,8 @@ using cuda_backend::WindowAttentionArgsOf;
 using cuda_backend::WriteKvArgsOf;
 
 // Host-to-device copies up to this size go through pinned staging memory and return without
-// waiting; larger ones copy from pageable memory and wait.
+// waiting; larger ones copy from pageable memory and wait. A CopyToHostBatch of up to this many
+// bytes lands in the same staging, behind the uploads still queued.
 constexpr size_t kStagingBytes = size_t{4} << 20;
 constexpr size_t kMaxStagedCopy = size_t{256} << 10;
 
@@ -124,6 +125,7 @@ class CudaBackend final : public Backend {
   absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes) override;
   absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
                             size_t row_bytes, size_t rows) override;
+  absl::Status CopyToHostBatch(const HostCopy2D* copies, size_t count) override;
   absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host, size_t src_pitch,
                             size_t row_bytes, size_t rows) override;
   absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override;
@@ -275,6 +277,61 @@ absl::Status CudaBackend::CopyToHost2D(void* dst_host, size_t dst_pitch, const v
   TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst_host, dst_pitch, src, src_pitch, row_bytes,
                                                 rows, cudaMemcpyDeviceToHost, stream()));
   return SyncStream();
+}
+
+absl::Status CudaBackend::CopyToHostBatch(const HostCopy2D* copies, size_t count) {
+  // Staged bytes: each copy packed (row_bytes pitch) at a 64-byte aligned offset.
+  auto staged_bytes = [](const HostCopy2D& c) { return (c.row_bytes * c.rows + 63) / 64 * 64; };
+  size_t total = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const HostCopy2D& c = copies[i];
+    if (c.row_bytes == 0 || c.rows == 0) continue;
+    if (c.dst_host == nullptr || c.src == nullptr) {
+      return Invalid("CopyToHostBatch", absl::StrCat("copy ", i, ": null pointer"));
+    }
+    if (c.dst_pitch < c.row_bytes || c.src_pitch < c.row_bytes) {
+      return Invalid("CopyToHostBatch",
+                     absl::StrCat("copy ", i, ": pitches (dst ", c.dst_pitch, ", src ",
+                                  c.src_pitch, ") must be >= row_bytes ", c.row_bytes));
+    }
+    total += staged_bytes(c);
+  }
+  if (total == 0) return absl::OkStatus();
+  if (total > kMaxStagedCopy) return Backend::CopyToHostBatch(copies, count);
+  TANDEM_RETURN_IF_ERROR(Activate());
+  // After the staged uploads still queued (they leave the staging before the downloads land).
+  size_t offset = (staging_used_ + 63) / 64 * 64;
+  if (offset + total > staging_.bytes()) {
+    TANDEM_RETURN_IF_ERROR(SyncStream());
+    offset = 0;
+  }
+  char* const staged = static_cast<char*>(staging_.get()) + offset;
+  size_t at = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const HostCopy2D& c = copies[i];
+    if (c.row_bytes == 0 || c.rows == 0) continue;
+    TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(staged + at, c.row_bytes, c.src, c.src_pitch,
+                                                  c.row_bytes, c.rows, cudaMemcpyDeviceToHost,
+                                                  stream()));
+    at += staged_bytes(c);
+  }
+  TANDEM_RETURN_IF_ERROR(SyncStream());   // the one wait (it also frees the staging)
+  at = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const HostCopy2D& c = copies[i];
+    if (c.row_bytes == 0 || c.rows == 0) continue;
+    const char* from = staged + at;
+    char* to = static_cast<char*>(c.dst_host);
+    if (c.dst_pitch == c.row_bytes) {
+      std::memcpy(to, from, c.row_bytes * c.rows);
+    } else {
+      for (size_t r = 0; r < c.rows; ++r) {
+        std::memcpy(to + r * c.dst_pitch, from + r * c.row_bytes, c.row_bytes);
+      }
+    }
+    at += staged_bytes(c);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host,

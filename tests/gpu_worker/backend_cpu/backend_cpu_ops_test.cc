@@ -83,6 +83,16 @@ TEST(CpuBackendMemory, CopiesAndFill) {
     }
   }
   TANDEM_EXPECT_INVALID(backend->CopyToHost2D(packed.data(), 2, a, 16, 3, 4));
+  // The same copy and a whole row in one batch (Backend's default: one CopyToHost2D each).
+  std::vector<float> batched(20, 7.0f), row(16, 7.0f);
+  const HostCopy2D copies[] = {
+      {batched.data(), 5 * sizeof(float), a + 2, 16 * sizeof(float), 3 * sizeof(float), 4},
+      {row.data(), 16 * sizeof(float), a + 48, 16 * sizeof(float), 16 * sizeof(float), 1}};
+  TANDEM_ASSERT_OK(backend->CopyToHostBatch(copies, 2));
+  EXPECT_EQ(batched, packed);
+  EXPECT_EQ(row, std::vector<float>(host.begin() + 48, host.end()));
+  const HostCopy2D bad = {batched.data(), 2, a, 16, 3, 4};
+  TANDEM_EXPECT_INVALID(backend->CopyToHostBatch(&bad, 1));
   // And back, into columns 9..11 of rows 0..3 (pitch 16 floats); the rest unchanged.
   const std::vector<float> before = dev.Download(a, 64);
   TANDEM_ASSERT_OK(backend->CopyToDevice2D(a + 9, 16 * sizeof(float), packed.data(),

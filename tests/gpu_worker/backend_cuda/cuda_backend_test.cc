@@ -138,6 +138,48 @@ TEST_F(CudaMemoryTest, CopyOnDeviceFillAndCopy2D) {
       backend_->CopyToDevice2D(src.data(), 4, pinned->data(), 64, 16, 2)));  // pitch < row
 }
 
+// CopyToHostBatch: strided copies with one wait. Small batches land in the pinned staging behind
+// uploads still queued there (the uploads' sources already reused), large ones copy one by one;
+// either way each copy equals its CopyToHost2D and leaves the rest of its destination alone.
+TEST_F(CudaMemoryTest, CopyToHostBatchEqualsItsCopies) {
+  const std::vector<float> values = RandomFloats(64 * 10, -1, 1, 4);
+  DeviceBuffer src = Upload(values);
+  for (const size_t large_rows : {size_t{0}, size_t{1200}}) {
+    // Queued staged uploads first: a fill of row 9 the downloads must see.
+    std::vector<float> row9(64, 3.25f);
+    ASSERT_TRUE(backend_->CopyToDevice(src.as<float>() + 9 * 64, row9.data(), 64 * 4).ok());
+    std::fill(row9.begin(), row9.end(), kNaN);
+    std::vector<float> expected = values;
+    std::fill(expected.begin() + 9 * 64, expected.end(), 3.25f);
+    // Copy a: rows 2..7, columns 8..23, pitch 20; copy b: row 9 packed; copy c (the large
+    // case): `large_rows` rows of a big buffer, 384 KiB and more past the staging limit.
+    std::vector<float> a(6 * 20, -7.0f), b(64, -7.0f);
+    std::vector<float> big_values = RandomFloats(large_rows * 96, -2, 2, 5);
+    DeviceBuffer big = Upload(big_values.empty() ? std::vector<float>{0.0f} : big_values);
+    std::vector<float> c(big_values.size(), -7.0f);
+    std::vector<HostCopy2D> copies = {
+        {a.data(), 20 * 4, src.as<float>() + 2 * 64 + 8, 64 * 4, 16 * 4, 6},
+        {nullptr, 0, nullptr, 0, 0, 0},   // empty: skipped
+        {b.data(), 64 * 4, src.as<float>() + 9 * 64, 64 * 4, 64 * 4, 1},
+        {c.data(), 96 * 4, big.data(), 96 * 4, 96 * 4, large_rows},
+    };
+    ASSERT_TRUE(backend_->CopyToHostBatch(copies.data(), copies.size()).ok());
+    for (int r = 0; r < 6; ++r) {
+      for (int col = 0; col < 20; ++col) {
+        EXPECT_EQ(a[r * 20 + col], col < 16 ? expected[(r + 2) * 64 + 8 + col] : -7.0f)
+            << large_rows << ": " << r << "," << col;
+      }
+    }
+    EXPECT_EQ(b, std::vector<float>(64, 3.25f));
+    EXPECT_EQ(c, big_values);
+  }
+  std::vector<float> host(64);
+  HostCopy2D bad_pitch{host.data(), 4, src.data(), 64, 16, 2};
+  HostCopy2D null_src{host.data(), 64, nullptr, 64, 16, 2};
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->CopyToHostBatch(&bad_pitch, 1)));
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->CopyToHostBatch(&null_src, 1)));
+}
+
 // Device marks time the work between them on the device: a large fill takes longer than none.
 TEST_F(CudaMemoryTest, DeviceMarksTimeTheWorkBetweenThem) {
   EXPECT_TRUE(absl::IsInvalidArgument(backend_->DeviceSeconds(0, 1).status()));  // never set

@@ -277,6 +277,17 @@ struct UploadParams {
   size_t rows = 0;
 };
 
+// A strided device-to-host copy of CopyToHostBatch: row r of `row_bytes` goes from
+// src + r·src_pitch to dst_host + r·dst_pitch.
+struct HostCopy2D {
+  void* dst_host = nullptr;         // any host memory
+  size_t dst_pitch = 0;
+  const void* src = nullptr;        // device memory
+  size_t src_pitch = 0;
+  size_t row_bytes = 0;
+  size_t rows = 0;
+};
+
 // Page summaries for query-aware selection (Quest; DESIGN "Selection"): for each of `num_pages`
 // pages of `page_tokens` consecutive slots of a window K cache, starting at `first_slot`, the
 // elementwise min, max and mean of the page's keys, written as summary pages first_page.. of
@@ -427,6 +438,19 @@ class Backend {
   // dst_host + r·dst_pitch (used to gather one block of every kv head of a cache).
   virtual absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src,
                                     size_t src_pitch, size_t row_bytes, size_t rows) = 0;
+  // `count` copies as CopyToHost2D each, with one wait for the device: returns when every one
+  // is in host memory (cuda: small ones land in page-locked staging together and are copied
+  // out after a single stream sync; the decode step downloads q and the chosen page ids so).
+  // The default runs CopyToHost2D per copy.
+  virtual absl::Status CopyToHostBatch(const HostCopy2D* copies, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      const HostCopy2D& c = copies[i];
+      absl::Status s = CopyToHost2D(c.dst_host, c.dst_pitch, c.src, c.src_pitch, c.row_bytes,
+                                    c.rows);
+      if (!s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   // The reverse (a parked cache going back to the device, WindowCache::Unpark): row r goes
   // from src_host + r·src_pitch to dst + r·dst_pitch. Returns once src_host may be reused.
   virtual absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host,

@@ -226,15 +226,7 @@ class TierContext {
   OffloadProfile profile_;
   size_t pass_segments_ = 0;
   std::vector<std::unique_ptr<PassShared>> shared_;
-  struct Download {
-    void* dst = nullptr;
-    size_t dst_pitch = 0;
-    const void* src = nullptr;
-    size_t src_pitch = 0;
-    size_t row_bytes = 0;
-    size_t rows = 0;
-  };
-  std::vector<Download> downloads_;
+  std::vector<HostCopy2D> downloads_;   // run together (one wait) at FlushDownloads
   std::vector<HostState> merges_;
   DeviceBuffer select_scratch_;
   std::vector<SelectPagesParams> selects_[kSelectPhases];   // queued by QueueSelect
