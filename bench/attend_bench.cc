@@ -21,7 +21,7 @@
 // Flags: --heads H (kv heads, 32) --group G (1) --head_dim D (128) --tokens T (1)
 //        --n N1,N2,... (per-head entries; default 1024,4096,32768: 32 heads x 32768 = 1M)
 //        --reps R (7) --threads P (0 = available cores) --mem_mib M (2048) --chunk C (2048)
-//        --tasks_per_thread K (2) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
+//        --tasks_per_thread K (2, paged) --dense_tasks_per_thread K (8) --footprint_mib F (1024) --quick (small sizes, ~20 s on 2 cores)
 //        --select_tokens S (0 = no paged run) --page_tokens P (16) --pool_spin_us U (100)
 //        --prefetch_entries E1,E2 (256): PagedAttention-alone rows, random, contiguous and
 //        page-major pages --huge_pages (KV sets and node blocks in transparent huge pages)
@@ -75,7 +75,11 @@ ABSL_FLAG(std::optional<uint32_t>, reps, std::nullopt, "timed repetitions (defau
 ABSL_FLAG(std::optional<uint32_t>, threads, std::nullopt, "threads; 0 = available cores");
 ABSL_FLAG(std::optional<uint64_t>, mem_mib, std::nullopt, "memcpy buffer MiB (default 2048)");
 ABSL_FLAG(std::optional<uint32_t>, chunk, std::nullopt, "keys per matmul chunk (default 2048)");
-ABSL_FLAG(std::optional<uint32_t>, tasks_per_thread, std::nullopt, "tasks per thread (default 2)");
+ABSL_FLAG(std::optional<uint32_t>, tasks_per_thread, std::nullopt,
+          "ranges per thread of the paged scans (default 2, NodeOptions::tasks_per_thread)");
+ABSL_FLAG(std::optional<uint32_t>, dense_tasks_per_thread, std::nullopt,
+          "ranges per thread of the dense attends (default 8, "
+          "NodeOptions::dense_tasks_per_thread)");
 ABSL_FLAG(std::optional<uint64_t>, footprint_mib, std::nullopt,
           "minimum MiB rotated through so data is not cached (default 1024)");
 ABSL_FLAG(uint32_t, select_tokens, 0,
@@ -109,6 +113,7 @@ struct Flags {
   uint64_t mem_mib = 2048;
   uint32_t chunk = 2048;
   uint32_t tasks_per_thread = 2;
+  uint32_t dense_tasks_per_thread = 8;
   uint64_t footprint_mib = 1024;
   uint32_t select_tokens = 0;
   uint32_t page_tokens = 16;
@@ -139,6 +144,7 @@ bool ReadFlags(Flags& f) {
   set(FLAGS_mem_mib, f.mem_mib);
   set(FLAGS_chunk, f.chunk);
   set(FLAGS_tasks_per_thread, f.tasks_per_thread);
+  set(FLAGS_dense_tasks_per_thread, f.dense_tasks_per_thread);
   set(FLAGS_footprint_mib, f.footprint_mib);
   f.select_tokens = absl::GetFlag(FLAGS_select_tokens);
   f.page_tokens = absl::GetFlag(FLAGS_page_tokens);
@@ -412,7 +418,7 @@ double TimeSparse(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t re
   p.q_token_stride = p.o_token_stride = size_t{H} * G * D;
   p.lse_token_stride = size_t{H} * G;
   p.chunk_keys = f.chunk;
-  p.tasks_per_thread = f.tasks_per_thread;
+  p.tasks_per_thread = f.dense_tasks_per_thread;
   std::vector<HeadProblem> heads(H);
   auto run = [&](size_t copy) {
     for (uint32_t h = 0; h < H; ++h) {
@@ -590,6 +596,7 @@ NodeRig MakeNodeRig(const KvSet& kv, const Flags& f, kv_store::KvDType kv_dtype,
   options.threads = f.threads;
   options.chunk_keys = f.chunk;
   options.tasks_per_thread = f.tasks_per_thread;
+  options.dense_tasks_per_thread = f.dense_tasks_per_thread;
   options.pool_spin_us = f.pool_spin_us;
   options.huge_pages = g_huge_pages;
   options.block_tokens = 256;
@@ -743,7 +750,7 @@ std::string DTypeNames(const std::vector<kv_store::KvDType>& dtypes) {
 int Main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "tandem-attend-bench [--quick] [--heads H] [--group G] [--head_dim D] [--tokens T] "
-      "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] "
+      "[--n N1,N2] [--reps R] [--threads P] [--mem_mib M] [--chunk C] [--tasks_per_thread K] [--dense_tasks_per_thread K] "
       "[--footprint_mib F] [--select_tokens S] [--page_tokens P] [--node_kv_dtype bf16,int8]");
   tandem::services::ParseCommandLineOrExitTwo(argc, argv);
   Flags f;
@@ -765,6 +772,7 @@ int Main(int argc, char** argv) {
         {"reps", f.reps},
         {"chunk", f.chunk},
         {"tasks_per_thread", f.tasks_per_thread},
+        {"dense_tasks_per_thread", f.dense_tasks_per_thread},
         {"pool_spin_us", f.pool_spin_us},
         {"huge_pages", g_huge_pages},
         {"node_kv_dtype", DTypeNames(f.node_kv_dtypes)},

@@ -125,8 +125,10 @@ ABSL_FLAG(std::string, prefill_selections, "maw", "TTFT: hybrid selections: maw,
 ABSL_FLAG(int64_t, prefill_select_tokens, 2048, "TTFT: hybrid pages budget (tokens)");
 ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)");
 ABSL_FLAG(uint32_t, node_tasks_per_thread, 2,
-          "embedded CPU node: ranges per attention thread an Attend is cut into "
+          "embedded CPU node: ranges per attention thread a paged Attend is cut into "
           "(NodeOptions::tasks_per_thread; tandem-cpu-attention's --tasks_per_thread)");
+ABSL_FLAG(uint32_t, node_dense_tasks_per_thread, 8,
+          "embedded CPU node: the same for dense Attends (NodeOptions::dense_tasks_per_thread)");
 ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
 ABSL_FLAG(uint32_t, node_pool_spin_us, 0,
           "embedded CPU node: attention threads spin this long after a call before sleeping "
@@ -1060,6 +1062,7 @@ int Main() {
     po.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
     po.embedded.pool_spin_us = absl::GetFlag(FLAGS_node_pool_spin_us);
     po.embedded.tasks_per_thread = absl::GetFlag(FLAGS_node_tasks_per_thread);
+    po.embedded.dense_tasks_per_thread = absl::GetFlag(FLAGS_node_dense_tasks_per_thread);
     po.embedded.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
     auto node_kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
     if (!node_kv_dtype.ok()) {

@@ -43,7 +43,9 @@ ABSL_FLAG(std::string, metrics_address, "",
           "\"\" = off");
 ABSL_FLAG(unsigned, threads, 0, "attention threads; 0 = every core this process may use");
 ABSL_FLAG(unsigned, tasks_per_thread, 2,
-          "tasks per attention thread one Attend is cut into (1..64)");
+          "ranges per attention thread a paged Attend is cut into (1..64)");
+ABSL_FLAG(unsigned, dense_tasks_per_thread, 8,
+          "ranges per attention thread a dense Attend is cut into (1..64)");
 ABSL_FLAG(unsigned, pool_spin_us, 100,
           "attention threads spin this long after a call before sleeping (0..100000; 0: sleep at "
           "once, for hosts shared with other work)");
@@ -115,6 +117,7 @@ int main(int argc, char** argv) {
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.node.threads = absl::GetFlag(FLAGS_threads);
   options.node.tasks_per_thread = absl::GetFlag(FLAGS_tasks_per_thread);
+  options.node.dense_tasks_per_thread = absl::GetFlag(FLAGS_dense_tasks_per_thread);
   options.node.pool_spin_us = absl::GetFlag(FLAGS_pool_spin_us);
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);

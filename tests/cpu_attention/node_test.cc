@@ -694,12 +694,18 @@ TEST(NodeOptionsTest, TaskSplitAndSpinAreBounded) {
   o.tasks_per_thread = 65;
   refused(o, "tasks_per_thread");
   o = NodeOptions{};
+  o.dense_tasks_per_thread = 0;
+  refused(o, "dense_tasks_per_thread");
+  o.dense_tasks_per_thread = 65;
+  refused(o, "dense_tasks_per_thread");
+  o = NodeOptions{};
   o.pool_spin_us = 100001;
   refused(o, "pool_spin_us");
   o = NodeOptions{};
   o.pool_bytes = 16ull << 20;
   o.threads = 1;
   o.tasks_per_thread = 64;
+  o.dense_tasks_per_thread = 1;
   o.pool_spin_us = 0;
   EXPECT_TRUE(CpuAttentionNode::Create(o).ok());
 }

@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
 #include "paged_piece.h"
+#include "range_count.h"
 #include "row_scan_kernels.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_isa/cpu_isa.h"
@@ -384,9 +385,10 @@ absl::Status PagedAttentionImpl(const PagedParams& params, std::span<const KvRun
   uint64_t all_entries = 0;
   for (uint64_t e : entries) all_entries += e;
   if (params.task_times != nullptr) params.task_times->entries = all_entries;
-  const uint64_t max_ranges = uint64_t{params.tasks_per_thread} * pool.num_threads();
-  const uint64_t num_ranges = std::max<uint64_t>(
-      1, std::min(max_ranges, (all_entries + kMinRangeEntries - 1) / kMinRangeEntries));
+  const uint64_t num_ranges = RangeCount(
+      all_entries, kMinRangeEntries, uint64_t{params.tasks_per_thread} * pool.num_threads(),
+      2 * kv_store::BlockFormat{16, params.head_dim, params.dtype}.row_bytes(),
+      uint64_t{max_rows} * (D + 1) * 4);
   const RangePlan plan = PlanRanges(entries, weight, total, num_ranges);
   RangeRunner runner(params, runs, problems, plan, scale, max_rows);
   return runner.Run(pool);

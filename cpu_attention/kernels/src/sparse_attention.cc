@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "aligned_buffer.h"
 #include "dnnl_matmul.h"
+#include "range_count.h"
 #include "softmax_kernels.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_isa/cpu_isa.h"
@@ -433,9 +434,9 @@ absl::Status SparseAttentionImpl(const AttentionParams& params, std::span<const 
   if (total == 0) return absl::OkStatus();
 
   // Cut the keys of all heads, end to end, into equal ranges (HGCA §3.3 head-merged tasks).
-  const uint64_t max_tasks = uint64_t{params.tasks_per_thread} * pool.num_threads();
   const uint64_t num_ranges =
-      std::max<uint64_t>(1, std::min(max_tasks, (total + kMinRangeKeys - 1) / kMinRangeKeys));
+      RangeCount(total, kMinRangeKeys, uint64_t{params.tasks_per_thread} * pool.num_threads(),
+                 2 * plan.src_row, uint64_t{plan.M} * (D + 1) * 4);
   std::vector<Piece> pieces;
   std::vector<size_t> range_first(num_ranges + 1);
   std::vector<uint32_t> pieces_of_head(heads.size(), 0);

@@ -68,9 +68,11 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("chunk_keys must be in 16..65536, got ", options.chunk_keys));
   }
-  if (options.tasks_per_thread < 1 || options.tasks_per_thread > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tasks_per_thread must be in 1..64, got ", options.tasks_per_thread));
+  for (const auto& [name, value] : {std::pair{"tasks_per_thread", options.tasks_per_thread},
+                                    {"dense_tasks_per_thread", options.dense_tasks_per_thread}}) {
+    if (value < 1 || value > 64) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " must be in 1..64, got ", value));
+    }
   }
   if (options.pool_spin_us > 100000) {
     return absl::InvalidArgumentError(

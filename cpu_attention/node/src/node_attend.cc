@@ -42,7 +42,7 @@ AttentionParams ParamsFor(const Session& session, uint32_t num_tokens, const Nod
   p.num_tokens = num_tokens;
   p.q_token_stride = size_t{session.geometry().num_q_heads} * p.head_dim;
   p.chunk_keys = options.chunk_keys;
-  p.tasks_per_thread = options.tasks_per_thread;
+  p.tasks_per_thread = options.dense_tasks_per_thread;
   return p;
 }
 

@@ -2,7 +2,8 @@
 // matmuls and fp32 softmax/LSE (HGCA §3.3, CPU-local sparse attention).
 //
 // Work split: the selected entries of all heads, laid end to end, are cut into about
-// `tasks_per_thread * pool threads` equal ranges. A range may cover the tail of one head and
+// `tasks_per_thread * pool threads` equal ranges (fewer on multi-token calls, whose partial
+// states would otherwise outweigh the KV they cover: range_count.h). A range may cover the tail of one head and
 // the head of the next (adjacent heads merged into one task, HGCA §3.3) or part of one long head
 // (split along the keys). Each range yields partial (O, LSE) states that MergeStates combines,
 // so no padding entries are needed and every task costs about the same.
@@ -50,7 +51,7 @@ struct AttentionParams {
   size_t lse_token_stride = 0;  // floats between token t and t+1 in lse
   float scale = 0.0f;           // 0 = 1/sqrt(head_dim)
   uint32_t chunk_keys = 2048;   // keys per matmul chunk
-  uint32_t tasks_per_thread = 2;
+  uint32_t tasks_per_thread = 8;   // ranges per pool thread at most (see the work split above)
 };
 
 // Computes O and LSE for every head of `heads`. INVALID_ARGUMENT on bad params; INTERNAL

@@ -68,11 +68,15 @@ struct NodeOptions {
   uint32_t max_query_tokens = 4096;     // per AttendQuery / ReselectRequest
   uint32_t max_batch = 256;             // queries per AttendRequest
   uint32_t chunk_keys = 2048;           // keys per matmul chunk (see sparse_attention.h)
-  // Tasks per attention thread one Attend's heads are cut into (AttentionParams and
-  // PagedParams::tasks_per_thread, 1..64): more even out threads that start late, fewer cost
-  // less per task. Each task beyond a head's first keeps a partial state of T·G·(D+1) floats,
-  // so more tasks cost memory on multi-token calls.
+  // Ranges per attention thread one Attend's entries are cut into, 1..64: more even out threads
+  // that start late or run slow, fewer cost less per range (range_count.h bounds them on
+  // multi-token calls by the partial states they keep). Paged attends
+  // (PagedParams::tasks_per_thread): the scan's streams claim ranges as they go, so 2, 4 and 8
+  // measured alike and 2 stays. Dense attends (AttentionParams): equal static ranges, where
+  // 8 per thread beat 2 on a 16-core host (BENCHMARKS, issue 24: 0.70–0.91 of the read rate
+  // against 0.61–0.69 on the AVX2 path, 0.73–0.83 against 0.49–0.65 with oneDNN).
   uint32_t tasks_per_thread = 2;
+  uint32_t dense_tasks_per_thread = 8;
   // Attention threads spin this long after a call, watching for the next, before they sleep
   // (ThreadPool): the per-layer calls of a decode step then skip the wake-ups (0..100000). 0 for
   // a node sharing its cores (the worker's embedded node); tandem-cpu-attention sets 100.
