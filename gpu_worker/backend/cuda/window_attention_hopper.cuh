@@ -1,6 +1,6 @@
 // Hopper window attention for prefill plans: the fast kernel's numerics
 // (window_attention_flash.cuh: q and p rounded to bf16, f32 accumulation, the same position masks,
-// split states and empty rows) on sm_90a's warpgroup MMA (wgmma.mma_async), which issues a 64 x 128
+// split states and empty rows; only the softmax's row sum adds the f32 weights, not their roundings) on sm_90a's warpgroup MMA (wgmma.mma_async), which issues a 64 x 128
 // x 16 product per instruction from shared memory and keeps the tensor cores busier than mma.sync
 // can. Compiled only when the build targets sm_90 (tandem_backend_cuda_hopper, as sm_90a code),
 // launched only on a device of compute capability 9.x; bf16 caches (16-byte aligned, as TMA
