@@ -131,14 +131,8 @@ class CpuBackend final : public Backend {
   absl::Status CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src, size_t src_pitch,
                             size_t row_bytes, size_t rows) override {
     if (rows == 0 || row_bytes == 0) return absl::OkStatus();
-    if (dst_host == nullptr || src == nullptr) {
-      return absl::InvalidArgumentError("CopyToHost2D: null pointer");
-    }
-    if (dst_pitch < row_bytes || src_pitch < row_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("CopyToHost2D: pitches (dst %d, src %d) must be >= row_bytes %d",
-                          dst_pitch, src_pitch, row_bytes));
-    }
+    TANDEM_RETURN_IF_ERROR(
+        CheckStridedCopy("CopyToHost2D", dst_host, dst_pitch, src, src_pitch, row_bytes));
     for (size_t r = 0; r < rows; ++r) {
       std::memcpy(static_cast<std::byte*>(dst_host) + r * dst_pitch,
                   static_cast<const std::byte*>(src) + r * src_pitch, row_bytes);
@@ -149,14 +143,8 @@ class CpuBackend final : public Backend {
   absl::Status CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host, size_t src_pitch,
                             size_t row_bytes, size_t rows) override {
     if (rows == 0 || row_bytes == 0) return absl::OkStatus();
-    if (dst == nullptr || src_host == nullptr) {
-      return absl::InvalidArgumentError("CopyToDevice2D: null pointer");
-    }
-    if (dst_pitch < row_bytes || src_pitch < row_bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("CopyToDevice2D: pitches (dst %d, src %d) must be >= row_bytes %d",
-                          dst_pitch, src_pitch, row_bytes));
-    }
+    TANDEM_RETURN_IF_ERROR(
+        CheckStridedCopy("CopyToDevice2D", dst, dst_pitch, src_host, src_pitch, row_bytes));
     for (size_t r = 0; r < rows; ++r) {
       std::memcpy(static_cast<std::byte*>(dst) + r * dst_pitch,
                   static_cast<const std::byte*>(src_host) + r * src_pitch, row_bytes);

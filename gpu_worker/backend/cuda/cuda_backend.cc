@@ -268,11 +268,8 @@ absl::Status CudaBackend::CopyToHost(void* dst_host, const void* src, size_t byt
 absl::Status CudaBackend::CopyToHost2D(void* dst_host, size_t dst_pitch, const void* src,
                                        size_t src_pitch, size_t row_bytes, size_t rows) {
   if (row_bytes == 0 || rows == 0) return absl::OkStatus();
-  if (dst_host == nullptr || src == nullptr) return Invalid("CopyToHost2D", "null pointer");
-  if (dst_pitch < row_bytes || src_pitch < row_bytes) {
-    return Invalid("CopyToHost2D", absl::StrCat("pitches (dst ", dst_pitch, ", src ", src_pitch,
-                                                ") must be >= row_bytes ", row_bytes));
-  }
+  TANDEM_RETURN_IF_ERROR(
+      CheckStridedCopy("CopyToHost2D", dst_host, dst_pitch, src, src_pitch, row_bytes));
   TANDEM_RETURN_IF_ERROR(Activate());
   TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst_host, dst_pitch, src, src_pitch, row_bytes,
                                                 rows, cudaMemcpyDeviceToHost, stream()));
@@ -285,15 +282,9 @@ absl::Status CudaBackend::CopyToHostBatch(const HostCopy2D* copies, size_t count
   size_t total = 0;
   for (size_t i = 0; i < count; ++i) {
     const HostCopy2D& c = copies[i];
-    if (c.row_bytes == 0 || c.rows == 0) continue;
-    if (c.dst_host == nullptr || c.src == nullptr) {
-      return Invalid("CopyToHostBatch", absl::StrCat("copy ", i, ": null pointer"));
-    }
-    if (c.dst_pitch < c.row_bytes || c.src_pitch < c.row_bytes) {
-      return Invalid("CopyToHostBatch",
-                     absl::StrCat("copy ", i, ": pitches (dst ", c.dst_pitch, ", src ",
-                                  c.src_pitch, ") must be >= row_bytes ", c.row_bytes));
-    }
+    if (c.empty()) continue;
+    TANDEM_RETURN_IF_ERROR(CheckStridedCopy(absl::StrCat("CopyToHostBatch: copy ", i), c.dst_host,
+                                            c.dst_pitch, c.src, c.src_pitch, c.row_bytes));
     total += staged_bytes(c);
   }
   if (total == 0) return absl::OkStatus();
@@ -309,7 +300,7 @@ absl::Status CudaBackend::CopyToHostBatch(const HostCopy2D* copies, size_t count
   size_t at = 0;
   for (size_t i = 0; i < count; ++i) {
     const HostCopy2D& c = copies[i];
-    if (c.row_bytes == 0 || c.rows == 0) continue;
+    if (c.empty()) continue;
     TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(staged + at, c.row_bytes, c.src, c.src_pitch,
                                                   c.row_bytes, c.rows, cudaMemcpyDeviceToHost,
                                                   stream()));
@@ -319,7 +310,7 @@ absl::Status CudaBackend::CopyToHostBatch(const HostCopy2D* copies, size_t count
   at = 0;
   for (size_t i = 0; i < count; ++i) {
     const HostCopy2D& c = copies[i];
-    if (c.row_bytes == 0 || c.rows == 0) continue;
+    if (c.empty()) continue;
     const char* from = staged + at;
     char* to = static_cast<char*>(c.dst_host);
     if (c.dst_pitch == c.row_bytes) {
@@ -337,12 +328,8 @@ absl::Status CudaBackend::CopyToHostBatch(const HostCopy2D* copies, size_t count
 absl::Status CudaBackend::CopyToDevice2D(void* dst, size_t dst_pitch, const void* src_host,
                                          size_t src_pitch, size_t row_bytes, size_t rows) {
   if (row_bytes == 0 || rows == 0) return absl::OkStatus();
-  if (dst == nullptr || src_host == nullptr) return Invalid("CopyToDevice2D", "null pointer");
-  if (dst_pitch < row_bytes || src_pitch < row_bytes) {
-    return Invalid("CopyToDevice2D", absl::StrCat("pitches (dst ", dst_pitch, ", src ",
-                                                  src_pitch, ") must be >= row_bytes ",
-                                                  row_bytes));
-  }
+  TANDEM_RETURN_IF_ERROR(
+      CheckStridedCopy("CopyToDevice2D", dst, dst_pitch, src_host, src_pitch, row_bytes));
   TANDEM_RETURN_IF_ERROR(Activate());
   TANDEM_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, src_host, src_pitch, row_bytes,
                                                 rows, cudaMemcpyHostToDevice, stream()));

@@ -33,6 +33,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "tandem/gpu_worker/dtype.h"
 
 namespace tandem::gpu_worker {
@@ -286,7 +288,25 @@ struct HostCopy2D {
   size_t src_pitch = 0;
   size_t row_bytes = 0;
   size_t rows = 0;
+
+  bool empty() const { return row_bytes == 0 || rows == 0; }
 };
+
+// What every backend checks of a strided copy that moves something (CopyToHost2D,
+// CopyToDevice2D, each copy of CopyToHostBatch): both pointers set and pitches that hold a row.
+// `what` names the call (and the copy) in the message.
+inline absl::Status CheckStridedCopy(absl::string_view what, const void* dst, size_t dst_pitch,
+                                     const void* src, size_t src_pitch, size_t row_bytes) {
+  if (dst == nullptr || src == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": null pointer"));
+  }
+  if (dst_pitch < row_bytes || src_pitch < row_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": pitches (dst ", dst_pitch, ", src ",
+                                                   src_pitch, ") must be >= row_bytes ",
+                                                   row_bytes));
+  }
+  return absl::OkStatus();
+}
 
 // Page summaries for query-aware selection (Quest; DESIGN "Selection"): for each of `num_pages`
 // pages of `page_tokens` consecutive slots of a window K cache, starting at `first_slot`, the
