@@ -10,7 +10,7 @@
 #   CASES      chunk:prefix list (default the issue's seven shapes)
 #   SDPA=1     also time torch SDPA on CASES (its best backend per shape)
 #   NCU_VARIANT / NCU_CASE  one Nsight Compute profile of the Hopper kernel (clock control off)
-#   TTFT_VARIANTS / TTFT_CONTEXTS / TTFT_CHUNK  gpu-mode TTFT with tandem-bench-<v>
+#   TTFT_RUNS  TTFT with tandem-bench-<v>: "v:contexts:chunk:modes" entries (below)
 #   TESTS      a gtest filter for backend_cuda_test (run first, when it is in the bundle)
 #   ENGINE_TESTS  a gtest filter for gpu_worker_engine_cuda_test: the bundle's shared/ (models,
 #              data) is TANDEM_SHARED_DIR and its lib2/ (the sentencepiece libraries) joins
@@ -94,11 +94,14 @@ if [ -n "${NCU_VARIANT:-}" ] && command -v ncu > /dev/null; then
   grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|Stall|Warp Cycles Per Issued|Executed Ipc A|No Eligible|Issued Warp" \
     /tmp/ab/ncu.txt | head -40
 fi
-for v in ${TTFT_VARIANTS:-}; do
+# TTFT_RUNS: "variant:contexts:chunk:modes" entries, e.g. "v4:131072:8192:gpu,hybrid".
+for run in ${TTFT_RUNS:-}; do
+  IFS=: read -r v contexts chunk modes <<< "$run"
+  log="/tmp/ab/ttft_${v}_${contexts//,/-}_$chunk.txt"
   "tandem-bench-$v" --contexts= --skip_probes --window 4096 --block 64 --page_tokens 16384 \
-    --prefill_beta 1.0 --modes gpu --prefill_chunk "${TTFT_CHUNK:-8192}" \
-    --prefill_contexts "${TTFT_CONTEXTS:-32768,131072}" > "/tmp/ab/ttft_$v.txt" 2>&1
-  echo "ttft $v exit $?"
-  grep '^prefill' "/tmp/ab/ttft_$v.txt"
+    --prefill_beta 1.0 --modes "${modes:-gpu}" --prefill_chunk "$chunk" \
+    --prefill_contexts "$contexts" > "$log" 2>&1
+  echo "ttft $run exit $?"
+  grep '^prefill' "$log"
 done
 

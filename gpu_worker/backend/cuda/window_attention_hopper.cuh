@@ -17,8 +17,9 @@
 // 1 (64 rows each) take ping-pong turns issuing, per tile, S = Q·Kᵀ (8 wgmma from shared memory)
 // with the previous tile's O += P·V (8 wgmma, P from registers, V MN-major from shared memory),
 // then the position mask and online softmax on S's registers while the other's products run.
-// Speed (H200s, bench/run_kernel_bench.sh shapes): 318-587 TFLOP/s, 1.8-2.3x the mma.sync kernel;
-// BENCHMARKS "A Hopper prefill attention kernel".
+// Speed (H200s, bench/run_kernel_bench.sh shapes, df46413): 368-661 TFLOP/s, 0.85-1.09x cuDNN's
+// SDPA without a prefix and 1.9-2.8x with one; BENCHMARKS "A Hopper prefill attention kernel" and
+// "The Hopper prefill kernel's fixed costs and row sum".
 #pragma once
 
 #include <cuda_runtime_api.h>
