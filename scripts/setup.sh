@@ -23,6 +23,7 @@ packages=(
   python3-jinja2                      # reference renderings of chat templates (fixtures)
   python3-grpcio python3-protobuf     # the Python SDK and its tests
   nodejs curl                         # the Node SDK, the npm openai e2e test, curl SSE test
+  qemu-user                           # the avx2_cpu.* tests: an AVX2-only CPU model (x86-64)
 )
 
 missing=()

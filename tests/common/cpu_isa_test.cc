@@ -3,6 +3,7 @@
 #include "tandem/cpu_isa/cpu_isa.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -67,6 +68,17 @@ absl::Status FailingPrimitive() {
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src, wei, dst), engine);
   });
   return absl::OkStatus();
+}
+
+// Under an emulated CPU (the avx2_cpu.* ctest tests, cmake/TandemHelpers.cmake), the set the
+// runner expects the CPU to report: if qemu's CPU model ever gained AVX-512, those tests would
+// quietly repeat the native path, so this one fails instead.
+TEST(CpuIsaTest, TheNativeSetIsWhatTheEmulatedCpuReports) {
+  const char* expected = std::getenv("TANDEM_EXPECT_NATIVE_CPU_ISA");
+  if (expected == nullptr) {
+    GTEST_SKIP() << "TANDEM_EXPECT_NATIVE_CPU_ISA is not set (only the avx2_cpu.* runs set it)";
+  }
+  EXPECT_STREQ(CpuIsaName(NativeCpuIsa()), expected);
 }
 
 TEST(DnnlCallTest, AFailureSaysWhatWasDoneAndNeverQuotesSource) {
