@@ -46,16 +46,16 @@ function(tandem_add_test)
   if(T_AVX2_CPU AND CMAKE_SYSTEM_PROCESSOR MATCHES "x86_64|AMD64" AND NOT TANDEM_SANITIZE
      AND NOT TANDEM_BUILD_FUZZERS)
     find_program(TANDEM_QEMU_X86_64 qemu-x86_64)
-  endif()
-  if(T_AVX2_CPU AND TANDEM_QEMU_X86_64 AND NOT TANDEM_SANITIZE AND NOT TANDEM_BUILD_FUZZERS)
-    set(filter)
-    if(T_AVX2_CPU_FILTER)
-      set(filter "--gtest_filter=${T_AVX2_CPU_FILTER}")
+    if(TANDEM_QEMU_X86_64)
+      set(filter)
+      if(T_AVX2_CPU_FILTER)
+        set(filter "--gtest_filter=${T_AVX2_CPU_FILTER}")
+      endif()
+      add_test(NAME avx2_cpu.${T_NAME}
+        COMMAND ${TANDEM_QEMU_X86_64} -cpu EPYC-Rome $<TARGET_FILE:${T_NAME}> --gtest_brief=1
+          ${filter})
+      set_tests_properties(avx2_cpu.${T_NAME} PROPERTIES LABELS emulated TIMEOUT 1200
+        ENVIRONMENT "TANDEM_CPU_ISA=avx2;TANDEM_EXPECT_NATIVE_CPU_ISA=avx2")
     endif()
-    add_test(NAME avx2_cpu.${T_NAME}
-      COMMAND ${TANDEM_QEMU_X86_64} -cpu EPYC-Rome $<TARGET_FILE:${T_NAME}> --gtest_brief=1
-        ${filter})
-    set_tests_properties(avx2_cpu.${T_NAME} PROPERTIES LABELS emulated TIMEOUT 1200
-      ENVIRONMENT "TANDEM_CPU_ISA=avx2;TANDEM_EXPECT_NATIVE_CPU_ISA=avx2")
   endif()
 endfunction()
