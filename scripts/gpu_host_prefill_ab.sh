@@ -5,7 +5,7 @@
 # Prepared here by copying those executables into a folder's bin/ and:
 #   ../shared/tools/gpu-bundle.sh FOLDER .carry/tandem.tar.xz; git rev-parse HEAD > .carry/commit
 # and run with carry [".carry"]. Settings (environment):
-#   VARIANTS   kernel-bench variants, in order (default "base")
+#   VARIANTS   kernel-bench variants, in order (default "base"; empty: none, for TTFT or tests only)
 #   ROUNDS     times each is run (default 2)
 #   CASES      chunk:prefix list (default the issue's seven shapes)
 #   SDPA=1     also time torch SDPA on CASES (its best backend per shape)
@@ -28,7 +28,7 @@ cases=${CASES:-2048:0,2048:8192,2048:32768,4096:0,16384:0,16384:16384,16384:1146
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
 } 2>&1 | tee /tmp/ab/host.txt
 if command -v cuobjdump > /dev/null; then  # the Hopper kernel's instruction mix, per variant
-  for v in ${VARIANTS:-base}; do
+  for v in ${VARIANTS-base}; do
     cuobjdump -sass "$(command -v tandem-kernel-bench-$v)" |
       awk '/Function :/{inside = ($0 ~ /HopperAttentionKernel/)} inside' > "/tmp/ab/sass_$v.txt"
     awk -v v="$v" '/HGMMA/{h++} /MUFU.EX2/{e++} /LDL|STL/{l++} /FENCE/{f++} {n++}
@@ -50,7 +50,7 @@ if [ -n "${ENGINE_TESTS:-}" ] && command -v gpu_worker_engine_cuda_test > /dev/n
 fi
 kb=(--decode_windows= --page_selection=false --gemv=false --gemv_fp8=false --seconds=${KB_SECONDS:-0.1})
 for round in $(seq "${ROUNDS:-2}"); do
-  for v in ${VARIANTS:-base}; do
+  for v in ${VARIANTS-base}; do
     log=/tmp/ab/kb_${v}_$round.txt
     "tandem-kernel-bench-$v" "${kb[@]}" --prefill_cases="$cases" > "$log" 2> "$log.err"
     python3 - "$log" "$v" "$round" <<'EOF'
