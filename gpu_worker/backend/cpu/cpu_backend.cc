@@ -192,12 +192,8 @@ class CpuBackend final : public Backend {
       return absl::InvalidArgumentError(absl::StrFormat("UploadAsync: slot %d", slot));
     }
     if (p.rows == 0 || p.row_bytes == 0) return absl::OkStatus();
-    if (p.dst == nullptr || p.src_host == nullptr) {
-      return absl::InvalidArgumentError("UploadAsync: null pointer");
-    }
-    if (p.dst_pitch < p.row_bytes || p.src_pitch < p.row_bytes) {
-      return absl::InvalidArgumentError("UploadAsync: pitches must be >= row_bytes");
-    }
+    TANDEM_RETURN_IF_ERROR(
+        CheckStridedCopy("UploadAsync", p.dst, p.dst_pitch, p.src_host, p.src_pitch, p.row_bytes));
     for (size_t r = 0; r < p.rows; ++r) {
       std::memcpy(static_cast<std::byte*>(p.dst) + r * p.dst_pitch,
                   static_cast<const std::byte*>(p.src_host) + r * p.src_pitch, p.row_bytes);

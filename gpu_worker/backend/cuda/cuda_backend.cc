@@ -418,10 +418,8 @@ absl::StatusOr<DeviceBuffer> CudaBackend::AllocateHost(size_t bytes) {
 absl::Status CudaBackend::UploadAsync(const UploadParams& p, int slot) {
   if (slot < 0 || slot >= kUploadSlots) return Invalid("UploadAsync", "slot out of range");
   if (p.rows == 0 || p.row_bytes == 0) return absl::OkStatus();
-  if (p.dst == nullptr || p.src_host == nullptr) return Invalid("UploadAsync", "null pointer");
-  if (p.dst_pitch < p.row_bytes || p.src_pitch < p.row_bytes) {
-    return Invalid("UploadAsync", "pitches must be >= row_bytes");
-  }
+  TANDEM_RETURN_IF_ERROR(
+      CheckStridedCopy("UploadAsync", p.dst, p.dst_pitch, p.src_host, p.src_pitch, p.row_bytes));
   TANDEM_RETURN_IF_ERROR(Activate());
   cudaStream_t upload = upload_stream_.get();
   TANDEM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(upload, upload_events_.released[slot].get()));

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -103,6 +104,16 @@ TEST(CpuBackendMemory, CopiesAndFill) {
     EXPECT_EQ(after[i], c >= 9 && c < 12 ? packed[r * 5 + c - 9] : before[i]) << i;
   }
   TANDEM_EXPECT_INVALID(backend->CopyToDevice2D(a, 2, packed.data(), 16, 3, 4));
+  // UploadAsync makes the same checks (CheckStridedCopy), and its slot's.
+  const absl::Status short_pitch =
+      backend->UploadAsync({a, 16, packed.data(), 2, 3 * sizeof(float), 4}, 0);
+  TANDEM_EXPECT_INVALID(short_pitch);
+  EXPECT_NE(std::string(short_pitch.message()).find("UploadAsync: pitches (dst 16, src 2)"),
+            std::string::npos)
+      << short_pitch;
+  TANDEM_EXPECT_INVALID(backend->UploadAsync({nullptr, 16, packed.data(), 16, 12, 4}, 0));
+  TANDEM_EXPECT_INVALID(
+      backend->UploadAsync({a, 16, packed.data(), 16, 12, 4}, Backend::kUploadSlots));
   TANDEM_EXPECT_INVALID(backend->CopyToHost(nullptr, a, 4));
   TANDEM_EXPECT_INVALID(backend->Fill(nullptr, 1.0f, 4));
 }

@@ -293,7 +293,8 @@ struct HostCopy2D {
 };
 
 // What every backend checks of a strided copy that moves something (CopyToHost2D,
-// CopyToDevice2D, each copy of CopyToHostBatch): both pointers set and pitches that hold a row.
+// CopyToDevice2D, UploadAsync, each copy of CopyToHostBatch): both pointers set and pitches that
+// hold a row.
 // `what` names the call (and the copy) in the message.
 inline absl::Status CheckStridedCopy(absl::string_view what, const void* dst, size_t dst_pitch,
                                      const void* src, size_t src_pitch, size_t row_bytes) {
