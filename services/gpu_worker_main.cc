@@ -115,6 +115,14 @@ ABSL_FLAG(double, max_step_ms, 0,
           "about one such step, decoding requests keep their inter-token latency; the long "
           "prompt takes more, smaller steps, each paying the fixed part. 0 = steps of "
           "step_tokens");
+ABSL_FLAG(bool, prefill_breaks, false,
+          "a step that feeds a prompt chunk lets requests that arrive while it runs start "
+          "between its layers: their prompts (those that finish in one step) and the decode "
+          "rows of requests the step does not carry run in an interlude, then the chunk goes "
+          "on, so a short prompt waits for about one layer of a long chunk instead of all of "
+          "it. Costs prefill_chunk x hidden floats of device memory and one host wait for the "
+          "device per layer of such steps; steps whose attention uses CPU nodes or host pages "
+          "take no breaks");
 ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
@@ -342,6 +350,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   e.device_prefill = absl::GetFlag(FLAGS_device_prefill);
   e.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
+  e.prefill_breaks = absl::GetFlag(FLAGS_prefill_breaks);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_step_ms = absl::GetFlag(FLAGS_max_step_ms);

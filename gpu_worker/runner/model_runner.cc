@@ -88,6 +88,7 @@ ModelRunner::ActivationTable ModelRunner::ActivationBuffers(const ModelConfig& c
     table.push_back({&Activations::q_guess, C * Hq * D});
     table.push_back({&Activations::xn_guess, C * H});
   }
+  if (options.pass_breaks) table.push_back({&Activations::parked_x, C * H});
   return table;
 }
 
@@ -136,8 +137,11 @@ absl::Status ModelRunner::Forward(Sequence& sequence, const int32_t* ids, int64_
   return absl::OkStatus();
 }
 
-absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries) {
+absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries, PassBreaks* breaks) {
   if (entries.empty()) return absl::InvalidArgumentError("a batch of no sequences");
+  if (breaks != nullptr && !options_.pass_breaks) {
+    return absl::InvalidArgumentError("a pass with breaks needs RunnerOptions::pass_breaks");
+  }
   std::vector<Segment> segments;
   int64_t rows = 0;
   for (size_t b = 0; b < entries.size(); ++b) {
@@ -161,7 +165,7 @@ absl::Status ModelRunner::Step(const std::vector<BatchEntry>& entries) {
                                                    " tokens; the runner takes at most ",
                                                    options_.max_chunk));
   }
-  return ForwardPass(std::move(segments), nullptr, nullptr);
+  return ForwardPass(std::move(segments), nullptr, nullptr, in_interlude_ ? nullptr : breaks);
 }
 
 absl::Status ModelRunner::Decode(const std::vector<Sequence*>& seqs, const int32_t* ids) {
@@ -239,8 +243,9 @@ std::vector<ModelRunner::MicroBatch> ModelRunner::Split(std::vector<Segment>& se
 }
 
 absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32_t* targets,
-                                      float* logprobs) {
+                                      float* logprobs, PassBreaks* breaks) {
   const Clock::time_point start = Clock::now();
+  const double interludes_before = profile_.interlude_s;
   const ModelConfig& c = model_.config();
   for (Segment& s : segments) {
     // A settling sequence (a narrowed prefill's blocks still on the device) keeps them in its
@@ -280,7 +285,8 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   TANDEM_RETURN_IF_ERROR(backend_.Embed({act_.ids.as<int32_t>(), model_.embed().data(),
                                          model_.embed().dtype, act_.x.as<float>(), n,
                                          c.hidden_size, c.vocab_size}));
-  absl::Status status = Layers(segments, batches);
+  if (targets != nullptr || !TakesBreaks(segments, batches)) breaks = nullptr;
+  absl::Status status = Layers(segments, batches, breaks);
   if (status.ok()) status = Logits(segments, n, targets, logprobs);
   for (size_t i = 0; i < segments.size() && status.ok(); ++i) {
     Sequence& seq = *segments[i].seq;
@@ -294,7 +300,7 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
     }
   }
   static_cast<OffloadProfile&>(profile_) = tiers_.profile();
-  profile_.pass_s += Seconds(start);
+  profile_.pass_s += Seconds(start) - (profile_.interlude_s - interludes_before);
   ++profile_.passes;
   if (batches.size() > 1) ++profile_.split_passes;
   return status;
@@ -323,8 +329,65 @@ absl::Status ModelRunner::PrepareRope(const std::vector<Segment>& segments, int6
   return absl::OkStatus();
 }
 
+bool ModelRunner::TakesBreaks(const std::vector<Segment>& segments,
+                              const std::vector<MicroBatch>& batches) const {
+  if (batches.size() != 1 || options_.device_marks) return false;
+  for (const Segment& s : segments) {
+    if (s.attends) return false;
+    if (s.seq->offload != nullptr && s.seq->offload->wants_layer_inputs()) return false;
+  }
+  return true;
+}
+
+absl::Status ModelRunner::LayerBoundary(int64_t layer, int64_t rows, PassBreaks& breaks) {
+  // Fences alternate: after layer l's tail is queued, wait for layer l-1's. The device then
+  // still has layer l to run while the host queues layer l+1, and an interlude starts after at
+  // most about one layer of this pass.
+  const int fence = static_cast<int>(layer % Backend::kDeviceFences);
+  TANDEM_RETURN_IF_ERROR(backend_.FenceDevice(fence));
+  TANDEM_RETURN_IF_ERROR(backend_.WaitFence((fence + 1) % Backend::kDeviceFences));
+  if (!breaks.Due()) return absl::OkStatus();
+  const int64_t H = model_.config().hidden_size;
+  const size_t x_bytes = static_cast<size_t>(rows * H) * 4;
+  TANDEM_RETURN_IF_ERROR(backend_.CopyOnDevice(act_.parked_x.data(), act_.x.data(), x_bytes));
+  // What the interlude's passes overwrite and the following layers read: the per-row host
+  // state (the device copies are uploaded again from it) and the per-segment attend state.
+  std::vector<int32_t> positions, slots;
+  std::vector<float> rope_inv_freq;
+  std::vector<AttendRows> attends;
+  std::vector<char> started;
+  const bool rope_per_row = rope_per_row_;
+  positions.swap(positions_host_);
+  slots.swap(slots_host_);
+  rope_inv_freq.swap(rope_inv_freq_host_);
+  attends.swap(attends_);
+  started.swap(started_);
+  const Clock::time_point t0 = Clock::now();
+  in_interlude_ = true;
+  breaks.Interlude();
+  in_interlude_ = false;
+  profile_.interlude_s += Seconds(t0);
+  ++profile_.pass_breaks;
+  positions.swap(positions_host_);
+  slots.swap(slots_host_);
+  rope_inv_freq.swap(rope_inv_freq_host_);
+  attends.swap(attends_);
+  started.swap(started_);
+  rope_per_row_ = rope_per_row;
+  TANDEM_RETURN_IF_ERROR(backend_.CopyOnDevice(act_.x.data(), act_.parked_x.data(), x_bytes));
+  TANDEM_RETURN_IF_ERROR(
+      backend_.CopyToDevice(act_.positions.data(), positions_host_.data(), rows * 4));
+  TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.slots.data(), slots_host_.data(), rows * 4));
+  if (rope_per_row_) {
+    TANDEM_RETURN_IF_ERROR(backend_.CopyToDevice(act_.rope_inv_freq.data(),
+                                                 rope_inv_freq_host_.data(),
+                                                 rope_inv_freq_host_.size() * 4));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
-                                 const std::vector<MicroBatch>& batches) {
+                                 const std::vector<MicroBatch>& batches, PassBreaks* breaks) {
   attends_.assign(segments.size(), AttendRows{});
   started_.assign(segments.size(), 0);
   const int64_t layers = model_.config().num_layers;
@@ -339,6 +402,10 @@ absl::Status ModelRunner::Layers(std::vector<Segment>& segments,
   for (int64_t l = 0; l < layers && status.ok(); ++l) {
     for (size_t m = 0; m < batches.size() && status.ok(); ++m) {
       status = LayerTail(segments, batches[m], l);
+      // A break (one micro-batch, nothing off the device): only x carries into layer l+1.
+      if (status.ok() && breaks != nullptr && l + 1 < layers) {
+        status = LayerBoundary(l, batches[m].rows, *breaks);
+      }
       if (status.ok() && l + 1 < layers) status = LayerHead(segments, batches[m], l + 1);
     }
   }

@@ -90,6 +90,17 @@ void LogQuantizedAtLoad(const ModelWeights& w, const DeviceModel& device, const 
 
 }  // namespace
 
+RunnerOptions EngineRunnerOptions(const EngineOptions& options) {
+  RunnerOptions runner;
+  runner.max_chunk = options.prefill_chunk;
+  runner.maw_alpha = options.maw_alpha;
+  runner.measure_captured_mass = options.measure_captured_mass;
+  runner.settle_tokens_per_step = options.settle_tokens_per_step;
+  runner.speculate_pages = options.page_speculate;
+  runner.pass_breaks = options.prefill_breaks;
+  return runner;
+}
+
 std::string_view FinishReasonName(FinishReason reason) {
   switch (reason) {
     case FinishReason::kLength:
@@ -193,15 +204,9 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& opti
                             DeviceModel::Upload(*engine->model_, *engine->backend_));
     LogQuantizedAtLoad(engine->model_->weights, *engine->device_model_, *engine->backend_);
   }
-  RunnerOptions runner_options;
-  runner_options.max_chunk = options.prefill_chunk;
-  runner_options.maw_alpha = options.maw_alpha;
-  runner_options.measure_captured_mass = options.measure_captured_mass;
-  runner_options.settle_tokens_per_step = options.settle_tokens_per_step;
-  runner_options.speculate_pages = options.page_speculate;
   TANDEM_ASSIGN_OR_RETURN(engine->runner_, ModelRunner::Create(*engine->backend_,
                                                                *engine->device_model_,
-                                                               runner_options));
+                                                               EngineRunnerOptions(options)));
   engine->token_output_ = std::make_unique<TokenOutput>(*engine->backend_, *engine->tokenizer_,
                                                         c.vocab_size, engine->max_context_);
   TANDEM_ASSIGN_OR_RETURN(engine->nodes_, NodePool::Create(options.nodes));

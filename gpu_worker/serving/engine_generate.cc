@@ -354,7 +354,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
   return g;
 }
 
-absl::Status Engine::Step(const std::vector<StepItem>& items) {
+absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks) {
   std::vector<ModelRunner::BatchEntry> entries;
   int64_t total = 0;
   for (const StepItem& item : items) {
@@ -371,7 +371,7 @@ absl::Status Engine::Step(const std::vector<StepItem>& items) {
     return absl::InvalidArgumentError(
         absl::StrCat("a step of ", total, " tokens; at most ", max_step_tokens()));
   }
-  if (absl::Status s = runner_->Step(entries); !s.ok()) {
+  if (absl::Status s = runner_->Step(entries, breaks); !s.ok()) {
     for (const StepItem& item : items) item.generation->failure = s;
     return s;
   }

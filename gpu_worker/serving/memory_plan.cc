@@ -317,10 +317,7 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
   // --- Device.
   MemoryTier& dev = plan.device;
   Add(dev, "weights", setup.weight_bytes, "DeviceModel::WeightBytes");
-  RunnerOptions runner;
-  runner.max_chunk = C;
-  runner.speculate_pages = e.page_speculate;
-  Add(dev, "activations", ModelRunner::ActivationBytes(c, runner, r.batch > 1),
+  Add(dev, "activations", ModelRunner::ActivationBytes(c, EngineRunnerOptions(e), r.batch > 1),
       absl::StrCat(C, "-token chunk", r.batch > 1 ? ", batched logits" : ""));
   const WindowOptions wo =
       SequenceWindowOptions(e, setup.max_context, traits, r.window, r.sink, r.context);
@@ -532,9 +529,7 @@ absl::StatusOr<int64_t> LargestFittingContext(const MemoryPlanSetup& setup,
 
 absl::Status CheckWorkerFits(const MemoryPlanSetup& setup) {
   const ModelConfig& c = setup.config;
-  RunnerOptions runner;
-  runner.max_chunk = setup.engine.prefill_chunk;
-  runner.speculate_pages = setup.engine.page_speculate;
+  const RunnerOptions runner = EngineRunnerOptions(setup.engine);
   const uint64_t activations = ModelRunner::ActivationBytes(c, runner, /*batched=*/true);
   const uint64_t workspace =
       setup.backend == "cuda"

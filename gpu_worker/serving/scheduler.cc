@@ -140,7 +140,7 @@ void Scheduler::EndFinished() {
   const Generation::Clock::time_point now = Generation::Clock::now();
   for (auto it = running_.begin(); it != running_.end();) {
     Generation& g = *it->generation;
-    if (!g.finished() && !g.CancelledBy(now)) {
+    if (it->in_pass || (!g.finished() && !g.CancelledBy(now))) {
       ++it;
       continue;
     }
@@ -203,22 +203,32 @@ void Scheduler::Admit() {
   }
 }
 
-void Scheduler::StepOnce() {
+int64_t Scheduler::PromptBudget(int64_t decode_rows) const {
+  return step_cap_.Cap(options_.step_tokens - decode_rows);
+}
+
+void Scheduler::StepOnce(bool interlude) {
   std::vector<Engine::StepItem> items;
-  std::vector<Running*> prefills;
+  std::vector<Running*> carried, prefills;
   for (Running& r : running_) {
     // One that failed between steps (a fork's settle of it: Engine::ForkSession) waits for
-    // EndFinished; a step must not carry it.
-    if (r.generation->finished()) continue;
+    // EndFinished; a step must not carry it. Nor one in the step an interlude paused.
+    if (r.generation->finished() || r.in_pass) continue;
     if (r.generation->prefilling()) {
       prefills.push_back(&r);
     } else {
       items.push_back({r.generation.get(), 1});
+      carried.push_back(&r);
     }
   }
   const int64_t decode_rows = static_cast<int64_t>(items.size());
-  int64_t budget = step_cap_.Cap(options_.step_tokens - decode_rows);
+  int64_t budget = PromptBudget(decode_rows);
   const int64_t prompt_budget = budget;
+  if (interlude) {   // only prompts that finish here: a longer one waits for the paused step
+    std::erase_if(prefills,
+                  [&](const Running* r) { return r->generation->remaining() > prompt_budget; });
+    if (prefills.empty()) return;
+  }
   std::vector<PrefillCandidate> candidates;
   candidates.reserve(prefills.size());
   for (const Running* r : prefills) {
@@ -233,22 +243,34 @@ void Scheduler::StepOnce() {
       continue;
     }
     items.push_back({r->generation.get(), shares[i]});
+    carried.push_back(r);
     budget -= shares[i];
     r->skipped_steps = 0;
   }
   if (items.empty()) return;
+  // A step that feeds a prompt takes breaks when the engine has them (not an interlude's).
+  PassBreaks* breaks = nullptr;
+  if (!interlude && engine_->options().prefill_breaks && budget < prompt_budget) {
+    breaks = &breaks_;
+    for (Running* r : carried) r->in_pass = true;
+  }
   // A failure is recorded in each generation of the step; EndFinished reports it.
   const size_t kv_before = admission_blocked_ ? engine_->DeviceKvBytes() : 0;
   const std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-  (void)engine_->Step(items);
+  const double interludes_before = interlude_seconds_;
+  (void)engine_->Step(items, breaks);
+  for (Running* r : carried) r->in_pass = false;
+  // The step's own time: not the interludes it paused for.
   step_cap_.Observe(
       prompt_budget - budget,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count() -
+          (interlude_seconds_ - interludes_before));
   // A device prefill's window shrinks once its settle is over (a slice per step after the first
   // token): a refused request may fit now.
   if (admission_blocked_ && engine_->DeviceKvBytes() < kv_before) admission_blocked_ = false;
   CountStep();
   ++local_stats_.steps;
+  if (interlude) ++local_stats_.interludes;
   local_stats_.step_tokens += static_cast<uint64_t>(decode_rows + prompt_budget - budget);
 }
 

@@ -168,6 +168,8 @@ class CpuBackend final : public Backend {
     marks_[mark] = std::chrono::steady_clock::now();
     return absl::OkStatus();
   }
+  absl::Status FenceDevice(int fence) override { return CheckFence("FenceDevice", fence); }
+  absl::Status WaitFence(int fence) override { return CheckFence("WaitFence", fence); }
   absl::StatusOr<double> DeviceSeconds(int from, int to) override {
     for (int m : {from, to}) {
       if (m < 0 || m >= kDeviceMarks || !marks_[m].has_value()) {
@@ -279,6 +281,11 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  static absl::Status CheckFence(const char* op, int fence) {
+    if (fence >= 0 && fence < kDeviceFences) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": fence ", fence, " not in [0, ", kDeviceFences, ")"));
+  }
   // bytes == 0 is a no-op; otherwise both pointers must be set. Overlap is allowed (memmove).
   static absl::Status Copy(const char* op, void* dst, const void* src, size_t bytes) {
     if (bytes == 0) return absl::OkStatus();

@@ -133,6 +133,8 @@ class CudaBackend final : public Backend {
   absl::Status Synchronize() override;
   absl::Status MarkDevice(int mark) override;
   absl::StatusOr<double> DeviceSeconds(int from, int to) override;
+  absl::Status FenceDevice(int fence) override;
+  absl::Status WaitFence(int fence) override;
   size_t bytes_in_use() const override { return stats_->in_use.load(); }
   size_t peak_bytes_in_use() const override { return stats_->peak; }
   absl::StatusOr<size_t> DeviceMemoryUsed() override;
@@ -196,6 +198,7 @@ class CudaBackend final : public Backend {
   UploadEvents upload_events_;
   CudaEvent marks_[kDeviceMarks];   // MarkDevice's, created at the first use of each
   bool marked_[kDeviceMarks] = {};  // recorded since creation
+  CudaEvent fences_[kDeviceFences];   // FenceDevice's, untimed, created at the first use of each
   CublasHandle cublas_;
   Workspace workspace_;
   PinnedMemory staging_;
@@ -378,6 +381,29 @@ absl::StatusOr<double> CudaBackend::DeviceSeconds(int from, int to) {
   float ms = 0.0f;
   TANDEM_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, marks_[from].get(), marks_[to].get()));
   return 1e-3 * ms;
+}
+
+absl::Status CudaBackend::FenceDevice(int fence) {
+  if (fence < 0 || fence >= kDeviceFences) {
+    return Invalid("FenceDevice",
+                   absl::StrCat("fence ", fence, " not in [0, ", kDeviceFences, ")"));
+  }
+  TANDEM_RETURN_IF_ERROR(Activate());
+  if (fences_[fence].get() == nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(fences_[fence], CudaEvent::Create());
+  }
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventRecord(fences_[fence].get(), stream()));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::WaitFence(int fence) {
+  if (fence < 0 || fence >= kDeviceFences) {
+    return Invalid("WaitFence", absl::StrCat("fence ", fence, " not in [0, ", kDeviceFences, ")"));
+  }
+  if (fences_[fence].get() == nullptr) return absl::OkStatus();   // never set
+  TANDEM_RETURN_IF_ERROR(Activate());
+  TANDEM_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(fences_[fence].get()));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::Synchronize() {

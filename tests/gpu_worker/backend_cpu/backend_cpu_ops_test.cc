@@ -136,6 +136,18 @@ TEST(CpuBackendMemory, DeviceMarksAreTheHostClock) {
   EXPECT_DOUBLE_EQ(*backward, -*forward);
 }
 
+// The cpu backend's ops are done when they return: its fences check their index, nothing else.
+TEST(CpuBackendMemory, FencesCheckTheirIndexAndNeverWait) {
+  auto backend = MakeCpuBackend();
+  ASSERT_NE(backend, nullptr);
+  TANDEM_EXPECT_INVALID(backend->FenceDevice(Backend::kDeviceFences));
+  TANDEM_EXPECT_INVALID(backend->FenceDevice(-1));
+  TANDEM_EXPECT_INVALID(backend->WaitFence(Backend::kDeviceFences));
+  TANDEM_ASSERT_OK(backend->WaitFence(1));   // never set
+  TANDEM_ASSERT_OK(backend->FenceDevice(0));
+  TANDEM_ASSERT_OK(backend->WaitFence(0));
+}
+
 class EmbedTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(EmbedTest, MatchesReference) {

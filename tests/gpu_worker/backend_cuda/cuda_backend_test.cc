@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -178,6 +179,29 @@ TEST_F(CudaMemoryTest, CopyToHostBatchEqualsItsCopies) {
   HostCopy2D null_src{host.data(), 64, nullptr, 64, 16, 2};
   EXPECT_TRUE(absl::IsInvalidArgument(backend_->CopyToHostBatch(&bad_pitch, 1)));
   EXPECT_TRUE(absl::IsInvalidArgument(backend_->CopyToHostBatch(&null_src, 1)));
+}
+
+// WaitFence returns once the device has done the work issued before the fence: the host waits
+// there for most of four 1 GiB fills' device time (they are queued in microseconds).
+TEST_F(CudaMemoryTest, AFenceWaitsForTheWorkIssuedBeforeIt) {
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->FenceDevice(Backend::kDeviceFences)));
+  EXPECT_TRUE(absl::IsInvalidArgument(backend_->WaitFence(-1)));
+  ASSERT_TRUE(backend_->WaitFence(1).ok());   // never set: nothing to wait for
+  constexpr size_t kFloats = size_t{1} << 28;   // 1 GiB
+  auto big = backend_->Allocate(kFloats * sizeof(float));
+  ASSERT_TRUE(big.ok()) << big.status();
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  ASSERT_TRUE(backend_->MarkDevice(0).ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(backend_->Fill(big->as<float>(), 1.0f, kFloats).ok());
+  ASSERT_TRUE(backend_->MarkDevice(1).ok());
+  ASSERT_TRUE(backend_->FenceDevice(0).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(backend_->WaitFence(0).ok());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  auto fills = backend_->DeviceSeconds(0, 1);
+  ASSERT_TRUE(fills.ok()) << fills.status();
+  EXPECT_GE(waited, 0.5 * *fills) << "waited " << waited << " s for " << *fills << " s of fills";
 }
 
 // Device marks time the work between them on the device: a large fill takes longer than none.

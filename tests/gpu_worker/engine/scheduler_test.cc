@@ -36,7 +36,8 @@ struct Outcome {
 
 class SchedulerTest : public ::testing::Test {
  protected:
-  void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0, size_t kv_cap = 0) {
+  void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0, size_t kv_cap = 0,
+            bool prefill_breaks = false, int64_t prefill_aging_steps = 4) {
     EngineOptions options;
     options.model_dir = testing::ModelDir("stories260k").string();
     options.backend = testing::TestBackendName();
@@ -47,9 +48,12 @@ class SchedulerTest : public ::testing::Test {
     options.offload_page_tokens = 16;
     options.page_summary_bytes = summary_cap;
     options.kv_cache_bytes = kv_cap;
+    options.prefill_breaks = prefill_breaks;
     auto engine = Engine::Create(options);
     ASSERT_TRUE(engine.ok()) << engine.status();
-    auto scheduler = Scheduler::Create(std::move(*engine), SchedulerOptions{});
+    SchedulerOptions scheduling;
+    scheduling.prefill_aging_steps = prefill_aging_steps;
+    auto scheduler = Scheduler::Create(std::move(*engine), scheduling);
     ASSERT_TRUE(scheduler.ok()) << scheduler.status();
     scheduler_ = std::move(*scheduler);
   }
@@ -211,6 +215,67 @@ TEST_F(SchedulerTest, AShortPromptOvertakesALongPrefill) {
   // The short request finished while the long one was still in prefill.
   EXPECT_LT(LastOf(1), FirstOf(0));
 }
+
+// EngineOptions::prefill_breaks: L (400 tokens), A and B (10 each) arrive together; steps of 16
+// tokens, a prefill passed over once goes first. Step 1 completes A alone (a step that
+// completes a prompt carries no chunk of a longer one); in step 2 L and B have aged and L, the
+// older, takes the whole budget beside A's decode row, leaving B out. With breaks, step 2
+// pauses at its first layer boundary for an interlude that completes B, so B's first token
+// comes before A's second; without, B waits for step 3. Every request's tokens are its solo
+// run's either way.
+class SchedulerBreaksTest : public SchedulerTest,
+                            public ::testing::WithParamInterface<bool> {};
+
+TEST_P(SchedulerBreaksTest, AShortPromptLeftOutOfAStepRunsBetweenItsLayers) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  const bool breaks = GetParam();
+  Make(/*prefill_chunk=*/16, 0, 0, breaks, /*prefill_aging_steps=*/1);
+  std::vector<GenerateRequest> requests(3);
+  const int64_t prompts[] = {400, 10, 10};
+  for (int i = 0; i < 3; ++i) {
+    requests[i].prompt_ids = testing::SyntheticPrompt(prompts[i], 20 + i);
+    requests[i].max_tokens = 6;
+    requests[i].ignore_eos = true;
+    requests[i].mode = AttentionMode::kGpu;
+  }
+  std::vector<std::vector<int32_t>> solo;
+  for (int i = 0; i < 3; ++i) {
+    auto summary = Wait(*Submit(requests[i], 100 + i));
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    solo.push_back(summary->token_ids);
+  }
+  const uint64_t interludes_before = scheduler_->stats().interludes;
+  log_.clear();
+  std::vector<std::shared_ptr<Outcome>> outcomes;
+  std::promise<void> release = HoldScheduler();
+  for (int i = 0; i < 3; ++i) outcomes.push_back(Submit(requests[i], i));
+  release.set_value();
+  for (int i = 0; i < 3; ++i) {
+    auto summary = Wait(*outcomes[i]);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->token_ids, solo[i]) << "request " << i << " differs from its solo run";
+  }
+  size_t a_second = log_.size();
+  for (size_t i = 0; i < log_.size(); ++i) {
+    if (log_[i] == std::pair<int, int64_t>{1, 1}) a_second = i;
+  }
+  ASSERT_LT(a_second, log_.size());
+  const uint64_t interludes = scheduler_->stats().interludes - interludes_before;
+  if (breaks) {
+    EXPECT_LT(FirstOf(2), a_second) << "B did not run inside step 2";
+    EXPECT_GE(interludes, 1u);
+  } else {
+    EXPECT_GT(FirstOf(2), a_second) << "B ran in step 2 without breaks";
+    EXPECT_EQ(interludes, 0u);
+  }
+  EXPECT_EQ(OpenSessions(), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(WithAndWithout, SchedulerBreaksTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("Breaks") : std::string("NoBreaks");
+                         });
 
 TEST_F(SchedulerTest, CancellationAndDeadlinesEndRequestsAndFreeTheirSessions) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");

@@ -488,6 +488,14 @@ class Backend {
   static constexpr int kDeviceMarks = 4;
   virtual absl::Status MarkDevice(int mark) = 0;
   virtual absl::StatusOr<double> DeviceSeconds(int from, int to) = 0;
+  // Progress fences, which keep the host at most a little ahead of the device (a pass with
+  // breaks, pass_breaks.h): FenceDevice(f) notes the work issued so far (a later FenceDevice(f)
+  // replaces it); WaitFence(f) returns once the device has done that work (at once for a fence
+  // never set). 0 <= f < kDeviceFences, else INVALID_ARGUMENT. cuda: untimed events on the
+  // compute stream; cpu: nothing to wait for (every op is synchronous).
+  static constexpr int kDeviceFences = 2;
+  virtual absl::Status FenceDevice(int fence) = 0;
+  virtual absl::Status WaitFence(int fence) = 0;
   // Bytes of device memory in use by this backend's allocations, and the largest it reached.
   virtual size_t bytes_in_use() const = 0;
   virtual size_t peak_bytes_in_use() const = 0;

@@ -40,6 +40,7 @@
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/offload_tier.h"
+#include "tandem/gpu_worker/pass_breaks.h"
 #include "tandem/gpu_worker/sequence.h"
 
 namespace tandem::gpu_worker {
@@ -84,6 +85,9 @@ struct RunnerOptions {
   // Benchmarks: time each layer of one-micro-batch passes with CPU-node attends on the device
   // (Backend::MarkDevice; RunnerProfile's device_* fields). Four event records per layer.
   bool device_marks = false;
+  // Passes may take breaks (Step's PassBreaks, pass_breaks.h): a parked copy of the residual
+  // stream, [max_chunk, hidden] f32, is allocated for them.
+  bool pass_breaks = false;
   // settle_tokens_per_step as a SettleSlice budget (0: no bound).
   int64_t settle_budget_per_step() const {
     return settle_tokens_per_step > 0 ? settle_tokens_per_step
@@ -109,6 +113,9 @@ struct RunnerProfile : OffloadProfile {
   double pass_s = 0.0;
   uint64_t passes = 0;
   uint64_t split_passes = 0;   // passes run as two micro-batches
+  // PassBreaks: interludes run inside passes, and their time (not in the passes' pass_s).
+  uint64_t pass_breaks = 0;
+  double interlude_s = 0.0;
   // RunnerOptions::device_marks, summed over the layers timed (DeviceLayerClock): the device's
   // time from q leaving for the nodes until the window attention and the next layer's selection
   // had run; how much later than the host the device reached the nodes' answer (busy with
@@ -145,12 +152,14 @@ class ModelRunner {
   // *seq at its next positions: a decode token (n = 1) or a prefill chunk. Distinct sequences,
   // Σ n <= max_chunk. Afterwards batch_logits() holds [entries.size(), vocab] on the device:
   // row b the logits after entry b's last token.
+  // With `breaks` (needs RunnerOptions::pass_breaks), other passes may run between its layers
+  // where it qualifies (pass_breaks.h); a Step inside an interlude takes no breaks of its own.
   struct BatchEntry {
     Sequence* seq = nullptr;
     const int32_t* ids = nullptr;
     int64_t n = 0;
   };
-  absl::Status Step(const std::vector<BatchEntry>& entries);
+  absl::Status Step(const std::vector<BatchEntry>& entries, PassBreaks* breaks = nullptr);
   // One decode step: ids[b] is fed to *seqs[b] (Step with n = 1 each).
   absl::Status Decode(const std::vector<Sequence*>& seqs, const int32_t* ids);
   const float* batch_logits() const { return logits_.as<float>(); }
@@ -224,6 +233,8 @@ class ModelRunner {
     // RunnerOptions::speculate_pages only: the next layer's guessed queries [rows, H_q·D] and
     // the normed input they come from [rows, hidden].
     DeviceBuffer q_guess, xn_guess;
+    // RunnerOptions::pass_breaks only: a paused pass's x rows while an interlude runs.
+    DeviceBuffer parked_x;
     std::vector<float> q_host, o_host, lse_host;   // host: [rows, H_q, D], .., [rows, H_q]
   };
 
@@ -235,10 +246,19 @@ class ModelRunner {
   // One pass over `segments` (Σ n <= max_chunk, distinct sequences). targets/logprobs only with
   // one segment. Segments may be reordered (micro-batches are contiguous).
   absl::Status ForwardPass(std::vector<Segment> segments, const int32_t* targets,
-                           float* logprobs);
+                           float* logprobs, PassBreaks* breaks = nullptr);
   // Orders `segments` into micro-batches (one, or two balanced by off-device work).
   std::vector<MicroBatch> Split(std::vector<Segment>& segments) const;
-  absl::Status Layers(std::vector<Segment>& segments, const std::vector<MicroBatch>& batches);
+  // With `breaks`: the pass qualifies for them (TakesBreaks) and layer boundaries ask them.
+  absl::Status Layers(std::vector<Segment>& segments, const std::vector<MicroBatch>& batches,
+                      PassBreaks* breaks);
+  // Whether a pass over `segments` in `batches` may pause between layers (pass_breaks.h).
+  bool TakesBreaks(const std::vector<Segment>& segments,
+                   const std::vector<MicroBatch>& batches) const;
+  // The boundary after layer l's tail of a pass with breaks: keeps the host one layer ahead of
+  // the device, and when breaks.Due(), parks the pass's `rows` rows of x and its per-row host
+  // state, runs the interlude, and restores them (positions, slots and RoPE rows uploaded again).
+  absl::Status LayerBoundary(int64_t layer, int64_t rows, PassBreaks& breaks);
   // Layer l of one micro-batch up to its queued window attention (the tiers' attends started),
   // and from the tiers' merge to the end of the FFN.
   absl::Status LayerHead(std::vector<Segment>& segments, const MicroBatch& mb, int64_t layer);
@@ -295,6 +315,7 @@ class ModelRunner {
   // each (kept to avoid reallocating them every layer).
   std::vector<WriteKvParams> write_kv_;
   std::vector<WindowAttentionParams> window_attention_;
+  bool in_interlude_ = false;   // an interlude runs: passes take no breaks of their own
 };
 
 }  // namespace tandem::gpu_worker

@@ -123,6 +123,12 @@ struct EngineOptions {
   // +0.08% at 32K and +0.13% to +0.17% at 64K over the true queries' pages, needles unchanged.
   // false: the pages of the true queries (exact selection, on the serial path).
   bool page_speculate = true;
+  // Breaks in long passes (pass_breaks.h): a step that feeds a prompt chunk lets requests that
+  // arrive while it runs start between its layers (their prompts, and the decode rows of those
+  // not in it, in an interlude: the Scheduler's), so a short prompt's first token does not wait
+  // for a long chunk. Costs [prefill_chunk, hidden] f32 of device memory and one host wait per
+  // layer of such passes. Only passes whose attention stays on the device take breaks.
+  bool prefill_breaks = false;
   // Device bytes all sessions' KV may take together: windows (gpu mode: all of its KV) and page
   // summaries, reserved for each request's prompt + max_tokens when it starts. 0 = no cap but
   // the device's memory. A request that does not fit waits in the scheduler's queue while others
@@ -161,6 +167,9 @@ struct EngineOptions {
 };
 
 // Perplexity-style evaluation of a token sequence (teacher forcing).
+// The runner's options of an engine with `options` (what its activations are sized by).
+RunnerOptions EngineRunnerOptions(const EngineOptions& options);
+
 struct EvaluateRequest {
   std::vector<int32_t> ids;
   AttentionMode mode = AttentionMode::kGpu;
@@ -233,7 +242,8 @@ class Engine {
     Generation* generation = nullptr;
     int64_t tokens = 0;
   };
-  absl::Status Step(const std::vector<StepItem>& items);
+  // With `breaks` (EngineOptions::prefill_breaks), other work may run between the pass's layers.
+  absl::Status Step(const std::vector<StepItem>& items, PassBreaks* breaks = nullptr);
   // Ends `generation` (finished, or stopped early: `cancelled` gives finish reason kCancelled,
   // a past deadline DEADLINE_EXCEEDED): closes its session unless it is kept and consistent,
   // and returns its summary or its failure.

@@ -19,7 +19,13 @@
 //      first, and a step that completes a prompt carries no chunk of a longer one, so a short
 //      request's first token is not held behind a long chunk; a prefill passed over for
 //      prefill_aging_steps steps goes first, so none starves. Sequences of every mode share
-//      the step.
+//      the step. With EngineOptions::prefill_breaks, a step that feeds prompt tokens takes
+//      breaks (pass_breaks.h): at a layer boundary where requests have arrived, or a prompt
+//      outside the step can finish in one step, an interlude admits the new requests and runs
+//      one step of the generations the paused step does not carry (those prompts, shortest
+//      first, and the decode rows beside them), then the paused step goes on. So a short
+//      prompt waits for about one layer of a long chunk, not the whole chunk; decoding requests
+//      in the paused step keep its pace. Interludes take no breaks of their own.
 //
 // Metrics (SchedulerOptions::metrics, tandem/metrics/worker_metrics.h): after each step the
 // tokens it sampled (TTFT of first tokens, inter-token latencies, prompt tokens of prefills that
@@ -46,6 +52,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/gpu_worker/engine.h"
+#include "tandem/gpu_worker/pass_breaks.h"
 #include "tandem/gpu_worker/step_time_cap.h"
 #include "tandem/metrics/worker_metrics.h"
 
@@ -69,6 +76,7 @@ struct SchedulerStats {
   int64_t waiting = 0;
   uint64_t steps = 0;
   uint64_t step_tokens = 0;  // tokens fed by all steps
+  uint64_t interludes = 0;   // steps run inside a paused step (EngineOptions::prefill_breaks)
 };
 
 class Scheduler {
@@ -124,17 +132,38 @@ class Scheduler {
     // What the metrics have seen of it: tokens sampled, and its sequence's degraded_steps.
     int64_t counted_tokens = 0;
     uint64_t counted_degraded = 0;
+    bool in_pass = false;   // carried by a step now paused for an interlude: left alone
+  };
+  // The breaks of the scheduler's steps: Due and Interlude below.
+  class StepBreaks final : public PassBreaks {
+   public:
+    explicit StepBreaks(Scheduler& scheduler) : scheduler_(scheduler) {}
+    bool Due() override { return scheduler_.InterludeDue(); }
+    void Interlude() override { scheduler_.Interlude(); }
+
+   private:
+    Scheduler& scheduler_;
   };
 
   Scheduler(std::unique_ptr<Engine> engine, const SchedulerOptions& options);
   void Loop();
   // Moves newly submitted requests to waiting_; returns the control jobs to run.
   std::deque<std::function<void(Engine&)>> TakeWork(bool* stop);
+  // Moves newly submitted requests to waiting_ (control jobs stay queued for the loop).
+  void TakeSubmitted();
   void EndFinished();
   // With nothing running: a slice of the kept sessions' settles (Engine::SettleIdle).
   void SettleIdleSlice();
   void Admit();
-  void StepOnce();
+  // One step over the running generations; an interlude's carries only those not in the paused
+  // step, and of the prompts only those that can finish in it (it runs only if one does).
+  void StepOnce(bool interlude = false);
+  // The prompt tokens a step may feed besides `decode_rows` decode rows.
+  int64_t PromptBudget(int64_t decode_rows) const;
+  // StepBreaks (scheduler_breaks.cc): whether requests arrived or a prompt outside the paused
+  // step can finish in one step; admitting the arrivals and running that step.
+  bool InterludeDue();
+  void Interlude();
   void Publish();
   // Metrics (no-ops without SchedulerOptions::metrics): what the last step sampled and
   // degraded; a request's end (its summary or error); a request refused with `status`.
@@ -159,6 +188,8 @@ class Scheduler {
   bool admission_blocked_ = false;  // the queue's head was refused for memory; nothing ended since
   SchedulerStats local_stats_;
   StepTimeCap step_cap_;
+  StepBreaks breaks_{*this};
+  double interlude_seconds_ = 0.0;   // wall time spent in interludes, summed
   uint64_t counted_evictions_ = 0;  // KvCacheManager::evictions() already exported
   uint64_t counted_parks_ = 0;      // KvCacheManager::parks() already exported
   uint64_t counted_unparks_ = 0;    // KvCacheManager::unparks() already exported
