@@ -7,7 +7,10 @@
 #           engine tests of the scheduler and the micro-batched runner
 #   gpu     gpu mode, 4K prompts: one stream, then a wave of 64 concurrent streams
 #   ttft    a short prompt's TTFT idle and while a 32K prompt is prefilled, and the 32K
-#           prompt's alone and with them, for each --max_step_ms in TTFT_CAPS
+#           prompt's alone and with them, for each worker configuration in TTFT_CONFIGS:
+#           "name:flag,flag ..." entries (default "off:--max_step_ms=0"; e.g.
+#           "breaks:--prefill_breaks cap25:--max_step_ms=25"), each on --prefill_chunk
+#           TTFT_CHUNK (2048) unless its flags say otherwise
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -86,13 +89,16 @@ if has gpu; then
 fi
 
 if has ttft; then
-  # Per step-time cap in TTFT_CAPS (the worker's --max_step_ms; 0 = none): the short prompt
-  # idle, the 32K prompt alone, then the short prompts while the 32K one is prefilled. Each
-  # run has its own prompts (--load_seed), so none is served from the prefix cache.
+  # Per worker configuration in TTFT_CONFIGS: the short prompt idle, the 32K prompt alone,
+  # then the short prompts while the 32K one is prefilled. Each run has its own prompts
+  # (--load_seed), so none is served from the prefix cache.
   seed=100
-  for cap in ${TTFT_CAPS:-0}; do
+  for config in ${TTFT_CONFIGS:-off:--max_step_ms=0}; do
+    cap=${config%%:*}   # the configuration's name in the logs
+    flags=${config#*:}
+    # shellcheck disable=SC2086  # the flags split at commas into words
     if start_worker "ttft_$cap" --mode gpu --prefill_chunk "${TTFT_CHUNK:-2048}" --max_batch 64 \
-         --max_step_ms "$cap"; then
+         ${flags//,/ }; then
       short=(--concurrency 1 --prompt_tokens 256 --output_tokens 8 --mode gpu)
       long=(--concurrency 1 --num_requests 1 --prompt_tokens 32768 --output_tokens 4 --mode gpu)
       load "ttft_idle_$cap" --num_requests 6 --warmup 2 --load_seed $((seed += 1)) "${short[@]}"
