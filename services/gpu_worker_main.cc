@@ -123,6 +123,12 @@ ABSL_FLAG(bool, prefill_breaks, false,
           "it. Costs prefill_chunk x hidden floats of device memory and one host wait for the "
           "device per layer of such steps; steps whose attention uses CPU nodes or host pages "
           "take no breaks");
+ABSL_FLAG(double, max_decode_gap_ms, 0,
+          "with --prefill_breaks: decoding requests are not carried by steps that feed prompt "
+          "tokens; an interlude gives them their next token once the oldest has waited this "
+          "long (their inter-token latency during long prefills is about this plus a decode "
+          "step; each interlude costs the long prompt about a decode step). 0 = they ride "
+          "along the prefill steps (no extra cost, but each token waits for a whole chunk)");
 ABSL_FLAG(tandem::ByteSize, kv_cache_bytes, tandem::ByteSize{0},
           "device bytes all sessions' KV (windows, gpu-mode KV, page summaries) may take; a "
           "request that does not fit waits for others to end; 0 = the device's memory");
@@ -354,6 +360,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
   options.scheduler.max_step_ms = absl::GetFlag(FLAGS_max_step_ms);
+  options.scheduler.max_decode_gap_ms = absl::GetFlag(FLAGS_max_decode_gap_ms);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   absl::StatusOr<tandem::gpu_worker::AttentionMode> mode =
       tandem::gpu_worker::ParseAttentionMode(absl::GetFlag(FLAGS_mode));

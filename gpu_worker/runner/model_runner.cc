@@ -329,12 +329,25 @@ absl::Status ModelRunner::PrepareRope(const std::vector<Segment>& segments, int6
   return absl::OkStatus();
 }
 
+bool ModelRunner::AttendsOffDevice(const Sequence& seq) {
+  // A tier with entries attends in every layer; one that keeps layer inputs takes them in each.
+  return seq.offload != nullptr &&
+         (seq.offload->offloaded_tokens() > 0 || seq.offload->wants_layer_inputs());
+}
+
+bool ModelRunner::CanBreak(const std::vector<Sequence*>& sequences) const {
+  if (!options_.pass_breaks || options_.device_marks || in_interlude_) return false;
+  for (const Sequence* seq : sequences) {
+    if (AttendsOffDevice(*seq)) return false;
+  }
+  return true;
+}
+
 bool ModelRunner::TakesBreaks(const std::vector<Segment>& segments,
                               const std::vector<MicroBatch>& batches) const {
   if (batches.size() != 1 || options_.device_marks) return false;
   for (const Segment& s : segments) {
-    if (s.attends) return false;
-    if (s.seq->offload != nullptr && s.seq->offload->wants_layer_inputs()) return false;
+    if (s.attends || AttendsOffDevice(*s.seq)) return false;
   }
   return true;
 }

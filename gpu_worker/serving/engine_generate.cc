@@ -425,6 +425,15 @@ absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks
   return first_failure;
 }
 
+bool Engine::StepCanBreak(const std::vector<StepItem>& items) const {
+  std::vector<Sequence*> sequences;
+  for (const StepItem& item : items) {
+    if (item.generation->seq == nullptr) return false;
+    sequences.push_back(item.generation->seq);
+  }
+  return runner_->CanBreak(sequences);
+}
+
 absl::Status Engine::RestoreUntouchedSession(Generation& g) {
   Sequence& seq = *g.seq;
   // Nothing was sampled: the feed is [pending token] + prompt, or the prompt alone.

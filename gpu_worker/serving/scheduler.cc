@@ -38,6 +38,15 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(std::unique_ptr<Eng
     return absl::InvalidArgumentError(
         absl::StrCat("max_step_ms must be in 0..3600000 (0 = no cap), got ", o.max_step_ms));
   }
+  if (!(o.max_decode_gap_ms >= 0.0 && o.max_decode_gap_ms <= 3.6e6)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_decode_gap_ms must be in 0..3600000 (0 = decode rows ride along), got ",
+        o.max_decode_gap_ms));
+  }
+  if (o.max_decode_gap_ms > 0 && !engine->options().prefill_breaks) {
+    return absl::InvalidArgumentError(
+        "max_decode_gap_ms needs prefill breaks (EngineOptions::prefill_breaks)");
+  }
   return std::unique_ptr<Scheduler>(new Scheduler(std::move(engine), o));
 }
 
@@ -221,13 +230,24 @@ void Scheduler::StepOnce(bool interlude) {
       carried.push_back(&r);
     }
   }
+  const bool with_breaks = !interlude && engine_->options().prefill_breaks;
+  // max_decode_gap_ms: a step that feeds prompt tokens and will take breaks leaves the decode
+  // rows to its interludes.
+  if (with_breaks && options_.max_decode_gap_ms > 0 && !prefills.empty()) {
+    std::vector<Engine::StepItem> prompts;
+    for (Running* r : prefills) prompts.push_back({r->generation.get(), 1});
+    if (engine_->StepCanBreak(prompts)) {
+      items.clear();
+      carried.clear();
+    }
+  }
   const int64_t decode_rows = static_cast<int64_t>(items.size());
   int64_t budget = PromptBudget(decode_rows);
   const int64_t prompt_budget = budget;
   if (interlude) {   // only prompts that finish here: a longer one waits for the paused step
     std::erase_if(prefills,
                   [&](const Running* r) { return r->generation->remaining() > prompt_budget; });
-    if (prefills.empty()) return;
+    if (prefills.empty() && !DecodeGapReached()) return;
   }
   std::vector<PrefillCandidate> candidates;
   candidates.reserve(prefills.size());
@@ -250,7 +270,7 @@ void Scheduler::StepOnce(bool interlude) {
   if (items.empty()) return;
   // A step that feeds a prompt takes breaks when the engine has them (not an interlude's).
   PassBreaks* breaks = nullptr;
-  if (!interlude && engine_->options().prefill_breaks && budget < prompt_budget) {
+  if (with_breaks && budget < prompt_budget) {
     breaks = &breaks_;
     for (Running* r : carried) r->in_pass = true;
   }

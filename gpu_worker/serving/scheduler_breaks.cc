@@ -1,5 +1,6 @@
 // The Scheduler's side of a step's breaks (pass_breaks.h, EngineOptions::prefill_breaks): what
 // makes an interlude due at a layer boundary, and what it runs.
+#include <chrono>
 #include <mutex>
 
 #include "tandem/gpu_worker/scheduler.h"
@@ -27,6 +28,18 @@ bool Scheduler::InterludeDue() {
   for (const Running& r : running_) {
     const Generation& g = *r.generation;
     if (!r.in_pass && !g.finished() && g.prefilling() && g.remaining() <= budget) return true;
+  }
+  return DecodeGapReached();
+}
+
+bool Scheduler::DecodeGapReached() const {
+  if (options_.max_decode_gap_ms <= 0) return false;
+  const Generation::Clock::time_point now = Generation::Clock::now();
+  const auto gap = std::chrono::duration<double, std::milli>(options_.max_decode_gap_ms);
+  for (const Running& r : running_) {
+    const Generation& g = *r.generation;
+    if (r.in_pass || g.finished() || g.prefilling()) continue;
+    if (now - g.last_token >= gap) return true;
   }
   return false;
 }

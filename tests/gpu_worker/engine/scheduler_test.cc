@@ -37,7 +37,8 @@ struct Outcome {
 class SchedulerTest : public ::testing::Test {
  protected:
   void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0, size_t kv_cap = 0,
-            bool prefill_breaks = false, int64_t prefill_aging_steps = 4) {
+            bool prefill_breaks = false, int64_t prefill_aging_steps = 4,
+            double max_decode_gap_ms = 0) {
     EngineOptions options;
     options.model_dir = testing::ModelDir("stories260k").string();
     options.backend = testing::TestBackendName();
@@ -53,6 +54,7 @@ class SchedulerTest : public ::testing::Test {
     ASSERT_TRUE(engine.ok()) << engine.status();
     SchedulerOptions scheduling;
     scheduling.prefill_aging_steps = prefill_aging_steps;
+    scheduling.max_decode_gap_ms = max_decode_gap_ms;
     auto scheduler = Scheduler::Create(std::move(*engine), scheduling);
     ASSERT_TRUE(scheduler.ok()) << scheduler.status();
     scheduler_ = std::move(*scheduler);
@@ -276,6 +278,69 @@ INSTANTIATE_TEST_SUITE_P(WithAndWithout, SchedulerBreaksTest, ::testing::Bool(),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? std::string("Breaks") : std::string("NoBreaks");
                          });
+
+// max_decode_gap_ms with prefill breaks: A (10 tokens, 16 to generate) decodes while L (400
+// tokens, 64-token steps: 7 of them) is prefilled. Riding along (gap 0), A gets one token per
+// step and is still decoding when L's first token comes. With a gap of a microsecond, L's steps
+// leave A out and every layer boundary of theirs is an interlude with A's next token, so A is
+// done before L's prompt is in. Tokens equal the solo runs either way.
+class SchedulerDecodeGapTest : public SchedulerTest,
+                               public ::testing::WithParamInterface<double> {};
+
+TEST_P(SchedulerDecodeGapTest, DecodingRequestsGetInterludesOnceTheirGapIsReached) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  const double gap_ms = GetParam();
+  Make(/*prefill_chunk=*/64, 0, 0, /*prefill_breaks=*/true, 4, gap_ms);
+  GenerateRequest decoding, long_request;
+  decoding.prompt_ids = testing::SyntheticPrompt(10, 31);
+  decoding.max_tokens = 16;
+  decoding.ignore_eos = true;
+  decoding.mode = AttentionMode::kGpu;
+  long_request.prompt_ids = testing::SyntheticPrompt(400, 32);
+  long_request.max_tokens = 2;
+  long_request.ignore_eos = true;
+  long_request.mode = AttentionMode::kGpu;
+  auto decoding_solo = Wait(*Submit(decoding, 100));
+  auto long_solo = Wait(*Submit(long_request, 101));
+  ASSERT_TRUE(decoding_solo.ok() && long_solo.ok());
+  log_.clear();
+  std::promise<void> release = HoldScheduler();
+  auto a = Submit(decoding, 0);
+  auto l = Submit(long_request, 1);
+  release.set_value();
+  auto a_summary = Wait(*a);
+  auto l_summary = Wait(*l);
+  ASSERT_TRUE(a_summary.ok() && l_summary.ok());
+  EXPECT_EQ(a_summary->token_ids, decoding_solo->token_ids);
+  EXPECT_EQ(l_summary->token_ids, long_solo->token_ids);
+  if (gap_ms > 0) {
+    EXPECT_LT(LastOf(0), FirstOf(1)) << "A waited for L's steps";
+  } else {
+    EXPECT_GT(LastOf(0), FirstOf(1)) << "A got more than one token per step";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RideAlongOrApart, SchedulerDecodeGapTest, ::testing::Values(0.0, 0.001),
+                         [](const ::testing::TestParamInfo<double>& info) {
+                           return info.param > 0 ? std::string("Apart") : std::string("RideAlong");
+                         });
+
+TEST_F(SchedulerTest, DecodeGapsNeedPrefillBreaks) {
+  TANDEM_SKIP_WITHOUT_MODEL("stories260k");
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  EngineOptions options;
+  options.model_dir = testing::ModelDir("stories260k").string();
+  options.backend = testing::TestBackendName();
+  auto engine = Engine::Create(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  SchedulerOptions scheduling;
+  scheduling.max_decode_gap_ms = 20;
+  auto scheduler = Scheduler::Create(std::move(*engine), scheduling);
+  ASSERT_FALSE(scheduler.ok());
+  EXPECT_EQ(scheduler.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(scheduler.status().message().find("prefill_breaks"), std::string::npos);
+}
 
 TEST_F(SchedulerTest, CancellationAndDeadlinesEndRequestsAndFreeTheirSessions) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");

@@ -160,6 +160,11 @@ class ModelRunner {
     int64_t n = 0;
   };
   absl::Status Step(const std::vector<BatchEntry>& entries, PassBreaks* breaks = nullptr);
+  // Whether a Step over these sequences would take breaks as they stand now: the runner has
+  // pass_breaks and each sequence attends on the device alone (pass_breaks.h). A pass's own
+  // evictions may still give a sequence offloaded entries (its first window overflow); that
+  // pass then takes none.
+  bool CanBreak(const std::vector<Sequence*>& sequences) const;
   // One decode step: ids[b] is fed to *seqs[b] (Step with n = 1 each).
   absl::Status Decode(const std::vector<Sequence*>& seqs, const int32_t* ids);
   const float* batch_logits() const { return logits_.as<float>(); }
@@ -252,9 +257,11 @@ class ModelRunner {
   // With `breaks`: the pass qualifies for them (TakesBreaks) and layer boundaries ask them.
   absl::Status Layers(std::vector<Segment>& segments, const std::vector<MicroBatch>& batches,
                       PassBreaks* breaks);
-  // Whether a pass over `segments` in `batches` may pause between layers (pass_breaks.h).
+  // Whether a pass over `segments` in `batches` may pause between layers (pass_breaks.h), and
+  // whether one sequence's attention keeps it from doing so.
   bool TakesBreaks(const std::vector<Segment>& segments,
                    const std::vector<MicroBatch>& batches) const;
+  static bool AttendsOffDevice(const Sequence& seq);
   // The boundary after layer l's tail of a pass with breaks: keeps the host one layer ahead of
   // the device, and when breaks.Due(), parks the pass's `rows` rows of x and its per-row host
   // state, runs the interlude, and restores them (positions, slots and RoPE rows uploaded again).

@@ -244,6 +244,8 @@ class Engine {
   };
   // With `breaks` (EngineOptions::prefill_breaks), other work may run between the pass's layers.
   absl::Status Step(const std::vector<StepItem>& items, PassBreaks* breaks = nullptr);
+  // Whether a Step over `items` would take breaks (ModelRunner::CanBreak).
+  bool StepCanBreak(const std::vector<StepItem>& items) const;
   // Ends `generation` (finished, or stopped early: `cancelled` gives finish reason kCancelled,
   // a past deadline DEADLINE_EXCEEDED): closes its session unless it is kept and consistent,
   // and returns its summary or its failure.

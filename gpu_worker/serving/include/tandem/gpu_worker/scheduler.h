@@ -24,8 +24,11 @@
 //      outside the step can finish in one step, an interlude admits the new requests and runs
 //      one step of the generations the paused step does not carry (those prompts, shortest
 //      first, and the decode rows beside them), then the paused step goes on. So a short
-//      prompt waits for about one layer of a long chunk, not the whole chunk; decoding requests
-//      in the paused step keep its pace. Interludes take no breaks of their own.
+//      prompt waits for about one layer of a long chunk, not the whole chunk. Decoding
+//      requests ride along a prefill step (free: the weights are read once, but their next
+//      token waits for the whole chunk), or, with max_decode_gap_ms, stay out of it and get an
+//      interlude of their own once the oldest has waited that long (each costs about a decode
+//      step's weight read). Interludes take no breaks of their own.
 //
 // Metrics (SchedulerOptions::metrics, tandem/metrics/worker_metrics.h): after each step the
 // tokens it sampled (TTFT of first tokens, inter-token latencies, prompt tokens of prefills that
@@ -67,6 +70,11 @@ struct SchedulerOptions {
   // request arriving during a long prefill waits for at most about one such step, and decoding
   // requests keep their inter-token latency. 0: steps take step_tokens.
   double max_step_ms = 0.0;
+  // > 0 (needs EngineOptions::prefill_breaks): decode rows are not carried by steps that feed
+  // prompt tokens; an interlude gives them their next token once the oldest has waited this
+  // long since its last (inter-token latency about this much plus a decode step during long
+  // prefills, at the price of about a decode step's time per interlude). 0: they ride along.
+  double max_decode_gap_ms = 0.0;
   // Where to count (null: nothing is counted). Not owned; must outlive the scheduler.
   const metrics::WorkerMetrics* metrics = nullptr;
 };
@@ -160,9 +168,12 @@ class Scheduler {
   void StepOnce(bool interlude = false);
   // The prompt tokens a step may feed besides `decode_rows` decode rows.
   int64_t PromptBudget(int64_t decode_rows) const;
-  // StepBreaks (scheduler_breaks.cc): whether requests arrived or a prompt outside the paused
-  // step can finish in one step; admitting the arrivals and running that step.
+  // StepBreaks (scheduler_breaks.cc): whether requests arrived, a prompt outside the paused
+  // step can finish in one step, or (max_decode_gap_ms) a decoding request outside it has
+  // waited that long; admitting the arrivals and running that step.
   bool InterludeDue();
+  // Whether a decoding generation outside the paused step has waited max_decode_gap_ms.
+  bool DecodeGapReached() const;
   void Interlude();
   void Publish();
   // Metrics (no-ops without SchedulerOptions::metrics): what the last step sampled and
