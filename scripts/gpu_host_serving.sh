@@ -11,7 +11,8 @@
 #           "name:flag,flag ..." entries (default "off:--max_step_ms=0"; e.g.
 #           "breaks:--prefill_breaks cap25:--max_step_ms=25"), each on --prefill_chunk
 #           TTFT_CHUNK (2048) unless its flags say otherwise; TTFT_SHORT_REQUESTS (6) short
-#           requests start TTFT_DELAY_S (1) seconds into the 32K prompt
+#           requests (closed loop) start TTFT_DELAY_S (1) seconds into the 32K prompt, or with
+#           TTFT_RATE, Poisson arrivals at that rate for TTFT_BUSY_S (1) seconds
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -109,8 +110,12 @@ if has ttft; then
         --json_out "$out/load_ttft_long_$cap.json" > "$out/load_ttft_long_$cap.txt" 2>&1 &
       lpid=$!
       sleep "${TTFT_DELAY_S:-1}"
-      load "ttft_busy_$cap" --num_requests "${TTFT_SHORT_REQUESTS:-6}" \
-        --load_seed $((seed += 1)) "${short[@]}"
+      if [[ -n "${TTFT_RATE:-}" ]]; then   # open loop: arrivals only while the 32K prompt runs
+        busy=(--request_rate "$TTFT_RATE" --duration_s "${TTFT_BUSY_S:-1}" --concurrency 64)
+      else
+        busy=(--num_requests "${TTFT_SHORT_REQUESTS:-6}")
+      fi
+      load "ttft_busy_$cap" --load_seed $((seed += 1)) "${short[@]}" "${busy[@]}"
       wait "$lpid"
       grep -E '^(Median TTFT|Benchmark duration)' "$out/load_ttft_long_$cap.txt" |
         sed "s/^/[ttft_long_$cap] /"

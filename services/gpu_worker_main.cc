@@ -115,7 +115,7 @@ ABSL_FLAG(double, max_step_ms, 0,
           "about one such step, decoding requests keep their inter-token latency; the long "
           "prompt takes more, smaller steps, each paying the fixed part. 0 = steps of "
           "step_tokens");
-ABSL_FLAG(bool, prefill_breaks, false,
+ABSL_FLAG(bool, prefill_breaks, true,
           "a step that feeds a prompt chunk lets requests that arrive while it runs start "
           "between its layers: their prompts (those that finish in one step) and the decode "
           "rows of requests the step does not carry run in an interlude, then the chunk goes "

@@ -37,7 +37,7 @@ struct Outcome {
 class SchedulerTest : public ::testing::Test {
  protected:
   void Make(int64_t prefill_chunk = 64, size_t summary_cap = 0, size_t kv_cap = 0,
-            bool prefill_breaks = false, int64_t prefill_aging_steps = 4,
+            bool prefill_breaks = true, int64_t prefill_aging_steps = 4,
             double max_decode_gap_ms = 0) {
     EngineOptions options;
     options.model_dir = testing::ModelDir("stories260k").string();
@@ -332,6 +332,7 @@ TEST_F(SchedulerTest, DecodeGapsNeedPrefillBreaks) {
   EngineOptions options;
   options.model_dir = testing::ModelDir("stories260k").string();
   options.backend = testing::TestBackendName();
+  options.prefill_breaks = false;
   auto engine = Engine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   SchedulerOptions scheduling;
