@@ -92,12 +92,12 @@ fi
 
 if has ttft; then
   # Per worker configuration in TTFT_CONFIGS: the short prompt idle, the 32K prompt alone,
-  # then the short prompts while the 32K one is prefilled. Each run has its own prompts
-  # (--load_seed), so none is served from the prefix cache.
-  seed=100
+  # then the short prompts while the 32K one is prefilled. Each run of a worker has its own
+  # prompts (--load_seed), so none is served from the prefix cache; each worker the same ones.
   for config in ${TTFT_CONFIGS:-off:--max_step_ms=0}; do
     cap=${config%%:*}   # the configuration's name in the logs
     flags=${config#*:}
+    seed=${TTFT_SEED:-100}   # every configuration gets the same prompts and arrivals
     # shellcheck disable=SC2086  # the flags split at commas into words
     if start_worker "ttft_$cap" --mode gpu --prefill_chunk "${TTFT_CHUNK:-2048}" --max_batch 64 \
          ${flags//,/ }; then
