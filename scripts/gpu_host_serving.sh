@@ -13,6 +13,8 @@
 #           TTFT_CHUNK (2048) unless its flags say otherwise; TTFT_SHORT_REQUESTS (6) short
 #           requests (closed loop) start TTFT_DELAY_S (1) seconds into the 32K prompt, or with
 #           TTFT_RATE, Poisson arrivals at that rate for TTFT_BUSY_S (1) seconds
+#   served  8 clients x 16K-token prompts, 256 generated, hybrid, per SERVED_CONFIGS (issue 27's
+#           served row: ITL p50 / p99)
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -119,6 +121,28 @@ if has ttft; then
       wait "$lpid"
       grep -E '^(Median TTFT|Benchmark duration)' "$out/load_ttft_long_$cap.txt" |
         sed "s/^/[ttft_long_$cap] /"
+      stop_worker
+    fi
+  done
+fi
+
+if has served; then
+  # Issue 27's served row: SERVED_CLIENTS (8) closed-loop clients, two requests each, of
+  # SERVED_PROMPT (16384) prompt tokens and SERVED_OUTPUT (256) generated, hybrid mode (pages,
+  # a 2048-token budget, a 4096-token window, the embedded CPU node), per worker configuration in
+  # SERVED_CONFIGS ("name:flag,flag ...", default "base:--prefill_breaks=false"). The ITL
+  # percentiles show what prefill chunks and settle slices do to the decoding requests.
+  clients=${SERVED_CLIENTS:-8}
+  for config in ${SERVED_CONFIGS:-base:--prefill_breaks=false}; do
+    name=${config%%:*}
+    flags=${config#*:}
+    # shellcheck disable=SC2086  # the flags split at commas into words
+    if start_worker "served_$name" --mode hybrid --selection pages --select_tokens 2048 \
+         --window 4096 --prefill_chunk "${SERVED_CHUNK:-2048}" --max_batch 64 \
+         --embedded_pool_bytes 40GiB ${flags//,/ }; then
+      load "served_$name" --concurrency "$clients" --num_requests $((2 * clients)) \
+        --prompt_tokens "${SERVED_PROMPT:-16384}" --output_tokens "${SERVED_OUTPUT:-256}" \
+        --mode hybrid --load_seed 300
       stop_worker
     fi
   done
