@@ -44,20 +44,12 @@ class MicroBatchTest : public testing::Stories260kRunnerTest {
   // or pages within a 2-page budget) or in 24-token host pages.
   std::unique_ptr<Sequence> MakeSequence(Kind kind, const std::string& id) {
     const ModelConfig& c = model_->config;
-    const WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
     const AttentionMode mode = kind == Kind::kGpu       ? AttentionMode::kGpu
                                : kind == Kind::kOffload ? AttentionMode::kOffload
                                                         : AttentionMode::kHybrid;
-    WindowOptions wo;
-    wo.block = 16;
-    wo.max_chunk = 512;
-    wo.max_context = c.max_position_embeddings;
-    wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : 32;
-    wo.sink = mode == AttentionMode::kGpu ? 0 : 4;
-    auto cache = WindowCache::Create(*backend_, g, wo);
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    if (!cache.ok()) return nullptr;
-    auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
+    auto seq = MakeWindowedSequence(mode, id, /*window=*/32);
+    if (seq == nullptr) return nullptr;
+    const WindowGeometry g = seq->window.geometry();
     if (mode == AttentionMode::kOffload) {
       auto kv = OffloadedKv::Create(*backend_, g, 24);
       EXPECT_TRUE(kv.ok()) << kv.status();

@@ -111,17 +111,9 @@ class PageSelectionRunner : public testing::Stories260kRunnerTest {
                                          double centroid_share = PagePolicy().centroid_share,
                                          const LowRankOptions& low_rank = {}) {
     const ModelConfig& c = model_->config;
-    const WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
-    WindowOptions wo;
-    wo.block = 16;
-    wo.max_chunk = 512;
-    wo.max_context = c.max_position_embeddings;
-    wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : 64;
-    wo.sink = mode == AttentionMode::kGpu ? 0 : 4;
-    auto cache = WindowCache::Create(*backend_, g, wo);
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
-    if (mode != AttentionMode::kHybrid) return seq;
+    auto seq = MakeWindowedSequence(mode, id, /*window=*/64);
+    if (seq == nullptr || mode != AttentionMode::kHybrid) return seq;
+    const WindowGeometry g = seq->window.geometry();
     RemoteKvOptions ro;
     ro.session_id = id;
     ro.num_layers = c.num_layers;

@@ -58,23 +58,11 @@ class PassBreaksTest : public testing::Stories260kRunnerTest {
   // gpu mode (every entry in the device window), or offload mode: a 32-token window + 4 sinks,
   // the rest in 24-token host pages (its passes attend off the device).
   std::unique_ptr<Sequence> MakeSequence(AttentionMode mode, const std::string& id) {
-    const ModelConfig& c = model_->config;
-    const WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
-    WindowOptions wo;
-    wo.block = 16;
-    wo.max_chunk = 512;
-    wo.max_context = c.max_position_embeddings;
-    wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : 32;
-    wo.sink = mode == AttentionMode::kGpu ? 0 : 4;
-    auto cache = WindowCache::Create(*backend_, g, wo);
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    if (!cache.ok()) return nullptr;
-    auto seq = std::make_unique<Sequence>(id, mode, std::move(*cache));
-    if (mode == AttentionMode::kOffload) {
-      auto kv = OffloadedKv::Create(*backend_, g, 24);
-      EXPECT_TRUE(kv.ok()) << kv.status();
-      if (kv.ok()) seq->offload = std::make_unique<HostTier>(std::move(*kv));
-    }
+    auto seq = MakeWindowedSequence(mode, id, /*window=*/32);
+    if (seq == nullptr || mode != AttentionMode::kOffload) return seq;
+    auto kv = OffloadedKv::Create(*backend_, seq->window.geometry(), 24);
+    EXPECT_TRUE(kv.ok()) << kv.status();
+    if (kv.ok()) seq->offload = std::make_unique<HostTier>(std::move(*kv));
     return seq;
   }
 

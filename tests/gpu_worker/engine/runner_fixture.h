@@ -40,6 +40,25 @@ class Stories260kRunnerTest : public ::testing::Test {
     pool_ = std::move(*pool);
   }
 
+  // A sequence of `mode` with f32 KV in 16-token blocks: gpu mode keeps every entry in its
+  // window; the others a `window`-token window + `sink` sinks (its tier is the caller's to add).
+  // Null after a failure, which is reported.
+  std::unique_ptr<Sequence> MakeWindowedSequence(AttentionMode mode, const std::string& id,
+                                                 int64_t window, int64_t sink = 4) {
+    const ModelConfig& c = model_->config;
+    const WindowGeometry g{c.num_layers, c.num_kv_heads, c.head_dim, DType::kF32};
+    WindowOptions wo;
+    wo.block = 16;
+    wo.max_chunk = 512;
+    wo.max_context = c.max_position_embeddings;
+    wo.window = mode == AttentionMode::kGpu ? WindowOptions::kUnlimited : window;
+    wo.sink = mode == AttentionMode::kGpu ? 0 : sink;
+    auto cache = WindowCache::Create(*backend_, g, wo);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    if (!cache.ok()) return nullptr;
+    return std::make_unique<Sequence>(id, mode, std::move(*cache));
+  }
+
   // Feeds ids to seq; returns the last token's logits (empty after a failure, which is reported).
   std::vector<float> Step(Sequence& seq, const std::vector<int32_t>& ids) {
     absl::Status s = runner_->Forward(seq, ids.data(), static_cast<int64_t>(ids.size()));
