@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "device_layer_clock.h"
 #include "tandem/common/status_macros.h"
@@ -247,6 +248,10 @@ absl::Status ModelRunner::ForwardPass(std::vector<Segment> segments, const int32
   const Clock::time_point start = Clock::now();
   const double interludes_before = profile_.interlude_s;
   const ModelConfig& c = model_.config();
+  for (Segment& s : segments) s.seq->in_pass = true;
+  absl::Cleanup pass_over = [&segments] {
+    for (Segment& s : segments) s.seq->in_pass = false;
+  };
   for (Segment& s : segments) {
     // A settling sequence (a narrowed prefill's blocks still on the device) keeps them in its
     // window; only those whose ring slots this pass's tokens take leave first.

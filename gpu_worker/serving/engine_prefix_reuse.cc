@@ -99,6 +99,7 @@ std::optional<PrefixCache::Hit> Engine::InUsePrefix(const CacheScope& scope,
   if (prompt.size() < 2) return best;
   auto consider = [&](const std::string& id, const Sequence& seq) {
     if (seq.window.widened()) return;   // a prefill under way: not forkable yet
+    if (seq.in_pass) return;            // in a pass paused for an interlude: KV half written
     if (seq.offload != nullptr && !seq.offload->can_fork()) return;
     if (const Generation* running = sessions_->running(id);
         running != nullptr && !running->failure.ok()) {
@@ -128,6 +129,7 @@ absl::StatusOr<Sequence*> Engine::ForkSession(const std::string& key,
                                               int64_t planned) {
   Sequence& parent = *sessions_->Find(parent_id);
   // What cannot fork is known before any room is made or anything is moved.
+  if (parent.in_pass) return absl::FailedPreconditionError("a pass over it is under way");
   if (parent.offload != nullptr && !parent.offload->can_fork()) {
     return absl::UnimplementedError("its offload tier does not fork");
   }

@@ -114,6 +114,8 @@ TEST_F(PassBreaksTest, AnInterruptedPassEqualsThePassAloneAndSoDoItsInterludes) 
   std::vector<std::vector<float>> b_logits;
   ScriptedBreaks breaks;
   breaks.interlude = [&] {
+    EXPECT_TRUE(a->in_pass) << "the paused pass's sequence is not marked";
+    EXPECT_FALSE(b->in_pass);
     b_feeds.push_back(b_feeds.empty() ? Tokens(20, 3)
                                       : std::vector<int32_t>{static_cast<int32_t>(7 + b_feeds.size())});
     b_logits.push_back(StepLogits(*breaking_, *b, b_feeds.back()));
@@ -132,6 +134,8 @@ TEST_F(PassBreaksTest, AnInterruptedPassEqualsThePassAloneAndSoDoItsInterludes) 
               kLogitTolerance)
         << "interlude " << i;
   }
+  EXPECT_FALSE(a->in_pass);
+  EXPECT_FALSE(b->in_pass);
   // Both sequences go on from where the pass and the interludes left them.
   EXPECT_EQ(a->window.next_position(), 400);
   EXPECT_EQ(b->window.next_position(), 20 + boundaries - 1);

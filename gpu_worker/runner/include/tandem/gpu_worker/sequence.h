@@ -51,6 +51,10 @@ struct Sequence {
   bool reselect_pending = false;
   std::optional<float> reselect_beta;
   uint64_t degraded_steps = 0;        // layer attends in which some CPU node did not answer
+  // A runner pass over it is under way (ModelRunner sets it for the pass; a pass paused for an
+  // interlude, pass_breaks.h, included): its tokens and window already hold the pass's tokens
+  // but their KV is written only up to the layer reached, so nothing may fork or read them.
+  bool in_pass = false;
   CapturedMass captured_mass;         // selection = pages, when the runner measures it
 
   // What the engine asks of the offloaded part, whatever holds it (no-ops without one):
