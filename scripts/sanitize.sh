@@ -68,7 +68,9 @@ default_exclude+='|^DevicePrefill\.'
 # So do the prompt-settle engine cases (PromptSettleRing, the window's part, runs) and the
 # prefix cache's engine cases (PrefixCacheIndex, the index, runs).
 default_exclude+='|^PromptSettle\.|^EnginePrefixCache\.'
-# And the prompt-text bound's stories260k case (its gutenberg-14m case runs).
-default_exclude+='|PromptBoundTest\..*stories260k'
+# And the prompt-text bound's stories260k case (its gutenberg-14m case runs), and the scheduler's
+# parameterised engine cases (prefill breaks, decode gaps), which serve stories260k as
+# SchedulerTest does (their runner-level part, PassBreaksTest, runs).
+default_exclude+='|PromptBoundTest\..*stories260k|/SchedulerBreaksTest\.|/SchedulerDecodeGapTest\.'
 if [ $# -eq 0 ]; then set -- -L 'unit|e2e' -E "$default_exclude"; fi
 nice -n "$nice_level" ctest --output-on-failure --timeout 900 -j "$jobs" "$@"
