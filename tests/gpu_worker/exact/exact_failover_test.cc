@@ -87,8 +87,15 @@ TEST_F(ExactFailover, NodeKilledMidDecodeDegradesThatTurnThenTheSessionIsExactAg
   auto first = engine_->Generate(Request(AttentionMode::kExact, "e", history, 60), kill);
   ASSERT_TRUE(first.ok()) << first.status();
   EXPECT_EQ(nodes_[1], nullptr);
-  EXPECT_TRUE(first->degraded) << "decode steps through the kill";
-  EXPECT_GT(first->degraded_steps, 0u);
+  // The node's shutdown is announced: when the pool hears of it before the next step's attend,
+  // the session is rebuilt at the end of the killing step and no attend reaches the dead node
+  // (a race with the pool's membership thread). The turn then stayed exact; otherwise the steps
+  // through the kill are degraded.
+  if (first->degraded) {
+    EXPECT_GT(first->degraded_steps, 0u);
+  } else {
+    EXPECT_EQ(first->token_ids, GpuTokens({}, history, 60)) << "neither degraded nor exact";
+  }
   history.insert(history.end(), first->token_ids.begin(), first->token_ids.end());
 
   const std::vector<int32_t> prompt = Prompt(11, 30);
