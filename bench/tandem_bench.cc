@@ -856,6 +856,8 @@ class Bench {
     int32_t token = *first;
     double worst_step = 0.0;
     int64_t settle_steps = 0;
+    std::vector<double> step_ms;
+    const gpu_worker::RunnerProfile before = runner_.profile();
     while (s.ok() && seq->window.settling()) {
       const Clock::time_point step0 = Clock::now();
       s = runner_.Forward(*seq, &token, 1);
@@ -869,8 +871,10 @@ class Bench {
       }
       if (s.ok()) s = backend_.Synchronize();
       worst_step = std::max(worst_step, Seconds(step0));
+      step_ms.push_back(1e3 * Seconds(step0));
       ++settle_steps;
     }
+    const gpu_worker::RunnerProfile& after = runner_.profile();
     if (!s.ok()) {
       r["error"] = absl::StrCat("settle: ", s.message());
       return r;
@@ -881,6 +885,11 @@ class Bench {
     r["settle_tokens_per_step"] = per_step;
     r["settle_steps"] = settle_steps;
     r["settle_step_max_s"] = worst_step;
+    r["settle_step_ms"] = step_ms;
+    // Where the settle's host time went, summed over its steps (RunnerProfile::evict_*).
+    r["settle_parts_s"] = {{"index", after.evict_index_s - before.evict_index_s},
+                           {"read", after.evict_read_s - before.evict_read_s},
+                           {"append", after.evict_append_s - before.evict_append_s}};
     r["prefill_tokens_per_s"] = tokens / ttft;
     r["device_entries"] = seq->device_entries();
     r["offloaded_entries"] = seq->offloaded_entries();
@@ -960,6 +969,12 @@ void PrintTable(const std::vector<json>& rows) {
                                       static_cast<long long>(r["widened_window"].get<int64_t>()))
                           .c_str()
                     : "");
+    const json& parts = r["settle_parts_s"];
+    std::printf("  settle host time: index %.0f ms, read %.0f ms, append %.0f ms; steps ms:",
+                1e3 * parts["index"].get<double>(), 1e3 * parts["read"].get<double>(),
+                1e3 * parts["append"].get<double>());
+    for (const json& ms : r["settle_step_ms"]) std::printf(" %.0f", ms.get<double>());
+    std::printf("\n");
   }
 }
 

@@ -15,6 +15,10 @@
 #           TTFT_RATE, Poisson arrivals at that rate for TTFT_BUSY_S (1) seconds
 #   served  8 clients x 16K-token prompts, 256 generated, hybrid, per SERVED_CONFIGS (issue 27's
 #           served row: ITL p50 / p99)
+#   settle  tandem-bench's TTFT rows of one hybrid (pages) prompt of each SETTLE_CONTEXTS
+#           length, then its settle a slice per decode step as a worker does, per
+#           SETTLE_CONFIGS ("name:flag,flag ..."): every step's time and where the settle's
+#           host time went (page index, download, append to the node)
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -145,6 +149,19 @@ if has served; then
         --mode hybrid --load_seed 300
       stop_worker
     fi
+  done
+fi
+
+if has settle; then
+  for config in ${SETTLE_CONFIGS:-base:--page_key_rank=-1}; do
+    name=${config%%:*}
+    flags=${config#*:}
+    # shellcheck disable=SC2086  # the flags split at commas into words
+    timeout "${SETTLE_TIMEOUT:-300}" tandem-bench --contexts= --skip_probes --modes hybrid \
+      --prefill_contexts "${SETTLE_CONTEXTS:-16384,32768}" --prefill_selections pages \
+      --block 16 --window 4096 --prefill_chunk 2048 --prefill_select_tokens 2048 \
+      --json "$out/settle_$name.json" ${flags//,/ } > "$out/settle_$name.txt" 2>&1
+    grep -A1 '^prefill' "$out/settle_$name.txt" | sed "s/^/[settle_$name] /"
   done
 fi
 

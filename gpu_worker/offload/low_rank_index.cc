@@ -1,6 +1,8 @@
 #include "tandem/gpu_worker/low_rank_index.h"
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -11,33 +13,37 @@
 namespace tandem::gpu_worker {
 namespace {
 
-// Eigendecompositions of `heads` Gram matrices gram [heads, D, D] f32 into basis [heads, D, R]
-// f32, on up to one thread per head (each is independent, ~ms at D = 128).
-absl::Status TopEigenvectorsOfHeads(const std::vector<float>& gram, int64_t heads, int64_t D,
-                                    int64_t R, std::vector<float>& basis) {
-  basis.assign(static_cast<size_t>(heads * D * R), 0.0f);
-  std::vector<absl::Status> status(heads);
-  auto solve = [&](int64_t g) {
-    std::vector<double> a(gram.begin() + g * D * D, gram.begin() + (g + 1) * D * D);
-    status[g] = linalg::TopEigenvectors(a.data(), D, R, nullptr, basis.data() + g * D * R);
+// The top-R eigenvectors of `matrices` Gram matrices gram [matrices, D, D] f32 into
+// [matrices, D, R] f32, on up to one thread per matrix (each is independent, ~5 ms at D = 128).
+// Matrix m is kv head m % heads of layers[m / heads] (for the error message).
+absl::StatusOr<std::vector<float>> SolveBases(const std::vector<float>& gram,
+                                              const std::vector<int64_t>& layers, int64_t heads,
+                                              int64_t D, int64_t R) {
+  const int64_t matrices = static_cast<int64_t>(layers.size()) * heads;
+  std::vector<float> bases(static_cast<size_t>(matrices * D * R), 0.0f);
+  std::vector<absl::Status> status(matrices);
+  auto solve = [&](int64_t m) {
+    std::vector<double> a(gram.begin() + m * D * D, gram.begin() + (m + 1) * D * D);
+    status[m] = linalg::TopEigenvectors(a.data(), D, R, nullptr, bases.data() + m * D * R);
   };
   const int64_t threads =
-      std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, std::min<int64_t>(heads, 16));
+      std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, std::min<int64_t>(matrices, 16));
   std::vector<std::thread> pool;
   for (int64_t t = 1; t < threads; ++t) {
     pool.emplace_back([&, t] {
-      for (int64_t g = t; g < heads; g += threads) solve(g);
+      for (int64_t m = t; m < matrices; m += threads) solve(m);
     });
   }
-  for (int64_t g = 0; g < heads; g += threads) solve(g);
+  for (int64_t m = 0; m < matrices; m += threads) solve(m);
   for (std::thread& thread : pool) thread.join();
-  for (int64_t g = 0; g < heads; ++g) {
-    if (!status[g].ok()) {
-      return absl::Status(status[g].code(), absl::StrCat("low-rank key basis of kv head ", g, ": ",
-                                                         status[g].message()));
+  for (int64_t m = 0; m < matrices; ++m) {
+    if (!status[m].ok()) {
+      return absl::Status(status[m].code(),
+                          absl::StrCat("low-rank key basis of layer ", layers[m / heads],
+                                       ", kv head ", m % heads, ": ", status[m].message()));
     }
   }
-  return absl::OkStatus();
+  return bases;
 }
 
 }  // namespace
@@ -79,6 +85,8 @@ absl::StatusOr<LowRankIndex> LowRankIndex::Create(Backend& backend, const Window
   return index;
 }
 
+LowRankIndex::~LowRankIndex() = default;
+
 size_t LowRankIndex::BytesFor(const WindowGeometry& g, const LowRankOptions& options,
                               int64_t tokens) {
   if (!options.enabled()) return 0;
@@ -99,7 +107,7 @@ size_t LowRankIndex::BufferBytes(DeviceBuffer Layer::*buffer, int64_t capacity_t
 
 std::vector<LowRankIndex::Part> LowRankIndex::PartsOf(const Layer& layer) const {
   const size_t heads = geometry_.num_kv_heads;
-  if (!layer.basis_made) {
+  if (!layer.basis_made()) {
     if (layer.tokens == 0) return {};
     return {{&Layer::staging, layer.staging_capacity * KeyBytes(), layer.tokens * KeyBytes(),
              heads}};
@@ -116,8 +124,8 @@ size_t LowRankIndex::resident_bytes() const {
   for (const Layer& layer : layers_) {
     bytes += BufferBytes(&Layer::coords, capacity_tokens_) +
              BufferBytes(&Layer::scales, capacity_tokens_);
-    if (layer.basis_made) bytes += BufferBytes(&Layer::basis, 0);
-    if (!layer.basis_made) bytes += BufferBytes(&Layer::staging, layer.staging_capacity);
+    if (layer.basis_made()) bytes += BufferBytes(&Layer::basis, 0);
+    if (!layer.basis_made()) bytes += BufferBytes(&Layer::staging, layer.staging_capacity);
   }
   return bytes;
 }
@@ -144,7 +152,7 @@ absl::Status LowRankIndex::Reserve(int64_t tokens) {
   // The rows written, head by head, into the wider rows.
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    if (!layer.basis_made || layer.tokens == 0) continue;
+    if (!layer.basis_made() || layer.tokens == 0) continue;
     for (int64_t g = 0; g < geometry_.num_kv_heads; ++g) {
       TANDEM_RETURN_IF_ERROR(backend_->CopyOnDevice(
           coords[l].as<int8_t>() + g * grown * rank_,
@@ -160,7 +168,7 @@ absl::Status LowRankIndex::Reserve(int64_t tokens) {
   std::vector<DeviceBuffer> stagings(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& layer = layers_[l];
-    if (layer.basis_made || layer.staging_capacity >= staging) continue;
+    if (layer.basis_made() || layer.staging_capacity >= staging) continue;
     absl::StatusOr<DeviceBuffer> s = backend_->Allocate(BufferBytes(&Layer::staging, staging));
     if (!s.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -196,15 +204,34 @@ absl::Status LowRankIndex::Append(int64_t layer_index, const void* k_cache, int6
   if (count <= 0) return absl::OkStatus();
   Layer& layer = layers_[layer_index];
   TANDEM_RETURN_IF_ERROR(Reserve(layer.tokens + count));
-  if (!layer.basis_made) {
+  if (layer.state == State::kStaging) {
     const int64_t staged = std::min(count, calib_tokens_ - layer.tokens);
     TANDEM_RETURN_IF_ERROR(Stage(layer, k_cache, capacity, first_slot, staged));
-    if (layer.tokens == calib_tokens_) TANDEM_RETURN_IF_ERROR(MakeBasis(layer));
+    if (layer.tokens == calib_tokens_) layer.state = State::kDue;
     first_slot += staged;
     count -= staged;
     if (count == 0) return absl::OkStatus();
   }
+  // Keys beyond the staging are projected, which needs the basis now.
+  if (!layer.basis_made()) TANDEM_RETURN_IF_ERROR(Advance(/*wait=*/true));
   return Project(layer, k_cache, capacity, first_slot, count);
+}
+
+bool LowRankIndex::calibrating() const {
+  return std::any_of(layers_.begin(), layers_.end(), [](const Layer& layer) {
+    return layer.state == State::kDue || layer.state == State::kSolving;
+  });
+}
+
+absl::Status LowRankIndex::Advance(bool wait) {
+  if (parked()) return absl::OkStatus();   // (Park installed any job; Unpark keeps what is due)
+  if (job_.has_value() &&
+      (wait || job_->bases.wait_for(std::chrono::seconds(0)) == std::future_status::ready)) {
+    TANDEM_RETURN_IF_ERROR(InstallBases());
+  }
+  if (!job_.has_value()) TANDEM_RETURN_IF_ERROR(StartBases());
+  if (wait) TANDEM_RETURN_IF_ERROR(InstallBases());
+  return absl::OkStatus();
 }
 
 absl::Status LowRankIndex::Stage(Layer& layer, const void* k_cache, int64_t capacity,
@@ -222,34 +249,68 @@ absl::Status LowRankIndex::Stage(Layer& layer, const void* k_cache, int64_t capa
   return absl::OkStatus();
 }
 
-absl::Status LowRankIndex::MakeBasis(Layer& layer) {
+absl::Status LowRankIndex::StartBases() {
+  std::vector<int64_t> due;
+  for (int64_t l = 0; l < geometry_.num_layers; ++l) {
+    if (layers_[l].state == State::kDue) due.push_back(l);
+  }
+  if (due.empty()) return absl::OkStatus();
   const int64_t heads = geometry_.num_kv_heads, D = geometry_.head_dim;
+  const size_t layer_floats = static_cast<size_t>(heads * D * D);
   TANDEM_ASSIGN_OR_RETURN(DeviceBuffer gram,
-                          backend_->Allocate(static_cast<size_t>(heads * D * D) * 4));
-  KeyGramParams p;
-  p.k = layer.staging.data();
-  p.capacity = layer.staging_capacity;
-  p.first_slot = 0;
-  p.count = calib_tokens_;
-  p.dtype = geometry_.dtype;
-  p.num_kv_heads = heads;
-  p.head_dim = D;
-  p.gram = gram.as<float>();
-  TANDEM_RETURN_IF_ERROR(backend_->KeyGram(p));
-  std::vector<float> host(static_cast<size_t>(heads * D * D));
+                          backend_->Allocate(due.size() * layer_floats * sizeof(float)));
+  for (size_t i = 0; i < due.size(); ++i) {
+    const Layer& layer = layers_[due[i]];
+    KeyGramParams p;
+    p.k = layer.staging.data();
+    p.capacity = layer.staging_capacity;
+    p.first_slot = 0;
+    p.count = calib_tokens_;
+    p.dtype = geometry_.dtype;
+    p.num_kv_heads = heads;
+    p.head_dim = D;
+    p.gram = gram.as<float>() + i * layer_floats;
+    TANDEM_RETURN_IF_ERROR(backend_->KeyGram(p));
+  }
+  std::vector<float> host(due.size() * layer_floats);
   TANDEM_RETURN_IF_ERROR(backend_->CopyToHost(host.data(), gram.data(), host.size() * 4));
-  std::vector<float> basis;
-  TANDEM_RETURN_IF_ERROR(TopEigenvectorsOfHeads(host, heads, D, rank_, basis));
-  TANDEM_ASSIGN_OR_RETURN(layer.basis, backend_->Allocate(basis.size() * 4));
-  TANDEM_RETURN_IF_ERROR(
-      backend_->CopyToDevice(layer.basis.data(), basis.data(), basis.size() * 4));
-  layer.basis_made = true;
-  const int64_t staged = layer.tokens;
-  layer.tokens = 0;
-  TANDEM_RETURN_IF_ERROR(Project(layer, layer.staging.data(), layer.staging_capacity, 0, staged));
-  // (The projection is queued on the backend's stream; freeing waits for it where needed.)
-  layer.staging.Reset();
-  layer.staging_capacity = 0;
+  for (int64_t l : due) layers_[l].state = State::kSolving;
+  // The job owns its inputs: the index may move (or die: the future's destructor waits).
+  BasisJob job;
+  job.layers = due;
+  job.bases = std::async(std::launch::async,
+                         [host = std::move(host), due, heads, D, R = rank_] {
+                           return SolveBases(host, due, heads, D, R);
+                         });
+  job_ = std::move(job);
+  return absl::OkStatus();
+}
+
+absl::Status LowRankIndex::InstallBases() {
+  if (!job_.has_value()) return absl::OkStatus();
+  BasisJob job = std::move(*job_);
+  job_.reset();
+  absl::StatusOr<std::vector<float>> bases = job.bases.get();
+  if (!bases.ok()) {   // due again: a later Advance retries, the caller hears why
+    for (int64_t l : job.layers) layers_[l].state = State::kDue;
+    return bases.status();
+  }
+  const size_t layer_floats = static_cast<size_t>(geometry_.num_kv_heads * geometry_.head_dim *
+                                                  rank_);
+  for (size_t i = 0; i < job.layers.size(); ++i) {
+    Layer& layer = layers_[job.layers[i]];
+    TANDEM_ASSIGN_OR_RETURN(layer.basis, backend_->Allocate(layer_floats * 4));
+    TANDEM_RETURN_IF_ERROR(backend_->CopyToDevice(
+        layer.basis.data(), bases->data() + i * layer_floats, layer_floats * 4));
+    layer.state = State::kMade;
+    const int64_t staged = layer.tokens;
+    layer.tokens = 0;
+    TANDEM_RETURN_IF_ERROR(
+        Project(layer, layer.staging.data(), layer.staging_capacity, 0, staged));
+    // (The projection is queued on the backend's stream; freeing waits for it where needed.)
+    layer.staging.Reset();
+    layer.staging_capacity = 0;
+  }
   return absl::OkStatus();
 }
 
@@ -299,7 +360,11 @@ absl::StatusOr<LowRankIndex> LowRankIndex::Fork(int64_t reserve_tokens) const {
   TANDEM_ASSIGN_OR_RETURN(LowRankIndex fork,
                           Create(*backend_, geometry_, {rank_, calib_tokens_}, 0));
   // The calibration state first, so that Reserve stages room only where the basis is not made.
-  for (size_t l = 0; l < layers_.size(); ++l) fork.layers_[l].basis_made = layers_[l].basis_made;
+  // A basis being made here is due in the fork (made again from the same staged keys).
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const State state = layers_[l].state;
+    fork.layers_[l].state = state == State::kSolving ? State::kDue : state;
+  }
   TANDEM_RETURN_IF_ERROR(fork.Reserve(std::max(reserve_tokens, written)));
   for (size_t l = 0; l < layers_.size(); ++l) {
     const Layer& from = layers_[l];
@@ -335,6 +400,7 @@ size_t LowRankIndex::ParkBytes() const {
 
 absl::Status LowRankIndex::Park(ParkingPool& pool) {
   if (parked()) return absl::FailedPreconditionError("low-rank keys: already parked");
+  TANDEM_RETURN_IF_ERROR(InstallBases());   // a job's bases first: parked layers hold no job
   TANDEM_ASSIGN_OR_RETURN(ParkingSpace space, pool.Take(ParkBytes()));
   size_t offset = 0;
   for (const Layer& layer : layers_) {
@@ -361,12 +427,12 @@ absl::Status LowRankIndex::Unpark() {
   for (size_t l = 0; l < layers_.size(); ++l) {
     Layer& to = fresh[l];
     to.tokens = layers_[l].tokens;
-    to.basis_made = layers_[l].basis_made;
+    to.state = layers_[l].state;
     TANDEM_ASSIGN_OR_RETURN(to.coords,
                             backend_->Allocate(BufferBytes(&Layer::coords, capacity_tokens_)));
     TANDEM_ASSIGN_OR_RETURN(to.scales,
                             backend_->Allocate(BufferBytes(&Layer::scales, capacity_tokens_)));
-    if (to.basis_made) {
+    if (to.basis_made()) {
       TANDEM_ASSIGN_OR_RETURN(to.basis, backend_->Allocate(BufferBytes(&Layer::basis, 0)));
     } else if (layers_[l].staging_capacity > 0) {
       to.staging_capacity = layers_[l].staging_capacity;

@@ -49,7 +49,8 @@ double NodeTier::off_device_work() const {
 
 absl::Status NodeTier::BeginPass(TierContext&, size_t) {
   speculated_ = {};
-  return absl::OkStatus();
+  // Low-rank bases finished since the last pass are installed before this pass selects.
+  return pages_ != nullptr ? pages_->AdvanceLowRank() : absl::OkStatus();
 }
 
 absl::Status NodeTier::ParkDevice(ParkingPool& pool) {
@@ -141,7 +142,11 @@ void NodeTier::CancelAttend(TierContext&, const AttendRows& rows) {
 absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
                               const std::vector<EvictedBlock>& blocks) {
   // Summaries first, from the window's K before the blocks are released.
-  if (pages_ != nullptr) TANDEM_RETURN_IF_ERROR(pages_->AppendEvicted(window, blocks));
+  if (pages_ != nullptr) {
+    const Clock::time_point start = Clock::now();
+    TANDEM_RETURN_IF_ERROR(pages_->AppendEvicted(window, blocks));
+    context.profile().evict_index_s += Seconds(start);
+  }
   return context.ReadEvicted(
       window, blocks,
       [this](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,

@@ -194,12 +194,17 @@ absl::Status PageIndex::Append(int64_t layer, const void* k_cache, int64_t capac
 
 absl::Status PageIndex::AppendEvicted(const WindowCache& window,
                                       const std::vector<EvictedBlock>& blocks) {
+  // Runs of consecutive slots, not blocks: a 4096-token settle slice of 16-token blocks is one
+  // or two runs, so a layer costs one summary kernel and one staging copy or projection per
+  // run instead of ~9 device calls per block.
+  const std::vector<EvictedBlock> runs = SlotRuns(blocks);
   for (int64_t l = 0; l < geometry_.num_layers; ++l) {
-    for (const EvictedBlock& b : blocks) {
-      TANDEM_RETURN_IF_ERROR(Append(l, window.k(l), window.capacity(), b.first_slot, b.count));
+    for (const EvictedBlock& run : runs) {
+      TANDEM_RETURN_IF_ERROR(Append(l, window.k(l), window.capacity(), run.first_slot, run.count));
     }
   }
-  return absl::OkStatus();
+  // The layers whose staging these filled start their bases together, off the step.
+  return AdvanceLowRank();
 }
 
 absl::StatusOr<SelectPagesParams> PageIndex::SelectParams(int64_t layer, const float* q,

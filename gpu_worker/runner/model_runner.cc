@@ -803,7 +803,9 @@ absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_toke
     tokens += blocks[take++].count;
   }
   blocks.resize(take);
-  TANDEM_RETURN_IF_ERROR(EvictBlocks(seq, blocks));
+  const absl::Status status = EvictBlocks(seq, blocks);
+  static_cast<OffloadProfile&>(profile_) = tiers_.profile();   // (its evict_* parts)
+  TANDEM_RETURN_IF_ERROR(status);
   return tokens;
 }
 

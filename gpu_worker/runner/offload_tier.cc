@@ -1,6 +1,7 @@
 #include "tandem/gpu_worker/offload_tier.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
@@ -147,10 +148,15 @@ absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<Evi
   // the configured sink + window after a widened prefill: WindowCache::eviction_entries).
   const int64_t window_entries = window.eviction_entries();
   for (int64_t l = 0; l < g.num_layers; ++l) {
+    const auto start = std::chrono::steady_clock::now();
     TANDEM_RETURN_IF_ERROR(
         window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));
+    const auto read = std::chrono::steady_clock::now();
     TANDEM_RETURN_IF_ERROR(
         sink(l, evict_k_.data(), evict_v_.data(), evict_maw_.data(), total, window_entries));
+    profile_.evict_read_s += std::chrono::duration<double>(read - start).count();
+    profile_.evict_append_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - read).count();
   }
   return absl::OkStatus();
 }

@@ -8,10 +8,10 @@
 namespace tandem::gpu_worker {
 namespace {
 
-// `blocks` with neighbours merged: a block that starts at the slot and position where the one
-// before it ends joins it. A widened prefill evicts thousands of consecutive blocks at once;
-// one copy or fill per run instead of per block keeps its settle at transfer speed rather than
-// at the device's per-call cost (~10 us per copy, ~3 us per fill, x layers x heads).
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
 std::vector<EvictedBlock> SlotRuns(const std::vector<EvictedBlock>& blocks) {
   std::vector<EvictedBlock> runs;
   for (const EvictedBlock& b : blocks) {
@@ -24,10 +24,6 @@ std::vector<EvictedBlock> SlotRuns(const std::vector<EvictedBlock>& blocks) {
   }
   return runs;
 }
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-}  // namespace
 
 absl::StatusOr<WindowCache> WindowCache::Create(Backend& backend, const WindowGeometry& geometry,
                                                 const WindowOptions& options) {

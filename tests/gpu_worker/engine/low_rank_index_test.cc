@@ -2,8 +2,8 @@
 // 3-dimensional subspace (plus a little noise) are staged until calib_tokens have arrived, a
 // rank-4 basis is made from them, and from then on every offloaded key's coordinates give back
 // q·k for any q (to int8 rounding), in the order the keys were offloaded, across an append that
-// straddles the calibration, the buffers' growth, a fork and a park. The cpu backend in CI, the
-// cuda one with label gpu.
+// straddles the calibration, the buffers' growth, a fork and a park, and when the basis is made
+// in the background (Advance). The cpu backend in CI, the cuda one with label gpu.
 #include "tandem/gpu_worker/low_rank_index.h"
 
 #include <gtest/gtest.h>
@@ -215,6 +215,51 @@ TEST(LowRankIndexStagingTest, StagedKeysSurviveParkingAndForking) {
     ASSERT_TRUE(backend->Synchronize().ok());
     ExpectCoordinatesGiveBackDots(*backend, *i, keys, order);
   }
+}
+
+// A staging filled exactly leaves the layer due, not ready: Advance makes the bases of every due
+// layer in one background job and a later Advance installs them. Parking waits for the job and
+// installs its bases; a fork taken while they are due makes its own from the staged keys.
+TEST(LowRankIndexStagingTest, BasesAreMadeOffTheAppendAndInstalledByAdvance) {
+  TANDEM_SKIP_WITHOUT_BACKEND();
+  std::string why;
+  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
+  ASSERT_NE(backend, nullptr) << why;
+  const WindowGeometry geometry{kLayers, kHeads, kDim, DType::kF32};
+  Keys keys = MakeKeys(*backend, DType::kF32, 9);
+  auto index = LowRankIndex::Create(*backend, geometry, {kRank, kCalib}, 0);
+  ASSERT_TRUE(index.ok()) << index.status();
+  for (int64_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(index->Append(l, keys.device[l].data(), kCapacity, 0, kCalib).ok());
+    EXPECT_FALSE(index->ready(l));
+  }
+  EXPECT_TRUE(index->calibrating());
+  EXPECT_EQ(index->Keys(0, 8, 0.25f).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto fork = index->Fork(0);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+
+  ASSERT_TRUE(index->Advance().ok());   // the job starts; it may or may not be done
+  EXPECT_TRUE(index->calibrating() || index->ready(0));
+  ParkingPool pool(*backend, size_t{1} << 24, 4096);
+  ASSERT_TRUE(index->Park(pool).ok());
+  ASSERT_TRUE(index->Unpark().ok());
+  EXPECT_FALSE(index->calibrating());
+  std::vector<int64_t> order;
+  for (int64_t s = 0; s < kCalib; ++s) order.push_back(s);
+  ASSERT_TRUE(backend->Synchronize().ok());
+  ExpectCoordinatesGiveBackDots(*backend, *index, keys, order);
+
+  EXPECT_FALSE(fork->ready(0));
+  EXPECT_TRUE(fork->calibrating());
+  ASSERT_TRUE(fork->Advance(/*wait=*/true).ok());
+  EXPECT_FALSE(fork->calibrating());
+  // Keys after the basis are projected at once.
+  for (int64_t l = 0; l < kLayers; ++l) {
+    ASSERT_TRUE(fork->Append(l, keys.device[l].data(), kCapacity, kCalib, 8).ok());
+  }
+  for (int64_t s = kCalib; s < kCalib + 8; ++s) order.push_back(s);
+  ASSERT_TRUE(backend->Synchronize().ok());
+  ExpectCoordinatesGiveBackDots(*backend, *fork, keys, order);
 }
 
 TEST(LowRankIndexOptionsTest, BadOptionsAreRefusedByName) {

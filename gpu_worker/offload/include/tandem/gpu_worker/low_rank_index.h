@@ -11,19 +11,25 @@
 //   staging [num_kv_heads, staging_capacity, head_dim] of the KV dtype: those first keys, copied
 //           as they leave the window, until the basis exists (then projected and freed); room
 //           for min(calib_tokens, the reserved tokens), grown with the reservation.
-// So a layer is `ready` (every offloaded key has coordinates) from its calib_tokens-th key on;
+// So a layer is `ready` (every offloaded key has coordinates) once its basis is installed;
 // before that the caller scores pages another way. Memory per offloaded token and kv head:
 // rank + 4 bytes (0.5·D + 4 at the default rank D/2: 68 bytes for D = 128, 1/7.5 of bf16 K+V).
 //
-// Making the basis costs one KeyGram per layer, a [num_kv_heads, D, D] f32 download, a D×D
-// eigendecomposition per (layer, kv head) on the host (threads over the heads) and a projection
-// of the staged keys: once per sequence, in the step whose eviction crosses calib_tokens.
+// The basis is made off the step: a layer's staging fills (state kDue), Advance() queues the
+// KeyGram of every due layer at once, downloads them with one wait and hands the D×D
+// eigendecompositions of all (layer, kv head) pairs to a background job (kSolving; ~5 ms each
+// at D = 128, 256 of them for a Llama-3-8B session: threads over the pairs); a later Advance()
+// installs the bases the job made (upload, projection of the staged keys, staging freed). An
+// Append of keys beyond the staging to a layer without its basis waits for it instead.
 //
-// Not thread-safe: the engine's executor thread owns it with its PageIndex.
+// Not thread-safe: the engine's executor thread owns it with its PageIndex (the background job
+// touches only its own copies of the Gram matrices).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <future>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,6 +67,7 @@ class LowRankIndex {
 
   LowRankIndex(LowRankIndex&&) = default;
   LowRankIndex& operator=(LowRankIndex&&) = default;
+  ~LowRankIndex();   // waits for a background job still running (it owns what it reads)
 
   // Device bytes for `tokens` offloaded entries per (layer, kv head): coordinates, scales,
   // basis, and the staging (counted as held: it is while the first keys arrive).
@@ -73,13 +80,20 @@ class LowRankIndex {
 
   // The keys in slots [first_slot, first_slot + count) of `layer`'s k_cache
   // [num_kv_heads, capacity, head_dim] (the index's dtype), as that layer's next `count`
-  // offloaded entries: staged while the basis is not made (and the basis made when the staging
-  // fills), projected once it is.
+  // offloaded entries: staged while the basis is not made (the layer is due once the staging
+  // fills), projected once it is. Keys beyond a full staging wait for the layer's basis (made
+  // here when Advance has not started it).
   absl::Status Append(int64_t layer, const void* k_cache, int64_t capacity, int64_t first_slot,
                       int64_t count);
+  // Installs the bases the background job has made (with `wait`: waits for it), then starts
+  // the bases of the layers due (one KeyGram each, one download, one job for all). Cheap when
+  // nothing is due or finished: call it once per step or after a batch of appends.
+  absl::Status Advance(bool wait = false);
+  // Whether some layer's basis is due or being made.
+  bool calibrating() const;
 
-  // Whether every offloaded key of `layer` has coordinates (its basis is made).
-  bool ready(int64_t layer) const { return layers_[layer].basis_made; }
+  // Whether every offloaded key of `layer` has coordinates (its basis is installed).
+  bool ready(int64_t layer) const { return layers_[layer].state == State::kMade; }
   // The layer's keys for SelectPagesParams::low_rank (FAILED_PRECONDITION unless ready).
   absl::StatusOr<LowRankKeys> Keys(int64_t layer, int64_t page_tokens, float softmax_scale) const;
 
@@ -106,6 +120,9 @@ class LowRankIndex {
   const float* basis(int64_t layer) const { return layers_[layer].basis.as<float>(); }
 
  private:
+  // A layer's calibration: keys staged, staging full (basis due), basis being made by the
+  // background job, basis installed (keys projected as they come).
+  enum class State { kStaging, kDue, kSolving, kMade };
   struct Layer {
     DeviceBuffer coords;   // [num_kv_heads, capacity_tokens, rank] int8
     DeviceBuffer scales;   // [num_kv_heads, capacity_tokens] f32
@@ -113,7 +130,14 @@ class LowRankIndex {
     DeviceBuffer staging;  // [num_kv_heads, staging_capacity, head_dim], until the basis is made
     int64_t staging_capacity = 0;   // keys per head the staging holds (<= calib_tokens)
     int64_t tokens = 0;    // offloaded entries appended (staged or projected)
-    bool basis_made = false;
+    State state = State::kStaging;
+    bool basis_made() const { return state == State::kMade; }
+  };
+  // The eigendecompositions of one Advance's due layers, running on a background thread:
+  // bases [layers.size(), num_kv_heads, head_dim, rank] f32 in `layers` order.
+  struct BasisJob {
+    std::vector<int64_t> layers;
+    std::future<absl::StatusOr<std::vector<float>>> bases;
   };
   // One strided device tensor of a layer for copies: `rows` rows of `row_bytes` used bytes,
   // `pitch` bytes apart in `buffer`.
@@ -130,8 +154,11 @@ class LowRankIndex {
   // Stages `count` keys from slot first_slot (count <= calib_tokens - tokens).
   absl::Status Stage(Layer& layer, const void* k_cache, int64_t capacity, int64_t first_slot,
                      int64_t count);
-  // The basis from the staged keys, their coordinates, the staging freed.
-  absl::Status MakeBasis(Layer& layer);
+  // Queues the KeyGram of every due layer, downloads them and starts job_ (none running).
+  absl::Status StartBases();
+  // Installs job_'s bases (waiting for them): each layer's basis uploaded, its staged keys
+  // projected, its staging freed. Nothing to do without a job.
+  absl::Status InstallBases();
   absl::Status Project(Layer& layer, const void* k, int64_t capacity, int64_t first_slot,
                        int64_t count);
 
@@ -141,6 +168,7 @@ class LowRankIndex {
   int64_t calib_tokens_ = 0;
   int64_t capacity_tokens_ = 0;
   std::vector<Layer> layers_;
+  std::optional<BasisJob> job_;
   ParkingSpace parked_;
 };
 

@@ -60,8 +60,11 @@ class PageIndex {
   // dtype), as that layer's next count / page_tokens pages. Grows the capacity if needed.
   absl::Status Append(int64_t layer, const void* k_cache, int64_t capacity, int64_t first_slot,
                       int64_t count);
-  // Append for evicted window blocks, every layer, in the blocks' order.
+  // Append for evicted window blocks, every layer, in the blocks' order; then AdvanceLowRank.
   absl::Status AppendEvicted(const WindowCache& window, const std::vector<EvictedBlock>& blocks);
+  // LowRankIndex::Advance (not waiting): installs the low-rank bases made since, starts those
+  // due. Nothing without low-rank keys or while parked.
+  absl::Status AdvanceLowRank() { return low_rank_ ? low_rank_->Advance() : absl::OkStatus(); }
 
   // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q (attention
   // scale softmax_scale, which the kLowRank score's logsumexp uses), scored by `score`

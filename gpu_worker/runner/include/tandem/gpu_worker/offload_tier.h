@@ -75,6 +75,12 @@ struct OffloadProfile {
   double attend_round_trip_s = 0.0;
   double node_handle_s = 0.0;
   double node_compute_s = 0.0;
+  // Evicted blocks leaving the window for the tier (evictions and settle slices), summed: the
+  // page index's part (summaries, low-rank keys), the blocks' download to host staging, and the
+  // tier's append of them (CPU nodes, host pages).
+  double evict_index_s = 0.0;
+  double evict_read_s = 0.0;
+  double evict_append_s = 0.0;
 };
 
 // What a sequence asks of its tier's attention in this pass (from Sequence).

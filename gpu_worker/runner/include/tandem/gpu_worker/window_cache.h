@@ -63,6 +63,12 @@ struct EvictedBlock {
   int64_t count = 0;
 };
 
+// `blocks` with neighbours merged: a block that starts at the slot and position where the one
+// before it ends joins it. A widened prefill evicts thousands of consecutive blocks at once;
+// one copy, fill or kernel per run instead of per block keeps its settle at transfer speed
+// rather than at the device's per-call cost (~5-10 us a call, x layers x heads).
+std::vector<EvictedBlock> SlotRuns(const std::vector<EvictedBlock>& blocks);
+
 class WindowCache {
  public:
   // Allocates the device buffers. INVALID_ARGUMENT for bad options, RESOURCE_EXHAUSTED when
