@@ -133,6 +133,8 @@ ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transpa
 ABSL_FLAG(uint32_t, node_pool_spin_us, 0,
           "embedded CPU node: attention threads spin this long after a call before sleeping "
           "(NodeOptions::pool_spin_us; tandem-cpu-attention's --pool_spin_us)");
+ABSL_FLAG(uint32_t, shm_fill_threads, 4,
+          "threads copying evicted KV into shm appends (NodePoolOptions::shm_fill_threads)");
 ABSL_FLAG(uint32_t, shm_spin_us, 10,
           "shm transport: both ends spin this long before sleeping while waiting (the worker for "
           "an answer, the embedded node's channel thread for a request)");
@@ -1079,6 +1081,7 @@ int Main() {
     po.embedded.tasks_per_thread = absl::GetFlag(FLAGS_node_tasks_per_thread);
     po.embedded.dense_tasks_per_thread = absl::GetFlag(FLAGS_node_dense_tasks_per_thread);
     po.embedded.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
+    po.shm_fill_threads = absl::GetFlag(FLAGS_shm_fill_threads);
     auto node_kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
     if (!node_kv_dtype.ok()) {
       std::fprintf(stderr, "--%s\n", std::string(node_kv_dtype.status().message()).c_str());

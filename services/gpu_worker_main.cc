@@ -142,6 +142,10 @@ ABSL_FLAG(int64_t, settle_tokens_per_step, 4096,
           "the CPU nodes / host pages per step, over all sessions (the request decodes on, its "
           "window attending over the rest); bounds what a settle adds to any step; 0 = a whole "
           "prompt in the step after its first token");
+ABSL_FLAG(bool, settle_shares_prefill_budget, false,
+          "a step that feeds prompt chunks settles only what they leave of "
+          "--settle_tokens_per_step (at least one block), so a chunk and a settle slice do not "
+          "stall decoding requests together");
 ABSL_FLAG(int64_t, max_waiting, 4096, "requests queued beyond the running ones; more: refused");
 ABSL_FLAG(std::string, mode, "hybrid",
           "default attention mode of requests: gpu (all KV on the device), hybrid (window on the "
@@ -209,6 +213,9 @@ ABSL_FLAG(int, control_deadline_ms, 30000,
 ABSL_FLAG(int, cpu_nodes_probe_ms, 250,
           "period of the health probe (Stats) of CPU nodes that failed a call; they rejoin "
           "placement once they answer; 0 = only at --cpu_nodes_refresh_s");
+ABSL_FLAG(uint32_t, node_shm_fill_threads, 4,
+          "threads (the scheduler's included) that copy evicted KV into shared-memory appends "
+          "to CPU nodes on this host; 1..64");
 ABSL_FLAG(std::string, worker_name, "",
           "this worker's name on the CPU nodes, the same across its restarts and unique among "
           "workers (1..128 of [A-Za-z0-9._:-]): its sessions there are leased to it, and a "
@@ -356,6 +363,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes).bytes;
   e.device_prefill = absl::GetFlag(FLAGS_device_prefill);
   e.settle_tokens_per_step = absl::GetFlag(FLAGS_settle_tokens_per_step);
+  e.settle_shares_prefill_budget = absl::GetFlag(FLAGS_settle_shares_prefill_budget);
   e.prefill_breaks = absl::GetFlag(FLAGS_prefill_breaks);
   options.scheduler.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.scheduler.step_tokens = absl::GetFlag(FLAGS_step_tokens);
@@ -455,6 +463,10 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   e.nodes.probe_ms = absl::GetFlag(FLAGS_cpu_nodes_probe_ms);
   if (e.nodes.probe_ms < 0 || e.nodes.probe_ms > 60000) {
     return UsageError("--cpu_nodes_probe_ms must be in 0..60000");
+  }
+  e.nodes.shm_fill_threads = absl::GetFlag(FLAGS_node_shm_fill_threads);
+  if (e.nodes.shm_fill_threads < 1 || e.nodes.shm_fill_threads > 64) {
+    return UsageError("--node_shm_fill_threads must be in 1..64");
   }
   TANDEM_RETURN_IF_ERROR(NodeLeaseFromFlags(&e.nodes, options.address));
   const uint64_t max_message = absl::GetFlag(FLAGS_max_message_bytes).bytes;

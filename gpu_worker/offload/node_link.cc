@@ -191,16 +191,25 @@ absl::Status ShmLink::Append(int64_t layer, std::span<const uint32_t> heads, con
         *shm::AppendLayoutFor(heads.size(), count, row, bases[index % 2]);
     std::byte* dst = area.data();
     std::memcpy(dst + layout.heads, heads.data(), heads.size() * sizeof(uint32_t));
-    // Head-major source [H_kv, num_tokens, D]: one contiguous run per head and array.
-    for (size_t i = 0; i < heads.size(); ++i) {
+    // Head-major source [H_kv, num_tokens, D]: one contiguous run per (head, K|V|MAW), copied
+    // on the fill threads (a chunk is megabytes: one core's memcpy bounded the settle).
+    fill_.ParallelFor(3 * heads.size(), [&](size_t task) {
+      const size_t i = task / 3;
       const size_t src = (heads[i] * num_tokens + t0) * row;
-      std::memcpy(dst + layout.k + i * count * row, static_cast<const char*>(k) + src,
-                  count * row);
-      std::memcpy(dst + layout.v + i * count * row, static_cast<const char*>(v) + src,
-                  count * row);
-      std::memcpy(dst + layout.maw + i * count * sizeof(float), maw + heads[i] * num_tokens + t0,
-                  count * sizeof(float));
-    }
+      switch (task % 3) {
+        case 0:
+          std::memcpy(dst + layout.k + i * count * row, static_cast<const char*>(k) + src,
+                      count * row);
+          break;
+        case 1:
+          std::memcpy(dst + layout.v + i * count * row, static_cast<const char*>(v) + src,
+                      count * row);
+          break;
+        default:
+          std::memcpy(dst + layout.maw + i * count * sizeof(float),
+                      maw + heads[i] * num_tokens + t0, count * sizeof(float));
+      }
+    });
     return std::pair{layout, count};
   };
   const int64_t count_chunks = (num_tokens + chunk - 1) / chunk;

@@ -114,9 +114,11 @@ class ShmLink {
  public:
   using Clock = std::chrono::steady_clock;
   // `channel`: the session's channel, mapped by the node. address: for error messages.
+  // `fill`: the threads that copy append chunks into the channel (NodePool's; outlives it).
   ShmLink(std::unique_ptr<cpu_attention::ShmChannel> channel, std::string address,
-          const LinkSession& session)
-      : channel_(std::move(channel)), address_(std::move(address)), session_(session) {
+          const LinkSession& session, cpu_attention::ThreadPool& fill)
+      : channel_(std::move(channel)), address_(std::move(address)), session_(session),
+        fill_(fill) {
     channel_->WatchPeer();   // a node process that exits ends our waits at once
   }
 
@@ -139,6 +141,7 @@ class ShmLink {
   std::unique_ptr<cpu_attention::ShmChannel> channel_;
   std::string address_;
   LinkSession session_;
+  cpu_attention::ThreadPool& fill_;
   int64_t tokens_ = 0;
   absl::Status error_;
 };

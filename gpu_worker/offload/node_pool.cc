@@ -92,6 +92,10 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
         "node pool: refresh_ms, stats_deadline_ms, connect_timeout_ms, probe_ms, "
         "probe_deadline_ms and lease_period_ms must be >= 0 (deadlines > 0)");
   }
+  if (options.shm_fill_threads < 1 || options.shm_fill_threads > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "node pool: shm_fill_threads must be in 1..64, got ", options.shm_fill_threads));
+  }
   // This process's lease, checked by the nodes' own rule before any node is called; remote
   // nodes only (the embedded one goes with the process).
   std::optional<v1::SessionLease> lease;
@@ -108,6 +112,7 @@ absl::StatusOr<std::unique_ptr<NodePool>> NodePool::Create(const NodePoolOptions
     }
   }
   auto pool = std::unique_ptr<NodePool>(new NodePool(options));
+  pool->shm_fill_threads_ = std::make_unique<cpu_attention::ThreadPool>(options.shm_fill_threads);
   const bool remote = options.discovery != nullptr || !options.addresses.empty() ||
                       !options.dns_name.empty();
   if (!remote) {

@@ -291,7 +291,8 @@ absl::Status RemoteKv::OpenOn(size_t n, NodeTransport transport,
   node_ids_[n] = state.node_id;
   node_int8_[n] = state.int8_kv;
   if (channel != nullptr && response.transport() == v1::TRANSPORT_SHM) {
-    shm_[n] = std::make_unique<ShmLink>(std::move(channel), pool_.address(n), Session());
+    shm_[n] = std::make_unique<ShmLink>(std::move(channel), pool_.address(n), Session(),
+                                        pool_.shm_fill_threads());
   } else if (transport == NodeTransport::kShm) {
     return absl::FailedPreconditionError(
         absl::StrCat("CPU node ", pool_.address(n), " declined shared memory: ",

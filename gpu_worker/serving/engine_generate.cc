@@ -402,6 +402,11 @@ absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks
     g.seq->EndPrefillSpill();
   }
   int64_t settle_budget = runner_->options().settle_budget_per_step();
+  if (options_.settle_shares_prefill_budget && options_.settle_tokens_per_step > 0) {
+    int64_t prompt_tokens = 0;   // the chunks of prompts (a decode row feeds one token)
+    for (const StepItem& item : items) prompt_tokens += item.tokens > 1 ? item.tokens : 0;
+    settle_budget = std::max<int64_t>(1, settle_budget - prompt_tokens);   // 1: a block
+  }
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
     if (settle_budget <= 0) break;

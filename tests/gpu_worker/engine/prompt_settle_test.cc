@@ -14,7 +14,9 @@
 //    starts its next turn) mid-settle settles on, and its next turn is still exact; with
 //    nothing running, what is left settles a slice per Engine::SettleIdle (End does not wait);
 //  - a request cancelled mid-settle releases its window, tier and node session;
-//  - a settle failure (the tier's Append fails) fails only that request.
+//  - a settle failure (the tier's Append fails) fails only that request;
+//  - settle_shares_prefill_budget: a step that feeds a prompt chunk settles what the chunk
+//    leaves of the budget (at least a block), the next decode-only step a whole slice.
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -37,7 +39,8 @@ constexpr float kLogprobTolerance = 1e-4f;
 constexpr int64_t kWindow = 16, kSink = 4, kChunk = 64, kPrompt = 300, kSlice = 16;
 
 
-std::unique_ptr<Engine> MakeEngine(int64_t settle_tokens_per_step) {
+std::unique_ptr<Engine> MakeEngine(int64_t settle_tokens_per_step,
+                                   bool settle_shares_prefill_budget = false) {
   EngineOptions options;
   options.model_dir = testing::ModelDir("stories260k").string();
   options.backend = testing::TestBackendName();
@@ -48,6 +51,7 @@ std::unique_ptr<Engine> MakeEngine(int64_t settle_tokens_per_step) {
   options.offload_page_tokens = 16;
   options.exact_fetch_share = 0.5;   // exact mode: half the entries on the node, half on host
   options.settle_tokens_per_step = settle_tokens_per_step;
+  options.settle_shares_prefill_budget = settle_shares_prefill_budget;
   auto engine = Engine::Create(options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(*engine) : nullptr;
@@ -395,6 +399,39 @@ TEST_F(PromptSettle, OtherRequestsStepWhileAPromptSettles) {
   EXPECT_EQ(short_summary->completion_tokens, 60);
   ASSERT_TRUE(engine->CloseSession("long").ok());
   EXPECT_EQ(engine->DeviceKvBytes(), 0u);
+}
+
+// With settle_shares_prefill_budget, a prompt chunk of 48 tokens beside a settling request leaves
+// 64 - 48 = 16 tokens (one block) of the 64-token budget to its settle; without it, or in the
+// decode-only step after, the settle moves 64.
+TEST_F(PromptSettle, AStepWithAPromptChunkSettlesWhatTheChunkLeaves) {
+  constexpr int64_t kBudget = 64, kShortPrompt = 48;
+  const Case offload{"offload", AttentionMode::kOffload, SelectionRule::kMaw};
+  for (bool shares : {false, true}) {
+    SCOPED_TRACE(shares ? "shares the budget" : "a whole slice");
+    std::unique_ptr<Engine> engine = MakeEngine(kBudget, shares);
+    ASSERT_NE(engine, nullptr);
+    auto a = Start(*engine, Request(offload, testing::SyntheticPrompt(kPrompt, 31), 8));
+    ASSERT_TRUE(a.ok()) << a.status();
+    const Sequence& settling = *(*a)->g->seq;
+    while (!(*a)->g->first_token_sampled) ASSERT_TRUE(StepAll(*engine, {a->get()}));
+    ASSERT_TRUE(settling.window.settling());
+    auto b = Start(*engine, Request(offload, testing::SyntheticPrompt(kShortPrompt, 5), 4));
+    ASSERT_TRUE(b.ok()) << b.status();
+    int64_t before = settling.offloaded_entries();
+    ASSERT_TRUE(StepAll(*engine, {a->get(), b->get()}));   // a decodes, b's whole prompt
+    ASSERT_TRUE((*b)->g->first_token_sampled);
+    EXPECT_EQ(settling.offloaded_entries() - before, shares ? kBudget - kShortPrompt : kBudget);
+    before = settling.offloaded_entries();
+    ASSERT_TRUE(StepAll(*engine, {a->get(), b->get()}));   // both decode
+    EXPECT_EQ(settling.offloaded_entries() - before, kBudget);
+    while (StepAll(*engine, {a->get(), b->get()})) {
+    }
+    for (auto* d : {a->get(), b->get()}) {
+      auto summary = engine->End(*d->g);
+      ASSERT_TRUE(summary.ok()) << summary.status();
+    }
+  }
 }
 
 // A kept session that ends mid-settle beside another request settles a slice per step of that

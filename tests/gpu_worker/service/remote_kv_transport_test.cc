@@ -167,11 +167,13 @@ class RemoteKvTransportTest : public ::testing::Test {
     return stats;
   }
 
-  static std::unique_ptr<NodePool> EmbeddedPool(bool allow_shm = true) {
+  static std::unique_ptr<NodePool> EmbeddedPool(bool allow_shm = true,
+                                                unsigned shm_fill_threads = 4) {
     NodePoolOptions options;
     options.embedded.pool_bytes = 256ull << 20;
     options.embedded.threads = 2;
     options.embedded.allow_shm = allow_shm;
+    options.shm_fill_threads = shm_fill_threads;
     auto pool = NodePool::Create(options);
     EXPECT_TRUE(pool.ok()) << pool.status();
     return pool.ok() ? std::move(*pool) : nullptr;
@@ -183,9 +185,25 @@ class RemoteKvTransportTest : public ::testing::Test {
 };
 
 TEST_F(RemoteKvTransportTest, EmbeddedNodeShmEqualsGrpc) {
-  auto pool = EmbeddedPool();
-  ASSERT_NE(pool, nullptr);
-  ExpectShmEqualsGrpc(*pool);
+  // Append chunks copied into the channel by the executor alone and by four fill threads.
+  for (unsigned fill_threads : {1u, 4u}) {
+    SCOPED_TRACE(absl::StrCat(fill_threads, " fill threads"));
+    auto pool = EmbeddedPool(/*allow_shm=*/true, fill_threads);
+    ASSERT_NE(pool, nullptr);
+    ExpectShmEqualsGrpc(*pool);
+  }
+}
+
+TEST_F(RemoteKvTransportTest, FillThreadsOutsideTheirRangeAreRefused) {
+  for (unsigned bad : {0u, 65u}) {
+    NodePoolOptions options;
+    options.shm_fill_threads = bad;
+    const absl::StatusOr<std::unique_ptr<NodePool>> pool = NodePool::Create(options);
+    ASSERT_FALSE(pool.ok());
+    EXPECT_EQ(pool.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(pool.status().message().find("shm_fill_threads"), std::string::npos)
+        << pool.status();
+  }
 }
 
 TEST_F(RemoteKvTransportTest, NodeProcessShmEqualsGrpc) {

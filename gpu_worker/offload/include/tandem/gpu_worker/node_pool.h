@@ -49,6 +49,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/cpu_attention/server.h"
+#include "tandem/cpu_attention/thread_pool.h"
 #include "tandem/gpu_worker/node_claims.h"
 #include "tandem/v1/cpu_attention.grpc.pb.h"
 
@@ -93,6 +94,10 @@ struct NodePoolOptions {
   // (sessions stay until closed).
   std::string lease_holder;
   int lease_period_ms = 0;
+  // Threads that copy evicted KV into shared-memory append requests (ShmLink::Append), the
+  // calling executor thread counted: one memcpy thread (~8-10 GB/s) bounded a settle's appends
+  // to the node on the H200 host (BENCHMARKS "Settle slices"). 1..64.
+  unsigned shm_fill_threads = 4;
 };
 
 // What the pool last learned about one node.
@@ -190,6 +195,9 @@ class NodePool {
   // The lease RemoteKv puts on the sessions it opens, or nullopt (no holder or period, or the
   // embedded node). Its incarnation is this pool's start time in microseconds since the epoch.
   std::optional<v1::SessionLease> lease() const { return lease_; }
+  // NodePoolOptions::shm_fill_threads, for the sessions' shm links (ParallelFor may be called
+  // from several threads: extra calls run on their callers).
+  cpu_attention::ThreadPool& shm_fill_threads() const { return *shm_fill_threads_; }
 
  private:
   struct Node {
@@ -228,6 +236,7 @@ class NodePool {
   const NodePoolOptions options_;
   std::unique_ptr<cpu_attention::CpuAttentionServer> embedded_;
   NodeTransport transport_ = NodeTransport::kAuto;
+  std::unique_ptr<cpu_attention::ThreadPool> shm_fill_threads_;
 
   mutable std::mutex mu_;
   // Nodes are never destroyed before the pool, so references to their stubs stay valid.
