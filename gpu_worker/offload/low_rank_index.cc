@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "spdlog/spdlog.h"
 #include "tandem/common/byte_size.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/linalg/symmetric_eigen.h"
@@ -278,6 +279,7 @@ absl::Status LowRankIndex::StartBases() {
   // The job owns its inputs: the index may move (or die: the future's destructor waits).
   BasisJob job;
   job.layers = due;
+  job.started = std::chrono::steady_clock::now();
   job.bases = std::async(std::launch::async,
                          [host = std::move(host), due, heads, D, R = rank_] {
                            return SolveBases(host, due, heads, D, R);
@@ -290,7 +292,13 @@ absl::Status LowRankIndex::InstallBases() {
   if (!job_.has_value()) return absl::OkStatus();
   BasisJob job = std::move(*job_);
   job_.reset();
+  const auto asked = std::chrono::steady_clock::now();
   absl::StatusOr<std::vector<float>> bases = job.bases.get();
+  const auto got = std::chrono::steady_clock::now();
+  spdlog::debug("low-rank bases of {} layers: installed {:.1f} ms after their start, {:.1f} ms "
+                "of it waited for", job.layers.size(),
+                1e3 * std::chrono::duration<double>(got - job.started).count(),
+                1e3 * std::chrono::duration<double>(got - asked).count());
   if (!bases.ok()) {   // due again: a later Advance retries, the caller hears why
     for (int64_t l : job.layers) layers_[l].state = State::kDue;
     return bases.status();

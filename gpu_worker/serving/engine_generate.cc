@@ -26,6 +26,10 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// Steps at least this long are logged at debug level with their anatomy (what waits behind a
+// long inter-token gap: a prompt chunk, a settle slice, the page index's part of it).
+constexpr double kSlowStepSeconds = 0.1;
+
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
@@ -355,6 +359,7 @@ absl::StatusOr<std::unique_ptr<Generation>> Engine::Begin(GenerateRequest reques
 }
 
 absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks) {
+  const Clock::time_point start = Clock::now();
   std::vector<ModelRunner::BatchEntry> entries;
   int64_t total = 0;
   for (const StepItem& item : items) {
@@ -375,6 +380,7 @@ absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks
     for (const StepItem& item : items) item.generation->failure = s;
     return s;
   }
+  const Clock::time_point passed = Clock::now();
   const int64_t vocab = model_->config.vocab_size;
   absl::Status first_failure;
   for (size_t b = 0; b < items.size(); ++b) {
@@ -402,11 +408,14 @@ absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks
     g.seq->EndPrefillSpill();
   }
   int64_t settle_budget = runner_->options().settle_budget_per_step();
+  int64_t prompt_tokens = 0;   // the chunks of prompts (a decode row feeds one token)
+  for (const StepItem& item : items) prompt_tokens += item.tokens > 1 ? item.tokens : 0;
   if (options_.settle_shares_prefill_budget && options_.settle_tokens_per_step > 0) {
-    int64_t prompt_tokens = 0;   // the chunks of prompts (a decode row feeds one token)
-    for (const StepItem& item : items) prompt_tokens += item.tokens > 1 ? item.tokens : 0;
     settle_budget = std::max<int64_t>(1, settle_budget - prompt_tokens);   // 1: a block
   }
+  const Clock::time_point settle_start = Clock::now();
+  const RunnerProfile before_settle = runner_->profile();
+  int64_t settled = 0;
   for (const StepItem& item : items) {
     Generation& g = *item.generation;
     if (settle_budget <= 0) break;
@@ -420,8 +429,28 @@ absl::Status Engine::Step(const std::vector<StepItem>& items, PassBreaks* breaks
       continue;
     }
     settle_budget -= *moved;
+    settled += *moved;
   }
-  SettleIdleSessions(settle_budget);
+  const int64_t idle_budget = settle_budget;
+  settled += idle_budget - SettleIdleSessions(settle_budget);
+  const Clock::time_point settle_end = Clock::now();
+  const bool slow = Seconds(start, settle_end) >= kSlowStepSeconds ||
+                    Seconds(last_step_end_, start) >= kSlowStepSeconds;
+  if (slow && spdlog::should_log(spdlog::level::debug)) {
+    const RunnerProfile& after = runner_->profile();
+    spdlog::debug(
+        "slow step: {:.1f} ms ({:.1f} ms after the last); {} rows, {} prompt tokens; pass {:.1f} "
+        "ms, emit {:.1f} ms, settle {} tokens {:.1f} ms (page index {:.1f}, read {:.1f}, append "
+        "{:.1f})",
+        1e3 * Seconds(start, settle_end), 1e3 * Seconds(last_step_end_, start), items.size(),
+        prompt_tokens,
+        1e3 * Seconds(start, passed), 1e3 * Seconds(passed, settle_start), settled,
+        1e3 * Seconds(settle_start, settle_end),
+        1e3 * (after.evict_index_s - before_settle.evict_index_s),
+        1e3 * (after.evict_read_s - before_settle.evict_read_s),
+        1e3 * (after.evict_append_s - before_settle.evict_append_s));
+  }
+  last_step_end_ = settle_end;
   // After sampling (a rebuild runs a forward pass of its own): shards lost with a CPU node,
   // one sequence per step.
   for (const StepItem& item : items) {

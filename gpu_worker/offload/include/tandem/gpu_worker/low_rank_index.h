@@ -27,6 +27,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <future>
 #include <optional>
@@ -138,6 +139,7 @@ class LowRankIndex {
   struct BasisJob {
     std::vector<int64_t> layers;
     std::future<absl::StatusOr<std::vector<float>>> bases;
+    std::chrono::steady_clock::time_point started;   // (the debug log's timing)
   };
   // One strided device tensor of a layer for copies: `rows` rows of `row_bytes` used bytes,
   // `pitch` bytes apart in `buffer`.

@@ -408,6 +408,8 @@ class Engine {
   DType kv_dtype_ = DType::kF32;
   int64_t max_context_ = 0;
   std::string id_prefix_;
+  // When the last Step returned (its slow-step log names the time between steps too).
+  std::chrono::steady_clock::time_point last_step_end_{};
 };
 
 }  // namespace tandem::gpu_worker
