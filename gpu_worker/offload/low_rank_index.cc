@@ -224,6 +224,14 @@ bool LowRankIndex::calibrating() const {
   });
 }
 
+int64_t LowRankIndex::tokens_until_due() const {
+  int64_t most = 0;
+  for (const Layer& layer : layers_) {
+    if (layer.state == State::kStaging) most = std::max(most, calib_tokens_ - layer.tokens);
+  }
+  return most;
+}
+
 absl::Status LowRankIndex::Advance(bool wait) {
   if (parked()) return absl::OkStatus();   // (Park installed any job; Unpark keeps what is due)
   if (job_.has_value() &&

@@ -797,6 +797,11 @@ absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_toke
   // way update it further (the window's MAW rule: the blocks are window entries until they
   // leave). The selection threshold β / n_gpu uses the configured window (eviction_entries).
   std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
+  // A tier that would rather the append stopped short (its page index calibrating) gets a
+  // slice that ends there; the budget left goes to other sessions.
+  if (seq.offload != nullptr && seq.offload->append_stop() > 0) {
+    max_tokens = std::min(max_tokens, seq.offload->append_stop());
+  }
   int64_t tokens = 0;
   size_t take = 0;
   while (take < blocks.size() && (take == 0 || tokens + blocks[take].count <= max_tokens)) {

@@ -197,10 +197,12 @@ TEST(LowRankIndexStagingTest, StagedKeysSurviveParkingAndForking) {
   Keys keys = MakeKeys(*backend, DType::kF32, 5);
   auto index = LowRankIndex::Create(*backend, geometry, {kRank, kCalib}, 0);
   ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->tokens_until_due(), kCalib);
   for (int64_t l = 0; l < kLayers; ++l) {
     ASSERT_TRUE(index->Append(l, keys.device[l].data(), kCapacity, 0, 16).ok());
   }
   EXPECT_FALSE(index->ready(0));
+  EXPECT_EQ(index->tokens_until_due(), kCalib - 16);   // what fills the staging exactly
   ParkingPool pool(*backend, size_t{1} << 24, 4096);
   ASSERT_TRUE(index->Park(pool).ok());
   ASSERT_TRUE(index->Unpark().ok());
@@ -234,6 +236,7 @@ TEST(LowRankIndexStagingTest, BasesAreMadeOffTheAppendAndInstalledByAdvance) {
     EXPECT_FALSE(index->ready(l));
   }
   EXPECT_TRUE(index->calibrating());
+  EXPECT_EQ(index->tokens_until_due(), 0);
   EXPECT_EQ(index->Keys(0, 8, 0.25f).status().code(), absl::StatusCode::kFailedPrecondition);
   auto fork = index->Fork(0);
   ASSERT_TRUE(fork.ok()) << fork.status();

@@ -92,6 +92,10 @@ class LowRankIndex {
   absl::Status Advance(bool wait = false);
   // Whether some layer's basis is due or being made.
   bool calibrating() const;
+  // Keys an Append may still stage before a layer's staging fills (its basis falls due), the
+  // most over the layers still staging; 0 when none stages. An Append of more waits for the
+  // basis (it must project the rest): callers that can split their appends stop here.
+  int64_t tokens_until_due() const;
 
   // Whether every offloaded key of `layer` has coordinates (its basis is installed).
   bool ready(int64_t layer) const { return layers_[layer].state == State::kMade; }

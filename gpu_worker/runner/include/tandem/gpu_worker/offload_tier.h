@@ -341,6 +341,11 @@ class OffloadTier {
   // Takes `blocks` leaving `window` (every layer), before the window releases them.
   virtual absl::Status Append(TierContext& context, WindowCache& window,
                               const std::vector<EvictedBlock>& blocks) = 0;
+  // Most tokens the next Append should carry to stay cheap (0: any). A pages tier whose
+  // low-rank keys are calibrating names what fills their staging exactly: the basis is then
+  // made off the step, where an Append past it would wait for it (ModelRunner::SettleSlice
+  // stops its slice there).
+  virtual int64_t append_stop() const { return 0; }
 
   // Room for `tokens` offloaded entries per (layer, kv head): RESOURCE_EXHAUSTED otherwise.
   virtual absl::Status Reserve(int64_t tokens) = 0;
