@@ -183,7 +183,7 @@ ABSL_FLAG(double, split_min_scan_share, -1.0,
           "RunnerOptions::split_min_scan_share: off-device scan bytes over weight bytes from "
           "which a pass splits (-1 = the backend's default, 0 = always)");
 ABSL_FLAG(double, split_min_scan_bytes, 16e6, "RunnerOptions::split_min_scan_bytes");
-ABSL_FLAG(int64_t, settle_tokens_per_step, 4096,
+ABSL_FLAG(int64_t, settle_tokens_per_step, 2048,
           "TTFT rows: tokens of the prompt's blocks moved to the tier per decode step after the "
           "first token (RunnerOptions::settle_tokens_per_step; 0 = all at once)");
 ABSL_FLAG(int, settle_steps, 3,

@@ -137,12 +137,12 @@ ABSL_FLAG(bool, device_prefill, true,
           "widened window, within --kv_cache_bytes) so every chunk attends over it on the GPU; "
           "the blocks beyond the window go to the CPU nodes / host pages after the first token. "
           "false: each chunk attends over the evicted part through the tier");
-ABSL_FLAG(int64_t, settle_tokens_per_step, 4096,
+ABSL_FLAG(int64_t, settle_tokens_per_step, 2048,
           "after a device prefill: most tokens of prompts' blocks beyond the window that move to "
           "the CPU nodes / host pages per step, over all sessions (the request decodes on, its "
           "window attending over the rest); bounds what a settle adds to any step; 0 = a whole "
           "prompt in the step after its first token");
-ABSL_FLAG(bool, settle_shares_prefill_budget, false,
+ABSL_FLAG(bool, settle_shares_prefill_budget, true,
           "a step that feeds prompt chunks settles only what they leave of "
           "--settle_tokens_per_step (at least one block), so a chunk and a settle slice do not "
           "stall decoding requests together");

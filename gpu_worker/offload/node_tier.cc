@@ -155,6 +155,14 @@ absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
       });
 }
 
+absl::StatusOr<int64_t> NodeTier::AppendLimit() {
+  if (pages_ == nullptr || pages_->parked()) return kAnyTokens;
+  TANDEM_RETURN_IF_ERROR(pages_->AdvanceLowRank());
+  if (pages_->low_rank_solving()) return 0;
+  const int64_t until_due = pages_->tokens_until_low_rank_due();
+  return until_due > 0 ? until_due : kAnyTokens;
+}
+
 absl::StatusOr<bool> NodeTier::Rebuild() {
   if (recompute_ == nullptr || !remote_->needs_rebuild() || Clock::now() < next_rebuild_) {
     return false;

@@ -788,6 +788,10 @@ WindowAttentionParams ModelRunner::ObservationParams(const Segment& s, int64_t l
 }
 
 absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_tokens) {
+  return Settle(seq, max_tokens, /*defer=*/true);
+}
+
+absl::StatusOr<int64_t> ModelRunner::Settle(Sequence& seq, int64_t max_tokens, bool defer) {
   if (!seq.window.settling()) return 0;
   // MAW of these entries: a widened prefill kept each prompt entry on the device until the
   // prompt was in and updated MAW from the prompt's last kMawObservationRows query rows only
@@ -798,9 +802,11 @@ absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_toke
   // leave). The selection threshold β / n_gpu uses the configured window (eviction_entries).
   std::vector<EvictedBlock> blocks = seq.window.PendingEvictions();
   // A tier that would rather the append stopped short (its page index calibrating) gets a
-  // slice that ends there; the budget left goes to other sessions.
-  if (seq.offload != nullptr && seq.offload->append_stop() > 0) {
-    max_tokens = std::min(max_tokens, seq.offload->append_stop());
+  // slice that ends there, or none this step; the budget left goes to other sessions.
+  if (defer && seq.offload != nullptr) {
+    TANDEM_ASSIGN_OR_RETURN(const int64_t limit, seq.offload->AppendLimit());
+    if (limit <= 0) return 0;
+    max_tokens = std::min(max_tokens, limit);
   }
   int64_t tokens = 0;
   size_t take = 0;
@@ -815,7 +821,7 @@ absl::StatusOr<int64_t> ModelRunner::SettleSlice(Sequence& seq, int64_t max_toke
 }
 
 absl::Status ModelRunner::SettleEvictions(Sequence& seq) {
-  return SettleSlice(seq, std::numeric_limits<int64_t>::max()).status();
+  return Settle(seq, std::numeric_limits<int64_t>::max(), /*defer=*/false).status();
 }
 
 absl::Status ModelRunner::Evict(Sequence& seq) {

@@ -92,6 +92,8 @@ class LowRankIndex {
   absl::Status Advance(bool wait = false);
   // Whether some layer's basis is due or being made.
   bool calibrating() const;
+  // Whether a background job is making bases (Advance installs them once it is done).
+  bool solving() const { return job_.has_value(); }
   // Keys an Append may still stage before a layer's staging fills (its basis falls due), the
   // most over the layers still staging; 0 when none stages. An Append of more waits for the
   // basis (it must project the rest): callers that can split their appends stop here.

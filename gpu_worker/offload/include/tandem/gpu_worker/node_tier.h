@@ -48,9 +48,7 @@ class NodeTier final : public OffloadTier {
   absl::Status Speculate(TierContext& context, const AttendRows& next) override;
   absl::Status Append(TierContext& context, WindowCache& window,
                       const std::vector<EvictedBlock>& blocks) override;
-  int64_t append_stop() const override {
-    return pages_ != nullptr ? pages_->tokens_until_low_rank_due() : 0;
-  }
+  absl::StatusOr<int64_t> AppendLimit() override;
 
   // Lost shards (remote_kv.h, "Failure model") are rebuilt from K/V that `recompute` produces
   // (the engine's GPU prefill of the sequence's tokens); without one they stay degraded.

@@ -67,6 +67,8 @@ class PageIndex {
   absl::Status AdvanceLowRank() { return low_rank_ ? low_rank_->Advance() : absl::OkStatus(); }
   // LowRankIndex::tokens_until_due (0 without low-rank keys).
   int64_t tokens_until_low_rank_due() const { return low_rank_ ? low_rank_->tokens_until_due() : 0; }
+  // Whether low-rank bases are being made in the background (LowRankIndex::solving).
+  bool low_rank_solving() const { return low_rank_ && low_rank_->solving(); }
 
   // The parameters of a Backend::SelectPages of `layer`'s pages for query rows q (attention
   // scale softmax_scale, which the kLowRank score's logsumexp uses), scored by `score`

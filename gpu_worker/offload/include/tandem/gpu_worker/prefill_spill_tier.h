@@ -56,7 +56,7 @@ class PrefillSpillTier final : public OffloadTier {
   absl::Status Append(TierContext& context, WindowCache& window,
                       const std::vector<EvictedBlock>& blocks) override;
 
-  int64_t append_stop() const override { return inner_->append_stop(); }
+  absl::StatusOr<int64_t> AppendLimit() override { return inner_->AppendLimit(); }
   absl::Status Reserve(int64_t tokens) override { return inner_->Reserve(tokens); }
   absl::Status Maintain() override { return inner_->Maintain(); }
   bool needs_rebuild() const override { return inner_->needs_rebuild(); }

@@ -73,7 +73,7 @@ struct RunnerOptions {
   // settling sequences), so that no step waits for a whole prompt's settle. Measured on the
   // H100 host (Llama-3-8B geometry, 32K): 0.86 s for 32K tokens with pages selection, 2.55 s
   // with MAW, i.e. ~0.1 s / ~0.3 s added to a step at 4096. 0 = settle a whole prompt at once.
-  int64_t settle_tokens_per_step = 4096;
+  int64_t settle_tokens_per_step = 2048;
   // Layer-ahead page selection (DESIGN "Overlapping the CPU part"): after layer l's tiers have
   // started, the runner guesses layer l+1's queries from layer l's input, q̂ = RoPE(RMSNorm(x_l)
   // · W_q(l+1)) (InfiniGen: the residual stream changes little across one layer), and tiers
@@ -177,7 +177,8 @@ class ModelRunner {
   // on. SettleSlice moves the oldest of them, whole blocks of at most `max_tokens` tokens (at
   // least one block), to the tier and releases them from the window (commit: the tier's Append
   // is complete before the blocks leave the window, both between passes); the last one shrinks
-  // the window. Returns the tokens moved (0 when not settling). SettleEvictions moves all of
+  // the window. Returns the tokens moved (0 when not settling, or when the tier defers: its
+  // OffloadTier::AppendLimit, which may also end the slice early). SettleEvictions moves all of
   // them (benchmarks, tests; a session's end with nothing else running). A pass itself moves
   // only the blocks its new tokens need the ring slots of (WindowCache::EvictionsBeforeAppend).
   // An error leaves the blocks not yet released on the device (the tier may hold part of the
@@ -203,6 +204,8 @@ class ModelRunner {
   const RunnerOptions& options() const { return options_; }
 
  private:
+  // SettleSlice (defer: the tier's AppendLimit applies) and SettleEvictions (it does not).
+  absl::StatusOr<int64_t> Settle(Sequence& sequence, int64_t max_tokens, bool defer);
   ModelRunner(Backend& backend, const DeviceModel& model, const RunnerOptions& options);
 
   // Tokens of one sequence in a pass; its rows are [row0, row0 + n) of the activations.

@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -341,11 +342,13 @@ class OffloadTier {
   // Takes `blocks` leaving `window` (every layer), before the window releases them.
   virtual absl::Status Append(TierContext& context, WindowCache& window,
                               const std::vector<EvictedBlock>& blocks) = 0;
-  // Most tokens the next Append should carry to stay cheap (0: any). A pages tier whose
-  // low-rank keys are calibrating names what fills their staging exactly: the basis is then
-  // made off the step, where an Append past it would wait for it (ModelRunner::SettleSlice
-  // stops its slice there).
-  virtual int64_t append_stop() const { return 0; }
+  // Most tokens the next Append should carry to stay cheap, for callers that may split or
+  // defer it (ModelRunner::SettleSlice): kAnyTokens, or fewer; 0 = none now (a later step).
+  // A pages tier whose low-rank keys calibrate names what fills their staging exactly, and 0
+  // while their bases are being made in the background (an Append would wait for them, and
+  // its copies would compete with that work for the cores); it installs finished bases here.
+  static constexpr int64_t kAnyTokens = std::numeric_limits<int64_t>::max();
+  virtual absl::StatusOr<int64_t> AppendLimit() { return kAnyTokens; }
 
   // Room for `tokens` offloaded entries per (layer, kv head): RESOURCE_EXHAUSTED otherwise.
   virtual absl::Status Reserve(int64_t tokens) = 0;

@@ -146,11 +146,11 @@ struct EngineOptions {
   bool device_prefill = true;
   // Most tokens of device-prefilled prompts' blocks that move to their tiers per step, over all
   // sessions (RunnerOptions::settle_tokens_per_step; 0 = a whole prompt at once).
-  int64_t settle_tokens_per_step = 4096;
+  int64_t settle_tokens_per_step = 2048;
   // A step that fed prompt chunks settles only what the chunks left of settle_tokens_per_step
   // (at least one block): a chunk and a whole slice in one step add up to one long wait for the
   // decoding requests in it (their ITL tail). The settle catches up in decode-only steps.
-  bool settle_shares_prefill_budget = false;
+  bool settle_shares_prefill_budget = true;
   // Device bytes all sessions' page summaries may take together; 0 = no cap but the device's
   // memory. A request whose summaries (for its prompt + max_tokens) do not fit is refused with
   // RESOURCE_EXHAUSTED before anything runs.
