@@ -15,7 +15,10 @@
 //     the 32 layers) over shm and over gRPC, to the embedded node and to the process; GB/s =
 //     appended bytes / wall time of the Append calls. β is huge here so no selected copies are
 //     made (the store only). node-direct: AppendKvRaw on the embedded node from this thread,
-//     the store's copy alone. Each node is warmed by one untimed append of the same size.
+//     the store's copy alone. Each node is warmed by one untimed append of the same size; before
+//     that, with --append_cold, the two embedded rows append into blocks never written
+//     (node-direct-cold, shm-embedded-cold; each session stays open to the end so the next
+//     row's blocks are fresh too), as a settle into a node that has not held that much does.
 //
 // The node process comes from --cpu_attention_bin (started here on a free port, stopped at the
 // end) or --cpu_nodes=host:port (already running, on this host for shm). Without either, the
@@ -59,8 +62,12 @@ ABSL_FLAG(std::string, cpu_attention_bin, "", "tandem-cpu-attention to start on 
 ABSL_FLAG(std::string, cpu_nodes, "", "host:port of a running node instead");
 ABSL_FLAG(uint32_t, threads, 0, "attention threads of the nodes; 0 = every usable core");
 ABSL_FLAG(uint32_t, spin_us, 10, "shm spin before sleeping, both sides");
-ABSL_FLAG(uint64_t, pool_mib, 3072, "node pool MiB (must hold --append_mib)");
+ABSL_FLAG(uint64_t, pool_mib, 4096, "node pool MiB (must hold 3 x --append_mib with --append_cold)");
 ABSL_FLAG(uint64_t, append_chunk_mib, 8, "MiB per shm Append chunk");
+ABSL_FLAG(int64_t, append_tokens, 4096,
+          "tokens per (layer) Append call: a worker's settle slice or eviction (1..65536)");
+ABSL_FLAG(bool, append_cold, true,
+          "also time appends into never-written blocks (the pool must hold 3 x --append_mib)");
 
 namespace {
 
@@ -146,9 +153,11 @@ gw::RemoteKvOptions Options(const std::string& id, gw::NodeTransport transport, 
 
 // Head-major random KV of one eviction: k, v [H_kv, n, D] bf16, maw [H_kv, n].
 struct Eviction {
+  int64_t tokens;
   std::vector<uint16_t> k, v;
   std::vector<float> maw;
-  explicit Eviction(int64_t n) : k(kKvHeads * n * kDim), v(k.size()), maw(kKvHeads * n, 0.01f) {
+  explicit Eviction(int64_t n)
+      : tokens(n), k(kKvHeads * n * kDim), v(k.size()), maw(kKvHeads * n, 0.01f) {
     std::mt19937 rng(1);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (size_t i = 0; i < k.size(); ++i) {
@@ -286,15 +295,15 @@ struct AppendRate {
   uint64_t bytes = 0;
   double seconds = 0;
   uint64_t shm_chunks = 0;
+  std::unique_ptr<gw::RemoteKv> open;   // the session, when the caller keeps it open
 };
-
-constexpr int64_t kEvictionTokens = 4096;
 
 // Appends `e` round-robin over the layers until `target_bytes`, over RemoteKv or (direct) by
 // CpuAttentionNode::AppendKvRaw of the embedded node from this thread (the store's copy alone).
+// keep_open: the session (and so its blocks) is handed back in AppendRate::open.
 absl::StatusOr<AppendRate> MeasureAppend(gw::NodePool& pool, gw::NodeTransport transport,
                                          bool direct, const std::string& id, uint64_t target_bytes,
-                                         const Eviction& e) {
+                                         const Eviction& e, bool keep_open = false) {
   // β huge: nothing is selected on arrival, so only the store's copy is timed.
   auto kv = gw::RemoteKv::Open(pool, Options(id, transport, /*beta=*/1e30f));
   if (!kv.ok()) return kv.status();
@@ -311,15 +320,19 @@ absl::StatusOr<AppendRate> MeasureAppend(gw::NodePool& pool, gw::NodeTransport t
       tandem::v1::AppendKvResponse totals;
       s = pool.embedded()->node().AppendKvRaw(
           id, static_cast<uint32_t>(layer), heads, {k, e.k.size() * 2}, {v, e.v.size() * 2},
-          {maw, e.maw.size() * 4}, kEvictionTokens, 1024, &totals);
+          {maw, e.maw.size() * 4}, static_cast<uint32_t>(e.tokens), 1024, &totals);
     } else {
-      s = (*kv)->Append(layer, e.k.data(), e.v.data(), e.maw.data(), kEvictionTokens, 1024);
+      s = (*kv)->Append(layer, e.k.data(), e.v.data(), e.maw.data(), e.tokens, 1024);
     }
     if (!s.ok()) return s;
     r.bytes += e.bytes();
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   r.shm_chunks = (*kv)->shm_append_chunks();
+  if (keep_open) {
+    r.open = std::move(*kv);
+    return r;
+  }
   if (absl::Status s = (*kv)->Close(); !s.ok()) return s;
   return r;
 }
@@ -430,7 +443,42 @@ int main(int argc, char** argv) {
   }
   const uint64_t append_bytes = absl::GetFlag(FLAGS_append_mib) << 20;
   if (append_bytes > 0) {
-    const Eviction e(kEvictionTokens);
+    const int64_t tokens = absl::GetFlag(FLAGS_append_tokens);
+    if (tokens < 1 || tokens > 65536) {
+      std::fprintf(stderr, "--append_tokens %lld is outside 1..65536\n",
+                   static_cast<long long>(tokens));
+      return 1;
+    }
+    const Eviction e(tokens);
+    auto report_append = [&table](const char* name, const AppendRate& r) {
+      const double gbps = r.bytes / r.seconds / 1e9;
+      nlohmann::json j = {{"bench", "transport_append"}, {"transport", name},
+                          {"bytes", r.bytes},           {"seconds", r.seconds},
+                          {"gb_per_s", gbps},           {"shm_chunks", r.shm_chunks},
+                          {"append_tokens", absl::GetFlag(FLAGS_append_tokens)}};
+      std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+      char line[200];
+      std::snprintf(line, sizeof(line), "append  %-18s %.2f GB in %.2f s  %.2f GB/s", name,
+                    r.bytes / 1e9, r.seconds, gbps);
+      table.push_back(line);
+    };
+    // Appends into blocks never written (page faults included), before anything warms the
+    // embedded pool; the sessions stay open so each row's blocks are fresh.
+    std::vector<std::unique_ptr<gw::RemoteKv>> held;
+    if (absl::GetFlag(FLAGS_append_cold)) {
+      for (const bool direct : {true, false}) {
+        const char* name = direct ? "node-direct-cold" : "shm-embedded-cold";
+        auto r = MeasureAppend(**embedded, gw::NodeTransport::kShm, direct,
+                               absl::StrCat("cold", session++), append_bytes, e, true);
+        if (!r.ok()) {
+          std::fprintf(stderr, "%s append: %s\n", name, r.status().ToString().c_str());
+          return 1;
+        }
+        report_append(name, *r);
+        held.push_back(std::move(r->open));
+      }
+    }
     // An untimed append per node first: the node's block memory is then faulted in for every
     // timed row alike (the first session to touch it would pay the page faults otherwise).
     for (gw::NodePool* pool : {embedded->get(), remote.get()}) {
@@ -451,17 +499,9 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "%s append: %s\n", row.name, r.status().ToString().c_str());
         return 1;
       }
-      const double gbps = r->bytes / r->seconds / 1e9;
-      nlohmann::json j = {
-          {"bench", "transport_append"}, {"transport", row.name}, {"bytes", r->bytes},
-          {"seconds", r->seconds},       {"gb_per_s", gbps},      {"shm_chunks", r->shm_chunks}};
-      std::printf("%s\n", j.dump().c_str());
-      std::fflush(stdout);
-      char line[200];
-      std::snprintf(line, sizeof(line), "append  %-13s %.2f GB in %.2f s  %.2f GB/s", row.name,
-                    r->bytes / 1e9, r->seconds, gbps);
-      table.push_back(line);
+      report_append(row.name, *r);
     }
+    for (auto& kv : held) (void)kv->Close();
   }
   std::printf("\nLlama-3-8B geometry (H_q 32, H_kv 8, D 128, bf16), batch 1, beta 0\n");
   for (const std::string& line : table) std::printf("%s\n", line.c_str());

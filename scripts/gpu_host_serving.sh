@@ -19,6 +19,8 @@
 #           length, then its settle a slice per decode step as a worker does, per
 #           SETTLE_CONFIGS ("name:flag,flag ..."): every step's time and where the settle's
 #           host time went (page index, download, append to the node)
+#   append  tandem-transport-bench's append rows (no attend rows): APPEND_TOKENS (2048) tokens
+#           of the 32 layers per call, 1 GiB a row, into never-written blocks and reused ones
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -27,7 +29,8 @@
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out" /tmp/tandem
-tar xJf .carry/tandem.tar.xz -C /tmp/tandem && source /tmp/tandem/env.sh
+# BUNDLE: another bundle to run (an A/B of two builds in one call, each with its own OUT).
+tar xJf "${BUNDLE:-.carry/tandem.tar.xz}" -C /tmp/tandem && source /tmp/tandem/env.sh
 export TANDEM_SHARED_DIR=$PWD/.carry/shared
 parts=${PARTS:-tests gpu ttft hybrid}
 has() { [[ " $parts " == *" $1 "* ]]; }
@@ -163,6 +166,12 @@ if has settle; then
       --json "$out/settle_$name.json" ${flags//,/ } > "$out/settle_$name.txt" 2>&1
     grep -A1 '^prefill' "$out/settle_$name.txt" | sed "s/^/[settle_$name] /"
   done
+fi
+
+if has append; then
+  tandem-transport-bench --contexts= --append_tokens "${APPEND_TOKENS:-2048}" --append_mib 1024 \
+    > "$out/append.txt" 2>&1
+  grep '^append' "$out/append.txt" | sed "s/^/[append] /"
 fi
 
 if has hybrid; then

@@ -16,6 +16,11 @@ namespace shm = cpu_attention::shm;
 
 // Largest payload of one AppendKv message; a longer eviction is split by tokens.
 constexpr size_t kAppendMessageBytes = 4 << 20;
+// An shm append of at least kPipelineChunks x kMinPipelineChunkBytes goes in at least
+// kPipelineChunks chunks: the fill of a chunk overlaps the node's copy of the one before only
+// when there is one before (one 8 MiB chunk per layer left both copies serial).
+constexpr int64_t kPipelineChunks = 4;
+constexpr uint64_t kMinPipelineChunkBytes = 512 << 10;
 
 // The status a node wrote into a shm response (its header and error text), bounded by `message`.
 absl::Status ShmStatus(std::span<const std::byte> message, shm::ResponseHeader* h) {
@@ -183,6 +188,10 @@ absl::Status ShmLink::Append(int64_t layer, std::span<const uint32_t> heads, con
     return absl::InvalidArgumentError(absl::StrCat("the shm request area of ", area.size(),
                                                    " bytes holds no append chunk"));
   }
+  const int64_t min_pipeline_tokens =
+      static_cast<int64_t>((kMinPipelineChunkBytes + per_token - 1) / per_token);
+  chunk = std::min(chunk, std::max((num_tokens + kPipelineChunks - 1) / kPipelineChunks,
+                                   min_pipeline_tokens));
   // Copies chunk `index` (tokens [index * chunk, ...)) into its slot; returns its layout.
   auto fill = [&](int64_t index) {
     const int64_t t0 = index * chunk;

@@ -95,6 +95,72 @@ absl::StatusOr<BlockId> BlockPool::Allocate() {
   return id;
 }
 
+absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateMany(uint64_t count) {
+  std::vector<BlockId> ids;
+  if (count == 0) return ids;
+  ids.reserve(count);
+  std::vector<BlockId> cold;   // ids of ids without pages: released, or never handed out
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    const auto available = [this] {
+      return free_resident_.size() + free_released_.size() + (max_blocks_ - next_unused_);
+    };
+    // As Allocate: blocks in a ReleaseFreeBlocks call are waited for, not counted as missing.
+    released_cv_.wait(lock, [&] { return available() >= count || releasing_ == 0; });
+    if (available() < count) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "block pool full: ", count, " blocks of ", FormatBytes(format_.block_bytes()),
+          " (block_tokens ", format_.block_tokens, ", head_dim ", format_.head_dim,
+          ") asked, ", available(), " of ", max_blocks_, " free"));
+    }
+    TANDEM_RETURN_IF_ERROR(budget_->Charge(count * format_.block_bytes()));
+    while (ids.size() < count && !free_resident_.empty()) {
+      ids.push_back(free_resident_.back().first);
+      free_resident_.pop_back();
+    }
+    while (ids.size() + cold.size() < count && !free_released_.empty()) {
+      cold.push_back(free_released_.back());
+      free_released_.pop_back();
+    }
+    while (ids.size() + cold.size() < count) {
+      cold.push_back(next_unused_++);
+      refcounts_.push_back(0);
+    }
+    ids.insert(ids.end(), cold.begin(), cold.end());
+    for (BlockId id : ids) {
+      assert(refcounts_[id] == 0);
+      refcounts_[id] = 1;
+    }
+    in_use_ += count;
+  }
+  std::sort(cold.begin(), cold.end());
+  Populate(cold);
+  return ids;
+}
+
+void BlockPool::Populate(std::span<const BlockId> ids) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23   // Linux 5.14; older kernels answer EINVAL and fault on write
+#endif
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t block_bytes = format_.block_bytes();
+  const auto base = reinterpret_cast<uintptr_t>(base_);
+  for (size_t i = 0; i < ids.size();) {
+    size_t j = i + 1;
+    while (j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
+    const uintptr_t first_page = (base + size_t{ids[i]} * block_bytes) / page * page;
+    const uintptr_t end = base + (size_t{ids[j - 1]} + 1) * block_bytes;
+    const uintptr_t last_page = (end + page - 1) / page * page;
+    // Best effort: a failure leaves the pages to fault in on first write, as before.
+    if (madvise(reinterpret_cast<void*>(first_page), last_page - first_page,
+                MADV_POPULATE_WRITE) != 0 &&
+        errno == EINVAL) {
+      return;   // the kernel lacks it: no other run will do better
+    }
+    i = j;
+  }
+}
+
 void BlockPool::Ref(BlockId id) {
   std::lock_guard<std::mutex> lock(mu_);
   assert(id < next_unused_ && refcounts_[id] > 0 && "Ref of a free block");

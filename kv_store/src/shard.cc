@@ -163,22 +163,12 @@ absl::StatusOr<uint64_t> Shard::AppendImpl(const std::byte* k, const std::byte* 
   uint64_t selected = 0;
   for (uint64_t i = 0; i < n; ++i) selected += selects(i) ? 1 : 0;
 
-  // Everything that can fail happens before the shard changes (all-or-nothing).
-  std::vector<BlockId> fresh;
-  fresh.reserve(fresh_blocks + (cow ? 1 : 0));
-  auto release_fresh = [&] {
-    for (BlockId id : fresh) pool_->Unref(id);
-  };
-  while (fresh.size() < fresh_blocks + (cow ? 1 : 0)) {
-    absl::StatusOr<BlockId> id = pool_->Allocate();
-    if (!id.ok()) {
-      release_fresh();
-      return id.status();
-    }
-    fresh.push_back(*id);
-  }
+  // Everything that can fail happens before the shard changes (all-or-nothing). The fresh
+  // blocks come in one pool call, their pages faulted in (BlockPool::AllocateMany).
+  TANDEM_ASSIGN_OR_RETURN(std::vector<BlockId> fresh,
+                          pool_->AllocateMany(fresh_blocks + (cow ? 1 : 0)));
   if (absl::Status s = ReserveSelected(selected_count_ + selected); !s.ok()) {
-    release_fresh();
+    for (BlockId id : fresh) pool_->Unref(id);
     return s;
   }
 

@@ -1,7 +1,12 @@
 // BlockPool, MemoryBudget, BudgetedBuffer and BlockFormat.
 #include "tandem/kv_store/block_pool.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -273,6 +278,122 @@ TEST(BlockPoolTest, LargeReservationCostsNothingUntilUsed) {
   EXPECT_EQ((*pool)->blocks_touched(), 1u);
   EXPECT_EQ(budget.used(), f.block_bytes());
   (*pool)->Unref(*id);
+}
+
+TEST(BlockPoolTest, AllocateManyTakesFreedBlocksFirstAndAllOrNone) {
+  const BlockFormat f = Format();
+  MemoryBudget budget(1 << 20);
+  auto pool = BlockPool::Create(f, 8, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  auto first = p.AllocateMany(5);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, (std::vector<BlockId>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(budget.used(), 5 * f.block_bytes());
+  // 3 left: asking 4 takes nothing.
+  auto over = p.AllocateMany(4);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("4 blocks"), std::string::npos) << over.status();
+  EXPECT_NE(over.status().message().find("3 of 8 free"), std::string::npos) << over.status();
+  EXPECT_EQ(p.blocks_in_use(), 5u);
+  EXPECT_EQ(p.blocks_touched(), 5u);
+  EXPECT_EQ(budget.used(), 5 * f.block_bytes());
+  // Freed blocks (most recent first) come before never-used ones.
+  p.Unref(1);
+  p.Unref(3);
+  auto second = p.AllocateMany(4);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(*second, (std::vector<BlockId>{3, 1, 5, 6}));
+  for (BlockId id : *second) EXPECT_EQ(p.refcount(id), 1u);
+  EXPECT_EQ(p.blocks_in_use(), 7u);
+  EXPECT_EQ(budget.used(), 7 * f.block_bytes());
+  auto none = p.AllocateMany(0);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty());
+}
+
+TEST(BlockPoolTest, AllocateManyOverBudgetChangesNothing) {
+  const BlockFormat f = Format();
+  MemoryBudget budget(3 * f.block_bytes());
+  auto pool = BlockPool::Create(f, 100, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  ASSERT_TRUE(p.Allocate().ok());
+  auto over = p.AllocateMany(3);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("budget"), std::string::npos) << over.status();
+  EXPECT_EQ(p.blocks_in_use(), 1u);
+  EXPECT_EQ(p.blocks_touched(), 1u);
+  EXPECT_EQ(budget.used(), f.block_bytes());
+  auto fits = p.AllocateMany(2);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  EXPECT_EQ(budget.used(), 3 * f.block_bytes());
+}
+
+// Resident pages of [p, p + bytes) by mincore, or -1 where mincore fails.
+int64_t ResidentPages(const std::byte* p, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(p) / page * page;
+  const auto end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  std::vector<unsigned char> vec((end - begin) / page);
+  if (mincore(reinterpret_cast<void*>(begin), end - begin, vec.data()) != 0) return -1;
+  return std::count_if(vec.begin(), vec.end(), [](unsigned char c) { return (c & 1) != 0; });
+}
+
+int64_t SpannedPages(const std::byte* p, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(p) / page * page;
+  const auto end = (reinterpret_cast<uintptr_t>(p) + bytes + page - 1) / page * page;
+  return static_cast<int64_t>((end - begin) / page);
+}
+
+// AllocateMany hands out blocks whose pages are in memory, and faulting them in leaves the
+// bytes of a neighbour in use (blocks of 8,256 bytes share pages) as they were.
+TEST(BlockPoolTest, AllocateManyFaultsInFreshAndReleasedBlocks) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  {
+    // Does this kernel populate (Linux >= 5.14)? Probe a mapping of our own.
+    void* probe = mmap(nullptr, page, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    ASSERT_NE(probe, MAP_FAILED);
+    const bool populates = madvise(probe, page, 23 /* MADV_POPULATE_WRITE */) == 0;
+    munmap(probe, page);
+    if (!populates) GTEST_SKIP() << "this kernel has no MADV_POPULATE_WRITE";
+  }
+  const BlockFormat f = Format();   // f32, head_dim 64, 16 tokens: 8,256-byte blocks
+  ASSERT_NE(f.block_bytes() % page, 0u);
+  constexpr uint64_t kBlocks = 64;
+  MemoryBudget budget(kBlocks * f.block_bytes());
+  auto pool = BlockPool::Create(f, kBlocks, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  auto head = p.Allocate();
+  ASSERT_TRUE(head.ok());
+  std::memset(p.data(*head), 0x5a, f.block_bytes());
+  auto many = p.AllocateMany(40);
+  ASSERT_TRUE(many.ok()) << many.status();
+  for (BlockId id : *many) {
+    EXPECT_EQ(ResidentPages(p.data(id), f.block_bytes()), SpannedPages(p.data(id), f.block_bytes()))
+        << "block " << id;
+  }
+  for (size_t i = 0; i < f.block_bytes(); ++i) {
+    ASSERT_EQ(p.data(*head)[i], std::byte{0x5a}) << "byte " << i << " of the block in use";
+  }
+  // Released blocks lose their pages; taking them again faults them back in.
+  for (BlockId id : *many) p.Unref(id);
+  ASSERT_GT(p.ReleaseFreeBlocks(std::chrono::steady_clock::now() + std::chrono::seconds(1)), 0u);
+  const std::byte* middle = p.data((*many)[20]);
+  ASSERT_LT(ResidentPages(middle, f.block_bytes()), SpannedPages(middle, f.block_bytes()));
+  auto again = p.AllocateMany(40);
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (BlockId id : *again) {
+    EXPECT_EQ(ResidentPages(p.data(id), f.block_bytes()), SpannedPages(p.data(id), f.block_bytes()))
+        << "block " << id;
+  }
+  EXPECT_EQ(p.blocks_resident(), 41u);
+  for (size_t i = 0; i < f.block_bytes(); ++i) {
+    ASSERT_EQ(p.data(*head)[i], std::byte{0x5a}) << "byte " << i << " of the block in use";
+  }
 }
 
 TEST(BlockPoolTest, ConcurrentAllocateAndUnrefBalance) {

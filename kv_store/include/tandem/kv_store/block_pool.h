@@ -23,6 +23,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -51,6 +52,12 @@ class BlockPool {
   // A block with reference count 1 and unspecified contents. RESOURCE_EXHAUSTED when the
   // budget or max_blocks is exhausted.
   absl::StatusOr<BlockId> Allocate();
+  // `count` blocks as Allocate gives them, taken under one lock and charged to the budget at
+  // once: all or none (RESOURCE_EXHAUSTED, nothing taken). The pages of those that hold none
+  // (never written, or released) are faulted in before return, one MADV_POPULATE_WRITE per run
+  // of adjacent ids outside the lock (a no-op on kernels before 5.14): the caller's copies into
+  // them then run at memory speed instead of taking a fault per 4 KiB page.
+  absl::StatusOr<std::vector<BlockId>> AllocateMany(uint64_t count);
   void Ref(BlockId id);
   // Drops one reference; the block returns to the free list (and its bytes to the budget) at 0.
   void Unref(BlockId id);
@@ -87,6 +94,8 @@ class BlockPool {
   using Clock = std::chrono::steady_clock;
   BlockPool(const BlockFormat& format, uint64_t max_blocks, MemoryBudget* budget,
             std::byte* base, size_t mapped_bytes);
+  // Faults in the pages wholly or partly inside the blocks of `ids` (sorted), a call per run.
+  void Populate(std::span<const BlockId> ids);
 
   const BlockFormat format_;
   const uint64_t max_blocks_;
