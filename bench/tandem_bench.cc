@@ -61,6 +61,7 @@
 #include "nlohmann/json.hpp"
 #include "physical_limits.h"
 #include "synthetic_context.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/gpu_worker/backend.h"
 #include "tandem/gpu_worker/device_model.h"
 #include "tandem/gpu_worker/exact_tier.h"
@@ -130,6 +131,8 @@ ABSL_FLAG(uint32_t, node_tasks_per_thread, 2,
 ABSL_FLAG(uint32_t, node_dense_tasks_per_thread, 8,
           "embedded CPU node: the same for dense Attends (NodeOptions::dense_tasks_per_thread)");
 ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
+ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
+          "embedded CPU node: free KV block memory kept faulted in (0 = none)");
 ABSL_FLAG(uint32_t, node_pool_spin_us, 0,
           "embedded CPU node: attention threads spin this long after a call before sleeping "
           "(NodeOptions::pool_spin_us; tandem-cpu-attention's --pool_spin_us)");
@@ -1077,6 +1080,7 @@ int Main() {
         absl::GetFlag(FLAGS_host_fraction) * ProcField("/proc/meminfo", "MemAvailable"));
     po.embedded.threads = node_threads;
     po.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
+    po.embedded.warm_reserve_bytes = absl::GetFlag(FLAGS_node_warm_reserve).bytes;
     po.embedded.pool_spin_us = absl::GetFlag(FLAGS_node_pool_spin_us);
     po.embedded.tasks_per_thread = absl::GetFlag(FLAGS_node_tasks_per_thread);
     po.embedded.dense_tasks_per_thread = absl::GetFlag(FLAGS_node_dense_tasks_per_thread);

@@ -49,6 +49,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "tandem/common/bf16.h"
+#include "tandem/common/byte_size.h"
 #include "tandem/cpu_attention/shm_channel.h"
 #include "tandem/gpu_worker/node_pool.h"
 #include "tandem/gpu_worker/remote_kv.h"
@@ -66,6 +67,8 @@ ABSL_FLAG(uint64_t, pool_mib, 4096, "node pool MiB (must hold 3 x --append_mib w
 ABSL_FLAG(uint64_t, append_chunk_mib, 8, "MiB per shm Append chunk");
 ABSL_FLAG(int64_t, append_tokens, 4096,
           "tokens per (layer) Append call: a worker's settle slice or eviction (1..65536)");
+ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
+          "embedded node: free block memory kept faulted in (NodeOptions::warm_reserve_bytes)");
 ABSL_FLAG(bool, append_cold, true,
           "also time appends into never-written blocks (the pool must hold 3 x --append_mib)");
 
@@ -350,6 +353,7 @@ int main(int argc, char** argv) {
   embedded_options.embedded.pool_bytes = absl::GetFlag(FLAGS_pool_mib) << 20;
   embedded_options.embedded.threads = threads;
   embedded_options.embedded.shm_spin_us = absl::GetFlag(FLAGS_spin_us);
+  embedded_options.embedded.warm_reserve_bytes = absl::GetFlag(FLAGS_node_warm_reserve).bytes;
   auto embedded = gw::NodePool::Create(embedded_options);
   if (!embedded.ok()) {
     std::fprintf(stderr, "embedded node: %s\n", embedded.status().ToString().c_str());

@@ -20,7 +20,8 @@
 #           SETTLE_CONFIGS ("name:flag,flag ..."): every step's time and where the settle's
 #           host time went (page index, download, append to the node)
 #   append  tandem-transport-bench's append rows (no attend rows): APPEND_TOKENS (2048) tokens
-#           of the 32 layers per call, 1 GiB a row, into never-written blocks and reused ones
+#           of the 32 layers per call, 1 GiB a row, into never-written blocks and reused ones,
+#           per APPEND_CONFIGS ("name:flag,flag ...", default "base:")
 #   hybrid  tandem-bench hybrid decode at 64K (8 x 128K of bf16 KV is more than the host
 #           holds; page selection, 2048-token budget), batch 1
 #           and 8, one pass and two micro-batches (ping-pong) on the same sequences
@@ -169,9 +170,16 @@ if has settle; then
 fi
 
 if has append; then
-  tandem-transport-bench --contexts= --append_tokens "${APPEND_TOKENS:-2048}" --append_mib 1024 \
-    > "$out/append.txt" 2>&1
-  grep '^append' "$out/append.txt" | sed "s/^/[append] /"
+  # APPEND_CONFIGS: "name:flag,flag ..." entries, each a run of the append rows (default one,
+  # "base:" with the bench's defaults).
+  for config in ${APPEND_CONFIGS:-base:}; do
+    name=${config%%:*}
+    flags=${config#*:}
+    # shellcheck disable=SC2086  # the flags split at commas into words
+    tandem-transport-bench --contexts= --append_tokens "${APPEND_TOKENS:-2048}" --append_mib 1024 \
+      ${flags//,/ } > "$out/append_$name.txt" 2>&1
+    grep '^append' "$out/append_$name.txt" | sed "s/^/[append_$name] /"
+  done
 fi
 
 if has hybrid; then

@@ -55,6 +55,9 @@ ABSL_FLAG(unsigned, block_tokens, 64, "default tokens per KV block (16..256)");
 ABSL_FLAG(bool, huge_pages, false,
           "back KV blocks with transparent huge pages (fewer TLB misses when pages are scanned "
           "scattered, selection=pages)");
+ABSL_FLAG(tandem::ByteSize, warm_reserve, tandem::ByteSize{512ull << 20},
+          "free KV block memory kept faulted in while sessions hold blocks, so appends (a "
+          "worker's settle) copy at memory speed; 0 = none");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "how KV is stored: bf16 (as the worker sends it) or int8 (8-bit rows with one scale "
           "per token and kv head: about half the memory and scan bytes; quantised on arrival)");
@@ -122,6 +125,7 @@ int main(int argc, char** argv) {
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   options.node.huge_pages = absl::GetFlag(FLAGS_huge_pages);
+  options.node.warm_reserve_bytes = absl::GetFlag(FLAGS_warm_reserve).bytes;
   absl::StatusOr<tandem::kv_store::KvDType> kv_dtype =
       tandem::cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
   if (!kv_dtype.ok()) {

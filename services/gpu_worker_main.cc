@@ -227,6 +227,9 @@ ABSL_FLAG(double, node_lease_s, 10.0,
           "until closed)");
 ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
           "KV memory of the embedded CPU node, e.g. 16GiB");
+ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
+          "free KV block memory the embedded CPU node keeps faulted in while sessions hold "
+          "blocks, so settle appends copy at memory speed; 0 = none");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "how the embedded CPU node stores KV: bf16 (as sent) or int8 (8-bit, about half the "
           "memory; see tandem-cpu-attention --node_kv_dtype)");
@@ -450,6 +453,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
     return UsageError("--replan_every_steps must be >= 0 and --replan_min_gain in [0, 1]");
   }
   e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
+  e.nodes.embedded.warm_reserve_bytes = absl::GetFlag(FLAGS_node_warm_reserve).bytes;
   absl::StatusOr<tandem::kv_store::KvDType> node_kv_dtype =
       tandem::cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
   if (!node_kv_dtype.ok()) {

@@ -70,7 +70,7 @@ absl::StatusOr<BlockId> BlockPool::Allocate() {
   };
   // Blocks in a ReleaseFreeBlocks call are free but in no list for a moment: wait for them
   // rather than report a full pool.
-  released_cv_.wait(lock, [&] { return has_free() || releasing_ == 0; });
+  released_cv_.wait(lock, [&] { return has_free() || in_transit_ == 0; });
   if (!has_free()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("block pool full: all ", max_blocks_, " blocks of ",
@@ -106,7 +106,7 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateMany(uint64_t count) {
       return free_resident_.size() + free_released_.size() + (max_blocks_ - next_unused_);
     };
     // As Allocate: blocks in a ReleaseFreeBlocks call are waited for, not counted as missing.
-    released_cv_.wait(lock, [&] { return available() >= count || releasing_ == 0; });
+    released_cv_.wait(lock, [&] { return available() >= count || in_transit_ == 0; });
     if (available() < count) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "block pool full: ", count, " blocks of ", FormatBytes(format_.block_bytes()),
@@ -194,19 +194,21 @@ uint64_t BlockPool::blocks_touched() const {
 
 uint64_t BlockPool::blocks_resident() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return next_unused_ - free_released_.size() - releasing_;
+  return next_unused_ - free_released_.size() - in_transit_;
 }
 
 uint64_t BlockPool::ReleaseFreeBlocks(std::chrono::steady_clock::time_point freed_before) {
   std::vector<BlockId> ids;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    while (!free_resident_.empty() && free_resident_.front().second < freed_before) {
+    // While blocks are in use the newest warm_reserve_ stay (an idle pool empties out).
+    while (!free_resident_.empty() && free_resident_.front().second < freed_before &&
+           (in_use_ == 0 || free_resident_.size() > warm_reserve_)) {
       ids.push_back(free_resident_.front().first);
       free_resident_.pop_front();
     }
     if (ids.empty()) return 0;
-    releasing_ += ids.size();
+    in_transit_ += ids.size();
   }
   // Runs of adjacent ids are one range; only pages wholly inside a range are released (the
   // others hold bytes of blocks that may be in use).
@@ -231,10 +233,55 @@ uint64_t BlockPool::ReleaseFreeBlocks(std::chrono::steady_clock::time_point free
   {
     std::lock_guard<std::mutex> lock(mu_);
     free_released_.insert(free_released_.end(), ids.begin(), ids.end());
-    releasing_ -= ids.size();
+    in_transit_ -= ids.size();
   }
   released_cv_.notify_all();
   return released;
+}
+
+void BlockPool::SetWarmReserve(uint64_t blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  warm_reserve_ = blocks;
+}
+
+uint64_t BlockPool::warm_reserve() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return warm_reserve_;
+}
+
+uint64_t BlockPool::WarmFreeBlocks(uint64_t at_most) {
+  std::vector<BlockId> ids;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Blocks in transit may be a release under way: they are not counted as warm here, so a
+    // reserve is never warmed past by more than one call's blocks.
+    const uint64_t have = free_resident_.size() + in_transit_;
+    if (in_use_ == 0 || have >= warm_reserve_) return 0;
+    // No more resident free blocks than the budget could still hand out.
+    const uint64_t chargeable = budget_->free() / format_.block_bytes();
+    if (chargeable <= have) return 0;
+    const uint64_t n = std::min({at_most, warm_reserve_ - have, chargeable - have});
+    while (ids.size() < n && !free_released_.empty()) {
+      ids.push_back(free_released_.back());
+      free_released_.pop_back();
+    }
+    while (ids.size() < n && next_unused_ < max_blocks_) {
+      ids.push_back(next_unused_++);
+      refcounts_.push_back(0);
+    }
+    if (ids.empty()) return 0;
+    in_transit_ += ids.size();
+  }
+  std::sort(ids.begin(), ids.end());
+  Populate(ids);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    for (BlockId id : ids) free_resident_.emplace_back(id, now);
+    in_transit_ -= ids.size();
+  }
+  released_cv_.notify_all();
+  return ids.size();
 }
 
 }  // namespace tandem::kv_store

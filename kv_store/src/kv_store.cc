@@ -215,9 +215,12 @@ uint64_t Session::CloseLocked() {
 // ---------------------------------------------------------------------------------------------
 // KvStore
 
-KvStore::KvStore(Options options) : options_(options), budget_(options.capacity_bytes) {}
+KvStore::KvStore(Options options) : options_(options), budget_(options.capacity_bytes) {
+  if (options_.warm_reserve_bytes > 0) warmer_ = std::make_unique<BlockWarmer>(*this);
+}
 
 KvStore::~KvStore() {
+  warmer_.reset();   // its passes read pools_
   // Sessions may outlive the store through their shared_ptr; their shards must not outlive
   // the pools, so they are dropped here, before pools_ is destroyed.
   std::map<std::string, std::shared_ptr<Session>> sessions;
@@ -294,6 +297,7 @@ absl::StatusOr<BlockPool*> KvStore::PoolFor(const BlockFormat& format) {
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<BlockPool> pool,
                           BlockPool::Create(format, max_blocks, &budget_,
                                                             options_.huge_pages));
+  pool->SetWarmReserve(options_.warm_reserve_bytes / format.block_bytes());
   pools_.push_back(std::move(pool));
   return pools_.back().get();
 }
@@ -563,6 +567,8 @@ absl::StatusOr<AppendStats> KvStore::Append(Session& session, uint32_t layer,
                                      counts[h].status().message()));
   }
   stats.entries_appended = total;
+  // The shards took blocks: the pools' warm reserves are topped up off this path.
+  if (warmer_ != nullptr) warmer_->Wake();
   return stats;
 }
 
@@ -602,6 +608,23 @@ uint64_t KvStore::ReleaseFreeMemory(std::chrono::steady_clock::time_point freed_
   // Blocks go free when shards do; their selected copies went back to the C heap then.
   if (released > 0) malloc_trim(0);
   return released;
+}
+
+uint64_t KvStore::WarmFreeBlocks(uint64_t batch_bytes) {
+  std::vector<BlockPool*> pools;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& pool : pools_) pools.push_back(pool.get());   // never removed before ~KvStore
+  }
+  uint64_t warmed = 0;
+  for (BlockPool* pool : pools) {
+    warmed += pool->WarmFreeBlocks(std::max<uint64_t>(1, batch_bytes / pool->format().block_bytes()));
+  }
+  return warmed;
+}
+
+uint64_t KvStore::warmed_blocks() const {
+  return warmer_ != nullptr ? warmer_->warmed_blocks() : 0;
 }
 
 StoreStats KvStore::Stats() const {

@@ -417,6 +417,18 @@ TEST(NodeAccounting, CloseReleasesEverythingAndCapacityIsEnforced) {
 // Stats.resident_block_bytes follows the node's block pages: in use while a session holds
 // them, kept for a while after it closes, then given back (release_free_after); never given
 // back when release_free_after is negative.
+// Opens session "s" of geometry `g` (2 KV heads of 64, bf16 rows) and appends 512 random
+// entries of layer 0 to it.
+void OpenAndAppend512(CpuAttentionNode& node, const Geometry& g) {
+  v1::OpenSessionResponse opened;
+  ASSERT_TRUE(node.OpenSession(OpenRequest("s", g, 16, true, 0), &opened).ok());
+  std::mt19937 rng(5);
+  std::vector<HeadEntries> entries(2);
+  AddRandomEntries(entries, 512, 64, true, 1e-2f, rng);
+  v1::AppendKvResponse t;
+  ASSERT_TRUE(node.AppendKv(AppendRequest("s", 0, entries, 0, 512, 64, true, 64), &t).ok());
+}
+
 TEST(NodeAccounting, FreeBlockPagesGoBackToTheKernelAfterTheDelay) {
   Geometry g{2, 4, 2, 64};
   for (const auto after : {std::chrono::milliseconds(50), std::chrono::milliseconds(-1)}) {
@@ -425,15 +437,10 @@ TEST(NodeAccounting, FreeBlockPagesGoBackToTheKernelAfterTheDelay) {
     options.pool_bytes = 64ull << 20;
     options.threads = 1;
     options.release_free_after = after;
+    options.warm_reserve_bytes = 0;   // resident == in use exactly (the reserve: next test)
     auto node = CpuAttentionNode::Create(options);
     ASSERT_TRUE(node.ok()) << node.status();
-    v1::OpenSessionResponse opened;
-    ASSERT_TRUE((*node)->OpenSession(OpenRequest("s", g, 16, true, 0), &opened).ok());
-    std::mt19937 rng(5);
-    std::vector<HeadEntries> entries(2);
-    AddRandomEntries(entries, 512, 64, true, 1e-2f, rng);
-    v1::AppendKvResponse t;
-    ASSERT_TRUE((*node)->AppendKv(AppendRequest("s", 0, entries, 0, 512, 64, true, 64), &t).ok());
+    ASSERT_NO_FATAL_FAILURE(OpenAndAppend512(**node, g));
     const v1::StatsResponse loaded = (*node)->Stats();
     ASSERT_GT(loaded.block_bytes_in_use(), 0u);
     EXPECT_EQ(loaded.resident_block_bytes(), loaded.block_bytes_in_use());
@@ -452,6 +459,42 @@ TEST(NodeAccounting, FreeBlockPagesGoBackToTheKernelAfterTheDelay) {
       EXPECT_EQ((*node)->Stats().resident_block_bytes(), loaded.block_bytes_in_use());
     }
   }
+}
+
+// A warm reserve keeps free block pages faulted in beside a session's blocks (a settle's next
+// appends land on them), and goes with the rest once no session holds blocks.
+TEST(NodeAccounting, WarmReserveStaysBesideSessionsAndGoesWhenIdle) {
+  Geometry g{2, 4, 2, 64};
+  NodeOptions options;
+  options.pool_bytes = 64ull << 20;
+  options.threads = 1;
+  options.release_free_after = std::chrono::milliseconds(50);
+  options.warm_reserve_bytes = 2ull << 20;
+  auto node = CpuAttentionNode::Create(options);
+  ASSERT_TRUE(node.ok()) << node.status();
+  ASSERT_NO_FATAL_FAILURE(OpenAndAppend512(**node, g));
+  const uint64_t in_use = (*node)->Stats().block_bytes_in_use();
+  ASSERT_GT(in_use, 0u);
+  // The reserve in whole blocks of 16 entries of bf16 K and V rows of 64 and a MAW float:
+  // 16 x (2 x 128 + 4) = 4,160 bytes (a multiple of 64 already).
+  const uint64_t block_bytes = 16 * (2 * 64 * 2 + 4);
+  const uint64_t reserve = (2ull << 20) / block_bytes * block_bytes;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((*node)->Stats().resident_block_bytes() < in_use + reserve &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Held past the release delay: the reserve is not released while blocks are in use.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ((*node)->Stats().resident_block_bytes(), in_use + reserve);
+  v1::CloseSessionResponse closed;
+  ASSERT_TRUE((*node)->CloseSession(MakeClose("s"), &closed).ok());
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((*node)->Stats().resident_block_bytes() > 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ((*node)->Stats().resident_block_bytes(), 0u);
 }
 
 class NodeBadInput : public ::testing::Test {

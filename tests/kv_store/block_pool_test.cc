@@ -396,6 +396,55 @@ TEST(BlockPoolTest, AllocateManyFaultsInFreshAndReleasedBlocks) {
   }
 }
 
+// The warm reserve: kept only while blocks are in use, never past what the budget could hand
+// out, filled from released blocks before never-used ones, and left by ReleaseFreeBlocks.
+TEST(BlockPoolTest, WarmReserveFollowsUseAndBudget) {
+  const BlockFormat f = Format();
+  MemoryBudget budget(20 * f.block_bytes());
+  auto pool = BlockPool::Create(f, 100, &budget);
+  ASSERT_TRUE(pool.ok());
+  BlockPool& p = **pool;
+  p.SetWarmReserve(8);
+  EXPECT_EQ(p.warm_reserve(), 8u);
+  EXPECT_EQ(p.WarmFreeBlocks(100), 0u);   // idle: no reserve
+  EXPECT_EQ(p.blocks_touched(), 0u);
+  auto held = p.AllocateMany(10);
+  ASSERT_TRUE(held.ok());
+  EXPECT_EQ(p.WarmFreeBlocks(3), 3u);     // at most what is asked per call
+  EXPECT_EQ(p.WarmFreeBlocks(100), 5u);   // then up to the reserve
+  EXPECT_EQ(p.WarmFreeBlocks(100), 0u);
+  EXPECT_EQ(p.blocks_touched(), 18u);
+  EXPECT_EQ(p.blocks_resident(), 18u);
+  EXPECT_EQ(budget.used(), 10 * f.block_bytes());   // free blocks are not charged
+  // Allocations take the warm blocks (most recent first), not new ones.
+  auto more = p.AllocateMany(4);
+  ASSERT_TRUE(more.ok());
+  for (BlockId id : *more) EXPECT_GE(id, 10u);
+  EXPECT_EQ(p.blocks_touched(), 18u);
+  // The budget has 6 blocks left and 4 are warm: only 2 more are warmed.
+  EXPECT_EQ(p.WarmFreeBlocks(100), 2u);
+  EXPECT_EQ(p.blocks_touched(), 20u);
+  // ReleaseFreeBlocks leaves the reserve while blocks are in use...
+  const auto later = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  for (BlockId id : *more) p.Unref(id);   // 10 free now
+  EXPECT_EQ(p.ReleaseFreeBlocks(later) > 0, true);
+  EXPECT_EQ(p.blocks_resident(), 10u + 8u);
+  // ... and released blocks are warmed again before never-used ones: 3 warm are left, and the
+  // budget's 5 free blocks allow 2 more.
+  auto again = p.AllocateMany(5);
+  ASSERT_TRUE(again.ok());
+  const uint64_t touched = p.blocks_touched();
+  EXPECT_EQ(p.WarmFreeBlocks(100), 2u);
+  EXPECT_EQ(p.blocks_touched(), touched);
+  EXPECT_EQ(p.blocks_resident(), 15u + 5u);
+  // Idle: everything goes.
+  for (BlockId id : *held) p.Unref(id);
+  for (BlockId id : *again) p.Unref(id);
+  EXPECT_EQ(p.WarmFreeBlocks(100), 0u);
+  p.ReleaseFreeBlocks(later);
+  EXPECT_EQ(p.blocks_resident(), 0u);
+}
+
 TEST(BlockPoolTest, ConcurrentAllocateAndUnrefBalance) {
   const BlockFormat f = Format();
   MemoryBudget budget(64 * f.block_bytes());

@@ -218,6 +218,34 @@ TEST_F(StoreMemoryTest, ReleaseFreeMemoryAfterCloseLeavesNothingResident) {
   EXPECT_EQ(store.Stats().resident_block_bytes, open.block_bytes_in_use);
 }
 
+// With a warm reserve, the store's warmer faults in that many free blocks after an append,
+// and the next session's appends take them instead of new pages.
+TEST_F(StoreMemoryTest, WarmerKeepsTheReserveBesideAppends) {
+  KvStore::Options options{64ull << 20, 16, 16};
+  options.warm_reserve_bytes = 1ull << 20;
+  KvStore store(options);
+  Fill(store, "a");
+  const StoreStats loaded = store.Stats();
+  const uint64_t block_bytes = loaded.block_bytes_in_use / loaded.blocks_in_use;
+  const uint64_t reserve = (1ull << 20) / block_bytes;
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (store.warmed_blocks() < reserve && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(store.warmed_blocks(), reserve);
+  EXPECT_EQ(store.Stats().resident_block_bytes, loaded.block_bytes_in_use + reserve * block_bytes);
+  // The second session's 16 blocks come from the reserve: no more memory is touched for them
+  // than the warmer makes up afterwards.
+  Fill(store, "b");
+  EXPECT_EQ(store.Stats().blocks_in_use, 2 * loaded.blocks_in_use);
+  while (store.warmed_blocks() < reserve + loaded.blocks_in_use && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  EXPECT_EQ(store.warmed_blocks(), reserve + loaded.blocks_in_use);
+  EXPECT_EQ(store.Stats().resident_block_bytes,
+            2 * loaded.block_bytes_in_use + reserve * block_bytes);
+}
+
 TEST_F(StoreMemoryTest, ReleaserWaitsForTheDelayThenReleases) {
   KvStore store(KvStore::Options{64ull << 20, 16, 16});
   Fill(store, "a");

@@ -98,7 +98,8 @@ CpuAttentionNode::CpuAttentionNode(const NodeOptions& options)
       // by the first Append).
       store_(kv_store::KvStore::Options{
           options.pool_bytes, options.block_tokens, options.max_sessions, options.huge_pages,
-          [this](size_t n, const std::function<void(size_t)>& fn) { pool_.ParallelFor(n, fn); }}),
+          [this](size_t n, const std::function<void(size_t)>& fn) { pool_.ParallelFor(n, fn); },
+          options.warm_reserve_bytes}),
       releaser_(options.release_free_after.count() >= 0
                     ? std::make_unique<kv_store::FreeMemoryReleaser>(store_,
                                                                      options.release_free_after)

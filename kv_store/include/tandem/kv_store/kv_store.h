@@ -27,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "tandem/kv_store/block_pool.h"
+#include "tandem/kv_store/block_warmer.h"
 #include "tandem/kv_store/memory_budget.h"
 #include "tandem/kv_store/shard.h"
 
@@ -193,6 +194,9 @@ class KvStore {
     // copy) quantises int8 rows in slices and fills its heads' shards through it; null: all in
     // the calling thread.
     std::function<void(size_t n, const std::function<void(size_t)>& fn)> parallel_for = nullptr;
+    // Free block bytes each pool keeps faulted in while it has blocks in use (BlockPool's warm
+    // reserve), made by a BlockWarmer thread woken by Append; 0: none, and no thread.
+    uint64_t warm_reserve_bytes = 0;
   };
   explicit KvStore(Options options);
   ~KvStore();
@@ -242,6 +246,11 @@ class KvStore {
   // kernel (BlockPool::ReleaseFreeBlocks on every pool) and, when some was, the C heap's free
   // memory too (malloc_trim: freed selected copies). Returns the block bytes released.
   uint64_t ReleaseFreeMemory(std::chrono::steady_clock::time_point freed_before);
+  // One BlockPool::WarmFreeBlocks of up to `batch_bytes` on every pool below its warm reserve;
+  // returns the blocks faulted in (0: every pool is at its reserve).
+  uint64_t WarmFreeBlocks(uint64_t batch_bytes);
+  // Blocks faulted in by the warm reserves' thread so far (0 without a reserve).
+  uint64_t warmed_blocks() const;
 
   StoreStats Stats() const;
   const MemoryBudget& budget() const { return budget_; }
@@ -258,6 +267,7 @@ class KvStore {
   mutable std::mutex mu_;  // guards sessions_ and pools_
   std::map<std::string, std::shared_ptr<Session>> sessions_;
   std::vector<std::unique_ptr<BlockPool>> pools_;
+  std::unique_ptr<BlockWarmer> warmer_;   // null: no warm reserve; stopped first in ~KvStore
 };
 
 }  // namespace tandem::kv_store

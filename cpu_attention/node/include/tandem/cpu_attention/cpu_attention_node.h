@@ -87,6 +87,9 @@ struct NodeOptions {
   // negative: never (free blocks stay resident until reused).
   std::chrono::milliseconds release_free_after{30000};
   bool huge_pages = false;   // back KV blocks with transparent huge pages (kv_store::BlockPool)
+  // Free block bytes kept faulted in while sessions hold blocks (kv_store::BlockWarmer), so a
+  // settle's appends copy at memory speed, not a page fault per 4 KiB; 0: none.
+  uint64_t warm_reserve_bytes = 512ull << 20;
   // How KV blocks are stored (--node_kv_dtype): kBf16 = as each session sends it (its kv_dtype,
   // bf16 or f32); kInt8 = 8-bit rows with a per-row scale (kv_store/int8_rows.h), quantised on
   // AppendKv and dequantised to the session's kv_dtype by ExportShard, so the wire and the
