@@ -152,7 +152,8 @@ absl::Status NodeTier::Append(TierContext& context, WindowCache& window,
       [this](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
              int64_t window_entries) {
         return remote_->Append(layer, k, v, maw, tokens, window_entries);
-      });
+      },
+      TierContext::SinkUses::kHostOnly);
 }
 
 absl::StatusOr<int64_t> NodeTier::AppendLimit() {

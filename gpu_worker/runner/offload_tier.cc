@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/common/status_macros.h"
@@ -131,7 +134,7 @@ size_t TierContext::EvictStagingBytes(const WindowGeometry& geometry, int64_t bl
 }
 
 absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
-                                      const EvictedLayerSink& sink) {
+                                      const EvictedLayerSink& sink, SinkUses uses) {
   const WindowGeometry& g = window.geometry();
   int64_t total = 0;
   for (const EvictedBlock& b : blocks) total += b.count;
@@ -143,22 +146,90 @@ absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<Evi
     TANDEM_ASSIGN_OR_RETURN(evict_k_, backend_.AllocateHost(bytes));
     TANDEM_ASSIGN_OR_RETURN(evict_v_, backend_.AllocateHost(bytes));
   }
-  evict_maw_.resize(g.num_kv_heads * total);
+  // Two slots of the staging (layer l in slot l % 2) when the sink runs apart and the group
+  // fits half of it; one otherwise.
+  const bool overlap = uses == SinkUses::kHostOnly && 2 * kv_bytes <= evict_k_.bytes() &&
+                       g.num_layers > 1;
+  const size_t slot_bytes = overlap ? evict_k_.bytes() / 2 / 64 * 64 : 0;
+  const size_t maw_slot = g.num_kv_heads * total;
+  evict_maw_.resize((overlap ? 2 : 1) * maw_slot);
+  auto slot_k = [&](int64_t l) { return static_cast<char*>(evict_k_.data()) + (l % 2) * slot_bytes; };
+  auto slot_v = [&](int64_t l) { return static_cast<char*>(evict_v_.data()) + (l % 2) * slot_bytes; };
+  auto slot_maw = [&](int64_t l) { return evict_maw_.data() + (overlap ? l % 2 : 0) * maw_slot; };
   // n_gpu of the selection threshold: the entries on the device when these leave it (at most
   // the configured sink + window after a widened prefill: WindowCache::eviction_entries).
   const int64_t window_entries = window.eviction_entries();
-  for (int64_t l = 0; l < g.num_layers; ++l) {
-    const auto start = std::chrono::steady_clock::now();
-    TANDEM_RETURN_IF_ERROR(
-        window.ReadBlocks(l, blocks, evict_k_.data(), evict_v_.data(), evict_maw_.data()));
-    const auto read = std::chrono::steady_clock::now();
-    TANDEM_RETURN_IF_ERROR(
-        sink(l, evict_k_.data(), evict_v_.data(), evict_maw_.data(), total, window_entries));
-    profile_.evict_read_s += std::chrono::duration<double>(read - start).count();
-    profile_.evict_append_s +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - read).count();
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  if (!overlap) {
+    for (int64_t l = 0; l < g.num_layers; ++l) {
+      const auto start = Clock::now();
+      TANDEM_RETURN_IF_ERROR(window.ReadBlocks(l, blocks, slot_k(l), slot_v(l), slot_maw(l)));
+      profile_.evict_read_s += seconds_since(start);
+      const auto read = Clock::now();
+      TANDEM_RETURN_IF_ERROR(sink(l, slot_k(l), slot_v(l), slot_maw(l), total, window_entries));
+      profile_.evict_append_s += seconds_since(read);
+    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  // The sink thread takes layer l once it is read; the reads of layer l wait until the sink of
+  // layer l - 2 (the slot's last user) is done. A failure on either side stops both.
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t layers_read = 0, layers_sunk = 0;   // guarded by mu
+  bool stop = false;                          // guarded by mu
+  absl::Status sink_status;                   // guarded by mu
+  double sink_s = 0;                          // the sink thread's, read after the join
+  std::thread sinker([&] {
+    for (int64_t l = 0; l < g.num_layers; ++l) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || layers_read > l; });
+        if (stop) return;
+      }
+      const auto start = Clock::now();
+      absl::Status s = sink(l, slot_k(l), slot_v(l), slot_maw(l), total, window_entries);
+      sink_s += seconds_since(start);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!s.ok()) {
+          sink_status = std::move(s);
+          stop = true;
+        } else {
+          layers_sunk = l + 1;
+        }
+      }
+      cv.notify_all();
+      if (!s.ok()) return;
+    }
+  });
+  absl::Status read_status;
+  for (int64_t l = 0; l < g.num_layers; ++l) {
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stop || layers_sunk >= l - 1; });
+      if (stop) break;
+    }
+    const auto start = Clock::now();
+    read_status = window.ReadBlocks(l, blocks, slot_k(l), slot_v(l), slot_maw(l));
+    profile_.evict_read_s += seconds_since(start);
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!read_status.ok()) {
+        stop = true;
+      } else {
+        layers_read = l + 1;
+      }
+    }
+    cv.notify_all();
+    if (!read_status.ok()) break;
+  }
+  sinker.join();
+  profile_.evict_append_s += sink_s;
+  TANDEM_RETURN_IF_ERROR(read_status);
+  return sink_status;
 }
 
 }  // namespace tandem::gpu_worker

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -30,6 +31,7 @@
 #include "tandem/gpu_worker/engine.h"
 #include "tandem/gpu_worker/host_tier.h"
 #include "tandem/gpu_worker/logprobs.h"
+#include "tandem/gpu_worker/offload_tier.h"
 #include "tandem/gpu_worker/window_cache.h"
 
 namespace tandem::gpu_worker {
@@ -166,18 +168,24 @@ class PromptSettle : public ::testing::Test {
   static v1::StatsResponse NodeStats(Engine& e) { return e.nodes().embedded()->node().Stats(); }
 };
 
-// A settling ring: appends land on free slots only, the blocks a full ring needs leave first
-// (oldest first), and a next turn's Widen keeps the pending blocks.
-TEST(PromptSettleRing, AppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
-  std::string why;
-  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
-  if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
+// A small ring: a sink of 4, a window of 32 in blocks of 8, chunks of up to 20 positions.
+WindowOptions RingOptions() {
   WindowOptions o;
   o.sink = 4;
   o.window = 32;
   o.block = 8;
   o.max_chunk = 20;
   o.max_context = 1024;
+  return o;
+}
+
+// A settling ring: appends land on free slots only, the blocks a full ring needs leave first
+// (oldest first), and a next turn's Widen keeps the pending blocks.
+TEST(PromptSettleRing, AppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
+  std::string why;
+  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
+  const WindowOptions o = RingOptions();
   auto cache = WindowCache::Create(*backend, {1, 1, 8, DType::kF32}, o);
   ASSERT_TRUE(cache.ok()) << cache.status();
   ASSERT_TRUE(cache->Widen(160).ok());
@@ -215,6 +223,89 @@ TEST(PromptSettleRing, AppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
   ASSERT_TRUE(cache->Release(all).ok());
   EXPECT_FALSE(cache->relaid());
   EXPECT_EQ(cache->device_bytes(), WindowCache::BytesFor({1, 1, 8, DType::kF32}, o));
+}
+
+// TierContext::ReadEvicted hands a sink every layer's evicted K, V and MAW in layer order. A
+// host-only sink runs on a thread of its own beside the next layer's read, and sees the same
+// bytes as one that runs on the caller; its failure stops the layers after it.
+TEST(PromptSettleRing, EvictionsReadBesideAHostOnlySinkEqualTheSerialReads) {
+  std::string why;
+  std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
+  if (backend == nullptr) GTEST_SKIP() << "no backend: " << why;
+  const WindowOptions o = RingOptions();
+  const WindowGeometry geometry{5, 2, 8, DType::kF32};
+  auto cache = WindowCache::Create(*backend, geometry, o);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(cache->Widen(160).ok());
+  for (int i = 0; i < 8; ++i) ASSERT_TRUE(cache->Append(20).ok());
+  ASSERT_TRUE(cache->Narrow().ok());
+  const std::vector<EvictedBlock> blocks = cache->PendingEvictions();
+  ASSERT_FALSE(blocks.empty());
+  // Every layer's K, V [heads, capacity, 8] and MAW [heads, capacity] hold distinct values
+  // (MAW with negatives, which the read clamps to 0).
+  const int64_t cells = geometry.num_kv_heads * cache->capacity();
+  for (int64_t l = 0; l < geometry.num_layers; ++l) {
+    std::vector<float> k(cells * 8), v(cells * 8), maw(cells);
+    for (size_t i = 0; i < k.size(); ++i) {
+      k[i] = static_cast<float>(l * 100000 + i);
+      v[i] = -k[i];
+    }
+    for (size_t i = 0; i < maw.size(); ++i) maw[i] = static_cast<float>(i % 7) - 2.0f;
+    ASSERT_TRUE(backend->CopyToDevice(cache->k(l), k.data(), k.size() * 4).ok());
+    ASSERT_TRUE(backend->CopyToDevice(cache->v(l), v.data(), v.size() * 4).ok());
+    ASSERT_TRUE(backend->CopyToDevice(cache->maw(l), maw.data(), maw.size() * 4).ok());
+  }
+  struct Seen {
+    std::vector<float> k, v, maw;
+    int64_t tokens = 0, window_entries = 0;
+    std::thread::id thread;
+  };
+  auto read = [&](TierContext::SinkUses uses, int64_t fail_at, absl::Status* status) {
+    TierContext context(*backend, 4, 64, false);
+    std::vector<Seen> seen;
+    *status = context.ReadEvicted(
+        *cache, blocks,
+        [&](int64_t layer, const void* k, const void* v, const float* maw, int64_t tokens,
+            int64_t window_entries) -> absl::Status {
+          EXPECT_EQ(layer, static_cast<int64_t>(seen.size()));
+          const size_t n = geometry.num_kv_heads * tokens;
+          const float* kf = static_cast<const float*>(k);
+          const float* vf = static_cast<const float*>(v);
+          seen.push_back({{kf, kf + n * 8}, {vf, vf + n * 8}, {maw, maw + n}, tokens,
+                          window_entries, std::this_thread::get_id()});
+          if (layer == fail_at) return absl::UnavailableError("node gone");
+          return absl::OkStatus();
+        },
+        uses);
+    return seen;
+  };
+  absl::Status status;
+  const std::vector<Seen> serial = read(TierContext::SinkUses::kBackend, -1, &status);
+  ASSERT_TRUE(status.ok()) << status;
+  const std::vector<Seen> apart = read(TierContext::SinkUses::kHostOnly, -1, &status);
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_EQ(serial.size(), 5u);
+  ASSERT_EQ(apart.size(), 5u);
+  int64_t total = 0;
+  for (const EvictedBlock& b : blocks) total += b.count;
+  for (int64_t l = 0; l < 5; ++l) {
+    SCOPED_TRACE(l);
+    EXPECT_EQ(serial[l].tokens, total);
+    EXPECT_EQ(serial[l].thread, std::this_thread::get_id());
+    EXPECT_NE(apart[l].thread, std::this_thread::get_id());
+    EXPECT_EQ(apart[l].k, serial[l].k);
+    EXPECT_EQ(apart[l].v, serial[l].v);
+    EXPECT_EQ(apart[l].maw, serial[l].maw);
+    EXPECT_EQ(apart[l].tokens, serial[l].tokens);
+    EXPECT_EQ(apart[l].window_entries, serial[l].window_entries);
+    // The first evicted token of head 0: position 4 in slot 4 of layer l's K.
+    EXPECT_EQ(serial[l].k[0], static_cast<float>(l * 100000 + blocks[0].first_slot * 8));
+    EXPECT_GE(*std::min_element(serial[l].maw.begin(), serial[l].maw.end()), 0.0f);
+  }
+  // A failing sink: its error comes back, and no layer after it is handed over.
+  const std::vector<Seen> failed = read(TierContext::SinkUses::kHostOnly, 2, &status);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(failed.size(), 3u);
 }
 
 // The runner's side, offload mode: three sequences get the same prompt and decode tokens: one

@@ -78,7 +78,8 @@ struct OffloadProfile {
   double node_compute_s = 0.0;
   // Evicted blocks leaving the window for the tier (evictions and settle slices), summed: the
   // page index's part (summaries, low-rank keys), the blocks' download to host staging, and the
-  // tier's append of them (CPU nodes, host pages).
+  // tier's append of them (CPU nodes, host pages). A node tier's appends overlap the next
+  // layer's download (TierContext::ReadEvicted), so read + append may exceed the wall time.
   double evict_index_s = 0.0;
   double evict_read_s = 0.0;
   double evict_append_s = 0.0;
@@ -222,8 +223,13 @@ class TierContext {
   using EvictedLayerSink = std::function<absl::Status(int64_t layer, const void* k,
                                                       const void* v, const float* maw,
                                                       int64_t tokens, int64_t window_entries)>;
+  // What the sink may touch. kHostOnly (no Backend call: a node append) lets ReadEvicted run
+  // the sink on a thread of its own, one layer behind the reads, with the staging cut into two
+  // slots when the group fits half of it: layer l + 1's device-to-host read then overlaps layer
+  // l's sink, and a settle slice costs about max(reads, sinks) instead of their sum.
+  enum class SinkUses { kBackend, kHostOnly };
   absl::Status ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
-                           const EvictedLayerSink& sink);
+                           const EvictedLayerSink& sink, SinkUses uses = SinkUses::kBackend);
 
  private:
   Backend& backend_;
@@ -241,7 +247,7 @@ class TierContext {
   // Page-locked (Backend::AllocateHost): a settle moves a whole prompt's KV through them, one
   // layer at a time, and pageable memory halves the device-to-host rate.
   DeviceBuffer evict_k_, evict_v_;
-  std::vector<float> evict_maw_;
+  std::vector<float> evict_maw_;   // two slots' worth when ReadEvicted overlaps
 };
 
 // Receives recomputed K/V of one layer (what rebuilds entries a lost CPU node held),
