@@ -490,6 +490,17 @@ absl::StatusOr<MemoryPlan> EstimateMemory(const MemoryPlanSetup& setup,
       "q, o and lse of one chunk");
   if (setup.embedded_node && uses_nodes) {
     Add(host, "embedded node KV", plan.nodes.total_bytes, "the in-process CPU node's pool");
+    // Free blocks kept faulted in beside the sessions' (kv_store::BlockWarmer): resident while
+    // any session holds blocks, at most what the pool's budget could still hand out.
+    const uint64_t pool = e.nodes.embedded.pool_bytes;
+    const uint64_t reserve = std::min<uint64_t>(
+        e.nodes.embedded.warm_reserve_bytes,
+        pool > plan.nodes.total_bytes ? pool - plan.nodes.total_bytes : 0);
+    if (reserve > 0) {
+      Add(host, "embedded node warm reserve", reserve,
+          "free KV blocks the in-process node keeps faulted in while sessions hold blocks "
+          "(--node_warm_reserve)");
+    }
   }
   if (setup.backend == "cpu") {
     Add(host, "device memory (cpu backend)", dev.total_bytes, "the cpu backend computes in RAM");
