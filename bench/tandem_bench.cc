@@ -130,7 +130,7 @@ ABSL_FLAG(uint32_t, node_tasks_per_thread, 2,
           "(NodeOptions::tasks_per_thread; tandem-cpu-attention's --tasks_per_thread)");
 ABSL_FLAG(uint32_t, node_dense_tasks_per_thread, 8,
           "embedded CPU node: the same for dense Attends (NodeOptions::dense_tasks_per_thread)");
-ABSL_FLAG(bool, node_huge_pages, false, "embedded CPU node: KV blocks on transparent huge pages");
+ABSL_FLAG(bool, node_huge_pages, true, "embedded CPU node: KV blocks on transparent huge pages");
 ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
           "embedded CPU node: free KV block memory kept faulted in (0 = none)");
 ABSL_FLAG(uint32_t, node_pool_spin_us, 0,

@@ -69,6 +69,8 @@ ABSL_FLAG(int64_t, append_tokens, 4096,
           "tokens per (layer) Append call: a worker's settle slice or eviction (1..65536)");
 ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
           "embedded node: free block memory kept faulted in (NodeOptions::warm_reserve_bytes)");
+ABSL_FLAG(bool, node_huge_pages, true,
+          "embedded node: KV blocks on transparent huge pages (NodeOptions::huge_pages)");
 ABSL_FLAG(bool, append_cold, true,
           "also time appends into never-written blocks (the pool must hold 3 x --append_mib)");
 
@@ -354,6 +356,7 @@ int main(int argc, char** argv) {
   embedded_options.embedded.threads = threads;
   embedded_options.embedded.shm_spin_us = absl::GetFlag(FLAGS_spin_us);
   embedded_options.embedded.warm_reserve_bytes = absl::GetFlag(FLAGS_node_warm_reserve).bytes;
+  embedded_options.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
   auto embedded = gw::NodePool::Create(embedded_options);
   if (!embedded.ok()) {
     std::fprintf(stderr, "embedded node: %s\n", embedded.status().ToString().c_str());

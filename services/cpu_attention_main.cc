@@ -52,9 +52,9 @@ ABSL_FLAG(unsigned, pool_spin_us, 100,
 ABSL_FLAG(tandem::ByteSize, pool_bytes, tandem::ByteSize{8ull << 30},
           "memory for KV blocks and selected copies, e.g. 64GiB");
 ABSL_FLAG(unsigned, block_tokens, 64, "default tokens per KV block (16..256)");
-ABSL_FLAG(bool, huge_pages, false,
-          "back KV blocks with transparent huge pages (fewer TLB misses when pages are scanned "
-          "scattered, selection=pages)");
+ABSL_FLAG(bool, huge_pages, true,
+          "back KV blocks with transparent huge pages: appends into fresh memory fault 2 MiB at "
+          "a time (settle appends 2-3x faster on the H200 host; the scan's rate is the same)");
 ABSL_FLAG(tandem::ByteSize, warm_reserve, tandem::ByteSize{512ull << 20},
           "free KV block memory kept faulted in while sessions hold blocks, so appends (a "
           "worker's settle) copy at memory speed; 0 = none");

@@ -137,7 +137,7 @@ ABSL_FLAG(bool, device_prefill, true,
           "widened window, within --kv_cache_bytes) so every chunk attends over it on the GPU; "
           "the blocks beyond the window go to the CPU nodes / host pages after the first token. "
           "false: each chunk attends over the evicted part through the tier");
-ABSL_FLAG(int64_t, settle_tokens_per_step, 2048,
+ABSL_FLAG(int64_t, settle_tokens_per_step, 1024,
           "after a device prefill: most tokens of prompts' blocks beyond the window that move to "
           "the CPU nodes / host pages per step, over all sessions (the request decodes on, its "
           "window attending over the rest); bounds what a settle adds to any step; 0 = a whole "
@@ -230,6 +230,9 @@ ABSL_FLAG(tandem::ByteSize, embedded_pool_bytes, tandem::ByteSize{4ull << 30},
 ABSL_FLAG(tandem::ByteSize, node_warm_reserve, tandem::ByteSize{512ull << 20},
           "free KV block memory the embedded CPU node keeps faulted in while sessions hold "
           "blocks, so settle appends copy at memory speed; 0 = none");
+ABSL_FLAG(bool, node_huge_pages, true,
+          "back the embedded CPU node's KV blocks with transparent huge pages (a fault per 2 MiB "
+          "instead of per 4 KiB when appends reach fresh memory; the node's --huge_pages)");
 ABSL_FLAG(std::string, node_kv_dtype, "bf16",
           "how the embedded CPU node stores KV: bf16 (as sent) or int8 (8-bit, about half the "
           "memory; see tandem-cpu-attention --node_kv_dtype)");
@@ -454,6 +457,7 @@ absl::StatusOr<tandem::gpu_worker::WorkerServerOptions> OptionsFromFlags() {
   }
   e.nodes.embedded.pool_bytes = absl::GetFlag(FLAGS_embedded_pool_bytes).bytes;
   e.nodes.embedded.warm_reserve_bytes = absl::GetFlag(FLAGS_node_warm_reserve).bytes;
+  e.nodes.embedded.huge_pages = absl::GetFlag(FLAGS_node_huge_pages);
   absl::StatusOr<tandem::kv_store::KvDType> node_kv_dtype =
       tandem::cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));
   if (!node_kv_dtype.ok()) {

@@ -72,8 +72,10 @@ struct RunnerOptions {
   // prompt's blocks move to the tier per step (SettleSlice; the engine shares it among its
   // settling sequences), so that no step waits for a whole prompt's settle. Measured on the
   // H100 host (Llama-3-8B geometry, 32K): 0.86 s for 32K tokens with pages selection, 2.55 s
-  // with MAW, i.e. ~0.1 s / ~0.3 s added to a step at 4096. 0 = settle a whole prompt at once.
-  int64_t settle_tokens_per_step = 2048;
+  // with MAW, i.e. ~0.1 s / ~0.3 s added to a step at 4096. 1024 since the H200 served row
+  // (BENCHMARKS "Settle appends at memory speed"): a 1024 slice costs about one decode step,
+  // 2048 about two. 0 = settle a whole prompt at once.
+  int64_t settle_tokens_per_step = 1024;
   // Layer-ahead page selection (DESIGN "Overlapping the CPU part"): after layer l's tiers have
   // started, the runner guesses layer l+1's queries from layer l's input, q̂ = RoPE(RMSNorm(x_l)
   // · W_q(l+1)) (InfiniGen: the residual stream changes little across one layer), and tiers

@@ -146,7 +146,7 @@ struct EngineOptions {
   bool device_prefill = true;
   // Most tokens of device-prefilled prompts' blocks that move to their tiers per step, over all
   // sessions (RunnerOptions::settle_tokens_per_step; 0 = a whole prompt at once).
-  int64_t settle_tokens_per_step = 2048;
+  int64_t settle_tokens_per_step = 1024;
   // A step that fed prompt chunks settles only what the chunks left of settle_tokens_per_step
   // (at least one block): a chunk and a whole slice in one step add up to one long wait for the
   // decoding requests in it (their ITL tail). The settle catches up in decode-only steps.
