@@ -186,9 +186,10 @@ ABSL_FLAG(double, split_min_scan_share, -1.0,
           "RunnerOptions::split_min_scan_share: off-device scan bytes over weight bytes from "
           "which a pass splits (-1 = the backend's default, 0 = always)");
 ABSL_FLAG(double, split_min_scan_bytes, 16e6, "RunnerOptions::split_min_scan_bytes");
-ABSL_FLAG(int64_t, settle_tokens_per_step, 2048,
+ABSL_FLAG(int64_t, settle_tokens_per_step, 1024,
           "TTFT rows: tokens of the prompt's blocks moved to the tier per decode step after the "
-          "first token (RunnerOptions::settle_tokens_per_step; 0 = all at once)");
+          "first token (RunnerOptions::settle_tokens_per_step, the worker's default; 0 = all at "
+          "once)");
 ABSL_FLAG(int, settle_steps, 3,
           "hybrid: decode steps that measure the shards' costs before balanced placement "
           "re-plans and migrates (outside the timed steps)");
