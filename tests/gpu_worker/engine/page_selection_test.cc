@@ -479,7 +479,7 @@ class PageSelectionEngine : public ::testing::Test {
 TEST_F(PageSelectionEngine, PagesIsServedAndRejectsBadPolicies) {
   TANDEM_SKIP_WITHOUT_MODEL("stories260k");
   TANDEM_SKIP_WITHOUT_BACKEND();
-  Make(0);
+  ASSERT_NO_FATAL_FAILURE(Make(0));
   auto summary = engine_->Generate(Request());
   ASSERT_TRUE(summary.ok()) << summary.status();
   EXPECT_EQ(summary->completion_tokens, 120);
@@ -547,7 +547,8 @@ TEST_F(PageSelectionEngine, SummariesBeyondTheCapAreRefused) {
   // stories260k (5 layers x 4 kv heads x 8 dims, f32 KV, 16-token pages): the cap holds 20
   // pages per (layer, kv head) of summaries and the default low-rank keys.
   const WindowGeometry g{5, 4, 8, DType::kF32};
-  Make(/*summary_cap=*/PageIndex::BytesFor(g, 16, 20 * 16, EngineOptions().page_low_rank));
+  ASSERT_NO_FATAL_FAILURE(
+      Make(/*summary_cap=*/PageIndex::BytesFor(g, 16, 20 * 16, EngineOptions().page_low_rank)));
   GenerateRequest big = Request();
   big.max_tokens = 400;   // ~370 offloaded tokens = 24 pages > 20
   auto refused = engine_->Generate(big);
