@@ -42,7 +42,8 @@ has() { [[ " $parts " == *" $1 "* ]]; }
 } 2>&1 | tee "$out/host.txt"
 
 model=/tmp/llama3-8b
-tandem-geometry --preset=llama3-8b --config_only --out="$model" > /dev/null
+# PRESET: another tandem-geometry preset (qwen3-8b, ...) for every part.
+tandem-geometry --preset="${PRESET:-llama3-8b}" --config_only --out="$model" > /dev/null
 cp "$TANDEM_SHARED_DIR"/models/gutenberg-14m/tokenizer*.json "$model"/
 # The tokenizer's special ids replace Llama-3's (128000/128001 are not in its vocabulary).
 python3 - "$model/config.json" "$TANDEM_SHARED_DIR/models/gutenberg-14m/config.json" <<'PY'
