@@ -46,16 +46,14 @@ void BlockWarmer::Loop() {
     if (stop_) return;
     woken_ = false;
     lock.unlock();
-    uint64_t warmed = 0;
     for (;;) {
       const uint64_t pass = store_.WarmFreeBlocks(kBatchBytes);
       if (pass == 0) break;
-      warmed += pass;
       std::lock_guard<std::mutex> check(mu_);
+      warmed_ += pass;
       if (stop_) break;
     }
     lock.lock();
-    warmed_ += warmed;
   }
 }
 
