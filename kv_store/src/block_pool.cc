@@ -118,14 +118,7 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateMany(uint64_t count) {
       ids.push_back(free_resident_.back().first);
       free_resident_.pop_back();
     }
-    while (ids.size() + cold.size() < count && !free_released_.empty()) {
-      cold.push_back(free_released_.back());
-      free_released_.pop_back();
-    }
-    while (ids.size() + cold.size() < count) {
-      cold.push_back(next_unused_++);
-      refcounts_.push_back(0);
-    }
+    TakeColdLocked(count - ids.size(), cold);
     ids.insert(ids.end(), cold.begin(), cold.end());
     for (BlockId id : ids) {
       assert(refcounts_[id] == 0);
@@ -136,6 +129,17 @@ absl::StatusOr<std::vector<BlockId>> BlockPool::AllocateMany(uint64_t count) {
   std::sort(cold.begin(), cold.end());
   Populate(cold);
   return ids;
+}
+
+void BlockPool::TakeColdLocked(uint64_t n, std::vector<BlockId>& out) {
+  for (; n > 0 && !free_released_.empty(); --n) {
+    out.push_back(free_released_.back());
+    free_released_.pop_back();
+  }
+  for (; n > 0 && next_unused_ < max_blocks_; --n) {
+    out.push_back(next_unused_++);
+    refcounts_.push_back(0);
+  }
 }
 
 void BlockPool::Populate(std::span<const BlockId> ids) {
@@ -260,15 +264,7 @@ uint64_t BlockPool::WarmFreeBlocks(uint64_t at_most) {
     // No more resident free blocks than the budget could still hand out.
     const uint64_t chargeable = budget_->free() / format_.block_bytes();
     if (chargeable <= have) return 0;
-    const uint64_t n = std::min({at_most, warm_reserve_ - have, chargeable - have});
-    while (ids.size() < n && !free_released_.empty()) {
-      ids.push_back(free_released_.back());
-      free_released_.pop_back();
-    }
-    while (ids.size() < n && next_unused_ < max_blocks_) {
-      ids.push_back(next_unused_++);
-      refcounts_.push_back(0);
-    }
+    TakeColdLocked(std::min({at_most, warm_reserve_ - have, chargeable - have}), ids);
     if (ids.empty()) return 0;
     in_transit_ += ids.size();
   }

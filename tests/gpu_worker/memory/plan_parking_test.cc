@@ -8,18 +8,14 @@
 #include <cstdint>
 #include <string>
 
+#include "plan_test_util.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/model_geometry.h"
 
 namespace tandem::gpu_worker {
 namespace {
 
-const MemoryItem* Find(const MemoryTier& tier, const std::string& name) {
-  for (const MemoryItem& item : tier.items) {
-    if (item.name == name) return &item;
-  }
-  return nullptr;
-}
+using testing::FindItem;
 
 class PlanParkingTest : public ::testing::Test {
  protected:
@@ -49,13 +45,13 @@ TEST_F(PlanParkingTest, TheBudgetIsAHostLine) {
   setup_.engine.prefix_cache_host_bytes = size_t{3} << 30;
   setup_.backend = "cuda";
   const MemoryPlan with = Plan();
-  const MemoryItem* parked = Find(with.host, "parked cached sessions");
+  const MemoryItem* parked = FindItem(with.host, "parked cached sessions");
   ASSERT_NE(parked, nullptr);
   EXPECT_EQ(parked->bytes, uint64_t{3} << 30);
 
   setup_.engine.prefix_cache = false;
   const MemoryPlan without = Plan();
-  EXPECT_EQ(Find(without.host, "parked cached sessions"), nullptr);
+  EXPECT_EQ(FindItem(without.host, "parked cached sessions"), nullptr);
   EXPECT_EQ(with.host.total_bytes - without.host.total_bytes, uint64_t{3} << 30);
 }
 
@@ -66,9 +62,9 @@ TEST_F(PlanParkingTest, AutoIsAQuarterOfPhysicalMemoryOnCudaAndNoneOnCpu) {
   EXPECT_EQ(ParkingBudgetBytes(setup_.engine, "cuda"), physical / 4);
   EXPECT_EQ(ParkingBudgetBytes(setup_.engine, "cpu"), 0u);
   setup_.backend = "cpu";
-  EXPECT_EQ(Find(Plan().host, "parked cached sessions"), nullptr);
+  EXPECT_EQ(FindItem(Plan().host, "parked cached sessions"), nullptr);
   setup_.backend = "cuda";
-  const MemoryItem* parked = Find(Plan().host, "parked cached sessions");
+  const MemoryItem* parked = FindItem(Plan().host, "parked cached sessions");
   ASSERT_NE(parked, nullptr);
   EXPECT_EQ(parked->bytes, physical / 4);
 }

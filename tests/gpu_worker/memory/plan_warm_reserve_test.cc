@@ -7,18 +7,14 @@
 #include <cstdint>
 #include <string>
 
+#include "plan_test_util.h"
 #include "tandem/gpu_worker/memory_plan.h"
 #include "tandem/gpu_worker/model_geometry.h"
 
 namespace tandem::gpu_worker {
 namespace {
 
-const MemoryItem* Find(const MemoryTier& tier, const std::string& name) {
-  for (const MemoryItem& item : tier.items) {
-    if (item.name == name) return &item;
-  }
-  return nullptr;
-}
+using testing::FindItem;
 
 constexpr const char* kReserve = "embedded node warm reserve";
 
@@ -59,13 +55,13 @@ TEST_F(PlanWarmReserveTest, TheReserveIsAHostLineBesideTheNodeKv) {
   setup_.engine.nodes.embedded.warm_reserve_bytes = uint64_t{512} << 20;
   const MemoryPlan with = Plan();
   ASSERT_GT(with.nodes.total_bytes, 0u);
-  const MemoryItem* reserve = Find(with.host, kReserve);
+  const MemoryItem* reserve = FindItem(with.host, kReserve);
   ASSERT_NE(reserve, nullptr);
   EXPECT_EQ(reserve->bytes, uint64_t{512} << 20);
 
   setup_.engine.nodes.embedded.warm_reserve_bytes = 0;
   const MemoryPlan without = Plan();
-  EXPECT_EQ(Find(without.host, kReserve), nullptr);
+  EXPECT_EQ(FindItem(without.host, kReserve), nullptr);
   EXPECT_EQ(with.host.total_bytes - without.host.total_bytes, uint64_t{512} << 20);
 }
 
@@ -74,18 +70,18 @@ TEST_F(PlanWarmReserveTest, AtMostWhatThePoolHasLeftBeyondTheKv) {
   const uint64_t kv = Plan().nodes.total_bytes;
   ASSERT_GT(kv, 0u);
   SetPool(kv + (uint64_t{3} << 20));
-  const MemoryItem* reserve = Find(Plan().host, kReserve);
+  const MemoryItem* reserve = FindItem(Plan().host, kReserve);
   ASSERT_NE(reserve, nullptr);
   EXPECT_EQ(reserve->bytes, uint64_t{3} << 20);
   SetPool(kv);   // full: nothing left to keep warm
-  EXPECT_EQ(Find(Plan().host, kReserve), nullptr);
+  EXPECT_EQ(FindItem(Plan().host, kReserve), nullptr);
 }
 
 TEST_F(PlanWarmReserveTest, NoLineForRemoteNodes) {
   setup_.engine.nodes.embedded.warm_reserve_bytes = uint64_t{512} << 20;
   setup_.embedded_node = false;
   setup_.nodes = {{"10.0.0.1:50061", uint64_t{1} << 30, uint64_t{1} << 30, std::nullopt}};
-  EXPECT_EQ(Find(Plan().host, kReserve), nullptr);
+  EXPECT_EQ(FindItem(Plan().host, kReserve), nullptr);
 }
 
 }  // namespace

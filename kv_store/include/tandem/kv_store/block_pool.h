@@ -111,6 +111,9 @@ class BlockPool {
   using Clock = std::chrono::steady_clock;
   BlockPool(const BlockFormat& format, uint64_t max_blocks, MemoryBudget* budget,
             std::byte* base, size_t mapped_bytes);
+  // Appends to `out` up to n free ids without pages: released ones first, then never-used ones
+  // (the bump index) while the pool has room. mu_ must be held.
+  void TakeColdLocked(uint64_t n, std::vector<BlockId>& out);
   // Faults in the pages wholly or partly inside the blocks of `ids` (sorted), a call per run.
   void Populate(std::span<const BlockId> ids);
 
