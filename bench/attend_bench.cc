@@ -453,12 +453,18 @@ enum class PageLayout {
   kPageMajor,    // random pages; K then V of a page in one run ([page][K rows][V rows])
   kRandomWarm,   // random pages, timed on their second scan right after a first (an upper bound
                  // of what reading a call's pages ahead of it, e.g. during GPU work, would give)
+  kContiguousWarm,  // pages 0..P-1 of a head, timed on their second scan right after a first
+  kGathered,     // random pages copied by the pool into one arena (K then V of each page, the
+                 // pages of a head back to back; its time is gather_us), then scanned there:
+                 // what gathering a call's pages while the GPU finishes the layer would leave
 };
 const char* PageLayoutName(PageLayout l) {
   return l == PageLayout::kRandom       ? "random"
          : l == PageLayout::kContiguous ? "contiguous"
          : l == PageLayout::kPageMajor  ? "page_major"
-                                        : "random_warm";
+         : l == PageLayout::kRandomWarm ? "random_warm"
+         : l == PageLayout::kContiguousWarm ? "contiguous_warm"
+                                            : "gathered";
 }
 
 // Where one call's time went, from its ranges' clocks (PagedTaskTimes; the JSON keys say "task"
@@ -472,13 +478,16 @@ struct PagedCallShape {
   double task_us = 0;        // a range's mean duration
   double last_end_us = 0;    // the last range's end
   double busy_share = 0;     // Σ range time / (threads × wall)
+  double gather_us = 0;      // kGathered: the copy of the call's pages into the arena
 };
 
 double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t prefetch,
                        PageLayout layout, uint64_t* bytes, PagedCallShape* shape) {
-  const bool contiguous = layout == PageLayout::kContiguous;
+  const bool contiguous =
+      layout == PageLayout::kContiguous || layout == PageLayout::kContiguousWarm;
   const bool page_major = layout == PageLayout::kPageMajor;
-  const bool warm = layout == PageLayout::kRandomWarm;
+  const bool warm = layout == PageLayout::kRandomWarm || layout == PageLayout::kContiguousWarm;
+  const bool gathered = layout == PageLayout::kGathered;
   const uint32_t D = kv.D, G = f.group, H = kv.heads, P = f.page_tokens;
   // Page-major pages live in the K array of a head, two pages' worth of rows each (K then V).
   const uint64_t num_pages = page_major ? kv.n / P / 2 : kv.n / P;
@@ -526,18 +535,42 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
       problems[c].push_back(pr);
     }
   }
+  // kGathered: each call's runs copied into the arena ([head][page][K rows, V rows]) before its
+  // scan; the scan reads the arena's runs.
+  const size_t page_bytes = size_t{P} * D * 2;
+  Buffer arena = gathered ? Allocate(size_t{H} * per_head * 2 * page_bytes) : nullptr;
+  std::vector<KvRun> arena_runs;
+  for (uint64_t i = 0; gathered && i < uint64_t{H} * per_head; ++i) {
+    std::byte* k = arena.get() + i * 2 * page_bytes;
+    arena_runs.push_back(KvRun{k, k + page_bytes, P});
+  }
+  auto gather = [&](size_t c) {
+    const size_t parts = size_t{pool.num_threads()} * 2;
+    pool.ParallelFor(parts, [&](size_t part) {
+      const size_t begin = runs[c].size() * part / parts, end = runs[c].size() * (part + 1) / parts;
+      for (size_t r = begin; r < end; ++r) {
+        std::memcpy(const_cast<std::byte*>(arena_runs[r].k), runs[c][r].k, page_bytes);
+        std::memcpy(const_cast<std::byte*>(arena_runs[r].v), runs[c][r].v, page_bytes);
+      }
+    });
+  };
   auto run = [&](size_t c) {
-    const absl::Status s = PagedAttention(p, runs[c], problems[c], pool);
+    const absl::Status s = PagedAttention(p, gathered ? arena_runs : runs[c], problems[c], pool);
     if (!s.ok()) {
       std::fprintf(stderr, "PagedAttention: %s\n", std::string(s.message()).c_str());
       std::exit(1);
     }
   };
   for (size_t c = 0; c < 2; ++c) run(c);
-  std::vector<double> times, start_p50, last_start, task, last_end, busy;
+  std::vector<double> times, start_p50, last_start, task, last_end, busy, gather_times;
   PagedTaskTimes task_times;
   for (uint32_t rep = 0; rep < std::max<uint32_t>(f.reps, 16); ++rep) {
     if (warm) run((rep + 2) % kCalls);
+    if (gathered) {
+      const double g0 = Now();
+      gather((rep + 2) % kCalls);
+      gather_times.push_back(Now() - g0);
+    }
     p.task_times = &task_times;
     const double t0 = Now();
     run((rep + 2) % kCalls);
@@ -556,7 +589,8 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
   }
   *bytes = uint64_t{H} * per_head * P * D * 2 * 2;
   *shape = PagedCallShape{Median(times) * 1e6, Median(start_p50), Median(last_start),
-                          Median(task),        Median(last_end),  Median(busy)};
+                          Median(task),        Median(last_end),  Median(busy),
+                          gathered ? Median(gather_times) * 1e6 : 0.0};
   return Median(times);
 }
 
@@ -831,7 +865,7 @@ int Main(int argc, char** argv) {
     for (uint32_t prefetch : f.select_tokens > 0 ? f.prefetch_entries : std::vector<uint32_t>{}) {
       for (PageLayout layout :
            {PageLayout::kRandom, PageLayout::kContiguous, PageLayout::kPageMajor,
-            PageLayout::kRandomWarm}) {
+            PageLayout::kRandomWarm, PageLayout::kContiguousWarm, PageLayout::kGathered}) {
         uint64_t paged_bytes = 0;
         PagedCallShape shape;
         const double paged_s =
@@ -853,7 +887,8 @@ int Main(int argc, char** argv) {
               {"last_task_start_us", shape.last_start_us},
               {"task_us", shape.task_us},
               {"last_task_end_us", shape.last_end_us},
-              {"busy_share", shape.busy_share}});
+              {"busy_share", shape.busy_share},
+              {"gather_us", shape.gather_us}});
       }
     }
     std::vector<uint64_t> scanned;

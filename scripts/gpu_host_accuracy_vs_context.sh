@@ -14,7 +14,8 @@
 #   runs full attention and the window alone; a list may end in @flags, flags joined by '+',
 #   e.g. "2048 2048@--page_speculate"), NEEDLE_PAGES (--pages of the needle bench),
 #   NEEDLE_VARIANTS (space-separated name=flags, one needle process per variant and length;
-#   default "base="),
+#   default "base="), NEEDLE_TOKENS (space-separated prompt_tokens:prompts_per_book, default
+#   "32000:2 63000:1"),
 #   SPEED_CONFIGS (space-separated name=flags, flags joined by '+', e.g.
 #   "c0=--centroid_share+0 lowrank=" for tandem-bench at 512K)
 # Logs go under $OUT (or /tmp/out).
@@ -75,8 +76,9 @@ if has needle; then
   for variant in ${NEEDLE_VARIANTS:-base=}; do
     name=${variant%%=*}
     flags=${variant#*=}
-    needle "$name" 32000 2 ${flags//+/ } &
-    needle "$name" 63000 1 ${flags//+/ } &
+    for entry in ${NEEDLE_TOKENS:-32000:2 63000:1}; do
+      needle "$name" "${entry%%:*}" "${entry#*:}" ${flags//+/ } &
+    done
   done
 fi
 wait
