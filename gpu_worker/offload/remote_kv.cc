@@ -1,3 +1,6 @@
+// RemoteKv's session lifecycle on the nodes (remote_kv.h): open on each node's transport (shm or
+// gRPC), fork, reshard, close. Appends and the attend fan-out are in remote_kv_attend.cc,
+// placement and migration in remote_kv_placement.cc, node loss in remote_kv_recovery.cc.
 #include "tandem/gpu_worker/remote_kv.h"
 
 #include <algorithm>

@@ -1,6 +1,6 @@
 // RemoteKv's shard placement (remote_kv.h, "Placement"): the planner's view of the nodes and
 // shards, capacity checks, re-plans and the live migrations they start. The session lifecycle
-// and the two transports are in remote_kv.cc.
+// is in remote_kv.cc, appends and attends over the two transports in remote_kv_attend.cc.
 #include <algorithm>
 #include <chrono>
 #include <cmath>

@@ -134,7 +134,8 @@ size_t TierContext::EvictStagingBytes(const WindowGeometry& geometry, int64_t bl
 }
 
 absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
-                                      const EvictedLayerSink& sink, SinkUses uses) {
+                                      const EvictedLayerSink& sink, SinkUses uses,
+                                      size_t overlap_min_bytes) {
   const WindowGeometry& g = window.geometry();
   int64_t total = 0;
   for (const EvictedBlock& b : blocks) total += b.count;
@@ -146,10 +147,10 @@ absl::Status TierContext::ReadEvicted(WindowCache& window, const std::vector<Evi
     TANDEM_ASSIGN_OR_RETURN(evict_k_, backend_.AllocateHost(bytes));
     TANDEM_ASSIGN_OR_RETURN(evict_v_, backend_.AllocateHost(bytes));
   }
-  // Two slots of the staging (layer l in slot l % 2) when the sink runs apart and the group
-  // fits half of it; one otherwise.
-  const bool overlap = uses == SinkUses::kHostOnly && 2 * kv_bytes <= evict_k_.bytes() &&
-                       g.num_layers > 1;
+  // Two slots of the staging (layer l in slot l % 2) when the sink runs apart, the group is
+  // large enough to pay for a thread and fits half of the staging; one otherwise.
+  const bool overlap = uses == SinkUses::kHostOnly && kv_bytes >= overlap_min_bytes &&
+                       2 * kv_bytes <= evict_k_.bytes() && g.num_layers > 1;
   const size_t slot_bytes = overlap ? evict_k_.bytes() / 2 / 64 * 64 : 0;
   const size_t maw_slot = g.num_kv_heads * total;
   evict_maw_.resize((overlap ? 2 : 1) * maw_slot);

@@ -226,8 +226,10 @@ TEST(PromptSettleRing, AppendsIntoFreeSlotsAndWidensWithItsPendingBlocks) {
 }
 
 // TierContext::ReadEvicted hands a sink every layer's evicted K, V and MAW in layer order. A
-// host-only sink runs on a thread of its own beside the next layer's read, and sees the same
-// bytes as one that runs on the caller; its failure stops the layers after it.
+// host-only sink runs on a thread of its own beside the next layer's read (here with no size
+// floor: these groups are a few KiB), and sees the same bytes as one that runs on the caller;
+// its failure stops the layers after it. Under the default floor the same small group runs on
+// the caller.
 TEST(PromptSettleRing, EvictionsReadBesideAHostOnlySinkEqualTheSerialReads) {
   std::string why;
   std::unique_ptr<Backend> backend = testing::MakeTestBackend(&why);
@@ -260,7 +262,8 @@ TEST(PromptSettleRing, EvictionsReadBesideAHostOnlySinkEqualTheSerialReads) {
     int64_t tokens = 0, window_entries = 0;
     std::thread::id thread;
   };
-  auto read = [&](TierContext::SinkUses uses, int64_t fail_at, absl::Status* status) {
+  auto read = [&](TierContext::SinkUses uses, int64_t fail_at, absl::Status* status,
+                  size_t overlap_min_bytes = 0) {
     TierContext context(*backend, 4, 64, false);
     std::vector<Seen> seen;
     *status = context.ReadEvicted(
@@ -276,7 +279,7 @@ TEST(PromptSettleRing, EvictionsReadBesideAHostOnlySinkEqualTheSerialReads) {
           if (layer == fail_at) return absl::UnavailableError("node gone");
           return absl::OkStatus();
         },
-        uses);
+        uses, overlap_min_bytes);
     return seen;
   };
   absl::Status status;
@@ -301,6 +304,15 @@ TEST(PromptSettleRing, EvictionsReadBesideAHostOnlySinkEqualTheSerialReads) {
     // The first evicted token of head 0: position 4 in slot 4 of layer l's K.
     EXPECT_EQ(serial[l].k[0], static_cast<float>(l * 100000 + blocks[0].first_slot * 8));
     EXPECT_GE(*std::min_element(serial[l].maw.begin(), serial[l].maw.end()), 0.0f);
+  }
+  // Under the default floor (256 KiB of K per layer) this group is read and sunk on the caller.
+  const std::vector<Seen> small = read(TierContext::SinkUses::kHostOnly, -1, &status,
+                                       TierContext::kOverlapMinLayerBytes);
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_EQ(small.size(), 5u);
+  for (int64_t l = 0; l < 5; ++l) {
+    EXPECT_EQ(small[l].thread, std::this_thread::get_id());
+    EXPECT_EQ(small[l].k, serial[l].k);
   }
   // A failing sink: its error comes back, and no layer after it is handed over.
   const std::vector<Seen> failed = read(TierContext::SinkUses::kHostOnly, 2, &status);

@@ -226,10 +226,15 @@ class TierContext {
   // What the sink may touch. kHostOnly (no Backend call: a node append) lets ReadEvicted run
   // the sink on a thread of its own, one layer behind the reads, with the staging cut into two
   // slots when the group fits half of it: layer l + 1's device-to-host read then overlaps layer
-  // l's sink, and a settle slice costs about max(reads, sinks) instead of their sum.
+  // l's sink, and a settle slice costs about max(reads, sinks) instead of their sum. Groups
+  // under overlap_min_bytes of K per layer (a decode step's 16-token eviction: 32 KiB at
+  // Llama-3-8B's geometry) run on the caller: a thread and a hand-over per layer would cost
+  // more than the overlap saves.
   enum class SinkUses { kBackend, kHostOnly };
+  static constexpr size_t kOverlapMinLayerBytes = size_t{256} << 10;
   absl::Status ReadEvicted(WindowCache& window, const std::vector<EvictedBlock>& blocks,
-                           const EvictedLayerSink& sink, SinkUses uses = SinkUses::kBackend);
+                           const EvictedLayerSink& sink, SinkUses uses = SinkUses::kBackend,
+                           size_t overlap_min_bytes = kOverlapMinLayerBytes);
 
  private:
   Backend& backend_;
