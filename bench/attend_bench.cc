@@ -479,6 +479,9 @@ struct PagedCallShape {
   double last_end_us = 0;    // the last range's end
   double busy_share = 0;     // Σ range time / (threads × wall)
   double gather_us = 0;      // kGathered: the copy of the call's pages into the arena
+  // The call of median wall time, range by range (µs after the call began, in range order: the
+  // first `threads` ranges are the streams' first claims): where its threads waited.
+  std::vector<double> range_start_us, range_end_us;
 };
 
 double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32_t prefetch,
@@ -563,6 +566,7 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
   };
   for (size_t c = 0; c < 2; ++c) run(c);
   std::vector<double> times, start_p50, last_start, task, last_end, busy, gather_times;
+  std::vector<PagedTaskTimes> timelines;
   PagedTaskTimes task_times;
   for (uint32_t rep = 0; rep < std::max<uint32_t>(f.reps, 16); ++rep) {
     if (warm) run((rep + 2) % kCalls);
@@ -586,11 +590,23 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
     last_end.push_back(
         *std::max_element(task_times.end_s.begin(), task_times.end_s.end()) * 1e6);
     busy.push_back(sum / (pool.num_threads() * wall));
+    timelines.push_back(task_times);
   }
   *bytes = uint64_t{H} * per_head * P * D * 2 * 2;
+  std::vector<size_t> order(times.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::nth_element(order.begin(), order.begin() + order.size() / 2, order.end(),
+                   [&](size_t a, size_t b) { return times[a] < times[b]; });
+  const PagedTaskTimes& median_call = timelines[order[order.size() / 2]];
+  auto to_us = [](const std::vector<double>& s) {
+    std::vector<double> us;
+    for (double x : s) us.push_back(std::round(x * 1e7) / 10);
+    return us;
+  };
   *shape = PagedCallShape{Median(times) * 1e6, Median(start_p50), Median(last_start),
                           Median(task),        Median(last_end),  Median(busy),
-                          gathered ? Median(gather_times) * 1e6 : 0.0};
+                          gathered ? Median(gather_times) * 1e6 : 0.0,
+                          to_us(median_call.start_s), to_us(median_call.end_s)};
   return Median(times);
 }
 
@@ -888,7 +904,9 @@ int Main(int argc, char** argv) {
               {"task_us", shape.task_us},
               {"last_task_end_us", shape.last_end_us},
               {"busy_share", shape.busy_share},
-              {"gather_us", shape.gather_us}});
+              {"gather_us", shape.gather_us},
+              {"range_start_us", shape.range_start_us},
+              {"range_end_us", shape.range_end_us}});
       }
     }
     std::vector<uint64_t> scanned;

@@ -128,6 +128,8 @@ ABSL_FLAG(unsigned, node_threads, 0, "CPU node attention threads (0 = all cores)
 ABSL_FLAG(uint32_t, node_tasks_per_thread, 2,
           "embedded CPU node: ranges per attention thread a paged Attend is cut into "
           "(NodeOptions::tasks_per_thread; tandem-cpu-attention's --tasks_per_thread)");
+ABSL_FLAG(uint32_t, node_prefetch_entries, 256,
+          "embedded CPU node: entries a paged scan prefetches ahead (NodeOptions::prefetch_entries)");
 ABSL_FLAG(uint32_t, node_dense_tasks_per_thread, 8,
           "embedded CPU node: the same for dense Attends (NodeOptions::dense_tasks_per_thread)");
 ABSL_FLAG(bool, node_huge_pages, true, "embedded CPU node: KV blocks on transparent huge pages");
@@ -1085,6 +1087,7 @@ int Main() {
     po.embedded.pool_spin_us = absl::GetFlag(FLAGS_node_pool_spin_us);
     po.embedded.tasks_per_thread = absl::GetFlag(FLAGS_node_tasks_per_thread);
     po.embedded.dense_tasks_per_thread = absl::GetFlag(FLAGS_node_dense_tasks_per_thread);
+    po.embedded.prefetch_entries = absl::GetFlag(FLAGS_node_prefetch_entries);
     po.embedded.shm_spin_us = absl::GetFlag(FLAGS_shm_spin_us);
     po.shm_fill_threads = absl::GetFlag(FLAGS_shm_fill_threads);
     auto node_kv_dtype = cpu_attention::ParseNodeKvDType(absl::GetFlag(FLAGS_node_kv_dtype));

@@ -46,6 +46,8 @@ ABSL_FLAG(unsigned, tasks_per_thread, 2,
           "ranges per attention thread a paged Attend is cut into (1..64)");
 ABSL_FLAG(unsigned, dense_tasks_per_thread, 8,
           "ranges per attention thread a dense Attend is cut into (1..64)");
+ABSL_FLAG(unsigned, prefetch_entries, 256,
+          "entries a paged Attend's scan prefetches ahead of the one it reads (0..4096)");
 ABSL_FLAG(unsigned, pool_spin_us, 100,
           "attention threads spin this long after a call before sleeping (0..100000; 0: sleep at "
           "once, for hosts shared with other work)");
@@ -121,6 +123,7 @@ int main(int argc, char** argv) {
   options.node.threads = absl::GetFlag(FLAGS_threads);
   options.node.tasks_per_thread = absl::GetFlag(FLAGS_tasks_per_thread);
   options.node.dense_tasks_per_thread = absl::GetFlag(FLAGS_dense_tasks_per_thread);
+  options.node.prefetch_entries = absl::GetFlag(FLAGS_prefetch_entries);
   options.node.pool_spin_us = absl::GetFlag(FLAGS_pool_spin_us);
   options.node.pool_bytes = absl::GetFlag(FLAGS_pool_bytes).bytes;
   options.node.block_tokens = absl::GetFlag(FLAGS_block_tokens);

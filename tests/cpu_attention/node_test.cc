@@ -723,7 +723,7 @@ namespace {
 
 // The pool's task split and spin are node options with bounds: out of them the node refuses to
 // start and says which; in them it serves.
-TEST(NodeOptionsTest, TaskSplitAndSpinAreBounded) {
+TEST(NodeOptionsTest, TaskSplitSpinAndPrefetchAreBounded) {
   auto refused = [](NodeOptions options, const char* what) {
     options.pool_bytes = 16ull << 20;
     options.threads = 1;
@@ -745,11 +745,17 @@ TEST(NodeOptionsTest, TaskSplitAndSpinAreBounded) {
   o.pool_spin_us = 100001;
   refused(o, "pool_spin_us");
   o = NodeOptions{};
+  o.prefetch_entries = 4097;
+  refused(o, "prefetch_entries");
+  o = NodeOptions{};
   o.pool_bytes = 16ull << 20;
   o.threads = 1;
   o.tasks_per_thread = 64;
   o.dense_tasks_per_thread = 1;
   o.pool_spin_us = 0;
+  o.prefetch_entries = 4096;
+  EXPECT_TRUE(CpuAttentionNode::Create(o).ok());
+  o.prefetch_entries = 0;
   EXPECT_TRUE(CpuAttentionNode::Create(o).ok());
 }
 

@@ -74,6 +74,10 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
       return absl::InvalidArgumentError(absl::StrCat(name, " must be in 1..64, got ", value));
     }
   }
+  if (options.prefetch_entries > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefetch_entries must be in 0..4096, got ", options.prefetch_entries));
+  }
   if (options.pool_spin_us > 100000) {
     return absl::InvalidArgumentError(
         absl::StrCat("pool_spin_us must be in 0..100000, got ", options.pool_spin_us));

@@ -251,7 +251,7 @@ absl::Status CpuAttentionNode::AttendItems(uint32_t layer, std::vector<AttendIte
   for (auto& [key, group] : groups) {
     TANDEM_RETURN_IF_ERROR(SparseAttention(group.first, group.second, pool_));
   }
-  TANDEM_RETURN_IF_ERROR(paged.Run(pool_, options_.tasks_per_thread));
+  TANDEM_RETURN_IF_ERROR(paged.Run(pool_, options_.tasks_per_thread, options_.prefetch_entries));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   *compute_micros = static_cast<uint64_t>(seconds * 1e6);

@@ -137,9 +137,11 @@ void PagedPlan::AddProblems(const kv_store::Session& session, std::span<const ui
   }
 }
 
-absl::Status PagedPlan::Run(ThreadPool& pool, uint32_t tasks_per_thread) {
+absl::Status PagedPlan::Run(ThreadPool& pool, uint32_t tasks_per_thread,
+                            uint32_t prefetch_entries) {
   for (auto& [key, group] : groups_) {
     group.params.tasks_per_thread = tasks_per_thread;
+    group.params.prefetch_entries = prefetch_entries;
     TANDEM_RETURN_IF_ERROR(PagedAttention(group.params, group.runs, group.problems, pool));
   }
   return absl::OkStatus();

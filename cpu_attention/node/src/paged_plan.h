@@ -53,7 +53,7 @@ class PagedPlan {
                    const float* q, float* o, float* lse);
   // Computes every problem added (PagedAttention per (dtype, D, G)), each cut into about
   // `tasks_per_thread` tasks per pool thread.
-  absl::Status Run(ThreadPool& pool, uint32_t tasks_per_thread);
+  absl::Status Run(ThreadPool& pool, uint32_t tasks_per_thread, uint32_t prefetch_entries);
 
  private:
   struct Group {

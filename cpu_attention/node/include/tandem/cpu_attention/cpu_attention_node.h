@@ -77,6 +77,10 @@ struct NodeOptions {
   // against 0.61–0.69 on the AVX2 path, 0.73–0.83 against 0.49–0.65 with oneDNN).
   uint32_t tasks_per_thread = 2;
   uint32_t dense_tasks_per_thread = 8;
+  // Entries a paged scan prefetches ahead of the one it reads (PagedParams::prefetch_entries,
+  // 0..4096): a stream's first range issues this many rows' prefetches at once, so long
+  // distances clog the first wave of a call (BENCHMARKS "Issue 27 at its close").
+  uint32_t prefetch_entries = 256;
   // Attention threads spin this long after a call, watching for the next, before they sleep
   // (ThreadPool): the per-layer calls of a decode step then skip the wake-ups (0..100000). 0 for
   // a node sharing its cores (the worker's embedded node); tandem-cpu-attention sets 100.
