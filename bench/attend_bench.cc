@@ -552,8 +552,9 @@ double TimePagedKernel(ThreadPool& pool, const KvSet& kv, const Flags& f, uint32
     pool.ParallelFor(parts, [&](size_t part) {
       const size_t begin = runs[c].size() * part / parts, end = runs[c].size() * (part + 1) / parts;
       for (size_t r = begin; r < end; ++r) {
-        std::memcpy(const_cast<std::byte*>(arena_runs[r].k), runs[c][r].k, page_bytes);
-        std::memcpy(const_cast<std::byte*>(arena_runs[r].v), runs[c][r].v, page_bytes);
+        std::byte* page = arena.get() + r * 2 * page_bytes;   // arena_runs[r]: K, then V
+        std::memcpy(page, runs[c][r].k, page_bytes);
+        std::memcpy(page + page_bytes, runs[c][r].v, page_bytes);
       }
     });
   };

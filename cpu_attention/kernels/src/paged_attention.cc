@@ -106,9 +106,10 @@ absl::Status Validate(const PagedParams& p, std::span<const KvRun> runs,
     return absl::InvalidArgumentError(
         "paged attention: group must be >= 1 and tasks_per_thread in 1..64");
   }
-  if (p.prefetch_entries > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("paged attention: prefetch_entries ", p.prefetch_entries, " > 4096"));
+  if (p.prefetch_entries > PagedParams::kMaxPrefetchEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("paged attention: prefetch_entries ",
+                                                   p.prefetch_entries, " > ",
+                                                   PagedParams::kMaxPrefetchEntries));
   }
   if (!std::isfinite(p.scale) || p.scale < 0) {
     return absl::InvalidArgumentError("paged attention: scale must be finite and >= 0");

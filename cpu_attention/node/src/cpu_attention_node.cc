@@ -16,6 +16,7 @@
 #include "tandem/common/scan_rate.h"
 #include "tandem/common/status_macros.h"
 #include "tandem/cpu_attention/kernel_self_check.h"
+#include "tandem/cpu_attention/paged_attention.h"
 #include "tandem/cpu_attention/session_lease.h"
 #include "tandem/cpu_attention/tensor_codec.h"
 #include "tandem/kv_store/int8_rows.h"
@@ -74,9 +75,10 @@ absl::StatusOr<std::unique_ptr<CpuAttentionNode>> CpuAttentionNode::Create(
       return absl::InvalidArgumentError(absl::StrCat(name, " must be in 1..64, got ", value));
     }
   }
-  if (options.prefetch_entries > 4096) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("prefetch_entries must be in 0..4096, got ", options.prefetch_entries));
+  if (options.prefetch_entries > PagedParams::kMaxPrefetchEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("prefetch_entries must be in 0..",
+                                                   PagedParams::kMaxPrefetchEntries, ", got ",
+                                                   options.prefetch_entries));
   }
   if (options.pool_spin_us > 100000) {
     return absl::InvalidArgumentError(

@@ -91,11 +91,12 @@ struct PagedParams {
   // Ranges per pool thread (1..64): more balance a call over threads that start late or run
   // slow, at a partial state to merge per extra piece of a problem.
   uint32_t tasks_per_thread = 2;
-  // Entries ahead of the scan whose K and V rows a task prefetches (0..4096); the row-scan
-  // kernels issue them between their keys. 0 still prefetches each 64-entry chunk's rows while
+  // Entries ahead of the scan whose K and V rows a task prefetches (0..kMaxPrefetchEntries); the
+  // row-scan kernels issue them between their keys. 0 still prefetches each 64-entry chunk's rows while
   // its scores are computed (most of the gain on scattered pages; BENCHMARKS, issue 27). 256
   // beat 128 in each of 8 same-process pairs on the H200 host's 16 cores (random 16-token pages,
   // +3-16%; BENCHMARKS "Dispatch and prefetch of the paged scan").
+  static constexpr uint32_t kMaxPrefetchEntries = 4096;
   uint32_t prefetch_entries = 256;
   // Benchmarks: when set, the call records when each of its ranges ran (PagedTaskTimes).
   struct PagedTaskTimes* task_times = nullptr;
